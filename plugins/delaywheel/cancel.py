@@ -1,0 +1,143 @@
+"""Cancel pending messages by id, by key, or by a set-based predicate.
+
+A cancellation is a row in `cancellations` that deliverers anti-join; the message itself stays until
+its partition is retired. Cancelling takes the same advisory locks as the deliverers of the lanes it
+touches, so a message is either delivered or cancelled, never both, and the caller is told which.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import psycopg
+
+from .levels import LEVEL_LOCK
+from .partitions import PartitionCache
+from .wheel import WHEEL_LOCK
+
+Outcome = Literal["cancelled", "already_cancelled", "already_delivered", "not_found"]
+
+# Pending = not yet passed by its lane's cursor (the cursor rules of levels.py and wheel.py).
+PENDING = """
+    SELECT q.id, q.deliver_at, q.key, q.topic, q.tags, q.properties, 'level' AS lane, q.level
+    FROM delaywheel.level_queue q
+    LEFT JOIN delaywheel.level_checkpoint c ON c.level = q.level
+    WHERE c.level IS NULL OR (q.xid, q.id) > (c.cursor_xid, c.cursor_id)
+    UNION ALL
+    SELECT q.id, q.deliver_at, q.key, q.topic, q.tags, q.properties, 'wheel', NULL
+    FROM delaywheel.wheel q, delaywheel.wheel_state s
+    WHERE (q.deliver_at, q.id) > (s.cursor_at, s.cursor_id) OR q.xid >= s.horizon_xid
+    UNION ALL
+    SELECT q.id, q.deliver_at, q.key, q.topic, q.tags, q.properties, 'wheel', NULL FROM delaywheel.wheel_far q
+"""
+
+
+@dataclass(frozen=True)
+class CancelResult:
+    message_id: int | None
+    outcome: Outcome
+
+
+def _lock_all_lanes(conn: psycopg.Connection) -> None:
+    """Wheel first, then levels in ascending order: one order for every canceller, so no deadlock."""
+    conn.execute("SELECT pg_advisory_xact_lock(%s, %s)", WHEEL_LOCK)
+    levels = conn.execute(
+        "SELECT generate_series(1, coalesce((SELECT max(level) FROM delaywheel.level_queue), 0))"
+    ).fetchall()
+    for (level,) in levels:
+        conn.execute("SELECT pg_advisory_xact_lock(%s, %s)", (LEVEL_LOCK, level))
+
+
+def _lock_level_lanes(conn: psycopg.Connection, where: str, params: dict[str, object]) -> None:
+    conn.execute("SELECT pg_advisory_xact_lock(%s, %s)", WHEEL_LOCK)
+    levels = conn.execute(
+        f"SELECT DISTINCT level FROM delaywheel.level_queue WHERE {where} ORDER BY 1", params  # type: ignore[arg-type]
+    ).fetchall()
+    for (level,) in levels:
+        conn.execute("SELECT pg_advisory_xact_lock(%s, %s)", (LEVEL_LOCK, level))
+
+
+def cancel(
+    conn: psycopg.Connection, cache: PartitionCache, *, message_id: int | None = None, key: str | None = None, reason: str = "cancelled"
+) -> list[CancelResult]:
+    """Cancel one message by id, or every message with a key; one result per message found."""
+    if (message_id is None) == (key is None):
+        raise ValueError("cancel needs exactly one of message_id or key")
+    where, params = ("id = %(v)s", {"v": message_id}) if message_id is not None else ("key = %(v)s", {"v": key})
+    with conn.transaction():
+        _lock_level_lanes(conn, where, params)
+        found = conn.execute(
+            f"""
+            SELECT p.id, p.deliver_at, p.key,
+                   EXISTS (SELECT 1 FROM delaywheel.cancellations c WHERE c.message_id = p.id) AS cancelled
+            FROM ({PENDING}) p WHERE p.{where}
+            """,  # type: ignore[arg-type]
+            params,
+        ).fetchall()
+        cache.ensure(conn, "cancellations", [due for _, due, _, _ in found])
+        results = []
+        for mid, due, mkey, already in found:
+            if already:
+                results.append(CancelResult(mid, "already_cancelled"))
+                continue
+            conn.execute(
+                "INSERT INTO delaywheel.cancellations (message_id, due_at, key, reason) VALUES (%s, %s, %s, %s)",
+                (mid, due, mkey, reason),
+            )
+            results.append(CancelResult(mid, "cancelled"))
+        pending_ids = [r.message_id for r in results]
+        column = "message_id" if message_id is not None else "key"
+        delivered = conn.execute(
+            f"SELECT DISTINCT message_id FROM delaywheel.topic_messages WHERE {column} = %(v)s"
+            " AND origin <> 'replay' AND NOT (message_id = ANY(%(pending)s))",  # type: ignore[arg-type]
+            {**params, "pending": pending_ids},
+        ).fetchall()
+        results += [CancelResult(mid, "already_delivered") for (mid,) in delivered]
+    if not results:
+        results.append(CancelResult(message_id, "not_found"))
+    return results
+
+
+def count_matching(conn: psycopg.Connection, *, keys: list[str] | None = None, where: str | None = None) -> int:
+    """How many pending, not yet cancelled messages a bulk cancel would hit (for the CLI's guard)."""
+    predicate, params = _predicate(keys, where)
+    row = conn.execute(
+        f"SELECT count(*) FROM ({PENDING}) p WHERE ({predicate})"  # type: ignore[arg-type]
+        " AND NOT EXISTS (SELECT 1 FROM delaywheel.cancellations c WHERE c.message_id = p.id)",
+        params,
+    ).fetchone()
+    return int(row[0]) if row else 0
+
+
+def cancel_matching(
+    conn: psycopg.Connection, cache: PartitionCache, *, keys: list[str] | None = None, where: str | None = None, reason: str = "bulk cancel"
+) -> int:
+    """Cancel, in one set-based statement, every pending message whose key is in `keys` or which
+    satisfies the SQL predicate `where` over (id, deliver_at, key, topic, tags, properties, lane, level).
+    `where` is trusted SQL from an operator, e.g. "key IN (SELECT id::text FROM shop.orders WHERE paid)"."""
+    predicate, params = _predicate(keys, where)
+    with conn.transaction():
+        _lock_all_lanes(conn)
+        days = conn.execute(
+            f"SELECT DISTINCT date_trunc('day', p.deliver_at) FROM ({PENDING}) p WHERE ({predicate})", params  # type: ignore[arg-type]
+        ).fetchall()
+        cache.ensure(conn, "cancellations", [day for (day,) in days])
+        cur = conn.execute(
+            f"""
+            INSERT INTO delaywheel.cancellations (message_id, due_at, key, reason)
+            SELECT p.id, p.deliver_at, p.key, %(reason)s FROM ({PENDING}) p
+            WHERE ({predicate})
+              AND NOT EXISTS (SELECT 1 FROM delaywheel.cancellations c WHERE c.message_id = p.id)
+            """,  # type: ignore[arg-type]
+            {**params, "reason": reason},
+        )
+    return cur.rowcount
+
+
+def _predicate(keys: list[str] | None, where: str | None) -> tuple[str, dict[str, object]]:
+    if (keys is None) == (where is None):
+        raise ValueError("bulk cancel needs exactly one of keys or where")
+    if keys is not None:
+        return "p.key = ANY(%(keys)s)", {"keys": list(keys)}
+    return str(where).replace("%", "%%"), {}

@@ -1,0 +1,116 @@
+"""Settings for delaywheel, read from the environment and the `[delaywheel]` section of airflow.cfg.
+
+The store must not import Airflow (DESIGN.md §3), so airflow.cfg is read with configparser.
+Precedence, highest first: `DELAYWHEEL_<NAME>`, `AIRFLOW__DELAYWHEEL__<NAME>`, airflow.cfg, default.
+"""
+
+from __future__ import annotations
+
+import configparser
+import os
+import re
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+
+PROJECT_ROOT = Path(os.environ.get("DELAYWHEEL_HOME", Path(__file__).resolve().parents[2]))
+
+DEFAULT_LEVELS = "1s 5s 10s 30s 1m 2m 3m 4m 5m 6m 7m 8m 9m 10m 20m 30m 1h 2h"
+_UNIT_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
+_TOKEN = re.compile(r"^(\d+)(ms|s|m|h|d)$")
+
+
+class ConfigError(ValueError):
+    """A setting has a value delaywheel cannot use; the message names the setting and the value."""
+
+
+def parse_levels(text: str) -> tuple[timedelta, ...]:
+    """Parse RocketMQ's `messageDelayLevel` format; level n is element n-1 of the result."""
+    tokens = text.split()
+    if not tokens:
+        raise ConfigError("delay levels: empty string; expected e.g. '1s 5s 10s 30s 1m'")
+    levels = []
+    for position, token in enumerate(tokens, start=1):
+        match = _TOKEN.match(token)
+        if not match or int(match.group(1)) == 0:
+            raise ConfigError(
+                f"delay levels: bad token {token!r} at position {position}; "
+                "expected a positive integer followed by one of ms, s, m, h, d (e.g. '30s')"
+            )
+        levels.append(timedelta(milliseconds=int(match.group(1)) * _UNIT_MS[match.group(2)]))
+    return tuple(levels)
+
+
+def parse_duration(text: str, setting: str) -> timedelta:
+    """One duration in the same unit syntax as the levels ('500ms', '3d')."""
+    match = _TOKEN.match(text.strip())
+    if not match:
+        raise ConfigError(f"{setting}: bad duration {text!r}; expected e.g. '500ms', '30s', '3d'")
+    return timedelta(milliseconds=int(match.group(1)) * _UNIT_MS[match.group(2)])
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything tunable; `load_settings()` builds it, tests build it directly."""
+
+    database_url: str | None = None
+    levels: tuple[timedelta, ...] = field(default_factory=lambda: parse_levels(DEFAULT_LEVELS))
+    max_body_bytes: int = 4 * 1024 * 1024
+    max_reconsume_times: int = 16
+    wheel_precision: timedelta = timedelta(seconds=1)
+    wheel_near_window: timedelta = timedelta(days=3)
+    wheel_max_delay: timedelta = timedelta(days=365)
+    past_tolerance: timedelta = timedelta(days=1)
+    topic_retention: timedelta = timedelta(days=7)
+    batch_size: int = 5000
+
+    def __post_init__(self) -> None:
+        if not timedelta(milliseconds=100) <= self.wheel_precision <= timedelta(minutes=1):
+            raise ConfigError(f"wheel_precision: {self.wheel_precision} is outside 100ms..1m")
+        if self.max_body_bytes <= 0 or self.batch_size <= 0:
+            raise ConfigError("max_body_bytes and batch_size must be positive")
+
+    @property
+    def max_level(self) -> int:
+        return len(self.levels)
+
+    def level_delay(self, level: int) -> timedelta:
+        return self.levels[level - 1]
+
+
+def _airflow_cfg_path() -> Path:
+    if "AIRFLOW_CONFIG" in os.environ:
+        return Path(os.environ["AIRFLOW_CONFIG"])
+    if "AIRFLOW_HOME" in os.environ:
+        return Path(os.environ["AIRFLOW_HOME"]) / "airflow.cfg"
+    return PROJECT_ROOT / "airflow.cfg"
+
+
+def _raw(name: str, cfg: configparser.ConfigParser) -> str | None:
+    for env in (f"DELAYWHEEL_{name.upper()}", f"AIRFLOW__DELAYWHEEL__{name.upper()}"):
+        if os.environ.get(env):
+            return os.environ[env]
+    if cfg.has_option("delaywheel", name):
+        return cfg.get("delaywheel", name, raw=True)
+    return None
+
+
+def load_settings() -> Settings:
+    """Settings from the environment and airflow.cfg; unset values keep their defaults."""
+    cfg = configparser.ConfigParser(interpolation=None)
+    cfg.read(_airflow_cfg_path())
+    values: dict[str, object] = {}
+    if (url := _raw("database_url", cfg)) is not None:
+        values["database_url"] = url
+    if (levels := _raw("levels", cfg)) is not None:
+        values["levels"] = parse_levels(levels)
+    for name in ("max_body_bytes", "max_reconsume_times", "batch_size"):
+        if (raw := _raw(name, cfg)) is not None:
+            try:
+                values[name] = int(raw)
+            except ValueError:
+                raise ConfigError(f"{name}: {raw!r} is not an integer") from None
+    for name in ("wheel_precision", "wheel_near_window", "wheel_max_delay", "past_tolerance", "topic_retention"):
+        if (raw := _raw(name, cfg)) is not None:
+            values[name] = parse_duration(raw, name)
+    return Settings(**values)  # type: ignore[arg-type]

@@ -1,0 +1,177 @@
+"""A project-local PostgreSQL cluster, used whenever no database URL is configured.
+
+PostgreSQL refuses to run as root; CI runs as root, so as root the cluster is owned by and run as
+the `postgres` system user (created by Debian's packages) through `runuser`.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import pwd
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psycopg
+
+from .config import PROJECT_ROOT
+
+DATABASES = ("delaywheel", "airflow")
+INSTALL_HINT = (
+    "no PostgreSQL server binaries found. Install them (Debian/Ubuntu: `apt-get install postgresql`; "
+    "then `make setup` again), or set DELAYWHEEL_PG_BIN to the folder holding initdb and pg_ctl, "
+    "or set DELAYWHEEL_DATABASE_URL to an existing PostgreSQL 14+ server."
+)
+# Settings the embedded cluster changes from PostgreSQL's defaults, each for a reason:
+SERVER_OPTIONS = {
+    "listen_addresses": "127.0.0.1",  # loopback only
+    "max_connections": "300",  # Airflow's services + tests + Spark executors share this cluster
+    "shared_buffers": "1GB",
+    "max_wal_size": "8GB",  # bulk COPY without checkpoint storms
+    "checkpoint_timeout": "15min",
+    "wal_compression": "on",
+}
+
+
+class EmbeddedError(RuntimeError):
+    """The embedded cluster cannot be found, created or started; the message says what to do."""
+
+
+@dataclass(frozen=True)
+class Cluster:
+    root: Path
+    port: int
+
+    @property
+    def data_dir(self) -> Path:
+        return self.root / "data"
+
+    @property
+    def socket_dir(self) -> Path:
+        return self.root / "run"
+
+    @property
+    def log_file(self) -> Path:
+        return self.root / "postgresql.log"
+
+    def url(self, database: str = "delaywheel") -> str:
+        return f"postgresql://postgres@127.0.0.1:{self.port}/{database}"
+
+
+def default_cluster() -> Cluster:
+    root = Path(os.environ.get("DELAYWHEEL_PG_DIR", PROJECT_ROOT / ".delaywheel" / "pg"))
+    return Cluster(root=root, port=int(os.environ.get("DELAYWHEEL_PG_PORT", "54329")))
+
+
+def find_bindir() -> Path:
+    """The newest PostgreSQL server binaries on this machine."""
+    candidates = []
+    if os.environ.get("DELAYWHEEL_PG_BIN"):
+        candidates.append(Path(os.environ["DELAYWHEEL_PG_BIN"]))
+    candidates += [Path(p) for p in sorted(glob.glob("/usr/lib/postgresql/*/bin"), key=_major, reverse=True)]
+    if pg_ctl := shutil.which("pg_ctl"):
+        candidates.append(Path(pg_ctl).resolve().parent)
+    for candidate in candidates:
+        if (candidate / "initdb").exists() and (candidate / "pg_ctl").exists() and (candidate / "postgres").exists():
+            return candidate
+    raise EmbeddedError(INSTALL_HINT)
+
+
+def _major(path: str) -> int:
+    try:
+        return int(Path(path).parent.name)
+    except ValueError:
+        return 0
+
+
+def _run_as_owner(cmd: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
+    if os.geteuid() == 0:
+        try:
+            pwd.getpwnam("postgres")
+        except KeyError:
+            raise EmbeddedError(
+                "running as root, and PostgreSQL refuses to run as root: create a `postgres` user "
+                "(`apt-get install postgresql` does) or run as a normal user."
+            ) from None
+        cmd = ["runuser", "-u", "postgres", "--", *cmd]
+    return subprocess.run(cmd, text=True, capture_output=True, **kwargs)  # type: ignore[call-overload]
+
+
+def _prepare_dirs(cluster: Cluster) -> None:
+    cluster.socket_dir.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() == 0:
+        pw = pwd.getpwnam("postgres")
+        for path in (cluster.root, cluster.socket_dir, *([cluster.data_dir] if cluster.data_dir.exists() else [])):
+            os.chown(path, pw.pw_uid, pw.pw_gid)
+        probe = _run_as_owner(["test", "-w", str(cluster.root)])
+        if probe.returncode != 0:
+            raise EmbeddedError(
+                f"the postgres user cannot reach {cluster.root} (a parent folder is not readable by others); "
+                "set DELAYWHEEL_PG_DIR to a folder it can use, e.g. /var/tmp/delaywheel-pg"
+            )
+
+
+def status(cluster: Cluster | None = None) -> str:
+    """'running', 'stopped' or 'absent'."""
+    cluster = cluster or default_cluster()
+    if not (cluster.data_dir / "PG_VERSION").exists():
+        return "absent"
+    result = _run_as_owner([str(find_bindir() / "pg_ctl"), "status", "-D", str(cluster.data_dir)])
+    return "running" if result.returncode == 0 else "stopped"
+
+
+def start(cluster: Cluster | None = None) -> Cluster:
+    """Create the cluster if needed, start it if stopped, create the databases; safe to call again."""
+    cluster = cluster or default_cluster()
+    bindir = find_bindir()
+    cluster.root.mkdir(parents=True, exist_ok=True)
+    _prepare_dirs(cluster)
+    if not (cluster.data_dir / "PG_VERSION").exists():
+        result = _run_as_owner(
+            [str(bindir / "initdb"), "-D", str(cluster.data_dir), "-U", "postgres", "-A", "trust", "-E", "UTF8",
+             "--no-instructions"]
+        )
+        if result.returncode != 0:
+            raise EmbeddedError(f"initdb failed:\n{result.stderr.strip()}")
+    if status(cluster) != "running":
+        options = " ".join(f"-c {k}={v}" for k, v in SERVER_OPTIONS.items())
+        options += f" -p {cluster.port} -k {cluster.socket_dir}"
+        result = _run_as_owner(
+            [str(bindir / "pg_ctl"), "start", "-w", "-t", "60", "-D", str(cluster.data_dir),
+             "-l", str(cluster.log_file), "-o", options]
+        )
+        if result.returncode != 0:
+            tail = cluster.log_file.read_text()[-2000:] if cluster.log_file.exists() else ""
+            raise EmbeddedError(f"PostgreSQL did not start (port {cluster.port} in use?):\n{result.stderr}\n{tail}")
+    _create_databases(cluster)
+    return cluster
+
+
+def _create_databases(cluster: Cluster) -> None:
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            conn = psycopg.connect(cluster.url("postgres"), autocommit=True)
+            break
+        except psycopg.OperationalError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+    with conn:
+        existing = {row[0] for row in conn.execute("SELECT datname FROM pg_database")}
+        for name in DATABASES:
+            if name not in existing:
+                conn.execute(f'CREATE DATABASE "{name}"')
+
+
+def stop(cluster: Cluster | None = None) -> str:
+    cluster = cluster or default_cluster()
+    if status(cluster) != "running":
+        return "already stopped"
+    result = _run_as_owner([str(find_bindir() / "pg_ctl"), "stop", "-w", "-m", "fast", "-D", str(cluster.data_dir)])
+    if result.returncode != 0:
+        raise EmbeddedError(f"pg_ctl stop failed: {result.stderr.strip()}")
+    return "stopped"

@@ -1,0 +1,104 @@
+"""Per-level delivery (RocketMQ 4.x's DeliverDelayedMessageTimerTask, one level per call).
+
+A pass runs in one transaction: it takes the level's advisory lock (a second deliverer of the same
+level gets `busy` instead of waiting), reads the head of the level's queue in (xid, id) order below
+the commit horizon, moves the due prefix into the topics and advances the checkpoint. A crash before
+COMMIT leaves queue, topics and checkpoint as they were; after COMMIT, all three have moved.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+
+import psycopg
+
+from .partitions import PartitionCache
+
+LEVEL_LOCK = 0x64770010  # advisory lock class for levels (second key: the level)
+
+
+@dataclass(frozen=True)
+class PassResult:
+    """What one delivery pass did, and when the caller should look again."""
+
+    delivered: int
+    skipped_cancelled: int
+    next_due: datetime | None  # head of the queue after this pass; None when it is empty
+    busy: bool = False  # another deliverer holds this level
+    more: bool = False  # the batch limit stopped the pass while due messages remained
+
+
+_DELIVER = """
+WITH batch AS (
+    SELECT q.*, bool_and(q.deliver_at <= %(now)s) OVER (ORDER BY q.xid, q.id) AS due
+    FROM (
+        SELECT * FROM delaywheel.level_queue
+        WHERE level = %(level)s AND (xid, id) > (%(cxid)s::xid8, %(cid)s) AND xid < %(xmin)s::xid8
+        ORDER BY xid, id
+        LIMIT %(limit)s
+    ) q
+),
+due AS (SELECT * FROM batch WHERE due),
+moved AS (
+    INSERT INTO delaywheel.topic_messages
+        (topic, message_id, origin, level, key, tags, properties, body, is_json, reconsume_times,
+         deliver_at, delivered_at)
+    SELECT topic, id, 'level', level, key, tags, properties, body, is_json, reconsume_times,
+           deliver_at, coalesce(%(injected)s::timestamptz, clock_timestamp())
+    FROM due d
+    WHERE NOT EXISTS (SELECT 1 FROM delaywheel.cancellations c WHERE c.message_id = d.id AND c.due_at = d.deliver_at)
+    ORDER BY xid, id
+    RETURNING 1
+)
+SELECT (SELECT count(*) FROM moved),
+       (SELECT count(*) FROM due),
+       (SELECT count(*) FROM batch),
+       (SELECT ARRAY[xid::text, id::text] FROM due ORDER BY xid DESC, id DESC LIMIT 1)
+"""
+
+
+def deliver_level(
+    conn: psycopg.Connection,
+    cache: PartitionCache,
+    level: int,
+    *,
+    now: datetime | None = None,
+    limit: int = 5000,
+) -> PassResult:
+    """Deliver the due head of one level's queue; see the module docstring for the guarantees."""
+    with conn.transaction():
+        row = conn.execute(
+            "SELECT pg_try_advisory_xact_lock(%s, %s), pg_snapshot_xmin(pg_current_snapshot())::text,"
+            " coalesce(%s::timestamptz, clock_timestamp())",
+            (LEVEL_LOCK, level, now),
+        ).fetchone()
+        assert row is not None
+        locked, xmin, clock = row
+        if not locked:
+            return PassResult(0, 0, None, busy=True)
+        cache.ensure(conn, "topic_messages", [clock])
+        conn.execute(
+            "INSERT INTO delaywheel.level_checkpoint (level) VALUES (%s) ON CONFLICT DO NOTHING", (level,)
+        )
+        cursor = conn.execute(
+            "SELECT cursor_xid::text, cursor_id FROM delaywheel.level_checkpoint WHERE level = %s", (level,)
+        ).fetchone()
+        assert cursor is not None
+        moved, due, scanned, last = conn.execute(  # type: ignore[misc]
+            _DELIVER,
+            {"now": clock, "injected": now, "level": level, "cxid": cursor[0], "cid": cursor[1], "xmin": xmin, "limit": limit},
+        ).fetchone()
+        if last is not None:
+            conn.execute(
+                "UPDATE delaywheel.level_checkpoint SET cursor_xid = %s::xid8, cursor_id = %s,"
+                " delivered = delivered + %s, updated_at = clock_timestamp() WHERE level = %s",
+                (last[0], int(last[1]), moved, level),
+            )
+            cursor = (last[0], int(last[1]))
+        head = conn.execute(
+            "SELECT deliver_at FROM delaywheel.level_queue WHERE level = %s AND (xid, id) > (%s::xid8, %s)"
+            " ORDER BY xid, id LIMIT 1",
+            (level, cursor[0], cursor[1]),
+        ).fetchone()
+    return PassResult(moved, due - moved, head[0] if head else None, more=scanned == limit and due == scanned)

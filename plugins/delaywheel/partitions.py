@@ -1,0 +1,113 @@
+"""Time-range partitions of the hot tables: created ahead of need, retired by DROP once drained."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+
+import psycopg
+from psycopg import errors
+
+HOUR = timedelta(hours=1)
+DAY = timedelta(days=1)
+# parent table -> partition width
+WIDTH = {"level_queue": HOUR, "wheel": HOUR, "wheel_far": DAY, "topic_messages": DAY, "cancellations": DAY}
+
+
+def floor_to(ts: datetime, width: timedelta) -> datetime:
+    epoch = datetime(1970, 1, 1, tzinfo=timezone.utc)
+    return epoch + ((ts - epoch) // width) * width
+
+
+class PartitionCache:
+    """Partitions this process knows exist, so the hot path asks PostgreSQL only for new ranges."""
+
+    def __init__(self) -> None:
+        self._known: set[tuple[str, datetime]] = set()
+
+    def ensure(self, conn: psycopg.Connection, parent: str, instants: set[datetime] | list[datetime]) -> None:
+        width = WIDTH[parent]
+        for lo in sorted({floor_to(ts, width) for ts in instants}):
+            if (parent, lo) not in self._known:
+                conn.execute("SELECT delaywheel.ensure_partition(%s, %s, %s)", (parent, lo, lo + width))
+                self._known.add((parent, lo))
+
+    def forget(self, parent: str, instant: datetime) -> None:
+        self._known.discard((parent, floor_to(instant, WIDTH[parent])))
+
+
+@dataclass(frozen=True)
+class Retired:
+    parent: str
+    name: str
+    rows: int
+
+
+def _try_lock(conn: psycopg.Connection, name: str) -> bool:
+    try:
+        with conn.transaction():
+            conn.execute(f"LOCK TABLE delaywheel.{name} IN ACCESS EXCLUSIVE MODE NOWAIT")  # type: ignore[arg-type]
+        return True
+    except errors.LockNotAvailable:
+        return False
+
+
+# A partition may go when nothing in it is pending. These queries run after the partition is locked
+# ACCESS EXCLUSIVE, so no transaction can still be writing into it.
+_PENDING = {
+    "level_queue": """
+        SELECT count(*) FROM delaywheel.{name} q
+        LEFT JOIN delaywheel.level_checkpoint c ON c.level = q.level
+        WHERE c.level IS NULL OR (q.xid, q.id) > (c.cursor_xid, c.cursor_id)""",
+    "wheel": """
+        SELECT count(*) FROM delaywheel.{name} q, delaywheel.wheel_state s
+        WHERE (q.deliver_at, q.id) > (s.cursor_at, s.cursor_id) OR q.xid >= s.horizon_xid""",
+}
+
+
+def retire(conn: psycopg.Connection, now: datetime, retention: timedelta, cache: PartitionCache | None = None) -> list[Retired]:
+    """Drop drained partitions; returns what was dropped. Busy partitions are left for the next run."""
+    dropped: list[Retired] = []
+    candidates = conn.execute(
+        "SELECT parent, name, lo, hi FROM delaywheel.partitions WHERE parent = ANY(%s) ORDER BY lo",
+        (["level_queue", "wheel", "topic_messages", "cancellations"],),
+    ).fetchall()
+    oldest_pending_due = _oldest_pending_due(conn)
+    for parent, name, lo, hi in candidates:
+        if parent == "level_queue" and hi > now - HOUR:
+            continue  # may still receive rows from producers' clocks
+        if parent == "wheel" and hi > now:
+            continue
+        if parent == "topic_messages" and hi > now - retention:
+            continue
+        if parent == "cancellations" and (hi > now - HOUR or (oldest_pending_due is not None and hi > oldest_pending_due)):
+            continue  # a cancellation must outlive every message due in its range
+        with conn.transaction():
+            if not _try_lock(conn, name):
+                continue
+            if parent in _PENDING:
+                row = conn.execute(_PENDING[parent].format(name=name)).fetchone()  # type: ignore[arg-type]
+                if row and row[0]:
+                    continue
+            count = conn.execute(f"SELECT count(*) FROM delaywheel.{name}").fetchone()  # type: ignore[arg-type]
+            conn.execute(f"DROP TABLE delaywheel.{name}")  # type: ignore[arg-type]
+        if cache:
+            cache.forget(parent, lo)
+        dropped.append(Retired(parent, name, int(count[0]) if count else 0))
+    return dropped
+
+
+def _oldest_pending_due(conn: psycopg.Connection) -> datetime | None:
+    """The earliest due time of any message not yet delivered or cancelled, across all lanes."""
+    row = conn.execute(
+        """
+        SELECT least(
+            (SELECT min(q.deliver_at) FROM delaywheel.level_queue q
+               LEFT JOIN delaywheel.level_checkpoint c ON c.level = q.level
+              WHERE c.level IS NULL OR (q.xid, q.id) > (c.cursor_xid, c.cursor_id)),
+            (SELECT min(q.deliver_at) FROM delaywheel.wheel q, delaywheel.wheel_state s
+              WHERE (q.deliver_at, q.id) > (s.cursor_at, s.cursor_id) OR q.xid >= s.horizon_xid),
+            (SELECT min(deliver_at) FROM delaywheel.wheel_far))
+        """
+    ).fetchone()
+    return row[0] if row else None

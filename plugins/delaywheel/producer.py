@@ -1,0 +1,159 @@
+"""Sending: validate every message first, then write the whole batch by COPY in one transaction.
+
+Due times are computed from one reading of the database clock per call, so a batch is consistent
+and every worker shares the same clock (DESIGN.md §5).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+
+import psycopg
+from psycopg import errors
+from psycopg.types.json import Jsonb
+
+from .config import Settings
+from .partitions import PartitionCache
+from .validation import InvalidMessage, Message, Placement, check_key, check_properties, check_topic, encode_body, place
+
+NOTIFY_CHANNEL = "delaywheel_enqueue"
+
+_LEVEL_COLUMNS = (
+    "id", "level", "requested_level", "topic", "key", "tags", "properties", "body", "is_json",
+    "reconsume_times", "deliver_at", "enqueued_at",
+)
+_LEVEL_TYPES = ["int8", "int2", "int4", "text", "text", "text", "jsonb", "bytea", "bool", "int4", "timestamptz", "timestamptz"]
+_WHEEL_COLUMNS = ("id", "topic", "key", "tags", "properties", "body", "is_json", "deliver_at", "enqueued_at")
+_WHEEL_TYPES = ["int8", "text", "text", "text", "jsonb", "bytea", "bool", "timestamptz", "timestamptz"]
+_TOPIC_COLUMNS = (
+    "topic", "message_id", "origin", "level", "key", "tags", "properties", "body", "is_json",
+    "reconsume_times", "deliver_at", "delivered_at",
+)
+_TOPIC_TYPES = ["text", "int8", "text", "int2", "text", "text", "jsonb", "bytea", "bool", "int4", "timestamptz", "timestamptz"]
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A validated message, ready to write."""
+
+    topic: str
+    key: str | None
+    tags: str | None
+    properties: dict[str, str]
+    body: bytes
+    is_json: bool
+    placement: Placement
+    reconsume_times: int = 0
+
+
+def prepare(message: Message, now: datetime, settings: Settings, reconsume_times: int = 0) -> Prepared:
+    """Apply every rule to one message; raises InvalidMessage naming the first it breaks."""
+    body, is_json = encode_body(message.body, settings.max_body_bytes)
+    if message.tags is not None and not isinstance(message.tags, str):
+        raise InvalidMessage("bad_tags", f"tags must be a string, got {message.tags!r}")
+    return Prepared(
+        topic=check_topic(message.topic),
+        key=check_key(message.key),
+        tags=message.tags,
+        properties=check_properties(message.properties),
+        body=body,
+        is_json=is_json,
+        placement=place(
+            now, settings, delay_level=message.delay_level, delay=message.delay, deliver_at=message.deliver_at
+        ),
+        reconsume_times=reconsume_times,
+    )
+
+
+def clock_and_ids(conn: psycopg.Connection, count: int, now: datetime | None) -> tuple[datetime, list[int]]:
+    row = conn.execute(
+        "SELECT coalesce(%s::timestamptz, clock_timestamp()),"
+        " ARRAY(SELECT nextval('delaywheel.message_id_seq') FROM generate_series(1, %s))",
+        (now, count),
+    ).fetchone()
+    assert row is not None
+    return row[0], list(row[1])
+
+
+def send_many(
+    conn: psycopg.Connection,
+    settings: Settings,
+    cache: PartitionCache,
+    messages: Iterable[Message],
+    *,
+    now: datetime | None = None,
+    reconsume_times: Sequence[int] | None = None,
+) -> list[int]:
+    """Write all messages or none; returns their ids in input order."""
+    batch = list(messages)
+    if not batch:
+        return []
+    with conn.transaction():
+        clock, ids = clock_and_ids(conn, len(batch), now)
+        retries = reconsume_times or [0] * len(batch)
+        prepared = [prepare(m, clock, settings, r) for m, r in zip(batch, retries, strict=True)]
+        write_prepared(conn, cache, list(zip(ids, prepared)), clock)
+    return ids
+
+
+def write_prepared(conn: psycopg.Connection, cache: PartitionCache, rows: list[tuple[int, Prepared]], clock: datetime) -> None:
+    """COPY validated rows into their lanes (inside the caller's transaction)."""
+    direct = [(i, p) for i, p in rows if p.placement.lane == "direct"]
+    level = [(i, p) for i, p in rows if p.placement.lane == "level"]
+    wheel = [(i, p) for i, p in rows if p.placement.lane == "wheel"]
+    if direct:
+        cache.ensure(conn, "topic_messages", [clock])
+        _copy(conn, "topic_messages", _TOPIC_COLUMNS, _TOPIC_TYPES, (
+            (p.topic, i, "direct", 0, p.key, p.tags, _json(p.properties), p.body, p.is_json, p.reconsume_times, clock, clock)
+            for i, p in direct
+        ))
+    if level:
+        cache.ensure(conn, "level_queue", [clock])
+        _copy(conn, "level_queue", _LEVEL_COLUMNS, _LEVEL_TYPES, (
+            (i, p.placement.level, p.placement.requested_level, p.topic, p.key, p.tags, _json(p.properties), p.body,
+             p.is_json, p.reconsume_times, p.placement.deliver_at, clock)
+            for i, p in level
+        ))
+        conn.execute("SELECT pg_notify(%s, 'level')", (NOTIFY_CHANNEL,))
+    if wheel:
+        _write_wheel(conn, cache, wheel, clock)
+        conn.execute("SELECT pg_notify(%s, 'wheel')", (NOTIFY_CHANNEL,))
+
+
+def _write_wheel(conn: psycopg.Connection, cache: PartitionCache, rows: list[tuple[int, Prepared]], clock: datetime) -> None:
+    row = conn.execute("SELECT near_until FROM delaywheel.wheel_state").fetchone()
+    assert row is not None
+    near_until = row[0]
+    near = [(i, p) for i, p in rows if p.placement.deliver_at < near_until]
+    far = [(i, p) for i, p in rows if p.placement.deliver_at >= near_until]
+    for table, part in (("wheel", near), ("wheel_far", far)):
+        if not part:
+            continue
+        for attempt in range(3):
+            try:
+                with conn.transaction():  # a savepoint: a roll may drop a far block between ensure and COPY
+                    cache.ensure(conn, table, [p.placement.deliver_at for _, p in part])
+                    _copy(conn, table, _WHEEL_COLUMNS, _WHEEL_TYPES, (
+                        (i, p.topic, p.key, p.tags, _json(p.properties), p.body, p.is_json, p.placement.deliver_at, clock)
+                        for i, p in part
+                    ))
+                break
+            except (errors.CheckViolation, errors.UndefinedTable):
+                for _, p in part:
+                    cache.forget(table, p.placement.deliver_at)
+                if attempt == 2:
+                    raise
+
+
+def _json(properties: dict[str, str]) -> Jsonb | None:
+    return Jsonb(properties) if properties else None
+
+
+def _copy(conn: psycopg.Connection, table: str, columns: Sequence[str], types: list[str], rows: Iterable[tuple]) -> None:
+    sql = f"COPY delaywheel.{table} ({', '.join(columns)}) FROM STDIN (FORMAT BINARY)"
+    with conn.cursor().copy(sql) as copy:  # type: ignore[arg-type]
+        copy.set_types(types)
+        for row in rows:
+            copy.write_row(row)

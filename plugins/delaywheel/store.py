@@ -1,0 +1,131 @@
+"""`Store`: the one entry point the CLI, the DAGs, the Spark jobs and the tests use."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from datetime import datetime, timedelta
+from typing import Any
+
+import psycopg
+
+from . import cancel as cancelling
+from . import levels, partitions, producer, stats, topics, wheel
+from .config import Settings, load_settings
+from .db import connect, database_url
+from .levels import PassResult
+from .migrate import migrate
+from .validation import Message
+
+
+class Store:
+    """A connection to the store plus the settings it runs with. Not thread-safe: one per thread.
+
+    Calls run in their own transaction, or as a savepoint inside one the caller opened on `conn`
+    (e.g. to enqueue an order's timeout in the transaction that inserts the order).
+    Every call that decides by time takes `now=` so tests can inject the clock; by default the
+    database's clock decides.
+    """
+
+    def __init__(self, url: str | None = None, settings: Settings | None = None, *, apply_migrations: bool = False):
+        self.settings = settings or load_settings()
+        self.url = url or database_url(self.settings)
+        if apply_migrations:
+            migrate(self.url)
+        self._conn: psycopg.Connection | None = None
+        self._cache = partitions.PartitionCache()
+
+    @property
+    def conn(self) -> psycopg.Connection:
+        if self._conn is None or self._conn.closed:
+            self._conn = connect(self.url)
+            self._conn.autocommit = True  # explicit transactions only: conn.transaction()
+        return self._conn
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def clock(self) -> datetime:
+        row = self.conn.execute("SELECT clock_timestamp()").fetchone()
+        assert row is not None
+        return row[0]
+
+    # producing
+    def send(
+        self,
+        topic: str,
+        body: Any,
+        *,
+        delay_level: int | None = None,
+        delay: timedelta | int | float | None = None,
+        deliver_at: datetime | None = None,
+        key: str | None = None,
+        tags: str | None = None,
+        properties: dict[str, str] | None = None,
+        now: datetime | None = None,
+    ) -> int:
+        """Send one message; returns its id. Raises InvalidMessage (nothing written) on bad input."""
+        message = Message(topic, body, delay_level, delay, deliver_at, key, tags, properties or {})
+        return self.send_many([message], now=now)[0]
+
+    def send_many(self, messages: Iterable[Message], *, now: datetime | None = None) -> list[int]:
+        """Send a batch by COPY, all or nothing; returns ids in input order."""
+        return producer.send_many(self.conn, self.settings, self._cache, messages, now=now)
+
+    # delivering
+    def deliver_level(self, level: int, *, now: datetime | None = None, limit: int | None = None) -> PassResult:
+        if not 1 <= level <= self.settings.max_level:
+            raise ValueError(f"level {level} is not configured (1..{self.settings.max_level})")
+        return levels.deliver_level(self.conn, self._cache, level, now=now, limit=limit or self.settings.batch_size)
+
+    def advance_wheel(self, *, now: datetime | None = None, limit: int | None = None) -> PassResult:
+        return wheel.advance_wheel(self.conn, self.settings, self._cache, now=now, limit=limit or self.settings.batch_size)
+
+    def deliver_due(self, *, now: datetime | None = None) -> int:
+        """Deliver everything due now on every level and the wheel (repeating passes until drained)."""
+        total = 0
+        lanes: list[int | None] = [*range(1, self.settings.max_level + 1), None]
+        for lane in lanes:
+            while True:
+                result = self.advance_wheel(now=now) if lane is None else self.deliver_level(lane, now=now)
+                total += result.delivered
+                if not result.more:
+                    break
+        return total
+
+    # consuming
+    def pull(self, topic: str, group: str, max_messages: int = 100) -> topics.Batch:
+        return topics.pull(self.conn, topic, group, max_messages)
+
+    def ack(self, batch: topics.Batch, failed: set[int] | None = None) -> int:
+        return topics.ack(self.conn, self.settings, self._cache, batch, failed)
+
+    # cancelling
+    def cancel(self, *, message_id: int | None = None, key: str | None = None, reason: str = "cancelled") -> list[cancelling.CancelResult]:
+        return cancelling.cancel(self.conn, self._cache, message_id=message_id, key=key, reason=reason)
+
+    def cancel_matching(self, *, keys: list[str] | None = None, where: str | None = None, reason: str = "bulk cancel") -> int:
+        return cancelling.cancel_matching(self.conn, self._cache, keys=keys, where=where, reason=reason)
+
+    def count_matching(self, *, keys: list[str] | None = None, where: str | None = None) -> int:
+        return cancelling.count_matching(self.conn, keys=keys, where=where)
+
+    # operating
+    def stats(self, *, now: datetime | None = None, window: timedelta = timedelta(minutes=5)) -> dict[str, Any]:
+        now = now or self.clock()
+        with self.conn.transaction():
+            return {
+                "now": now,
+                "levels": stats.level_stats(self.conn, self.settings, now, window),
+                "wheel": stats.wheel_stats(self.conn, self.settings, now, window),
+                "topics": stats.topic_stats(self.conn),
+            }
+
+    def retire(self, *, now: datetime | None = None) -> list[partitions.Retired]:
+        return partitions.retire(self.conn, now or self.clock(), self.settings.topic_retention, self._cache)

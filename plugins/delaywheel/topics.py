@@ -1,0 +1,149 @@
+"""Consumers: pull a batch by consumer group, ack it, or hand failures to RocketMQ's retry ladder.
+
+Topic rows are read in (xid, queue_offset) order below the commit horizon, like the level queues, so a
+group's offset never passes a delivery that commits late. Delivery to consumers is at-least-once: a
+batch not acked is pulled again; `Message.idempotency_id` is the key consumers deduplicate by.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+import json
+
+import psycopg
+
+from .config import Settings
+from .partitions import PartitionCache
+from .producer import prepare, write_prepared, clock_and_ids
+from .validation import Message as OutgoingMessage
+
+RETRY_PREFIX = "%RETRY%"
+DLQ_PREFIX = "%DLQ%"
+FIRST_RETRY_LEVEL = 3  # RocketMQ: retry n is delayed by level 3 + n
+
+
+@dataclass(frozen=True)
+class Message:
+    """A delivered message as a consumer sees it."""
+
+    topic: str
+    queue_offset: int
+    message_id: int
+    key: str | None
+    tags: str | None
+    properties: dict[str, str]
+    body: bytes | Any
+    reconsume_times: int
+    deliver_at: datetime
+    delivered_at: datetime
+    source_topic: str  # the topic it was read from (the group's retry topic for retries)
+
+    @property
+    def idempotency_id(self) -> int:
+        """The original message's id, the same across retries: deduplicate on this."""
+        return int(self.properties.get("ORIGIN_MESSAGE_ID", self.message_id))
+
+
+@dataclass
+class Batch:
+    group: str
+    messages: list[Message]
+    cursors: dict[str, tuple[str, int]] = field(default_factory=dict)  # topic -> (xid, offset) of its last message
+
+    def __len__(self) -> int:
+        return len(self.messages)
+
+
+def retry_topic(group: str) -> str:
+    return RETRY_PREFIX + group
+
+
+def dlq_topic(group: str) -> str:
+    return DLQ_PREFIX + group
+
+
+def pull(conn: psycopg.Connection, topic: str, group: str, max_messages: int = 100) -> Batch:
+    """The next messages after the group's committed offset, from the topic and the group's retry topic."""
+    batch = Batch(group, [])
+    with conn.transaction():
+        for source in (topic, retry_topic(group)):
+            room = max_messages - len(batch.messages)
+            if room <= 0:
+                break
+            rows = conn.execute(
+                """
+                SELECT t.topic, t.queue_offset, t.xid::text, t.message_id, t.key, t.tags, t.properties, t.body,
+                       t.is_json, t.reconsume_times, t.deliver_at, t.delivered_at
+                FROM delaywheel.topic_messages t
+                LEFT JOIN delaywheel.consumer_offsets o ON o.grp = %(group)s AND o.topic = %(topic)s
+                WHERE t.topic = %(topic)s
+                  AND (t.xid, t.queue_offset) > (coalesce(o.cursor_xid, '0'), coalesce(o.cursor_offset, 0))
+                  AND t.xid < pg_snapshot_xmin(pg_current_snapshot())
+                ORDER BY t.xid, t.queue_offset
+                LIMIT %(limit)s
+                """,
+                {"group": group, "topic": source, "limit": room},
+            ).fetchall()
+            for r in rows:
+                properties = r[6] or {}
+                body = json.loads(bytes(r[7])) if r[8] else bytes(r[7])
+                batch.messages.append(Message(
+                    topic=properties.get("ORIGIN_TOPIC", r[0]), queue_offset=r[1], message_id=r[3], key=r[4],
+                    tags=r[5], properties=properties, body=body, reconsume_times=r[9], deliver_at=r[10],
+                    delivered_at=r[11], source_topic=r[0],
+                ))
+            if rows:
+                batch.cursors[source] = (rows[-1][2], rows[-1][1])
+    return batch
+
+
+def ack(
+    conn: psycopg.Connection,
+    settings: Settings,
+    cache: PartitionCache,
+    batch: Batch,
+    failed: set[int] | None = None,
+) -> int:
+    """Commit the batch's offsets; messages whose message_id is in `failed` go to the retry ladder
+    (or the dead-letter topic after `max_reconsume_times`) in the same transaction."""
+    failed = failed or set()
+    with conn.transaction():
+        retry = [m for m in batch.messages if m.message_id in failed]
+        if retry:
+            _reconsume_later(conn, settings, cache, batch.group, retry)
+        for topic, (xid, offset) in batch.cursors.items():
+            conn.execute(
+                """
+                INSERT INTO delaywheel.consumer_offsets AS o (grp, topic, cursor_xid, cursor_offset, acked)
+                VALUES (%(group)s, %(topic)s, %(xid)s::xid8, %(offset)s, %(n)s)
+                ON CONFLICT (grp, topic) DO UPDATE
+                SET cursor_xid = excluded.cursor_xid, cursor_offset = excluded.cursor_offset,
+                    acked = o.acked + excluded.acked, updated_at = clock_timestamp()
+                WHERE (o.cursor_xid, o.cursor_offset) < (excluded.cursor_xid, excluded.cursor_offset)
+                """,
+                {"group": batch.group, "topic": topic, "xid": xid, "offset": offset,
+                 "n": sum(1 for m in batch.messages if m.source_topic == topic)},
+            )
+    return len(batch.messages) - len(failed)
+
+
+def _reconsume_later(
+    conn: psycopg.Connection, settings: Settings, cache: PartitionCache, group: str, messages: list[Message]
+) -> None:
+    clock, ids = clock_and_ids(conn, len(messages), None)
+    rows = []
+    for new_id, m in zip(ids, messages, strict=True):
+        times = m.reconsume_times + 1
+        properties = dict(m.properties)
+        properties.setdefault("ORIGIN_TOPIC", m.topic)
+        properties.setdefault("ORIGIN_MESSAGE_ID", str(m.message_id))
+        if times > settings.max_reconsume_times:
+            outgoing = OutgoingMessage(dlq_topic(group), m.body, key=m.key, tags=m.tags, properties=properties)
+        else:
+            level = FIRST_RETRY_LEVEL + m.reconsume_times
+            outgoing = OutgoingMessage(retry_topic(group), m.body, delay_level=level, key=m.key, tags=m.tags,
+                                       properties=properties)
+        rows.append((new_id, prepare(outgoing, clock, settings, times)))
+    write_prepared(conn, cache, rows, clock)

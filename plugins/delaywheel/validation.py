@@ -1,0 +1,149 @@
+"""The rules a message must pass before anything is written; shared by `send`, `send_many` and Spark.
+
+Each rule raises `InvalidMessage` with a stable `reason` code (what the quarantine table records)
+and a sentence a person can act on.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any, Literal
+
+from .config import Settings
+
+TOPIC_PATTERN = re.compile(r"^[%|A-Za-z0-9_.-]{1,127}$")  # RocketMQ's topic charset, plus '.'
+MAX_KEY_CHARS = 1024
+
+Lane = Literal["direct", "level", "wheel"]
+
+
+class InvalidMessage(ValueError):
+    """A message delaywheel refuses; nothing of the call that raised it was written."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class Message:
+    """What a producer hands over. At most one of delay_level, delay and deliver_at is set."""
+
+    topic: str
+    body: Any
+    delay_level: int | None = None
+    delay: timedelta | int | float | None = None  # a timedelta, or milliseconds
+    deliver_at: datetime | None = None
+    key: str | None = None
+    tags: str | None = None
+    properties: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a valid message goes and when it falls due (fixed here, at enqueue)."""
+
+    lane: Lane
+    deliver_at: datetime
+    level: int | None = None
+    requested_level: int | None = None
+
+
+def check_topic(topic: object) -> str:
+    if not isinstance(topic, str) or not topic:
+        raise InvalidMessage("bad_topic", f"topic must be a non-empty string, got {topic!r}")
+    if not TOPIC_PATTERN.match(topic):
+        raise InvalidMessage(
+            "bad_topic", f"topic {topic!r} is malformed: use 1-127 characters from A-Z a-z 0-9 . _ - | %"
+        )
+    return topic
+
+
+def encode_body(body: object, max_bytes: int) -> tuple[bytes, bool]:
+    """(bytes, is_json): bytes stay bytes; anything else must be JSON-serialisable."""
+    if isinstance(body, (bytes, bytearray, memoryview)):
+        data, is_json = bytes(body), False
+    else:
+        try:
+            data, is_json = json.dumps(body, allow_nan=False, separators=(",", ":")).encode(), True
+        except (TypeError, ValueError) as exc:
+            raise InvalidMessage("bad_body", f"body must be bytes or JSON-serialisable: {exc}") from None
+    if len(data) > max_bytes:
+        raise InvalidMessage("body_too_large", f"body is {len(data)} bytes, above the limit of {max_bytes} bytes")
+    return data, is_json
+
+
+def check_key(key: object) -> str | None:
+    if key is None:
+        return None
+    if not isinstance(key, str) or not key or len(key) > MAX_KEY_CHARS:
+        raise InvalidMessage("bad_key", f"key must be a non-empty string of at most {MAX_KEY_CHARS} characters")
+    return key
+
+
+def check_properties(properties: object) -> dict[str, str]:
+    if properties is None:
+        return {}
+    if not isinstance(properties, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in properties.items()
+    ):
+        raise InvalidMessage("bad_properties", "properties must be a dict of strings to strings")
+    return properties
+
+
+def _delay_as_timedelta(delay: object) -> timedelta:
+    if isinstance(delay, timedelta):
+        return delay
+    if isinstance(delay, bool) or not isinstance(delay, (int, float)):
+        raise InvalidMessage("bad_delay", f"delay must be a timedelta or milliseconds, got {delay!r}")
+    if math.isnan(delay) or math.isinf(delay):
+        raise InvalidMessage("bad_delay", f"delay must be a finite number of milliseconds, got {delay!r}")
+    return timedelta(milliseconds=delay)
+
+
+def place(
+    now: datetime,
+    settings: Settings,
+    *,
+    delay_level: object = None,
+    delay: object = None,
+    deliver_at: object = None,
+) -> Placement:
+    """Decide the lane and due time. `now` is the database clock (or a test's injected one)."""
+    given = [name for name, v in (("delay_level", delay_level), ("delay", delay), ("deliver_at", deliver_at)) if v is not None]
+    if len(given) > 1:
+        raise InvalidMessage("conflicting_delay", f"give only one of delay_level, delay, deliver_at (got {', '.join(given)})")
+    if deliver_at is not None or delay is not None:
+        if deliver_at is not None:
+            if not isinstance(deliver_at, datetime):
+                raise InvalidMessage("bad_deliver_at", f"deliver_at must be a datetime, got {deliver_at!r}")
+            if deliver_at.tzinfo is None or deliver_at.utcoffset() is None:
+                raise InvalidMessage("naive_deliver_at", "deliver_at must be timezone-aware (e.g. datetime.now(timezone.utc))")
+            due = deliver_at
+        else:
+            span = _delay_as_timedelta(delay)
+            if span < timedelta(0):
+                raise InvalidMessage("bad_delay", f"delay must not be negative, got {span}")
+            due = now + span
+        if due - now > settings.wheel_max_delay:
+            raise InvalidMessage(
+                "too_far", f"due time {due.isoformat()} is more than {settings.wheel_max_delay} ahead (wheel_max_delay)"
+            )
+        if now - due > settings.past_tolerance:
+            raise InvalidMessage(
+                "too_old", f"due time {due.isoformat()} is more than {settings.past_tolerance} in the past (past_tolerance)"
+            )
+        return Placement("direct", now) if due <= now else Placement("wheel", due)
+    level = 0 if delay_level is None else delay_level
+    if isinstance(level, bool) or not isinstance(level, int):
+        raise InvalidMessage("bad_level", f"delay_level must be an integer, got {level!r}")
+    if level < 0:
+        raise InvalidMessage("bad_level", f"delay_level must be 0 or more, got {level}")
+    if level == 0:
+        return Placement("direct", now, 0, 0)
+    effective = min(level, settings.max_level)  # RocketMQ clamps a level above the maximum
+    return Placement("level", now + settings.level_delay(effective), effective, level)

@@ -1,0 +1,141 @@
+"""The timing wheel: any due time up to `wheel_max_delay`, delivered no sooner than its exact time.
+
+Cursor rule (TimerCheckpoint, in `wheel_state`): every row with (deliver_at, id) <= cursor and
+xid < horizon_xid is delivered or cancelled. A pass first delivers *stragglers* — rows for times the
+cursor already passed, whose transactions committed after the last pass — then the due range after
+the cursor, reading only rows below the commit horizon (xmin), then sets horizon_xid = xmin.
+Rows moved by the roll get the roller's xid, so they are stragglers or ahead of the cursor: never lost.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+import psycopg
+from psycopg import errors
+
+from .config import Settings
+from .levels import PassResult
+from .partitions import DAY, HOUR, PartitionCache, floor_to
+
+WHEEL_LOCK = (0x64770020, 0)
+MAX_ID = 2**63 - 1
+
+_MOVE = """
+INSERT INTO delaywheel.topic_messages
+    (topic, message_id, origin, key, tags, properties, body, is_json, deliver_at, delivered_at)
+SELECT topic, id, 'wheel', key, tags, properties, body, is_json, deliver_at,
+       coalesce(%(injected)s::timestamptz, clock_timestamp())
+FROM ({rows}) d
+WHERE NOT EXISTS (SELECT 1 FROM delaywheel.cancellations c WHERE c.message_id = d.id AND c.due_at = d.deliver_at)
+ORDER BY deliver_at, id
+"""
+_STRAGGLERS = """
+    SELECT * FROM delaywheel.wheel
+    WHERE xid >= %(horizon)s::xid8 AND xid < %(xmin)s::xid8 AND deliver_at <= %(cursor_at)s
+      AND (deliver_at, id) <= (%(cursor_at)s, %(cursor_id)s)
+"""
+_DUE = """
+    SELECT * FROM delaywheel.wheel
+    WHERE deliver_at >= %(cursor_at)s AND (deliver_at, id) > (%(cursor_at)s, %(cursor_id)s)
+      AND deliver_at <= %(now)s AND xid < %(xmin)s::xid8
+    ORDER BY deliver_at, id
+    LIMIT %(limit)s
+"""
+
+
+def roll(conn: psycopg.Connection, settings: Settings, cache: PartitionCache, now: datetime | None = None) -> int:
+    """Move far blocks that entered the near window into the fine wheel; returns rows moved."""
+    moved = 0
+    with conn.transaction():
+        clock = conn.execute("SELECT coalesce(%s::timestamptz, clock_timestamp())", (now,)).fetchone()[0]  # type: ignore[index]
+        target = floor_to(clock + settings.wheel_near_window, DAY) + DAY
+        locked = conn.execute("SELECT pg_try_advisory_xact_lock(%s, %s)", WHEEL_LOCK).fetchone()
+        state = conn.execute("SELECT near_until FROM delaywheel.wheel_state FOR UPDATE").fetchone()
+        if not locked or not locked[0] or state is None or state[0] >= target:
+            return 0
+        start = max(floor_to(clock, HOUR), state[0])
+        hours = int((target - start) / HOUR) if target > start else 0
+        cache.ensure(conn, "wheel", [start + HOUR * i for i in range(hours)])
+        blocks = conn.execute(
+            "SELECT name, lo, hi FROM delaywheel.partitions WHERE parent = 'wheel_far' AND lo < %s ORDER BY lo",
+            (target,),
+        ).fetchall()
+        conn.execute("SET LOCAL lock_timeout = '5s'")  # a producer inside a far block: roll next pass
+        for name, lo, hi in blocks:
+            conn.execute(f"LOCK TABLE delaywheel.{name} IN ACCESS EXCLUSIVE MODE")  # type: ignore[arg-type]
+            cache.ensure(conn, "wheel", [lo + HOUR * i for i in range(int((hi - lo) / HOUR))])
+            cur = conn.execute(
+                f"INSERT INTO delaywheel.wheel (id, topic, key, tags, properties, body, is_json, deliver_at, enqueued_at)"  # type: ignore[arg-type]
+                f" SELECT id, topic, key, tags, properties, body, is_json, deliver_at, enqueued_at FROM delaywheel.{name}"
+            )
+            moved += cur.rowcount
+            conn.execute(f"DROP TABLE delaywheel.{name}")  # type: ignore[arg-type]
+            cache.forget("wheel_far", lo)
+        conn.execute("UPDATE delaywheel.wheel_state SET near_until = %s", (target,))
+    return moved
+
+
+def advance_wheel(
+    conn: psycopg.Connection,
+    settings: Settings,
+    cache: PartitionCache,
+    *,
+    now: datetime | None = None,
+    limit: int = 5000,
+) -> PassResult:
+    """One pass over the wheel; see the module docstring for the guarantees."""
+    try:
+        roll(conn, settings, cache, now)
+    except errors.LockNotAvailable:
+        pass  # a producer holds a far block; roll on the next pass
+    with conn.transaction():
+        row = conn.execute(
+            "SELECT pg_try_advisory_xact_lock(%s, %s), pg_snapshot_xmin(pg_current_snapshot())::text,"
+            " coalesce(%s::timestamptz, clock_timestamp())",
+            (*WHEEL_LOCK, now),
+        ).fetchone()
+        assert row is not None
+        locked, xmin, clock = row
+        if not locked:
+            return PassResult(0, 0, None, busy=True)
+        state = conn.execute(
+            "SELECT cursor_at, cursor_id, horizon_xid::text FROM delaywheel.wheel_state FOR UPDATE"
+        ).fetchone()
+        assert state is not None
+        cursor_at, cursor_id, horizon = state
+        if clock < cursor_at:  # an injected clock went backwards: deliver nothing rather than early
+            return PassResult(0, 0, cursor_at)
+        cache.ensure(conn, "topic_messages", [clock])
+        params = {
+            "injected": now, "now": clock, "xmin": xmin, "horizon": horizon, "cursor_at": cursor_at,
+            "cursor_id": cursor_id, "limit": limit,
+        }
+        stragglers = conn.execute(_MOVE.format(rows=_STRAGGLERS), params).rowcount  # type: ignore[arg-type]
+        moved, due_count, last_at, last_id = conn.execute(  # type: ignore[misc]
+            f"WITH due AS ({_DUE}), moved AS ({_MOVE.format(rows='SELECT * FROM due')} RETURNING 1)"
+            " SELECT (SELECT count(*) FROM moved), (SELECT count(*) FROM due),"
+            " (SELECT deliver_at FROM due ORDER BY deliver_at DESC, id DESC LIMIT 1),"
+            " (SELECT id FROM due ORDER BY deliver_at DESC, id DESC LIMIT 1)",
+            params,
+        ).fetchone()
+        full = due_count == limit
+        new_at, new_id = (last_at, last_id) if full else (clock, MAX_ID)
+        delivered = stragglers + moved
+        conn.execute(
+            "UPDATE delaywheel.wheel_state SET cursor_at = %s, cursor_id = %s, horizon_xid = %s::xid8,"
+            " delivered = delivered + %s, updated_at = clock_timestamp()",
+            (new_at, new_id, xmin, delivered),
+        )
+        head = conn.execute(
+            """
+            SELECT least(
+                (SELECT deliver_at FROM delaywheel.wheel WHERE deliver_at >= %(at)s AND (deliver_at, id) > (%(at)s, %(id)s)
+                  ORDER BY deliver_at, id LIMIT 1),
+                (SELECT min(deliver_at) FROM delaywheel.wheel_far),
+                (SELECT %(clock)s::timestamptz WHERE EXISTS (
+                    SELECT 1 FROM delaywheel.wheel WHERE xid >= %(xmin)s::xid8 AND deliver_at <= %(at)s)))
+            """,
+            {"at": new_at, "id": new_id, "clock": clock, "xmin": xmin},
+        ).fetchone()
+    return PassResult(delivered, due_count - moved, head[0] if head else None, more=full)
