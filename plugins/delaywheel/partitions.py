@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import psycopg
 from psycopg import errors
@@ -15,7 +15,7 @@ WIDTH = {"level_queue": HOUR, "wheel": HOUR, "wheel_far": DAY, "topic_messages":
 
 
 def floor_to(ts: datetime, width: timedelta) -> datetime:
-    epoch = datetime(1970, 1, 1, tzinfo=timezone.utc)
+    epoch = datetime(1970, 1, 1, tzinfo=UTC)
     return epoch + ((ts - epoch) // width) * width
 
 

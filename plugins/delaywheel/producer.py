@@ -94,7 +94,7 @@ def send_many(
         clock, ids = clock_and_ids(conn, len(batch), now)
         retries = reconsume_times or [0] * len(batch)
         prepared = [prepare(m, clock, settings, r) for m, r in zip(batch, retries, strict=True)]
-        write_prepared(conn, cache, list(zip(ids, prepared)), clock)
+        write_prepared(conn, cache, list(zip(ids, prepared, strict=True)), clock)
     return ids
 
 
@@ -116,10 +116,10 @@ def write_prepared(conn: psycopg.Connection, cache: PartitionCache, rows: list[t
              p.is_json, p.reconsume_times, p.placement.deliver_at, clock)
             for i, p in level
         ))
-        conn.execute("SELECT pg_notify(%s, 'level')", (NOTIFY_CHANNEL,))
+        _notify(conn, [p.placement.deliver_at for _, p in level])
     if wheel:
         _write_wheel(conn, cache, wheel, clock)
-        conn.execute("SELECT pg_notify(%s, 'wheel')", (NOTIFY_CHANNEL,))
+        _notify(conn, [p.placement.deliver_at for _, p in wheel])
 
 
 def _write_wheel(conn: psycopg.Connection, cache: PartitionCache, rows: list[tuple[int, Prepared]], clock: datetime) -> None:
@@ -145,6 +145,11 @@ def _write_wheel(conn: psycopg.Connection, cache: PartitionCache, rows: list[tup
                     cache.forget(table, p.placement.deliver_at)
                 if attempt == 2:
                     raise
+
+
+def _notify(conn: psycopg.Connection, due: list[datetime]) -> None:
+    """Tell sleeping deliverers the earliest new due time (sent at COMMIT), so they can wake sooner."""
+    conn.execute("SELECT pg_notify(%s, %s)", (NOTIFY_CHANNEL, str(min(due).timestamp())))
 
 
 def _json(properties: dict[str, str]) -> Jsonb | None:

@@ -46,7 +46,7 @@ def level_stats(conn: psycopg.Connection, settings: Settings, now: datetime, win
 
 def wheel_stats(conn: psycopg.Connection, settings: Settings, now: datetime, window: timedelta) -> dict[str, Any]:
     """Pending by horizon, overdue, cursor and lag, lateness, and a due-time histogram for the next 24 h."""
-    pending = f"""
+    pending = """
         SELECT q.deliver_at FROM delaywheel.wheel q, delaywheel.wheel_state s
         WHERE ((q.deliver_at, q.id) > (s.cursor_at, s.cursor_id) OR q.xid >= s.horizon_xid)
           AND NOT EXISTS (SELECT 1 FROM delaywheel.cancellations c WHERE c.message_id = q.id AND c.due_at = q.deliver_at)

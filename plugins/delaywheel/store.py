@@ -127,5 +127,14 @@ class Store:
                 "topics": stats.topic_stats(self.conn),
             }
 
+    def prepare(self, *, now: datetime | None = None) -> None:
+        """Create the partitions the next hours need, so producers and deliverers never wait on DDL.
+        The delivery loop calls this periodically; the maintenance DAG and `migrate` do too."""
+        wheel.roll(self.conn, self.settings, self._cache, now)
+        clock = now or self.clock()
+        with self.conn.transaction():
+            self._cache.ensure(self.conn, "level_queue", [clock + partitions.HOUR * i for i in range(3)])
+            self._cache.ensure(self.conn, "topic_messages", [clock, clock + partitions.DAY])
+
     def retire(self, *, now: datetime | None = None) -> list[partitions.Retired]:
         return partitions.retire(self.conn, now or self.clock(), self.settings.topic_retention, self._cache)

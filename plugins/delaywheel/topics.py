@@ -7,16 +7,16 @@ batch not acked is pulled again; `Message.idempotency_id` is the key consumers d
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
-import json
 
 import psycopg
 
 from .config import Settings
 from .partitions import PartitionCache
-from .producer import prepare, write_prepared, clock_and_ids
+from .producer import clock_and_ids, prepare, write_prepared
 from .validation import Message as OutgoingMessage
 
 RETRY_PREFIX = "%RETRY%"

@@ -9,6 +9,7 @@ Rows moved by the roll get the roller's xid, so they are stragglers or ahead of 
 
 from __future__ import annotations
 
+import contextlib
 from datetime import datetime
 
 import psycopg
@@ -85,10 +86,8 @@ def advance_wheel(
     limit: int = 5000,
 ) -> PassResult:
     """One pass over the wheel; see the module docstring for the guarantees."""
-    try:
+    with contextlib.suppress(errors.LockNotAvailable):  # a producer holds a far block: roll next pass
         roll(conn, settings, cache, now)
-    except errors.LockNotAvailable:
-        pass  # a producer holds a far block; roll on the next pass
     with conn.transaction():
         row = conn.execute(
             "SELECT pg_try_advisory_xact_lock(%s, %s), pg_snapshot_xmin(pg_current_snapshot())::text,"

@@ -1,0 +1,37 @@
+# delaywheel — the README names these targets.
+PY := .venv/bin/python
+export PATH := $(CURDIR)/.venv/bin:$(PATH)
+
+.PHONY: setup setup-test demo test lint db-start db-stop airflow bench lock
+
+setup:            ## system packages + pinned .venv (idempotent)
+	scripts/setup.sh
+
+setup-test:
+	scripts/setup.sh --test
+
+demo: setup       ## the main job on the embedded default (README's first command)
+	$(PY) -m delaywheel.cli db start
+	$(PY) -m delaywheel.cli migrate
+	$(PY) -m delaywheel.cli demo $(DEMO_ARGS)
+
+test: setup-test  ## the test suite (README's second command)
+	$(PY) -m ruff check plugins dags spark tests bench
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint:
+	$(PY) -m ruff check plugins dags spark tests bench
+	$(PY) -m mypy
+
+db-start:
+	$(PY) -m delaywheel.cli db start
+
+db-stop:
+	$(PY) -m delaywheel.cli db stop
+
+bench: setup
+	$(PY) -m bench.run_all $(BENCH_ARGS)
+
+lock:             ## re-resolve requirements.in into requirements.lock
+	python3 -m venv /tmp/delaywheel-lock && /tmp/delaywheel-lock/bin/pip install -q -r requirements.in \
+	  && /tmp/delaywheel-lock/bin/pip freeze --exclude-editable > requirements.lock

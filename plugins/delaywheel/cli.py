@@ -1,0 +1,261 @@
+"""`delaywheel` command line: run the embedded database, send, deliver, consume, cancel, inspect."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from datetime import datetime, timedelta
+from typing import Any
+
+from . import embedded, runner
+from .config import ConfigError, load_settings, parse_duration
+from .db import database_url
+from .migrate import MigrationError, migrate
+from .store import Store
+from .validation import InvalidMessage
+
+
+def _duration(text: str) -> timedelta:
+    try:
+        return parse_duration(text, "duration")
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _moment(text: str) -> datetime:
+    try:
+        moment = datetime.fromisoformat(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an ISO 8601 time, e.g. 2026-11-21T18:30:00+00:00") from None
+    if moment.tzinfo is None:
+        raise argparse.ArgumentTypeError(f"{text!r} has no time zone; add one, e.g. +00:00")
+    return moment
+
+
+def _print(data: Any, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(data, default=str, indent=2))
+    elif isinstance(data, dict):
+        for key, value in data.items():
+            print(f"{key}: {value}")
+    else:
+        print(data)
+
+
+def cmd_db(args: argparse.Namespace) -> int:
+    cluster = embedded.default_cluster()
+    if args.action == "start":
+        embedded.start(cluster)
+        print(f"running: {cluster.url()} (data in {cluster.data_dir})")
+    elif args.action == "stop":
+        print(embedded.stop(cluster))
+    else:
+        state = embedded.status(cluster)
+        print(f"{state}: {cluster.url() if state == 'running' else cluster.data_dir}")
+        return 0 if state == "running" else 3
+    return 0
+
+
+def cmd_migrate(args: argparse.Namespace) -> int:
+    url = database_url()
+    applied = migrate(url)
+    with Store(url) as store:
+        store.prepare()
+    print("applied: " + ", ".join(applied) if applied else "schema up to date")
+    return 0
+
+
+def cmd_send(args: argparse.Namespace) -> int:
+    body: Any = args.body.encode() if args.raw else json.loads(args.body)
+    properties = dict(p.split("=", 1) for p in args.property)
+    with Store() as store:
+        message_id = store.send(
+            args.topic, body, delay_level=args.level, delay=args.delay_in, deliver_at=args.at,
+            key=args.key, tags=args.tags, properties=properties,
+        )
+    _print({"message_id": message_id}, args.json)
+    return 0
+
+
+def _progress(totals: runner.RunTotals) -> None:
+    print(f"delivered {totals.delivered} (cancelled skipped {totals.skipped_cancelled}) in {totals.passes} passes"
+          f" {totals.per_lane}", file=sys.stderr, flush=True)
+
+
+def cmd_deliver(args: argparse.Namespace) -> int:
+    with Store() as store:
+        lanes: list[runner.Lane] = list(args.level) if args.level else list(range(1, store.settings.max_level + 1))
+        if args.command == "advance" or (args.command == "deliver" and not args.level and not args.no_wheel):
+            lanes = [*lanes, None] if args.command == "deliver" else [None]
+        totals = runner.run(store, lanes, args.duration.total_seconds(), progress=_progress,
+                            progress_every_s=args.progress_every, until_idle=args.until_idle)
+    _print({"delivered": totals.delivered, "skipped_cancelled": totals.skipped_cancelled, "passes": totals.passes,
+            "per_lane": totals.per_lane}, args.json)
+    return 0
+
+
+def cmd_pull(args: argparse.Namespace) -> int:
+    with Store() as store:
+        batch = store.pull(args.topic, args.group, args.max)
+        if args.ack:
+            store.ack(batch)
+    rows = [{"message_id": m.message_id, "topic": m.topic, "key": m.key, "tags": m.tags,
+             "body": m.body if not isinstance(m.body, bytes) else m.body.decode(errors="replace"),
+             "deliver_at": m.deliver_at, "delivered_at": m.delivered_at, "reconsume_times": m.reconsume_times}
+            for m in batch.messages]
+    if args.json:
+        _print(rows, True)
+    else:
+        for row in rows:
+            print(f"{row['message_id']}\t{row['topic']}\t{row['key'] or ''}\t{row['delivered_at']}\t{row['body']}")
+        print(f"{len(rows)} message(s){' acked' if args.ack else ' (not acked: pull again to see them again)'}")
+    return 0
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    with Store() as store:
+        if args.where is not None or args.keys_from is not None:
+            keys = None
+            if args.keys_from:
+                with open(args.keys_from) as lines:
+                    keys = [line.strip() for line in lines if line.strip()]
+            where = args.where if keys is None else None
+            count = store.count_matching(keys=keys, where=where)
+            if not args.yes:
+                print(f"{count} pending message(s) match; run again with --yes to cancel them")
+                return 0 if count == 0 else 2
+            cancelled = store.cancel_matching(keys=keys, where=where, reason=args.reason)
+            _print({"cancelled": cancelled}, args.json)
+            return 0
+        results = store.cancel(message_id=args.id, key=args.key, reason=args.reason)
+    _print([{"message_id": r.message_id, "outcome": r.outcome} for r in results], args.json)
+    return 0 if any(r.outcome == "cancelled" for r in results) else 1
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    with Store() as store:
+        data = store.stats()
+    if args.json:
+        _print(data, True)
+        return 0
+    print(f"{'level':>5} {'delay':>8} {'backlog':>8} {'checkpoint':>10} {'head due':>27} {'overdue s':>9} {'p50 s':>7} {'p99 s':>7}")
+    for row in data["levels"]:
+        print(f"{row['level']:>5} {row['delay']:>8} {row['backlog']:>8} {row['checkpoint_id']:>10} "
+              f"{row['head_due'] or '-'!s:>27} {_num(row['oldest_overdue_s']):>9} "
+              f"{_num(row['lateness_p50_s']):>7} {_num(row['lateness_p99_s']):>7}")
+    w = data["wheel"]
+    print(f"\nwheel: pending {w['pending']} (next minute {w['next_minute']}, hour {w['next_hour']}, day {w['next_day']},"
+          f" later {w['later']}), overdue {w['overdue']} (oldest {_num(w['oldest_overdue_s'])} s),"
+          f" cursor {w['cursor_at']} (slot {w['cursor_slot']}, lag {_num(w['cursor_lag_s'])} s),"
+          f" lateness p50 {_num(w['lateness_p50_s'])} s p99 {_num(w['lateness_p99_s'])} s")
+    for bucket in w["histogram_24h"]:
+        print(f"  due {bucket['hour']:%Y-%m-%d %H:00}  {bucket['due']:>9}  {'#' * min(60, int(bucket['due']) // max(1, w['pending'] // 60 or 1))}")
+    print("\ntopic / group: depth, lag")
+    for row in data["topics"]:
+        print(f"  {row['topic']} / {row['consumer_group'] or '-'}: depth {row['depth']}, lag {row['lag'] if row['lag'] is not None else '-'}")
+    return 0
+
+
+def _num(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def cmd_retire(args: argparse.Namespace) -> int:
+    with Store() as store:
+        dropped = store.retire()
+    _print({"dropped": [f"{d.name} ({d.rows} rows)" for d in dropped]}, args.json)
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return run_demo(args.messages, json_output=args.json)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="delaywheel", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("db", help="the embedded PostgreSQL cluster (used when no DELAYWHEEL_DATABASE_URL is set)")
+    p.add_argument("action", choices=["start", "stop", "status"])
+    p.set_defaults(func=cmd_db)
+
+    p = sub.add_parser("migrate", help="apply the SQL migrations in sql/")
+    p.set_defaults(func=cmd_migrate)
+
+    p = sub.add_parser("send", help="send one message")
+    p.add_argument("--topic", required=True)
+    p.add_argument("--body", required=True, help="JSON text (or any text with --raw)")
+    p.add_argument("--raw", action="store_true", help="send --body as bytes, not JSON")
+    when = p.add_mutually_exclusive_group()
+    when.add_argument("--level", type=int, help="RocketMQ delay level (0 = now; above the maximum is clamped)")
+    when.add_argument("--in", dest="delay_in", type=_duration, help="deliver after this long, e.g. 90s, 30m, 2d")
+    when.add_argument("--at", type=_moment, help="deliver at this ISO 8601 time with a zone")
+    p.add_argument("--key")
+    p.add_argument("--tags")
+    p.add_argument("--property", action="append", default=[], metavar="K=V")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_send)
+
+    for name, text in (("deliver", "deliver due messages on levels and the wheel"), ("advance", "advance the timing wheel")):
+        p = sub.add_parser(name, help=text)
+        if name == "deliver":
+            p.add_argument("--level", type=int, action="append", help="only this level (repeatable); default all + wheel")
+            p.add_argument("--no-wheel", action="store_true", help="levels only")
+        p.add_argument("--duration", type=_duration, default=timedelta(seconds=60), help="how long to run (default 60s)")
+        p.add_argument("--until-idle", action="store_true", help="stop early once nothing is pending")
+        p.add_argument("--progress-every", type=float, default=10.0, metavar="SECONDS")
+        p.add_argument("--json", action="store_true")
+        p.set_defaults(func=cmd_deliver, level=None, no_wheel=False)
+
+    p = sub.add_parser("pull", help="pull a batch for a consumer group")
+    p.add_argument("--topic", required=True)
+    p.add_argument("--group", required=True)
+    p.add_argument("--max", type=int, default=100)
+    p.add_argument("--ack", action="store_true", help="commit the group's offset after printing")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_pull)
+
+    p = sub.add_parser("cancel", help="cancel pending messages by id, key, key list or SQL predicate")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--id", type=int)
+    what.add_argument("--key")
+    what.add_argument("--where", help="SQL predicate over pending messages (id, key, topic, tags, deliver_at, ...)")
+    what.add_argument("--keys-from", metavar="FILE", help="cancel every pending message whose key is a line of FILE")
+    p.add_argument("--reason", default="cancelled by CLI")
+    p.add_argument("--yes", action="store_true", help="confirm a bulk cancel (without it: only count)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_cancel)
+
+    p = sub.add_parser("stats", help="backlog, checkpoints, wheel horizons, topics and lateness")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_stats)
+
+    p = sub.add_parser("retire", help="drop drained partitions (maintenance)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_retire)
+
+    p = sub.add_parser("demo", help="the end-to-end demo (the README's first command)")
+    p.add_argument("--messages", type=int, default=3000)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        load_settings()
+        return int(args.func(args))
+    except (InvalidMessage, ConfigError, MigrationError, embedded.EmbeddedError) as exc:
+        print(f"delaywheel: error: {exc}", file=sys.stderr)
+        return 2
+    except json.JSONDecodeError as exc:
+        print(f"delaywheel: error: --body is not JSON ({exc}); use --raw to send text as bytes", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""The delivery loop: RocketMQ's countdown, shared by the CLI, the Airflow operators and the demo.
+
+Each lane (a level, or the wheel; `None` stands for the wheel) is passed until drained, then the loop
+sleeps exactly until the earliest next due time, waking early when a producer NOTIFYs a new message.
+A pass is one transaction, so stopping between passes (deadline, SIGTERM) loses and duplicates nothing.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import psycopg
+
+from .db import connect
+from .producer import NOTIFY_CHANNEL
+from .store import Store
+
+Lane = int | None  # a level number, or None for the wheel
+BUSY_RETRY_S = 0.2  # another deliverer holds the lane: look again soon, it may stop
+PREPARE_EVERY_S = 600.0  # partitions are created hours ahead; refresh them this often
+SAFETY_WAKE_S = 5.0  # without a known next due time, look anyway this often (a missed NOTIFY costs this much)
+
+
+@dataclass
+class RunTotals:
+    delivered: int = 0
+    skipped_cancelled: int = 0
+    passes: int = 0
+    busy_passes: int = 0
+    per_lane: dict[str, int] = field(default_factory=dict)
+
+
+def lane_name(lane: Lane) -> str:
+    return "wheel" if lane is None else f"level {lane}"
+
+
+def run(
+    store: Store,
+    lanes: Sequence[Lane],
+    duration_s: float,
+    *,
+    stop: threading.Event | None = None,
+    progress: Callable[[RunTotals], None] | None = None,
+    progress_every_s: float = 10.0,
+    until_idle: bool = False,
+) -> RunTotals:
+    """Deliver on `lanes` for `duration_s` seconds (or until `stop` is set, or, with `until_idle`,
+    until nothing is pending on them)."""
+    stop = stop or threading.Event()
+    totals = RunTotals()
+    deadline = time.monotonic() + duration_s
+    next_report = time.monotonic() + progress_every_s
+    next_prepare = time.monotonic()
+    with connect(store.url, autocommit=True) as listener:
+        listener.execute(f"LISTEN {NOTIFY_CHANNEL}")  # type: ignore[arg-type]
+        while not stop.is_set() and time.monotonic() < deadline:
+            if time.monotonic() >= next_prepare:
+                store.prepare()
+                next_prepare = time.monotonic() + PREPARE_EVERY_S
+            earliest = None
+            busy = False
+            for lane in lanes:
+                while not stop.is_set():
+                    result = store.advance_wheel() if lane is None else store.deliver_level(lane)
+                    totals.passes += 1
+                    totals.delivered += result.delivered
+                    totals.skipped_cancelled += result.skipped_cancelled
+                    if result.delivered:
+                        totals.per_lane[lane_name(lane)] = totals.per_lane.get(lane_name(lane), 0) + result.delivered
+                    busy |= result.busy
+                    totals.busy_passes += result.busy
+                    if not result.more:
+                        break
+                if result.next_due is not None and (earliest is None or result.next_due < earliest):
+                    earliest = result.next_due
+            if progress and time.monotonic() >= next_report:
+                progress(totals)
+                next_report = time.monotonic() + progress_every_s
+            if until_idle and earliest is None and not busy:
+                break
+            wait = SAFETY_WAKE_S if earliest is None else max(0.0, (earliest - store.clock()).total_seconds())
+            if busy:
+                wait = min(wait, BUSY_RETRY_S)
+            wait = min(wait, max(0.0, deadline - time.monotonic()))
+            if wait > 0:
+                _sleep_or_notified(listener, wait, stop, earliest.timestamp() if earliest else None)
+    if progress:
+        progress(totals)
+    return totals
+
+
+def _sleep_or_notified(listener: psycopg.Connection, seconds: float, stop: threading.Event, earliest: float | None) -> None:
+    """Sleep, but return as soon as a producer announces a message due before `earliest`."""
+    end = time.monotonic() + seconds
+    while not stop.is_set():
+        remaining = end - time.monotonic()
+        if remaining <= 0:
+            return
+        for notice in listener.notifies(timeout=min(remaining, 0.5)):
+            if earliest is None or float(notice.payload) < earliest:
+                return

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Installs what delaywheel needs on a fresh Debian/Ubuntu machine, then the pinned Python environment.
+#   scripts/setup.sh          runtime: PostgreSQL server binaries, Java 17 + JDBC driver (Spark), .venv
+#   scripts/setup.sh --test   also Chromium + ChromeDriver for the browser tests
+# Safe to run again: every step checks first and does nothing when it is already done.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+want_test=0
+[ "${1:-}" = "--test" ] && want_test=1
+
+missing=()
+ls /usr/lib/postgresql/*/bin/postgres >/dev/null 2>&1 || command -v pg_ctl >/dev/null 2>&1 || missing+=(postgresql)
+command -v java >/dev/null 2>&1 || missing+=(openjdk-17-jre-headless)
+[ -f /usr/share/java/postgresql.jar ] || missing+=(libpostgresql-jdbc-java)
+if [ "$want_test" = 1 ]; then
+  command -v chromium >/dev/null 2>&1 || missing+=(chromium)
+  command -v chromedriver >/dev/null 2>&1 || missing+=(chromium-driver)
+fi
+if [ "${#missing[@]}" -gt 0 ]; then
+  echo "setup: installing system packages: ${missing[*]}"
+  if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+PY="${PYTHON:-python3.11}"
+command -v "$PY" >/dev/null 2>&1 || PY=python3
+if [ ! -x .venv/bin/python ]; then
+  echo "setup: creating .venv with $($PY --version)"
+  "$PY" -m venv .venv
+fi
+stamp=.venv/.requirements.sha
+sum=$(sha256sum requirements.lock pyproject.toml | sha256sum | cut -c1-16)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$sum" ]; then
+  echo "setup: installing the pinned Python environment (requirements.lock; about 2 minutes the first time)"
+  .venv/bin/pip install -q --upgrade "pip==26.3"
+  .venv/bin/pip install -q -r requirements.lock
+  .venv/bin/pip install -q --no-deps -e .
+  echo "$sum" > "$stamp"
+fi
+echo "setup: done (.venv ready; PostgreSQL, Java and JDBC driver present)"
