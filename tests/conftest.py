@@ -4,6 +4,9 @@ a migrated template database, and a fresh database cloned from it for every test
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 import uuid
 from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
@@ -17,6 +20,30 @@ from delaywheel.db import database_url
 from delaywheel.migrate import migrate
 
 TEMPLATE = "delaywheel_test_template"
+ROOT = Path(__file__).resolve().parents[1]
+AIRFLOW_TEST_DB = "airflow_test"
+
+
+def _airflow_env(server: str) -> dict[str, str]:
+    """Airflow settings for tests: metadata in its own database on the project's PostgreSQL (not SQLite),
+    the project's DAGs and plugins, no examples. Set before anything imports Airflow."""
+    sqlalchemy_url = make_conninfo(server, dbname=AIRFLOW_TEST_DB)
+    parts = conninfo_to_dict(sqlalchemy_url)
+    home = ROOT / ".delaywheel" / "airflow-test"
+    home.mkdir(parents=True, exist_ok=True)
+    return {
+        "AIRFLOW_HOME": str(home),
+        "AIRFLOW_CONFIG": str(ROOT / "airflow.cfg"),
+        "DELAYWHEEL_HOME": str(ROOT),
+        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": (
+            f"postgresql+psycopg2://{parts.get('user', 'postgres')}@{parts.get('host', '127.0.0.1')}:"
+            f"{parts.get('port', '5432')}/{AIRFLOW_TEST_DB}"
+        ),
+        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+        "AIRFLOW__CORE__DAGS_FOLDER": str(ROOT / "dags"),
+        "AIRFLOW__CORE__PLUGINS_FOLDER": str(ROOT / "plugins"),
+        "AIRFLOW__CORE__UNIT_TEST_MODE": "False",
+    }
 
 
 def _with_db(url: str, dbname: str) -> str:
@@ -27,6 +54,20 @@ def _with_db(url: str, dbname: str) -> str:
 def server_url() -> str:
     """Admin URL of the server the tests use (the `postgres` database)."""
     return _with_db(database_url(Settings(database_url=os.environ.get("DELAYWHEEL_DATABASE_URL"))), "postgres")
+
+
+@pytest.fixture(scope="session")
+def airflow_db(server_url: str) -> dict[str, str]:
+    """A migrated Airflow metadata database for `dag.test()` runs; returns the environment it needs
+    (already applied to os.environ, so import Airflow only inside tests that use this fixture)."""
+    env = _airflow_env(server_url)
+    os.environ.update(env)
+    with psycopg.connect(server_url, autocommit=True) as conn:
+        if not conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (AIRFLOW_TEST_DB,)).fetchone():
+            conn.execute(f"CREATE DATABASE {AIRFLOW_TEST_DB}")
+    subprocess.run([sys.executable, "-m", "airflow", "db", "migrate"], check=True, env=os.environ.copy(),
+                   capture_output=True)
+    return env
 
 
 @pytest.fixture(scope="session")
@@ -73,3 +114,24 @@ def at(t: datetime, seconds: float) -> datetime:
 
 def dbname(url: str) -> str:
     return str(conninfo_to_dict(url)["dbname"])
+
+
+HOT_TABLES = ("level_queue", "wheel", "wheel_far", "topic_messages", "cancellations")
+
+
+def table_counts(store: Store) -> dict[str, int]:
+    """Rows in each hot table (through the partitioned parents): what a rejected send must leave at zero."""
+    return {
+        table: store.conn.execute(f"SELECT count(*) FROM delaywheel.{table}").fetchone()[0]  # type: ignore[index]
+        for table in HOT_TABLES
+    }
+
+
+def deliveries(store: Store, topic: str | None = None) -> list[tuple[int, datetime, datetime, str]]:
+    """(message_id, deliver_at, delivered_at, topic) of every delivery, in each topic's delivery order."""
+    rows = store.conn.execute(
+        "SELECT message_id, deliver_at, delivered_at, topic FROM delaywheel.topic_messages"
+        " WHERE %(topic)s::text IS NULL OR topic = %(topic)s ORDER BY topic, xid, queue_offset",
+        {"topic": topic},
+    ).fetchall()
+    return [(r[0], r[1], r[2], r[3]) for r in rows]

@@ -1,0 +1,129 @@
+"""Delay-level configuration: RocketMQ's `messageDelayLevel` format, env and airflow.cfg precedence,
+and due times fixed at enqueue so a changed table never moves a pending message."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+from pathlib import Path
+
+import pytest
+from conftest import at, deliveries
+
+from delaywheel import Settings, Store
+from delaywheel.config import DEFAULT_LEVELS, ConfigError, load_settings, parse_duration, parse_levels
+
+S = timedelta(seconds=1)
+M = timedelta(minutes=1)
+H = timedelta(hours=1)
+
+
+def test_default_table_is_rocketmqs() -> None:
+    levels = parse_levels(DEFAULT_LEVELS)
+    assert len(levels) == 18
+    assert levels[:4] == (1 * S, 5 * S, 10 * S, 30 * S)
+    assert levels[4:14] == tuple(n * M for n in range(1, 11))
+    assert levels[14:] == (20 * M, 30 * M, 1 * H, 2 * H)
+    assert Settings().levels == levels
+    assert Settings().max_level == 18
+    assert Settings().level_delay(18) == 2 * H
+
+
+def test_every_unit() -> None:
+    assert parse_levels("250ms 2s 3m 4h 5d") == (
+        timedelta(milliseconds=250), 2 * S, 3 * M, 4 * H, timedelta(days=5),
+    )
+    assert parse_levels("  1s\t\n10s  ") == (1 * S, 10 * S)
+
+
+@pytest.mark.parametrize(
+    ("text", "bad"),
+    [("1s 5x 10s", "5x"), ("1s s", "s"), ("1s -5s", "-5s"), ("1.5s", "1.5s"), ("1s 0s", "0s"), ("1S", "1S"), ("5 s", "5")],
+)
+def test_bad_token_is_named(text: str, bad: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_levels(text)
+    assert repr(bad) in str(info.value)
+
+
+def test_empty_table_is_refused() -> None:
+    with pytest.raises(ConfigError, match="empty"):
+        parse_levels("   ")
+
+
+def test_bad_duration_names_the_setting() -> None:
+    assert parse_duration("500ms", "x") == timedelta(milliseconds=500)
+    with pytest.raises(ConfigError, match="wheel_precision.*'fast'"):
+        parse_duration("fast", "wheel_precision")
+
+
+def test_precision_outside_range_is_refused() -> None:
+    with pytest.raises(ConfigError, match="wheel_precision"):
+        Settings(wheel_precision=timedelta(milliseconds=50))
+    with pytest.raises(ConfigError, match="wheel_precision"):
+        Settings(wheel_precision=timedelta(minutes=2))
+
+
+@pytest.fixture
+def clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """No delaywheel settings in the environment; AIRFLOW_CONFIG points at an empty temp file."""
+    for name in ("LEVELS", "MAX_BODY_BYTES", "WHEEL_PRECISION", "DATABASE_URL", "MAX_RECONSUME_TIMES",
+                 "BATCH_SIZE", "WHEEL_NEAR_WINDOW", "WHEEL_MAX_DELAY", "PAST_TOLERANCE", "TOPIC_RETENTION"):
+        monkeypatch.delenv(f"DELAYWHEEL_{name}", raising=False)
+        monkeypatch.delenv(f"AIRFLOW__DELAYWHEEL__{name}", raising=False)
+    cfg = tmp_path / "airflow.cfg"
+    cfg.write_text("[core]\nload_examples = False\n")
+    monkeypatch.setenv("AIRFLOW_CONFIG", str(cfg))
+    return cfg
+
+
+def test_defaults_without_configuration(clean_env: Path) -> None:
+    assert load_settings().levels == parse_levels(DEFAULT_LEVELS)
+
+
+def test_precedence_env_over_airflow_env_over_cfg(clean_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    clean_env.write_text("[delaywheel]\nlevels = 1m 2m\nmax_body_bytes = 1000\nwheel_precision = 100ms\n")
+    settings = load_settings()
+    assert settings.levels == (1 * M, 2 * M)
+    assert settings.max_body_bytes == 1000
+    assert settings.wheel_precision == timedelta(milliseconds=100)
+
+    monkeypatch.setenv("AIRFLOW__DELAYWHEEL__LEVELS", "1h")
+    assert load_settings().levels == (1 * H,)
+
+    monkeypatch.setenv("DELAYWHEEL_LEVELS", "3s 4s 5s")
+    assert load_settings().levels == (3 * S, 4 * S, 5 * S)
+    assert load_settings().max_body_bytes == 1000  # other settings still come from airflow.cfg
+
+
+def test_bad_level_string_from_each_source_names_the_token(clean_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    clean_env.write_text("[delaywheel]\nlevels = 1s 2q\n")
+    with pytest.raises(ConfigError, match="'2q'"):
+        load_settings()
+    monkeypatch.setenv("AIRFLOW__DELAYWHEEL__LEVELS", "1s 7y")
+    with pytest.raises(ConfigError, match="'7y'"):
+        load_settings()
+    monkeypatch.setenv("DELAYWHEEL_LEVELS", "1s 9z")
+    with pytest.raises(ConfigError, match="'9z'"):
+        load_settings()
+
+
+def test_bad_integer_setting_is_named(clean_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DELAYWHEEL_MAX_BODY_BYTES", "lots")
+    with pytest.raises(ConfigError, match="max_body_bytes.*'lots'"):
+        load_settings()
+
+
+def test_changing_the_table_does_not_move_pending_messages(db_url: str, t0: datetime) -> None:
+    """Due times are fixed at enqueue: a message sent at level 2 = 5s stays due at t0+5s after the
+    table changes to '1m 1h', and is neither delivered early nor held back to the new delay."""
+    with Store(db_url, Settings(levels=parse_levels("1s 5s"))) as old:
+        first = old.send("orders", {"n": 1}, delay_level=2, now=t0)
+        second = old.send("orders", {"n": 2}, delay_level=1, now=t0)
+    with Store(db_url, Settings(levels=parse_levels("1m 1h"))) as new:
+        assert new.deliver_level(2, now=at(t0, 4.999)).delivered == 0
+        result = new.deliver_level(2, now=at(t0, 5))
+        assert result.delivered == 1
+        assert new.deliver_level(1, now=at(t0, 1)).delivered == 1
+        rows = {mid: (due, done) for mid, due, done, _ in deliveries(new)}
+    assert rows[first][0] == at(t0, 5)
+    assert rows[second][0] == at(t0, 1)

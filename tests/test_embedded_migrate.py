@@ -1,0 +1,143 @@
+"""The embedded cluster's start/status/stop and the migration runner, against real PostgreSQL.
+
+Start/stop is exercised on a second cluster in a temp folder: the default cluster is shared by
+every test run and every helper on this machine, so it is never stopped here.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import tempfile
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+from conftest import dbname
+
+from delaywheel import embedded
+from delaywheel.migrate import SQL_DIR, MigrationError, available, current_version, migrate
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def second_cluster() -> Iterator[embedded.Cluster]:
+    """A cluster in a /tmp folder the `postgres` user can reach (pytest's tmp_path is 0700 as root)."""
+    root = Path(tempfile.mkdtemp(prefix="dw-embedded-", dir="/tmp"))
+    os.chmod(root, 0o755)
+    cluster = embedded.Cluster(root=root / "pg", port=_free_port())
+    try:
+        yield cluster
+    finally:
+        if embedded.status(cluster) == "running":
+            embedded.stop(cluster)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_start_status_stop_are_idempotent(second_cluster: embedded.Cluster) -> None:
+    assert embedded.status(second_cluster) == "absent"
+    assert embedded.stop(second_cluster) == "already stopped"
+
+    assert embedded.start(second_cluster) == second_cluster
+    assert embedded.status(second_cluster) == "running"
+    embedded.start(second_cluster)  # again: no error, same cluster
+    assert embedded.status(second_cluster) == "running"
+    with psycopg.connect(second_cluster.url("postgres")) as conn:
+        names = {r[0] for r in conn.execute("SELECT datname FROM pg_database")}
+    assert set(embedded.DATABASES) <= names
+
+    assert embedded.stop(second_cluster) == "stopped"
+    assert embedded.status(second_cluster) == "stopped"
+    assert embedded.stop(second_cluster) == "already stopped"
+    with pytest.raises(psycopg.OperationalError):
+        psycopg.connect(second_cluster.url("postgres"), connect_timeout=3)
+
+    embedded.start(second_cluster)  # restart keeps the data
+    assert embedded.status(second_cluster) == "running"
+    with psycopg.connect(second_cluster.url("delaywheel")) as conn:
+        assert conn.execute("SELECT 1").fetchone() == (1,)
+
+
+@pytest.fixture
+def empty_db(server_url: str) -> Iterator[str]:
+    """A database with no schema at all, for exercising the runner from scratch."""
+    name = f"dwmig_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(server_url, autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {name}")
+    yield psycopg.conninfo.make_conninfo(server_url, dbname=name)
+    with psycopg.connect(server_url, autocommit=True) as conn:
+        conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+@pytest.fixture
+def sql_copy(tmp_path: Path) -> Path:
+    """A private copy of sql/, so a test can change or add files without touching the project's."""
+    target = tmp_path / "sql"
+    shutil.copytree(SQL_DIR, target)
+    return target
+
+
+def _recorded(url: str) -> list[tuple[int, str]]:
+    with psycopg.connect(url) as conn:
+        return [(v, n) for v, n in conn.execute("SELECT version, name FROM delaywheel.schema_migrations ORDER BY 1")]
+
+
+def test_runner_applies_once_and_records_versions(empty_db: str, sql_copy: Path) -> None:
+    expected = [(m.version, m.path.name) for m in available(sql_copy)]
+    assert current_version(empty_db) == 0
+    assert migrate(empty_db, sql_copy) == [name for _, name in expected]
+    assert _recorded(empty_db) == expected
+    assert current_version(empty_db) == expected[-1][0]
+    assert migrate(empty_db, sql_copy) == []  # idempotent
+    assert _recorded(empty_db) == expected
+    with psycopg.connect(empty_db) as conn:
+        assert conn.execute("SELECT to_regclass('delaywheel.level_queue') IS NOT NULL").fetchone() == (True,)
+
+
+def test_runner_refuses_a_newer_schema(db_url: str) -> None:
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute("INSERT INTO delaywheel.schema_migrations (version, name, checksum) VALUES (999, '999_future.sql', 'x')")
+    with pytest.raises(MigrationError, match=r"version 999 .*newer than this code"):
+        migrate(db_url)
+
+
+def test_runner_refuses_a_changed_applied_file(empty_db: str, sql_copy: Path) -> None:
+    migrate(empty_db, sql_copy)
+    first = available(sql_copy)[0].path
+    first.write_text(first.read_text() + "\n-- edited after it was applied\n")
+    with pytest.raises(MigrationError, match=f"{first.name} changed after it was applied"):
+        migrate(empty_db, sql_copy)
+
+
+def test_a_failing_migration_applies_nothing_of_itself(empty_db: str, sql_copy: Path) -> None:
+    """Each file runs in its own transaction: a file that fails halfway leaves no table and no version."""
+    migrate(empty_db, sql_copy)
+    before = _recorded(empty_db)
+    newest = available(sql_copy)[-1].version
+    (sql_copy / f"{newest + 1:03d}_broken.sql").write_text(
+        "CREATE TABLE delaywheel.half_done (x int);\nSELECT 1/0;\n"
+    )
+    with pytest.raises(psycopg.errors.DivisionByZero):
+        migrate(empty_db, sql_copy)
+    assert _recorded(empty_db) == before
+    with psycopg.connect(empty_db) as conn:
+        assert conn.execute("SELECT to_regclass('delaywheel.half_done')").fetchone() == (None,)
+
+
+def test_badly_named_file_is_refused(sql_copy: Path) -> None:
+    (sql_copy / "4_no_padding.sql").write_text("SELECT 1;")
+    with pytest.raises(MigrationError, match="NNN_snake_case"):
+        available(sql_copy)
+
+
+def test_test_databases_are_migrated(db_url: str) -> None:
+    assert dbname(db_url).startswith("dwtest_")
+    assert current_version(db_url) == available()[-1].version
