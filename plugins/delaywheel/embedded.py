@@ -7,9 +7,11 @@ the `postgres` system user (created by Debian's packages) through `runuser`.
 from __future__ import annotations
 
 import glob
+import hashlib
 import os
 import pwd
 import shutil
+import socket
 import subprocess
 import time
 from dataclasses import dataclass
@@ -61,9 +63,42 @@ class Cluster:
         return f"postgresql://postgres@127.0.0.1:{self.port}/{database}"
 
 
+DEFAULT_PORT = 54329
+
+
 def default_cluster() -> Cluster:
-    root = Path(os.environ.get("DELAYWHEEL_PG_DIR", PROJECT_ROOT / ".delaywheel" / "pg"))
-    return Cluster(root=root, port=int(os.environ.get("DELAYWHEEL_PG_PORT", "54329")))
+    """The project's cluster: in `.delaywheel/pg`, or, when running as root in a folder the `postgres`
+    user cannot reach (e.g. under /root), in /var/tmp keyed by the project path. Its port is the first
+    free one from 54329, remembered in the cluster folder so later runs find it again."""
+    if "DELAYWHEEL_PG_DIR" in os.environ:
+        root = Path(os.environ["DELAYWHEEL_PG_DIR"])
+    elif os.geteuid() == 0 and not _reachable_by_others(PROJECT_ROOT):
+        digest = hashlib.sha256(str(PROJECT_ROOT).encode()).hexdigest()[:10]
+        root = Path("/var/tmp") / f"delaywheel-pg-{digest}"
+    else:
+        root = PROJECT_ROOT / ".delaywheel" / "pg"
+    if "DELAYWHEEL_PG_PORT" in os.environ:
+        return Cluster(root=root, port=int(os.environ["DELAYWHEEL_PG_PORT"]))
+    pid_file, port_file = root / "data" / "postmaster.pid", root / "port"
+    if pid_file.exists():  # a running (or crashed) server: its port is line 4
+        lines = pid_file.read_text().splitlines()
+        if len(lines) > 3 and lines[3].strip().isdigit():
+            return Cluster(root=root, port=int(lines[3]))
+    if port_file.exists():
+        return Cluster(root=root, port=int(port_file.read_text()))
+    return Cluster(root=root, port=_free_port(DEFAULT_PORT))
+
+
+def _reachable_by_others(path: Path) -> bool:
+    return all(os.stat(p).st_mode & 0o001 for p in [path, *path.parents])
+
+
+def _free_port(start: int) -> int:
+    for port in range(start, start + 100):
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", port)) != 0:
+                return port
+    raise EmbeddedError(f"no free port in {start}..{start + 99}; set DELAYWHEEL_PG_PORT")
 
 
 def find_bindir() -> Path:
@@ -128,6 +163,7 @@ def start(cluster: Cluster | None = None) -> Cluster:
     cluster = cluster or default_cluster()
     bindir = find_bindir()
     cluster.root.mkdir(parents=True, exist_ok=True)
+    (cluster.root / "port").write_text(str(cluster.port))
     _prepare_dirs(cluster)
     if not (cluster.data_dir / "PG_VERSION").exists():
         result = _run_as_owner(
