@@ -36,7 +36,13 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$sum" ]; then
   echo "setup: installing the pinned Python environment (requirements.lock; about 2 minutes the first time)"
   .venv/bin/pip install -q --upgrade "pip==26.3"
   .venv/bin/pip install -q -r requirements.lock
+  # The Spark provider pulls in pyspark-client (a subset of pyspark in the same folder, one release
+  # behind): reinstall pyspark last so its files are the ones that stay.
+  .venv/bin/pip install -q --no-deps --force-reinstall "$(grep '^pyspark==' requirements.lock)"
   .venv/bin/pip install -q --no-deps -e .
+  # The editable build leaves plugins/delaywheel.egg-info behind; Airflow puts plugins/ on sys.path, would
+  # read that copy's entry point too and report the delaywheel plugin as a duplicate import error.
+  rm -rf plugins/delaywheel.egg-info
   echo "$sum" > "$stamp"
 fi
 echo "setup: done (.venv ready; PostgreSQL, Java and JDBC driver present)"

@@ -71,13 +71,17 @@ def airflow_db(server_url: str) -> dict[str, str]:
 
 
 @pytest.fixture(scope="session")
-def template_db(server_url: str) -> str:
+def template_db(server_url: str) -> Iterator[str]:
+    """One migrated template per test session: several sessions share the cluster (helpers, CI), and a
+    shared name would let one session drop the template another is cloning from."""
+    name = f"{TEMPLATE}_{os.getpid()}"
     with psycopg.connect(server_url, autocommit=True) as conn:
-        conn.execute(f"DROP DATABASE IF EXISTS {TEMPLATE} WITH (FORCE)")
-        conn.execute(f"CREATE DATABASE {TEMPLATE}")
-    url = _with_db(server_url, TEMPLATE)
-    migrate(url)
-    return TEMPLATE
+        conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+        conn.execute(f"CREATE DATABASE {name}")
+    migrate(_with_db(server_url, name))
+    yield name
+    with psycopg.connect(server_url, autocommit=True) as conn:
+        conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
 
 
 @pytest.fixture

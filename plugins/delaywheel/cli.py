@@ -171,7 +171,7 @@ def cmd_retire(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
-    return run_demo(args.messages, json_output=args.json)
+    return run_demo(args.orders, timeout=args.timeout, period=args.period, json_output=args.json)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -237,8 +237,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_retire)
 
-    p = sub.add_parser("demo", help="the end-to-end demo (the README's first command)")
-    p.add_argument("--messages", type=int, default=3000)
+    p = sub.add_parser("demo", help="the order-timeout story end to end (the README's first command)")
+    p.add_argument("--orders", type=int, default=100_000, help="how many orders to place (default 100000)")
+    p.add_argument("--timeout", default="20s", help="payment timeout (production: 30m; default 20s for the demo)")
+    p.add_argument("--period", default="30s", help="place the orders over this long (default 30s)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_demo)
     return parser

@@ -1,42 +1,115 @@
-"""A small end-to-end run: send messages over several levels and wheel times, deliver them, report."""
+"""The README's main job: the order-timeout story, end to end, on the embedded default.
+
+Orders are placed over a period by the Spark order generator (each with its timeout message, in the
+same transaction); simulated customers pay (most on time, some late), cancel or abandon their carts;
+the deliverer delivers due timeouts; the sweep cancels unpaid orders and releases their stock; then
+the outcome is checked with Great Expectations and reported in words, figures and a chart.
+"""
 
 from __future__ import annotations
 
 import json
-import random
+import subprocess
+import sys
+import threading
 import time
-from datetime import timedelta
+from datetime import datetime
 
-from . import runner, stats
+from . import orders, runner
+from .config import PROJECT_ROOT, parse_duration
 from .migrate import migrate
 from .store import Store
-from .validation import Message
+
+REPORTS = PROJECT_ROOT / ".delaywheel" / "reports"
 
 
-def run_demo(count: int, *, json_output: bool = False) -> int:
+def _counts(store: Store) -> dict[str, int]:
+    rows = store.conn.execute("SELECT status, count(*) FROM shop.orders GROUP BY status").fetchall()
+    return {status: int(n) for status, n in rows}
+
+
+def _background(stop: threading.Event, url: str, errors: list[BaseException]) -> list[threading.Thread]:
+    """The deliverer, and the customers + sweep loop, each on its own connection."""
+
+    def deliver() -> None:
+        try:
+            with Store(url) as store:
+                runner.run(store, [*range(1, store.settings.max_level + 1), None], 24 * 3600, stop=stop)
+        except BaseException as exc:  # surfaced by the main thread
+            errors.append(exc)
+            stop.set()
+
+    def customers_and_sweep() -> None:
+        try:
+            with Store(url) as store:
+                while not stop.is_set():
+                    orders.act_customers(store)
+                    orders.sweep(store)
+                    stop.wait(0.1)
+                orders.sweep(store)
+        except BaseException as exc:
+            errors.append(exc)
+            stop.set()
+
+    threads = [threading.Thread(target=deliver, name="deliverer"),
+               threading.Thread(target=customers_and_sweep, name="customers+sweep")]
+    for thread in threads:
+        thread.start()
+    return threads
+
+
+def run_demo(n_orders: int, *, timeout: str = "20s", period: str = "30s", json_output: bool = False) -> int:
+    started_at = datetime.now().astimezone()
+    out = REPORTS / f"demo-{started_at:%Y%m%d-%H%M%S}"
+    out.mkdir(parents=True, exist_ok=True)
     store = Store()
-    print(f"store: {store.url}; migrations applied: {migrate(store.url) or 'none needed'}", flush=True)
+    applied = migrate(store.url)
     store.prepare()
-    started = store.clock()
-    rng = random.Random(42)
-    messages = [
-        Message("demo.orders", {"n": n}, delay_level=rng.randint(1, 3), key=f"demo-{n}") if n % 2 else
-        Message("demo.orders", {"n": n}, delay=timedelta(milliseconds=rng.randint(500, 8000)), key=f"demo-{n}")
-        for n in range(count)
-    ]
-    t = time.monotonic()
-    store.send_many(messages)
-    print(f"sent {count} messages (half on levels 1-3, half on the wheel, due within 10 s) "
-          f"in {time.monotonic() - t:.2f} s; delivering...", flush=True)
-    totals = runner.run(store, [1, 2, 3, None], 60, until_idle=True,
-                        progress=lambda tot: print(f"  delivered {tot.delivered}", flush=True), progress_every_s=2)
-    figures = stats.lateness(store.conn, started)
-    summary = {"sent": count, "delivered": totals.delivered, "early": figures["early"],
-               "lateness_p50_ms": round(1000 * (figures["p50_s"] or 0), 1),
-               "lateness_p99_ms": round(1000 * (figures["p99_s"] or 0), 1),
-               "lateness_max_ms": round(1000 * (figures["max_s"] or 0), 1)}
+    timeout_td = parse_duration(timeout, "--timeout")
+    print(f"store: {store.url} (migrations applied now: {', '.join(applied) or 'none needed'})", flush=True)
+    orders.reset(store, stock_per_sku=n_orders * 9 // orders.SKUS + 100)
+    stop, errors = threading.Event(), []
+    threads = _background(stop, store.url, errors)
+    clock_start = store.clock()
+    print(f"placing {n_orders} orders over {period} with a {timeout} payment timeout (Spark local[*]); "
+          f"Spark log: {out / 'order-generator.log'}", flush=True)
+    with open(out / "order-generator.log", "w") as log:
+        generator = subprocess.Popen(
+            [sys.executable, str(PROJECT_ROOT / "spark" / "order_generator.py"), "--db-url", store.url,
+             "--orders", str(n_orders), "--timeout", timeout, "--period", period],
+            stdout=subprocess.PIPE, stderr=log, text=True,
+        )
+        assert generator.stdout is not None
+        for line in generator.stdout:
+            print("  " + line.rstrip(), flush=True)
+        if generator.wait() != 0:
+            stop.set()
+            print(f"order generator failed (exit {generator.returncode}); see {out / 'order-generator.log'}")
+            return 1
+    # every planned customer action (late payments come up to 1.8 x timeout after placing) and every
+    # timeout must have happened before the outcome is judged
+    settle_by = time.monotonic() + 2.0 * timeout_td.total_seconds() + 10
+    while not stop.is_set():
+        counts = _counts(store)
+        open_plans = store.conn.execute("SELECT count(*) FROM shop.customer_plan WHERE NOT done AND action <> 'abandon'").fetchone()
+        print(f"  orders: {counts}; customer actions still to come: {open_plans[0] if open_plans else '?'}", flush=True)
+        if counts.get("pending", 0) == 0 and open_plans and open_plans[0] == 0:
+            break
+        if time.monotonic() > settle_by:
+            print("  still unsettled after the expected time: reporting what there is", flush=True)
+            break
+        time.sleep(5)
+    stop.set()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    from .order_quality import verify
+
+    result = verify(store, out, since=clock_start)
     store.close()
-    print(json.dumps(summary) if json_output else
-          f"delivered {summary['delivered']}/{count}, early {summary['early']}, lateness p50 "
-          f"{summary['lateness_p50_ms']} ms, p99 {summary['lateness_p99_ms']} ms, max {summary['lateness_max_ms']} ms")
-    return 0 if totals.delivered == count and figures["early"] == 0 else 1
+    summary = {"orders": n_orders, **result.summary, "report": str(out / "report.html")}
+    print(json.dumps(summary, default=str, indent=2) if json_output else result.text, flush=True)
+    print(f"\nreport: {out / 'report.html'}")
+    return 0 if result.success else 1
+

@@ -8,14 +8,41 @@ COMMIT leaves queue, topics and checkpoint as they were; after COMMIT, all three
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 
 import psycopg
 
+from .db import COMMIT_HORIZON
 from .partitions import PartitionCache
 
 LEVEL_LOCK = 0x64770010  # advisory lock class for levels (second key: the level)
+
+
+@dataclass(frozen=True)
+class TopicSpan:
+    """What delivery wrote into one topic: consumers read in (xid, queue_offset) order, so `first` and `last`
+    bound the batch exactly (the Airflow operators put them in the topic's Asset event)."""
+
+    count: int
+    first: tuple[str, int]  # (xid, queue_offset) of the first message written
+    last: tuple[str, int]
+
+    def merge(self, later: TopicSpan) -> TopicSpan:
+        return TopicSpan(self.count + later.count, self.first, later.last)
+
+
+# Per topic, what the `moved` CTE (RETURNING topic, queue_offset, xid) wrote: {topic: [count, xid, first, last]}.
+TOPIC_SUMMARY = """
+    SELECT coalesce(jsonb_object_agg(topic, jsonb_build_array(n, x, lo, hi)), '{}'::jsonb)
+    FROM (SELECT topic, count(*) AS n, min(xid::text) AS x, min(queue_offset) AS lo, max(queue_offset) AS hi
+          FROM moved GROUP BY topic) s
+"""
+
+
+def topic_spans(summary: dict[str, list]) -> dict[str, TopicSpan]:
+    """TOPIC_SUMMARY's value as spans (one pass is one transaction: one xid per topic)."""
+    return {t: TopicSpan(int(n), (x, int(lo)), (x, int(hi))) for t, (n, x, lo, hi) in summary.items()}
 
 
 @dataclass(frozen=True)
@@ -27,6 +54,7 @@ class PassResult:
     next_due: datetime | None  # head of the queue after this pass; None when it is empty
     busy: bool = False  # another deliverer holds this level
     more: bool = False  # the batch limit stopped the pass while due messages remained
+    topics: dict[str, TopicSpan] = field(default_factory=dict)  # what this pass wrote, per topic
 
 
 _DELIVER = """
@@ -49,12 +77,13 @@ moved AS (
     FROM due d
     WHERE NOT EXISTS (SELECT 1 FROM delaywheel.cancellations c WHERE c.message_id = d.id AND c.due_at = d.deliver_at)
     ORDER BY xid, id
-    RETURNING 1
+    RETURNING topic, queue_offset, xid
 )
 SELECT (SELECT count(*) FROM moved),
        (SELECT count(*) FROM due),
        (SELECT count(*) FROM batch),
-       (SELECT ARRAY[xid::text, id::text] FROM due ORDER BY xid DESC, id DESC LIMIT 1)
+       (SELECT ARRAY[xid::text, id::text] FROM due ORDER BY xid DESC, id DESC LIMIT 1),
+       (""" + TOPIC_SUMMARY + """)
 """
 
 
@@ -69,7 +98,7 @@ def deliver_level(
     """Deliver the due head of one level's queue; see the module docstring for the guarantees."""
     with conn.transaction():
         row = conn.execute(
-            "SELECT pg_try_advisory_xact_lock(%s, %s), pg_snapshot_xmin(pg_current_snapshot())::text,"
+            f"SELECT pg_try_advisory_xact_lock(%s, %s), {COMMIT_HORIZON}::text,"
             " coalesce(%s::timestamptz, clock_timestamp())",
             (LEVEL_LOCK, level, now),
         ).fetchone()
@@ -85,7 +114,7 @@ def deliver_level(
             "SELECT cursor_xid::text, cursor_id FROM delaywheel.level_checkpoint WHERE level = %s", (level,)
         ).fetchone()
         assert cursor is not None
-        moved, due, scanned, last = conn.execute(  # type: ignore[misc]
+        moved, due, scanned, last, summary = conn.execute(  # type: ignore[misc]
             _DELIVER,
             {"now": clock, "injected": now, "level": level, "cxid": cursor[0], "cid": cursor[1], "xmin": xmin, "limit": limit},
         ).fetchone()
@@ -101,4 +130,5 @@ def deliver_level(
             " ORDER BY xid, id LIMIT 1",
             (level, cursor[0], cursor[1]),
         ).fetchone()
-    return PassResult(moved, due - moved, head[0] if head else None, more=scanned == limit and due == scanned)
+    return PassResult(moved, due - moved, head[0] if head else None, more=scanned == limit and due == scanned,
+                      topics=topic_spans(summary))

@@ -15,6 +15,7 @@ from typing import Any
 import psycopg
 
 from .config import Settings
+from .db import COMMIT_HORIZON
 from .partitions import PartitionCache
 from .producer import clock_and_ids, prepare, write_prepared
 from .validation import Message as OutgoingMessage
@@ -80,7 +81,7 @@ def pull(conn: psycopg.Connection, topic: str, group: str, max_messages: int = 1
                 LEFT JOIN delaywheel.consumer_offsets o ON o.grp = %(group)s AND o.topic = %(topic)s
                 WHERE t.topic = %(topic)s
                   AND (t.xid, t.queue_offset) > (coalesce(o.cursor_xid, '0'), coalesce(o.cursor_offset, 0))
-                  AND t.xid < pg_snapshot_xmin(pg_current_snapshot())
+                  AND t.xid < """ + COMMIT_HORIZON + """
                 ORDER BY t.xid, t.queue_offset
                 LIMIT %(limit)s
                 """,

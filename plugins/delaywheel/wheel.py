@@ -16,7 +16,8 @@ import psycopg
 from psycopg import errors
 
 from .config import Settings
-from .levels import PassResult
+from .db import COMMIT_HORIZON
+from .levels import TOPIC_SUMMARY, PassResult, topic_spans
 from .partitions import DAY, HOUR, PartitionCache, floor_to
 
 WHEEL_LOCK = (0x64770020, 0)
@@ -90,7 +91,7 @@ def advance_wheel(
         roll(conn, settings, cache, now)
     with conn.transaction():
         row = conn.execute(
-            "SELECT pg_try_advisory_xact_lock(%s, %s), pg_snapshot_xmin(pg_current_snapshot())::text,"
+            f"SELECT pg_try_advisory_xact_lock(%s, %s), {COMMIT_HORIZON}::text,"
             " coalesce(%s::timestamptz, clock_timestamp())",
             (*WHEEL_LOCK, now),
         ).fetchone()
@@ -110,12 +111,16 @@ def advance_wheel(
             "injected": now, "now": clock, "xmin": xmin, "horizon": horizon, "cursor_at": cursor_at,
             "cursor_id": cursor_id, "limit": limit,
         }
-        stragglers = conn.execute(_MOVE.format(rows=_STRAGGLERS), params).rowcount  # type: ignore[arg-type]
-        moved, due_count, last_at, last_id = conn.execute(  # type: ignore[misc]
-            f"WITH due AS ({_DUE}), moved AS ({_MOVE.format(rows='SELECT * FROM due')} RETURNING 1)"
+        stragglers, straggled = conn.execute(  # type: ignore[misc]
+            f"WITH moved AS ({_MOVE.format(rows=_STRAGGLERS)} RETURNING topic, queue_offset, xid)"
+            f" SELECT (SELECT count(*) FROM moved), ({TOPIC_SUMMARY})",
+            params,
+        ).fetchone()
+        moved, due_count, last_at, last_id, summary = conn.execute(  # type: ignore[misc]
+            f"WITH due AS ({_DUE}), moved AS ({_MOVE.format(rows='SELECT * FROM due')} RETURNING topic, queue_offset, xid)"
             " SELECT (SELECT count(*) FROM moved), (SELECT count(*) FROM due),"
             " (SELECT deliver_at FROM due ORDER BY deliver_at DESC, id DESC LIMIT 1),"
-            " (SELECT id FROM due ORDER BY deliver_at DESC, id DESC LIMIT 1)",
+            f" (SELECT id FROM due ORDER BY deliver_at DESC, id DESC LIMIT 1), ({TOPIC_SUMMARY})",
             params,
         ).fetchone()
         full = due_count == limit
@@ -137,4 +142,7 @@ def advance_wheel(
             """,
             {"at": new_at, "id": new_id, "clock": clock, "xmin": xmin},
         ).fetchone()
-    return PassResult(delivered, due_count - moved, head[0] if head else None, more=full)
+    topics = topic_spans(straggled)  # stragglers were written first, in the same transaction
+    for topic, span in topic_spans(summary).items():
+        topics[topic] = topics[topic].merge(span) if topic in topics else span
+    return PassResult(delivered, due_count - moved, head[0] if head else None, more=full, topics=topics)

@@ -1,0 +1,77 @@
+"""Template consumer: a DAG that runs whenever delaywheel delivers into a topic, and consumes it.
+
+Copy this file, set TOPIC and GROUP, and replace `handle()` with your processing.
+
+How it works:
+- The deliver DAG emits an Asset event for `delaywheel://topics/<topic>` when a deliver task that
+  delivered into the topic ends (its extra: count, lane and first/last (xid, queue_offset) of the batch).
+  This DAG is scheduled on that Asset, so Airflow starts a run after new deliveries.
+- The run does not trust the events for *what* to read: it pulls from the topic by consumer group
+  (the group's committed offset), handles the batch, acks it, and repeats until the topic is drained.
+  Events that arrive while a run is active, or while the DAG is paused, are therefore never a gap:
+  the next run starts from the group's offset, wherever the events say.
+- Delivery to consumers is at least once (a run that fails before `ack` is re-read by the next one):
+  make `handle()` idempotent on `message.idempotency_id`, the same across redeliveries and retries.
+- Messages whose id `handle()` returns are handed to RocketMQ's retry ladder (redelivered later into
+  `%RETRY%<group>`, which `pull` reads too) and after `max_reconsume_times` go to `%DLQ%<group>`.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime
+from typing import Any
+
+from airflow.sdk import DAG, Param, task
+
+from delaywheel.airflow.hooks import DelayWheelHook
+from delaywheel.airflow.operators import topic_asset
+from delaywheel.topics import Message
+
+TOPIC = "orders"  # the topic to consume
+GROUP = "orders-template"  # this consumer's group: each group gets every message; give each consumer its own
+
+log = logging.getLogger(__name__)  # task logs show it
+
+
+def handle(messages: list[Message]) -> set[int]:
+    """Process one batch; return the message_ids that failed (they are retried later). Replace this."""
+    for message in messages:
+        log.info("message %s (key %s, due %s): %r", message.idempotency_id, message.key, message.deliver_at,
+                 message.body)
+    return set()
+
+
+with DAG(
+    dag_id="delaywheel_consumer_template",
+    schedule=[topic_asset(TOPIC)],
+    start_date=datetime(2025, 1, 1),
+    catchup=False,
+    max_active_runs=1,  # one consumer of the group at a time keeps batches in order
+    doc_md=__doc__,
+    tags=["delaywheel", "consumer"],
+    params={
+        "batch_size": Param(500, type="integer", minimum=1, description="Messages per pull."),
+        "max_batches": Param(100, type="integer", minimum=1, description="Stop after this many batches."),
+    },
+):
+
+    @task
+    def consume(params: dict[str, Any], triggering_asset_events: Any = None) -> dict[str, Any]:
+        for asset, events in (triggering_asset_events or {}).items():
+            for event in events:
+                log.info("triggered by %s: %s", getattr(asset, "uri", asset), event.extra)
+        consumed = failed = batches = 0
+        with DelayWheelHook().get_store() as store:
+            while batches < int(params["max_batches"]):
+                batch = store.pull(TOPIC, GROUP, int(params["batch_size"]))
+                if not batch:
+                    break
+                failures = handle(batch.messages)
+                store.ack(batch, failures)  # commits the group's offset (and the retries) in one transaction
+                consumed += len(batch)
+                failed += len(failures)
+                batches += 1
+        return {"topic": TOPIC, "group": GROUP, "consumed": consumed, "failed": failed, "batches": batches}
+
+    consume()

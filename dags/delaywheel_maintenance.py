@@ -1,0 +1,83 @@
+"""delaywheel_maintenance: partitions ahead, delivered partitions retired, table sizes, vacuum.
+
+Hourly, because partitions are hourly (level queue, near wheel) and daily (topics, far wheel):
+- `prepare` creates the next hours' partitions so producers and deliverers never wait on DDL;
+- `retire` DROPs partitions whose messages are all delivered (and topic partitions past
+  `topic_retention`): whole-partition drops, never row DELETEs, so the hot tables do not bloat;
+- `table_sizes` reports every store table's size (partitions summed into their parent);
+- `vacuum` runs VACUUM (ANALYZE) on the tables that need it: the small, constantly updated ones
+  (checkpoints, wheel state, consumer offsets) collect dead rows; VACUUM cannot run inside a
+  transaction, hence an autocommit connection.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+from typing import Any
+
+from airflow.sdk import DAG, task
+
+from delaywheel.airflow.hooks import DelayWheelHook
+
+# A table is vacuumed once its dead rows pass both bounds (autovacuum's own rule, with smaller numbers:
+# these tables are tiny, but every delivery pass reads them).
+DEAD_ROWS_MIN = 1000
+DEAD_FRACTION = 0.2
+
+SIZES = """
+    SELECT coalesce(parent.relname, c.relname) AS "table", count(*) AS partitions,
+           sum(pg_total_relation_size(c.oid))::bigint AS bytes,
+           sum(coalesce(s.n_live_tup, 0))::bigint AS live_rows, sum(coalesce(s.n_dead_tup, 0))::bigint AS dead_rows
+    FROM pg_class c
+    JOIN pg_namespace n ON n.oid = c.relnamespace AND n.nspname = 'delaywheel'
+    LEFT JOIN pg_inherits i ON i.inhrelid = c.oid
+    LEFT JOIN pg_class parent ON parent.oid = i.inhparent
+    LEFT JOIN pg_stat_user_tables s ON s.relid = c.oid
+    WHERE c.relkind = 'r'
+    GROUP BY 1 ORDER BY 3 DESC
+"""
+NEEDS_VACUUM = """
+    SELECT relname FROM pg_stat_user_tables
+    WHERE schemaname = 'delaywheel' AND n_dead_tup >= %(min)s AND n_dead_tup >= %(fraction)s * greatest(n_live_tup, 1)
+    ORDER BY n_dead_tup DESC
+"""
+
+with DAG(
+    dag_id="delaywheel_maintenance",
+    schedule="@hourly",
+    start_date=datetime(2025, 1, 1),
+    catchup=False,
+    max_active_runs=1,
+    is_paused_upon_creation=False,
+    doc_md=__doc__,
+    tags=["delaywheel"],
+    default_args={"retries": 1, "retry_delay": timedelta(minutes=1)},
+):
+
+    @task
+    def prepare() -> None:
+        with DelayWheelHook().get_store() as store:
+            store.prepare()
+
+    @task
+    def retire() -> list[dict[str, Any]]:
+        with DelayWheelHook().get_store() as store:
+            retired = store.retire()
+        return [{"parent": r.parent, "partition": r.name, "rows": r.rows} for r in retired]
+
+    @task
+    def table_sizes() -> list[dict[str, Any]]:
+        with DelayWheelHook().get_store() as store:
+            cur = store.conn.execute(SIZES)
+            names = [d.name for d in cur.description or []]
+            return [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
+
+    @task
+    def vacuum() -> list[str]:
+        with DelayWheelHook().get_store() as store:
+            tables = [r[0] for r in store.conn.execute(NEEDS_VACUUM, {"min": DEAD_ROWS_MIN, "fraction": DEAD_FRACTION})]
+            for table in tables:  # store.conn is autocommit: VACUUM refuses to run in a transaction block
+                store.conn.execute(f'VACUUM (ANALYZE) delaywheel."{table}"')  # type: ignore[arg-type]
+        return tables
+
+    prepare() >> retire() >> table_sizes() >> vacuum()

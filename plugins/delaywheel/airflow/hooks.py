@@ -1,0 +1,105 @@
+"""`DelayWheelHook`: the store behind an Airflow connection (PostgreSQL, default id `delaywheel_default`).
+
+Built on the postgres provider's `PostgresHook`, so the connection is an ordinary Postgres connection
+(UI form, `AIRFLOW_CONN_DELAYWHEEL_DEFAULT=postgresql://...`, secrets backends). The store itself speaks
+psycopg 3, so the hook hands it a plain `postgresql://` URL rather than the SQLAlchemy one.
+
+Triggers run in the triggerer's event loop, where one blocking call stalls every other trigger: they use
+`aconnect()` / `next_due_async()` (psycopg's AsyncConnection, connection looked up with `aget_connection`).
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+import psycopg
+from airflow.providers.postgres.hooks.postgres import PostgresHook
+from sqlalchemy.engine import URL
+
+from delaywheel import Store, load_settings
+
+# When the head of one lane falls due, read without writing anything (sensors and triggers only look).
+# A level is FIFO with one delay, so its head is the first row after its checkpoint; the wheel's next due
+# time is the first row after its cursor, a far block's earliest row, or "now" while stragglers wait.
+LEVEL_HEAD = """
+    SELECT q.deliver_at FROM delaywheel.level_queue q
+    WHERE q.level = %(level)s
+      AND (q.xid, q.id) > (coalesce((SELECT cursor_xid FROM delaywheel.level_checkpoint WHERE level = %(level)s), '0'),
+                           coalesce((SELECT cursor_id FROM delaywheel.level_checkpoint WHERE level = %(level)s), 0))
+    ORDER BY q.xid, q.id LIMIT 1
+"""
+WHEEL_HEAD = """
+    SELECT least(
+        (SELECT w.deliver_at FROM delaywheel.wheel w, delaywheel.wheel_state s
+          WHERE w.deliver_at >= s.cursor_at AND (w.deliver_at, w.id) > (s.cursor_at, s.cursor_id)
+          ORDER BY w.deliver_at, w.id LIMIT 1),
+        (SELECT min(deliver_at) FROM delaywheel.wheel_far),
+        (SELECT clock_timestamp() WHERE EXISTS (
+            SELECT 1 FROM delaywheel.wheel w, delaywheel.wheel_state s
+            WHERE w.xid >= s.horizon_xid AND w.deliver_at <= s.cursor_at)))
+"""
+CLOCK = "SELECT clock_timestamp() + make_interval(secs => %(offset)s)"
+
+
+def head_query(level: int | None) -> tuple[str, dict[str, Any]]:
+    """The read-only query for a lane's next due time (`level=None` is the wheel)."""
+    return (WHEEL_HEAD, {}) if level is None else (LEVEL_HEAD, {"level": level})
+
+
+class DelayWheelHook(PostgresHook):
+    """The delaywheel store on an Airflow Postgres connection; `get_store()` is the Python API."""
+
+    conn_name_attr = "delaywheel_conn_id"
+    default_conn_name = "delaywheel_default"
+    hook_name = "delaywheel"
+
+    def __init__(self, delaywheel_conn_id: str = default_conn_name, **kwargs: Any) -> None:
+        super().__init__(delaywheel_conn_id=delaywheel_conn_id, **kwargs)  # DbApiHook sets self.delaywheel_conn_id
+
+    @staticmethod
+    def url_of(conn: Any) -> str:
+        """A psycopg 3 URL (`postgresql://user:pw@host:port/db?sslmode=...`) for an Airflow Connection."""
+        extra = {k: str(v) for k, v in conn.extra_dejson.items() if k not in PostgresHook.ignored_extra_options}
+        return URL.create(
+            "postgresql", username=conn.login or None, password=conn.password or None, host=conn.host or None,
+            port=int(conn.port) if conn.port else None, database=conn.schema or None, query=extra,
+        ).render_as_string(hide_password=False)
+
+    @property
+    def url(self) -> str:
+        return self.url_of(self.connection)
+
+    def get_store(self) -> Store:
+        """A Store on this connection with the settings from airflow.cfg / environment (one per thread)."""
+        return Store(self.url, load_settings())
+
+    def next_due(self, level: int | None, *, now_offset_s: float = 0.0) -> tuple[datetime | None, datetime]:
+        """(the lane's next due time or None, the database clock shifted by `now_offset_s`)."""
+        sql, params = head_query(level)
+        with psycopg.connect(self.url, autocommit=True, application_name="delaywheel-sensor") as conn:
+            head = conn.execute(sql, params).fetchone()  # type: ignore[arg-type]
+            clock = conn.execute(CLOCK, {"offset": now_offset_s}).fetchone()
+        assert clock is not None
+        return (head[0] if head else None), clock[0]
+
+    async def aurl(self) -> str:
+        """The URL, looked up without blocking the event loop (for triggers)."""
+        return self.url_of(await self.aget_connection(self.delaywheel_conn_id))
+
+    async def aconnect(self) -> psycopg.AsyncConnection:
+        """An autocommit AsyncConnection: LISTEN needs autocommit, and triggers never write."""
+        return await psycopg.AsyncConnection.connect(
+            await self.aurl(), autocommit=True, application_name="delaywheel-trigger"
+        )
+
+
+async def next_due_async(
+    conn: psycopg.AsyncConnection, level: int | None, now_offset_s: float
+) -> tuple[datetime | None, datetime]:
+    """`DelayWheelHook.next_due` on an open AsyncConnection."""
+    sql, params = head_query(level)
+    head = await (await conn.execute(sql, params)).fetchone()  # type: ignore[arg-type]
+    clock = await (await conn.execute(CLOCK, {"offset": now_offset_s})).fetchone()
+    assert clock is not None
+    return (head[0] if head else None), clock[0]

@@ -1,0 +1,250 @@
+"""Operators: deliver a level or advance the wheel for a lease, enqueue, cancel.
+
+`DeliverLevelOperator` / `AdvanceWheelOperator` stay alive for `lease_seconds` and run
+`delaywheel.runner.run` on their lane: deliver what is due, sleep exactly until the next due time
+(waking on a producer's NOTIFY), repeat. A task start costs Airflow about a second, so one task per
+due time could never give sub-second lateness; a lease amortises that start over many deliveries.
+Each pass is one transaction that moves the messages and the checkpoint together, and the runner stops
+only between passes, so the lease end, SIGTERM (`on_kill`) or a crash neither loses nor duplicates a
+delivery. A second task on the same lane (another run, another worker, another scheduler) gets the
+lane's advisory lock refused (`busy`) and just retries until the first one stops.
+
+Each topic delivered into gets one Asset event per task (`delaywheel://topics/<topic>`, through the
+`delaywheel_topics` alias because topics are only known at run time), its extra saying how many
+messages and which (xid, queue_offset) positions the batch spans. Airflow records outlet events when the
+task ends, so consumers scheduled on the Asset start after the lease, not per message.
+
+Nothing here touches the database, Spark or GX before `execute`: DAG parsing stays cheap.
+"""
+
+from __future__ import annotations
+
+import threading
+from datetime import datetime, timedelta
+from typing import Any
+from urllib.parse import quote
+
+from airflow.sdk import Asset, AssetAlias, BaseOperator, Context
+
+from delaywheel import Message, runner
+from delaywheel.levels import TopicSpan
+
+from .hooks import DelayWheelHook
+
+TOPICS_ALIAS = AssetAlias("delaywheel_topics")
+ASSET_PREFIX = "delaywheel://topics/"
+
+
+def topic_asset(topic: str) -> Asset:
+    """The Asset a topic's deliveries update; schedule a consumer DAG on it. Characters outside
+    A-Z a-z 0-9 . _ - (e.g. `%` and `|` of retry topics) are percent-encoded; name == uri, so
+    `Asset(uri)` written by hand in a DAG names the same asset."""
+    uri = ASSET_PREFIX + quote(topic, safe="")
+    return Asset(name=uri, uri=uri, group="delaywheel")
+
+
+def event_extra(topic: str, lane: str, span: TopicSpan) -> dict[str, Any]:
+    """An Asset event's extra: the batch's size and its first/last (xid, queue_offset) in the topic."""
+    return {
+        "topic": topic, "lane": lane, "count": span.count,
+        "first_xid": span.first[0], "first_offset": span.first[1],
+        "last_xid": span.last[0], "last_offset": span.last[1],
+    }
+
+
+class _LeaseOperator(BaseOperator):
+    """Runs the delivery loop on one lane for a lease; subclasses say which lane."""
+
+    template_fields: tuple[str, ...] = ("lease_seconds", "until_idle", "delaywheel_conn_id")
+    ui_color = "#d9f0e3"
+
+    def __init__(
+        self,
+        *,
+        lease_seconds: float | str = 300,
+        until_idle: bool | str = False,
+        delaywheel_conn_id: str = DelayWheelHook.default_conn_name,
+        emit_asset_events: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        if emit_asset_events:
+            kwargs.setdefault("outlets", [TOPICS_ALIAS])
+        super().__init__(**kwargs)
+        self.lease_seconds = lease_seconds
+        self.until_idle = until_idle
+        self.delaywheel_conn_id = delaywheel_conn_id
+        self.emit_asset_events = emit_asset_events
+        self._stop: threading.Event | None = None
+
+    def lane(self) -> runner.Lane:
+        raise NotImplementedError
+
+    def execute(self, context: Context) -> dict[str, Any]:
+        lane = self.lane()
+        lease = float(self.lease_seconds)
+        self._stop = threading.Event()
+        with DelayWheelHook(self.delaywheel_conn_id).get_store() as store:
+            if lane is not None and not 1 <= lane <= store.settings.max_level:
+                raise ValueError(f"level {lane} is not configured (1..{store.settings.max_level})")
+            self.log.info("delivering on %s for a lease of %.1fs", runner.lane_name(lane), lease)
+            totals = runner.run(
+                store, [lane], lease, stop=self._stop, until_idle=_truthy(self.until_idle),
+                progress=lambda t: self.log.info("delivered %d in %d passes (%d busy)", t.delivered, t.passes,
+                                                 t.busy_passes),
+            )
+        name = runner.lane_name(lane)
+        if self.emit_asset_events:
+            for topic, span in sorted(totals.per_topic.items()):
+                context["outlet_events"][TOPICS_ALIAS].add(topic_asset(topic), extra=event_extra(topic, name, span))
+        return {
+            "lane": name, "lease_seconds": lease, "stopped_early": self._stop.is_set(),
+            "delivered": totals.delivered, "skipped_cancelled": totals.skipped_cancelled,
+            "passes": totals.passes, "busy_passes": totals.busy_passes,
+            "topics": {t: event_extra(t, name, s) for t, s in sorted(totals.per_topic.items())},
+        }
+
+    def on_kill(self) -> None:
+        """SIGTERM: stop after the current pass (it commits or rolls back as a whole)."""
+        if self._stop is not None:
+            self._stop.set()
+
+
+class DeliverLevelOperator(_LeaseOperator):
+    """Deliver one delay level (RocketMQ's per-level DeliverDelayedMessageTimerTask) for a lease."""
+
+    template_fields = (*_LeaseOperator.template_fields, "level")
+
+    def __init__(self, *, level: int | str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.level = level
+
+    def lane(self) -> runner.Lane:
+        return int(self.level)
+
+
+class AdvanceWheelOperator(_LeaseOperator):
+    """Advance the timing wheel (deliver every due slot, roll far blocks in) for a lease."""
+
+    def lane(self) -> runner.Lane:
+        return None
+
+
+class EnqueueOperator(BaseOperator):
+    """Send messages: one (`topic`, `body`, ...) or many (`messages`, dicts with the same keys).
+
+    At most one of `delay_level`, `delay_seconds`, `deliver_at` (ISO 8601 string or datetime) per message.
+    All or nothing: one invalid message fails the task and nothing is written. Returns the message ids.
+    """
+
+    template_fields = ("topic", "body", "messages", "delay_level", "delay_seconds", "deliver_at", "key", "tags",
+                       "properties", "delaywheel_conn_id")
+
+    def __init__(
+        self,
+        *,
+        topic: str | None = None,
+        body: Any = None,
+        messages: list[dict[str, Any]] | str | None = None,
+        delay_level: int | str | None = None,
+        delay_seconds: float | str | None = None,
+        deliver_at: datetime | str | None = None,
+        key: str | None = None,
+        tags: str | None = None,
+        properties: dict[str, str] | None = None,
+        delaywheel_conn_id: str = DelayWheelHook.default_conn_name,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        if (topic is None) == (messages is None):
+            raise ValueError("EnqueueOperator needs exactly one of topic=... (one message) or messages=[...]")
+        self.topic, self.body, self.messages = topic, body, messages
+        self.delay_level, self.delay_seconds, self.deliver_at = delay_level, delay_seconds, deliver_at
+        self.key, self.tags, self.properties = key, tags, properties
+        self.delaywheel_conn_id = delaywheel_conn_id
+
+    def _items(self) -> list[dict[str, Any]]:
+        if self.messages is not None:
+            if not isinstance(self.messages, list):
+                raise TypeError(f"messages must render to a list of dicts, got {type(self.messages).__name__}")
+            return self.messages
+        return [{"topic": self.topic, "body": self.body, "delay_level": self.delay_level,
+                 "delay_seconds": self.delay_seconds, "deliver_at": self.deliver_at, "key": self.key,
+                 "tags": self.tags, "properties": self.properties}]
+
+    def execute(self, context: Context) -> list[int]:
+        batch = [_message(item) for item in self._items()]
+        with DelayWheelHook(self.delaywheel_conn_id).get_store() as store:
+            ids = store.send_many(batch)
+        self.log.info("enqueued %d message(s), ids %s..%s", len(ids), ids[0] if ids else "-", ids[-1] if ids else "-")
+        return ids
+
+
+def _message(item: dict[str, Any]) -> Message:
+    unknown = set(item) - {"topic", "body", "delay_level", "delay_seconds", "deliver_at", "key", "tags", "properties"}
+    if unknown:
+        raise ValueError(f"unknown message field(s) {sorted(unknown)}")
+    level, seconds, at = item.get("delay_level"), item.get("delay_seconds"), item.get("deliver_at")
+    return Message(
+        topic=item.get("topic"),  # type: ignore[arg-type]  # validated by the store, with a clear error
+        body=item.get("body"),
+        delay_level=None if level in (None, "") else int(level),
+        delay=None if seconds in (None, "") else timedelta(seconds=float(seconds)),
+        deliver_at=datetime.fromisoformat(at) if isinstance(at, str) and at else at or None,
+        key=item.get("key") or None,
+        tags=item.get("tags") or None,
+        properties=dict(item.get("properties") or {}),
+    )
+
+
+class CancelOperator(BaseOperator):
+    """Cancel pending messages by `message_id`, `key`, `keys` (list) or `where` (trusted SQL predicate over
+    id, deliver_at, key, topic, tags, properties, lane, level).
+
+    `max_matches` guards bulk cancels: if more pending messages match, the task fails and cancels nothing.
+    Returns `{"cancelled": n, "results": [...]}` (results per message for id/key).
+    """
+
+    template_fields = ("message_id", "key", "keys", "where", "reason", "max_matches", "delaywheel_conn_id")
+
+    def __init__(
+        self,
+        *,
+        message_id: int | str | None = None,
+        key: str | None = None,
+        keys: list[str] | str | None = None,
+        where: str | None = None,
+        reason: str = "cancelled from Airflow",
+        max_matches: int | str | None = None,
+        delaywheel_conn_id: str = DelayWheelHook.default_conn_name,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        if sum(x is not None for x in (message_id, key, keys, where)) != 1:
+            raise ValueError("CancelOperator needs exactly one of message_id, key, keys, where")
+        self.message_id, self.key, self.keys, self.where = message_id, key, keys, where
+        self.reason, self.max_matches = reason, max_matches
+        self.delaywheel_conn_id = delaywheel_conn_id
+
+    def execute(self, context: Context) -> dict[str, Any]:
+        with DelayWheelHook(self.delaywheel_conn_id).get_store() as store:
+            if self.message_id is not None or self.key is not None:
+                results = store.cancel(message_id=None if self.message_id is None else int(self.message_id),
+                                       key=self.key, reason=self.reason)
+                summary = {"cancelled": sum(r.outcome == "cancelled" for r in results),
+                           "results": [{"message_id": r.message_id, "outcome": r.outcome} for r in results]}
+            else:
+                keys = [self.keys] if isinstance(self.keys, str) else self.keys
+                if self.max_matches not in (None, ""):
+                    matching = store.count_matching(keys=keys, where=self.where)
+                    if matching > int(self.max_matches):  # type: ignore[arg-type]
+                        raise ValueError(f"{matching} pending messages match, more than max_matches={self.max_matches};"
+                                         " nothing cancelled")
+                summary = {"cancelled": store.cancel_matching(keys=keys, where=self.where, reason=self.reason),
+                           "results": []}
+        self.log.info("cancelled %d message(s)", summary["cancelled"])
+        return summary
+
+
+def _truthy(value: bool | str) -> bool:
+    """A templated flag: Jinja renders `{{ params.x }}` to 'True'/'False' strings."""
+    return value if isinstance(value, bool) else str(value).strip().lower() in ("1", "true", "yes", "on")

@@ -1,0 +1,80 @@
+"""`DueMessagesTrigger`: waits in the triggerer (no worker slot held) until a lane has a message due.
+
+The wait is RocketMQ's countdown: sleep until the lane's head falls due, but LISTEN on the producers'
+channel, where every enqueue announces its earliest due time, and look again when an announced time is
+sooner than the head we wait for (an empty level, or the wheel getting a nearer message). A NOTIFY can be
+missed (e.g. across a reconnect), so the wait never exceeds `poll_interval` before looking again.
+The trigger only reads: running it twice, or in two triggerers, changes nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from datetime import datetime
+from typing import Any
+
+from airflow.triggers.base import BaseTrigger, TriggerEvent
+
+from delaywheel.producer import NOTIFY_CHANNEL
+
+from .hooks import DelayWheelHook, next_due_async
+
+
+def lane_label(level: int | None) -> str:
+    return "wheel" if level is None else f"level {level}"
+
+
+class DueMessagesTrigger(BaseTrigger):
+    """Fires once `level`'s head (or, with `level=None`, the wheel's next message) is due.
+
+    `now_offset_s` shifts the database clock the trigger compares with, so tests can make a future
+    message due without waiting; production leaves it at 0 (all workers share the database's clock).
+    """
+
+    def __init__(
+        self,
+        level: int | None = None,
+        delaywheel_conn_id: str = DelayWheelHook.default_conn_name,
+        poll_interval: float = 5.0,
+        now_offset_s: float = 0.0,
+    ) -> None:
+        super().__init__()
+        self.level = level
+        self.delaywheel_conn_id = delaywheel_conn_id
+        self.poll_interval = poll_interval
+        self.now_offset_s = now_offset_s
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return (
+            f"{type(self).__module__}.{type(self).__qualname__}",
+            {
+                "level": self.level,
+                "delaywheel_conn_id": self.delaywheel_conn_id,
+                "poll_interval": self.poll_interval,
+                "now_offset_s": self.now_offset_s,
+            },
+        )
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        hook = DelayWheelHook(self.delaywheel_conn_id)
+        async with await hook.aconnect() as conn:
+            await conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
+            while True:
+                head, clock = await next_due_async(conn, self.level, self.now_offset_s)
+                if head is not None and head <= clock:
+                    yield TriggerEvent({"lane": lane_label(self.level), "due_at": head.isoformat(),
+                                        "checked_at": clock.isoformat()})
+                    return
+                wait = self.poll_interval if head is None else min(self.poll_interval, (head - clock).total_seconds())
+                self.log.debug("%s: next due %s, waiting up to %.3fs", lane_label(self.level), head, wait)
+                await _sleep_or_sooner(conn, wait, head)
+
+
+async def _sleep_or_sooner(conn: Any, seconds: float, head: datetime | None) -> None:
+    """Wait `seconds`, returning early when a producer announces a message due before `head`."""
+    deadline = asyncio.get_running_loop().time() + seconds
+    while (remaining := deadline - asyncio.get_running_loop().time()) > 0:
+        async for notice in conn.notifies(timeout=remaining):
+            if head is None or float(notice.payload) < head.timestamp():
+                return

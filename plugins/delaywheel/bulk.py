@@ -1,0 +1,260 @@
+"""Bulk enqueue of rows from files or queries (the Spark job's writer; nothing here imports Spark).
+
+Each input row is turned into a `Message` by a column mapping and checked by the same rules as `send`
+(`producer.prepare`); good rows are written by the producer's COPY path, bad rows go to
+`delaywheel.quarantine` with the rule's reason, the source file and the row number. A chunk is one
+transaction: ids, idempotency claims, the COPY and the quarantine rows commit together, so a retried
+Spark task or a re-run of the same input enqueues nothing twice (claims are keyed by (source, key)).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Literal
+
+import psycopg
+
+from .config import Settings
+from .partitions import PartitionCache
+from .producer import Prepared, clock_and_ids, prepare, write_prepared
+from .validation import InvalidMessage, Message
+
+BodyFormat = Literal["json", "text", "bytes"]
+FILE_COLUMN = "_file"  # the source file of a row (added by the reader)
+ROW_COLUMN = "_row"  # its 1-based record number within that file
+CORRUPT_COLUMN = "_corrupt_record"  # set by Spark's PERMISSIVE readers for unparsable records
+DELAY_FIELDS = ("delay_level", "delay_ms", "deliver_at")
+FIELDS = ("topic", "key", "body", "tags", "properties", *DELAY_FIELDS)
+_INTEGER = re.compile(r"^[+-]?\d+$")
+
+
+@dataclass(frozen=True)
+class ColumnMap:
+    """Which input column feeds which message field; `topic` may instead be fixed for every row."""
+
+    columns: dict[str, str] = field(default_factory=dict)  # message field -> input column
+    default_topic: str | None = None
+    body_format: BodyFormat = "json"
+
+    @classmethod
+    def parse(cls, text: str, default_topic: str | None = None, body_format: BodyFormat = "json") -> ColumnMap:
+        """'topic=t,key=order_id,body=payload,delay_level=lvl' -> ColumnMap; unmapped fields default to
+        the input column of the same name when the reader has one (see `with_defaults`)."""
+        columns: dict[str, str] = {}
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            name, sep, column = part.partition("=")
+            if not sep or name.strip() not in FIELDS or not column.strip():
+                raise ValueError(f"column mapping {part!r}: expected FIELD=COLUMN with FIELD in {', '.join(FIELDS)}")
+            columns[name.strip()] = column.strip()
+        return cls(columns, default_topic, body_format)
+
+    def with_defaults(self, available: Iterable[str]) -> ColumnMap:
+        """Map each unmapped field to the input column of the same name, if there is one (a delay field
+        only when no delay field was mapped explicitly); fail now, not per row, on a mapping that cannot work."""
+        present = set(available)
+        explicit_delay = any(f in self.columns for f in DELAY_FIELDS)
+        auto = {f: f for f in FIELDS if f in present and f not in self.columns
+                and not (explicit_delay and f in DELAY_FIELDS)}
+        columns = auto | self.columns
+        missing = sorted(c for c in columns.values() if c not in present)
+        if missing:
+            raise ValueError(f"column mapping names columns the input does not have: {', '.join(missing)}")
+        if "topic" not in columns and self.default_topic is None:
+            raise ValueError("no topic: map a topic column (topic=COLUMN) or give a fixed topic")
+        return ColumnMap(columns, self.default_topic, self.body_format)
+
+    @property
+    def input_columns(self) -> list[str]:
+        return sorted(set(self.columns.values()))
+
+
+@dataclass
+class Counts:
+    """What a chunk (or a whole job, summed) did; `rejected` rows are in the quarantine."""
+
+    rows: int = 0
+    enqueued: int = 0
+    skipped: int = 0  # already enqueued by an earlier run (or earlier in this input): idempotency
+    rejected: int = 0
+    reasons: Counter[str] = field(default_factory=Counter)
+
+    def add(self, other: Counts) -> Counts:
+        self.rows += other.rows
+        self.enqueued += other.enqueued
+        self.skipped += other.skipped
+        self.rejected += other.rejected
+        self.reasons.update(other.reasons)
+        return self
+
+    def as_rows(self) -> list[tuple[str, str, int]]:
+        """(kind, reason, n) triples: the shape the Spark job collects from its partitions."""
+        rows = [("rows", "", self.rows), ("enqueued", "", self.enqueued), ("skipped", "", self.skipped)]
+        return rows + [("rejected", reason, n) for reason, n in self.reasons.items()]
+
+    @classmethod
+    def from_rows(cls, rows: Iterable[tuple[str, str, int]]) -> Counts:
+        total = cls()
+        for kind, reason, n in rows:
+            if kind == "rejected":
+                total.rejected += n
+                total.reasons[reason] += n
+            else:
+                setattr(total, kind, getattr(total, kind) + n)
+        return total
+
+
+def _coerce_body(value: object, body_format: BodyFormat) -> object:
+    if body_format == "bytes" and isinstance(value, str):
+        return value.encode()
+    if body_format == "json" and isinstance(value, str):
+        try:
+            return json.loads(value)
+        except ValueError as exc:
+            raise InvalidMessage("bad_body", f"body is not valid JSON text: {exc}") from None
+    return value
+
+
+def _coerce_properties(value: object) -> object:
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except ValueError:
+            raise InvalidMessage("bad_properties", "properties must be a JSON object of strings to strings") from None
+    if isinstance(value, list) and all(isinstance(kv, tuple) and len(kv) == 2 for kv in value):
+        return dict(value)  # an Arrow map arrives as a list of (key, value) pairs
+    return value
+
+
+def _coerce_number(value: object, kind: type) -> object:
+    """Text from CSV becomes a number when it is one; anything else goes to the rule unchanged, so the
+    rule (not this mapping) names what is wrong with it."""
+    if isinstance(value, str):
+        text = value.strip()
+        if kind is int and _INTEGER.match(text):
+            return int(text)
+        if kind is float:
+            try:
+                return float(text)
+            except ValueError:
+                return value
+    if kind is int and isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+def _coerce_instant(value: object) -> object:
+    if isinstance(value, str):
+        try:
+            return datetime.fromisoformat(value.strip().replace("Z", "+00:00"))
+        except ValueError:
+            return value
+    return value
+
+
+def to_message(row: Mapping[str, Any], mapping: ColumnMap) -> Message:
+    """Build the Message a row describes; raises InvalidMessage for values no rule could even look at."""
+    if row.get(CORRUPT_COLUMN) is not None:
+        raise InvalidMessage("malformed_record", f"the reader could not parse this record: {row[CORRUPT_COLUMN]!r}")
+
+    def get(name: str) -> Any:
+        column = mapping.columns.get(name)
+        return None if column is None else row.get(column)
+
+    topic = get("topic") if "topic" in mapping.columns else mapping.default_topic
+    key = get("key")
+    if isinstance(key, int) and not isinstance(key, bool):
+        key = str(key)  # numeric business keys (order ids) are keys too
+    body = _coerce_body(get("body"), mapping.body_format)
+    properties = _coerce_properties(get("properties"))
+    return Message(
+        topic=topic,
+        body=body,
+        delay_level=_coerce_number(get("delay_level"), int),
+        delay=_coerce_number(get("delay_ms"), float),
+        deliver_at=_coerce_instant(get("deliver_at")),
+        key=key,
+        tags=get("tags"),
+        properties=properties,  # type: ignore[arg-type]  # the rule checks it
+    )
+
+
+def _raw(row: Mapping[str, Any]) -> str:
+    return json.dumps({k: v for k, v in row.items() if k not in (FILE_COLUMN, ROW_COLUMN)}, default=str)
+
+
+@dataclass(frozen=True)
+class _Bad:
+    source_file: str
+    row_number: int
+    reason: str
+    detail: str
+    raw: str
+
+
+def write_chunk(
+    conn: psycopg.Connection,
+    settings: Settings,
+    cache: PartitionCache,
+    rows: list[dict[str, Any]],
+    mapping: ColumnMap,
+    source: str,
+    *,
+    now: datetime | None = None,
+) -> Counts:
+    """Validate and write one chunk of input rows in one transaction (see the module docstring)."""
+    counts = Counts(rows=len(rows))
+    if not rows:
+        return counts
+    with conn.transaction():
+        clock, ids = clock_and_ids(conn, len(rows), now)
+        good: list[tuple[int, Prepared, str]] = []
+        bad: list[_Bad] = []
+        for message_id, row in zip(ids, rows, strict=True):
+            file, number = str(row[FILE_COLUMN]), int(row[ROW_COLUMN])
+            try:
+                prepared = prepare(to_message(row, mapping), clock, settings)
+            except InvalidMessage as exc:
+                bad.append(_Bad(file, number, exc.reason, str(exc), _raw(row)))
+                continue
+            good.append((message_id, prepared, prepared.key or f"{file}#{number}"))
+        claimed = _claim(conn, source, good)
+        fresh = [(i, p) for i, p, _ in good if i in claimed]
+        write_prepared(conn, cache, fresh, clock)
+        _quarantine(conn, source, bad)
+    counts.enqueued = len(fresh)
+    counts.skipped = len(good) - len(fresh)
+    counts.rejected = len(bad)
+    counts.reasons.update(b.reason for b in bad)
+    return counts
+
+
+def _claim(conn: psycopg.Connection, source: str, good: list[tuple[int, Prepared, str]]) -> set[int]:
+    """Claim (source, key) for each row; returns the ids whose claim is new. A key claimed by a concurrent
+    transaction waits for it to finish, then counts as taken: no two writers enqueue the same key."""
+    if not good:
+        return set()
+    cur = conn.execute(
+        "INSERT INTO delaywheel.idempotency (source, key, message_id)"
+        " SELECT %s, k, i FROM unnest(%s::text[], %s::int8[]) AS u(k, i)"
+        " ON CONFLICT DO NOTHING RETURNING message_id",
+        (source, [k for _, _, k in good], [i for i, _, _ in good]),
+    )
+    return {r[0] for r in cur.fetchall()}
+
+
+def _quarantine(conn: psycopg.Connection, source: str, bad: list[_Bad]) -> None:
+    if not bad:
+        return
+    conn.execute(
+        "INSERT INTO delaywheel.quarantine (source, source_file, row_number, reason, detail, raw)"
+        " SELECT %s, * FROM unnest(%s::text[], %s::int8[], %s::text[], %s::text[], %s::text[])"
+        " ON CONFLICT DO NOTHING",
+        (source, [b.source_file for b in bad], [b.row_number for b in bad], [b.reason for b in bad],
+         [b.detail for b in bad], [b.raw for b in bad]),
+    )
+

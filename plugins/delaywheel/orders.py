@@ -1,0 +1,248 @@
+"""The order-timeout story: an order not paid within its timeout is cancelled and its stock released.
+
+Everything here is set-based (one transaction per chunk or batch, no per-row round trips) and is the
+single implementation used by the demo, the Spark order generator, the sweep DAG and the tests.
+Stock is conserved: initial = on_hand + reserved + sold (placing reserves, paying sells, cancelling releases).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+import psycopg
+
+from .store import Store
+from .topics import Batch
+from .validation import Message
+
+TOPIC = "shop.order-timeout"
+GROUP = "shop-sweeper"
+SKUS = 50
+
+
+def timer_key(order_id: int) -> str:
+    return f"order-{order_id}"
+
+
+@dataclass(frozen=True)
+class Mix:
+    """How simulated customers behave (fractions of orders)."""
+
+    pay_on_time: float = 0.75
+    pay_late: float = 0.08
+    customer_cancel: float = 0.05
+    # the rest abandon their cart and never pay
+
+
+@dataclass(frozen=True)
+class OrderPlan:
+    order_id: int
+    customer: str
+    lines: list[tuple[str, int]]
+    action: str  # pay | cancel | abandon
+    act_after: timedelta | None  # after placing; a late payment comes after the deadline
+
+
+def plan_orders(first_id: int, count: int, timeout: timedelta, mix: Mix = Mix(), seed: int = 7) -> list[OrderPlan]:
+    """Deterministic plans: the same ids and seed always give the same orders and behaviour."""
+    plans = []
+    for order_id in range(first_id, first_id + count):
+        rng = random.Random(seed * 1_000_003 + order_id)
+        lines = {f"sku-{rng.randrange(SKUS):03d}": rng.randint(1, 3) for _ in range(rng.randint(1, 3))}
+        draw = rng.random()
+        if draw < mix.pay_on_time:
+            action, after = "pay", timeout * rng.uniform(0.05, 0.9)
+        elif draw < mix.pay_on_time + mix.pay_late:
+            action, after = "pay", timeout * rng.uniform(1.3, 1.8)
+        elif draw < mix.pay_on_time + mix.pay_late + mix.customer_cancel:
+            action, after = "cancel", timeout * rng.uniform(0.05, 0.8)
+        else:
+            action, after = "abandon", None
+        plans.append(OrderPlan(order_id, f"customer-{rng.randrange(10_000)}", sorted(lines.items()), action, after))
+    return plans
+
+
+def reset(store: Store, stock_per_sku: int) -> None:
+    """Empty the demo's business tables, cancel timers left by an earlier run, restock every product."""
+    conn = store.conn
+    with conn.transaction():
+        store.cancel_matching(where=f"p.topic = '{TOPIC}'", reason="demo reset")
+        conn.execute("TRUNCATE shop.processed_messages, shop.customer_plan, shop.payments, shop.order_lines, shop.orders, shop.products")
+        conn.execute(
+            "INSERT INTO shop.products (sku, initial_stock, on_hand)"
+            " SELECT format('sku-%%s', lpad(n::text, 3, '0')), %(s)s, %(s)s FROM generate_series(0, %(k)s - 1) n",
+            {"s": stock_per_sku, "k": SKUS},
+        )
+
+
+def place_orders(store: Store, plans: list[OrderPlan], timeout: timedelta, *, now: datetime | None = None) -> int:
+    """Place orders and enqueue each one's timeout message in the same transaction."""
+    if not plans:
+        return 0
+    conn = store.conn
+    with conn.transaction():
+        placed = now or store.clock()
+        deadline = placed + timeout
+        ids = [p.order_id for p in plans]
+        conn.execute(
+            "INSERT INTO shop.orders (order_id, customer, placed_at, deadline)"
+            " SELECT unnest(%s::bigint[]), unnest(%s::text[]), %s, %s",
+            (ids, [p.customer for p in plans], placed, deadline),
+        )
+        line_orders, line_skus, line_qty = [], [], []
+        for p in plans:
+            for sku, qty in p.lines:
+                line_orders.append(p.order_id)
+                line_skus.append(sku)
+                line_qty.append(qty)
+        conn.execute(
+            "INSERT INTO shop.order_lines (order_id, sku, qty) SELECT unnest(%s::bigint[]), unnest(%s::text[]), unnest(%s::int[])",
+            (line_orders, line_skus, line_qty),
+        )
+        conn.execute(
+            """UPDATE shop.products p SET on_hand = p.on_hand - l.qty, reserved = p.reserved + l.qty
+               FROM (SELECT sku, sum(qty) AS qty FROM shop.order_lines WHERE order_id = ANY(%s) GROUP BY sku) l
+               WHERE p.sku = l.sku""",
+            (ids,),
+        )
+        conn.execute(
+            "INSERT INTO shop.customer_plan (order_id, action, act_at)"
+            " SELECT unnest(%s::bigint[]), unnest(%s::text[]), %s::timestamptz + unnest(%s::interval[])",
+            (ids, [p.action for p in plans], placed, [p.act_after for p in plans]),
+        )
+        message_ids = store.send_many(
+            [Message(TOPIC, {"order_id": p.order_id}, deliver_at=deadline, key=timer_key(p.order_id)) for p in plans],
+            now=placed,
+        )
+        conn.execute(
+            "UPDATE shop.orders o SET timeout_message_id = m.mid FROM unnest(%s::bigint[], %s::bigint[]) AS m(oid, mid)"
+            " WHERE o.order_id = m.oid",
+            (ids, message_ids),
+        )
+    return len(plans)
+
+
+def _lock_orders(conn: psycopg.Connection, order_ids: list[int]) -> None:
+    """Lock in ascending id order: the sweep and the customers then never deadlock each other."""
+    conn.execute("SELECT 1 FROM shop.orders WHERE order_id = ANY(%s) ORDER BY order_id FOR UPDATE", (order_ids,))
+
+
+def _release(conn: psycopg.Connection, order_ids: list[int], sell: bool) -> None:
+    """Move the orders' reserved stock to sold (paid) or back on hand (cancelled)."""
+    target = "sold" if sell else "on_hand"
+    conn.execute(
+        f"""UPDATE shop.products p SET reserved = p.reserved - l.qty, {target} = p.{target} + l.qty
+            FROM (SELECT sku, sum(qty) AS qty FROM shop.order_lines WHERE order_id = ANY(%s) GROUP BY sku) l
+            WHERE p.sku = l.sku""",  # type: ignore[arg-type]
+        (order_ids,),
+    )
+
+
+def pay(store: Store, payments: list[tuple[int, datetime]]) -> list[int]:
+    """Payments (order id, time paid) arrive: accepted for orders still pending whose deadline had not
+    passed when the customer paid (their timers are cancelled); refused otherwise (a refund), so the
+    outcome never depends on how late the sweep runs. Returns the ids accepted."""
+    conn = store.conn
+    order_ids = sorted(o for o, _ in payments)
+    with conn.transaction():
+        _lock_orders(conn, order_ids)
+        accepted = [r[0] for r in conn.execute(
+            """UPDATE shop.orders o SET status = 'paid', paid_at = p.at
+               FROM unnest(%s::bigint[], %s::timestamptz[]) AS p(id, at)
+               WHERE o.order_id = p.id AND o.status = 'pending' AND p.at < o.deadline RETURNING o.order_id""",
+            ([o for o, _ in payments], [t for _, t in payments])).fetchall()]
+        conn.execute(
+            "INSERT INTO shop.payments (order_id, paid_at, accepted)"
+            " SELECT p.id, p.at, p.id = ANY(%s) FROM unnest(%s::bigint[], %s::timestamptz[]) AS p(id, at)",
+            (accepted, [o for o, _ in payments], [t for _, t in payments]))
+        _release(conn, accepted, sell=True)
+        if accepted:
+            store.cancel_matching(keys=[timer_key(o) for o in accepted], reason="order paid")
+    return accepted
+
+
+def customer_cancel(store: Store, order_ids: list[int], *, now: datetime | None = None) -> list[int]:
+    conn = store.conn
+    with conn.transaction():
+        when = now or store.clock()
+        _lock_orders(conn, order_ids)
+        cancelled = [r[0] for r in conn.execute(
+            "UPDATE shop.orders SET status = 'cancelled_customer', cancelled_at = %s"
+            " WHERE order_id = ANY(%s) AND status = 'pending' RETURNING order_id", (when, order_ids)).fetchall()]
+        _release(conn, cancelled, sell=False)
+        if cancelled:
+            store.cancel_matching(keys=[timer_key(o) for o in cancelled], reason="cancelled by customer")
+    return cancelled
+
+
+def act_customers(store: Store, *, now: datetime | None = None) -> dict[str, int]:
+    """Carry out every planned customer action that has fallen due (the simulation's clock tick)."""
+    conn = store.conn
+    with conn.transaction():
+        when = now or store.clock()
+        due = conn.execute(
+            "UPDATE shop.customer_plan SET done = true WHERE order_id IN ("
+            " SELECT order_id FROM shop.customer_plan WHERE NOT done AND act_at <= %s FOR UPDATE SKIP LOCKED)"
+            " RETURNING order_id, action, act_at", (when,)).fetchall()
+        payers = [(o, at) for o, a, at in due if a == "pay"]
+        cancellers = sorted(o for o, a, _ in due if a == "cancel")
+        paid = pay(store, payers) if payers else []
+        cancelled = customer_cancel(store, cancellers, now=when) if cancellers else []
+    return {"payments": len(payers), "accepted": len(paid), "customer_cancels": len(cancelled)}
+
+
+@dataclass
+class SweepTotals:
+    batches: int = 0
+    messages: int = 0
+    cancelled: int = 0
+    duplicates: int = 0
+    per_batch: list[int] = field(default_factory=list)
+
+
+def apply_timeouts(conn: psycopg.Connection, batch: Batch) -> tuple[int, int]:
+    """One set-based transaction for a delivered batch: cancel the orders still unpaid and release their
+    stock; paid or already cancelled orders stay as they are; a message seen before changes nothing.
+    Returns (orders cancelled, messages already processed)."""
+    message_ids = [m.idempotency_id for m in batch.messages]
+    order_ids = [int(m.body["order_id"]) for m in batch.messages]
+    with conn.transaction():
+        fresh = conn.execute(
+            "SELECT m, o FROM unnest(%s::bigint[], %s::bigint[]) AS t(m, o)"
+            " WHERE NOT EXISTS (SELECT 1 FROM shop.processed_messages p WHERE p.message_id = t.m)",
+            (message_ids, order_ids),
+        ).fetchall()
+        _lock_orders(conn, sorted({o for _, o in fresh}))
+        # only the order's own timer cancels it: a stray message (another run, a replay) changes nothing
+        cancelled = [r[0] for r in conn.execute(
+            """UPDATE shop.orders o SET status = 'cancelled_timeout', cancelled_at = clock_timestamp()
+               FROM unnest(%s::bigint[], %s::bigint[]) AS t(m, o)
+               WHERE o.order_id = t.o AND o.timeout_message_id = t.m AND o.status = 'pending'
+               RETURNING o.order_id""",
+            ([m for m, _ in fresh], [o for _, o in fresh])).fetchall()]
+        _release(conn, cancelled, sell=False)
+        conn.execute(
+            "INSERT INTO shop.processed_messages (message_id, order_id, cancelled)"
+            " SELECT m, o, o = ANY(%s) FROM unnest(%s::bigint[], %s::bigint[]) AS t(m, o)",
+            (cancelled, [m for m, _ in fresh], [o for _, o in fresh]),
+        )
+    return len(cancelled), len(message_ids) - len(fresh)
+
+
+def sweep(store: Store, *, max_messages: int = 5000, group: str = GROUP) -> SweepTotals:
+    """Pull and apply every delivered timeout batch; each group offset advances only after its
+    batch's transaction committed (a crash in between redelivers the batch, harmlessly)."""
+    totals = SweepTotals()
+    while True:
+        batch = store.pull(TOPIC, group, max_messages)
+        if not batch.messages:
+            return totals
+        cancelled, duplicates = apply_timeouts(store.conn, batch)
+        store.ack(batch)
+        totals.batches += 1
+        totals.messages += len(batch)
+        totals.cancelled += cancelled
+        totals.duplicates += duplicates
+        totals.per_batch.append(len(batch))

@@ -1,0 +1,206 @@
+"""Bulk redelivery: catch-up after an outage, replay of a due-time range, reconcile with a business table.
+
+Spark only spreads the work over partitions; what each partition runs is here, and nothing here delivers
+by a second path: catch-up repeats the deliverers' own passes (`Store.deliver_level`, `Store.advance_wheel`),
+whose advisory locks and checkpoints make it exactly-once and leave the Airflow deliverers to resume right
+after; reconcile cancels through `Store.cancel_matching`. Replay writes `origin = 'replay'` rows, which the
+exactly-once invariants do not count, and never replays a message into the same topic twice.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+import psycopg
+from psycopg.types.json import Jsonb
+
+from .cancel import PENDING
+from .config import Settings
+from .partitions import HOUR, PartitionCache, floor_to
+from .store import Store
+from .validation import check_topic
+
+REPLAY_LOCK = 0x64770050  # advisory lock class for replays (second key: the replayed hour)
+BUSY_RETRIES = 600  # a live deliverer holds a lane for one pass at a time; catch-up waits its turn
+
+
+@dataclass(frozen=True)
+class LaneResult:
+    """What catch-up did on one lane (a level, or the wheel when level is None)."""
+
+    level: int | None
+    delivered: int
+    skipped_cancelled: int
+    passes: int
+
+
+def catch_up_lane(url: str, settings: Settings, level: int | None, *, now: datetime | None = None,
+                  limit: int = 50_000) -> LaneResult:
+    """Drain one lane with the deliverers' own passes until nothing due is left (its own connection)."""
+    delivered = cancelled = passes = busy = 0
+    with Store(url, settings) as store:
+        while True:
+            result = store.advance_wheel(now=now, limit=limit) if level is None else store.deliver_level(
+                level, now=now, limit=limit)
+            if result.busy:
+                busy += 1
+                if busy > BUSY_RETRIES:
+                    raise RuntimeError(f"lane {level or 'wheel'} stayed busy: another process holds its lock")
+                time.sleep(0.05)
+                continue
+            passes += 1
+            delivered += result.delivered
+            cancelled += result.skipped_cancelled
+            if not result.more:
+                return LaneResult(level, delivered, cancelled, passes)
+
+
+def lanes(settings: Settings) -> list[int | None]:
+    """Every level, then the wheel (None): one catch-up partition each."""
+    return [*range(1, settings.max_level + 1), None]
+
+
+# --- replay -----------------------------------------------------------------------------------------
+
+_REPLAY = """
+INSERT INTO delaywheel.topic_messages
+    (topic, message_id, origin, level, key, tags, properties, body, is_json, reconsume_times, deliver_at, delivered_at)
+SELECT coalesce(%(target)s, t.topic), t.message_id, 'replay', t.level, t.key, t.tags,
+       coalesce(t.properties, '{}'::jsonb) || jsonb_build_object('REPLAY_ID', %(rid)s::text, 'REPLAY_OF_TOPIC', t.topic),
+       t.body, t.is_json, t.reconsume_times, t.deliver_at, clock_timestamp()
+FROM delaywheel.topic_messages t
+WHERE t.origin IN ('level', 'wheel', 'direct')
+  AND t.deliver_at >= %(lo)s AND t.deliver_at < %(hi)s
+  AND t.delivered_at >= %(lo)s  -- never delivered early (invariant 1): prunes older partitions
+  AND (%(source)s::text IS NULL OR t.topic = %(source)s)
+  AND NOT EXISTS (SELECT 1 FROM delaywheel.topic_messages r
+                  WHERE r.origin = 'replay' AND r.message_id = t.message_id AND r.topic = coalesce(%(target)s, t.topic))
+ORDER BY t.deliver_at, t.message_id
+"""
+_ALREADY = """
+SELECT count(*) FROM delaywheel.topic_messages t
+WHERE t.origin IN ('level', 'wheel', 'direct') AND t.deliver_at >= %(lo)s AND t.deliver_at < %(hi)s
+  AND t.delivered_at >= %(lo)s AND (%(source)s::text IS NULL OR t.topic = %(source)s)
+"""
+
+
+@dataclass(frozen=True)
+class ReplayRequest:
+    due_from: datetime
+    due_until: datetime
+    source_topic: str | None = None
+    target_topic: str | None = None  # None: each message back into its own topic
+
+    def __post_init__(self) -> None:
+        if self.due_from >= self.due_until:
+            raise ValueError(f"replay range is empty: {self.due_from} >= {self.due_until}")
+        for topic in (self.source_topic, self.target_topic):
+            if topic is not None:
+                check_topic(topic)
+
+    def slices(self) -> list[tuple[datetime, datetime]]:
+        """The range cut at hour boundaries: one partition each, and the unit replays lock on."""
+        cuts, at = [], self.due_from
+        while at < self.due_until:
+            nxt = min(floor_to(at, HOUR) + HOUR, self.due_until)
+            cuts.append((at, nxt))
+            at = nxt
+        return cuts
+
+
+def start_replay(conn: psycopg.Connection, request: ReplayRequest, requested_by: str) -> int:
+    """Record the request (the audit row); returns the replay id the replayed rows carry."""
+    row = conn.execute(
+        "INSERT INTO delaywheel.replays (requested_by, due_from, due_until, source_topic, target_topic)"
+        " VALUES (%s, %s, %s, %s, %s) RETURNING id",
+        (requested_by, request.due_from, request.due_until, request.source_topic, request.target_topic),
+    ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def replay_slice(url: str, replay_id: int, request: ReplayRequest, lo: datetime, hi: datetime) -> tuple[int, int]:
+    """Replay one slice in one transaction; returns (replayed, skipped as already replayed). The hour lock
+    serialises concurrent replays of the same hour, so the NOT EXISTS dedup cannot race."""
+    params = {"rid": replay_id, "lo": lo, "hi": hi, "source": request.source_topic, "target": request.target_topic}
+    with psycopg.connect(url, autocommit=True, application_name="delaywheel-replay") as conn, conn.transaction():
+        conn.execute("SELECT pg_advisory_xact_lock(%s, %s)", (REPLAY_LOCK, int(floor_to(lo, HOUR).timestamp() // 3600)))
+        clock = conn.execute("SELECT clock_timestamp()").fetchone()[0]  # type: ignore[index]
+        PartitionCache().ensure(conn, "topic_messages", [clock])
+        replayed = conn.execute(_REPLAY, params).rowcount  # type: ignore[arg-type]
+        candidates = conn.execute(_ALREADY, params).fetchone()[0]  # type: ignore[arg-type, index]
+    return replayed, candidates - replayed
+
+
+def finish_replay(conn: psycopg.Connection, replay_id: int, replayed: int, skipped: int) -> None:
+    conn.execute(
+        "UPDATE delaywheel.replays SET replayed = %s, skipped = %s, finished_at = clock_timestamp() WHERE id = %s",
+        (replayed, skipped, replay_id),
+    )
+
+
+# --- reconcile --------------------------------------------------------------------------------------
+
+_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)?$")
+
+
+@dataclass(frozen=True)
+class Reconcile:
+    """Business rows (`table` WHERE `predicate`) need a timer in `topic` keyed by `key_column`;
+    `predicate` is trusted SQL from an operator, like `cancel_matching`'s `where`."""
+
+    table: str
+    key_column: str
+    predicate: str
+    topic: str
+    due_column: str | None = None  # the timer's due time; else `delay`
+    delay: timedelta | None = None
+
+    def __post_init__(self) -> None:
+        for name in (self.table, self.key_column, *([self.due_column] if self.due_column else [])):
+            if not _IDENTIFIER.match(name):
+                raise ValueError(f"{name!r} is not a plain SQL identifier (schema.table or column)")
+        check_topic(self.topic)
+        if (self.due_column is None) == (self.delay is None):
+            raise ValueError("reconcile needs exactly one of a due column or a delay for the timers it creates")
+
+    @property
+    def label(self) -> str:
+        return f"{self.table}.{self.key_column} WHERE {self.predicate}"
+
+    def needed_sql(self) -> str:
+        """Keys (and due times) of the business rows that need a timer and never had one delivered."""
+        due = f"b.{self.due_column}" if self.due_column else "NULL::timestamptz"
+        return (
+            f"SELECT b.{self.key_column}::text AS key, {due} AS deliver_at FROM {self.table} b WHERE ({self.predicate})"
+            " AND NOT EXISTS (SELECT 1 FROM delaywheel.topic_messages t WHERE t.origin <> 'replay'"
+            f" AND t.topic = '{self.topic}' AND t.key = b.{self.key_column}::text)"
+        )
+
+    def pending_sql(self) -> str:
+        """Keys of the pending, not cancelled timers in the topic (the cancel module's idea of pending)."""
+        return (
+            f"SELECT DISTINCT p.key FROM ({PENDING}) p WHERE p.topic = '{self.topic}' AND p.key IS NOT NULL"
+            " AND NOT EXISTS (SELECT 1 FROM delaywheel.cancellations c WHERE c.message_id = p.id)"
+        )
+
+    def stale_where(self) -> str:
+        """`cancel_matching` predicate: pending timers in the topic that no business row needs any more."""
+        return (
+            f"p.topic = '{self.topic}' AND p.key IS NOT NULL AND NOT EXISTS (SELECT 1 FROM {self.table} b"
+            f" WHERE b.{self.key_column}::text = p.key AND ({self.predicate}))"
+        )
+
+
+def record_reconcile(conn: psycopg.Connection, job: Reconcile, requested_by: str, *, missing: int, stale: int,
+                     created: int, cancelled: int, sample: dict[str, list[str]]) -> int:
+    row = conn.execute(
+        "INSERT INTO delaywheel.reconcile_runs (requested_by, business, topic, missing, stale, created, cancelled,"
+        " sample) VALUES (%s, %s, %s, %s, %s, %s, %s, %s) RETURNING id",
+        (requested_by, job.label, job.topic, missing, stale, created, cancelled, Jsonb(sample)),
+    ).fetchone()
+    assert row is not None
+    return int(row[0])

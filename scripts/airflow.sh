@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# Start Airflow locally on the project's embedded PostgreSQL (the README's `make airflow`).
+#
+#   scripts/airflow.sh                 set up, then `airflow standalone` (scheduler, DAG processor,
+#                                      triggerer, API server + UI on http://127.0.0.1:8080)
+#   scripts/airflow.sh <command...>    any other airflow command in the same environment, e.g. the
+#                                      services one by one: `scheduler`, `dag-processor`, `triggerer`,
+#                                      `api-server`; or `dags list`, `tasks test ...`
+#
+# Login: user `admin`; the password is generated on first start into
+# .delaywheel/airflow/simple_auth_manager_passwords.json.generated (printed below once it exists).
+#
+# Everything lives in the git-ignored .delaywheel/: the PostgreSQL cluster (.delaywheel/pg, holding the
+# store in database `delaywheel` and Airflow's metadata in database `airflow`, never SQLite) and
+# AIRFLOW_HOME (.delaywheel/airflow: logs, generated secrets). Configuration is the project's airflow.cfg.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+export PATH="$ROOT/.venv/bin:$PATH"
+PY="$ROOT/.venv/bin/python"
+
+export AIRFLOW_HOME="$ROOT/.delaywheel/airflow"
+export AIRFLOW_CONFIG="$ROOT/airflow.cfg"
+export AIRFLOW__CORE__DAGS_FOLDER="$ROOT/dags"
+export AIRFLOW__CORE__PLUGINS_FOLDER="$ROOT/plugins"
+export DELAYWHEEL_HOME="$ROOT"
+mkdir -p "$AIRFLOW_HOME"
+
+# Start the embedded cluster if no external store is configured (idempotent), then derive both URLs from
+# the store's: the store itself for connection `delaywheel_default`, database `airflow` beside it for
+# Airflow's metadata (created if missing; the embedded cluster creates it at initdb).
+"$PY" -m delaywheel.cli db start >/dev/null
+read -r STORE_URL AIRFLOW_DB_URL < <("$PY" - <<'PYEOF'
+import psycopg
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from sqlalchemy.engine import URL
+from delaywheel.db import database_url
+
+store = database_url()
+with psycopg.connect(make_conninfo(store, dbname="postgres"), autocommit=True) as conn:
+    if not conn.execute("SELECT 1 FROM pg_database WHERE datname = 'airflow'").fetchone():
+        conn.execute("CREATE DATABASE airflow")
+p = conninfo_to_dict(store)
+meta = URL.create("postgresql+psycopg2", username=p.get("user"), password=p.get("password"), host=p.get("host"),
+                  port=int(p.get("port", 5432)), database="airflow")
+print(store, meta.render_as_string(hide_password=False))
+PYEOF
+)
+export AIRFLOW__DATABASE__SQL_ALCHEMY_CONN="${AIRFLOW__DATABASE__SQL_ALCHEMY_CONN:-$AIRFLOW_DB_URL}"
+export AIRFLOW_CONN_DELAYWHEEL_DEFAULT="${AIRFLOW_CONN_DELAYWHEEL_DEFAULT:-$STORE_URL}"
+
+# Secrets every Airflow process must share (the scheduler signs task tokens the API server checks):
+# generated once, kept out of airflow.cfg and git.
+secret() {
+  local file="$AIRFLOW_HOME/$1"
+  [[ -s "$file" ]] || (umask 077 && "$PY" -c "$2" >"$file")
+  cat "$file"
+}
+export AIRFLOW__API_AUTH__JWT_SECRET="${AIRFLOW__API_AUTH__JWT_SECRET:-$(secret jwt_secret 'import secrets; print(secrets.token_urlsafe(32))')}"
+export AIRFLOW__CORE__FERNET_KEY="${AIRFLOW__CORE__FERNET_KEY:-$(secret fernet_key 'from cryptography.fernet import Fernet; print(Fernet.generate_key().decode())')}"
+
+if [[ $# -gt 0 && "$1" != "standalone" ]]; then
+  exec airflow "$@"
+fi
+
+"$PY" -m delaywheel.cli migrate                      # the store's schema and the next hours' partitions
+airflow db migrate                                   # Airflow's metadata schema, in database `airflow`
+SLOTS="$("$PY" -c 'from delaywheel import load_settings; print(load_settings().max_level + 1)')"
+airflow pools set delaywheel_deliver "$SLOTS" "delaywheel_deliver: one slot per delay level plus the wheel" >/dev/null
+
+PASSWORDS="$AIRFLOW_HOME/simple_auth_manager_passwords.json.generated"
+echo "Airflow UI: http://127.0.0.1:8080  user: admin  password: in $PASSWORDS (generated on first start)"
+[[ -s "$PASSWORDS" ]] && echo "passwords: $(cat "$PASSWORDS")"
+exec airflow standalone

@@ -1,0 +1,81 @@
+"""Every DAG in dags/ parses cleanly, cheaply, and without touching the store or Spark.
+
+Parsing happens in a fresh interpreter through Airflow's own DagBag (as the DAG processor does), with the
+store's URL and the `delaywheel_default` connection pointing at a local socket we listen on: a DAG file
+that connected to the database at parse time would show up as a connection on that socket. The time
+budget is Airflow's own (`dagbag_import_timeout`): a slower file is reported as an import error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from delaywheel import parse_levels
+
+pytestmark = pytest.mark.airflow
+
+ROOT = Path(__file__).resolve().parents[2]
+IMPORT_BUDGET_S = 30
+
+PARSE = """
+import json, sys
+from airflow.dag_processing.dagbag import DagBag
+bag = DagBag(dag_folder=sys.argv[1], include_examples=False)
+print(json.dumps({
+    "errors": {k: str(v) for k, v in bag.import_errors.items()},
+    "dags": {d.dag_id: [t.task_id for t in d.tasks] for d in bag.dags.values()},
+    "levels": {t.task_id: t.level for t in bag.dags["delaywheel_deliver"].tasks if hasattr(t, "level")},
+    "schedules": {d.dag_id: [getattr(a, "uri", None) for a in getattr(d.timetable, "asset_condition", None)
+                             .iter_assets() if True] if hasattr(d.timetable, "asset_condition") else None
+                  for d in bag.dags.values()},
+    "spark_loaded": "pyspark" in sys.modules,
+}))
+"""
+
+
+@pytest.fixture
+def trap() -> Iterator[socket.socket]:
+    """A listening socket nothing should connect to."""
+    server = socket.create_server(("127.0.0.1", 0))
+    server.settimeout(0.5)
+    yield server
+    server.close()
+
+
+def parse_dags(airflow_db: dict[str, str], trap: socket.socket, **env: str) -> dict:
+    port = trap.getsockname()[1]
+    url = f"postgresql://postgres@127.0.0.1:{port}/nowhere"
+    full = {**os.environ, **airflow_db, "DELAYWHEEL_DATABASE_URL": url, "AIRFLOW_CONN_DELAYWHEEL_DEFAULT": url,
+            "AIRFLOW__CORE__DAGBAG_IMPORT_TIMEOUT": str(IMPORT_BUDGET_S), **env}
+    out = subprocess.run([sys.executable, "-c", PARSE, str(ROOT / "dags")], env=full, capture_output=True,
+                         text=True, check=True, timeout=300)
+    with pytest.raises(TimeoutError):
+        trap.accept()  # nothing connected to the "database" while parsing
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_every_dag_imports_without_touching_the_store_or_spark(airflow_db: dict[str, str], trap: socket.socket) -> None:
+    result = parse_dags(airflow_db, trap)
+    assert result["errors"] == {}
+    assert {"delaywheel_deliver", "delaywheel_maintenance", "delaywheel_consumer_template"} <= set(result["dags"])
+    assert not result["spark_loaded"]
+    default = len(parse_levels("1s 5s 10s 30s 1m 2m 3m 4m 5m 6m 7m 8m 9m 10m 20m 30m 1h 2h"))
+    assert result["dags"]["delaywheel_deliver"] == [f"deliver_level_{n}" for n in range(1, default + 1)] + ["advance_wheel"]
+    assert result["levels"] == {f"deliver_level_{n}": n for n in range(1, default + 1)}
+    assert result["schedules"]["delaywheel_consumer_template"] == ["delaywheel://topics/orders"]
+
+
+@pytest.mark.parametrize("variable", ["DELAYWHEEL_LEVELS", "AIRFLOW__DELAYWHEEL__LEVELS"])
+def test_deliver_tasks_follow_a_custom_level_table(airflow_db: dict[str, str], trap: socket.socket, variable: str) -> None:
+    result = parse_dags(airflow_db, trap, **{variable: "2s 90s 3h"})
+    assert result["errors"] == {}
+    assert result["dags"]["delaywheel_deliver"] == ["deliver_level_1", "deliver_level_2", "deliver_level_3",
+                                                    "advance_wheel"]
