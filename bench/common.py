@@ -38,13 +38,13 @@ def body(i: int) -> bytes:
     return f'{{"order":{i:010d},"note":"{BODY_PAD}"}}'.encode()
 
 
-def fresh_database() -> str:
-    """Drop and recreate `delaywheel_bench` on the project's cluster, migrate it, return its URL."""
+def fresh_database(name: str = BENCH_DB) -> str:
+    """Drop and recreate `name` (default `delaywheel_bench`) on the project's cluster, migrate it, return its URL."""
     server = make_conninfo(database_url(load_settings()), dbname="postgres")
     with psycopg.connect(server, autocommit=True) as conn:
-        conn.execute(f"DROP DATABASE IF EXISTS {BENCH_DB} WITH (FORCE)")
-        conn.execute(f"CREATE DATABASE {BENCH_DB}")
-    url = make_conninfo(server, dbname=BENCH_DB)
+        conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+        conn.execute(f"CREATE DATABASE {name}")
+    url = make_conninfo(server, dbname=name)
     migrate(url)
     return url
 
@@ -92,10 +92,9 @@ class Stopwatch:
 def table_bytes(conn: psycopg.Connection, table: str) -> int:
     """Heap + indexes + TOAST of a table, summed over its partitions when it is partitioned."""
     row = conn.execute(
-        "SELECT coalesce(sum(pg_total_relation_size(relid)), 0) FROM pg_partition_tree(%(t)s::regclass)"
-        " WHERE EXISTS (SELECT 1 FROM pg_class WHERE oid = %(t)s::regclass AND relkind = 'p')"
-        " UNION ALL SELECT pg_total_relation_size(%(t)s::regclass)"
-        " WHERE NOT EXISTS (SELECT 1 FROM pg_class WHERE oid = %(t)s::regclass AND relkind = 'p')", {"t": table}
+        "SELECT CASE WHEN c.relkind = 'p' THEN (SELECT coalesce(sum(pg_total_relation_size(t.relid)), 0)"
+        " FROM pg_partition_tree(c.oid) t) ELSE pg_total_relation_size(c.oid) END FROM pg_class c WHERE c.oid = %s::regclass",
+        (table,),
     ).fetchone()
     return int(row[0]) if row else 0
 

@@ -7,8 +7,8 @@
 3. Delivery rate on an (almost) empty store, injected clock.
 4. 10M pending (due 4 h - 30 days ahead) in the wheel and in the naive design (bench/naive.py).
 5. With 10M pending: enqueue and delivery, ours vs naive interleaved; flat cost against steps 1 and 3.
-6. Full cycle: every pending message delivered (clock injected 31 days on), then ours retired, the naive
-   one after its deletes; plain VACUUM on both; table sizes side by side.
+6. A full cycle on top of the 10M pending: 1M messages due within one hour enqueued in both, all delivered,
+   ours retired, the naive one after its deletes, plain VACUUM on both; table sizes before and after.
 """
 
 from __future__ import annotations
@@ -206,6 +206,31 @@ def fill_pending(store: Store, count: int, first_due: datetime, span: timedelta)
             )
 
 
+def cycle(store: Store, other: psycopg.Connection, count: int, batch: int, hour: datetime) -> tuple[Stopwatch, Stopwatch]:
+    """`count` messages due uniformly within [hour, hour + 1 h) in both designs, then everything due by the end of
+    the hour delivered (ours and naive interleaved); returns both stopwatches."""
+    rng = random.Random(3)
+    for start, size in chunks(count, batch):
+        due = [hour + timedelta(seconds=rng.uniform(0, 3599)) for _ in range(size)]
+        store.send_many([Message(TOPIC, body(start + j), deliver_at=d, key=f"cycle-{start + j}") for j, d in enumerate(due)])
+        naive.enqueue(other, ((TOPIC, f"cycle-{start + j}", None, None, body(start + j), False, d, hour)
+                              for j, d in enumerate(due)))
+    end = hour + HOUR
+    store.prepare(now=end)
+    drain = WheelDrain(store, end, count)
+    naive_watch = Stopwatch()
+    naive_idle = False
+    while not (drain.idle and naive_idle):
+        if not drain.idle:
+            drain.step()
+        if not naive_idle:
+            with naive_watch.run():
+                moved = naive.deliver(other, end, store.settings.batch_size)
+            naive_watch.count += moved
+            naive_idle = moved == 0
+    return drain.watch, naive_watch
+
+
 def sizes(conn: psycopg.Connection) -> dict[str, int]:
     return {
         "ours_queue": table_bytes(conn, "delaywheel.wheel") + table_bytes(conn, "delaywheel.wheel_far"),
@@ -221,6 +246,7 @@ def main() -> list[Check]:
     url = fresh_database()
     n_enqueue, n_burst = scaled(500_000, args.scale), scaled(500_000, args.scale)
     n_deliver, n_pending = scaled(200_000, args.scale), scaled(10_000_000, args.scale)
+    n_cycle = scaled(1_000_000, args.scale)
     batch_move = 5000
     checks: list[Check] = []
     notes: list[str] = []
@@ -233,13 +259,16 @@ def main() -> list[Check]:
         log(f"1. enqueue vs raw COPY: {n_enqueue} messages, random due 1 s - 30 d")
         empty_enqueue, raw_copy = enqueue_vs_copy(store, other, n_enqueue, args.batch, 1, "raw")
         checks.append(at_least("wheel send_many vs raw COPY, random 1 s - 30 d (msg/s)", empty_enqueue, raw_copy, 0.5))
+        log(f"   ours {empty_enqueue:,.0f} msg/s, raw COPY {raw_copy:,.0f} msg/s")
 
         log(f"2. burst: {n_burst} due in the same second, real clock")
         figures, burst_notes = burst(store, url, n_burst, args.batch, empty_enqueue)
         notes += burst_notes
+        log("   " + "\n   ".join(burst_notes))
         log("2b. raw move of the burst rows")
         move_rate = raw_move(other, "SELECT * FROM delaywheel.wheel WHERE topic = %s", (BURST_TOPIC,), batch_move)
         checks.append(at_least("burst delivery (due to last) vs raw batched move (msg/s)", figures["rate"], move_rate, 0.5))
+        log(f"   raw move {move_rate:,.0f} msg/s")
 
         log(f"3. delivery on an almost empty store: {n_deliver} due at one instant, injected clock")
         x1 = real0 + HOUR
@@ -249,6 +278,7 @@ def main() -> list[Check]:
         while not drain.idle:
             drain.step()
         empty_deliver = drain.watch.rate
+        log(f"   ours {empty_deliver:,.0f} msg/s ({drain.delivered} delivered)")
 
         log(f"4. filling {n_pending} pending in the wheel and in the naive table (due 4 h - 30 d)")
         filled = time.perf_counter()
@@ -258,12 +288,12 @@ def main() -> list[Check]:
         other.execute("ANALYZE naive.queue")
         store.conn.execute("ANALYZE delaywheel.wheel")
         store.conn.execute("ANALYZE delaywheel.wheel_far")
-        before = sizes(other)
         notes.append(f"pending backdrop: {n_pending:,} messages each in the wheel and the naive table, due 4 h - 30 d "
                      f"(SQL INSERT ... SELECT, {time.perf_counter() - filled:.0f} s for both), then ANALYZE")
 
         log(f"5a. with {n_pending} pending: enqueue ours vs naive, {n_enqueue} each")
         loaded_enqueue, naive_enqueue = enqueue_vs_copy(store, other, n_enqueue, args.batch, 2, "naive")
+        log(f"   ours {loaded_enqueue:,.0f} msg/s, naive {naive_enqueue:,.0f} msg/s")
         log(f"5b. with {n_pending} pending: delivery ours vs naive, {n_deliver} due at one instant each")
         x2 = real0 + 2 * HOUR
         send_due_at(store, n_deliver, args.batch, x2, "loaded")
@@ -281,41 +311,39 @@ def main() -> list[Check]:
                 naive_watch.count += moved
                 naive_idle = moved == 0
         loaded_deliver = drain.watch.rate
+        log(f"   ours {loaded_deliver:,.0f} msg/s, naive {naive_watch.rate:,.0f} msg/s")
         checks.append(flat(f"wheel enqueue rate, {n_pending:,} pending vs empty (msg/s)", loaded_enqueue, empty_enqueue))
         checks.append(flat(f"wheel delivery rate, {n_pending:,} pending vs empty (msg/s)", loaded_deliver, empty_deliver))
         checks.append(at_least(f"enqueue, {n_pending:,} pending: ours vs naive (msg/s)", loaded_enqueue, naive_enqueue, 1.0))
         checks.append(at_least(f"delivery, {n_pending:,} pending: ours vs naive (msg/s)", loaded_deliver, naive_watch.rate, 1.0))
 
-        log("6. full cycle: deliver everything (clock injected 31 days on), retire / delete, VACUUM")
-        end = real0 + timedelta(days=31)
-        cycle, naive_cycle = Stopwatch(), Stopwatch()
-        with cycle.run():
-            store.prepare(now=end)
-            drain = WheelDrain(store, end, 0)
-            while not drain.idle:
-                drain.step()
-        cycle.count = drain.delivered
-        while True:
-            with naive_cycle.run():
-                moved = naive.deliver(other, end, store.settings.batch_size)
-            naive_cycle.count += moved
-            if not moved:
-                break
-        retired = store.retire(now=end + HOUR)
-        vacuumed = time.perf_counter()
-        for table in ("delaywheel.wheel", "delaywheel.wheel_far", "delaywheel.topic_messages", "naive.queue", "naive.topic"):
+        log(f"6. full cycle: {n_cycle} messages due within one hour enqueued, delivered, retired / deleted")
+        for table in ("delaywheel.wheel", "delaywheel.wheel_far", "naive.queue"):
+            other.execute(f"VACUUM {table}")  # type: ignore[arg-type]
+        before = sizes(other)
+        hour = floor_to(real0, HOUR) + 3 * HOUR  # after step 5's instant, before the backdrop's first due time
+        ours_cycle, naive_cycle = cycle(store, other, n_cycle, args.batch, hour)
+        retired = store.retire(now=hour + HOUR)
+        for table in ("delaywheel.wheel", "delaywheel.wheel_far", "naive.queue"):
             other.execute(f"VACUUM {table}")  # type: ignore[arg-type]
         after = sizes(other)
-        checks.append(smaller("queue tables after the full cycle (bytes)", after["ours_queue"], after["naive_queue"]))
+        checks.append(smaller("queue tables' growth over the cycle (bytes)", after["ours_queue"] - before["ours_queue"],
+                              after["naive_queue"] - before["naive_queue"]))
+        checks.append(smaller(f"queue tables after the cycle, {n_pending:,} still pending (bytes)",
+                              after["ours_queue"], after["naive_queue"]))
         notes += [
-            f"full-cycle catch-up ({cycle.count:,} ours incl. roll of every far block / {naive_cycle.count:,} naive): "
-            f"ours {cycle.rate:,.0f} msg/s, naive {naive_cycle.rate:,.0f} msg/s; retire dropped {len(retired)} "
-            f"partitions; VACUUM {time.perf_counter() - vacuumed:.0f} s",
-            f"sizes with {n_pending:,} pending, before the cycle: queue ours {mib(before['ours_queue'])} vs naive "
-            f"{mib(before['naive_queue'])}",
-            f"sizes after the full cycle (all delivered; ours retired, naive deleted; plain VACUUM): queue ours "
-            f"{mib(after['ours_queue'])} vs naive {mib(after['naive_queue'])}; topic tables ours "
-            f"{mib(after['ours_topic'])} vs naive {mib(after['naive_topic'])}",
+            f"with {n_pending:,} pending: enqueue ours {loaded_enqueue:,.0f} vs naive {naive_enqueue:,.0f} msg/s; "
+            f"delivery ours {loaded_deliver:,.0f} vs naive {naive_watch.rate:,.0f} msg/s (batches of "
+            f"{store.settings.batch_size}, ours and naive interleaved)",
+            f"cycle delivery ({ours_cycle.count:,} ours / {naive_cycle.count:,} naive, incl. step 1/5 messages due "
+            f"in that hour): ours {ours_cycle.rate:,.0f} msg/s, naive {naive_cycle.rate:,.0f} msg/s; "
+            f"retire dropped {len(retired)} partitions",
+            f"queue tables (heap + indexes) before the cycle, after VACUUM: ours {mib(before['ours_queue'])}, naive "
+            f"{mib(before['naive_queue'])}; after the cycle (ours retired, naive deleted; plain VACUUM): ours "
+            f"{mib(after['ours_queue'])}, naive {mib(after['naive_queue'])}; topic tables after: ours "
+            f"{mib(after['ours_topic'])}, naive {mib(after['naive_topic'])}",
+            "indexes: wheel (deliver_at, id), xid, id, key; wheel_far id, key, deliver_at; naive queue: primary key "
+            "and deliver_at only (no key index, so no cancel by key); topic tables: ours 2 indexes, naive 1",
             f"delivery on the almost empty store: {empty_deliver:,.0f} msg/s; raw move of the burst rows "
             f"{move_rate:,.0f} msg/s (batches of {batch_move})",
         ]

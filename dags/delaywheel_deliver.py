@@ -2,22 +2,28 @@
 
 One task per configured level (`[delaywheel] levels`, RocketMQ's `messageDelayLevel`; 18 by default)
 plus one for the wheel, so each level has its own checkpoint and its own countdown as in RocketMQ, and
-one slow level never delays another. Each task holds its lane for a lease (`lease_seconds`), sleeping
-exactly until the lane's next due time between passes and waking early on a producer's NOTIFY.
+one slow level never delays another. Each task holds its lane for a lease, sleeping exactly until the
+lane's next due time between passes and waking early on a producer's NOTIFY.
 
-Why `@continuous` with leases: Airflow needs about a second to start a task, so delivering from short
-scheduled runs would add that second (plus scheduler latency) to every message's lateness. A
-continuous DAG starts the next run as soon as the previous one ends (`max_active_runs=1` is what
-`@continuous` requires), and a lease amortises the start cost: lateness stays at the store's own
-countdown precision except at the hand-over between runs, once per lease (measured in bench/).
-The price is one pool slot per lane, held all the time: the `delaywheel_deliver` pool (levels + 1
-slots, created by scripts/airflow.sh) bounds that, so deliverers never starve other DAGs of slots.
+Why overlapping scheduled runs, not `@continuous`: Airflow needs seconds to start a task (here 5-30 s
+for 19 tasks on 2 cores), so delivering from short runs would add that to every message's lateness,
+and leases fix that, but with `@continuous` (which requires `max_active_runs=1`) the next run can only
+start once the slowest task of the previous one has ended. Every lane then sits idle for the run
+hand-over (task end -> scheduler -> 19 task starts), once per lease. Measured with `@continuous` on
+this 2-core machine: tasks started 5-8 s after their run, and a task whose first try failed (API server
+still starting) started 5 min late and held the next run back all that time.
+Instead a run starts every `deliver_lease_seconds`, two runs may be active, and every task's lease
+ends `deliver_overlap_seconds` after the next run is due (counted from the run's scheduled time, so all
+lanes hand over together). The next run's tasks are already running when the previous ones stop;
+during the overlap two tasks share each lane pass by pass, so the hand-over costs no lateness as long
+as a task starts within the overlap. The price: twice the task slots during the overlap; the
+`delaywheel_deliver` pool (2 x (levels + 1) slots, created by scripts/airflow.sh) bounds it.
 
-Safety does not depend on Airflow: a second deliverer of a lane (a manual run beside the continuous
-one, a second scheduler, a zombie worker) is refused the lane's advisory lock and only retries, and
-every pass moves messages and checkpoint in one transaction, so nothing is delivered twice or lost.
+Safety does not depend on Airflow: two deliverers of a lane (the overlap, a manual run, a second
+scheduler, a zombie worker) take the lane's advisory lock one pass at a time, and every pass moves
+messages and checkpoint in one transaction, so nothing is delivered twice or lost.
 
-Parsing reads only the level table (environment / airflow.cfg): no database, no Spark.
+Parsing reads only the level table and two numbers (environment / airflow.cfg): no database, no Spark.
 """
 
 from __future__ import annotations
@@ -31,7 +37,8 @@ from delaywheel.airflow.operators import AdvanceWheelOperator, DeliverLevelOpera
 
 POOL = "delaywheel_deliver"
 LEVELS = load_settings().levels
-LEASE_SECONDS = conf.getfloat("delaywheel", "deliver_lease_seconds", fallback=300.0)
+INTERVAL_S = conf.getfloat("delaywheel", "deliver_lease_seconds", fallback=300.0)
+OVERLAP_S = conf.getfloat("delaywheel", "deliver_overlap_seconds", fallback=60.0)
 
 
 def _label(delay: timedelta) -> str:
@@ -45,19 +52,21 @@ def _label(delay: timedelta) -> str:
 
 with DAG(
     dag_id="delaywheel_deliver",
-    schedule="@continuous",
-    max_active_runs=1,
-    max_active_tasks=len(LEVELS) + 1,  # every lane at once (Airflow's default cap is 16)
+    schedule=timedelta(seconds=INTERVAL_S),
+    max_active_runs=2,  # the running one and the one taking over
+    max_active_tasks=2 * (len(LEVELS) + 1),
+    dagrun_timeout=timedelta(seconds=INTERVAL_S + OVERLAP_S + 300),  # a stuck run is failed, its tasks told to stop
     is_paused_upon_creation=False,  # delivery is the point of running Airflow here
     start_date=datetime(2025, 1, 1),
     catchup=False,
     doc_md=__doc__,
     tags=["delaywheel"],
     params={
-        "lease_seconds": Param(LEASE_SECONDS, type="number", minimum=1, description="How long each task delivers."),
+        "lease_seconds": Param(INTERVAL_S + OVERLAP_S, type="number", minimum=1,
+                               description="Each task delivers until this long after the run's scheduled time."),
         "until_idle": Param(False, type="boolean", description="End a task early once its lane is empty."),
     },
-    default_args={"pool": POOL, "retries": 1, "retry_delay": timedelta(seconds=10)},
+    default_args={"pool": POOL, "retries": 2, "retry_delay": timedelta(seconds=5)},
 ):
     common = {"lease_seconds": "{{ params.lease_seconds }}", "until_idle": "{{ params.until_idle }}"}
     for level, delay in enumerate(LEVELS, start=1):

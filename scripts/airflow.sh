@@ -65,8 +65,8 @@ fi
 
 "$PY" -m delaywheel.cli migrate                      # the store's schema and the next hours' partitions
 airflow db migrate                                   # Airflow's metadata schema, in database `airflow`
-SLOTS="$("$PY" -c 'from delaywheel import load_settings; print(load_settings().max_level + 1)')"
-airflow pools set delaywheel_deliver "$SLOTS" "delaywheel_deliver: one slot per delay level plus the wheel" >/dev/null
+SLOTS="$("$PY" -c 'from delaywheel import load_settings; print(2 * (load_settings().max_level + 1))')"
+airflow pools set delaywheel_deliver "$SLOTS" "delaywheel_deliver: per level and wheel, two runs during a hand-over" >/dev/null
 
 PASSWORDS="$AIRFLOW_HOME/simple_auth_manager_passwords.json.generated"
 echo "Airflow UI: http://127.0.0.1:8080  user: admin  password: in $PASSWORDS (generated on first start)"

@@ -70,6 +70,21 @@ def airflow_db(server_url: str) -> dict[str, str]:
     return env
 
 
+def as_url(conninfo: str) -> str:
+    """`user=... dbname=...` → `postgresql://user@host:port/db`, the form Airflow connections take."""
+    p = conninfo_to_dict(conninfo)
+    auth = str(p.get("user", "postgres")) + (f":{p['password']}" if p.get("password") else "")
+    return f"postgresql://{auth}@{p.get('host', '127.0.0.1')}:{p.get('port', 5432)}/{p['dbname']}"
+
+
+@pytest.fixture
+def store_connection(airflow_db: dict[str, str], db_url: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Airflow's `delaywheel_default` connection → this test's database (by environment); returns its URL."""
+    url = as_url(db_url)
+    monkeypatch.setenv("AIRFLOW_CONN_DELAYWHEEL_DEFAULT", url)
+    return url
+
+
 @pytest.fixture(scope="session")
 def template_db(server_url: str) -> Iterator[str]:
     """One migrated template per test session: several sessions share the cluster (helpers, CI), and a

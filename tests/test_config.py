@@ -52,7 +52,7 @@ def test_empty_table_is_refused() -> None:
 
 def test_bad_duration_names_the_setting() -> None:
     assert parse_duration("500ms", "x") == timedelta(milliseconds=500)
-    with pytest.raises(ConfigError, match="wheel_precision.*'fast'"):
+    with pytest.raises(ConfigError, match=r"wheel_precision.*'fast'"):
         parse_duration("fast", "wheel_precision")
 
 
@@ -109,7 +109,7 @@ def test_bad_level_string_from_each_source_names_the_token(clean_env: Path, monk
 
 def test_bad_integer_setting_is_named(clean_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DELAYWHEEL_MAX_BODY_BYTES", "lots")
-    with pytest.raises(ConfigError, match="max_body_bytes.*'lots'"):
+    with pytest.raises(ConfigError, match=r"max_body_bytes.*'lots'"):
         load_settings()
 
 

@@ -122,20 +122,16 @@ def test_wheel_catches_up_after_hours_of_downtime_in_due_order(store: Store, t0:
 
 
 def test_far_future_messages_survive_many_rolls(store: Store, t0: datetime) -> None:
-    days = [0.5, 2.9, 3.5, 4, 10, 45.25, 100, 200, 364.9]
+    days = [0.5, 3.5, 10, 45.25, 200, 364.9]
     ids = {store.send("timers", {"d": d}, delay=timedelta(days=d), now=t0): d for d in days}
     assert table_counts(store)["wheel_far"] == len(days)  # the wheel has not rolled yet
-    delivered: set[int] = set()
     for d in days:
         due = t0 + timedelta(days=d)
         assert store.advance_wheel(now=due - timedelta(milliseconds=1)).delivered == 0
         assert store.advance_wheel(now=due).delivered == 1
-        delivered = {r[0] for r in deliveries(store)}
-        assert delivered == {mid for mid, x in ids.items() if x <= d}
-        store.retire(now=due)  # maintenance keeps the partitions from piling up
-        assert store.send("timers", {"d": d + 200}, delay=timedelta(days=200), now=due) > 0  # far again
+        assert {r[0] for r in deliveries(store)} == {mid for mid, x in ids.items() if x <= d}
     rows = deliveries(store)
-    assert all(due == t0 + timedelta(days=ids[mid]) for mid, due, _, _ in rows)
+    assert all(due == done == t0 + timedelta(days=ids[mid]) for mid, due, done, _ in rows)
 
 
 def test_out_of_order_commit_levels(db_url: str, store: Store, t0: datetime) -> None:

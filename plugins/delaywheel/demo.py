@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 from datetime import datetime
+from pathlib import Path
 
 from . import orders, runner
 from .config import PROJECT_ROOT, parse_duration
@@ -58,11 +59,19 @@ def _background(stop: threading.Event, url: str, errors: list[BaseException]) ->
     return threads
 
 
-def run_demo(n_orders: int, *, timeout: str = "20s", period: str = "30s", json_output: bool = False) -> int:
-    started_at = datetime.now().astimezone()
-    out = REPORTS / f"demo-{started_at:%Y%m%d-%H%M%S}"
+def run_demo(
+    n_orders: int,
+    *,
+    timeout: str = "20s",
+    period: str = "30s",
+    json_output: bool = False,
+    url: str | None = None,
+    out: Path | None = None,
+) -> int:
+    """Returns 0 when every business rule held, 1 otherwise (the report says which)."""
+    out = out or REPORTS / f"demo-{datetime.now():%Y%m%d-%H%M%S}"
     out.mkdir(parents=True, exist_ok=True)
-    store = Store()
+    store = Store(url)
     applied = migrate(store.url)
     store.prepare()
     timeout_td = parse_duration(timeout, "--timeout")

@@ -26,6 +26,13 @@ def timer_key(order_id: int) -> str:
     return f"order-{order_id}"
 
 
+def order_of(key: str | None) -> int | None:
+    """The order a timer is for (its key), or None for a message that is not an order timer."""
+    if key and key.startswith("order-") and key[6:].isdigit():
+        return int(key[6:])
+    return None
+
+
 @dataclass(frozen=True)
 class Mix:
     """How simulated customers behave (fractions of orders)."""
@@ -140,7 +147,7 @@ def _release(conn: psycopg.Connection, order_ids: list[int], sell: bool) -> None
     )
 
 
-def pay(store: Store, payments: list[tuple[int, datetime]]) -> list[int]:
+def pay(store: Store, payments: list[tuple[int, datetime]], *, cancel_timers: bool = True) -> list[int]:
     """Payments (order id, time paid) arrive: accepted for orders still pending whose deadline had not
     passed when the customer paid (their timers are cancelled); refused otherwise (a refund), so the
     outcome never depends on how late the sweep runs. Returns the ids accepted."""
@@ -158,12 +165,22 @@ def pay(store: Store, payments: list[tuple[int, datetime]]) -> list[int]:
             " SELECT p.id, p.at, p.id = ANY(%s) FROM unnest(%s::bigint[], %s::timestamptz[]) AS p(id, at)",
             (accepted, [o for o, _ in payments], [t for _, t in payments]))
         _release(conn, accepted, sell=True)
-        if accepted:
-            store.cancel_matching(keys=[timer_key(o) for o in accepted], reason="order paid")
+    if cancel_timers:
+        _cancel_timers(store, accepted, "order paid")
     return accepted
 
 
-def customer_cancel(store: Store, order_ids: list[int], *, now: datetime | None = None) -> list[int]:
+def _cancel_timers(store: Store, order_ids: list[int], reason: str) -> None:
+    """Cancel the orders' timers after their transaction committed: cancelling holds the wheel's lock,
+    which must not wait on business transactions. Not atomic with the payment, and need not be: a
+    timer that still fires finds the order settled and changes nothing."""
+    if order_ids:
+        store.cancel_matching(keys=[timer_key(o) for o in order_ids], reason=reason)
+
+
+def customer_cancel(
+    store: Store, order_ids: list[int], *, now: datetime | None = None, cancel_timers: bool = True
+) -> list[int]:
     conn = store.conn
     with conn.transaction():
         when = now or store.clock()
@@ -172,8 +189,8 @@ def customer_cancel(store: Store, order_ids: list[int], *, now: datetime | None 
             "UPDATE shop.orders SET status = 'cancelled_customer', cancelled_at = %s"
             " WHERE order_id = ANY(%s) AND status = 'pending' RETURNING order_id", (when, order_ids)).fetchall()]
         _release(conn, cancelled, sell=False)
-        if cancelled:
-            store.cancel_matching(keys=[timer_key(o) for o in cancelled], reason="cancelled by customer")
+    if cancel_timers:
+        _cancel_timers(store, cancelled, "cancelled by customer")
     return cancelled
 
 
@@ -188,8 +205,10 @@ def act_customers(store: Store, *, now: datetime | None = None) -> dict[str, int
             " RETURNING order_id, action, act_at", (when,)).fetchall()
         payers = [(o, at) for o, a, at in due if a == "pay"]
         cancellers = sorted(o for o, a, _ in due if a == "cancel")
-        paid = pay(store, payers) if payers else []
-        cancelled = customer_cancel(store, cancellers, now=when) if cancellers else []
+        paid = pay(store, payers, cancel_timers=False) if payers else []
+        cancelled = customer_cancel(store, cancellers, now=when, cancel_timers=False) if cancellers else []
+    _cancel_timers(store, paid, "order paid")
+    _cancel_timers(store, cancelled, "cancelled by customer")
     return {"payments": len(payers), "accepted": len(paid), "customer_cancels": len(cancelled)}
 
 
@@ -202,12 +221,13 @@ class SweepTotals:
     per_batch: list[int] = field(default_factory=list)
 
 
-def apply_timeouts(conn: psycopg.Connection, batch: Batch) -> tuple[int, int]:
+def apply_timeouts(conn: psycopg.Connection, batch: Batch, *, now: datetime | None = None) -> tuple[int, int]:
     """One set-based transaction for a delivered batch: cancel the orders still unpaid and release their
     stock; paid or already cancelled orders stay as they are; a message seen before changes nothing.
     Returns (orders cancelled, messages already processed)."""
-    message_ids = [m.idempotency_id for m in batch.messages]
-    order_ids = [int(m.body["order_id"]) for m in batch.messages]
+    timers = [(m.idempotency_id, order_of(m.key)) for m in batch.messages if order_of(m.key) is not None]
+    message_ids = [m for m, _ in timers]
+    order_ids = [o for _, o in timers]
     with conn.transaction():
         fresh = conn.execute(
             "SELECT m, o FROM unnest(%s::bigint[], %s::bigint[]) AS t(m, o)"
@@ -215,13 +235,13 @@ def apply_timeouts(conn: psycopg.Connection, batch: Batch) -> tuple[int, int]:
             (message_ids, order_ids),
         ).fetchall()
         _lock_orders(conn, sorted({o for _, o in fresh}))
-        # only the order's own timer cancels it: a stray message (another run, a replay) changes nothing
+        # a timer cancels its order only once the order's own deadline has passed: a stray or early
+        # message (a replay, a timer created by reconcile, another run's) never cancels too soon
         cancelled = [r[0] for r in conn.execute(
-            """UPDATE shop.orders o SET status = 'cancelled_timeout', cancelled_at = clock_timestamp()
-               FROM unnest(%s::bigint[], %s::bigint[]) AS t(m, o)
-               WHERE o.order_id = t.o AND o.timeout_message_id = t.m AND o.status = 'pending'
-               RETURNING o.order_id""",
-            ([m for m, _ in fresh], [o for _, o in fresh])).fetchall()]
+            """UPDATE shop.orders SET status = 'cancelled_timeout', cancelled_at = coalesce(%(now)s, clock_timestamp())
+               WHERE order_id = ANY(%(ids)s) AND status = 'pending' AND deadline <= coalesce(%(now)s, clock_timestamp())
+               RETURNING order_id""",
+            {"now": now, "ids": sorted({o for _, o in fresh})}).fetchall()]
         _release(conn, cancelled, sell=False)
         conn.execute(
             "INSERT INTO shop.processed_messages (message_id, order_id, cancelled)"
@@ -231,7 +251,7 @@ def apply_timeouts(conn: psycopg.Connection, batch: Batch) -> tuple[int, int]:
     return len(cancelled), len(message_ids) - len(fresh)
 
 
-def sweep(store: Store, *, max_messages: int = 5000, group: str = GROUP) -> SweepTotals:
+def sweep(store: Store, *, max_messages: int = 5000, group: str = GROUP, now: datetime | None = None) -> SweepTotals:
     """Pull and apply every delivered timeout batch; each group offset advances only after its
     batch's transaction committed (a crash in between redelivers the batch, harmlessly)."""
     totals = SweepTotals()
@@ -239,7 +259,7 @@ def sweep(store: Store, *, max_messages: int = 5000, group: str = GROUP) -> Swee
         batch = store.pull(TOPIC, group, max_messages)
         if not batch.messages:
             return totals
-        cancelled, duplicates = apply_timeouts(store.conn, batch)
+        cancelled, duplicates = apply_timeouts(store.conn, batch, now=now)
         store.ack(batch)
         totals.batches += 1
         totals.messages += len(batch)

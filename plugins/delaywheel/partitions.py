@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
@@ -29,7 +30,11 @@ class PartitionCache:
         width = WIDTH[parent]
         for lo in sorted({floor_to(ts, width) for ts in instants}):
             if (parent, lo) not in self._known:
-                conn.execute("SELECT delaywheel.ensure_partition(%s, %s, %s)", (parent, lo, lo + width))
+                # ensure_partition's re-check after its lock can read a stale catalog snapshot (an advisory
+                # lock does not refresh it), so a session racing another creator may still get DuplicateTable:
+                # the partition exists, which is all we wanted. The savepoint keeps the caller's transaction.
+                with contextlib.suppress(errors.DuplicateTable), conn.transaction():
+                    conn.execute("SELECT delaywheel.ensure_partition(%s, %s, %s)", (parent, lo, lo + width))
                 self._known.add((parent, lo))
 
     def forget(self, parent: str, instant: datetime) -> None:

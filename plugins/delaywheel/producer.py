@@ -6,6 +6,7 @@ and every worker shares the same clock (DESIGN.md §5).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -15,7 +16,7 @@ from psycopg import errors
 from psycopg.types.json import Jsonb
 
 from .config import Settings
-from .partitions import PartitionCache
+from .partitions import WIDTH, PartitionCache
 from .validation import InvalidMessage, Message, Placement, check_key, check_properties, check_topic, encode_body, place
 
 NOTIFY_CHANNEL = "delaywheel_enqueue"
@@ -54,10 +55,11 @@ def prepare(message: Message, now: datetime, settings: Settings, reconsume_times
     if message.tags is not None and not isinstance(message.tags, str):
         raise InvalidMessage("bad_tags", f"tags must be a string, got {message.tags!r}")
     return Prepared(
-        topic=check_topic(message.topic),
+        topic=_checked_topic(message.topic) if isinstance(message.topic, str) else check_topic(message.topic),
         key=check_key(message.key),
         tags=message.tags,
-        properties=check_properties(message.properties),
+        properties=_NO_PROPERTIES if message.properties is None or (type(message.properties) is dict and not message.properties)
+        else check_properties(message.properties),
         body=body,
         is_json=is_json,
         placement=place(
@@ -65,6 +67,17 @@ def prepare(message: Message, now: datetime, settings: Settings, reconsume_times
         ),
         reconsume_times=reconsume_times,
     )
+
+
+_NO_PROPERTIES: dict[str, str] = {}  # shared, never mutated: rows without properties are written as NULL
+_checked_topic = functools.lru_cache(maxsize=4096)(check_topic)  # a batch usually has few distinct topics
+
+
+def _one_per_partition(table: str, instants: list[datetime]) -> list[datetime]:
+    """One instant per partition the batch touches (the cache floors each instant it is given, which is slow
+    per row; bucketing by epoch seconds is the same UTC floor, much cheaper)."""
+    width = WIDTH[table].total_seconds()
+    return list({ts.timestamp() // width: ts for ts in instants}.values())
 
 
 def clock_and_ids(conn: psycopg.Connection, count: int, now: datetime | None) -> tuple[datetime, list[int]]:
@@ -134,7 +147,7 @@ def _write_wheel(conn: psycopg.Connection, cache: PartitionCache, rows: list[tup
         for attempt in range(3):
             try:
                 with conn.transaction():  # a savepoint: a roll may drop a far block between ensure and COPY
-                    cache.ensure(conn, table, [p.placement.deliver_at for _, p in part])
+                    cache.ensure(conn, table, _one_per_partition(table, [p.placement.deliver_at for _, p in part]))
                     _copy(conn, table, _WHEEL_COLUMNS, _WHEEL_TYPES, (
                         (i, p.topic, p.key, p.tags, _json(p.properties), p.body, p.is_json, p.placement.deliver_at, clock)
                         for i, p in part

@@ -172,12 +172,14 @@ class Reconcile:
         return f"{self.table}.{self.key_column} WHERE {self.predicate}"
 
     def needed_sql(self) -> str:
-        """Keys (and due times) of the business rows that need a timer and never had one delivered."""
+        """Keys (and due times) of the business rows that need a timer, and whether one was delivered already
+        (then it is not missing: the business row is the consumer's to settle)."""
         due = f"b.{self.due_column}" if self.due_column else "NULL::timestamptz"
         return (
-            f"SELECT b.{self.key_column}::text AS key, {due} AS deliver_at FROM {self.table} b WHERE ({self.predicate})"
-            " AND NOT EXISTS (SELECT 1 FROM delaywheel.topic_messages t WHERE t.origin <> 'replay'"
-            f" AND t.topic = '{self.topic}' AND t.key = b.{self.key_column}::text)"
+            f"SELECT b.{self.key_column}::text AS key, {due} AS deliver_at,"
+            " EXISTS (SELECT 1 FROM delaywheel.topic_messages t WHERE t.origin <> 'replay'"
+            f" AND t.topic = '{self.topic}' AND t.key = b.{self.key_column}::text) AS delivered"
+            f" FROM {self.table} b WHERE ({self.predicate})"
         )
 
     def pending_sql(self) -> str:

@@ -20,7 +20,7 @@ from .producer import NOTIFY_CHANNEL
 from .store import Store
 
 Lane = int | None  # a level number, or None for the wheel
-BUSY_RETRY_S = 0.2  # another deliverer holds the lane: look again soon, it may stop
+BUSY_RETRY_S = 0.05  # another deliverer or a canceller holds the lane: look again soon
 PREPARE_EVERY_S = 600.0  # partitions are created hours ahead; refresh them this often
 SAFETY_WAKE_S = 5.0  # without a known next due time, look anyway this often (a missed NOTIFY costs this much)
 

@@ -49,13 +49,22 @@ _DUE = """
 def roll(conn: psycopg.Connection, settings: Settings, cache: PartitionCache, now: datetime | None = None) -> int:
     """Move far blocks that entered the near window into the fine wheel; returns rows moved."""
     moved = 0
+    clock, near_until = conn.execute(  # type: ignore[misc]
+        "SELECT coalesce(%s::timestamptz, clock_timestamp()), near_until FROM delaywheel.wheel_state", (now,)
+    ).fetchone()
+    target = floor_to(clock + settings.wheel_near_window, DAY) + DAY
+    if near_until >= target:  # nothing to roll (the common case): skip the locking transaction below
+        return 0
     with conn.transaction():
-        clock = conn.execute("SELECT coalesce(%s::timestamptz, clock_timestamp())", (now,)).fetchone()[0]  # type: ignore[index]
-        target = floor_to(clock + settings.wheel_near_window, DAY) + DAY
         locked = conn.execute("SELECT pg_try_advisory_xact_lock(%s, %s)", WHEEL_LOCK).fetchone()
         state = conn.execute("SELECT near_until FROM delaywheel.wheel_state FOR UPDATE").fetchone()
         if not locked or not locked[0] or state is None or state[0] >= target:
             return 0
+        conn.execute("SET LOCAL lock_timeout = '5s'")  # a producer inside a far block: roll next pass
+        # Creating and dropping partitions takes ACCESS EXCLUSIVE on the parents: take it first, in the order
+        # producers lock them (wheel, then wheel_far). Taken later, after a far block's lock, it deadlocks
+        # with a producer that holds the parent and waits for the block (seen in bench/airflow_lateness).
+        conn.execute("LOCK TABLE delaywheel.wheel, delaywheel.wheel_far IN ACCESS EXCLUSIVE MODE")
         start = max(floor_to(clock, HOUR), state[0])
         hours = int((target - start) / HOUR) if target > start else 0
         cache.ensure(conn, "wheel", [start + HOUR * i for i in range(hours)])
@@ -63,7 +72,6 @@ def roll(conn: psycopg.Connection, settings: Settings, cache: PartitionCache, no
             "SELECT name, lo, hi FROM delaywheel.partitions WHERE parent = 'wheel_far' AND lo < %s ORDER BY lo",
             (target,),
         ).fetchall()
-        conn.execute("SET LOCAL lock_timeout = '5s'")  # a producer inside a far block: roll next pass
         for name, lo, hi in blocks:
             conn.execute(f"LOCK TABLE delaywheel.{name} IN ACCESS EXCLUSIVE MODE")  # type: ignore[arg-type]
             cache.ensure(conn, "wheel", [lo + HOUR * i for i in range(int((hi - lo) / HOUR))])
@@ -131,7 +139,7 @@ def advance_wheel(
             " delivered = delivered + %s, updated_at = clock_timestamp()",
             (new_at, new_id, xmin, delivered),
         )
-        head = conn.execute(
+        head = (clock,) if full else conn.execute(  # full: more is due now, the caller looks again at once
             """
             SELECT least(
                 (SELECT deliver_at FROM delaywheel.wheel WHERE deliver_at >= %(at)s AND (deliver_at, id) > (%(at)s, %(id)s)

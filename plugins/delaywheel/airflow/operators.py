@@ -6,8 +6,8 @@
 due time could never give sub-second lateness; a lease amortises that start over many deliveries.
 Each pass is one transaction that moves the messages and the checkpoint together, and the runner stops
 only between passes, so the lease end, SIGTERM (`on_kill`) or a crash neither loses nor duplicates a
-delivery. A second task on the same lane (another run, another worker, another scheduler) gets the
-lane's advisory lock refused (`busy`) and just retries until the first one stops.
+delivery. Two tasks on the same lane (the next run taking over, another worker, another scheduler)
+take the lane's advisory lock one pass at a time: each pass is delivered by exactly one of them.
 
 Each topic delivered into gets one Asset event per task (`delaywheel://topics/<topic>`, through the
 `delaywheel_topics` alias because topics are only known at run time), its extra saying how many
@@ -20,7 +20,7 @@ Nothing here touches the database, Spark or GX before `execute`: DAG parsing sta
 from __future__ import annotations
 
 import threading
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 from urllib.parse import quote
 
@@ -53,7 +53,13 @@ def event_extra(topic: str, lane: str, span: TopicSpan) -> dict[str, Any]:
 
 
 class _LeaseOperator(BaseOperator):
-    """Runs the delivery loop on one lane for a lease; subclasses say which lane."""
+    """Runs the delivery loop on one lane for a lease; subclasses say which lane.
+
+    With `align_lease_to_run` (the default) the lease ends `lease_seconds` after the DAG run's scheduled
+    time (`run_after`), not after this task's start: every lane of a run hands over at the same moment,
+    and a task that starts late (slow worker, retry) does not stretch the run. A task starting after that
+    moment still gets `min_lease_seconds`. Without a DAG run (direct calls), the lease starts now.
+    """
 
     template_fields: tuple[str, ...] = ("lease_seconds", "until_idle", "delaywheel_conn_id")
     ui_color = "#d9f0e3"
@@ -63,6 +69,8 @@ class _LeaseOperator(BaseOperator):
         *,
         lease_seconds: float | str = 300,
         until_idle: bool | str = False,
+        align_lease_to_run: bool = True,
+        min_lease_seconds: float = 10.0,
         delaywheel_conn_id: str = DelayWheelHook.default_conn_name,
         emit_asset_events: bool = True,
         **kwargs: Any,
@@ -72,6 +80,8 @@ class _LeaseOperator(BaseOperator):
         super().__init__(**kwargs)
         self.lease_seconds = lease_seconds
         self.until_idle = until_idle
+        self.align_lease_to_run = align_lease_to_run
+        self.min_lease_seconds = min_lease_seconds
         self.delaywheel_conn_id = delaywheel_conn_id
         self.emit_asset_events = emit_asset_events
         self._stop: threading.Event | None = None
@@ -79,9 +89,18 @@ class _LeaseOperator(BaseOperator):
     def lane(self) -> runner.Lane:
         raise NotImplementedError
 
+    def lease_left(self, context: Context) -> float:
+        """Seconds this task should deliver for (see the class docstring)."""
+        lease = float(self.lease_seconds)
+        run_after = getattr(context.get("dag_run"), "run_after", None) if self.align_lease_to_run else None
+        if run_after is None:
+            return lease
+        left = (run_after + timedelta(seconds=lease) - datetime.now(UTC)).total_seconds()
+        return max(left, min(self.min_lease_seconds, lease))
+
     def execute(self, context: Context) -> dict[str, Any]:
         lane = self.lane()
-        lease = float(self.lease_seconds)
+        lease = self.lease_left(context)
         self._stop = threading.Event()
         with DelayWheelHook(self.delaywheel_conn_id).get_store() as store:
             if lane is not None and not 1 <= lane <= store.settings.max_level:

@@ -100,4 +100,10 @@ def fmt_delay(seconds: float) -> str:
 
 
 def fmt_ms(seconds: float | None) -> str:
-    return "—" if seconds is None else f"{float(seconds) * 1000:,.0f} ms"
+    """A lateness or lag: milliseconds while small (the targets are in ms), seconds or minutes past that."""
+    if seconds is None:
+        return "—"
+    s = float(seconds)
+    if abs(s) < 10:
+        return f"{s * 1000:,.0f} ms"
+    return f"{s:,.1f} s" if abs(s) < 600 else f"{s / 60:,.0f} min"

@@ -1,0 +1,102 @@
+"""`dag.test()` runs of the shipped DAGs against the real PostgreSQL: delaywheel_deliver delivers real
+messages exactly once and records one Asset event per topic with the batch's positions; the consumer
+template then pulls those messages by consumer group and acks them; maintenance runs.
+
+DAGs come from dags/ (the DAG bundle dag.test() syncs), with a two-level table so the run stays short.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from conftest import deliveries
+
+from delaywheel import Settings, Store
+
+pytestmark = pytest.mark.airflow
+
+LEVELS = "1s 5s"
+
+
+@pytest.fixture
+def dags(store_connection: str, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    monkeypatch.setenv("DELAYWHEEL_LEVELS", LEVELS)
+    from airflow.dag_processing.dagbag import DagBag
+
+    bag = DagBag(dag_folder=DagBag().dag_folder)
+    assert bag.import_errors == {}
+    return bag.dags
+
+
+def run_dag(dag: Any, **conf: Any) -> tuple[str, dict[str, str], dict[str, Any]]:
+    """dag.test(); returns (run id, task states, XCom return values)."""
+    from airflow.models import TaskInstance
+    from airflow.models.xcom import XComModel
+    from airflow.utils.session import create_session
+    from sqlalchemy import select
+
+    run = dag.test(run_conf=conf or None)
+    with create_session() as session:
+        states = {ti.task_id: ti.state for ti in session.scalars(
+            select(TaskInstance).where(TaskInstance.dag_id == dag.dag_id, TaskInstance.run_id == run.run_id))}
+        values = {x.task_id: x.value for x in session.scalars(select(XComModel).where(
+            XComModel.dag_id == dag.dag_id, XComModel.run_id == run.run_id, XComModel.key == "return_value"))}
+    return run.run_id, states, values
+
+
+def asset_events(run_id: str) -> list[tuple[str, dict[str, Any]]]:
+    from airflow.models.asset import AssetEvent, AssetModel
+    from airflow.utils.session import create_session
+    from sqlalchemy import select
+
+    with create_session() as session:
+        rows = session.execute(select(AssetModel.uri, AssetEvent.extra).join(AssetEvent.asset).where(
+            AssetEvent.source_dag_id == "delaywheel_deliver", AssetEvent.source_run_id == run_id)).all()
+    return [(uri, dict(extra)) for uri, extra in rows]
+
+
+def test_deliver_then_consume(dags: dict[str, Any], db_url: str) -> None:
+    deliver = dags["delaywheel_deliver"]
+    assert [t.task_id for t in deliver.tasks] == ["deliver_level_1", "deliver_level_2", "advance_wheel"]
+    with Store(db_url, Settings(levels=Settings().levels[:2])) as store:
+        now = store.clock()
+        sent = [store.send("orders", {"n": n}, delay_level=1 + n % 2, now=now - timedelta(seconds=6)) for n in range(40)]
+        sent += [store.send("pay|ments", n, delay_level=2, now=now - timedelta(seconds=6)) for n in range(5)]
+        sent += [store.send("orders", {"n": n}, delay=timedelta(seconds=1)) for n in range(40, 50)]  # the wheel
+        store.prepare()  # rolls the wheel's near window forward, as the maintenance DAG does
+
+        run_id, states, values = run_dag(deliver, lease_seconds=30, until_idle=True)
+
+        assert set(states.values()) == {"success"}
+        delivered = deliveries(store)
+        assert Counter(d[0] for d in delivered) == Counter(sent)  # each message exactly once
+        assert all(d[2] >= d[1] for d in delivered)  # never early
+        assert sum(v["delivered"] for v in values.values()) == len(sent)
+        events = asset_events(run_id)
+        by_uri = Counter()
+        for uri, extra in events:
+            by_uri[uri] += extra["count"]
+            assert extra["first_offset"] <= extra["last_offset"]
+        assert by_uri == {"delaywheel://topics/orders": 50, "delaywheel://topics/pay%7Cments": 5}
+        assert {(e["topic"], e["lane"]) for _, e in events} == {
+            ("orders", "level 1"), ("orders", "level 2"), ("orders", "wheel"), ("pay|ments", "level 2")}
+
+        _, states, values = run_dag(dags["delaywheel_consumer_template"])
+        assert states == {"consume": "success"}
+        assert values["consume"]["consumed"] == 50 and values["consume"]["failed"] == 0
+        acked = store.conn.execute("SELECT acked FROM delaywheel.consumer_offsets WHERE grp = 'orders-template'"
+                                   " AND topic = 'orders'").fetchone()
+        assert acked == (50,)
+        _, _, values = run_dag(dags["delaywheel_consumer_template"])
+        assert values["consume"]["consumed"] == 0  # acked: nothing is read twice
+
+
+def test_maintenance(dags: dict[str, Any], db_url: str) -> None:
+    _, states, values = run_dag(dags["delaywheel_maintenance"])
+    assert set(states.values()) == {"success"}
+    tables = {row["table"] for row in values["table_sizes"]}
+    assert {"level_queue", "topic_messages", "level_checkpoint", "wheel_state"} <= tables
+    assert isinstance(values["vacuum"], list) and isinstance(values["retire"], list)

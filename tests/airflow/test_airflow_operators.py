@@ -1,0 +1,104 @@
+"""The operators' execute() against the real store: two deliverers on one level never duplicate,
+on_kill (what Airflow's SIGTERM handler calls) ends a lease cleanly, enqueue and cancel work."""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from conftest import deliveries
+
+from delaywheel import Store
+
+pytestmark = pytest.mark.airflow
+
+
+def context() -> dict[str, Any]:
+    """What execute() reads from Airflow's context: the outlet events accessor (Airflow's own class)."""
+    from airflow.sdk.execution_time.context import OutletEventAccessors
+
+    return {"outlet_events": OutletEventAccessors()}
+
+
+def alias_events(ctx: dict[str, Any]) -> list[Any]:
+    from delaywheel.airflow.operators import TOPICS_ALIAS
+
+    return ctx["outlet_events"][TOPICS_ALIAS].asset_alias_events
+
+
+def test_two_deliverers_of_one_level_started_together_never_duplicate(store_connection: str, store: Store) -> None:
+    from delaywheel.airflow.operators import DeliverLevelOperator
+
+    now = store.clock()
+    ids = [store.send("orders", {"n": n}, delay_level=1, now=now - timedelta(seconds=5)) for n in range(150)]
+    operators = [DeliverLevelOperator(task_id=f"deliver_{i}", level=1, lease_seconds=4) for i in range(2)]
+    contexts = [context(), context()]
+    results: dict[int, dict[str, Any]] = {}
+    start = threading.Barrier(3)
+
+    def work(i: int) -> None:
+        start.wait()
+        results[i] = operators[i].execute(contexts[i])
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    start.wait()
+    ids += [store.send("orders", {"n": n}, delay_level=1) for n in range(150, 160)]  # due during the leases
+    for t in threads:
+        t.join(60)
+    delivered = [d[0] for d in deliveries(store, "orders")]
+    assert sorted(delivered) == sorted(ids)  # every message once: none lost, none twice
+    assert all(d[2] >= d[1] for d in deliveries(store))  # never early
+    assert results[0]["delivered"] + results[1]["delivered"] == len(ids)
+    counts = [e.extra["count"] for ctx in contexts for e in alias_events(ctx)]
+    assert sum(counts) == len(ids)  # the Asset events account for each delivery once
+    assert {e.dest_asset_key.uri for ctx in contexts for e in alias_events(ctx)} == {"delaywheel://topics/orders"}
+
+
+def test_on_kill_ends_the_lease_after_the_current_pass(store_connection: str, store: Store) -> None:
+    from delaywheel.airflow.operators import DeliverLevelOperator
+
+    now = store.clock()
+    ids = [store.send("a|b%c", n, delay_level=2, now=now - timedelta(seconds=6)) for n in range(20)]
+    operator = DeliverLevelOperator(task_id="deliver_2", level=2, lease_seconds=600)
+    ctx = context()
+    result: dict[str, Any] = {}
+    thread = threading.Thread(target=lambda: result.update(operator.execute(ctx)))
+    thread.start()
+    deadline = time.monotonic() + 60
+    while len(deliveries(store)) < len(ids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    operator.on_kill()
+    thread.join(30)
+    assert not thread.is_alive()
+    assert result["stopped_early"] and result["delivered"] == len(ids)
+    assert sorted(d[0] for d in deliveries(store)) == sorted(ids)
+    (event,) = alias_events(ctx)
+    assert event.dest_asset_key.uri == "delaywheel://topics/a%7Cb%25c"
+    assert event.extra["topic"] == "a|b%c" and event.extra["count"] == len(ids) and event.extra["lane"] == "level 2"
+    offsets = store.conn.execute("SELECT min(queue_offset), max(queue_offset) FROM delaywheel.topic_messages").fetchone()
+    assert (event.extra["first_offset"], event.extra["last_offset"]) == tuple(offsets)
+
+
+def test_enqueue_and_cancel_operators(store_connection: str, store: Store) -> None:
+    from delaywheel.airflow.operators import CancelOperator, EnqueueOperator
+
+    (one,) = EnqueueOperator(task_id="one", topic="orders", body={"order": 1}, delay_level="3", key="o-1").execute({})
+    many = EnqueueOperator(task_id="many", messages=[
+        {"topic": "orders", "body": "a", "delay_seconds": "3600", "key": "o-2"},
+        {"topic": "orders", "body": "b", "delay_seconds": 3600, "key": "o-3"},
+    ]).execute({})
+    assert len(many) == 2
+    with pytest.raises(Exception, match="topic"):
+        EnqueueOperator(task_id="bad", topic="", body="x").execute({})
+    assert CancelOperator(task_id="c1", message_id=str(one)).execute({})["results"] == [
+        {"message_id": one, "outcome": "cancelled"}]
+    with pytest.raises(ValueError, match="max_matches"):
+        CancelOperator(task_id="c2", keys=["o-2", "o-3"], max_matches=1).execute({})
+    assert CancelOperator(task_id="c3", where="key = 'o-2'").execute({})["cancelled"] == 1
+    assert CancelOperator(task_id="c4", key="o-3").execute({})["cancelled"] == 1
+    assert store.conn.execute("SELECT count(*) FROM delaywheel.cancellations").fetchone()[0] == 3

@@ -1,0 +1,110 @@
+"""DueMessagesTrigger and DueMessagesSensor against the real store: due exactly when due, never before.
+
+The clock is injected with `now_offset_s` (added to the database clock); the one real wait is the
+NOTIFY wake-up, which has to beat a long poll interval to pass.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import timedelta
+
+import pytest
+
+from delaywheel import Store
+
+pytestmark = pytest.mark.airflow
+
+
+def first_event(trigger, within_s: float):
+    """The trigger's first event, or None if it yields nothing within `within_s` seconds."""
+
+    async def go():
+        gen = trigger.run()
+        try:
+            return await asyncio.wait_for(gen.__anext__(), within_s)
+        except TimeoutError:
+            return None
+        finally:
+            await gen.aclose()
+
+    return asyncio.run(go())
+
+
+def test_serialize_round_trip(airflow_db: dict[str, str]) -> None:
+    from airflow.sdk.module_loading import import_string
+
+    from delaywheel.airflow.triggers import DueMessagesTrigger
+
+    trigger = DueMessagesTrigger(level=3, delaywheel_conn_id="other", poll_interval=2.5, now_offset_s=7.0)
+    path, kwargs = trigger.serialize()
+    again = import_string(path)(**kwargs)
+    assert type(again) is DueMessagesTrigger
+    assert again.serialize() == (path, kwargs)
+    assert kwargs == {"level": 3, "delaywheel_conn_id": "other", "poll_interval": 2.5, "now_offset_s": 7.0}
+
+
+def test_level_trigger_fires_when_the_head_is_due_not_before(store_connection: str, store: Store) -> None:
+    from delaywheel.airflow.triggers import DueMessagesTrigger
+
+    assert first_event(DueMessagesTrigger(level=18, poll_interval=0.2), 1.0) is None  # empty level: nothing due
+    message = store.send("orders", {"n": 1}, delay_level=18)  # due in 2 h
+    due_at = store.conn.execute("SELECT deliver_at FROM delaywheel.level_queue WHERE id = %s", (message,)).fetchone()[0]
+    early = (due_at - store.clock()).total_seconds() - 60  # a clock a minute short of the due time
+    assert first_event(DueMessagesTrigger(level=18, poll_interval=0.2, now_offset_s=early), 1.0) is None
+    event = first_event(DueMessagesTrigger(level=18, poll_interval=0.2, now_offset_s=early + 61), 5.0)
+    assert event is not None
+    assert event.payload["lane"] == "level 18"
+    assert event.payload["due_at"] == due_at.isoformat()
+    assert event.payload["checked_at"] >= event.payload["due_at"]
+    assert first_event(DueMessagesTrigger(level=17, poll_interval=0.2, now_offset_s=early + 61), 1.0) is None
+
+
+def test_wheel_trigger_wakes_on_a_sooner_message(store_connection: str, store: Store) -> None:
+    """Waiting for a message an hour out, with a 10-minute poll: a NOTIFY for a message due in 2 s must wake it."""
+    from delaywheel.airflow.triggers import DueMessagesTrigger
+
+    store.send("orders", "later", delay=timedelta(hours=1))
+
+    async def go():
+        gen = DueMessagesTrigger(poll_interval=600).run()
+        waiting = asyncio.ensure_future(gen.__anext__())
+        await asyncio.sleep(1.0)  # the trigger is asleep on LISTEN by now
+        assert not waiting.done()
+        soon = await asyncio.to_thread(store.send, "orders", "soon", delay=timedelta(seconds=2))
+        event = await asyncio.wait_for(waiting, 60)
+        await gen.aclose()
+        return soon, event
+
+    soon, event = asyncio.run(go())
+    due_at = store.conn.execute(
+        "SELECT deliver_at FROM delaywheel.wheel WHERE id = %(id)s UNION ALL SELECT deliver_at FROM delaywheel.wheel_far"
+        " WHERE id = %(id)s", {"id": soon}).fetchone()[0]
+    assert event.payload == {"lane": "wheel", "due_at": due_at.isoformat(), "checked_at": event.payload["checked_at"]}
+    assert event.payload["checked_at"] >= event.payload["due_at"]
+
+
+def test_sensor_pokes_and_defers(store_connection: str, store: Store) -> None:
+    from airflow.sdk.exceptions import TaskDeferred
+
+    from delaywheel.airflow.sensors import DueMessagesSensor
+    from delaywheel.airflow.triggers import DueMessagesTrigger
+
+    with pytest.raises(ValueError, match="exactly one"):
+        DueMessagesSensor(task_id="both", level=1, wheel=True)
+    sensor = DueMessagesSensor(task_id="wait_level_2", level=2, deferrable=False)
+    assert not sensor.poke({}).is_done
+    store.send("orders", "x", delay_level=2)  # due in 5 s
+    assert not sensor.poke({}).is_done
+    ahead = DueMessagesSensor(task_id="ahead", level=2, now_offset_s=6)
+    poked = ahead.poke({})
+    assert poked.is_done and poked.xcom_value["lane"] == "level 2"
+
+    wheel = DueMessagesSensor(task_id="wait_wheel", wheel=True, trigger_poll_interval=1.5)
+    with pytest.raises(TaskDeferred) as deferred:
+        wheel.execute({})  # nothing on the wheel: hand the wait to the triggerer
+    trigger = deferred.value.trigger
+    assert isinstance(trigger, DueMessagesTrigger)
+    assert (trigger.level, trigger.poll_interval) == (None, 1.5)
+    assert deferred.value.method_name == "execute_complete"
+    assert ahead.execute({})["lane"] == "level 2"  # already due: no deferral

@@ -1,0 +1,111 @@
+"""Bulk enqueue through Spark: the same rules as `send`, bad rows quarantined with reason, file and row
+number, and a re-run of the same input enqueues nothing new."""
+
+from __future__ import annotations
+
+import csv
+import json
+from datetime import datetime, timedelta
+from pathlib import Path
+
+import bulk_enqueue
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from delaywheel import Store
+
+
+def _rows(t0: datetime) -> tuple[list[dict[str, str]], dict[int, str]]:
+    """Good rows of every lane and one bad row per rule, as CSV-like text; returns (rows, row number -> reason)."""
+    rows: list[dict[str, str]] = []
+    bad: dict[int, str] = {}
+
+    def add(reason: str | None = None, **values: str) -> None:
+        rows.append({"topic": "orders", "key": f"k{len(rows)}", "body": json.dumps({"n": len(rows)}),
+                     "delay_level": "", "deliver_at": ""} | values)
+        if reason:
+            bad[len(rows)] = reason
+
+    for i in range(60):
+        add(delay_level=str(i % 19))  # levels 0 (direct) .. 18
+    for i in range(20):
+        add(deliver_at=(t0 + timedelta(minutes=5 + i)).isoformat())  # the wheel
+    add("bad_topic", topic="bad topic!", delay_level="3")
+    add("bad_level", delay_level="soon")
+    add("bad_level", delay_level="-2")
+    add("too_far", deliver_at=(t0 + timedelta(days=400)).isoformat())
+    add("naive_deliver_at", deliver_at="2030-01-01T00:10:00")
+    add("bad_deliver_at", deliver_at="tomorrow")
+    add("bad_body", body="{oops", delay_level="2")
+    add("conflicting_delay", delay_level="2", deliver_at=(t0 + timedelta(minutes=1)).isoformat())
+    add("bad_key", key="x" * 2000, delay_level="1")
+    return rows, bad
+
+
+def _quarantine(store: Store) -> dict[int, tuple[str, str]]:
+    rows = store.conn.execute("SELECT row_number, reason, source_file FROM delaywheel.quarantine").fetchall()
+    return {r[0]: (r[1], r[2]) for r in rows}
+
+
+def _pending(store: Store) -> int:
+    """Messages written anywhere: the lanes plus direct deliveries."""
+    return sum(store.conn.execute(f"SELECT count(*) FROM delaywheel.{t}").fetchone()[0]  # type: ignore[index]
+               for t in ("level_queue", "wheel", "wheel_far", "topic_messages"))
+
+
+def test_csv_good_and_bad_rows_then_rerun_adds_nothing(spark: object, store: Store, db_url: str, t0: datetime,
+                                                        tmp_path: Path) -> None:
+    rows, bad = _rows(t0)
+    path = tmp_path / "orders.csv"
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    argv = ["--db-url", db_url, "--input", str(path), "--now", t0.isoformat(), "--partitions", "2", "--chunk", "25"]
+
+    first = bulk_enqueue.main(argv)
+
+    good = len(rows) - len(bad)
+    assert (first.rows, first.enqueued, first.skipped, first.rejected) == (len(rows), good, 0, len(bad))
+    assert _pending(store) == good
+    quarantined = _quarantine(store)
+    assert {n: reason for n, (reason, _) in quarantined.items()} == bad
+    assert all(file.endswith("orders.csv") for _, file in quarantined.values())
+    level_rows = store.conn.execute(
+        "SELECT key, level, deliver_at FROM delaywheel.level_queue ORDER BY id").fetchall()
+    assert [(k, lv, due) for k, lv, due in level_rows if k == "k3"] == [("k3", 3, t0 + timedelta(seconds=10))]
+
+    again = bulk_enqueue.main(argv)
+
+    assert (again.enqueued, again.skipped, again.rejected) == (0, good, len(bad))
+    assert _pending(store) == good
+    assert _quarantine(store) == quarantined
+
+
+def test_json_lines_and_parquet_keep_row_numbers(spark: object, store: Store, db_url: str, t0: datetime,
+                                                 tmp_path: Path) -> None:
+    lines = [json.dumps({"topic": "pay", "key": f"j{i}", "body": {"i": i}, "delay_level": 4}) for i in range(30)]
+    lines[11] = '{"topic": "pay", "key": "j11", '  # cut off: the reader cannot parse it
+    lines[20] = json.dumps({"topic": "pay", "key": "j20", "body": {"i": 20}, "delay_level": 99})  # clamped: valid
+    (tmp_path / "events.jsonl").write_text("\n".join(lines) + "\n")
+
+    counts = bulk_enqueue.main(["--db-url", db_url, "--input", str(tmp_path / "events.jsonl"), "--now", t0.isoformat()])
+
+    assert (counts.enqueued, counts.rejected, dict(counts.reasons)) == (29, 1, {"malformed_record": 1})
+    assert {n: reason for n, (reason, _) in _quarantine(store).items()} == {12: "malformed_record"}
+    assert store.conn.execute("SELECT level, requested_level FROM delaywheel.level_queue WHERE key = 'j20'"
+                              ).fetchone() == (18, 99)
+
+    table = pa.table({"order_id": pa.array(range(1000, 1050), pa.int64()),
+                      "payload": [json.dumps({"order": i}) for i in range(50)],
+                      "wait_ms": [60_000.0] * 49 + [-5.0]})  # the last row has a negative delay
+    pq.write_table(table, tmp_path / "orders.parquet", row_group_size=10)
+
+    counts = bulk_enqueue.main(["--db-url", db_url, "--input", str(tmp_path / "orders.parquet"), "--topic", "orders",
+                                "--map", "key=order_id,body=payload,delay_ms=wait_ms", "--now", t0.isoformat()])
+
+    assert (counts.enqueued, counts.rejected) == (49, 1)
+    assert {n: reason for n, (reason, f) in _quarantine(store).items() if f.endswith(".parquet")} == {50: "bad_delay"}
+    due = store.conn.execute("SELECT deliver_at FROM delaywheel.wheel WHERE key = '1000' UNION ALL"
+                             " SELECT deliver_at FROM delaywheel.wheel_far WHERE key = '1000'").fetchone()
+    assert due == (t0 + timedelta(minutes=1),)

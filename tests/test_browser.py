@@ -1,0 +1,217 @@
+"""End to end in a real browser: Airflow's API server (UI + our plugin), scheduler and DAG processor on the
+project's PostgreSQL; headless Chromium (Debian's, never a downloaded one) logs in through the UI, triggers the
+consumer template DAG with parameters from the trigger form, then opens the delaywheel page from the navigation
+and checks its figures against the store. Screenshots and service logs go to test-output/browser/."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psycopg
+import pytest
+from psycopg.conninfo import conninfo_to_dict
+
+from delaywheel import Store
+
+pytestmark = [pytest.mark.browser, pytest.mark.airflow]
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "test-output" / "browser"
+CHROMIUM = "/usr/bin/chromium"
+METADATA_DB = f"airflow_browser_{os.getpid()}"  # its own: a scheduler must not pick up other sessions' runs
+DAG_ID = "delaywheel_consumer_template"  # consumes topic "orders" as group "orders-template"
+TOPIC, GROUP = "orders", "orders-template"
+USER, PASSWORD = "admin", "browser-test-pw"
+STARTUP_S = 150.0
+
+
+@dataclass
+class Airflow:
+    base: str
+    token: str
+
+    def api(self, path: str) -> Any:
+        response = httpx.get(f"{self.base}{path}", headers={"Authorization": f"Bearer {self.token}"}, timeout=30)
+        response.raise_for_status()
+        return response.json()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for(what: str, check: Any, timeout: float, procs: list[subprocess.Popen[bytes]]) -> Any:
+    """Poll `check()` until it returns something truthy; fail early if an Airflow service died."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        dead = [p.args for p in procs if p.poll() is not None]
+        assert not dead, f"Airflow service exited while waiting for {what}: {dead} (logs in {OUT})"
+        try:
+            if result := check():
+                return result
+        except (httpx.HTTPError, OSError):
+            pass
+        time.sleep(1.0)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what} (logs in {OUT})")
+
+
+@pytest.fixture
+def airflow(airflow_db: dict[str, str], server_url: str, db_url: str, tmp_path: Path) -> Iterator[Airflow]:
+    """API server + scheduler + DAG processor on a fresh metadata database; the store is this test's database."""
+    OUT.mkdir(parents=True, exist_ok=True)
+    with psycopg.connect(server_url, autocommit=True) as conn:
+        conn.execute(f"DROP DATABASE IF EXISTS {METADATA_DB} WITH (FORCE)")
+        conn.execute(f"CREATE DATABASE {METADATA_DB}")
+    server, store = conninfo_to_dict(server_url), conninfo_to_dict(db_url)
+    pg = f"{server.get('user', 'postgres')}@{server.get('host', '127.0.0.1')}:{server.get('port', 5432)}"
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    passwords = tmp_path / "passwords.json"
+    passwords.write_text(json.dumps({USER: PASSWORD}))
+    env = {
+        **os.environ, **airflow_db,
+        "AIRFLOW_HOME": str(tmp_path / "home"),
+        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"postgresql+psycopg2://{pg}/{METADATA_DB}",
+        "AIRFLOW_CONN_DELAYWHEEL_DEFAULT": f"postgresql://{pg}/{store['dbname']}",
+        "AIRFLOW__API__HOST": "127.0.0.1", "AIRFLOW__API__PORT": str(port), "AIRFLOW__API__BASE_URL": base,
+        "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"{base}/execution/",
+        "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
+        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": f"{USER}:admin",
+        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(passwords),
+        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "False",
+        "AIRFLOW__API_AUTH__JWT_SECRET": "browser-test-" + "s" * 52,
+        "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
+        "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(free_port()),
+        "AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT": str(free_port()),
+        "AIRFLOW__CORE__PARALLELISM": "4",
+    }
+    subprocess.run([sys.executable, "-m", "airflow", "db", "migrate"], env=env, check=True, capture_output=True)
+    # No `delaywheel_deliver` pool here on purpose: the continuous deliver DAG's tasks wait for it, so nothing
+    # but the triggered consumer run changes the store while the page is compared with it.
+    procs: list[subprocess.Popen[bytes]] = []
+    for name, args in (("api-server", ["api-server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]),
+                       ("scheduler", ["scheduler"]), ("dag-processor", ["dag-processor"])):
+        log = (OUT / f"{name}.log").open("wb")
+        procs.append(subprocess.Popen([sys.executable, "-m", "airflow", *args], env=env, stdout=log,
+                                      stderr=subprocess.STDOUT, start_new_session=True))
+    try:
+        wait_for("the API server", lambda: httpx.get(f"{base}/api/v2/monitor/health", timeout=5).status_code == 200,
+                 STARTUP_S, procs)
+        token = httpx.post(f"{base}/auth/token", json={"username": USER, "password": PASSWORD}, timeout=30)
+        af = Airflow(base, token.json()["access_token"])
+        wait_for(f"{DAG_ID} to be parsed", lambda: af.api(f"/api/v2/dags/{DAG_ID}"), STARTUP_S, procs)
+        yield af
+    finally:
+        for proc in procs:
+            os.killpg(proc.pid, signal.SIGTERM)
+        for proc in procs:
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+        with psycopg.connect(server_url, autocommit=True) as conn:
+            conn.execute(f"DROP DATABASE IF EXISTS {METADATA_DB} WITH (FORCE)")
+
+
+def finished(airflow: Airflow, run_id: str) -> dict[str, Any] | None:
+    run = airflow.api(f"/api/v2/dags/{DAG_ID}/dagRuns/{run_id}")
+    return run if run["state"] in ("success", "failed") else None
+
+
+def seed(store: Store) -> None:
+    """Ten messages delivered into the consumer's topic, a level-18 backlog, wheel messages due in 45 min (two)
+    and in 30 h (one: pending, but outside the next-24 h histogram)."""
+    now = store.clock()
+    for i in range(10):
+        store.send(TOPIC, {"order": i}, delay_level=1, now=now - timedelta(seconds=5))
+    store.deliver_level(1)
+    for i in range(4):
+        store.send("orders.timeout", {"order": i}, delay_level=18)
+    for minutes in (45, 45, 60 * 30):
+        store.send("reminders", {"in": minutes}, deliver_at=now + timedelta(minutes=minutes))
+
+
+def test_login_trigger_with_params_and_dashboard_matches_store(airflow: Airflow, store: Store) -> None:
+    from playwright.sync_api import expect, sync_playwright
+
+    seed(store)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=[
+            "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"])
+        page = browser.new_page(viewport={"width": 1400, "height": 1100})
+        page.set_default_timeout(60_000)
+
+        # Anonymous: the dashboard's API is refused, the page sends the browser to Airflow's login.
+        assert page.request.get(f"{airflow.base}/delaywheel/api/stats").status == 401
+        page.goto(f"{airflow.base}/delaywheel/")
+        assert "/auth/login" in page.url
+
+        page.get_by_label("Username").fill(USER)
+        page.get_by_label("Password").fill(PASSWORD)
+        page.get_by_role("button", name="Sign in").click()
+        page.wait_for_url(f"{airflow.base}/delaywheel/")  # back where we were going, now signed in
+        expect(page.locator("h1")).to_have_text("delaywheel", timeout=60_000)
+
+        # Trigger the consumer with parameters from the UI's trigger form: one batch of three messages.
+        page.goto(f"{airflow.base}/dags/{DAG_ID}")
+        page.get_by_test_id("trigger-dag-button").click()
+        dialog = page.get_by_role("dialog")
+        dialog.locator("input[name=element_batch_size]").fill("3")
+        dialog.locator("input[name=element_max_batches]").fill("1")
+        dialog.get_by_role("button", name="Advanced Options").click()
+        dialog.get_by_label("Run ID").fill("ui_browser_run")
+        dialog.get_by_test_id("trigger-dag-submit").click()
+        page.wait_for_url("**/runs/ui_browser_run**")
+        run = wait_for("the triggered run to finish", lambda: finished(airflow, "ui_browser_run"), 180, [])
+        assert run["state"] == "success", run
+        assert run["conf"] == {"batch_size": 3, "max_batches": 1}
+
+        # The delaywheel page, reached from the navigation (Browse menu), shown in the UI's iframe.
+        page.goto(f"{airflow.base}/")
+        page.get_by_role("button", name="Browse").click()
+        page.get_by_role("menuitem", name="Delaywheel").click()
+        page.wait_for_url("**/plugin/delaywheel")
+        frame = page.frame_locator("iframe")
+        try:
+            expect(frame.locator("h1")).to_have_text("delaywheel", timeout=60_000)
+        finally:
+            page.screenshot(path=str(OUT / "airflow-nav-delaywheel.png"), full_page=True)
+
+        stats = store.stats()
+        shown_level = {int(row.get_attribute("data-level") or 0): {
+            field: row.locator(f"td[data-field={field}]").inner_text() for field in ("backlog", "checkpoint", "delivered")
+        } for row in frame.locator("#levels tr[data-level]").all()}
+        expected_level = {row["level"]: {"backlog": str(row["backlog"]), "delivered": str(row["delivered"]),
+                                         "checkpoint": f"{row['checkpoint_xid']}, {row['checkpoint_id']}"}
+                          for row in stats["levels"]}
+        assert shown_level == expected_level
+        assert (shown_level[18]["backlog"], shown_level[1]["delivered"]) == ("4", "10")
+        assert frame.locator("#wheel [data-field=pending]").inner_text() == str(stats["wheel"]["pending"]) == "3"
+        shown_topics = {(row.get_attribute("data-topic"), row.get_attribute("data-group") or None): (
+            row.locator("td[data-field=depth]").inner_text(), row.locator("td[data-field=lag]").inner_text())
+            for row in frame.locator("#topics tr[data-topic]").all()}
+        expected_topics = {(t["topic"], t["consumer_group"]): (str(t["depth"]), str(t["lag"]) if t["consumer_group"]
+                                                                else "—") for t in stats["topics"]}
+        assert shown_topics == expected_topics
+        assert shown_topics[(TOPIC, GROUP)] == ("10", "7")  # the UI-triggered run consumed exactly its 3
+        bars = frame.locator("#histogram-chart rect[data-value]")
+        assert sum(int(v or 0) for v in bars.evaluate_all("els => els.map(e => e.dataset.value)")) == 2
+
+        page.goto(f"{airflow.base}/delaywheel/")
+        page.screenshot(path=str(OUT / "delaywheel-page.png"), full_page=True)
+        browser.close()
+

@@ -1,0 +1,95 @@
+"""Cancel by id, by key, in bulk by keys and by SQL predicate; the CLI's guard; cancelled is never delivered."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+
+import psycopg
+import pytest
+from conftest import at, deliveries
+
+from delaywheel import Store
+from delaywheel.cli import main
+from delaywheel.validation import Message
+
+
+def test_cancel_by_id_and_key(store: Store, t0: datetime) -> None:
+    a = store.send("orders", b"a", delay_level=2, key="k-a", now=t0)
+    b = store.send("orders", b"b", delay=timedelta(minutes=5), key="k-b", now=t0)
+    c = store.send("orders", b"c", delay=timedelta(days=100), key="k-b", now=t0)
+    keep = store.send("orders", b"keep", delay_level=2, now=t0)
+    assert [(r.message_id, r.outcome) for r in store.cancel(message_id=a)] == [(a, "cancelled")]
+    assert [(r.message_id, r.outcome) for r in store.cancel(message_id=a)] == [(a, "already_cancelled")]
+    assert sorted((r.message_id, r.outcome) for r in store.cancel(key="k-b")) == [(b, "cancelled"), (c, "cancelled")]
+    store.deliver_due(now=t0 + timedelta(days=101))
+    assert [r[0] for r in deliveries(store)] == [keep]
+    result = store.deliver_level(2, now=at(t0, 5))
+    assert result.delivered == 0
+
+
+def test_cancel_after_delivery_and_not_found(store: Store, t0: datetime) -> None:
+    mid = store.send("orders", b"x", delay_level=1, key="done", now=t0)
+    store.deliver_level(1, now=at(t0, 1))
+    assert [(r.message_id, r.outcome) for r in store.cancel(message_id=mid)] == [(mid, "already_delivered")]
+    assert [r.outcome for r in store.cancel(key="done")] == ["already_delivered"]
+    assert [(r.message_id, r.outcome) for r in store.cancel(message_id=10**9)] == [(10**9, "not_found")]
+    assert [r.outcome for r in store.cancel(key="nobody")] == ["not_found"]
+    with pytest.raises(ValueError):
+        store.cancel()
+
+
+def test_skipped_cancelled_is_counted(store: Store, t0: datetime) -> None:
+    ids = store.send_many([Message("orders", {"i": i}, delay_level=1) for i in range(4)], now=t0)
+    store.cancel(message_id=ids[1])
+    result = store.deliver_level(1, now=at(t0, 1))
+    assert (result.delivered, result.skipped_cancelled) == (3, 1)
+
+
+def test_bulk_cancel_by_keys(store: Store, t0: datetime) -> None:
+    msgs = [Message("orders", {"i": i}, key=f"order-{i}", delay=timedelta(minutes=30)) for i in range(10)]
+    msgs += [Message("orders", {"i": i}, key=f"order-{i}", delay_level=4) for i in range(10, 14)]
+    ids = store.send_many(msgs, now=t0)
+    keys = ["order-1", "order-3", "order-11", "order-99"]
+    assert store.count_matching(keys=keys) == 3
+    assert store.cancel_matching(keys=keys) == 3
+    assert store.count_matching(keys=keys) == 0
+    assert store.cancel_matching(keys=keys) == 0  # idempotent
+    store.deliver_due(now=at(t0, 3600))
+    assert sorted(r[0] for r in deliveries(store)) == sorted(ids[i] for i in range(14) if i not in (1, 3, 11))
+
+
+def test_bulk_cancel_by_predicate_with_a_subquery_on_a_user_table(store: Store, t0: datetime) -> None:
+    store.conn.execute("CREATE TABLE public.shop_orders (id int PRIMARY KEY, paid boolean NOT NULL)")
+    store.conn.execute("INSERT INTO public.shop_orders SELECT g, g % 3 = 0 FROM generate_series(1, 30) g")
+    msgs = [Message("timeouts", {"order": i}, key=str(i), delay=timedelta(minutes=30)) for i in range(1, 21)]
+    msgs += [Message("timeouts", {"order": i}, key=str(i), delay=timedelta(days=40)) for i in range(21, 31)]
+    ids = dict(zip(range(1, 31), store.send_many(msgs, now=t0), strict=True))
+    where = "key IN (SELECT id::text FROM public.shop_orders WHERE paid)"
+    assert store.count_matching(where=where) == 10
+    assert store.cancel_matching(where=where, reason="paid") == 10
+    reasons = store.conn.execute("SELECT DISTINCT reason FROM delaywheel.cancellations").fetchall()
+    assert reasons == [("paid",)]
+    assert store.cancel_matching(where="topic = 'timeouts' AND deliver_at > now() + interval '1000 days'") == 0
+    store.deliver_due(now=t0 + timedelta(days=41))
+    assert sorted(r[0] for r in deliveries(store)) == sorted(v for k, v in ids.items() if k % 3)
+
+
+def test_cli_bulk_cancel_needs_yes(store: Store, db_url: str, t0: datetime, monkeypatch: pytest.MonkeyPatch,
+                                   capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("DELAYWHEEL_DATABASE_URL", db_url)
+    store.send_many([Message("orders", {"i": i}, key=f"k{i}", delay=timedelta(hours=1)) for i in range(6)], now=t0)
+    where = "key IN ('k1', 'k2', 'k5')"
+    assert main(["cancel", "--where", where]) == 2
+    assert "3 pending message(s) match" in capsys.readouterr().out
+    assert store.count_matching(where=where) == 3  # nothing cancelled without --yes
+    assert main(["cancel", "--where", where, "--yes", "--json"]) == 0
+    assert '"cancelled": 3' in capsys.readouterr().out
+    assert store.count_matching(where=where) == 0
+    assert main(["cancel", "--where", "key = 'none'"]) == 0
+
+
+def test_bulk_cancel_rejects_bad_sql_and_writes_nothing(store: Store, t0: datetime) -> None:
+    store.send("orders", b"x", delay=timedelta(hours=1), key="a", now=t0)
+    with pytest.raises(psycopg.errors.SyntaxError):
+        store.cancel_matching(where="key = = 'a'")
+    assert store.conn.execute("SELECT count(*) FROM delaywheel.cancellations").fetchone() == (0,)

@@ -1,0 +1,67 @@
+"""Consumers: pull/ack, redelivery of unacked batches, RocketMQ's retry ladder and dead-letter topic."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+
+from conftest import at
+
+from delaywheel import Settings, Store
+from delaywheel.topics import dlq_topic, retry_topic
+from delaywheel.validation import Message
+
+
+def test_pull_ack_and_redelivery_of_unacked(store: Store, t0: datetime) -> None:
+    ids = store.send_many([Message("orders", {"n": i}) for i in range(5)], now=t0)
+    first = store.pull("orders", "billing", 3)
+    assert [m.message_id for m in first.messages] == ids[:3]
+    again = store.pull("orders", "billing", 3)  # not acked: the same batch again
+    assert [m.message_id for m in again.messages] == ids[:3]
+    assert store.ack(again) == 3
+    rest = store.pull("orders", "billing", 10)
+    assert [m.message_id for m in rest.messages] == ids[3:]
+    store.ack(rest)
+    assert len(store.pull("orders", "billing", 10)) == 0
+    assert [m.message_id for m in store.pull("orders", "shipping", 10).messages] == ids  # groups are independent
+
+
+def test_failed_messages_walk_the_retry_ladder_then_dead_letter(db_url: str, t0: datetime) -> None:
+    settings = Settings(max_reconsume_times=2)
+    with Store(db_url, settings) as store:
+        original = store.send("orders", {"order": 7}, key="o-7", now=t0)
+        batch = store.pull("orders", "g")
+        assert [m.message_id for m in batch.messages] == [original]
+        store.ack(batch, failed={original})
+        retry_row = store.conn.execute(
+            "SELECT level, topic, reconsume_times FROM delaywheel.level_queue ORDER BY id"
+        ).fetchall()
+        assert retry_row == [(3, retry_topic("g"), 1)]  # retry 1 waits level 3 + 0
+        seen = []
+        for attempt in range(1, 3):
+            level = 3 + attempt - 1
+            store.deliver_due(now=at(t0, 24 * 3600 * attempt))
+            batch = store.pull("orders", "g")
+            (m,) = batch.messages
+            seen.append(m)
+            assert (m.source_topic, m.topic, m.reconsume_times, m.idempotency_id, m.key) == (
+                retry_topic("g"), "orders", attempt, original, "o-7")
+            assert m.message_id != original and m.body == {"order": 7}
+            queued = store.conn.execute("SELECT max(level) FROM delaywheel.level_queue").fetchone()
+            assert queued is not None and queued[0] == level
+            store.ack(batch, failed={m.message_id})
+        dead = store.conn.execute(
+            "SELECT topic, reconsume_times, properties->>'ORIGIN_MESSAGE_ID' FROM delaywheel.topic_messages"
+            " WHERE topic = %s", (dlq_topic("g"),)
+        ).fetchall()
+        assert dead == [(dlq_topic("g"), 3, str(original))]
+        (dlq,) = store.pull(dlq_topic("g"), "ops").messages
+        assert dlq.idempotency_id == original
+        store.deliver_due(now=at(t0, 10 * 24 * 3600))
+        assert len(store.pull("orders", "g")) == 0  # nothing comes back after the dead letter
+
+
+def test_retry_delay_follows_the_level_table(store: Store, t0: datetime) -> None:
+    mid = store.send("orders", b"x", now=t0)
+    store.ack(store.pull("orders", "g"), failed={mid})
+    row = store.conn.execute("SELECT deliver_at - enqueued_at FROM delaywheel.level_queue").fetchone()
+    assert row is not None and row[0] == timedelta(seconds=10)  # level 3 = 10s

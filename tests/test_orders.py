@@ -1,0 +1,148 @@
+"""The order-timeout story (issue 6): business outcomes, idempotent sweep, payment racing the timeout."""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+
+import pytest
+
+from delaywheel import Store, orders
+from delaywheel.order_quality import verify
+
+TIMEOUT = timedelta(seconds=30)
+
+
+def expected_status(plan: orders.OrderPlan) -> str:
+    if plan.action == "pay" and plan.act_after < TIMEOUT:
+        return "paid"
+    if plan.action == "cancel":
+        return "cancelled_customer"
+    return "cancelled_timeout"
+
+
+def run_story(store: Store, plans: list[orders.OrderPlan], t0, *, step_s: float = 2.0) -> orders.SweepTotals:
+    """Drive the story with an injected clock: customers act, timers fall due, the sweep applies them."""
+    orders.reset(store, stock_per_sku=10_000)
+    for start in range(0, len(plans), 500):
+        orders.place_orders(store, plans[start:start + 500], TIMEOUT, now=t0)
+    totals = orders.SweepTotals()
+    steps = int(2 * TIMEOUT.total_seconds() / step_s) + 2  # late payers act up to 1.8 x timeout
+    for step in range(1, steps + 1):
+        now = t0 + timedelta(seconds=step * step_s)
+        orders.act_customers(store, now=now)
+        store.deliver_due(now=now)
+        swept = orders.sweep(store, max_messages=300, now=now)
+        totals.messages += swept.messages
+        totals.cancelled += swept.cancelled
+    return totals
+
+
+def test_story_outcome_matches_the_rules_exactly(store: Store, t0, tmp_path) -> None:
+    plans = orders.plan_orders(1, 2000, TIMEOUT)
+    totals = run_story(store, plans, t0)
+    status = dict(store.conn.execute("SELECT order_id, status FROM shop.orders").fetchall())
+    assert {p.order_id: expected_status(p) for p in plans} == status
+    # only abandoned and late-paying orders' timers fire; paid and customer-cancelled ones were cancelled
+    fired = sum(1 for p in plans if expected_status(p) == "cancelled_timeout")
+    assert totals.messages == fired == totals.cancelled
+    refused = store.conn.execute("SELECT count(*) FROM shop.payments WHERE NOT accepted").fetchone()[0]
+    assert refused == sum(1 for p in plans if p.action == "pay" and p.act_after >= TIMEOUT)
+    gap, reserved = store.conn.execute(
+        "SELECT sum(initial_stock - on_hand - reserved - sold), sum(reserved) FROM shop.products").fetchone()
+    assert (gap, reserved) == (0, 0)
+    verdict = verify(store, tmp_path, since=t0)
+    assert verdict.success, verdict.text
+    assert (tmp_path / "report.html").read_text().count("passed") >= 8
+
+
+def test_quality_suite_catches_a_broken_outcome(store: Store, t0, tmp_path) -> None:
+    plans = orders.plan_orders(1, 300, TIMEOUT)
+    run_story(store, plans, t0)
+    victim = next(p.order_id for p in plans if expected_status(p) == "cancelled_timeout")
+    store.conn.execute("UPDATE shop.orders SET status = 'paid', cancelled_at = NULL WHERE order_id = %s", (victim,))
+    store.conn.execute("UPDATE shop.products SET sold = sold + 1 WHERE sku = 'sku-000'")
+    verdict = verify(store, tmp_path, since=t0)
+    failed = {r["rule"] for r in verdict.results if not r["success"]}
+    assert not verdict.success
+    assert "every order unpaid at its deadline is cancelled" in failed
+    assert "stock conserved: initial = on hand + reserved + sold" in failed
+    assert "FAILED" in (tmp_path / "report.html").read_text()
+
+
+def test_redelivered_batch_changes_nothing(store: Store, t0) -> None:
+    """A crash between the sweep's commit and its ack redelivers the batch: applying it again is a no-op."""
+    orders.reset(store, stock_per_sku=1000)
+    plans = [orders.OrderPlan(i, "c", [("sku-001", 2)], "abandon", None) for i in range(1, 51)]
+    orders.place_orders(store, plans, TIMEOUT, now=t0)
+    store.deliver_due(now=t0 + TIMEOUT)
+    batch = store.pull(orders.TOPIC, orders.GROUP, 100)
+    assert len(batch) == 50
+    assert orders.apply_timeouts(store.conn, batch, now=t0 + TIMEOUT) == (50, 0)
+    snapshot = store.conn.execute("SELECT on_hand, reserved, sold FROM shop.products WHERE sku = 'sku-001'").fetchone()
+    # "crash": no ack, so the same batch comes back
+    again = store.pull(orders.TOPIC, orders.GROUP, 100)
+    assert [m.message_id for m in again.messages] == [m.message_id for m in batch.messages]
+    assert orders.apply_timeouts(store.conn, again, now=t0 + TIMEOUT) == (0, 50)
+    assert store.conn.execute("SELECT on_hand, reserved, sold FROM shop.products WHERE sku = 'sku-001'").fetchone() == snapshot
+    assert snapshot == (1000, 0, 0)
+    store.ack(again)
+    assert len(store.pull(orders.TOPIC, orders.GROUP, 100)) == 0
+
+
+def test_early_stray_timer_does_not_cancel_the_order(store: Store, t0) -> None:
+    orders.reset(store, stock_per_sku=100)
+    orders.place_orders(store, [orders.OrderPlan(1, "c", [("sku-002", 1)], "abandon", None)], TIMEOUT, now=t0)
+    store.send(orders.TOPIC, {"order_id": 1}, key=orders.timer_key(1), now=t0)  # not the order's timer: fires now
+    store.send(orders.TOPIC, {"note": "not a timer"}, now=t0)
+    assert orders.sweep(store, now=t0 + timedelta(seconds=1)).cancelled == 0
+    assert store.conn.execute("SELECT status FROM shop.orders").fetchone()[0] == "pending"
+
+
+@pytest.mark.parametrize("round_", range(3))
+def test_payment_racing_the_timeout_ends_paid_or_cancelled_never_both(db_url: str, t0, round_: int) -> None:
+    n = 200
+    with Store(db_url) as setup:
+        orders.reset(setup, stock_per_sku=10_000)
+        plans = [orders.OrderPlan(i, "c", [(f"sku-{i % 50:03d}", 1)], "abandon", None) for i in range(1, n + 1)]
+        orders.place_orders(setup, plans, TIMEOUT, now=t0)
+        setup.deliver_due(now=t0 + TIMEOUT)  # every timer is in the topic: the sweep and the payers race
+    deadline = t0 + TIMEOUT
+    start = threading.Barrier(2)
+    errors: list[BaseException] = []
+
+    def payer() -> None:
+        try:
+            with Store(db_url) as store:
+                start.wait()
+                for i in range(1, n + 1, 10):  # paid just before the deadline, arriving now
+                    orders.pay(store, [(o, deadline - timedelta(milliseconds=1)) for o in range(i, min(i + 10, n + 1))])
+        except BaseException as exc:
+            errors.append(exc)
+
+    def sweeper() -> None:
+        try:
+            with Store(db_url) as store:
+                start.wait()
+                while orders.sweep(store, max_messages=7, now=deadline).messages:
+                    pass
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=payer), threading.Thread(target=sweeper)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    with Store(db_url) as check:
+        rows = check.conn.execute(
+            """SELECT o.status, bool_or(p.accepted) AS accepted
+               FROM shop.orders o LEFT JOIN shop.payments p USING (order_id) GROUP BY o.order_id, o.status""").fetchall()
+        assert len(rows) == n
+        for status, accepted in rows:
+            assert status in ("paid", "cancelled_timeout")
+            assert (status == "paid") == bool(accepted)
+        gap, reserved = check.conn.execute(
+            "SELECT sum(initial_stock - on_hand - reserved - sold), sum(reserved) FROM shop.products").fetchone()
+        assert (gap, reserved) == (0, 0)
