@@ -138,10 +138,10 @@ def measure(url: str, sent: Sent, settle_s: float) -> dict[str, Any]:
                    percentile_cont(0.5) WITHIN GROUP (ORDER BY extract(epoch FROM delivered_at - deliver_at)),
                    percentile_cont(0.99) WITHIN GROUP (ORDER BY extract(epoch FROM delivered_at - deliver_at)),
                    max(extract(epoch FROM delivered_at - deliver_at)),
-                   percentile_cont(0.99) FILTER (WHERE origin = 'level')
-                       WITHIN GROUP (ORDER BY extract(epoch FROM delivered_at - deliver_at)),
-                   percentile_cont(0.99) FILTER (WHERE origin = 'wheel')
-                       WITHIN GROUP (ORDER BY extract(epoch FROM delivered_at - deliver_at))
+                   percentile_cont(0.99) WITHIN GROUP (ORDER BY extract(epoch FROM delivered_at - deliver_at))
+                       FILTER (WHERE origin = 'level'),
+                   percentile_cont(0.99) WITHIN GROUP (ORDER BY extract(epoch FROM delivered_at - deliver_at))
+                       FILTER (WHERE origin = 'wheel')
             FROM delaywheel.topic_messages WHERE origin IN ('level', 'wheel')""").fetchone()
         assert row is not None
         worst = conn.execute("""
@@ -180,7 +180,7 @@ def baseline(args: argparse.Namespace) -> Outcome:
     seconds = args.baseline_minutes * 60 + args.drain + 90
     env = {**os.environ, "DELAYWHEEL_DATABASE_URL": uri(url)}
     deliverer = subprocess.Popen([sys.executable, "-m", "delaywheel.cli", "deliver", "--duration", f"{seconds:.0f}s"],
-                                 env=env, stdout=subprocess.DEVNULL)
+                                 env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         load = argparse.Namespace(**{**vars(args), "minutes": args.baseline_minutes})
         sent, figures = run_load(url, load)

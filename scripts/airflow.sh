@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Start Airflow locally on the project's embedded PostgreSQL (the README's `make airflow`).
 #
-#   scripts/airflow.sh                 set up, then `airflow standalone` (scheduler, DAG processor,
-#                                      triggerer, API server + UI on http://127.0.0.1:8080)
-#   scripts/airflow.sh <command...>    any other airflow command in the same environment, e.g. the
-#                                      services one by one: `scheduler`, `dag-processor`, `triggerer`,
-#                                      `api-server`; or `dags list`, `tasks test ...`
+#   scripts/airflow.sh                 set up, then run the API server + UI (http://127.0.0.1:8080), and once it
+#                                      answers, the triggerer, DAG processor and scheduler; Ctrl-C stops them all
+#   scripts/airflow.sh standalone      set up, then `airflow standalone` instead (same services; it starts the
+#                                      scheduler before the API server, so the first task tries may fail and retry)
+#   scripts/airflow.sh <command...>    any other airflow command in the same environment, e.g. `dags list`,
+#                                      or one service per terminal: `api-server`, `scheduler`, `triggerer`, ...
 #
 # Login: user `admin`; the password is generated on first start into
 # .delaywheel/airflow/simple_auth_manager_passwords.json.generated (printed below once it exists).
@@ -69,6 +70,22 @@ SLOTS="$("$PY" -c 'from delaywheel import load_settings; print(2 * (load_setting
 airflow pools set delaywheel_deliver "$SLOTS" "delaywheel_deliver: per level and wheel, two runs during a hand-over" >/dev/null
 
 PASSWORDS="$AIRFLOW_HOME/simple_auth_manager_passwords.json.generated"
-echo "Airflow UI: http://127.0.0.1:8080  user: admin  password: in $PASSWORDS (generated on first start)"
-[[ -s "$PASSWORDS" ]] && echo "passwords: $(cat "$PASSWORDS")"
-exec airflow standalone
+login() { echo "Airflow UI: http://127.0.0.1:8080  user: admin  password: $(cat "$PASSWORDS" 2>/dev/null || echo "in $PASSWORDS")"; }
+if [[ "${1:-}" == "standalone" ]]; then
+  login
+  exec airflow standalone
+fi
+
+# The API server first: workers report to its Execution API, so a task started before it answers fails.
+pids=()
+trap 'trap - EXIT; kill -TERM "${pids[@]}" 2>/dev/null; wait' EXIT INT TERM
+airflow api-server & pids+=($!)
+for _ in $(seq 1 180); do
+  curl -fs http://127.0.0.1:8080/api/v2/monitor/health >/dev/null && break
+  sleep 1
+done
+login
+airflow triggerer & pids+=($!)
+airflow dag-processor & pids+=($!)
+airflow scheduler & pids+=($!)
+wait -n  # one service ended: stop the others (the EXIT trap)

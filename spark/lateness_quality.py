@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> quality.ContractResult:
     p.add_argument("--settle-seconds", type=float, default=60.0,
                    help="leave out the most recent due times: their deliveries may still be in flight")
     p.add_argument("--p99-ms", default="5000", help="p99 lateness limit: MS, or default=MS,LEVEL=MS,wheel=MS")
-    p.add_argument("--report-dir", type=Path, default=DEFAULT_REPORTS)
+    p.add_argument("--report-dir", type=sparkjob.text, help=f"where the HTML report goes (default: {DEFAULT_REPORTS})")
     args = p.parse_args(argv)
     url = sparkjob.db_url(args.db_url)
     thresholds = quality.Thresholds.parse(args.p99_ms)
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> quality.ContractResult:
     result = quality.validate({"deliveries": deliveries, "outcomes": outcomes, "levels": levels_frame}, levels,
                               start, end)
     name = f"lateness_{start:%Y%m%dT%H%M%S}_{end:%Y%m%dT%H%M%S}.html"
-    report = quality.render_report(args.report_dir / name, result, levels, histogram)
+    report = quality.render_report(Path(args.report_dir or DEFAULT_REPORTS) / name, result, levels, histogram)
     with connect(url, autocommit=True) as conn:
         quality.store_minutes(conn, minutes)
         result_id = quality.save_result(conn, result, str(report))

@@ -110,7 +110,7 @@ def place_orders(store: Store, plans: list[OrderPlan], timeout: timedelta, *, no
         )
         conn.execute(
             """UPDATE shop.products p SET on_hand = p.on_hand - l.qty, reserved = p.reserved + l.qty
-               FROM (SELECT sku, sum(qty) AS qty FROM shop.order_lines WHERE order_id = ANY(%s) GROUP BY sku) l
+               FROM (SELECT sku, sum(qty) AS qty FROM shop.order_lines WHERE order_id = ANY(%s::bigint[]) GROUP BY sku) l
                WHERE p.sku = l.sku""",
             (ids,),
         )
@@ -133,7 +133,7 @@ def place_orders(store: Store, plans: list[OrderPlan], timeout: timedelta, *, no
 
 def _lock_orders(conn: psycopg.Connection, order_ids: list[int]) -> None:
     """Lock in ascending id order: the sweep and the customers then never deadlock each other."""
-    conn.execute("SELECT 1 FROM shop.orders WHERE order_id = ANY(%s) ORDER BY order_id FOR UPDATE", (order_ids,))
+    conn.execute("SELECT 1 FROM shop.orders WHERE order_id = ANY(%s::bigint[]) ORDER BY order_id FOR UPDATE", (order_ids,))
 
 
 def _release(conn: psycopg.Connection, order_ids: list[int], sell: bool) -> None:
@@ -141,7 +141,7 @@ def _release(conn: psycopg.Connection, order_ids: list[int], sell: bool) -> None
     target = "sold" if sell else "on_hand"
     conn.execute(
         f"""UPDATE shop.products p SET reserved = p.reserved - l.qty, {target} = p.{target} + l.qty
-            FROM (SELECT sku, sum(qty) AS qty FROM shop.order_lines WHERE order_id = ANY(%s) GROUP BY sku) l
+            FROM (SELECT sku, sum(qty) AS qty FROM shop.order_lines WHERE order_id = ANY(%s::bigint[]) GROUP BY sku) l
             WHERE p.sku = l.sku""",  # type: ignore[arg-type]
         (order_ids,),
     )
@@ -162,7 +162,7 @@ def pay(store: Store, payments: list[tuple[int, datetime]], *, cancel_timers: bo
             ([o for o, _ in payments], [t for _, t in payments])).fetchall()]
         conn.execute(
             "INSERT INTO shop.payments (order_id, paid_at, accepted)"
-            " SELECT p.id, p.at, p.id = ANY(%s) FROM unnest(%s::bigint[], %s::timestamptz[]) AS p(id, at)",
+            " SELECT p.id, p.at, p.id = ANY(%s::bigint[]) FROM unnest(%s::bigint[], %s::timestamptz[]) AS p(id, at)",
             (accepted, [o for o, _ in payments], [t for _, t in payments]))
         _release(conn, accepted, sell=True)
     if cancel_timers:
@@ -187,7 +187,7 @@ def customer_cancel(
         _lock_orders(conn, order_ids)
         cancelled = [r[0] for r in conn.execute(
             "UPDATE shop.orders SET status = 'cancelled_customer', cancelled_at = %s"
-            " WHERE order_id = ANY(%s) AND status = 'pending' RETURNING order_id", (when, order_ids)).fetchall()]
+            " WHERE order_id = ANY(%s::bigint[]) AND status = 'pending' RETURNING order_id", (when, order_ids)).fetchall()]
         _release(conn, cancelled, sell=False)
     if cancel_timers:
         _cancel_timers(store, cancelled, "cancelled by customer")
@@ -239,13 +239,13 @@ def apply_timeouts(conn: psycopg.Connection, batch: Batch, *, now: datetime | No
         # message (a replay, a timer created by reconcile, another run's) never cancels too soon
         cancelled = [r[0] for r in conn.execute(
             """UPDATE shop.orders SET status = 'cancelled_timeout', cancelled_at = coalesce(%(now)s, clock_timestamp())
-               WHERE order_id = ANY(%(ids)s) AND status = 'pending' AND deadline <= coalesce(%(now)s, clock_timestamp())
+               WHERE order_id = ANY(%(ids)s::bigint[]) AND status = 'pending' AND deadline <= coalesce(%(now)s, clock_timestamp())
                RETURNING order_id""",
             {"now": now, "ids": sorted({o for _, o in fresh})}).fetchall()]
         _release(conn, cancelled, sell=False)
         conn.execute(
             "INSERT INTO shop.processed_messages (message_id, order_id, cancelled)"
-            " SELECT m, o, o = ANY(%s) FROM unnest(%s::bigint[], %s::bigint[]) AS t(m, o)",
+            " SELECT m, o, o = ANY(%s::bigint[]) FROM unnest(%s::bigint[], %s::bigint[]) AS t(m, o)",
             (cancelled, [m for m, _ in fresh], [o for _, o in fresh]),
         )
     return len(cancelled), len(message_ids) - len(fresh)

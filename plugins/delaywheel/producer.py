@@ -136,7 +136,10 @@ def write_prepared(conn: psycopg.Connection, cache: PartitionCache, rows: list[t
 
 
 def _write_wheel(conn: psycopg.Connection, cache: PartitionCache, rows: list[tuple[int, Prepared]], clock: datetime) -> None:
-    row = conn.execute("SELECT near_until FROM delaywheel.wheel_state").fetchone()
+    # FOR KEY SHARE waits for a roll in progress (it holds the row FOR UPDATE) and then reads its new near_until:
+    # a stale value would put rows into a far block after the roll moved it, stranding them until the next roll.
+    # The wheel deliverer's per-pass UPDATE does not conflict with it.
+    row = conn.execute("SELECT near_until FROM delaywheel.wheel_state FOR KEY SHARE").fetchone()
     assert row is not None
     near_until = row[0]
     near = [(i, p) for i, p in rows if p.placement.deliver_at < near_until]

@@ -1,0 +1,41 @@
+"""delaywheel_lateness_quality: delivery lateness as a data contract, every 15 minutes, with Spark and
+Great Expectations.
+
+Each run checks the due-time window of the last `window_minutes` (ending `settle_seconds` ago, so deliveries
+in flight are not counted as missing): zero early deliveries, p99 lateness within `p99_ms` per lane, no
+duplicate delivery, every message due delivered or cancelled. Aggregates go to
+`delaywheel.lateness_minutes`, the GX result to `delaywheel.validation_results`, and the HTML report's path
+is printed in the task log. A broken contract fails the task with the failed expectations and figures.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+
+from airflow.sdk import DAG, Param
+
+from delaywheel.airflow.spark import spark_job
+
+with DAG(
+    dag_id="delaywheel_lateness_quality",
+    schedule=timedelta(minutes=15),
+    start_date=datetime(2025, 1, 1),
+    catchup=False,
+    max_active_runs=1,
+    tags=["delaywheel", "spark", "data-quality"],
+    doc_md=__doc__,
+    params={
+        "window_minutes": Param(15, type="number", minimum=0.1, description="length of the due-time window"),
+        "settle_seconds": Param(60, type="number", minimum=0, description="leave out the most recent due times"),
+        "start": Param("", type="string", description="or: an explicit window start (ISO-8601)"),
+        "end": Param("", type="string", description="and end (exclusive)"),
+        "p99_ms": Param("5000", type="string", title="p99 limits (ms)",
+                        description="MS, or default=MS,LEVEL=MS,wheel=MS,direct=MS"),
+        "report_dir": Param("", type="string", description="where the HTML report goes (empty: .delaywheel/reports)"),
+    },
+) as dag:
+    spark_job("lateness_quality", "lateness_quality", [
+        "--window-minutes", "{{ params.window_minutes }}", "--settle-seconds", "{{ params.settle_seconds }}",
+        "--start", "{{ params.start }}", "--end", "{{ params.end }}", "--p99-ms", "{{ params.p99_ms }}",
+        "--report-dir", "{{ params.report_dir }}",
+    ])
