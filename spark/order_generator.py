@@ -6,13 +6,11 @@ the same transaction (delaywheel.orders.place_orders), in parallel partitions.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from datetime import timedelta
 
-from pyspark import SparkConf
-from pyspark.sql import SparkSession
+import sparkjob
 
 from delaywheel import orders
 from delaywheel.config import parse_duration
@@ -32,8 +30,7 @@ def place_range(db_url: str, first_id: int, count: int, timeout: timedelta, seed
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--db-url", required=True)
+    parser = sparkjob.parser(__doc__ or "")
     parser.add_argument("--orders", type=int, default=100_000)
     parser.add_argument("--timeout", default="30m", help="order payment timeout (30m in production, seconds in demos)")
     parser.add_argument("--period", default="30s", help="spread the orders over this long")
@@ -44,12 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     timeout = parse_duration(args.timeout, "--timeout")
     period = parse_duration(args.period, "--period").total_seconds()
-    builder = SparkSession.builder.appName("delaywheel-order-generator")
-    if not SparkConf().contains("spark.master"):  # run directly with python: local mode; spark-submit sets it
-        builder = builder.master("local[*]")
-    spark = builder.getOrCreate()
+    spark = sparkjob.session("delaywheel-order-generator")
     sc = spark.sparkContext
-    db_url, seed = args.db_url, args.seed
+    db_url, seed = sparkjob.db_url(args.db_url), args.seed
 
     def place(share: tuple[int, int]) -> int:
         return place_range(db_url, share[0], share[1], timeout, seed) if share[1] else 0

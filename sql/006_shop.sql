@@ -20,7 +20,8 @@ CREATE TABLE shop.orders (
     deadline      timestamptz NOT NULL,   -- placed_at + timeout: unpaid by then means cancelled
     paid_at       timestamptz,
     cancelled_at  timestamptz,
-    timeout_message_id bigint             -- the delaywheel message that fires at the deadline
+    timeout_message_id bigint,            -- the delaywheel message that fires at the deadline
+    timer_key     text GENERATED ALWAYS AS ('order-' || order_id) STORED  -- that message's key (reconcile joins on it)
 );
 CREATE INDEX orders_status ON shop.orders (status);
 

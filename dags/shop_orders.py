@@ -1,0 +1,81 @@
+"""The order-timeout story under Airflow (the README's demo runs the same library code in one process).
+
+- `shop_place_orders` (triggered with a form): the Spark order generator places N orders over a period,
+  each with its timeout message enqueued in the same transaction.
+- `shop_customers` (continuous): simulated customers carry out their planned payments and cancellations
+  as they fall due; paying cancels the order's timer.
+- `shop_reconcile` (every 10 minutes): the Spark reconcile mode compares pending orders with pending
+  timers: creates a timer for a pending order that has none, cancels the timers of orders no longer pending.
+The sweep that applies delivered timeouts is `shop_order_sweep`, scheduled on the topic's Asset.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import datetime, timedelta
+from typing import Any
+
+from airflow.sdk import DAG, Param, task
+
+from delaywheel import orders
+from delaywheel.airflow.hooks import DelayWheelHook
+from delaywheel.airflow.spark import spark_job
+
+START = datetime(2025, 1, 1)
+
+with DAG(
+    dag_id="shop_place_orders",
+    schedule=None,
+    start_date=START,
+    catchup=False,
+    tags=["delaywheel", "shop", "spark"],
+    doc_md=__doc__,
+    params={
+        "orders": Param(100_000, type="integer", minimum=1, description="How many orders to place."),
+        "timeout": Param("30m", type="string", description="Payment timeout (e.g. 30m; seconds for a demo)."),
+        "period": Param("30s", type="string", description="Spread the orders over this long."),
+        "first_id": Param(1, type="integer", minimum=1, description="First order id (ids must be new)."),
+    },
+):
+    spark_job("place_orders", "order_generator", [
+        "--orders", "{{ params.orders }}", "--timeout", "{{ params.timeout }}", "--period", "{{ params.period }}",
+        "--first-id", "{{ params.first_id }}",
+    ])
+
+with DAG(
+    dag_id="shop_customers",
+    schedule="@continuous",
+    max_active_runs=1,
+    start_date=START,
+    catchup=False,
+    tags=["delaywheel", "shop"],
+    doc_md=__doc__,
+    params={"lease_seconds": Param(300, type="integer", minimum=1, description="How long one run acts.")},
+):
+
+    @task
+    def act(params: dict[str, Any]) -> dict[str, int]:
+        totals = {"payments": 0, "accepted": 0, "customer_cancels": 0}
+        until = time.monotonic() + int(params["lease_seconds"])
+        with DelayWheelHook().get_store() as store:
+            while time.monotonic() < until:
+                for name, n in orders.act_customers(store).items():
+                    totals[name] += n
+                time.sleep(0.2)
+        return totals
+
+    act()
+
+with DAG(
+    dag_id="shop_reconcile",
+    schedule=timedelta(minutes=10),
+    start_date=START,
+    catchup=False,
+    max_active_runs=1,
+    tags=["delaywheel", "shop", "spark"],
+    doc_md=__doc__,
+):
+    spark_job("reconcile", "redeliver", [
+        "--mode", "reconcile", "--table", "shop.orders", "--key-column", "timer_key",
+        "--predicate", "status = 'pending'", "--topic", orders.TOPIC, "--due-column", "deadline",
+    ])
