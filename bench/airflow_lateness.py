@@ -247,7 +247,7 @@ def wait_running(metadata_url: str, lanes: int, proc: subprocess.Popen[bytes], t
                 row = conn.execute("SELECT count(*) FROM task_instance WHERE dag_id = %s AND state = 'running'",
                                    (DAG_ID,)).fetchone()
                 running = row[0] if row else 0
-        except psycopg.OperationalError:
+        except (psycopg.OperationalError, psycopg.errors.UndefinedTable):  # not up, or not migrated yet
             running = 0
         if running >= lanes:
             return

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta
 
-from conftest import table_counts
+from conftest import HOT_TABLES, table_counts
 
 from delaywheel import Store
 from delaywheel.validation import Message
@@ -12,12 +12,14 @@ from delaywheel.validation import Message
 SIZE = """
 SELECT coalesce(sum(pg_total_relation_size(c.oid)), 0)
 FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
-WHERE n.nspname = 'delaywheel' AND c.relkind IN ('r', 'p', 'm')
+WHERE n.nspname = 'delaywheel' AND (c.relname = ANY(%(hot)s) OR c.oid IN (
+    SELECT i.inhrelid FROM pg_inherits i JOIN pg_class p ON p.oid = i.inhparent
+    JOIN pg_namespace pn ON pn.oid = p.relnamespace WHERE pn.nspname = 'delaywheel' AND p.relname = ANY(%(hot)s)))
 """
 
 
 def _size(store: Store) -> int:
-    row = store.conn.execute(SIZE).fetchone()
+    row = store.conn.execute(SIZE, {"hot": list(HOT_TABLES)}).fetchone()
     assert row is not None
     return int(row[0])
 

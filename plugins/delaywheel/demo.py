@@ -13,8 +13,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 from . import orders, runner
 from .config import PROJECT_ROOT, parse_duration
@@ -30,30 +32,32 @@ def _counts(store: Store) -> dict[str, int]:
 
 
 def _background(stop: threading.Event, url: str, errors: list[BaseException]) -> list[threading.Thread]:
-    """The deliverer, and the customers + sweep loop, each on its own connection."""
+    """The deliverer, the customers and the sweep, each on its own thread and connection (as they would
+    be separate Airflow tasks), so a slow one does not hold up the others."""
 
-    def deliver() -> None:
-        try:
-            with Store(url) as store:
-                runner.run(store, [*range(1, store.settings.max_level + 1), None], 24 * 3600, stop=stop)
-        except BaseException as exc:  # surfaced by the main thread
-            errors.append(exc)
-            stop.set()
+    def guarded(body: Callable[[Store], None]) -> Callable[[], None]:
+        def run() -> None:
+            try:
+                with Store(url) as store:
+                    body(store)
+            except BaseException as exc:  # surfaced by the main thread
+                errors.append(exc)
+                stop.set()
+        return run
 
-    def customers_and_sweep() -> None:
-        try:
-            with Store(url) as store:
-                while not stop.is_set():
-                    orders.act_customers(store)
-                    orders.sweep(store)
-                    stop.wait(0.1)
-                orders.sweep(store)
-        except BaseException as exc:
-            errors.append(exc)
-            stop.set()
+    def deliver(store: Store) -> None:
+        runner.run(store, [*range(1, store.settings.max_level + 1), None], 24 * 3600, stop=stop)
 
-    threads = [threading.Thread(target=deliver, name="deliverer"),
-               threading.Thread(target=customers_and_sweep, name="customers+sweep")]
+    def customers(store: Store) -> None:
+        while not stop.wait(0.1):
+            orders.act_customers(store)
+
+    def sweep(store: Store) -> None:
+        while not stop.wait(0.05):
+            orders.sweep(store)
+        orders.sweep(store)
+
+    threads = [threading.Thread(target=guarded(body), name=body.__name__) for body in (deliver, customers, sweep)]
     for thread in threads:
         thread.start()
     return threads
@@ -115,10 +119,33 @@ def run_demo(
         raise errors[0]
     from .order_quality import verify
 
+    reconcile_code, reconciled = _spark_job(out, "redeliver", [
+        "--db-url", store.url, "--mode", "reconcile", "--table", "shop.orders", "--key-column", "timer_key",
+        "--predicate", "status = 'pending'", "--topic", orders.TOPIC, "--due-column", "deadline"])
+    print(f"reconcile (Spark): {reconciled.get('missing')} orders missing a timer, {reconciled.get('stale')} "
+          f"stale timers cancelled (exit {reconcile_code})", flush=True)
+    lateness_code, lateness = _spark_job(out, "lateness_quality", [
+        "--db-url", store.url, "--start", clock_start.isoformat(), "--end", store.clock().isoformat(),
+        "--report-dir", str(out / "lateness")])
+    print(f"delivery lateness contract (Spark + Great Expectations) over {lateness.get('deliveries')} deliveries: "
+          f"{'passed' if lateness_code == 0 else 'FAILED ' + str(lateness.get('failed'))}; report in {out / 'lateness'}",
+          flush=True)
     result = verify(store, out, since=clock_start)
     store.close()
-    summary = {"orders": n_orders, **result.summary, "report": str(out / "report.html")}
+    success = result.success and reconcile_code == 0 and lateness_code == 0
+    summary = {"orders": n_orders, **result.summary, "reconcile": reconciled,
+               "delivery_lateness_contract": "passed" if lateness_code == 0 else "FAILED",
+               "report": str(out / "report.html")}
     print(json.dumps(summary, default=str, indent=2) if json_output else result.text, flush=True)
     print(f"\nreport: {out / 'report.html'}")
-    return 0 if result.success else 1
+    return 0 if success else 1
+
+
+def _spark_job(out: Path, job: str, args: list[str]) -> tuple[int, dict[str, Any]]:
+    """Run one of the project's Spark jobs (local[*]); returns its exit code and the JSON line it printed."""
+    with open(out / f"{job}.log", "w") as log:
+        done = subprocess.run([sys.executable, str(PROJECT_ROOT / "spark" / f"{job}.py"), *args],
+                              stdout=subprocess.PIPE, stderr=log, text=True)
+    reports = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    return done.returncode, json.loads(reports[-1]) if reports else {}
 

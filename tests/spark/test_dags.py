@@ -49,7 +49,7 @@ def test_bulk_enqueue_dag(dags: dict[str, Any], store: Store, tmp_path: Path) ->
 
 
 def test_redeliver_dag_catches_up(dags: dict[str, Any], store: Store) -> None:
-    past = store.clock() - timedelta(hours=1)
+    past = store.clock() - timedelta(hours=3)  # every level (up to 2 h) is overdue
     store.send_many([Message("orders", {"i": i}, delay_level=1 + i % 18, key=f"c{i}") for i in range(90)], now=past)
 
     assert _state(dags["delaywheel_redeliver"], mode="catch-up") == "success"

@@ -52,9 +52,10 @@ class DueMessagesSensor(BaseSensorOperator):
     def poke(self, context: Context) -> PokeReturnValue:
         head, clock = DelayWheelHook(self.delaywheel_conn_id).next_due(self.lane, now_offset_s=self.now_offset_s)
         self.log.info("%s: head due %s, now %s", lane_label(self.lane), head, clock)
-        due = head is not None and head <= clock
-        event = {"lane": lane_label(self.lane), "due_at": head.isoformat(), "checked_at": clock.isoformat()} if due else None
-        return PokeReturnValue(is_done=due, xcom_value=event)
+        if head is None or head > clock:
+            return PokeReturnValue(is_done=False)
+        return PokeReturnValue(is_done=True, xcom_value={
+            "lane": lane_label(self.lane), "due_at": head.isoformat(), "checked_at": clock.isoformat()})
 
     def execute(self, context: Context) -> Any:
         if not self.deferrable:
