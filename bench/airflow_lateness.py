@@ -212,6 +212,7 @@ def standalone(store_url: str, lease: float | None) -> Iterator[tuple[subprocess
         "AIRFLOW_CONN_DELAYWHEEL_DEFAULT": uri(store_url),
         "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": metadata,
         "AIRFLOW__API__PORT": str(port), "AIRFLOW__API__BASE_URL": base,
+        "AIRFLOW__API__WORKERS": "1",  # the default 4 would each import Airflow on a 2-core machine
         "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"{base}/execution/",
         "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(free_port()),
         "AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT": str(free_port()),
@@ -263,6 +264,7 @@ class CpuSampler:
         self.first: dict[int, int] = {}
         self.last: dict[int, int] = {}
         self.kind: dict[int, str] = {}
+        self.title: dict[int, str] = {}
         self.started = self.stopped = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
@@ -288,7 +290,15 @@ class CpuSampler:
             if pid not in self.first:
                 self.first[pid] = ticks if initial else 0  # born during the window: all its CPU counts
                 self.kind[pid] = _kind(cmdline)
+                self.title[pid] = cmdline
             self.last[pid] = ticks
+
+    def census(self) -> str:
+        """Which process titles were counted as which kind (to check the classification)."""
+        seen: dict[str, set[str]] = defaultdict(set)
+        for pid, kind in self.kind.items():
+            seen[kind].add(self.title.get(pid, "?")[:60])
+        return "; ".join(f"{k}: {len(v)} titles, e.g. {sorted(v)[:3]}" for k, v in sorted(seen.items()))
 
     def by_kind(self) -> dict[str, float]:
         """CPU seconds per process kind over the window (processes that exited between samples lose < 2 s)."""
@@ -354,6 +364,32 @@ def task_overhead(metadata_url: str, since: datetime) -> dict[str, Any]:
             "runs": runs[0] if runs else 0}
 
 
+def split_by_coverage(store_url: str, metadata_url: str) -> dict[str, Any]:
+    """Lateness of messages due while their lane's deliver task was running ("steady") against those due while
+    the lane had no task (between runs: the hand-over), from the task intervals in Airflow's metadata."""
+    with psycopg.connect(metadata_url) as conn:
+        tis = conn.execute("SELECT task_id, start_date, end_date FROM task_instance WHERE dag_id = %s"
+                           " AND start_date IS NOT NULL ORDER BY start_date", (DAG_ID,)).fetchall()
+    intervals: dict[str, list[tuple[datetime, datetime]]] = defaultdict(list)
+    far_future = datetime.max.replace(tzinfo=UTC)
+    for task_id, start, end in tis:
+        intervals[task_id].append((start, end or far_future))
+    with psycopg.connect(store_url) as conn:
+        rows = conn.execute("SELECT origin, level, deliver_at, extract(epoch FROM delivered_at - deliver_at)::float8"
+                            " FROM delaywheel.topic_messages WHERE origin IN ('level', 'wheel')").fetchall()
+    steady: list[float] = []
+    between: list[float] = []
+    for origin, level, due, late in rows:
+        lane = "advance_wheel" if origin == "wheel" else f"deliver_level_{level}"
+        covered = any(start <= due <= end for start, end in intervals[lane])
+        (steady if covered else between).append(late)
+    steady.sort()
+    between.sort()
+    return {"steady_n": len(steady), "steady_p50": _pct(steady, 0.5), "steady_p99": _pct(steady, 0.99),
+            "steady_max": max(steady, default=None), "between_n": len(between), "between_p50": _pct(between, 0.5),
+            "between_max": max(between, default=None)}
+
+
 def _pct(values: list[float], q: float) -> float | None:
     return values[min(len(values) - 1, int(q * len(values)))] if values else None
 
@@ -370,10 +406,16 @@ def through_airflow(args: argparse.Namespace) -> Outcome:
         with CpuSampler(proc.pid) as cpu:
             sent, figures = run_load(url, args)
         load1 = os.getloadavg()
+        log(f"processes by kind: {cpu.census()}")
         overhead = task_overhead(metadata_url, since)
+        coverage = split_by_coverage(url, metadata_url)
     window = cpu.stopped - cpu.started
     shares = {k: v / window for k, v in sorted(cpu.by_kind().items())}
     notes = [
+        f"lateness of messages due while their lane's deliver task was running: p50 {_ms(coverage['steady_p50'])}, "
+        f"p99 {_ms(coverage['steady_p99'])}, max {_ms(coverage['steady_max'])} ({coverage['steady_n']:,} msgs); "
+        f"due while the lane had no task (between runs): {coverage['between_n']:,} msgs, p50 "
+        f"{_ms(coverage['between_p50'])}, max {_ms(coverage['between_max'])}",
         f"Airflow task start latency (queued -> running, deliver tasks started in the window): "
         f"p50 {_s(overhead['start_p50'])}, max {_s(overhead['start_max'])} over {overhead['task_starts']} starts; "
         f"{overhead['runs']} `{DAG_ID}` runs",

@@ -5,7 +5,7 @@ plus one for the wheel, so each level has its own checkpoint and its own countdo
 one slow level never delays another. Each task holds its lane for a lease, sleeping exactly until the
 lane's next due time between passes and waking early on a producer's NOTIFY.
 
-Why overlapping scheduled runs, not `@continuous`: Airflow needs seconds to start a task (here 5-30 s
+Why overlapping scheduled runs, not `@continuous`: Airflow needs seconds to start a task (here 5-60 s
 for 19 tasks on 2 cores), so delivering from short runs would add that to every message's lateness,
 and leases fix that, but with `@continuous` (which requires `max_active_runs=1`) the next run can only
 start once the slowest task of the previous one has ended. Every lane then sits idle for the run
@@ -38,7 +38,7 @@ from delaywheel.airflow.operators import AdvanceWheelOperator, DeliverLevelOpera
 POOL = "delaywheel_deliver"
 LEVELS = load_settings().levels
 INTERVAL_S = conf.getfloat("delaywheel", "deliver_lease_seconds", fallback=300.0)
-OVERLAP_S = conf.getfloat("delaywheel", "deliver_overlap_seconds", fallback=60.0)
+OVERLAP_S = conf.getfloat("delaywheel", "deliver_overlap_seconds", fallback=120.0)
 
 
 def _label(delay: timedelta) -> str:

@@ -40,6 +40,9 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$sum" ]; then
   # behind): reinstall pyspark last so its files are the ones that stay.
   .venv/bin/pip install -q --no-deps --force-reinstall "$(grep '^pyspark==' requirements.lock)"
   .venv/bin/pip install -q --no-deps -e .
+  want=$(grep '^pyspark==' requirements.lock | cut -d= -f3)
+  have=$(.venv/bin/python -c 'import pyspark; print(pyspark.__version__)')
+  [ "$want" = "$have" ] || { echo "setup: pyspark is $have, the lock says $want" >&2; exit 1; }
   # The editable build leaves plugins/delaywheel.egg-info behind; Airflow puts plugins/ on sys.path, would
   # read that copy's entry point too and report the delaywheel plugin as a duplicate import error.
   rm -rf plugins/delaywheel.egg-info
