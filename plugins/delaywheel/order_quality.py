@@ -99,11 +99,16 @@ def _validate(orders: pd.DataFrame, products: pd.DataFrame) -> list[dict[str, An
         for r in outcome.results:
             results.append({
                 "table": name, "expectation": r.expectation_config.type, "rule": r.expectation_config.meta["rule"],
-                "success": bool(r.success), "observed": r.result.get("observed_value"),
+                "success": bool(r.success), "observed": _plain(r.result.get("observed_value")),
                 "unexpected": r.result.get("unexpected_count"),
                 "examples": r.result.get("partial_unexpected_list", [])[:5],
             })
     return results
+
+
+def _plain(value: Any) -> Any:
+    """numpy scalars as Python numbers, for the report and the JSON file."""
+    return value.item() if hasattr(value, "item") else value
 
 
 def _chart(orders: pd.DataFrame) -> str:
@@ -187,6 +192,8 @@ def _words(s: dict[str, Any], results: list[dict[str, Any]]) -> str:
         f"{s['timer_delivery_lateness_p50_ms']} ms (p50) / {s['timer_delivery_lateness_p99_ms']} ms (p99) after due, "
         f"{s['timers_delivered_early']} early.",
         f"Data quality: {s['quality']} ({s['expectations_passed']} expectations met)."
-        + ("" if not failed else " Failed: " + "; ".join(f"{r['rule']} (observed {r['observed']}, unexpected {r['unexpected']})" for r in failed)),
+        + ("" if not failed else " Failed: " + "; ".join(
+            f"{r['rule']} ({'observed ' + str(r['observed']) if r['observed'] is not None else str(r['unexpected']) + ' rows break it'})"
+            for r in failed)),
     ]
     return "\n".join(lines)
