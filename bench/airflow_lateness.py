@@ -161,16 +161,50 @@ def measure(url: str, sent: Sent, settle_s: float) -> dict[str, Any]:
     }
 
 
+class OldestTransaction:
+    """Samples, every second, the age of the oldest transaction holding an xid anywhere on the cluster: the
+    level cursors never pass rows newer than it (the xid horizon is cluster-wide), so other sessions' long
+    transactions — in any database — show up directly as level lateness."""
+
+    def __init__(self, url: str) -> None:
+        self.url, self.ages = url, [0.0]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def __enter__(self) -> OldestTransaction:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _loop(self) -> None:
+        with psycopg.connect(self.url, autocommit=True) as conn:
+            while not self._stop.wait(1.0):
+                row = conn.execute("SELECT coalesce(max(extract(epoch FROM clock_timestamp() - xact_start)), 0)::float8"
+                                   " FROM pg_stat_activity WHERE backend_xid IS NOT NULL").fetchone()
+                self.ages.append(row[0] if row else 0.0)
+
+    def note(self) -> str:
+        over = sum(1 for a in self.ages if a > 1.0)
+        return (f"oldest xid-holding transaction on the cluster (any database, sampled each second): max "
+                f"{max(self.ages):.1f} s; older than 1 s in {over} of {len(self.ages)} samples")
+
+
 def run_load(url: str, args: argparse.Namespace) -> tuple[Sent, dict[str, Any]]:
     load_s = args.minutes * 60
     total_s = load_s + args.drain
     log(f"load: {args.rate}/s for {load_s:.0f} s, every due time inside {total_s:.0f} s")
     started = time.monotonic()
-    sent = produce(url, args.rate, load_s, total_s, args.seed)
-    log(f"sent {len(sent.due_ids) + len(sent.far_ids):,} in {sent.seconds:.1f} s "
-        f"({(len(sent.due_ids) + len(sent.far_ids)) / sent.seconds:,.0f}/s); draining")
-    time.sleep(max(0.0, started + total_s - time.monotonic()))
-    return sent, measure(url, sent, settle_s=60.0)
+    with OldestTransaction(url) as oldest:
+        sent = produce(url, args.rate, load_s, total_s, args.seed)
+        log(f"sent {len(sent.due_ids) + len(sent.far_ids):,} in {sent.seconds:.1f} s "
+            f"({(len(sent.due_ids) + len(sent.far_ids)) / sent.seconds:,.0f}/s); draining")
+        time.sleep(max(0.0, started + total_s - time.monotonic()))
+    figures = measure(url, sent, settle_s=60.0)
+    figures["oldest_xact"] = oldest.note()
+    return sent, figures
 
 
 # --- baseline: the store's own delivery loop --------------------------------------------------------------
@@ -464,6 +498,7 @@ def report(outcomes: list[Outcome], args: argparse.Namespace, started: datetime,
     for o in outcomes:
         worst = "; ".join(f"{t} max {_ms(m)} ({n} msgs)" for t, m, n in o.figures["worst_10s"])
         print(f"- {o.name}: worst 10-s windows by due time: {worst}")
+        print(f"- {o.name}: {o.figures['oldest_xact']}")
         for note in o.notes:
             print(f"- {note}")
     print(flush=True)

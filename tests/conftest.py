@@ -6,10 +6,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 import uuid
 from collections.abc import Iterator
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import psycopg
 import pytest
@@ -124,7 +124,7 @@ def store(db_url: str, settings: Settings) -> Iterator[Store]:
 @pytest.fixture
 def t0() -> datetime:
     """A fixed start for tests that inject the clock (whole second, UTC)."""
-    return datetime(2030, 1, 1, tzinfo=timezone.utc)
+    return datetime(2030, 1, 1, tzinfo=UTC)
 
 
 def at(t: datetime, seconds: float) -> datetime:

@@ -6,11 +6,11 @@ from datetime import datetime, timedelta
 
 import psycopg
 import pytest
-from conftest import at, deliveries
 
 from delaywheel import Store
 from delaywheel.cli import main
 from delaywheel.validation import Message
+from tests.conftest import at, deliveries
 
 
 def test_cancel_by_id_and_key(store: Store, t0: datetime) -> None:

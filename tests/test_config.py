@@ -7,10 +7,10 @@ from datetime import datetime, timedelta
 from pathlib import Path
 
 import pytest
-from conftest import at, deliveries
 
 from delaywheel import Settings, Store
 from delaywheel.config import DEFAULT_LEVELS, ConfigError, load_settings, parse_duration, parse_levels
+from tests.conftest import at, deliveries
 
 S = timedelta(seconds=1)
 M = timedelta(minutes=1)

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta
 
-from conftest import at
-
 from delaywheel import Settings, Store
 from delaywheel.topics import dlq_topic, retry_topic
 from delaywheel.validation import Message
+from tests.conftest import at
 
 
 def test_pull_ack_and_redelivery_of_unacked(store: Store, t0: datetime) -> None:

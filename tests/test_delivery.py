@@ -7,10 +7,10 @@ import random
 from datetime import datetime, timedelta
 
 import psycopg
-from conftest import at, deliveries, table_counts
 
 from delaywheel import Settings, Store
 from delaywheel.validation import Message
+from tests.conftest import at, deliveries, table_counts
 
 
 def test_level_never_early_fifo_and_countdown(store: Store, t0: datetime) -> None:

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from conftest import dbname
 
 from delaywheel import embedded
 from delaywheel.migrate import SQL_DIR, MigrationError, available, current_version, migrate
+from tests.conftest import dbname
 
 
 def _free_port() -> int:

@@ -7,12 +7,12 @@ from __future__ import annotations
 import itertools
 from datetime import datetime, timedelta
 
-from conftest import deliveries
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from delaywheel import Settings, Store
 from delaywheel.validation import Message
+from tests.conftest import deliveries
 
 SEND = st.one_of(
     st.tuples(st.just("level"), st.integers(1, 18)),

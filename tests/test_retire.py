@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta
 
-from conftest import HOT_TABLES, table_counts
-
 from delaywheel import Store
 from delaywheel.validation import Message
+from tests.conftest import HOT_TABLES, table_counts
 
 SIZE = """
 SELECT coalesce(sum(pg_total_relation_size(c.oid)), 0)

@@ -6,10 +6,10 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import pytest
-from conftest import at, deliveries, table_counts
 
 from delaywheel import Settings, Store
 from delaywheel.validation import InvalidMessage, Message
+from tests.conftest import at, deliveries, table_counts
 
 EMPTY = {"level_queue": 0, "wheel": 0, "wheel_far": 0, "topic_messages": 0, "cancellations": 0}
 

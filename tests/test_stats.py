@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from conftest import at
-
 from delaywheel import Store
 from delaywheel.validation import Message
+from tests.conftest import at
 
 
 def test_level_stats(store: Store, t0: datetime) -> None:

@@ -12,9 +12,9 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-from conftest import deliveries
 
 from delaywheel import Settings, Store
+from tests.conftest import deliveries
 
 pytestmark = pytest.mark.airflow
 

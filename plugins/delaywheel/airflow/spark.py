@@ -36,6 +36,6 @@ def spark_job(task_id: str, job: str, args: list[str], **kwargs: Any) -> SparkSu
         jars=JDBC_JAR,
         name=f"delaywheel-{job}",
         application_args=["--db-url", DB_URL, "--requested-by", REQUESTED_BY, *args],
-        env_vars={"PYSPARK_PYTHON": python, "PYSPARK_DRIVER_PYTHON": python},
+        env_vars={"PYSPARK_PYTHON": python, "PYSPARK_DRIVER_PYTHON": python, "TZ": "UTC"},
         **kwargs,
     )
