@@ -108,15 +108,15 @@ def produce(url: str, rate: int, load_s: float, total_s: float, seed: int) -> Se
     with Store(url) as store:
         levels = [(i, d.total_seconds()) for i, d in enumerate(store.settings.levels, start=1)]
         start = time.monotonic()
-        seq, tick = 0, 1
+        seq = 0
         while (elapsed := time.monotonic() - start) < load_s:
-            target = int(min(tick * TICK_S, load_s) * rate)  # sent by the end of this tick
+            target = int(min(elapsed + TICK_S, load_s) * rate)  # by wall time: a late batch catches up
             made = [make_message(s, total_s - elapsed, rng, levels) for s in range(seq, target)]
             ids = store.send_many([m for m, _ in made])
             for message_id, (_, far) in zip(ids, made, strict=True):
                 (sent.far_ids if far else sent.due_ids).add(message_id)
-            time.sleep(max(0.0, start + tick * TICK_S - time.monotonic()))
-            seq, tick = target, tick + 1
+            seq = target
+            time.sleep(TICK_S - (time.monotonic() - start) % TICK_S)  # to the next 100 ms boundary
         sent.seconds = time.monotonic() - start
     return sent
 
@@ -162,9 +162,8 @@ def measure(url: str, sent: Sent, settle_s: float) -> dict[str, Any]:
 
 
 class OldestTransaction:
-    """Samples, every second, the age of the oldest transaction holding an xid anywhere on the cluster: the
-    level cursors never pass rows newer than it (the xid horizon is cluster-wide), so other sessions' long
-    transactions — in any database — show up directly as level lateness."""
+    """Samples, every second, the age of the oldest transaction holding an xid anywhere on the cluster (other
+    sessions' work in any database): context for the contention, since xid horizons are cluster-wide."""
 
     def __init__(self, url: str) -> None:
         self.url, self.ages = url, [0.0]
@@ -246,7 +245,6 @@ def standalone(store_url: str, lease: float | None) -> Iterator[tuple[subprocess
         "AIRFLOW_CONN_DELAYWHEEL_DEFAULT": uri(store_url),
         "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": metadata,
         "AIRFLOW__API__PORT": str(port), "AIRFLOW__API__BASE_URL": base,
-        "AIRFLOW__API__WORKERS": "1",  # the default 4 would each import Airflow on a 2-core machine
         "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"{base}/execution/",
         "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(free_port()),
         "AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT": str(free_port()),
@@ -387,6 +385,9 @@ def task_overhead(metadata_url: str, since: datetime) -> dict[str, Any]:
             SELECT task_id, queued_dttm, start_date, end_date FROM task_instance
             WHERE dag_id = %s AND start_date IS NOT NULL ORDER BY task_id, start_date""", (DAG_ID,)).fetchall()
         runs = conn.execute("SELECT count(*) FROM dag_run WHERE dag_id = %s", (DAG_ID,)).fetchone()
+        failed = conn.execute("SELECT (SELECT count(*) FROM task_instance_history WHERE dag_id = %(d)s AND state = 'failed')"
+                              " + (SELECT count(*) FROM task_instance WHERE dag_id = %(d)s AND state = 'failed')",
+                              {"d": DAG_ID}).fetchone()
     starts = sorted((s - q).total_seconds() for _, q, s, _ in rows if q is not None and s >= since)
     gaps: list[float] = []
     for (task, _, _, end), (task2, _, start2, _) in pairwise(rows):
@@ -395,7 +396,7 @@ def task_overhead(metadata_url: str, since: datetime) -> dict[str, Any]:
     gaps.sort()
     return {"task_starts": len(starts), "start_p50": _pct(starts, 0.5), "start_max": max(starts, default=None),
             "handovers": len(gaps), "gap_p50": _pct(gaps, 0.5), "gap_max": max(gaps, default=None),
-            "runs": runs[0] if runs else 0}
+            "runs": runs[0] if runs else 0, "failed_tries": failed[0] if failed else 0}
 
 
 def split_by_coverage(store_url: str, metadata_url: str) -> dict[str, Any]:
@@ -452,7 +453,8 @@ def through_airflow(args: argparse.Namespace) -> Outcome:
         f"{_ms(coverage['between_p50'])}, max {_ms(coverage['between_max'])}",
         f"Airflow task start latency (queued -> running, deliver tasks started in the window): "
         f"p50 {_s(overhead['start_p50'])}, max {_s(overhead['start_max'])} over {overhead['task_starts']} starts; "
-        f"{overhead['runs']} `{DAG_ID}` runs",
+        f"{overhead['runs']} `{DAG_ID}` runs; {overhead['failed_tries']} deliver task tries failed (e.g. killed "
+        "by Airflow after missed heartbeats; see the standalone log)",
         f"lease hand-overs in the window: {overhead['handovers']}, lane idle between runs p50 "
         f"{_s(overhead['gap_p50'])}, max {_s(overhead['gap_max'])}",
         "Airflow CPU over the load window (share of one core): "

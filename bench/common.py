@@ -49,6 +49,12 @@ def fresh_database(name: str = BENCH_DB) -> str:
     return url
 
 
+def drop_database(name: str) -> None:
+    server = make_conninfo(database_url(load_settings()), dbname="postgres")
+    with psycopg.connect(server, autocommit=True) as conn:
+        conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")  # type: ignore[arg-type]
+
+
 def log(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
 

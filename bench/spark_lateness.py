@@ -32,15 +32,15 @@ BUDGET_S = 120.0
 
 QUEUE = """
 INSERT INTO delaywheel.level_queue (id, level, requested_level, topic, key, body, is_json, deliver_at, enqueued_at)
-SELECT i, lv, lv, 'bench.t' || (i % 4), 'k' || i, '\\x7b7d'::bytea, true, due,
+SELECT i, lv, lv, 'bench.t' || (i %% 4), 'k' || i, '\\x7b7d'::bytea, true, due,
        due - make_interval(secs => (%(delays)s::float8[])[lv])
-FROM (SELECT i, 1 + (i % 18) AS lv, %(w0)s::timestamptz + make_interval(secs => (i % %(span)s) / 1000.0) AS due
+FROM (SELECT i, 1 + (i %% 18) AS lv, %(w0)s::timestamptz + make_interval(secs => (i %% %(span)s) / 1000.0) AS due
       FROM generate_series(%(lo)s::bigint, %(hi)s::bigint) i) g
 """
 DELIVERIES = """
 INSERT INTO delaywheel.topic_messages (topic, message_id, origin, level, key, body, is_json, deliver_at, delivered_at)
 SELECT topic, id, 'level', level, key, body, is_json, deliver_at,
-       deliver_at + make_interval(secs => ((id * 7919) % 400) / 1000.0)
+       deliver_at + make_interval(secs => ((id * 7919) %% 400) / 1000.0)
 FROM delaywheel.level_queue WHERE id BETWEEN %(lo)s AND %(hi)s
 """
 

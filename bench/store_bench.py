@@ -5,8 +5,9 @@
 2. Delivery of a level with a large due backlog vs a raw batched move (DELETE ... RETURNING into INSERT) of
    the same rows, interleaved pass by pass, the same batch size.
 3. Single `send` latency p50/p99, next to a single-row INSERT into a plain table.
-4. Flat cost: send and delivery rates on an empty store, then with 10M pending level-18 messages in the same
-   partition and indexes (best of three rounds each).
+4. Flat cost: send and delivery rates with 10M pending level-18 messages in the same partition and indexes,
+   against an empty store in a second database (`delaywheel_bench_empty`); rounds alternate between the two so
+   both see the same load on a shared machine (best of three rounds each).
 
 The clock is injected (`now=`), so backlogs are due without waiting.
 """
@@ -31,6 +32,7 @@ from .common import (
     body,
     chunks,
     copy_rows,
+    drop_database,
     flat,
     fresh_database,
     log,
@@ -40,6 +42,7 @@ from .common import (
 )
 
 TOPIC = "bench.orders"
+EMPTY_DB = "delaywheel_bench_empty"
 T0 = datetime(2031, 1, 1, tzinfo=UTC)  # injected clock origin: an empty hour partition
 RAW_TABLE = """CREATE TABLE {name} (id bigint, level smallint, requested_level int, topic text, key text,
     tags text, properties jsonb, body bytea, is_json boolean, reconsume_times int, deliver_at timestamptz,
@@ -162,14 +165,15 @@ def send_latency(store: Store, raw: psycopg.Connection, count: int) -> tuple[lis
     return ours, base
 
 
-def level_rates(store: Store, count: int, batch: int, at: datetime, rounds: int = 3) -> tuple[float, float]:
-    """Best-of-`rounds` (send rate, delivery rate) of `count` level-1 messages."""
-    sends, delivers = [], []
+def flat_rounds(stores: dict[str, Store], count: int, batch: int, at: datetime, rounds: int = 3) -> dict[str, tuple[float, float]]:
+    """Best-of-`rounds` (send rate, delivery rate) of `count` level-1 messages per store, alternating stores."""
+    rates: dict[str, list[tuple[float, float]]] = {name: [] for name in stores}
     for r in range(rounds):
         now = at + timedelta(minutes=r)
-        sends.append(send_level(store, count, batch, 1, now, f"flat{r}"))
-        delivers.append(Drain(store, 1, now + timedelta(seconds=5), count).run())
-    return max(sends), max(delivers)
+        for name, store in (list(stores.items()) if r % 2 else list(reversed(stores.items()))):
+            send = send_level(store, count, batch, 1, now, f"flat{r}")
+            rates[name].append((send, Drain(store, 1, now + timedelta(seconds=5), count).run()))
+    return {name: (max(s for s, _ in v), max(d for _, d in v)) for name, v in rates.items()}
 
 
 def fill_pending(store: Store, count: int, at: datetime) -> None:
@@ -201,8 +205,6 @@ def main() -> list[Check]:
     checks: list[Check] = []
     notes: list[str] = []
     with Store(url) as store, psycopg.connect(url, autocommit=True) as raw:
-        log(f"flat cost, empty store: {n_flat} level-1 sends + deliveries, best of 3")
-        empty_send, empty_deliver = level_rates(store, n_flat, args.batch, T0)
         log(f"send_many vs raw COPY: {n_send} messages in batches of {args.batch}")
         ours, base, indexed = send_vs_copy(store, raw, n_send, args.batch, T0 + timedelta(minutes=5))
         checks.append(at_least("send_many vs raw COPY (msg/s)", ours, base, 0.6))
@@ -220,8 +222,12 @@ def main() -> list[Check]:
         fill_pending(store, n_pending, T0 + timedelta(minutes=20))
         notes.append(f"pending backdrop: {n_pending:,} level-18 messages in the same hour partition and indexes "
                      f"(SQL INSERT ... SELECT, {time.perf_counter() - filled:.0f} s), then VACUUM (ANALYZE)")
+        log(f"flat cost: {n_flat} level-1 sends + deliveries, loaded and empty store alternating, best of 3")
+        with Store(fresh_database(EMPTY_DB)) as empty:
+            flat_rates = flat_rounds({"loaded": store, "empty": empty}, n_flat, args.batch, T0 + timedelta(minutes=30))
+        drop_database(EMPTY_DB)
+        (loaded_send, loaded_deliver), (empty_send, empty_deliver) = flat_rates["loaded"], flat_rates["empty"]
         log(f"   empty store: send {empty_send:,.0f} msg/s, deliver {empty_deliver:,.0f} msg/s")
-        loaded_send, loaded_deliver = level_rates(store, n_flat, args.batch, T0 + timedelta(minutes=30))
         checks.append(flat(f"send_many rate, {n_pending:,} pending vs empty (msg/s)", loaded_send, empty_send))
         checks.append(flat(f"delivery rate, {n_pending:,} pending vs empty (msg/s)", loaded_deliver, empty_deliver))
         log(f"   loaded store: send {loaded_send:,.0f} msg/s, deliver {loaded_deliver:,.0f} msg/s")

@@ -87,7 +87,8 @@ def main(argv: list[str] | None = None) -> bulk.Counts:
     p.add_argument("--source", type=sparkjob.text, help="idempotency source: a re-run with the same source skips rows already "
                                     "enqueued (default: the input path or the query)")
     p.add_argument("--chunk", type=int, default=20_000, help="rows per transaction in each partition")
-    p.add_argument("--partitions", type=int, help="repartition the input to this many writers")
+    p.add_argument("--partitions", type=int, help="repartition the input to this many writers (default: at least "
+                                                  "one per core)")
     p.add_argument("--now", type=sparkjob.instant, help="inject the clock (tests); default: the database's")
     args = p.parse_args(argv)
     if (args.input is None) == (args.query is None):
@@ -98,8 +99,9 @@ def main(argv: list[str] | None = None) -> bulk.Counts:
     df = (read_files(spark, args.input, input_format(args.input, args.format)) if args.input
           else read_query(spark, sparkjob.db_url(args.source_url) if args.source_url else url, args.query))
     df, mapping = mapped(df, bulk.ColumnMap.parse(args.map, args.topic, args.body_format))
-    if args.partitions:
-        df = df.repartition(args.partitions)
+    writers = args.partitions or spark.sparkContext.defaultParallelism
+    if args.partitions or df.rdd.getNumPartitions() < writers:  # e.g. one Parquet row group: use every core
+        df = df.repartition(writers)
     counts = sparkjob.write_rows(df, url, load_settings(), mapping, args.source or args.input or args.query,
                                 now=args.now, chunk=args.chunk)
     print(json.dumps({"job": "bulk_enqueue", "rows": counts.rows, "enqueued": counts.enqueued,

@@ -204,3 +204,18 @@ def test_open_transaction_in_another_database_does_not_hold_delivery(store: Stor
         assert store.advance_wheel(now=at(t0, 1)).delivered == 1
         assert sorted(m.message_id for m in store.pull("orders", "g").messages) == sorted([level_id, wheel_id])
         elsewhere.rollback()
+
+
+def test_open_producer_transaction_does_not_stop_the_wheel(db_url: str, store: Store, t0: datetime) -> None:
+    """An application sends a timer inside its own transaction and keeps it open while the wheel needs to
+    roll: the advancer must not wait for it (the roll is retried next pass) and keeps delivering."""
+    store.prepare(now=t0)
+    ready = store.send("timers", b"ready", deliver_at=at(t0, 1), now=t0)
+    with Store(db_url) as app:
+        app.prepare(now=t0)
+        with app.conn.transaction():
+            held = app.send("timers", b"held", deliver_at=t0 + timedelta(days=2), now=t0)
+            result = store.advance_wheel(now=t0 + timedelta(days=2))  # the near window must roll forward
+            assert (result.delivered, result.busy) == (1, False)
+        assert store.advance_wheel(now=t0 + timedelta(days=2)).delivered == 1
+    assert [r[0] for r in deliveries(store)] == [ready, held]

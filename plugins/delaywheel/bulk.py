@@ -165,22 +165,20 @@ def to_message(row: Mapping[str, Any], mapping: ColumnMap) -> Message:
         column = mapping.columns.get(name)
         return None if column is None else row.get(column)
 
-    topic = get("topic") if "topic" in mapping.columns else mapping.default_topic
     key = get("key")
     if isinstance(key, int) and not isinstance(key, bool):
         key = str(key)  # numeric business keys (order ids) are keys too
-    body = _coerce_body(get("body"), mapping.body_format)
-    properties = _coerce_properties(get("properties"))
-    return Message(
-        topic=topic,
-        body=body,
-        delay_level=_coerce_number(get("delay_level"), int),
-        delay=_coerce_number(get("delay_ms"), float),
-        deliver_at=_coerce_instant(get("deliver_at")),
-        key=key,
-        tags=get("tags"),
-        properties=properties,  # type: ignore[arg-type]  # the rule checks it
-    )
+    fields: dict[str, Any] = {  # unchecked values on purpose: the rules in `prepare` judge them
+        "topic": get("topic") if "topic" in mapping.columns else mapping.default_topic,
+        "body": _coerce_body(get("body"), mapping.body_format),
+        "delay_level": _coerce_number(get("delay_level"), int),
+        "delay": _coerce_number(get("delay_ms"), float),
+        "deliver_at": _coerce_instant(get("deliver_at")),
+        "key": key,
+        "tags": get("tags"),
+        "properties": _coerce_properties(get("properties")),
+    }
+    return Message(**fields)
 
 
 def _raw(row: Mapping[str, Any]) -> str:

@@ -119,7 +119,7 @@ def write_prepared(conn: psycopg.Connection, cache: PartitionCache, rows: list[t
     if direct:
         cache.ensure(conn, "topic_messages", [clock])
         _copy(conn, "topic_messages", _TOPIC_COLUMNS, _TOPIC_TYPES, (
-            (p.topic, i, "direct", 0, p.key, p.tags, _json(p.properties), p.body, p.is_json, p.reconsume_times, clock, clock)
+            (p.topic, i, "direct", 0, p.key, p.tags, _json(p.properties), p.body, p.is_json, p.reconsume_times, p.placement.deliver_at, clock)
             for i, p in direct
         ))
     if level:

@@ -199,6 +199,14 @@ def _figures(name: str, result: dict[str, Any], levels: list[dict[str, Any]]) ->
     return f"{bad} of {total} lanes over their p99 threshold ({'; '.join(over)})"
 
 
+def _raised(info: dict[str, Any]) -> str | None:
+    """GX reports a metric that failed to compute in `exception_info` (flat, or one entry per metric) instead of
+    raising: a broken check must not pass for a data failure, nor for a success."""
+    entries = [info] if "raised_exception" in info else [v for v in info.values() if isinstance(v, dict)]
+    messages = [str(e.get("exception_message")) for e in entries if e.get("raised_exception")]
+    return "; ".join(messages) or None
+
+
 def validate(frames: dict[str, Any], levels: list[dict[str, Any]], start: datetime, end: datetime) -> ContractResult:
     """Validate the window's frames ('deliveries', 'outcomes', 'levels': Spark DataFrames) with an ephemeral
     GX context and a Spark data source; `levels` are the collected rows of the 'levels' frame."""
@@ -218,8 +226,12 @@ def validate(frames: dict[str, Any], levels: list[dict[str, Any]], start: dateti
         outcome = batch.validate(suite)
         results[frame] = outcome.to_json_dict()
         for r in outcome.results:
-            name = r.expectation_config.meta["contract"]
-            checks.append(Check(name, r.expectation_config.type, bool(r.success), _figures(name, r.result, levels)))
+            config = r.expectation_config
+            assert config is not None and config.meta is not None
+            name = config.meta["contract"]
+            error = _raised(r.exception_info or {})
+            figures = f"GX could not evaluate it: {error}" if error else _figures(name, r.result, levels)
+            checks.append(Check(name, config.type, bool(r.success) and not error, figures))
     return ContractResult(start, end, checks, results)
 
 

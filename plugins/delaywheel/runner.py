@@ -88,24 +88,27 @@ def run(
                 next_report = time.monotonic() + progress_every_s
             if until_idle and earliest is None and not busy:
                 break
-            wait = SAFETY_WAKE_S if earliest is None else max(0.0, (earliest - store.clock()).total_seconds())
+            now = store.clock()
+            wait = SAFETY_WAKE_S if earliest is None else max(0.0, (earliest - now).total_seconds())
             if busy:
                 wait = min(wait, BUSY_RETRY_S)
             wait = min(wait, max(0.0, deadline - time.monotonic()))
             if wait > 0:
-                _sleep_or_notified(listener, wait, stop, earliest.timestamp() if earliest else None)
+                # A message due after this sleep ends is found by the next pass anyway; waking for it would
+                # wake every idle lane on every enqueue. So only announcements due sooner cut the sleep short.
+                _sleep_or_notified(listener, wait, stop, now.timestamp() + wait)
     if progress:
         progress(totals)
     return totals
 
 
-def _sleep_or_notified(listener: psycopg.Connection, seconds: float, stop: threading.Event, earliest: float | None) -> None:
-    """Sleep, but return as soon as a producer announces a message due before `earliest`."""
+def _sleep_or_notified(listener: psycopg.Connection, seconds: float, stop: threading.Event, earliest: float) -> None:
+    """Sleep, but return as soon as a producer announces a message due before `earliest` (epoch seconds)."""
     end = time.monotonic() + seconds
     while not stop.is_set():
         remaining = end - time.monotonic()
         if remaining <= 0:
             return
         for notice in listener.notifies(timeout=min(remaining, 0.5)):
-            if earliest is None or float(notice.payload) < earliest:
+            if float(notice.payload) < earliest:
                 return

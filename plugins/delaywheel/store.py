@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 from datetime import datetime, timedelta
 from typing import Any
 
 import psycopg
+from psycopg import errors
 
 from . import cancel as cancelling
 from . import levels, partitions, producer, stats, topics, wheel
@@ -130,7 +132,8 @@ class Store:
     def prepare(self, *, now: datetime | None = None) -> None:
         """Create the partitions the next hours need, so producers and deliverers never wait on DDL.
         The delivery loop calls this periodically; the maintenance DAG and `migrate` do too."""
-        wheel.roll(self.conn, self.settings, self._cache, now)
+        with contextlib.suppress(errors.LockNotAvailable):  # a producer holds a far block: roll next time
+            wheel.roll(self.conn, self.settings, self._cache, now)
         clock = now or self.clock()
         with self.conn.transaction():
             self._cache.ensure(self.conn, "level_queue", [clock + partitions.HOUR * i for i in range(3)])

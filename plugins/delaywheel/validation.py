@@ -137,7 +137,8 @@ def place(
             raise InvalidMessage(
                 "too_old", f"due time {due.isoformat()} is more than {settings.past_tolerance} in the past (past_tolerance)"
             )
-        return Placement("direct", now) if due <= now else Placement("wheel", due)
+        # a due time already past goes straight to its topic, keeping its due time (its lateness shows)
+        return Placement("direct", due) if due <= now else Placement("wheel", due)
     level = 0 if delay_level is None else delay_level
     if isinstance(level, bool) or not isinstance(level, int):
         raise InvalidMessage("bad_level", f"delay_level must be an integer, got {level!r}")

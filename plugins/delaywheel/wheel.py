@@ -57,10 +57,11 @@ def roll(conn: psycopg.Connection, settings: Settings, cache: PartitionCache, no
         return 0
     with conn.transaction():
         locked = conn.execute("SELECT pg_try_advisory_xact_lock(%s, %s)", WHEEL_LOCK).fetchone()
+        # a producer still in its transaction (it holds wheel_state FOR KEY SHARE, or a far block): roll next pass
+        conn.execute("SET LOCAL lock_timeout = '5s'")
         state = conn.execute("SELECT near_until FROM delaywheel.wheel_state FOR UPDATE").fetchone()
         if not locked or not locked[0] or state is None or state[0] >= target:
             return 0
-        conn.execute("SET LOCAL lock_timeout = '5s'")  # a producer inside a far block: roll next pass
         # Creating and dropping partitions takes ACCESS EXCLUSIVE on the parents: take it first, in the order
         # producers lock them (wheel, then wheel_far). Taken later, after a far block's lock, it deadlocks
         # with a producer that holds the parent and waits for the block (seen in bench/airflow_lateness).
@@ -108,7 +109,8 @@ def advance_wheel(
         if not locked:
             return PassResult(0, 0, None, busy=True)
         state = conn.execute(
-            "SELECT cursor_at, cursor_id, horizon_xid::text FROM delaywheel.wheel_state FOR UPDATE"
+            # NO KEY UPDATE: must not wait for producers, which hold the row FOR KEY SHARE until they commit
+            "SELECT cursor_at, cursor_id, horizon_xid::text FROM delaywheel.wheel_state FOR NO KEY UPDATE"
         ).fetchone()
         assert state is not None
         cursor_at, cursor_id, horizon = state

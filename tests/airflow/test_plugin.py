@@ -150,6 +150,7 @@ def test_page_shows_the_same_figures_with_the_ui_session_cookie(client: Any, plu
     assert sum(v for _, v in bar_values(html, "histogram-chart")) == 4  # due in 2, 30, 30 and 90 minutes
     assert dict(bar_values(html, "horizon-chart")) == {"overdue": 0, "≤ 1 min": 0, "≤ 1 h": 3, "≤ 24 h": 1, "later": 1}
     assert "signed in as admin" in html
+    assert '<a href="/delaywheel/api/stats">JSON</a>' in html  # the mount prefix, not the app's own root
 
 
 def bar_values(html: str, svg_id: str) -> list[tuple[str, int]]:

@@ -3,6 +3,7 @@ The jobs in spark/ are scripts, so their folder goes on sys.path and they are im
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from collections.abc import Iterator
@@ -24,6 +25,8 @@ def spark() -> Iterator[object]:
     session.sparkContext.setLogLevel("ERROR")
     yield session
     session.stop()
+    # py4j logs "Closing down clientserver connection" from __del__ at exit, after pytest closed its streams
+    logging.getLogger("py4j").setLevel(logging.WARNING)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

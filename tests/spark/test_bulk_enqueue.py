@@ -109,3 +109,17 @@ def test_json_lines_and_parquet_keep_row_numbers(spark: object, store: Store, db
     due = store.conn.execute("SELECT deliver_at FROM delaywheel.wheel WHERE key = '1000' UNION ALL"
                              " SELECT deliver_at FROM delaywheel.wheel_far WHERE key = '1000'").fetchone()
     assert due == (t0 + timedelta(minutes=1),)
+
+
+def test_query_source_over_jdbc(spark: object, store: Store, db_url: str, t0: datetime) -> None:
+    query = ("SELECT 'q' || g AS key, 'orders' AS topic, CASE WHEN g = 7 THEN -1 ELSE g * 1000 END AS delay_ms,"
+             " json_build_object('n', g)::text AS body FROM generate_series(1, 20) g ORDER BY g")
+
+    counts = bulk_enqueue.main(["--db-url", db_url, "--query", query, "--now", t0.isoformat()])
+    again = bulk_enqueue.main(["--db-url", db_url, "--query", query, "--now", t0.isoformat()])
+
+    assert (counts.rows, counts.enqueued, counts.rejected) == (20, 19, 1)
+    assert (again.enqueued, again.skipped, again.rejected) == (0, 19, 1)
+    assert _quarantine(store) == {7: ("bad_delay", "query")}
+    assert store.conn.execute("SELECT count(*) FROM delaywheel.idempotency WHERE source = %s", (query,)
+                              ).fetchone() == (19,)

@@ -2,16 +2,14 @@
 
 The wait is RocketMQ's countdown: sleep until the lane's head falls due, but LISTEN on the producers'
 channel, where every enqueue announces its earliest due time, and look again when an announced time is
-sooner than the head we wait for (an empty level, or the wheel getting a nearer message). A NOTIFY can be
-missed (e.g. across a reconnect), so the wait never exceeds `poll_interval` before looking again.
-The trigger only reads: running it twice, or in two triggerers, changes nothing.
-"""
+sooner than the end of the current wait (an empty level, or the wheel getting a nearer message). A NOTIFY
+can be missed (e.g. across a reconnect), so the wait never exceeds `poll_interval` before looking again.
+The trigger only reads: running it twice, or in two triggerers, changes nothing."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from datetime import datetime
 from typing import Any
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
@@ -68,13 +66,14 @@ class DueMessagesTrigger(BaseTrigger):
                     return
                 wait = self.poll_interval if head is None else min(self.poll_interval, (head - clock).total_seconds())
                 self.log.debug("%s: next due %s, waiting up to %.3fs", lane_label(self.level), head, wait)
-                await _sleep_or_sooner(conn, wait, head)
+                await _sleep_or_sooner(conn, wait, clock.timestamp() + wait)
 
 
-async def _sleep_or_sooner(conn: Any, seconds: float, head: datetime | None) -> None:
-    """Wait `seconds`, returning early when a producer announces a message due before `head`."""
+async def _sleep_or_sooner(conn: Any, seconds: float, wake_at: float) -> None:
+    """Wait `seconds`, returning early when a producer announces a message due before `wake_at` (epoch
+    seconds, the end of this wait): a later one is found by the next look anyway."""
     deadline = asyncio.get_running_loop().time() + seconds
     while (remaining := deadline - asyncio.get_running_loop().time()) > 0:
         async for notice in conn.notifies(timeout=remaining):
-            if head is None or float(notice.payload) < head.timestamp():
+            if float(notice.payload) < wake_at:
                 return
