@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 export PATH := $(CURDIR)/.venv/bin:$(PATH)
 
-.PHONY: setup setup-test demo test lint db-start db-stop airflow bench lock
+.PHONY: setup setup-test demo test lint airflow db-start db-stop bench lock
 
 setup:            ## system packages + pinned .venv (idempotent)
 	scripts/setup.sh
@@ -22,6 +22,9 @@ test: setup-test  ## the test suite (README's second command)
 lint:
 	$(PY) -m ruff check plugins dags spark tests bench
 	$(PY) -m mypy
+
+airflow: setup    ## Airflow on the embedded PostgreSQL, UI on http://127.0.0.1:8080 (README, "Airflow")
+	scripts/airflow.sh
 
 db-start:
 	$(PY) -m delaywheel.cli db start
