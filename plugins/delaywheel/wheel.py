@@ -114,6 +114,10 @@ def advance_wheel(
         ).fetchone()
         assert state is not None
         cursor_at, cursor_id, horizon = state
+        # The horizon only moves forward. Every xid below the stored horizon had ended when it was taken, so
+        # the larger of the two is still a valid horizon; taking a smaller one (the commit horizon can dip, see
+        # db.COMMIT_HORIZON) would make rows already delivered by the due step look like stragglers again.
+        xmin = str(max(int(xmin), int(horizon)))
         if clock < cursor_at:  # an injected clock went backwards: deliver nothing rather than early
             return PassResult(0, 0, cursor_at)
         cache.ensure(conn, "topic_messages", [clock])
