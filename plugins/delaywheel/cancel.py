@@ -20,16 +20,25 @@ Outcome = Literal["cancelled", "already_cancelled", "already_delivered", "not_fo
 
 # Pending = not yet passed by its lane's cursor (the cursor rules of levels.py and wheel.py).
 PENDING = """
-    SELECT q.id, q.deliver_at, q.key, q.topic, q.tags, q.properties, 'level' AS lane, q.level
+    SELECT q.id, q.deliver_at, q.key, q.topic, q.tags, q.properties, 'level' AS lane, q.level, q.xid
     FROM delaywheel.level_queue q
     LEFT JOIN delaywheel.level_checkpoint c ON c.level = q.level
     WHERE c.level IS NULL OR (q.xid, q.id) > (c.cursor_xid, c.cursor_id)
     UNION ALL
-    SELECT q.id, q.deliver_at, q.key, q.topic, q.tags, q.properties, 'wheel', NULL
+    SELECT q.id, q.deliver_at, q.key, q.topic, q.tags, q.properties, 'wheel', NULL, q.xid
     FROM delaywheel.wheel q, delaywheel.wheel_state s
     WHERE (q.deliver_at, q.id) > (s.cursor_at, s.cursor_id) OR q.xid >= s.horizon_xid
     UNION ALL
-    SELECT q.id, q.deliver_at, q.key, q.topic, q.tags, q.properties, 'wheel', NULL FROM delaywheel.wheel_far q
+    SELECT q.id, q.deliver_at, q.key, q.topic, q.tags, q.properties, 'wheel', NULL, q.xid FROM delaywheel.wheel_far q
+"""
+# The same rule for rows already found, checked against the cursors alone (no scan of the queues).
+STILL_PENDING = """
+    CASE WHEN t.lane = 'level' THEN NOT EXISTS (
+             SELECT 1 FROM delaywheel.level_checkpoint c
+             WHERE c.level = t.level AND (t.xid, t.id) <= (c.cursor_xid, c.cursor_id))
+         ELSE EXISTS (
+             SELECT 1 FROM delaywheel.wheel_state s
+             WHERE (t.deliver_at, t.id) > (s.cursor_at, s.cursor_id) OR t.xid >= s.horizon_xid) END
 """
 
 
@@ -118,19 +127,29 @@ def cancel_matching(
     `where` is trusted SQL from an operator, e.g. "key IN (SELECT id::text FROM shop.orders WHERE paid)"."""
     predicate, params = _predicate(keys, where)
     with conn.transaction():
-        _lock_all_lanes(conn)
-        days = conn.execute(
-            f"SELECT DISTINCT date_trunc('day', p.deliver_at) FROM ({PENDING}) p WHERE ({predicate})", params  # type: ignore[arg-type]
+        # Find the matching rows first, without the lanes' locks: the scan can take a while (a large set,
+        # fresh tables without statistics) and deliverers must not wait for it. Under the locks, each row
+        # found is checked again against the cursors only, so one delivered meanwhile is left alone.
+        found = conn.execute(
+            f"SELECT p.id, p.deliver_at, p.key, p.lane, p.level, p.xid::text FROM ({PENDING}) p WHERE ({predicate})"
+            " AND NOT EXISTS (SELECT 1 FROM delaywheel.cancellations c WHERE c.message_id = p.id)",  # type: ignore[arg-type]
+            params,
         ).fetchall()
-        cache.ensure(conn, "cancellations", [day for (day,) in days])
+        if not found:
+            return 0
+        cache.ensure(conn, "cancellations", [due for _, due, *_ in found])
+        _lock_all_lanes(conn)
         cur = conn.execute(
             f"""
             INSERT INTO delaywheel.cancellations (message_id, due_at, key, reason)
-            SELECT p.id, p.deliver_at, p.key, %(reason)s FROM ({PENDING}) p
-            WHERE ({predicate})
-              AND NOT EXISTS (SELECT 1 FROM delaywheel.cancellations c WHERE c.message_id = p.id)
+            SELECT t.id, t.deliver_at, t.key, %(reason)s
+            FROM unnest(%(ids)s::bigint[], %(dues)s::timestamptz[], %(keys)s::text[], %(lanes)s::text[],
+                        %(levels)s::smallint[], %(xids)s::xid8[]) AS t(id, deliver_at, key, lane, level, xid)
+            WHERE {STILL_PENDING}
+              AND NOT EXISTS (SELECT 1 FROM delaywheel.cancellations c WHERE c.message_id = t.id)
             """,  # type: ignore[arg-type]
-            {**params, "reason": reason},
+            {"reason": reason, **{name: [row[i] for row in found] for i, name in
+                                  enumerate(("ids", "dues", "keys", "lanes", "levels", "xids"))}},
         )
     return cur.rowcount
 
