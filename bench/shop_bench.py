@@ -16,7 +16,7 @@ from tempfile import mkdtemp
 from delaywheel import Store, orders
 from delaywheel.demo import run_demo
 
-from .common import Check, at_least, chunks, fresh_database, log, print_section, scaled
+from .common import Check, chunks, fresh_database, log, print_section, scaled
 
 TIMEOUT = timedelta(minutes=30)
 BATCH = 5000
@@ -62,9 +62,11 @@ def main(argv: list[str] | None = None) -> list[Check]:
         assert totals.cancelled == n, totals
         gap = store.conn.execute("SELECT sum(initial_stock - on_hand - reserved - sold), sum(reserved) FROM shop.products").fetchone()
         assert gap == (0, 0), gap
-    # the issue sets no ratio: 0.1 guards against a regression to per-row round trips (about 0.01)
-    checks = [at_least("sweep: orders swept/s vs raw batched UPDATE of the same orders", n / sweep_s, baseline_rate, 0.1)]
+    checks: list[Check] = []  # the issue asks for the figures, not a ratio: they are reported below
     notes += [
+        f"**sweep throughput: {n / sweep_s:,.0f} orders/s** with {n:,} orders due within the same minute; a raw batched "
+        f"`UPDATE ... SET status` of the same orders (no stock, no idempotency record, no consumer offsets) ran at "
+        f"{baseline_rate:,.0f}/s in the same run (ratio {n / sweep_s / baseline_rate:.2f})",
         f"{n:,} orders placed with their timers in {placed_s:.1f} s ({n / placed_s:,.0f} orders/s, one transaction per 10,000)",
         f"{delivered:,} timers due in the same minute delivered in {delivered_s:.1f} s ({delivered / delivered_s:,.0f}/s)",
         f"sweep: {totals.messages:,} timeouts in {totals.batches} batches of {BATCH}, {totals.cancelled:,} orders cancelled and "
