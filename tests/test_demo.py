@@ -14,7 +14,7 @@ from delaywheel.demo import run_demo
 def test_demo_end_to_end(db_url: str, tmp_path, capsys) -> None:
     assert run_demo(2000, timeout="6s", period="4s", url=db_url, out=tmp_path, json_output=True) == 0
     printed = capsys.readouterr().out
-    summary = json.loads(printed[printed.index("{"):printed.rindex("}") + 1])
+    summary = json.loads(printed[printed.index("\n{\n") + 1:printed.rindex("\n}") + 2])  # the --json summary
     assert summary["placed"] == 2000 and summary["still_pending"] == 0
     assert summary["paid"] + summary["cancelled_by_timeout"] + summary["cancelled_by_customer"] == 2000
     assert summary["cancelled_by_timeout"] > 0 and summary["late_payments_refused"] > 0
