@@ -14,33 +14,10 @@ import psycopg
 
 from .levels import LEVEL_LOCK
 from .partitions import PartitionCache
+from .pending import PENDING, STILL_PENDING
 from .wheel import WHEEL_LOCK
 
 Outcome = Literal["cancelled", "already_cancelled", "already_delivered", "not_found"]
-
-# Pending = not yet passed by its lane's cursor (the cursor rules of levels.py and wheel.py).
-PENDING = """
-    SELECT q.id, q.deliver_at, q.key, q.topic, q.tags, q.properties, 'level' AS lane, q.level, q.xid
-    FROM delaywheel.level_queue q
-    LEFT JOIN delaywheel.level_checkpoint c ON c.level = q.level
-    WHERE c.level IS NULL OR (q.xid, q.id) > (c.cursor_xid, c.cursor_id)
-    UNION ALL
-    SELECT q.id, q.deliver_at, q.key, q.topic, q.tags, q.properties, 'wheel', NULL, q.xid
-    FROM delaywheel.wheel q, delaywheel.wheel_state s
-    WHERE (q.deliver_at, q.id) > (s.cursor_at, s.cursor_id) OR q.xid >= s.horizon_xid
-    UNION ALL
-    SELECT q.id, q.deliver_at, q.key, q.topic, q.tags, q.properties, 'wheel', NULL, q.xid FROM delaywheel.wheel_far q
-"""
-# The same rule for rows already found, checked against the cursors alone (no scan of the queues).
-STILL_PENDING = """
-    CASE WHEN t.lane = 'level' THEN NOT EXISTS (
-             SELECT 1 FROM delaywheel.level_checkpoint c
-             WHERE c.level = t.level AND (t.xid, t.id) <= (c.cursor_xid, c.cursor_id))
-         ELSE EXISTS (
-             SELECT 1 FROM delaywheel.wheel_state s
-             WHERE (t.deliver_at, t.id) > (s.cursor_at, s.cursor_id) OR t.xid >= s.horizon_xid) END
-"""
-
 
 @dataclass(frozen=True)
 class CancelResult:

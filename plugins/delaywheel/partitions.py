@@ -9,6 +9,8 @@ from datetime import UTC, datetime, timedelta
 import psycopg
 from psycopg import errors
 
+from .pending import PENDING
+
 HOUR = timedelta(hours=1)
 DAY = timedelta(days=1)
 # parent table -> partition width
@@ -104,15 +106,5 @@ def retire(conn: psycopg.Connection, now: datetime, retention: timedelta, cache:
 
 def _oldest_pending_due(conn: psycopg.Connection) -> datetime | None:
     """The earliest due time of any message not yet delivered or cancelled, across all lanes."""
-    row = conn.execute(
-        """
-        SELECT least(
-            (SELECT min(q.deliver_at) FROM delaywheel.level_queue q
-               LEFT JOIN delaywheel.level_checkpoint c ON c.level = q.level
-              WHERE c.level IS NULL OR (q.xid, q.id) > (c.cursor_xid, c.cursor_id)),
-            (SELECT min(q.deliver_at) FROM delaywheel.wheel q, delaywheel.wheel_state s
-              WHERE (q.deliver_at, q.id) > (s.cursor_at, s.cursor_id) OR q.xid >= s.horizon_xid),
-            (SELECT min(deliver_at) FROM delaywheel.wheel_far))
-        """
-    ).fetchone()
+    row = conn.execute(f"SELECT min(deliver_at) FROM ({PENDING}) p").fetchone()  # type: ignore[arg-type]
     return row[0] if row else None

@@ -17,9 +17,9 @@ from datetime import datetime, timedelta
 import psycopg
 from psycopg.types.json import Jsonb
 
-from .cancel import PENDING
 from .config import Settings
 from .partitions import HOUR, PartitionCache, floor_to
+from .pending import PENDING
 from .store import Store
 from .validation import check_topic
 

@@ -8,6 +8,7 @@ from typing import Any
 import psycopg
 
 from .config import Settings
+from .pending import PENDING
 
 
 def _rows(conn: psycopg.Connection, sql: str, params: dict[str, Any]) -> list[dict[str, Any]]:
@@ -46,13 +47,9 @@ def level_stats(conn: psycopg.Connection, settings: Settings, now: datetime, win
 
 def wheel_stats(conn: psycopg.Connection, settings: Settings, now: datetime, window: timedelta) -> dict[str, Any]:
     """Pending by horizon, overdue, cursor and lag, lateness, and a due-time histogram for the next 24 h."""
-    pending = """
-        SELECT q.deliver_at FROM delaywheel.wheel q, delaywheel.wheel_state s
-        WHERE ((q.deliver_at, q.id) > (s.cursor_at, s.cursor_id) OR q.xid >= s.horizon_xid)
-          AND NOT EXISTS (SELECT 1 FROM delaywheel.cancellations c WHERE c.message_id = q.id AND c.due_at = q.deliver_at)
-        UNION ALL
-        SELECT q.deliver_at FROM delaywheel.wheel_far q
-        WHERE NOT EXISTS (SELECT 1 FROM delaywheel.cancellations c WHERE c.message_id = q.id AND c.due_at = q.deliver_at)
+    pending = f"""
+        SELECT p.deliver_at FROM ({PENDING}) p WHERE p.lane = 'wheel'
+          AND NOT EXISTS (SELECT 1 FROM delaywheel.cancellations c WHERE c.message_id = p.id AND c.due_at = p.deliver_at)
     """
     summary = _rows(conn, f"""
         SELECT count(*) FILTER (WHERE deliver_at <= %(now)s) AS overdue,

@@ -18,27 +18,8 @@ from airflow.providers.postgres.hooks.postgres import PostgresHook
 from sqlalchemy.engine import URL
 
 from delaywheel import Store, load_settings
+from delaywheel.pending import LEVEL_HEAD, WHEEL_HEAD
 
-# When the head of one lane falls due, read without writing anything (sensors and triggers only look).
-# A level is FIFO with one delay, so its head is the first row after its checkpoint; the wheel's next due
-# time is the first row after its cursor, a far block's earliest row, or "now" while stragglers wait.
-LEVEL_HEAD = """
-    SELECT q.deliver_at FROM delaywheel.level_queue q
-    WHERE q.level = %(level)s
-      AND (q.xid, q.id) > (coalesce((SELECT cursor_xid FROM delaywheel.level_checkpoint WHERE level = %(level)s), '0'),
-                           coalesce((SELECT cursor_id FROM delaywheel.level_checkpoint WHERE level = %(level)s), 0))
-    ORDER BY q.xid, q.id LIMIT 1
-"""
-WHEEL_HEAD = """
-    SELECT least(
-        (SELECT w.deliver_at FROM delaywheel.wheel w, delaywheel.wheel_state s
-          WHERE w.deliver_at >= s.cursor_at AND (w.deliver_at, w.id) > (s.cursor_at, s.cursor_id)
-          ORDER BY w.deliver_at, w.id LIMIT 1),
-        (SELECT min(deliver_at) FROM delaywheel.wheel_far),
-        (SELECT clock_timestamp() WHERE EXISTS (
-            SELECT 1 FROM delaywheel.wheel w, delaywheel.wheel_state s
-            WHERE w.xid >= s.horizon_xid AND w.deliver_at <= s.cursor_at)))
-"""
 CLOCK = "SELECT clock_timestamp() + make_interval(secs => %(offset)s)"
 
 

@@ -1,0 +1,46 @@
+"""What "pending" and "next due" mean for each lane, as SQL: one definition for cancelling, retiring,
+stats, and the Airflow sensors and triggers (the cursor rules are in levels.py and wheel.py)."""
+
+# Pending = not yet passed by its lane's cursor (the cursor rules of levels.py and wheel.py).
+PENDING = """
+    SELECT q.id, q.deliver_at, q.key, q.topic, q.tags, q.properties, 'level' AS lane, q.level, q.xid
+    FROM delaywheel.level_queue q
+    LEFT JOIN delaywheel.level_checkpoint c ON c.level = q.level
+    WHERE c.level IS NULL OR (q.xid, q.id) > (c.cursor_xid, c.cursor_id)
+    UNION ALL
+    SELECT q.id, q.deliver_at, q.key, q.topic, q.tags, q.properties, 'wheel', NULL, q.xid
+    FROM delaywheel.wheel q, delaywheel.wheel_state s
+    WHERE (q.deliver_at, q.id) > (s.cursor_at, s.cursor_id) OR q.xid >= s.horizon_xid
+    UNION ALL
+    SELECT q.id, q.deliver_at, q.key, q.topic, q.tags, q.properties, 'wheel', NULL, q.xid FROM delaywheel.wheel_far q
+"""
+# The same rule for rows already found, checked against the cursors alone (no scan of the queues).
+STILL_PENDING = """
+    CASE WHEN t.lane = 'level' THEN NOT EXISTS (
+             SELECT 1 FROM delaywheel.level_checkpoint c
+             WHERE c.level = t.level AND (t.xid, t.id) <= (c.cursor_xid, c.cursor_id))
+         ELSE EXISTS (
+             SELECT 1 FROM delaywheel.wheel_state s
+             WHERE (t.deliver_at, t.id) > (s.cursor_at, s.cursor_id) OR t.xid >= s.horizon_xid) END
+"""
+
+# When the head of one lane falls due, read without writing anything (sensors and triggers only look).
+# A level is FIFO with one delay, so its head is the first row after its checkpoint; the wheel's next due
+# time is the first row after its cursor, a far block's earliest row, or "now" while stragglers wait.
+LEVEL_HEAD = """
+    SELECT q.deliver_at FROM delaywheel.level_queue q
+    WHERE q.level = %(level)s
+      AND (q.xid, q.id) > (coalesce((SELECT cursor_xid FROM delaywheel.level_checkpoint WHERE level = %(level)s), '0'),
+                           coalesce((SELECT cursor_id FROM delaywheel.level_checkpoint WHERE level = %(level)s), 0))
+    ORDER BY q.xid, q.id LIMIT 1
+"""
+WHEEL_HEAD = """
+    SELECT least(
+        (SELECT w.deliver_at FROM delaywheel.wheel w, delaywheel.wheel_state s
+          WHERE w.deliver_at >= s.cursor_at AND (w.deliver_at, w.id) > (s.cursor_at, s.cursor_id)
+          ORDER BY w.deliver_at, w.id LIMIT 1),
+        (SELECT min(deliver_at) FROM delaywheel.wheel_far),
+        (SELECT clock_timestamp() WHERE EXISTS (
+            SELECT 1 FROM delaywheel.wheel w, delaywheel.wheel_state s
+            WHERE w.xid >= s.horizon_xid AND w.deliver_at <= s.cursor_at)))
+"""
