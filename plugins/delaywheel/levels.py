@@ -15,6 +15,7 @@ import psycopg
 
 from .db import COMMIT_HORIZON
 from .partitions import PartitionCache
+from .pending import LEVEL_HEAD
 
 LEVEL_LOCK = 0x64770010  # advisory lock class for levels (second key: the level)
 
@@ -124,11 +125,6 @@ def deliver_level(
                 " delivered = delivered + %s, updated_at = clock_timestamp() WHERE level = %s",
                 (last[0], int(last[1]), moved, level),
             )
-            cursor = (last[0], int(last[1]))
-        head = conn.execute(
-            "SELECT deliver_at FROM delaywheel.level_queue WHERE level = %s AND (xid, id) > (%s::xid8, %s)"
-            " ORDER BY xid, id LIMIT 1",
-            (level, cursor[0], cursor[1]),
-        ).fetchone()
+        head = conn.execute(LEVEL_HEAD, {"level": level}).fetchone()  # after the checkpoint just written
     return PassResult(moved, due - moved, head[0] if head else None, more=scanned == limit and due == scanned,
                       topics=topic_spans(summary))
