@@ -99,6 +99,28 @@ def test_early_stray_timer_does_not_cancel_the_order(store: Store, t0) -> None:
     assert store.conn.execute("SELECT status FROM shop.orders").fetchone()[0] == "pending"
 
 
+def test_customer_actions_processed_late_keep_the_time_they_were_asked(store: Store, t0, tmp_path) -> None:
+    """The customers' worker lags past the deadline: a cancel or payment asked in time still wins over a
+    timer that has not been applied yet; the contract holds either way (the failure CI once caught)."""
+    orders.reset(store, stock_per_sku=100)
+    asked = TIMEOUT / 2
+    plans = [orders.OrderPlan(1, "c", [("sku-003", 1)], "cancel", asked),
+             orders.OrderPlan(2, "c", [("sku-003", 1)], "pay", asked),
+             orders.OrderPlan(3, "c", [("sku-003", 1)], "abandon", None),
+             orders.OrderPlan(4, "c", [("sku-003", 1)], "abandon", None)]
+    orders.place_orders(store, plans, TIMEOUT, now=t0)
+    assert orders.customer_cancel(store, [(4, t0 + TIMEOUT)]) == []  # asked at the deadline: too late
+    late = t0 + TIMEOUT + timedelta(seconds=1)
+    store.deliver_due(now=late)  # every timer delivered; the sweep has not run yet
+    assert orders.act_customers(store, now=late) == {"payments": 1, "accepted": 1, "customer_cancels": 1}
+    assert orders.sweep(store, now=late).cancelled == 2
+    rows = dict(store.conn.execute("SELECT order_id, status FROM shop.orders").fetchall())
+    assert rows == {1: "cancelled_customer", 2: "paid", 3: "cancelled_timeout", 4: "cancelled_timeout"}
+    assert store.conn.execute("SELECT cancelled_at FROM shop.orders WHERE order_id = 1").fetchone()[0] == t0 + asked
+    verdict = verify(store, tmp_path, since=t0)
+    assert verdict.success, verdict.text
+
+
 @pytest.mark.parametrize("round_", range(3))
 def test_payment_racing_the_timeout_ends_paid_or_cancelled_never_both(db_url: str, t0, round_: int) -> None:
     n = 200

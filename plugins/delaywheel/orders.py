@@ -178,16 +178,18 @@ def _cancel_timers(store: Store, order_ids: list[int], reason: str) -> None:
         store.cancel_matching(keys=[timer_key(o) for o in order_ids], reason=reason)
 
 
-def customer_cancel(
-    store: Store, order_ids: list[int], *, now: datetime | None = None, cancel_timers: bool = True
-) -> list[int]:
+def customer_cancel(store: Store, cancels: list[tuple[int, datetime]], *, cancel_timers: bool = True) -> list[int]:
+    """Cancellations (order id, time asked) arrive: honoured for orders still pending whose deadline had
+    not passed when the customer asked, like payments, so a slow front end never turns a timeout into a
+    customer cancellation. Returns the ids cancelled."""
     conn = store.conn
     with conn.transaction():
-        when = now or store.clock()
-        _lock_orders(conn, order_ids)
+        _lock_orders(conn, sorted(o for o, _ in cancels))
         cancelled = [r[0] for r in conn.execute(
-            "UPDATE shop.orders SET status = 'cancelled_customer', cancelled_at = %s"
-            " WHERE order_id = ANY(%s::bigint[]) AND status = 'pending' RETURNING order_id", (when, order_ids)).fetchall()]
+            """UPDATE shop.orders o SET status = 'cancelled_customer', cancelled_at = c.at
+               FROM unnest(%s::bigint[], %s::timestamptz[]) AS c(id, at)
+               WHERE o.order_id = c.id AND o.status = 'pending' AND c.at < o.deadline RETURNING o.order_id""",
+            ([o for o, _ in cancels], [t for _, t in cancels])).fetchall()]
         _release(conn, cancelled, sell=False)
     if cancel_timers:
         _cancel_timers(store, cancelled, "cancelled by customer")
@@ -204,9 +206,9 @@ def act_customers(store: Store, *, now: datetime | None = None) -> dict[str, int
             " SELECT order_id FROM shop.customer_plan WHERE NOT done AND act_at <= %s FOR UPDATE SKIP LOCKED)"
             " RETURNING order_id, action, act_at", (when,)).fetchall()
         payers = [(o, at) for o, a, at in due if a == "pay"]
-        cancellers = sorted(o for o, a, _ in due if a == "cancel")
+        cancellers = [(o, at) for o, a, at in due if a == "cancel"]
         paid = pay(store, payers, cancel_timers=False) if payers else []
-        cancelled = customer_cancel(store, cancellers, now=when, cancel_timers=False) if cancellers else []
+        cancelled = customer_cancel(store, cancellers, cancel_timers=False) if cancellers else []
     _cancel_timers(store, paid, "order paid")
     _cancel_timers(store, cancelled, "cancelled by customer")
     return {"payments": len(payers), "accepted": len(paid), "customer_cancels": len(cancelled)}
