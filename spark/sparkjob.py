@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from collections.abc import Iterator
 from datetime import UTC, datetime
 
@@ -39,6 +40,9 @@ def session(app: str) -> SparkSession:
     )
     if not os.environ.get("PYSPARK_GATEWAY_PORT"):  # not launched by spark-submit, which sets the master
         builder = builder.master(os.environ.get("DELAYWHEEL_SPARK_MASTER", "local[*]"))
+        # Python workers run `python3` from PATH unless told otherwise: without the project's venv on PATH
+        # they would miss the delaywheel library. Use this interpreter (PYSPARK_PYTHON still wins).
+        os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     return builder.getOrCreate()
 
 

@@ -22,7 +22,7 @@ import psycopg
 from .config import Settings
 from .partitions import PartitionCache
 from .producer import Prepared, clock_and_ids, prepare, write_prepared
-from .validation import InvalidMessage, Message
+from .validation import InvalidMessage, Message, Placement
 
 BodyFormat = Literal["json", "text", "bytes"]
 FILE_COLUMN = "_file"  # the source file of a row (added by the reader)
@@ -212,10 +212,11 @@ def write_chunk(
         clock, ids = clock_and_ids(conn, len(rows), now)
         good: list[tuple[int, Prepared, str]] = []
         bad: list[_Bad] = []
+        placements: dict[int, Placement] = {}
         for message_id, row in zip(ids, rows, strict=True):
             file, number = str(row[FILE_COLUMN]), int(row[ROW_COLUMN])
             try:
-                prepared = prepare(to_message(row, mapping), clock, settings)
+                prepared = prepare(to_message(row, mapping), clock, settings, level_placements=placements)
             except InvalidMessage as exc:
                 bad.append(_Bad(file, number, exc.reason, str(exc), _raw(row)))
                 continue

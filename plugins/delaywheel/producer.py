@@ -49,8 +49,12 @@ class Prepared:
     reconsume_times: int = 0
 
 
-def prepare(message: Message, now: datetime, settings: Settings, reconsume_times: int = 0) -> Prepared:
-    """Apply every rule to one message; raises InvalidMessage naming the first it breaks."""
+def prepare(
+    message: Message, now: datetime, settings: Settings, reconsume_times: int = 0,
+    level_placements: dict[int, Placement] | None = None,
+) -> Prepared:
+    """Apply every rule to one message; raises InvalidMessage naming the first it breaks.
+    `level_placements` lets one batch (one clock reading) share the placement of each delay level."""
     body, is_json = encode_body(message.body, settings.max_body_bytes)
     if message.tags is not None and not isinstance(message.tags, str):
         raise InvalidMessage("bad_tags", f"tags must be a string, got {message.tags!r}")
@@ -62,11 +66,19 @@ def prepare(message: Message, now: datetime, settings: Settings, reconsume_times
         else check_properties(message.properties),
         body=body,
         is_json=is_json,
-        placement=place(
-            now, settings, delay_level=message.delay_level, delay=message.delay, deliver_at=message.deliver_at
-        ),
+        placement=_place(message, now, settings, level_placements),
         reconsume_times=reconsume_times,
     )
+
+
+def _place(message: Message, now: datetime, settings: Settings, shared: dict[int, Placement] | None) -> Placement:
+    level = message.delay_level
+    if shared is None or type(level) is not int or message.delay is not None or message.deliver_at is not None:
+        return place(now, settings, delay_level=level, delay=message.delay, deliver_at=message.deliver_at)
+    hit = shared.get(level)
+    if hit is None:  # an invalid level raises here, every time, and is never stored
+        hit = shared[level] = place(now, settings, delay_level=level)
+    return hit
 
 
 _NO_PROPERTIES: dict[str, str] = {}  # shared, never mutated: rows without properties are written as NULL
@@ -106,7 +118,8 @@ def send_many(
     with conn.transaction():
         clock, ids = clock_and_ids(conn, len(batch), now)
         retries = reconsume_times or [0] * len(batch)
-        prepared = [prepare(m, clock, settings, r) for m, r in zip(batch, retries, strict=True)]
+        placements: dict[int, Placement] = {}
+        prepared = [prepare(m, clock, settings, r, placements) for m, r in zip(batch, retries, strict=True)]
         write_prepared(conn, cache, list(zip(ids, prepared, strict=True)), clock)
     return ids
 
