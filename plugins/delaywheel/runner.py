@@ -23,6 +23,8 @@ Lane = int | None  # a level number, or None for the wheel
 BUSY_RETRY_S = 0.05  # another deliverer or a canceller holds the lane: look again soon
 PREPARE_EVERY_S = 600.0  # partitions are created hours ahead; refresh them this often
 SAFETY_WAKE_S = 5.0  # without a known next due time, look anyway this often (a missed NOTIFY costs this much)
+HANDOVER_POLL_S = 0.5  # past the duration, waiting for a successor: look for one this often
+PRESENCE_LOCK = 0x64770030  # advisory lock class held (shared) by every live runner of a lane; second key: lane
 
 
 @dataclass
@@ -52,9 +54,15 @@ def run(
     progress: Callable[[RunTotals], None] | None = None,
     progress_every_s: float = 10.0,
     until_idle: bool = False,
+    handover_grace_s: float = 0.0,
 ) -> RunTotals:
     """Deliver on `lanes` for `duration_s` seconds (or until `stop` is set, or, with `until_idle`,
-    until nothing is pending on them)."""
+    until nothing is pending on them).
+
+    With `handover_grace_s`, the run hands its lanes over only to a live successor: past `duration_s`
+    it keeps delivering, for up to `handover_grace_s` more, until every lane has another runner. A
+    successor that failed to start (a task killed at start-up on a busy machine) then leaves no lane
+    unserved while Airflow retries it."""
     stop = stop or threading.Event()
     totals = RunTotals()
     deadline = time.monotonic() + duration_s
@@ -62,7 +70,9 @@ def run(
     next_prepare = time.monotonic()
     with connect(store.url, autocommit=True) as listener:
         listener.execute(f"LISTEN {NOTIFY_CHANNEL}")  # type: ignore[arg-type]
-        while not stop.is_set() and time.monotonic() < deadline:
+        for lane in lanes:  # released with the connection, so a crashed runner is never counted
+            listener.execute("SELECT pg_advisory_lock_shared(%s, %s)", (PRESENCE_LOCK, _lane_key(lane)))
+        while not stop.is_set() and _keep_going(listener, lanes, deadline, handover_grace_s):
             if time.monotonic() >= next_prepare:
                 store.prepare()
                 next_prepare = time.monotonic() + PREPARE_EVERY_S
@@ -92,7 +102,8 @@ def run(
             wait = SAFETY_WAKE_S if earliest is None else max(0.0, (earliest - now).total_seconds())
             if busy:
                 wait = min(wait, BUSY_RETRY_S)
-            wait = min(wait, max(0.0, deadline - time.monotonic()))
+            past = time.monotonic() >= deadline
+            wait = min(wait, HANDOVER_POLL_S if past else deadline - time.monotonic())
             if wait > 0:
                 # A message due after this sleep ends is found by the next pass anyway; waking for it would
                 # wake every idle lane on every enqueue. So only announcements due sooner cut the sleep short.
@@ -100,6 +111,25 @@ def run(
     if progress:
         progress(totals)
     return totals
+
+
+def _lane_key(lane: Lane) -> int:
+    return 0 if lane is None else lane
+
+
+def _keep_going(listener: psycopg.Connection, lanes: Sequence[Lane], deadline: float, grace_s: float) -> bool:
+    now = time.monotonic()
+    if now < deadline:
+        return True
+    if now >= deadline + grace_s:
+        return False
+    row = listener.execute(
+        """SELECT count(DISTINCT objid) FROM pg_locks
+           WHERE locktype = 'advisory' AND granted AND pid <> pg_backend_pid() AND classid::bigint = %s AND objsubid = 2
+             AND objid::bigint = ANY(%s::bigint[]) AND database = (SELECT oid FROM pg_database WHERE datname = current_database())""",
+        (PRESENCE_LOCK, [_lane_key(lane) for lane in lanes]),
+    ).fetchone()
+    return (row[0] if row else 0) < len(set(lanes))
 
 
 def _sleep_or_notified(listener: psycopg.Connection, seconds: float, stop: threading.Event, earliest: float) -> None:

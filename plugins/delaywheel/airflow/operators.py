@@ -59,9 +59,11 @@ class _LeaseOperator(BaseOperator):
     time (`run_after`), not after this task's start: every lane of a run hands over at the same moment,
     and a task that starts late (slow worker, retry) does not stretch the run. A task starting after that
     moment still gets `min_lease_seconds`. Without a DAG run (direct calls), the lease starts now.
+    With `handover_grace_seconds`, a task whose lease ended keeps its lane (up to that much longer) until
+    another deliverer of the lane is running: a successor killed at start-up leaves no gap while it retries.
     """
 
-    template_fields: tuple[str, ...] = ("lease_seconds", "until_idle", "delaywheel_conn_id")
+    template_fields: tuple[str, ...] = ("lease_seconds", "until_idle", "handover_grace_seconds", "delaywheel_conn_id")
     ui_color = "#d9f0e3"
 
     def __init__(
@@ -69,6 +71,7 @@ class _LeaseOperator(BaseOperator):
         *,
         lease_seconds: float | str = 300,
         until_idle: bool | str = False,
+        handover_grace_seconds: float | str = 0.0,
         align_lease_to_run: bool = True,
         min_lease_seconds: float = 10.0,
         delaywheel_conn_id: str = DelayWheelHook.default_conn_name,
@@ -80,6 +83,7 @@ class _LeaseOperator(BaseOperator):
         super().__init__(**kwargs)
         self.lease_seconds = lease_seconds
         self.until_idle = until_idle
+        self.handover_grace_seconds = handover_grace_seconds
         self.align_lease_to_run = align_lease_to_run
         self.min_lease_seconds = min_lease_seconds
         self.delaywheel_conn_id = delaywheel_conn_id
@@ -108,6 +112,7 @@ class _LeaseOperator(BaseOperator):
             self.log.info("delivering on %s for a lease of %.1fs", runner.lane_name(lane), lease)
             totals = runner.run(
                 store, [lane], lease, stop=self._stop, until_idle=_truthy(self.until_idle),
+                handover_grace_s=float(self.handover_grace_seconds),
                 progress=lambda t: self.log.info("delivered %d in %d passes (%d busy)", t.delivered, t.passes,
                                                  t.busy_passes),
             )
