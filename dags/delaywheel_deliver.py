@@ -22,6 +22,9 @@ its lane is running, so a successor killed at start-up (measured: API timeouts w
 once on 2 cores) leaves no idle lane while Airflow retries it. The price: twice the task slots during the overlap; the
 `delaywheel_deliver` pool (2 x (levels + 1) slots, created by scripts/airflow.sh) bounds it.
 
+When every lane's task has ended, `publish_topic_events` records one Asset event per topic for the
+whole run (see PublishTopicEventsOperator for why not one per task).
+
 Safety does not depend on Airflow: two deliverers of a lane (the overlap, a manual run, a second
 scheduler, a zombie worker) take the lane's advisory lock one pass at a time, and every pass moves
 messages and checkpoint in one transaction, so nothing is delivered twice or lost.
@@ -36,7 +39,7 @@ from datetime import datetime, timedelta
 from airflow.sdk import DAG, Param, conf
 
 from delaywheel import load_settings
-from delaywheel.airflow.operators import AdvanceWheelOperator, DeliverLevelOperator
+from delaywheel.airflow.operators import AdvanceWheelOperator, DeliverLevelOperator, PublishTopicEventsOperator
 
 POOL = "delaywheel_deliver"
 LEVELS = load_settings().levels
@@ -75,10 +78,16 @@ with DAG(
     default_args={"pool": POOL, "retries": 2, "retry_delay": timedelta(seconds=5)},
 ):
     common = {"lease_seconds": "{{ params.lease_seconds }}", "until_idle": "{{ params.until_idle }}",
-              "handover_grace_seconds": "{{ params.handover_grace_seconds }}"}
-    for level, delay in enumerate(LEVELS, start=1):
+              "handover_grace_seconds": "{{ params.handover_grace_seconds }}", "emit_asset_events": False}
+    lanes = [
         DeliverLevelOperator(
             task_id=f"deliver_level_{level}", task_display_name=f"level {level} ({_label(delay)})", level=level,
             **common,
         )
-    AdvanceWheelOperator(task_id="advance_wheel", task_display_name="timing wheel", **common)
+        for level, delay in enumerate(LEVELS, start=1)
+    ]
+    lanes.append(AdvanceWheelOperator(task_id="advance_wheel", task_display_name="timing wheel", **common))
+    lanes >> PublishTopicEventsOperator(  # type: ignore[operator]
+        task_id="publish_topic_events", task_display_name="topic Asset events",
+        lane_task_ids=[lane.task_id for lane in lanes],
+    )

@@ -66,7 +66,8 @@ def test_every_dag_imports_without_touching_the_store_or_spark(airflow_db: dict[
     assert {"delaywheel_deliver", "delaywheel_maintenance", "delaywheel_consumer_template"} <= set(result["dags"])
     assert not result["spark_loaded"]
     default = len(parse_levels("1s 5s 10s 30s 1m 2m 3m 4m 5m 6m 7m 8m 9m 10m 20m 30m 1h 2h"))
-    assert result["dags"]["delaywheel_deliver"] == [f"deliver_level_{n}" for n in range(1, default + 1)] + ["advance_wheel"]
+    assert result["dags"]["delaywheel_deliver"] == [f"deliver_level_{n}" for n in range(1, default + 1)] + [
+        "advance_wheel", "publish_topic_events"]
     assert result["levels"] == {f"deliver_level_{n}": n for n in range(1, default + 1)}
     assert result["consumer_assets"] == ["delaywheel://topics/orders"]
 
@@ -76,4 +77,4 @@ def test_deliver_tasks_follow_a_custom_level_table(airflow_db: dict[str, str], t
     result = parse_dags(airflow_db, trap, **{variable: "2s 90s 3h"})
     assert result["errors"] == {}
     assert result["dags"]["delaywheel_deliver"] == ["deliver_level_1", "deliver_level_2", "deliver_level_3",
-                                                    "advance_wheel"]
+                                                    "advance_wheel", "publish_topic_events"]

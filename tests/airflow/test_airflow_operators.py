@@ -102,3 +102,16 @@ def test_enqueue_and_cancel_operators(store_connection: str, store: Store) -> No
     assert CancelOperator(task_id="c3", where="key = 'o-2'").execute({})["cancelled"] == 1
     assert CancelOperator(task_id="c4", key="o-3").execute({})["cancelled"] == 1
     assert store.conn.execute("SELECT count(*) FROM delaywheel.cancellations").fetchone()[0] == 3
+
+
+def test_merged_topic_events_span_every_lane_in_read_order() -> None:
+    from delaywheel.airflow.operators import merge_extras
+
+    def extra(lane: str, count: int, first: tuple[str, int], last: tuple[str, int]) -> dict[str, Any]:
+        return {"topic": "orders", "lane": lane, "count": count, "first_xid": first[0], "first_offset": first[1],
+                "last_xid": last[0], "last_offset": last[1]}
+
+    # xids compare as numbers: "10" comes after "9"
+    merged = merge_extras([extra("level 2", 3, ("10", 7), ("10", 9)), extra("wheel", 2, ("9", 8), ("11", 1))])
+    assert merged == {"orders": {"topic": "orders", "lanes": ["level 2", "wheel"], "count": 5,
+                                 "first_xid": "9", "first_offset": 8, "last_xid": "11", "last_offset": 1}}

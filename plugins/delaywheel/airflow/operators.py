@@ -9,10 +9,11 @@ only between passes, so the lease end, SIGTERM (`on_kill`) or a crash neither lo
 delivery. Two tasks on the same lane (the next run taking over, another worker, another scheduler)
 take the lane's advisory lock one pass at a time: each pass is delivered by exactly one of them.
 
-Each topic delivered into gets one Asset event per task (`delaywheel://topics/<topic>`, through the
+Each topic delivered into gets an Asset event (`delaywheel://topics/<topic>`, through the
 `delaywheel_topics` alias because topics are only known at run time), its extra saying how many
-messages and which (xid, queue_offset) positions the batch spans. Airflow records outlet events when the
-task ends, so consumers scheduled on the Asset start after the lease, not per message.
+messages and which (xid, queue_offset) positions the batch spans: one per task when a lease operator
+runs alone, one per run from `PublishTopicEventsOperator` in the deliver DAG. Airflow records outlet
+events when a task ends, so consumers scheduled on the Asset start after the lease, not per message.
 
 Nothing here touches the database, Spark or GX before `execute`: DAG parsing stays cheap.
 """
@@ -50,6 +51,53 @@ def event_extra(topic: str, lane: str, span: TopicSpan) -> dict[str, Any]:
         "first_xid": span.first[0], "first_offset": span.first[1],
         "last_xid": span.last[0], "last_offset": span.last[1],
     }
+
+
+def merge_extras(extras: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per topic, one extra spanning every lane's batch: the lanes, the total count, the earliest first
+    and the latest last (xid, queue_offset) position (xids compared as numbers)."""
+    merged: dict[str, dict[str, Any]] = {}
+    for extra in extras:
+        topic = extra["topic"]
+        first, last = (int(extra["first_xid"]), extra["first_offset"]), (int(extra["last_xid"]), extra["last_offset"])
+        seen = merged.get(topic)
+        if seen is None:
+            merged[topic] = {"topic": topic, "lanes": [extra["lane"]], "count": extra["count"],
+                             "first_xid": extra["first_xid"], "first_offset": extra["first_offset"],
+                             "last_xid": extra["last_xid"], "last_offset": extra["last_offset"]}
+            continue
+        seen["lanes"] = sorted({*seen["lanes"], extra["lane"]})
+        seen["count"] += extra["count"]
+        if first < (int(seen["first_xid"]), seen["first_offset"]):
+            seen["first_xid"], seen["first_offset"] = extra["first_xid"], extra["first_offset"]
+        if last > (int(seen["last_xid"]), seen["last_offset"]):
+            seen["last_xid"], seen["last_offset"] = extra["last_xid"], extra["last_offset"]
+    return merged
+
+
+class PublishTopicEventsOperator(BaseOperator):
+    """Records one Asset event per topic for everything a DAG run's deliver tasks wrote (read from their
+    return values), instead of one per task. Only this task touches the topic Assets: when many deliver
+    tasks ended at the same moment and each recorded an event for a topic Airflow had not seen before,
+    the API server created the same AssetModel concurrently and failed the losers (a unique violation,
+    measured at a lease hand-over in bench/RESULTS.md), although their deliveries had committed."""
+
+    ui_color = "#e8f4fb"
+
+    def __init__(self, *, lane_task_ids: list[str], **kwargs: Any) -> None:
+        kwargs.setdefault("outlets", [TOPICS_ALIAS])
+        kwargs.setdefault("trigger_rule", "all_done")  # a failed lane's committed deliveries still count
+        super().__init__(**kwargs)
+        self.lane_task_ids = lane_task_ids
+
+    def execute(self, context: Context) -> dict[str, Any]:
+        values = context["ti"].xcom_pull(task_ids=self.lane_task_ids, key="return_value") or []
+        extras = [extra for value in values if isinstance(value, dict) for extra in value.get("topics", {}).values()]
+        merged = merge_extras(extras)
+        for topic, extra in sorted(merged.items()):
+            context["outlet_events"][TOPICS_ALIAS].add(topic_asset(topic), extra=extra)
+        self.log.info("recorded Asset events for %d topics from %d lanes", len(merged), len(values))
+        return merged
 
 
 class _LeaseOperator(BaseOperator):
