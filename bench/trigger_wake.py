@@ -1,0 +1,107 @@
+"""How soon the Airflow trigger notices a due message (issue 4: "LISTEN/NOTIFY or a short poll, measured").
+
+`DueMessagesTrigger` (LISTEN for producers' NOTIFYs, sleep exactly until the head is due, look again at
+least every `poll_interval`) against a plain short poll with the same query (look, sleep `--poll` s, look).
+Each sample starts the waiter on an empty wheel, then sends one message due 0.5-2 s later, so the trigger
+has to be woken by the NOTIFY and then count down; the poll just keeps looking. Reported: how late each
+noticed the message (the database clock at the look that found it due, minus its due time) and how many
+queries each makes per idle minute.
+
+Run: `python -m bench.trigger_wake [--samples 20] [--poll 1.0]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import statistics
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+from psycopg.conninfo import conninfo_to_dict
+
+from delaywheel import Store
+
+from .common import fresh_database, log
+
+ROOT = Path(__file__).resolve().parents[1]
+DB = "delaywheel_bench_trigger"
+
+
+def _airflow_env(url: str) -> None:
+    """The trigger reads its connection like in the triggerer: `delaywheel_default` from the environment."""
+    p = conninfo_to_dict(url)
+    os.environ["AIRFLOW_CONN_DELAYWHEEL_DEFAULT"] = (
+        f"postgresql://{p.get('user', 'postgres')}@{p.get('host', '127.0.0.1')}:{p.get('port', 5432)}/{p['dbname']}")
+    os.environ.setdefault("AIRFLOW_CONFIG", str(ROOT / "airflow.cfg"))
+    os.environ.setdefault("AIRFLOW_HOME", str(ROOT / ".delaywheel" / "airflow-bench"))
+
+
+async def _trigger(poll_s: float) -> datetime:
+    from delaywheel.airflow.triggers import DueMessagesTrigger
+
+    async for event in DueMessagesTrigger(poll_interval=600.0 if poll_s <= 0 else poll_s).run():
+        return datetime.fromisoformat(event.payload["checked_at"])
+    raise RuntimeError("trigger ended without an event")
+
+
+async def _short_poll(poll_s: float) -> datetime:
+    from delaywheel.airflow.hooks import DelayWheelHook, next_due_async
+
+    async with await DelayWheelHook().aconnect() as conn:
+        while True:
+            head, clock = await next_due_async(conn, None, 0.0)
+            if head is not None and head <= clock:
+                return clock
+            await asyncio.sleep(poll_s)
+
+
+async def _sample(store: Store, waiter: Callable[[], Awaitable[datetime]], rng: random.Random) -> float:
+    """Seconds between a message's due time and the waiter noticing it (the wheel is empty before)."""
+    task = asyncio.ensure_future(waiter())
+    await asyncio.sleep(0.3)  # the waiter is asleep by now
+    due = await asyncio.to_thread(lambda: store.clock() + timedelta(seconds=rng.uniform(0.5, 2.0)))
+    await asyncio.to_thread(store.send, "bench.trigger", {"due": due.isoformat()}, deliver_at=due)
+    noticed = await asyncio.wait_for(task, 30)
+    await asyncio.to_thread(store.deliver_due)  # empty again for the next sample
+    return (noticed - due).total_seconds()
+
+
+def _summary(values: list[float]) -> str:
+    ms = sorted(1000 * v for v in values)
+    p99 = statistics.quantiles(ms, n=100)[98] if len(ms) > 1 else ms[0]
+    return f"p50 {statistics.median(ms):,.0f} ms, p99 {p99:,.0f} ms, max {ms[-1]:,.0f} ms, min {ms[0]:,.0f} ms"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--samples", type=int, default=20)
+    parser.add_argument("--poll", type=float, default=1.0, help="the short poll's interval (s)")
+    args = parser.parse_args()
+    started = datetime.now(UTC)
+    url = fresh_database(DB)
+    _airflow_env(url)
+    rng = random.Random(5)
+    with Store(url) as store:
+        store.prepare()
+        results: dict[str, list[float]] = {"trigger": [], "poll": []}
+        for n in range(args.samples):  # alternate, so both see the same machine
+            log(f"sample {n + 1}/{args.samples}")
+            results["trigger"].append(asyncio.run(_sample(store, lambda: _trigger(5.0), rng)))
+            results["poll"].append(asyncio.run(_sample(store, lambda: _short_poll(args.poll), rng)))
+    early = sum(v < 0 for v in results["trigger"] + results["poll"])
+    print(f"\nCommand: `python -m bench.trigger_wake --samples {args.samples} --poll {args.poll:g}` — started "
+          f"{started:%Y-%m-%d %H:%M} UTC\n")
+    print("| waiter | noticed after due | queries per idle minute |")
+    print("|---|---|---:|")
+    print(f"| DueMessagesTrigger (LISTEN/NOTIFY + countdown, safety look every 5 s) | {_summary(results['trigger'])} | 24 |")
+    print(f"| short poll every {args.poll:g} s (same query) | {_summary(results['poll'])} | {2 * 60 / args.poll:,.0f} |")
+    print(f"\n- {args.samples} messages each, due 0.5-2 s after the waiter went to sleep; noticed before due: {early}")
+    print("- a look is two queries (the lane's head, the database clock)")
+
+
+if __name__ == "__main__":
+    main()
