@@ -50,7 +50,8 @@ def cancel(
     """Cancel one message by id, or every message with a key; one result per message found."""
     if (message_id is None) == (key is None):
         raise ValueError("cancel needs exactly one of message_id or key")
-    where, params = ("id = %(v)s", {"v": message_id}) if message_id is not None else ("key = %(v)s", {"v": key})
+    params: dict[str, object] = {"v": message_id if message_id is not None else key}
+    where = "id = %(v)s" if message_id is not None else "key = %(v)s"
     with conn.transaction():
         _lock_level_lanes(conn, where, params)
         found = conn.execute(

@@ -65,7 +65,7 @@ def _validate(orders: pd.DataFrame, products: pd.DataFrame) -> list[dict[str, An
     context.variables.progress_bars = ProgressBarsConfig(globally=False, metric_calculations=False)
     source = context.data_sources.add_pandas("shop")
     cancellations = orders[orders.status == "cancelled_timeout"][["order_id", "cancel_lateness_s"]]
-    suites = {
+    suites: dict[str, tuple[pd.DataFrame, list[Any]]] = {
         "orders": (orders, [
             gxe.ExpectColumnValuesToBeInSet(column="timeout_rule_ok", value_set=[1],
                                             meta={"rule": "every order unpaid at its deadline is cancelled"}),
@@ -97,8 +97,10 @@ def _validate(orders: pd.DataFrame, products: pd.DataFrame) -> list[dict[str, An
         validation = context.validation_definitions.add(gx.ValidationDefinition(name=name, data=batch, suite=suite))
         outcome = validation.run(batch_parameters={"dataframe": frame})
         for r in outcome.results:
+            config = r.expectation_config
+            assert config is not None  # GX fills it for every result of a suite run
             results.append({
-                "table": name, "expectation": r.expectation_config.type, "rule": r.expectation_config.meta["rule"],
+                "table": name, "expectation": config.type, "rule": (config.meta or {})["rule"],
                 "success": bool(r.success), "observed": _plain(r.result.get("observed_value")),
                 "unexpected": r.result.get("unexpected_count"),
                 "examples": r.result.get("partial_unexpected_list", [])[:5],

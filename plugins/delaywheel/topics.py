@@ -91,7 +91,7 @@ def pull(conn: psycopg.Connection, topic: str, group: str, max_messages: int = 1
                 properties = r[6] or {}
                 body = json.loads(bytes(r[7])) if r[8] else bytes(r[7])
                 batch.messages.append(Message(
-                    topic=properties.get("ORIGIN_TOPIC", r[0]), queue_offset=r[1], message_id=r[3], key=r[4],
+                    topic=str(properties.get("ORIGIN_TOPIC", r[0])), queue_offset=r[1], message_id=r[3], key=r[4],
                     tags=r[5], properties=properties, body=body, reconsume_times=r[9], deliver_at=r[10],
                     delivered_at=r[11], source_topic=r[0],
                 ))
