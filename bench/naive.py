@@ -78,6 +78,6 @@ def fill(conn: psycopg.Connection, count: int, first_due: datetime, span: timede
                 "INSERT INTO naive.queue (topic, key, tags, body, is_json, deliver_at, enqueued_at)"
                 " SELECT 'bench.backdrop', 'backdrop-' || g, 'created', %(body)s, false,"
                 " %(lo)s + random() * %(span)s, clock_timestamp()"
-                " FROM generate_series(%(a)s, %(b)s) g",
+                " FROM generate_series(%(a)s::bigint, %(b)s::bigint) g",
                 {"body": body, "lo": first_due, "span": span, "a": start + 1, "b": min(count, start + 1_000_000)},
             )

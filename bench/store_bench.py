@@ -185,7 +185,7 @@ def fill_pending(store: Store, count: int, at: datetime) -> None:
                 "INSERT INTO delaywheel.level_queue (id, level, requested_level, topic, key, tags, body, is_json,"
                 " deliver_at, enqueued_at)"
                 " SELECT nextval('delaywheel.message_id_seq'), 18, 18, 'bench.backdrop', 'backdrop-' || g, 'created',"
-                " %(body)s, false, %(due)s, %(at)s FROM generate_series(%(a)s, %(b)s) g",
+                " %(body)s, false, %(due)s, %(at)s FROM generate_series(%(a)s::bigint, %(b)s::bigint) g",
                 {"body": body(0), "due": at + store.settings.level_delay(18), "at": at,
                  "a": start + 1, "b": min(count, start + 1_000_000)},
             )

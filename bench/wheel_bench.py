@@ -167,6 +167,23 @@ class WheelDrain:
                 time.sleep(0.02)  # another transaction holds the commit horizon (untimed)
 
 
+def drain_both(store: Store, other: psycopg.Connection, now: datetime, expected: int) -> tuple[Stopwatch, Stopwatch]:
+    """Deliver everything due by `now` in both designs, ours and naive interleaved pass by pass, so both
+    see the same load; returns both stopwatches."""
+    drain = WheelDrain(store, now, expected)
+    naive_watch = Stopwatch()
+    naive_idle = False
+    while not (drain.idle and naive_idle):
+        if not drain.idle:
+            drain.step()
+        if not naive_idle:
+            with naive_watch.run():
+                moved = naive.deliver(other, now, store.settings.batch_size)
+            naive_watch.count += moved
+            naive_idle = moved == 0
+    return drain.watch, naive_watch
+
+
 def send_due_at(store: Store, count: int, batch: int, due: datetime, prefix: str) -> None:
     for start, size in chunks(count, batch):
         store.send_many([Message(TOPIC, body(start + j), deliver_at=due, key=f"{prefix}-{start + j}")
@@ -193,7 +210,7 @@ def fill_pending(store: Store, count: int, first_due: datetime, span: timedelta)
                 """
                 WITH g AS (SELECT nextval('delaywheel.message_id_seq') AS id, 'backdrop-' || i AS key,
                                   %(lo)s + random() * %(span)s AS due
-                           FROM generate_series(%(a)s, %(b)s) i),
+                           FROM generate_series(%(a)s::bigint, %(b)s::bigint) i),
                 near AS (INSERT INTO delaywheel.wheel (id, topic, key, tags, body, is_json, deliver_at, enqueued_at)
                          SELECT id, 'bench.backdrop', key, 'created', %(body)s, false, due, clock_timestamp()
                          FROM g WHERE due < %(near)s)
@@ -215,20 +232,8 @@ def cycle(store: Store, other: psycopg.Connection, count: int, batch: int, hour:
         store.send_many([Message(TOPIC, body(start + j), deliver_at=d, key=f"cycle-{start + j}") for j, d in enumerate(due)])
         naive.enqueue(other, ((TOPIC, f"cycle-{start + j}", None, None, body(start + j), False, d, hour)
                               for j, d in enumerate(due)))
-    end = hour + HOUR
-    store.prepare(now=end)
-    drain = WheelDrain(store, end, count)
-    naive_watch = Stopwatch()
-    naive_idle = False
-    while not (drain.idle and naive_idle):
-        if not drain.idle:
-            drain.step()
-        if not naive_idle:
-            with naive_watch.run():
-                moved = naive.deliver(other, end, store.settings.batch_size)
-            naive_watch.count += moved
-            naive_idle = moved == 0
-    return drain.watch, naive_watch
+    store.prepare(now=hour + HOUR)
+    return drain_both(store, other, hour + HOUR, count)
 
 
 def sizes(conn: psycopg.Connection) -> dict[str, int]:
@@ -298,18 +303,8 @@ def main() -> list[Check]:
         send_due_at(store, n_deliver, args.batch, x2, "loaded")
         naive.enqueue(other, ((TOPIC, f"loaded-{i}", None, None, body(i), False, x2, real0) for i in range(n_deliver)))
         store.prepare(now=x2)
-        drain = WheelDrain(store, x2 + timedelta(seconds=1), n_deliver)
-        naive_watch = Stopwatch()
-        naive_idle = False
-        while not (drain.idle and naive_idle):
-            if not drain.idle:
-                drain.step()
-            if not naive_idle:
-                with naive_watch.run():
-                    moved = naive.deliver(other, x2 + timedelta(seconds=1), store.settings.batch_size)
-                naive_watch.count += moved
-                naive_idle = moved == 0
-        loaded_deliver = drain.watch.rate
+        ours_watch, naive_watch = drain_both(store, other, x2 + timedelta(seconds=1), n_deliver)
+        loaded_deliver = ours_watch.rate
         log(f"   ours {loaded_deliver:,.0f} msg/s, naive {naive_watch.rate:,.0f} msg/s")
         checks.append(flat(f"wheel enqueue rate, {n_pending:,} pending vs empty (msg/s)", loaded_enqueue, empty_enqueue))
         checks.append(flat(f"wheel delivery rate, {n_pending:,} pending vs empty (msg/s)", loaded_deliver, empty_deliver))
