@@ -29,8 +29,15 @@ class TopicSpan:
     first: tuple[str, int]  # (xid, queue_offset) of the first message written
     last: tuple[str, int]
 
-    def merge(self, later: TopicSpan) -> TopicSpan:
-        return TopicSpan(self.count + later.count, self.first, later.last)
+    def merge(self, other: TopicSpan) -> TopicSpan:
+        """Both spans as one, whichever was written first (spans of different lanes interleave)."""
+        return TopicSpan(self.count + other.count, min(self.first, other.first, key=_position),
+                         max(self.last, other.last, key=_position))
+
+
+def _position(at: tuple[str, int]) -> tuple[int, int]:
+    """A (xid, queue_offset) position in read order: xids compare as numbers ("10" after "9")."""
+    return int(at[0]), at[1]
 
 
 # Per topic, what the `moved` CTE (RETURNING topic, queue_offset, xid) wrote: {topic: [count, xid, first, last]}.

@@ -46,33 +46,25 @@ def topic_asset(topic: str) -> Asset:
 
 def event_extra(topic: str, lane: str, span: TopicSpan) -> dict[str, Any]:
     """An Asset event's extra: the batch's size and its first/last (xid, queue_offset) in the topic."""
-    return {
-        "topic": topic, "lane": lane, "count": span.count,
-        "first_xid": span.first[0], "first_offset": span.first[1],
-        "last_xid": span.last[0], "last_offset": span.last[1],
-    }
+    return {"topic": topic, "lane": lane, **_span_fields(span)}
+
+
+def _span_fields(span: TopicSpan) -> dict[str, Any]:
+    return {"count": span.count, "first_xid": span.first[0], "first_offset": span.first[1],
+            "last_xid": span.last[0], "last_offset": span.last[1]}
 
 
 def merge_extras(extras: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Per topic, one extra spanning every lane's batch: the lanes, the total count, the earliest first
-    and the latest last (xid, queue_offset) position (xids compared as numbers)."""
-    merged: dict[str, dict[str, Any]] = {}
+    """Per topic, one extra spanning every lane's batch (`event_extra`s in, `lanes` instead of `lane` out)."""
+    spans: dict[str, TopicSpan] = {}
+    lanes: dict[str, set[str]] = {}
     for extra in extras:
         topic = extra["topic"]
-        first, last = (int(extra["first_xid"]), extra["first_offset"]), (int(extra["last_xid"]), extra["last_offset"])
-        seen = merged.get(topic)
-        if seen is None:
-            merged[topic] = {"topic": topic, "lanes": [extra["lane"]], "count": extra["count"],
-                             "first_xid": extra["first_xid"], "first_offset": extra["first_offset"],
-                             "last_xid": extra["last_xid"], "last_offset": extra["last_offset"]}
-            continue
-        seen["lanes"] = sorted({*seen["lanes"], extra["lane"]})
-        seen["count"] += extra["count"]
-        if first < (int(seen["first_xid"]), seen["first_offset"]):
-            seen["first_xid"], seen["first_offset"] = extra["first_xid"], extra["first_offset"]
-        if last > (int(seen["last_xid"]), seen["last_offset"]):
-            seen["last_xid"], seen["last_offset"] = extra["last_xid"], extra["last_offset"]
-    return merged
+        span = TopicSpan(extra["count"], (extra["first_xid"], extra["first_offset"]),
+                         (extra["last_xid"], extra["last_offset"]))
+        spans[topic] = spans[topic].merge(span) if topic in spans else span
+        lanes.setdefault(topic, set()).add(extra["lane"])
+    return {topic: {"topic": topic, "lanes": sorted(lanes[topic]), **_span_fields(span)} for topic, span in spans.items()}
 
 
 class PublishTopicEventsOperator(BaseOperator):
