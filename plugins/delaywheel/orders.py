@@ -147,19 +147,24 @@ def _release(conn: psycopg.Connection, order_ids: list[int], sell: bool) -> None
     )
 
 
+def _settle_in_time(conn: psycopg.Connection, requests: list[tuple[int, datetime]], status: str, stamp: str) -> list[int]:
+    """Move the orders still pending whose deadline had not passed when the customer asked (the request's
+    own time, not when it is processed) to `status`, stamping `stamp` with that time; returns their ids."""
+    _lock_orders(conn, sorted(o for o, _ in requests))
+    return [r[0] for r in conn.execute(
+        f"""UPDATE shop.orders o SET status = %s, {stamp} = r.at
+            FROM unnest(%s::bigint[], %s::timestamptz[]) AS r(id, at)
+            WHERE o.order_id = r.id AND o.status = 'pending' AND r.at < o.deadline RETURNING o.order_id""",  # type: ignore[arg-type]
+        (status, [o for o, _ in requests], [t for _, t in requests])).fetchall()]
+
+
 def pay(store: Store, payments: list[tuple[int, datetime]], *, cancel_timers: bool = True) -> list[int]:
     """Payments (order id, time paid) arrive: accepted for orders still pending whose deadline had not
     passed when the customer paid (their timers are cancelled); refused otherwise (a refund), so the
     outcome never depends on how late the sweep runs. Returns the ids accepted."""
     conn = store.conn
-    order_ids = sorted(o for o, _ in payments)
     with conn.transaction():
-        _lock_orders(conn, order_ids)
-        accepted = [r[0] for r in conn.execute(
-            """UPDATE shop.orders o SET status = 'paid', paid_at = p.at
-               FROM unnest(%s::bigint[], %s::timestamptz[]) AS p(id, at)
-               WHERE o.order_id = p.id AND o.status = 'pending' AND p.at < o.deadline RETURNING o.order_id""",
-            ([o for o, _ in payments], [t for _, t in payments])).fetchall()]
+        accepted = _settle_in_time(conn, payments, "paid", "paid_at")
         conn.execute(
             "INSERT INTO shop.payments (order_id, paid_at, accepted)"
             " SELECT p.id, p.at, p.id = ANY(%s::bigint[]) FROM unnest(%s::bigint[], %s::timestamptz[]) AS p(id, at)",
@@ -184,12 +189,7 @@ def customer_cancel(store: Store, cancels: list[tuple[int, datetime]], *, cancel
     customer cancellation. Returns the ids cancelled."""
     conn = store.conn
     with conn.transaction():
-        _lock_orders(conn, sorted(o for o, _ in cancels))
-        cancelled = [r[0] for r in conn.execute(
-            """UPDATE shop.orders o SET status = 'cancelled_customer', cancelled_at = c.at
-               FROM unnest(%s::bigint[], %s::timestamptz[]) AS c(id, at)
-               WHERE o.order_id = c.id AND o.status = 'pending' AND c.at < o.deadline RETURNING o.order_id""",
-            ([o for o, _ in cancels], [t for _, t in cancels])).fetchall()]
+        cancelled = _settle_in_time(conn, cancels, "cancelled_customer", "cancelled_at")
         _release(conn, cancelled, sell=False)
     if cancel_timers:
         _cancel_timers(store, cancelled, "cancelled by customer")
