@@ -41,7 +41,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from delaywheel import Message, Store, load_settings
 from delaywheel.db import database_url
 
-from .common import fresh_database, log
+from .common import fresh_database, log, uri
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / ".delaywheel" / "bench"
@@ -73,11 +73,6 @@ class Outcome:
 def server_parts() -> tuple[str, dict[str, Any]]:
     server = make_conninfo(database_url(load_settings()), dbname="postgres")
     return server, conninfo_to_dict(server)
-
-
-def uri(url: str) -> str:
-    p = conninfo_to_dict(url)
-    return f"postgresql://{p.get('user', 'postgres')}@{p.get('host', '127.0.0.1')}:{p.get('port', 5432)}/{p['dbname']}"
 
 
 def free_port() -> int:

@@ -192,8 +192,8 @@ def fill_pending(store: Store, count: int, at: datetime) -> None:
     store.conn.execute("VACUUM (ANALYZE) delaywheel.level_queue")  # settle, as a store holding 10M would be
 
 
-def percentile(values: list[float], q: float) -> float:
-    return statistics.quantiles(values, n=100)[q - 1] if len(values) > 1 else values[0]  # type: ignore[index]
+def percentile(values: list[float], q: int) -> float:
+    return statistics.quantiles(values, n=100)[q - 1] if len(values) > 1 else values[0]
 
 
 def main() -> list[Check]:

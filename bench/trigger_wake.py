@@ -21,11 +21,9 @@ from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-from psycopg.conninfo import conninfo_to_dict
-
 from delaywheel import Store
 
-from .common import fresh_database, log
+from .common import fresh_database, log, uri
 
 ROOT = Path(__file__).resolve().parents[1]
 DB = "delaywheel_bench_trigger"
@@ -33,9 +31,7 @@ DB = "delaywheel_bench_trigger"
 
 def _airflow_env(url: str) -> None:
     """The trigger reads its connection like in the triggerer: `delaywheel_default` from the environment."""
-    p = conninfo_to_dict(url)
-    os.environ["AIRFLOW_CONN_DELAYWHEEL_DEFAULT"] = (
-        f"postgresql://{p.get('user', 'postgres')}@{p.get('host', '127.0.0.1')}:{p.get('port', 5432)}/{p['dbname']}")
+    os.environ["AIRFLOW_CONN_DELAYWHEEL_DEFAULT"] = uri(url)
     os.environ.setdefault("AIRFLOW_CONFIG", str(ROOT / "airflow.cfg"))
     os.environ.setdefault("AIRFLOW_HOME", str(ROOT / ".delaywheel" / "airflow-bench"))
 
@@ -72,7 +68,7 @@ async def _sample(store: Store, waiter: Callable[[], Awaitable[datetime]], rng: 
 
 def _summary(values: list[float]) -> str:
     ms = sorted(1000 * v for v in values)
-    p99 = statistics.quantiles(ms, n=100)[98] if len(ms) > 1 else ms[0]
+    p99 = statistics.quantiles(ms, n=100, method="inclusive")[98] if len(ms) > 1 else ms[0]
     return f"p50 {statistics.median(ms):,.0f} ms, p99 {p99:,.0f} ms, max {ms[-1]:,.0f} ms, min {ms[0]:,.0f} ms"
 
 
