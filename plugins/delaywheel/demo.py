@@ -81,7 +81,8 @@ def run_demo(
     timeout_td = parse_duration(timeout, "--timeout")
     print(f"store: {store.url} (migrations applied now: {', '.join(applied) or 'none needed'})", flush=True)
     orders.reset(store, stock_per_sku=n_orders * 9 // orders.SKUS + 100)
-    stop, errors = threading.Event(), list[BaseException]()
+    stop = threading.Event()
+    errors: list[BaseException] = []
     threads = _background(stop, store.url, errors)
     clock_start = store.clock()
     print(f"placing {n_orders} orders over {period} with a {timeout} payment timeout (Spark local[*]); "
