@@ -1,4 +1,7 @@
-"""The delivery loop's lease end: it hands its lane over only to a live successor (real clock)."""
+"""The delivery loop's lease end: it hands its lane over only to a live successor (real clock).
+
+Bounds are wide on purpose (CI machines are loaded): each one still separates the behaviours compared,
+e.g. a run without grace ends seconds before one that waits out a 30-s grace."""
 
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ from tests.conftest import deliveries
 
 def _timed_run(db_url: str, duration_s: float, grace_s: float, out: dict[str, float]) -> None:
     with Store(db_url) as own:
-        started = time.monotonic()
+        started = time.monotonic()  # after connecting: only the run itself is timed
         out["delivered"] = runner.run(own, [1], duration_s, handover_grace_s=grace_s).delivered
         out["elapsed"] = time.monotonic() - started
 
@@ -19,7 +22,7 @@ def _timed_run(db_url: str, duration_s: float, grace_s: float, out: dict[str, fl
 def test_without_grace_the_run_ends_at_its_duration(db_url: str) -> None:
     out: dict[str, float] = {}
     _timed_run(db_url, 0.5, 0.0, out)
-    assert out["elapsed"] < 1.5
+    assert 0.5 <= out["elapsed"] < 5.0
 
 
 def test_without_a_successor_the_lane_stays_served_through_the_grace(db_url: str, store: Store) -> None:
@@ -32,7 +35,7 @@ def test_without_a_successor_the_lane_stays_served_through_the_grace(db_url: str
     alone.join(timeout=15)
     assert not alone.is_alive()
     assert out["delivered"] == 1 and len(deliveries(store, "handover")) == 1
-    assert 4.0 <= out["elapsed"] < 6.0  # gave up once the grace ran out
+    assert 4.0 <= out["elapsed"] < 12.0  # gave up once the grace ran out
 
 
 def test_the_lane_is_handed_over_as_soon_as_a_successor_runs(db_url: str) -> None:
@@ -42,9 +45,9 @@ def test_the_lane_is_handed_over_as_soon_as_a_successor_runs(db_url: str) -> Non
     first.start()
     time.sleep(1.5)
     assert first.is_alive()
-    successor = threading.Thread(target=_timed_run, args=(db_url, 3.0, 0.0, new))
+    successor = threading.Thread(target=_timed_run, args=(db_url, 6.0, 0.0, new))
     successor.start()
-    first.join(timeout=10)
+    first.join(timeout=20)
     assert not first.is_alive(), "the old run did not see its successor"
-    assert old["elapsed"] < 1.5 + 3.0  # left while the successor was still running, far before its grace
-    successor.join(timeout=10)
+    assert old["elapsed"] < 15.0  # left once the successor ran, far before its 30-s grace
+    successor.join(timeout=20)
