@@ -49,6 +49,10 @@ PYEOF
 )
 export AIRFLOW__DATABASE__SQL_ALCHEMY_CONN="${AIRFLOW__DATABASE__SQL_ALCHEMY_CONN:-$AIRFLOW_DB_URL}"
 export AIRFLOW_CONN_DELAYWHEEL_DEFAULT="${AIRFLOW_CONN_DELAYWHEEL_DEFAULT:-$STORE_URL}"
+# Airflow 3 creates no default connections, and without one SparkSubmitOperator's `spark_default` means yarn:
+# Spark local mode unless the user set the connection (README, "Spark").
+[[ -n "${AIRFLOW_CONN_SPARK_DEFAULT:-}" ]] || AIRFLOW_CONN_SPARK_DEFAULT='{"conn_type":"spark","host":"local[*]"}'
+export AIRFLOW_CONN_SPARK_DEFAULT
 
 # Secrets every Airflow process must share (the scheduler signs task tokens the API server checks):
 # generated once, kept out of airflow.cfg and git.

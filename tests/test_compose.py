@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
+import configparser
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import yaml
+
+from delaywheel.config import parse_levels
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 SERVICES = COMPOSE["services"]
 AIRFLOW = ["airflow-apiserver", "airflow-scheduler", "airflow-dag-processor", "airflow-triggerer"]
+ENV = SERVICES["airflow-scheduler"]["environment"]
+SCRIPT = (ROOT / "scripts" / "airflow.sh").read_text()
 
 
 def test_every_service_of_the_platform_is_there_with_a_health_check() -> None:
@@ -41,6 +49,25 @@ def test_connections_the_dags_use_are_defined() -> None:
     defined = {key.removeprefix("AIRFLOW_CONN_").lower() for key in env if key.startswith("AIRFLOW_CONN_")}
     assert used <= defined, f"connections used by DAGs but not defined in compose: {used - defined}"
     assert env["AIRFLOW_CONN_SPARK_DEFAULT"].find("spark://spark-master") >= 0
+    # `make airflow` too: Airflow 3 creates no default connections (spark_default would otherwise mean yarn)
+    for conn_id in used:
+        assert f"export AIRFLOW_CONN_{conn_id.upper()}" in SCRIPT, f"scripts/airflow.sh does not define {conn_id}"
+    assert """AIRFLOW_CONN_SPARK_DEFAULT='{"conn_type":"spark","host":"local[*]"}'""" in SCRIPT
+
+
+def test_api_server_is_reachable_from_other_containers() -> None:
+    # airflow.cfg binds loopback for local runs; the workers' Execution API URL and the published port need more
+    assert ENV["AIRFLOW__API__HOST"] == "0.0.0.0"
+    assert ENV["AIRFLOW__CORE__EXECUTION_API_SERVER_URL"].startswith("http://airflow-apiserver:8080/")
+    assert "8080:8080" in SERVICES["airflow-apiserver"]["ports"]
+
+
+def test_mounted_plugins_come_before_the_installed_copy() -> None:
+    """Airflow appends the plugins folder to the end of sys.path, after the copy the image pip-installed:
+    PYTHONPATH puts the mounted one first, so edits apply without a rebuild."""
+    plugins = ENV["AIRFLOW__CORE__PLUGINS_FOLDER"]
+    assert f"./plugins:{plugins}:ro" in SERVICES["airflow-scheduler"]["volumes"]
+    assert ENV["PYTHONPATH"].split(":")[0] == plugins
 
 
 def test_image_runs_the_locked_environment() -> None:
@@ -55,7 +82,22 @@ def test_image_runs_the_locked_environment() -> None:
 
 
 def test_compose_and_code_agree_on_the_deliver_pool() -> None:
-    init = SERVICES["airflow-init"]["command"]
-    assert "airflow pools set delaywheel_deliver" in init
+    init = SERVICES["airflow-init"]["command"].replace("$$", "$")  # `$$` is compose's escape for `$`
     assert "delaywheel migrate" in init and "airflow db migrate" in init
-    assert "delaywheel_deliver" in (ROOT / "dags" / "delaywheel_deliver.py").read_text()
+    assert re.search(r"slots=\$\(python -c '[^']+'\) && airflow pools set delaywheel_deliver \$slots ", init)
+    (code,) = re.findall(r"python -c '([^']+)'", init)
+    assert f"\"$PY\" -c '{code}'" in SCRIPT  # the same computation as scripts/airflow.sh
+    # the deliver DAG: its tasks run in this pool, at most 2 x (levels + 1) of them at once
+    dag = (ROOT / "dags" / "delaywheel_deliver.py").read_text()
+    assert 'POOL = "delaywheel_deliver"' in dag and '"pool": POOL' in dag
+    assert "LEVELS = load_settings().levels" in dag and "max_active_tasks=2 * (len(LEVELS) + 1)" in dag
+    # what it prints with the airflow.cfg the containers mount (AIRFLOW_CONFIG) is that number
+    env = {k: v for k, v in os.environ.items() if k not in ("DELAYWHEEL_LEVELS", "AIRFLOW__DELAYWHEEL__LEVELS")}
+    env["AIRFLOW_CONFIG"] = str(ROOT / "airflow.cfg")
+    assert "./airflow.cfg:" + ENV["AIRFLOW_CONFIG"] + ":ro" in SERVICES["airflow-scheduler"]["volumes"]
+    slots = int(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                               check=True).stdout)
+    cfg = configparser.ConfigParser(interpolation=None)
+    cfg.read(ROOT / "airflow.cfg")
+    assert slots == 2 * (len(parse_levels(cfg.get("delaywheel", "levels"))) + 1)
+    assert cfg.getint("core", "parallelism") > slots  # room beside the deliver DAG
