@@ -127,3 +127,22 @@ def test_changing_the_table_does_not_move_pending_messages(db_url: str, t0: date
         rows = {mid: (due, done) for mid, due, done, _ in deliveries(new)}
     assert rows[first][0] == at(t0, 5)
     assert rows[second][0] == at(t0, 1)
+
+
+def test_shortening_the_table_leaves_no_message_behind(db_url: str, t0: datetime) -> None:
+    """Levels removed from the table while they hold messages are served by the last level's deliverer,
+    on their own fixed due times and in their own FIFO order, and shown by stats until they are empty."""
+    with Store(db_url, Settings(levels=parse_levels("1s 5s 10s 30s"))) as old:
+        sent = {level: [old.send("orders", {"level": level, "n": n}, delay_level=level, now=t0) for n in range(3)]
+                for level in (3, 4)}
+    with Store(db_url, Settings(levels=parse_levels("1s 2s"))) as new:
+        shown = {row["level"]: row for row in new.stats(now=at(t0, 1))["levels"]}
+        assert shown[3]["delay"] is None and shown[3]["backlog"] == 3 and shown[4]["backlog"] == 3
+        assert new.deliver_level(2, now=at(t0, 9.999)).delivered == 0  # never early
+        early = new.deliver_level(2, now=at(t0, 10))
+        assert early.delivered == 3 and early.next_due == at(t0, 30)
+        assert new.deliver_due(now=at(t0, 30)) == 3
+        rows = deliveries(new)
+        assert [mid for mid, *_ in rows] == sent[3] + sent[4]
+        assert [due for _, due, *_ in rows] == [at(t0, 10)] * 3 + [at(t0, 30)] * 3
+        assert sorted(row["level"] for row in new.stats(now=at(t0, 31))["levels"]) == [1, 2]

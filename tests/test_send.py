@@ -99,6 +99,9 @@ def _rejections(t0: datetime) -> list[tuple[str, dict[str, Any]]]:
         ("bad_delay", {"delay": True}),
         ("too_far", {"delay": timedelta(days=365, milliseconds=1)}),
         ("too_far", {"deliver_at": t0 + timedelta(days=366)}),
+        ("too_far", {"delay": 1e18}),  # beyond what a timedelta can hold
+        ("too_far", {"delay": timedelta(days=4_000_000)}),  # beyond what a datetime can hold
+        ("bad_level", {"delay_level": 2**40}),  # too large to store, not merely above the table
         ("too_old", {"deliver_at": t0 - timedelta(days=1, seconds=1)}),
         ("conflicting_delay", {"delay_level": 3, "deliver_at": t0 + timedelta(minutes=1)}),
         ("conflicting_delay", {"delay_level": 3, "delay": 1000}),

@@ -8,6 +8,8 @@ import sys
 from datetime import datetime, timedelta
 from typing import Any
 
+import psycopg
+
 from . import embedded, runner
 from .config import ConfigError, load_settings, parse_duration
 from .db import database_url
@@ -124,10 +126,10 @@ def cmd_cancel(args: argparse.Namespace) -> int:
             count = store.count_matching(keys=keys, where=where)
             if not args.yes:
                 print(f"{count} pending message(s) match; run again with --yes to cancel them")
-                return 0 if count == 0 else 2
+                return 0 if count else 1
             cancelled = store.cancel_matching(keys=keys, where=where, reason=args.reason)
             _print({"cancelled": cancelled}, args.json)
-            return 0
+            return 0 if cancelled else 1
         results = store.cancel(message_id=args.id, key=args.key, reason=args.reason)
     _print([{"message_id": r.message_id, "outcome": r.outcome} for r in results], args.json)
     return 0 if any(r.outcome == "cancelled" for r in results) else 1
@@ -141,7 +143,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
         return 0
     print(f"{'level':>5} {'delay':>8} {'backlog':>8} {'checkpoint':>10} {'head due':>27} {'overdue s':>9} {'p50 s':>7} {'p99 s':>7}")
     for row in data["levels"]:
-        print(f"{row['level']:>5} {row['delay']:>8} {row['backlog']:>8} {row['checkpoint_id']:>10} "
+        print(f"{row['level']:>5} {row['delay'] if row['delay'] is not None else 'removed':>8} {row['backlog']:>8} {row['checkpoint_id']:>10} "
               f"{row['head_due'] or '-'!s:>27} {_num(row['oldest_overdue_s']):>9} "
               f"{_num(row['lateness_p50_s']):>7} {_num(row['lateness_p99_s']):>7}")
     w = data["wheel"]
@@ -251,11 +253,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         load_settings()
         return int(args.func(args))
-    except (InvalidMessage, ConfigError, MigrationError, embedded.EmbeddedError) as exc:
-        print(f"delaywheel: error: {exc}", file=sys.stderr)
-        return 2
     except json.JSONDecodeError as exc:
         print(f"delaywheel: error: --body is not JSON ({exc}); use --raw to send text as bytes", file=sys.stderr)
+        return 2
+    except (InvalidMessage, ConfigError, MigrationError, embedded.EmbeddedError, ValueError) as exc:
+        print(f"delaywheel: error: {exc}", file=sys.stderr)
+        return 2
+    except psycopg.Error as exc:  # e.g. a --where predicate that is not valid SQL, or an unreachable server
+        print(f"delaywheel: database error: {str(exc).strip()}", file=sys.stderr)
         return 2
 
 

@@ -46,7 +46,10 @@ def parse_duration(text: str, setting: str) -> timedelta:
     match = _TOKEN.match(text.strip())
     if not match:
         raise ConfigError(f"{setting}: bad duration {text!r}; expected e.g. '500ms', '30s', '3d'")
-    return timedelta(milliseconds=int(match.group(1)) * _UNIT_MS[match.group(2)])
+    try:
+        return timedelta(milliseconds=int(match.group(1)) * _UNIT_MS[match.group(2)])
+    except OverflowError:
+        raise ConfigError(f"{setting}: duration {text!r} is too large") from None
 
 
 @dataclass(frozen=True)

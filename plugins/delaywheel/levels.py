@@ -64,6 +64,15 @@ class PassResult:
     more: bool = False  # the batch limit stopped the pass while due messages remained
     topics: dict[str, TopicSpan] = field(default_factory=dict)  # what this pass wrote, per topic
 
+    def combine(self, other: PassResult) -> PassResult:
+        """Two lanes' passes as one lane's (the last level also serves levels removed from the table)."""
+        dues = [d for d in (self.next_due, other.next_due) if d is not None]
+        spans = dict(self.topics)
+        for topic, span in other.topics.items():
+            spans[topic] = spans[topic].merge(span) if topic in spans else span
+        return PassResult(self.delivered + other.delivered, self.skipped_cancelled + other.skipped_cancelled,
+                          min(dues, default=None), self.busy or other.busy, self.more or other.more, spans)
+
 
 _DELIVER = """
 WITH batch AS (
@@ -93,6 +102,22 @@ SELECT (SELECT count(*) FROM moved),
        (SELECT ARRAY[xid::text, id::text] FROM due ORDER BY xid DESC, id DESC LIMIT 1),
        (""" + TOPIC_SUMMARY + """)
 """
+
+
+def levels_above(conn: psycopg.Connection, level: int) -> list[int]:
+    """Levels above `level` that still hold rows: what is left when the level table is shortened while
+    messages are pending. One index probe per level found (a loose index scan), so it costs nothing
+    when there are none."""
+    rows = conn.execute(
+        """WITH RECURSIVE l(level) AS (
+               (SELECT level FROM delaywheel.level_queue WHERE level > %(l)s ORDER BY level LIMIT 1)
+               UNION ALL
+               SELECT (SELECT q.level FROM delaywheel.level_queue q WHERE q.level > l.level ORDER BY q.level LIMIT 1)
+               FROM l WHERE l.level IS NOT NULL)
+           SELECT level FROM l WHERE level IS NOT NULL""",
+        {"l": level},
+    ).fetchall()
+    return [int(r[0]) for r in rows]
 
 
 def deliver_level(

@@ -18,8 +18,10 @@ def _rows(conn: psycopg.Connection, sql: str, params: dict[str, Any]) -> list[di
 
 
 def level_stats(conn: psycopg.Connection, settings: Settings, now: datetime, window: timedelta) -> list[dict[str, Any]]:
-    """Per configured level: backlog, checkpoint, head due time, oldest overdue age, lateness p50/p99."""
+    """Per configured level, and per level removed from the table that still holds messages (its delay is
+    None): backlog, checkpoint, head due time, oldest overdue age, lateness p50/p99."""
     return _rows(conn, """
+        SELECT * FROM (
         SELECT l.level, %(delays)s[l.level] AS delay,
                coalesce(c.cursor_id, 0) AS checkpoint_id, coalesce(c.cursor_xid::text, '0') AS checkpoint_xid,
                coalesce(c.delivered, 0) AS delivered, c.updated_at AS checkpoint_at,
@@ -28,7 +30,7 @@ def level_stats(conn: psycopg.Connection, settings: Settings, now: datetime, win
                h.deliver_at AS head_due,
                CASE WHEN h.deliver_at < %(now)s THEN extract(epoch FROM %(now)s - h.deliver_at) END AS oldest_overdue_s,
                lat.p50 AS lateness_p50_s, lat.p99 AS lateness_p99_s, lat.n AS delivered_in_window
-        FROM generate_series(1, %(n)s) AS l(level)
+        FROM generate_series(1, greatest(%(n)s, (SELECT max(level) FROM delaywheel.level_queue))) AS l(level)
         LEFT JOIN delaywheel.level_checkpoint c ON c.level = l.level
         LEFT JOIN LATERAL (
             SELECT q.deliver_at FROM delaywheel.level_queue q
@@ -40,7 +42,8 @@ def level_stats(conn: psycopg.Connection, settings: Settings, now: datetime, win
                    percentile_cont(0.99) WITHIN GROUP (ORDER BY extract(epoch FROM t.delivered_at - t.deliver_at)) AS p99
             FROM delaywheel.topic_messages t
             WHERE t.origin = 'level' AND t.level = l.level AND t.delivered_at >= %(since)s) lat ON true
-        ORDER BY l.level
+        ) s WHERE level <= %(n)s OR backlog > 0
+        ORDER BY level
         """, {"n": settings.max_level, "now": now, "since": now - window,
               "delays": [d.total_seconds() for d in settings.levels]})
 

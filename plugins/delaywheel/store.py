@@ -82,9 +82,17 @@ class Store:
 
     # delivering
     def deliver_level(self, level: int, *, now: datetime | None = None, limit: int | None = None) -> PassResult:
+        """One pass over a level. The last configured level's pass also covers any level above it that still
+        holds messages (the table was shortened while they were pending): their due times were fixed at
+        enqueue, so they go out on time, each level in its own FIFO order under its own lock and checkpoint."""
         if not 1 <= level <= self.settings.max_level:
             raise ValueError(f"level {level} is not configured (1..{self.settings.max_level})")
-        return levels.deliver_level(self.conn, self._cache, level, now=now, limit=limit or self.settings.batch_size)
+        limit = limit or self.settings.batch_size
+        result = levels.deliver_level(self.conn, self._cache, level, now=now, limit=limit)
+        if level == self.settings.max_level:
+            for removed in levels.levels_above(self.conn, level):
+                result = result.combine(levels.deliver_level(self.conn, self._cache, removed, now=now, limit=limit))
+        return result
 
     def advance_wheel(self, *, now: datetime | None = None, limit: int | None = None) -> PassResult:
         return wheel.advance_wheel(self.conn, self.settings, self._cache, now=now, limit=limit or self.settings.batch_size)

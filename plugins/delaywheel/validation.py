@@ -17,6 +17,7 @@ from .config import Settings
 
 TOPIC_PATTERN = re.compile(r"^[%|A-Za-z0-9_.-]{1,127}$")  # RocketMQ's topic charset, plus '.'
 MAX_KEY_CHARS = 1024
+MAX_REQUESTED_LEVEL = 2**31 - 1  # the stored requested level is an int4; above the table's maximum it is clamped
 
 Lane = Literal["direct", "level", "wheel"]
 
@@ -102,7 +103,10 @@ def _delay_as_timedelta(delay: object) -> timedelta:
         raise InvalidMessage("bad_delay", f"delay must be a timedelta or milliseconds, got {delay!r}")
     if math.isnan(delay) or math.isinf(delay):
         raise InvalidMessage("bad_delay", f"delay must be a finite number of milliseconds, got {delay!r}")
-    return timedelta(milliseconds=delay)
+    try:
+        return timedelta(milliseconds=delay)
+    except OverflowError:  # beyond timedelta's ~2.7 million years: too far by any maximum
+        raise InvalidMessage("too_far", f"delay of {delay!r} ms is beyond any due time delaywheel accepts") from None
 
 
 def place(
@@ -128,6 +132,8 @@ def place(
             span = _delay_as_timedelta(delay)
             if span < timedelta(0):
                 raise InvalidMessage("bad_delay", f"delay must not be negative, got {span}")
+            if span > settings.wheel_max_delay:  # checked before the sum, which can overflow datetime
+                raise InvalidMessage("too_far", f"delay {span} is more than {settings.wheel_max_delay} (wheel_max_delay)")
             due = now + span
         if due - now > settings.wheel_max_delay:
             raise InvalidMessage(
@@ -142,8 +148,8 @@ def place(
     level = 0 if delay_level is None else delay_level
     if isinstance(level, bool) or not isinstance(level, int):
         raise InvalidMessage("bad_level", f"delay_level must be an integer, got {level!r}")
-    if level < 0:
-        raise InvalidMessage("bad_level", f"delay_level must be 0 or more, got {level}")
+    if level < 0 or level > MAX_REQUESTED_LEVEL:
+        raise InvalidMessage("bad_level", f"delay_level must be between 0 and {MAX_REQUESTED_LEVEL}, got {level}")
     if level == 0:
         return Placement("direct", now, 0, 0)
     effective = min(level, settings.max_level)  # RocketMQ clamps a level above the maximum
