@@ -25,6 +25,8 @@ with DAG(
         "input": Param("", type="string", title="Input path or glob",
                        description="CSV, JSON lines or Parquet; leave empty to read a query instead"),
         "query": Param("", type="string", title="Or: PostgreSQL query", description="read over JDBC"),
+        "source_url": Param("", type="string", title="Query database",
+                            description="PostgreSQL URL of the database the query reads (empty: the store's)"),
         "format": Param("", type="string", enum=["", "csv", "json", "parquet"],
                         description="empty: from the file name"),
         "map": Param("", type="string", title="Column mapping",
@@ -37,10 +39,13 @@ with DAG(
                         description="re-running with the same source skips rows already enqueued "
                                     "(default: the input path or query)"),
         "chunk": Param(20000, type="integer", minimum=1, description="rows per transaction in each partition"),
+        "partitions": Param("", type="string", pattern=r"^([1-9]\d*)?$",
+                            description="repartition the input to this many writers (empty: at least one per core)"),
     },
 ) as dag:
     spark_job("bulk_enqueue", "bulk_enqueue", [
-        "--input", "{{ params.input }}", "--query", "{{ params.query }}", "--format", "{{ params.format }}",
+        "--input", "{{ params.input }}", "--query", "{{ params.query }}", "--source-url", "{{ params.source_url }}",
+        "--format", "{{ params.format }}",
         "--map", "{{ params.map }}", "--topic", "{{ params.topic }}", "--body-format", "{{ params.body_format }}",
-        "--source", "{{ params.source }}", "--chunk", "{{ params.chunk }}",
+        "--source", "{{ params.source }}", "--chunk", "{{ params.chunk }}", "--partitions", "{{ params.partitions }}",
     ])

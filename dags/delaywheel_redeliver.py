@@ -6,8 +6,8 @@ Trigger it from the UI with the form:
 - `replay`: deliver again every message due in [from, until) to its topic or `target_topic`; each replay is
   recorded in `delaywheel.replays` and never puts the same message into the same topic twice;
 - `reconcile`: compare `table` (rows matching `predicate` need a timer keyed by `key_column`) with the
-  pending timers of `topic`: create the missing ones, cancel the stale ones, record it in
-  `delaywheel.reconcile_runs`.
+  pending timers of `topic`: create the missing ones (due at `due_column`, or `delay_seconds` from now),
+  cancel the stale ones, record it in `delaywheel.reconcile_runs`.
 """
 
 from __future__ import annotations
@@ -38,6 +38,9 @@ with DAG(
         "predicate": Param("", type="string", description="reconcile: SQL, rows that need a timer"),
         "topic": Param("", type="string", description="reconcile: the timers' topic"),
         "due_column": Param("", type="string", description="reconcile: when a created timer fires (a column)"),
+        "delay_seconds": Param("", type="string", pattern=r"^(\d+(\.\d*)?)?$",
+                               description="reconcile: or, a created timer fires this many seconds after it is "
+                                           "created (empty: not given; give exactly one of due_column and this)"),
     },
 ) as dag:
     spark_job("redeliver", "redeliver", [
@@ -46,5 +49,5 @@ with DAG(
         "--source-topic", "{{ params.source_topic }}", "--target-topic", "{{ params.target_topic }}",
         "--table", "{{ params.table }}", "--key-column", "{{ params.key_column }}",
         "--predicate", "{{ params.predicate }}", "--topic", "{{ params.topic }}",
-        "--due-column", "{{ params.due_column }}",
+        "--due-column", "{{ params.due_column }}", "--delay-seconds", "{{ params.delay_seconds }}",
     ])

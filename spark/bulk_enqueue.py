@@ -87,8 +87,8 @@ def main(argv: list[str] | None = None) -> bulk.Counts:
     p.add_argument("--source", type=sparkjob.text, help="idempotency source: a re-run with the same source skips rows already "
                                     "enqueued (default: the input path or the query)")
     p.add_argument("--chunk", type=int, default=20_000, help="rows per transaction in each partition")
-    p.add_argument("--partitions", type=int, help="repartition the input to this many writers (default: at least "
-                                                  "one per core)")
+    p.add_argument("--partitions", type=sparkjob.integer,
+                   help="repartition the input to this many writers (default: at least one per core)")
     p.add_argument("--now", type=sparkjob.instant, help="inject the clock (tests); default: the database's")
     args = p.parse_args(argv)
     if (args.input is None) == (args.query is None):

@@ -1,9 +1,9 @@
 """Redeliver: catch up a backlog, replay a due-time range, or reconcile timers with a business table.
 
-    spark-submit spark/redeliver.py --db-url URL catch-up
-    spark-submit spark/redeliver.py --db-url URL replay --from 2030-01-01T00:00Z --until 2030-01-01T01:00Z \
+    spark-submit spark/redeliver.py --db-url URL --mode catch-up
+    spark-submit spark/redeliver.py --db-url URL --mode replay --from 2030-01-01T00:00Z --until 2030-01-01T01:00Z \
         [--source-topic orders] [--target-topic orders.replay]
-    spark-submit --jars /usr/share/java/postgresql.jar spark/redeliver.py --db-url URL reconcile \
+    spark-submit --jars /usr/share/java/postgresql.jar spark/redeliver.py --db-url URL --mode reconcile \
         --table shop.orders --key-column order_id --predicate "status = 'pending'" --topic order.timeout \
         --due-column deadline
 
@@ -102,12 +102,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     k.add_argument("--predicate", type=sparkjob.text, help="SQL: which rows need a timer, e.g. status = 'pending'")
     k.add_argument("--topic", type=sparkjob.text, help="the timers' topic")
     k.add_argument("--due-column", type=sparkjob.text, help="timestamptz column: when the timer fires")
-    k.add_argument("--delay-seconds", type=float, help="or: fire this long after the timer is created")
+    k.add_argument("--delay-seconds", type=sparkjob.number, help="or: fire this long after the timer is created")
     args = p.parse_args(argv)
     needs = {"replay": ["due_from", "due_until"], "reconcile": ["table", "key_column", "predicate", "topic"]}
     missing = [f"--{name.replace('_', '-')}" for name in needs.get(args.mode, []) if getattr(args, name) is None]
     if missing:
         p.error(f"--mode {args.mode} needs {', '.join(missing)}")
+    if args.mode == "reconcile" and (args.due_column is None) == (args.delay_seconds is None):
+        p.error("--mode reconcile needs exactly one of --due-column and --delay-seconds")
     url = sparkjob.db_url(args.db_url)
     settings = load_settings()
     spark = sparkjob.session(f"delaywheel redeliver ({args.mode})")

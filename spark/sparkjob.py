@@ -119,6 +119,16 @@ def text(value: str) -> str | None:
     return value.strip() or None
 
 
+def integer(value: str) -> int | None:
+    """An integer argument; empty (an unset DAG param) means not given."""
+    return int(value) if value.strip() else None
+
+
+def number(value: str) -> float | None:
+    """A numeric argument; empty (an unset DAG param) means not given."""
+    return float(value) if value.strip() else None
+
+
 def parser(description: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--db-url", required=True, help="the store's PostgreSQL URL (libpq or Airflow's get_uri())")

@@ -1,9 +1,13 @@
 """The three Spark DAGs under `dag.test()`: SparkSubmitOperator on `spark_default` = local[*], the store from
-`delaywheel_default`, the jobs' effects checked in the store; a broken lateness contract fails the task."""
+`delaywheel_default`, the jobs' effects checked in the store; a broken lateness contract fails the task.
+Every job argument is a run parameter: checked against the jobs' own parsers, without starting Spark."""
 
 from __future__ import annotations
 
+import argparse
+import copy
 import csv
+import importlib
 import json
 import os
 import sys
@@ -70,3 +74,69 @@ def test_lateness_dag_fails_on_a_broken_contract(dags: dict[str, Any], store: St
     saved = store.conn.execute("SELECT success, failed, report_path FROM delaywheel.validation_results").fetchall()
     assert [(s, f) for s, f, _ in saved] == [(False, ["zero_early_deliveries"])]
     assert Path(saved[0][2]).parent == tmp_path
+
+
+class _Parsed(Exception):
+    pass
+
+
+def _job_parser(job: str, monkeypatch: pytest.MonkeyPatch) -> argparse.ArgumentParser:
+    """The job's own argument parser, caught when `main` parses (before any Spark session starts)."""
+    caught: list[argparse.ArgumentParser] = []
+
+    def catch(self: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
+        caught.append(self)
+        raise _Parsed
+
+    with monkeypatch.context() as m:
+        m.setattr(argparse.ArgumentParser, "parse_args", catch)
+        with pytest.raises(_Parsed):
+            importlib.import_module(job).main([])
+    return caught[0]
+
+
+def _job_argv(dag: Any, conf: dict[str, Any]) -> list[str]:
+    """The job arguments the DAG's task renders for a run with `conf` (params validated as a trigger would)."""
+    params = copy.deepcopy(dag.params)
+    params.update(conf)
+    values, env = params.validate(), dag.get_template_env()
+    (task,) = dag.tasks
+    pairs = dict(zip(task.application_args[::2], task.application_args[1::2], strict=True))
+    argv = ["--db-url", "postgresql://nowhere/x"]  # --db-url and --requested-by come from the connection, the run
+    for flag, template in pairs.items():
+        if flag not in ("--db-url", "--requested-by"):
+            argv += [flag, env.from_string(template).render(params=values)]
+    return argv
+
+
+@pytest.mark.parametrize(("dag_id", "job", "conf", "expected"), [
+    ("delaywheel_redeliver", "redeliver", {}, {"mode": "catch-up", "batch": 50_000, "delay_seconds": None}),
+    ("delaywheel_redeliver", "redeliver",
+     {"mode": "reconcile", "table": "shop.orders", "key_column": "order_id", "predicate": "status = 'pending'",
+      "topic": "order.timeout", "delay_seconds": "90"},
+     {"table": "shop.orders", "due_column": None, "delay_seconds": 90.0}),
+    ("delaywheel_bulk_enqueue", "bulk_enqueue", {"input": "orders.csv"},
+     {"input": "orders.csv", "source_url": None, "partitions": None, "chunk": 20_000}),
+    ("delaywheel_bulk_enqueue", "bulk_enqueue",
+     {"query": "SELECT 1", "source_url": "postgresql://shop@db/shop", "partitions": "6"},
+     {"input": None, "source_url": "postgresql://shop@db/shop", "partitions": 6}),
+    ("delaywheel_lateness_quality", "lateness_quality", {}, {"start": None, "window_minutes": 15.0}),
+])
+def test_every_job_argument_is_a_run_parameter(dags: dict[str, Any], monkeypatch: pytest.MonkeyPatch, dag_id: str,
+                                               job: str, conf: dict[str, Any], expected: dict[str, Any]) -> None:
+    parser = _job_parser(job, monkeypatch)
+    argv = _job_argv(dags[dag_id], conf)
+
+    options = {o for a in parser._actions for o in a.option_strings if o.startswith("--")}
+    assert set(argv[::2]) == options - {"--help", "--requested-by", "--now"}  # --now: tests inject the clock
+    parsed = vars(parser.parse_args(argv))
+    assert {k: parsed[k] for k in expected} == expected
+
+
+def test_reconcile_needs_a_due_column_or_a_delay(dags: dict[str, Any]) -> None:
+    reconcile = {"mode": "reconcile", "table": "shop.orders", "key_column": "order_id", "predicate": "true",
+                 "topic": "order.timeout"}
+    redeliver = importlib.import_module("redeliver")
+    for conf in (reconcile, {**reconcile, "due_column": "deadline", "delay_seconds": "90"}):
+        with pytest.raises(SystemExit):
+            redeliver.main(_job_argv(dags["delaywheel_redeliver"], conf))
