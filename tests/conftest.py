@@ -4,8 +4,6 @@ a migrated template database, and a fresh database cloned from it for every test
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -17,33 +15,12 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from delaywheel import Settings, Store
 from delaywheel.db import database_url
+from delaywheel.local_airflow import as_url, configure
 from delaywheel.migrate import migrate
 
 TEMPLATE = "delaywheel_test_template"
 ROOT = Path(__file__).resolve().parents[1]
 AIRFLOW_TEST_DB = "airflow_test"
-
-
-def _airflow_env(server: str) -> dict[str, str]:
-    """Airflow settings for tests: metadata in its own database on the project's PostgreSQL (not SQLite),
-    the project's DAGs and plugins, no examples. Set before anything imports Airflow."""
-    sqlalchemy_url = make_conninfo(server, dbname=AIRFLOW_TEST_DB)
-    parts = conninfo_to_dict(sqlalchemy_url)
-    home = ROOT / ".delaywheel" / "airflow-test"
-    home.mkdir(parents=True, exist_ok=True)
-    return {
-        "AIRFLOW_HOME": str(home),
-        "AIRFLOW_CONFIG": str(ROOT / "airflow.cfg"),
-        "DELAYWHEEL_HOME": str(ROOT),
-        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": (
-            f"postgresql+psycopg2://{parts.get('user', 'postgres')}@{parts.get('host', '127.0.0.1')}:"
-            f"{parts.get('port', '5432')}/{AIRFLOW_TEST_DB}"
-        ),
-        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-        "AIRFLOW__CORE__DAGS_FOLDER": str(ROOT / "dags"),
-        "AIRFLOW__CORE__PLUGINS_FOLDER": str(ROOT / "plugins"),
-        "AIRFLOW__CORE__UNIT_TEST_MODE": "False",
-    }
 
 
 def _with_db(url: str, dbname: str) -> str:
@@ -60,21 +37,8 @@ def server_url() -> str:
 def airflow_db(server_url: str) -> dict[str, str]:
     """A migrated Airflow metadata database for `dag.test()` runs; returns the environment it needs
     (already applied to os.environ, so import Airflow only inside tests that use this fixture)."""
-    env = _airflow_env(server_url)
-    os.environ.update(env)
-    with psycopg.connect(server_url, autocommit=True) as conn:
-        if not conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (AIRFLOW_TEST_DB,)).fetchone():
-            conn.execute(f"CREATE DATABASE {AIRFLOW_TEST_DB}")
-    subprocess.run([sys.executable, "-m", "airflow", "db", "migrate"], check=True, env=os.environ.copy(),
-                   capture_output=True)
-    return env
-
-
-def as_url(conninfo: str) -> str:
-    """`user=... dbname=...` → `postgresql://user@host:port/db`, the form Airflow connections take."""
-    p = conninfo_to_dict(conninfo)
-    auth = str(p.get("user", "postgres")) + (f":{p['password']}" if p.get("password") else "")
-    return f"postgresql://{auth}@{p.get('host', '127.0.0.1')}:{p.get('port', 5432)}/{p['dbname']}"
+    return configure(server_url, metadata_db=AIRFLOW_TEST_DB, home=ROOT / ".delaywheel" / "airflow-test", replace=True,
+                     store_connection=False)
 
 
 @pytest.fixture

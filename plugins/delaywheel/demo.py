@@ -4,11 +4,21 @@ Orders are placed over a period by the Spark order generator (each with its time
 same transaction); simulated customers pay (most on time, some late), cancel or abandon their carts;
 the deliverer delivers due timeouts; the sweep cancels unpaid orders and releases their stock; then
 the outcome is checked with Great Expectations and reported in words, figures and a chart.
+
+The one-shot steps run as the project's Airflow DAGs through `airflow dags test` (`dag.test()`: real operators, the Spark jobs
+through SparkSubmitOperator on `spark_default` = local[*], Airflow's metadata on the same PostgreSQL):
+`shop_place_orders`, `shop_order_sweep` (a last pass), `shop_reconcile` and `delaywheel_lateness_quality`.
+The continuous work (the deliverer, the customers, the sweep while orders fall due) runs the same library
+loops as the DAGs' tasks on threads here, because a scheduled or Asset-triggered run per tick would add
+Airflow's scheduling delay to every cancellation; under `make airflow` they are `delaywheel_deliver`,
+`shop_customers` and `shop_order_sweep`.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
 import threading
@@ -16,9 +26,9 @@ import time
 from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
-from . import orders, runner
+from . import local_airflow, orders, runner
 from .config import PROJECT_ROOT, parse_duration
 from .migrate import migrate
 from .store import Store
@@ -80,26 +90,27 @@ def run_demo(
     store.prepare()
     timeout_td = parse_duration(timeout, "--timeout")
     print(f"store: {store.url} (migrations applied now: {', '.join(applied) or 'none needed'})", flush=True)
+    print("Airflow: migrating its metadata database (the demo runs its DAGs through `airflow dags test`)", flush=True)
+    local_airflow.configure(store.url)
     orders.reset(store, stock_per_sku=n_orders * 9 // orders.SKUS + 100)
     stop = threading.Event()
     errors: list[BaseException] = []
     threads = _background(stop, store.url, errors)
     clock_start = store.clock()
-    print(f"placing {n_orders} orders over {period} with a {timeout} payment timeout (Spark local[*]); "
-          f"Spark log: {out / 'order-generator.log'}", flush=True)
-    with open(out / "order-generator.log", "w") as log:
-        generator = subprocess.Popen(
-            [sys.executable, str(PROJECT_ROOT / "spark" / "order_generator.py"), "--db-url", store.url,
-             "--orders", str(n_orders), "--timeout", timeout, "--period", period],
-            stdout=subprocess.PIPE, stderr=log, text=True,
-        )
-        assert generator.stdout is not None
-        for line in generator.stdout:
-            print("  " + line.rstrip(), flush=True)
-        if generator.wait() != 0:
-            stop.set()
-            print(f"order generator failed (exit {generator.returncode}); see {out / 'order-generator.log'}")
-            return 1
+    print(f"placing {n_orders} orders over {period} with a {timeout} payment timeout: DAG shop_place_orders "
+          "(Spark order generator, local[*])", flush=True)
+    placing = threading.Thread(target=_report_while, args=(placing_done := threading.Event(), store.url, sys.stdout))
+    placing.start()
+    try:
+        placed = _run_dag("shop_place_orders", out,
+                          {"orders": n_orders, "timeout": timeout, "period": period, "first_id": 1})
+    finally:
+        placing_done.set()
+        placing.join()
+    if placed != "success":
+        stop.set()
+        print(f"shop_place_orders ended {placed}; its task log: {out / 'shop_place_orders.log'}")
+        return 1
     # every planned customer action (late payments come up to 1.8 x timeout after placing) and every
     # timeout must have happened before the outcome is judged
     settle_by = time.monotonic() + 2.0 * timeout_td.total_seconds() + 10
@@ -120,33 +131,54 @@ def run_demo(
         raise errors[0]
     from .order_quality import verify
 
-    reconcile_code, reconciled = _spark_job(out, "redeliver", [
-        "--db-url", store.url, "--mode", "reconcile", "--table", "shop.orders", "--key-column", "timer_key",
-        "--predicate", "status = 'pending'", "--topic", orders.TOPIC, "--due-column", "deadline"])
-    print(f"reconcile (Spark): {reconciled.get('missing')} orders missing a timer, {reconciled.get('stale')} "
-          f"stale timers cancelled (exit {reconcile_code})", flush=True)
-    lateness_code, lateness = _spark_job(out, "lateness_quality", [
-        "--db-url", store.url, "--start", clock_start.isoformat(), "--end", store.clock().isoformat(),
-        "--report-dir", str(out / "lateness")])
-    print(f"delivery lateness contract (Spark + Great Expectations) over {lateness.get('deliveries')} deliveries: "
-          f"{'passed' if lateness_code == 0 else 'FAILED ' + str(lateness.get('failed'))}; report in {out / 'lateness'}",
-          flush=True)
+    swept = _run_dag("shop_order_sweep", out)
+    print(f"last sweep (DAG shop_order_sweep): {swept}", flush=True)
+    reconcile_state = _run_dag("shop_reconcile", out)
+    reconciled = _latest(store, "SELECT missing, stale FROM delaywheel.reconcile_runs WHERE started_at >= %s"
+                                " ORDER BY id DESC LIMIT 1", clock_start)
+    print(f"reconcile (DAG shop_reconcile, Spark): {reconciled.get('missing')} orders missing a timer, "
+          f"{reconciled.get('stale')} stale timers cancelled ({reconcile_state})", flush=True)
+    lateness_state = _run_dag("delaywheel_lateness_quality", out, {
+        "start": clock_start.isoformat(), "end": store.clock().isoformat(), "report_dir": str(out / "lateness")})
+    lateness = _latest(store, "SELECT success, failed, report_path FROM delaywheel.validation_results"
+                              " WHERE validated_at >= %s ORDER BY id DESC LIMIT 1", clock_start)
+    print("delivery lateness contract (DAG delaywheel_lateness_quality, Spark + Great Expectations): "
+          f"{'passed' if lateness.get('success') else 'FAILED ' + str(lateness.get('failed'))}; "
+          f"report {lateness.get('report_path')}", flush=True)
     result = verify(store, out, since=clock_start)
     store.close()
-    success = result.success and reconcile_code == 0 and lateness_code == 0
+    success = (result.success and swept == "success" and reconcile_state == "success"
+               and lateness_state == "success" and bool(lateness.get("success")))
     summary = {"orders": n_orders, **result.summary, "reconcile": reconciled,
-               "delivery_lateness_contract": "passed" if lateness_code == 0 else "FAILED",
+               "delivery_lateness_contract": "passed" if lateness.get("success") else "FAILED",
+               "airflow_runs": {"shop_place_orders": placed, "shop_order_sweep": swept,
+                                "shop_reconcile": reconcile_state, "delaywheel_lateness_quality": lateness_state},
                "report": str(out / "report.html")}
     print(json.dumps(summary, default=str, indent=2) if json_output else result.text, flush=True)
     print(f"\nreport: {out / 'report.html'}")
     return 0 if success else 1
 
 
-def _spark_job(out: Path, job: str, args: list[str]) -> tuple[int, dict[str, Any]]:
-    """Run one of the project's Spark jobs (local[*]); returns its exit code and the JSON line it printed."""
-    with open(out / f"{job}.log", "w") as log:
-        done = subprocess.run([sys.executable, str(PROJECT_ROOT / "spark" / f"{job}.py"), *args],
-                              stdout=subprocess.PIPE, stderr=log, text=True)
-    reports = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    return done.returncode, json.loads(reports[-1]) if reports else {}
+def _report_while(done: threading.Event, url: str, console: TextIO) -> None:
+    """Progress while a DAG run holds the main thread (its own output goes to its log file)."""
+    with Store(url) as store:
+        while not done.wait(5):
+            counts = _counts(store)
+            print(f"  orders: {counts or 'none placed yet (Spark is starting)'}", file=console, flush=True)
 
+
+def _run_dag(dag_id: str, out: Path, conf: dict[str, Any] | None = None) -> str:
+    """One run of a DAG through `airflow dags test` (`dag.test()` in its own process, so its task log goes
+    to `out/<dag_id>.log` and not to this console). Returns the run's final state."""
+    command = [sys.executable, "-m", "airflow", "dags", "test", dag_id, *(["--conf", json.dumps(conf)] if conf else [])]
+    path = out / f"{dag_id}.log"
+    with open(path, "w") as log:
+        done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
+    states = re.findall(r"DagRun Finished: dag_id=\S+,.*? state=(\w+)", path.read_text(errors="replace"))
+    return states[-1] if states else f"not run (exit {done.returncode}; see {path})"
+
+
+def _latest(store: Store, sql: str, since: datetime) -> dict[str, Any]:
+    cur = store.conn.execute(sql, (since,))  # type: ignore[arg-type]
+    row = cur.fetchone()
+    return {} if row is None else dict(zip([c.name for c in cur.description or []], row, strict=True))
