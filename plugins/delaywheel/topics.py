@@ -16,6 +16,7 @@ import psycopg
 
 from .config import Settings
 from .db import COMMIT_HORIZON
+from .levels import TopicSpan
 from .partitions import PartitionCache
 from .producer import clock_and_ids, prepare, write_prepared
 from .validation import Message as OutgoingMessage
@@ -148,3 +149,36 @@ def _reconsume_later(
                                        properties=properties)
         rows.append((new_id, prepare(outgoing, clock, settings, times)))
     write_prepared(conn, cache, rows, clock)
+
+
+# New messages in a topic since the watchers' mark, below the commit horizon (what a consumer could read now):
+# their count and the first and last (xid, queue_offset). Locks the mark, so two watchers never announce
+# the same messages.
+_WATCH_NEW = """
+WITH m AS (SELECT seen_xid, seen_offset FROM delaywheel.topic_watch WHERE topic = %(topic)s FOR UPDATE),
+fresh AS (
+    SELECT t.xid, t.queue_offset FROM delaywheel.topic_messages t, m
+    WHERE t.topic = %(topic)s AND (t.xid, t.queue_offset) > (m.seen_xid, m.seen_offset)
+      AND t.xid < """ + COMMIT_HORIZON + """
+)
+SELECT (SELECT count(*) FROM fresh),
+       (SELECT ARRAY[xid::text, queue_offset::text] FROM fresh ORDER BY xid, queue_offset LIMIT 1),
+       (SELECT ARRAY[xid::text, queue_offset::text] FROM fresh ORDER BY xid DESC, queue_offset DESC LIMIT 1)
+"""
+
+
+async def announce_new(conn: psycopg.AsyncConnection, topic: str) -> TopicSpan | None:
+    """Claim the messages that reached `topic` since the last announcement: returns their span and moves
+    the mark past them, in one transaction; None when there is nothing new."""
+    async with conn.transaction():
+        await conn.execute("INSERT INTO delaywheel.topic_watch (topic) VALUES (%s) ON CONFLICT DO NOTHING", (topic,))
+        row = await (await conn.execute(_WATCH_NEW, {"topic": topic})).fetchone()  # type: ignore[arg-type]
+        if row is None or not row[0]:
+            return None
+        count, first, last = int(row[0]), row[1], row[2]
+        await conn.execute(
+            "UPDATE delaywheel.topic_watch SET seen_xid = %s::xid8, seen_offset = %s, announced = announced + %s,"
+            " fired_at = clock_timestamp() WHERE topic = %s",
+            (last[0], int(last[1]), count, topic),
+        )
+    return TopicSpan(count, (first[0], int(first[1])), (last[0], int(last[1])))

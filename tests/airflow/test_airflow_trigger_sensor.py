@@ -108,3 +108,69 @@ def test_sensor_pokes_and_defers(store_connection: str, store: Store) -> None:
     assert (trigger.level, trigger.poll_interval) == (None, 1.5)
     assert deferred.value.method_name == "execute_complete"
     assert ahead.execute({})["lane"] == "level 2"  # already due: no deferral
+
+
+def _events(trigger, count: int, within_s: float) -> list:
+    """Up to `count` events of one run of the trigger, collected for at most `within_s` seconds."""
+
+    async def go():
+        gen, got = trigger.run(), []
+        try:
+            while len(got) < count:
+                got.append(await asyncio.wait_for(gen.__anext__(), within_s))
+        except TimeoutError:
+            pass
+        finally:
+            await gen.aclose()
+        return got
+
+    return asyncio.run(go())
+
+
+def test_topic_watcher_announces_each_delivered_message_once(store_connection: str, store: Store) -> None:
+    """The topic Asset's watcher: an event as soon as messages can be read, each message announced once,
+    also across a restart (a new trigger) and between two watchers racing on the same topic."""
+    from airflow.triggers.base import BaseEventTrigger
+
+    from delaywheel.airflow.operators import topic_asset
+    from delaywheel.airflow.triggers import TopicMessagesTrigger
+
+    (watcher,) = topic_asset("orders").watchers
+    assert isinstance(watcher.trigger, TopicMessagesTrigger) and isinstance(watcher.trigger, BaseEventTrigger)
+    assert watcher.trigger.serialize()[1] == {"topic": "orders", "delaywheel_conn_id": "delaywheel_default",
+                                              "poll_interval": 1.0}
+    assert _events(TopicMessagesTrigger("orders", poll_interval=0.1), 1, 0.5) == []  # an empty topic: silent
+
+    ids = [store.send("orders", {"n": n}) for n in range(5)]  # level 0: in the topic at once
+    store.send("other", {"n": 0})
+    (event,) = _events(TopicMessagesTrigger("orders", poll_interval=0.1), 2, 1.0)
+    assert event.payload["topic"] == "orders" and event.payload["count"] == 5
+    offsets = [r[0] for r in store.conn.execute(
+        "SELECT queue_offset FROM delaywheel.topic_messages WHERE message_id = ANY(%s) ORDER BY queue_offset", (ids,))]
+    assert (event.payload["first_offset"], event.payload["last_offset"]) == (offsets[0], offsets[-1])
+    assert _events(TopicMessagesTrigger("orders", poll_interval=0.1), 1, 0.5) == []  # restarted: nothing new
+
+    async def race():
+        gens = [TopicMessagesTrigger("orders", poll_interval=0.05).run() for _ in range(2)]
+        pending = [asyncio.ensure_future(g.__anext__()) for g in gens]
+        for n in range(20):
+            await asyncio.to_thread(store.send, "orders", {"late": n})
+        announced = 0
+        deadline = asyncio.get_running_loop().time() + 10
+        while announced < 20 and asyncio.get_running_loop().time() < deadline:
+            done, _ = await asyncio.wait(pending, timeout=0.5, return_when=asyncio.FIRST_COMPLETED)
+            for future in done:
+                i = pending.index(future)
+                announced += future.result().payload["count"]
+                pending[i] = asyncio.ensure_future(gens[i].__anext__())
+        await asyncio.sleep(0.5)  # a double announcement would show up now
+        announced += sum(f.result().payload["count"] for f in pending if f.done())
+        for future in pending:
+            future.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        for g in gens:
+            await g.aclose()
+        return announced
+
+    assert asyncio.run(race()) == 20
+    assert store.conn.execute("SELECT announced FROM delaywheel.topic_watch WHERE topic = 'orders'").fetchone() == (25,)

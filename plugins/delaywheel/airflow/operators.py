@@ -25,12 +25,13 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 from urllib.parse import quote
 
-from airflow.sdk import Asset, AssetAlias, BaseOperator, Context
+from airflow.sdk import Asset, AssetAlias, AssetWatcher, BaseOperator, Context
 
 from delaywheel import Message, runner
 from delaywheel.levels import TopicSpan
 
 from .hooks import DelayWheelHook
+from .triggers import TopicMessagesTrigger
 
 TOPICS_ALIAS = AssetAlias("delaywheel_topics")
 ASSET_PREFIX = "delaywheel://topics/"
@@ -39,9 +40,11 @@ ASSET_PREFIX = "delaywheel://topics/"
 def topic_asset(topic: str) -> Asset:
     """The Asset a topic's deliveries update; schedule a consumer DAG on it. Characters outside
     A-Z a-z 0-9 . _ - (e.g. `%` and `|` of retry topics) are percent-encoded; name == uri, so
-    `Asset(uri)` written by hand in a DAG names the same asset."""
+    `Asset(uri)` written by hand in a DAG names the same asset. Its watcher (`TopicMessagesTrigger`, in the
+    triggerer) announces new messages within about a second; every DAG gets the same watcher for a topic."""
     uri = ASSET_PREFIX + quote(topic, safe="")
-    return Asset(name=uri, uri=uri, group="delaywheel")
+    watcher = AssetWatcher(name=f"delaywheel_topic_{quote(topic, safe='')}", trigger=TopicMessagesTrigger(topic))
+    return Asset(name=uri, uri=uri, group="delaywheel", watchers=[watcher])
 
 
 def event_extra(topic: str, lane: str, span: TopicSpan) -> dict[str, Any]:

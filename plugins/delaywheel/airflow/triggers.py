@@ -12,9 +12,10 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
-from airflow.triggers.base import BaseTrigger, TriggerEvent
+from airflow.triggers.base import BaseEventTrigger, BaseTrigger, TriggerEvent
 
 from delaywheel.producer import NOTIFY_CHANNEL
+from delaywheel.topics import announce_new
 
 from .hooks import DelayWheelHook, next_due_async
 
@@ -77,3 +78,39 @@ async def _sleep_or_sooner(conn: Any, seconds: float, wake_at: float) -> None:
         async for notice in conn.notifies(timeout=remaining):
             if float(notice.payload) < wake_at:
                 return
+
+
+class TopicMessagesTrigger(BaseEventTrigger):
+    """An AssetWatcher's trigger on a topic's Asset: fires an Asset event as soon as new messages can be read
+    from the topic, so a consumer DAG scheduled on the Asset starts within seconds of a delivery, not at the
+    end of the deliverers' lease. Runs for as long as the triggerer keeps it, one event per announcement.
+
+    Each event claims the messages it announces (a mark in `delaywheel.topic_watch`, moved in the same
+    transaction that reads them), so two triggerers, or a restarted one, never announce a message twice.
+    An announcement lost in a triggerer crash is made up by the next one and by the deliver DAG's
+    `publish_topic_events` task; consumers read by group offset, so an event only says "look now"."""
+
+    def __init__(self, topic: str, delaywheel_conn_id: str = DelayWheelHook.default_conn_name,
+                 poll_interval: float = 1.0) -> None:
+        super().__init__()
+        self.topic = topic
+        self.delaywheel_conn_id = delaywheel_conn_id
+        self.poll_interval = poll_interval
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return (
+            f"{type(self).__module__}.{type(self).__qualname__}",
+            {"topic": self.topic, "delaywheel_conn_id": self.delaywheel_conn_id, "poll_interval": self.poll_interval},
+        )
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        hook = DelayWheelHook(self.delaywheel_conn_id)
+        async with await hook.aconnect() as conn:
+            while True:
+                span = await announce_new(conn, self.topic)
+                if span is not None:
+                    from .operators import event_extra  # operators import this module
+
+                    yield TriggerEvent(event_extra(self.topic, "watcher", span))
+                else:
+                    await asyncio.sleep(self.poll_interval)
