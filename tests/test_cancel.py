@@ -79,13 +79,14 @@ def test_cli_bulk_cancel_needs_yes(store: Store, db_url: str, t0: datetime, monk
     monkeypatch.setenv("DELAYWHEEL_DATABASE_URL", db_url)
     store.send_many([Message("orders", {"i": i}, key=f"k{i}", delay=timedelta(hours=1)) for i in range(6)], now=t0)
     where = "key IN ('k1', 'k2', 'k5')"
-    assert main(["cancel", "--where", where]) == 2
+    assert main(["cancel", "--where", where]) == 0  # counted, as asked
     assert "3 pending message(s) match" in capsys.readouterr().out
     assert store.count_matching(where=where) == 3  # nothing cancelled without --yes
     assert main(["cancel", "--where", where, "--yes", "--json"]) == 0
     assert '"cancelled": 3' in capsys.readouterr().out
     assert store.count_matching(where=where) == 0
-    assert main(["cancel", "--where", "key = 'none'"]) == 0
+    assert main(["cancel", "--where", where, "--yes"]) == 1  # already cancelled: nothing done
+    assert main(["cancel", "--where", "key = 'none'"]) == 1  # nothing matches
 
 
 def test_bulk_cancel_rejects_bad_sql_and_writes_nothing(store: Store, t0: datetime) -> None:
