@@ -9,6 +9,7 @@ the user set it. Nothing here imports Airflow.
 from __future__ import annotations
 
 import os
+import secrets
 import subprocess
 import sys
 from pathlib import Path
@@ -42,6 +43,24 @@ def metadata_env(server_url: str, metadata_db: str, home: Path) -> dict[str, str
     }
 
 
+def shared_secrets(home: Path) -> dict[str, str]:
+    """The secrets every Airflow process on one metadata database must share, generated once into
+    AIRFLOW_HOME by whichever starts first (this, or `scripts/airflow.sh`, which keeps the same files):
+    the Fernet key encrypts connection and trigger arguments (e.g. the topic watchers'), the JWT secret
+    signs task tokens."""
+    from cryptography.fernet import Fernet
+
+    makers = {"fernet_key": lambda: Fernet.generate_key().decode(), "jwt_secret": lambda: secrets.token_urlsafe(32)}
+    values = {}
+    for name, make in makers.items():
+        path = home / name
+        if not path.exists() or not path.read_text().strip():
+            path.touch(mode=0o600)
+            path.write_text(make() + "\n")
+        values[name] = path.read_text().strip()
+    return {"AIRFLOW__CORE__FERNET_KEY": values["fernet_key"], "AIRFLOW__API_AUTH__JWT_SECRET": values["jwt_secret"]}
+
+
 def configure(store_url: str, *, metadata_db: str = "airflow", home: Path | None = None,
               replace: bool = False, store_connection: bool = True) -> dict[str, str]:
     """Point this process's Airflow at the store and a migrated metadata database (created if missing);
@@ -56,6 +75,7 @@ def configure(store_url: str, *, metadata_db: str = "airflow", home: Path | None
             conn.execute(f'CREATE DATABASE "{metadata_db}"')
     env = metadata_env(server, metadata_db, home or PROJECT_ROOT / ".delaywheel" / "airflow")
     Path(env["AIRFLOW_HOME"]).mkdir(parents=True, exist_ok=True)
+    env |= shared_secrets(Path(env["AIRFLOW_HOME"]))
     for name, value in env.items():
         if replace:
             os.environ[name] = value
