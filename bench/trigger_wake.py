@@ -7,6 +7,10 @@ has to be woken by the NOTIFY and then count down; the poll just keeps looking. 
 noticed the message (the database clock at the look that found it due, minus its due time) and how many
 queries each makes per idle minute.
 
+Also: how soon a topic's Asset watcher (`TopicMessagesTrigger`, a 1-s poll of the topic behind a claimed mark)
+announces a message that reached the topic (sent at level 0, so it is in the topic at commit): the database
+clock when the event is in hand, minus the message's `delivered_at`.
+
 Run: `python -m bench.trigger_wake [--samples 20] [--poll 1.0]`.
 """
 
@@ -66,6 +70,23 @@ async def _sample(store: Store, waiter: Callable[[], Awaitable[datetime]], rng: 
     return (noticed - due).total_seconds()
 
 
+async def _announced(store: Store, rng: random.Random) -> float:
+    """Seconds between a message landing in the topic and the topic watcher announcing it."""
+    from delaywheel.airflow.triggers import TopicMessagesTrigger
+
+    events = TopicMessagesTrigger("bench.watch").run()
+    waiting = asyncio.ensure_future(events.__anext__())
+    await asyncio.sleep(rng.uniform(0.1, 1.1))  # anywhere in the watcher's 1-s wait
+    message = await asyncio.to_thread(store.send, "bench.watch", {"n": 1})
+    event = await asyncio.wait_for(waiting, 30)
+    noticed = await asyncio.to_thread(store.clock)
+    await events.aclose()
+    assert event.payload["count"] == 1
+    row = await asyncio.to_thread(lambda: store.conn.execute(
+        "SELECT delivered_at FROM delaywheel.topic_messages WHERE message_id = %s", (message,)).fetchone())
+    return (noticed - row[0]).total_seconds()
+
+
 def _summary(values: list[float]) -> str:
     ms = sorted(1000 * v for v in values)
     p99 = statistics.quantiles(ms, n=100, method="inclusive")[98] if len(ms) > 1 else ms[0]
@@ -83,11 +104,12 @@ def main() -> None:
     rng = random.Random(5)
     with Store(url) as store:
         store.prepare()
-        results: dict[str, list[float]] = {"trigger": [], "poll": []}
+        results: dict[str, list[float]] = {"trigger": [], "poll": [], "watcher": []}
         for n in range(args.samples):  # alternate, so both see the same machine
             log(f"sample {n + 1}/{args.samples}")
             results["trigger"].append(asyncio.run(_sample(store, lambda: _trigger(5.0), rng)))
             results["poll"].append(asyncio.run(_sample(store, lambda: _short_poll(args.poll), rng)))
+            results["watcher"].append(asyncio.run(_announced(store, rng)))
     early = sum(v < 0 for v in results["trigger"] + results["poll"])
     print(f"\nCommand: `python -m bench.trigger_wake --samples {args.samples} --poll {args.poll:g}` — started "
           f"{started:%Y-%m-%d %H:%M} UTC\n")
@@ -97,6 +119,8 @@ def main() -> None:
     print(f"| short poll every {args.poll:g} s (same query) | {_summary(results['poll'])} | {2 * 60 / args.poll:,.0f} |")
     print(f"\n- {args.samples} messages each, due 0.5-2 s after the waiter went to sleep; noticed before due: {early}")
     print("- a look is two queries (the lane's head, the database clock)")
+    print(f"\nTopic watcher (TopicMessagesTrigger, look every 1 s): a message in the topic was announced "
+          f"{_summary(results['watcher'])} after it landed ({args.samples} samples).")
 
 
 if __name__ == "__main__":
