@@ -143,7 +143,7 @@ def test_topic_watcher_announces_each_delivered_message_once(store_connection: s
 
     ids = [store.send("orders", {"n": n}) for n in range(5)]  # level 0: in the topic at once
     store.send("other", {"n": 0})
-    (event,) = _events(TopicMessagesTrigger("orders", poll_interval=0.1), 2, 1.0)
+    (event,) = _events(TopicMessagesTrigger("orders", poll_interval=0.1), 2, 5.0)
     assert event.payload["topic"] == "orders" and event.payload["count"] == 5
     offsets = [r[0] for r in store.conn.execute(
         "SELECT queue_offset FROM delaywheel.topic_messages WHERE message_id = ANY(%s) ORDER BY queue_offset", (ids,))]
