@@ -36,12 +36,13 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from psycopg.conninfo import make_conninfo
 
 from delaywheel import Message, Store, load_settings
 from delaywheel.db import database_url
+from delaywheel.local_airflow import as_url
 
-from .common import fresh_database, log, uri
+from .common import fresh_database, log
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / ".delaywheel" / "bench"
@@ -70,9 +71,8 @@ class Outcome:
     notes: list[str] = field(default_factory=list)
 
 
-def server_parts() -> tuple[str, dict[str, Any]]:
-    server = make_conninfo(database_url(load_settings()), dbname="postgres")
-    return server, conninfo_to_dict(server)
+def server_url() -> str:
+    return make_conninfo(database_url(load_settings()), dbname="postgres")
 
 
 def free_port() -> int:
@@ -206,7 +206,7 @@ def run_load(url: str, args: argparse.Namespace) -> tuple[Sent, dict[str, Any]]:
 def baseline(args: argparse.Namespace) -> Outcome:
     url = fresh_database("delaywheel_bench_loop")
     seconds = args.baseline_minutes * 60 + args.drain + 90
-    env = {**os.environ, "DELAYWHEEL_DATABASE_URL": uri(url)}
+    env = {**os.environ, "DELAYWHEEL_DATABASE_URL": as_url(url)}
     deliverer = subprocess.Popen([sys.executable, "-m", "delaywheel.cli", "deliver", "--duration", f"{seconds:.0f}s"],
                                  env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -230,14 +230,14 @@ def fresh_metadata_db(server: str) -> None:
 @contextmanager
 def standalone(store_url: str, lease: float | None) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
     """`scripts/airflow.sh standalone` on a free port, a fresh metadata database and the given store."""
-    server, p = server_parts()
+    server = server_url()
     fresh_metadata_db(server)
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    metadata = f"postgresql+psycopg2://{p.get('user', 'postgres')}@{p.get('host', '127.0.0.1')}:{p.get('port', 5432)}/{METADATA_DB}"
+    metadata = as_url(server, "postgresql+psycopg2", METADATA_DB)
     env = {
         **os.environ,
-        "AIRFLOW_CONN_DELAYWHEEL_DEFAULT": uri(store_url),
+        "AIRFLOW_CONN_DELAYWHEEL_DEFAULT": as_url(store_url),
         "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": metadata,
         "AIRFLOW__API__PORT": str(port), "AIRFLOW__API__BASE_URL": base,
         "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"{base}/execution/",

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 import psycopg
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from psycopg.conninfo import make_conninfo
 
 from delaywheel.config import load_settings
 from delaywheel.db import database_url
@@ -53,12 +53,6 @@ def drop_database(name: str) -> None:
     server = make_conninfo(database_url(load_settings()), dbname="postgres")
     with psycopg.connect(server, autocommit=True) as conn:
         conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")  # type: ignore[arg-type]
-
-
-def uri(url: str) -> str:
-    """A conninfo as the postgresql:// URI that Airflow connections (AIRFLOW_CONN_*) and DELAYWHEEL_DATABASE_URL take."""
-    p = conninfo_to_dict(url)
-    return f"postgresql://{p.get('user', 'postgres')}@{p.get('host', '127.0.0.1')}:{p.get('port', 5432)}/{p['dbname']}"
 
 
 def log(message: str) -> None:

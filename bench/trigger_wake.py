@@ -26,8 +26,9 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from delaywheel import Store
+from delaywheel.local_airflow import as_url
 
-from .common import fresh_database, log, uri
+from .common import fresh_database, log
 
 ROOT = Path(__file__).resolve().parents[1]
 DB = "delaywheel_bench_trigger"
@@ -35,7 +36,7 @@ DB = "delaywheel_bench_trigger"
 
 def _airflow_env(url: str) -> None:
     """The trigger reads its connection like in the triggerer: `delaywheel_default` from the environment."""
-    os.environ["AIRFLOW_CONN_DELAYWHEEL_DEFAULT"] = uri(url)
+    os.environ["AIRFLOW_CONN_DELAYWHEEL_DEFAULT"] = as_url(url)
     os.environ.setdefault("AIRFLOW_CONFIG", str(ROOT / "airflow.cfg"))
     os.environ.setdefault("AIRFLOW_HOME", str(ROOT / ".delaywheel" / "airflow-bench"))
 
