@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import Any
 
 import psycopg
 
@@ -33,6 +34,23 @@ class TopicSpan:
         """Both spans as one, whichever was written first (spans of different lanes interleave)."""
         return TopicSpan(self.count + other.count, min(self.first, other.first, key=_position),
                          max(self.last, other.last, key=_position))
+
+    def fields(self) -> dict[str, Any]:
+        """The span as an Asset event's extra carries it: size and first/last (xid, queue_offset)."""
+        return {"count": self.count, "first_xid": self.first[0], "first_offset": self.first[1],
+                "last_xid": self.last[0], "last_offset": self.last[1]}
+
+
+def event_extra(topic: str, lane: str, span: TopicSpan) -> dict[str, Any]:
+    """A topic Asset event's extra (deliver tasks, the topic watcher): the topic, who wrote or announced the
+    batch, and the batch's span."""
+    return {"topic": topic, "lane": lane, **span.fields()}
+
+
+def add_spans(into: dict[str, TopicSpan], spans: dict[str, TopicSpan]) -> None:
+    """Merge per-topic spans into `into` (a run's, a lane's, or several lanes' totals)."""
+    for topic, span in spans.items():
+        into[topic] = into[topic].merge(span) if topic in into else span
 
 
 def _position(at: tuple[str, int]) -> tuple[int, int]:
@@ -68,8 +86,7 @@ class PassResult:
         """Two lanes' passes as one lane's (the last level also serves levels removed from the table)."""
         dues = [d for d in (self.next_due, other.next_due) if d is not None]
         spans = dict(self.topics)
-        for topic, span in other.topics.items():
-            spans[topic] = spans[topic].merge(span) if topic in spans else span
+        add_spans(spans, other.topics)
         return PassResult(self.delivered + other.delivered, self.skipped_cancelled + other.skipped_cancelled,
                           min(dues, default=None), self.busy or other.busy, self.more or other.more, spans)
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import psycopg
 
 from .db import connect
-from .levels import TopicSpan
+from .levels import TopicSpan, add_spans
 from .producer import NOTIFY_CHANNEL
 from .store import Store
 
@@ -35,10 +35,6 @@ class RunTotals:
     busy_passes: int = 0
     per_lane: dict[str, int] = field(default_factory=dict)
     per_topic: dict[str, TopicSpan] = field(default_factory=dict)  # what this run wrote, per topic
-
-    def add_topics(self, spans: dict[str, TopicSpan]) -> None:
-        for topic, span in spans.items():
-            self.per_topic[topic] = self.per_topic[topic].merge(span) if topic in self.per_topic else span
 
 
 def lane_name(lane: Lane) -> str:
@@ -86,7 +82,7 @@ def run(
                     totals.skipped_cancelled += result.skipped_cancelled
                     if result.delivered:
                         totals.per_lane[lane_name(lane)] = totals.per_lane.get(lane_name(lane), 0) + result.delivered
-                        totals.add_topics(result.topics)
+                        add_spans(totals.per_topic, result.topics)
                     busy |= result.busy
                     totals.busy_passes += result.busy
                     if not result.more:

@@ -28,7 +28,7 @@ from urllib.parse import quote
 from airflow.sdk import Asset, AssetAlias, AssetWatcher, BaseOperator, Context
 
 from delaywheel import Message, runner
-from delaywheel.levels import TopicSpan
+from delaywheel.levels import TopicSpan, add_spans, event_extra
 
 from .hooks import DelayWheelHook
 from .triggers import TopicMessagesTrigger
@@ -47,16 +47,6 @@ def topic_asset(topic: str) -> Asset:
     return Asset(name=uri, uri=uri, group="delaywheel", watchers=[watcher])
 
 
-def event_extra(topic: str, lane: str, span: TopicSpan) -> dict[str, Any]:
-    """An Asset event's extra: the batch's size and its first/last (xid, queue_offset) in the topic."""
-    return {"topic": topic, "lane": lane, **_span_fields(span)}
-
-
-def _span_fields(span: TopicSpan) -> dict[str, Any]:
-    return {"count": span.count, "first_xid": span.first[0], "first_offset": span.first[1],
-            "last_xid": span.last[0], "last_offset": span.last[1]}
-
-
 def merge_extras(extras: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Per topic, one extra spanning every lane's batch (`event_extra`s in, `lanes` instead of `lane` out)."""
     spans: dict[str, TopicSpan] = {}
@@ -65,9 +55,9 @@ def merge_extras(extras: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         topic = extra["topic"]
         span = TopicSpan(extra["count"], (extra["first_xid"], extra["first_offset"]),
                          (extra["last_xid"], extra["last_offset"]))
-        spans[topic] = spans[topic].merge(span) if topic in spans else span
+        add_spans(spans, {topic: span})
         lanes.setdefault(topic, set()).add(extra["lane"])
-    return {topic: {"topic": topic, "lanes": sorted(lanes[topic]), **_span_fields(span)} for topic, span in spans.items()}
+    return {topic: {"topic": topic, "lanes": sorted(lanes[topic]), **span.fields()} for topic, span in spans.items()}
 
 
 class PublishTopicEventsOperator(BaseOperator):

@@ -14,6 +14,7 @@ from typing import Any
 
 from airflow.triggers.base import BaseEventTrigger, BaseTrigger, TriggerEvent
 
+from delaywheel.levels import event_extra
 from delaywheel.producer import NOTIFY_CHANNEL
 from delaywheel.topics import announce_new
 
@@ -109,8 +110,6 @@ class TopicMessagesTrigger(BaseEventTrigger):
             while True:
                 span = await announce_new(conn, self.topic)
                 if span is not None:
-                    from .operators import event_extra  # operators import this module
-
                     yield TriggerEvent(event_extra(self.topic, "watcher", span))
                 else:
                     await asyncio.sleep(self.poll_interval)
