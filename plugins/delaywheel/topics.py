@@ -151,16 +151,20 @@ def _reconsume_later(
     write_prepared(conn, cache, rows, clock)
 
 
-# New messages in a topic since the watchers' mark, below the commit horizon (what a consumer could read now):
-# their count and the first and last (xid, queue_offset). Locks the mark, so two watchers never announce
-# the same messages.
-_WATCH_NEW = """
-WITH m AS (SELECT seen_xid, seen_offset FROM delaywheel.topic_watch WHERE topic = %(topic)s FOR UPDATE),
+# Messages in a topic past the watchers' mark and below the commit horizon (what a consumer could read now).
+_FRESH = """
+WITH m AS (SELECT seen_xid, seen_offset FROM delaywheel.topic_watch WHERE topic = %(topic)s /*lock*/),
 fresh AS (
     SELECT t.xid, t.queue_offset FROM delaywheel.topic_messages t, m
     WHERE t.topic = %(topic)s AND (t.xid, t.queue_offset) > (m.seen_xid, m.seen_offset)
       AND t.xid < """ + COMMIT_HORIZON + """
 )
+"""
+# The idle look, read-only and lock-free: is there a mark yet, and anything past it?
+_LOOK = _FRESH + "SELECT EXISTS (SELECT 1 FROM m), EXISTS (SELECT 1 FROM fresh)"
+# The claim, under the mark's row lock (two watchers never announce the same messages): the count and the
+# first and last (xid, queue_offset).
+_CLAIM = _FRESH.replace("/*lock*/", "FOR UPDATE") + """
 SELECT (SELECT count(*) FROM fresh),
        (SELECT ARRAY[xid::text, queue_offset::text] FROM fresh ORDER BY xid, queue_offset LIMIT 1),
        (SELECT ARRAY[xid::text, queue_offset::text] FROM fresh ORDER BY xid DESC, queue_offset DESC LIMIT 1)
@@ -169,10 +173,16 @@ SELECT (SELECT count(*) FROM fresh),
 
 async def announce_new(conn: psycopg.AsyncConnection, topic: str) -> TopicSpan | None:
     """Claim the messages that reached `topic` since the last announcement: returns their span and moves
-    the mark past them, in one transaction; None when there is nothing new."""
+    the mark past them, in one transaction; None when there is nothing new. A watcher calls this every
+    second per topic, so the common case (nothing new) is one read-only query that writes and locks nothing."""
+    look = await (await conn.execute(_LOOK, {"topic": topic})).fetchone()  # type: ignore[arg-type]
+    has_mark, has_new = look if look else (False, False)
+    if has_mark and not has_new:
+        return None
     async with conn.transaction():
-        await conn.execute("INSERT INTO delaywheel.topic_watch (topic) VALUES (%s) ON CONFLICT DO NOTHING", (topic,))
-        row = await (await conn.execute(_WATCH_NEW, {"topic": topic})).fetchone()  # type: ignore[arg-type]
+        if not has_mark:
+            await conn.execute("INSERT INTO delaywheel.topic_watch (topic) VALUES (%s) ON CONFLICT DO NOTHING", (topic,))
+        row = await (await conn.execute(_CLAIM, {"topic": topic})).fetchone()  # type: ignore[arg-type]
         if row is None or not row[0]:
             return None
         count, first, last = int(row[0]), row[1], row[2]

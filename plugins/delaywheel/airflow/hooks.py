@@ -69,7 +69,8 @@ class DelayWheelHook(PostgresHook):
         return self.url_of(await self.aget_connection(self.delaywheel_conn_id))
 
     async def aconnect(self) -> psycopg.AsyncConnection:
-        """An autocommit AsyncConnection: LISTEN needs autocommit, and triggers never write."""
+        """An autocommit AsyncConnection: LISTEN needs autocommit; the one trigger that writes (the topic
+        watcher's mark) does so in explicit transactions."""
         return await psycopg.AsyncConnection.connect(
             await self.aurl(), autocommit=True, application_name="delaywheel-trigger"
         )
