@@ -17,7 +17,6 @@ Airflow's scheduling delay to every cancellation; under `make airflow` they are 
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -173,7 +172,7 @@ def _run_dag(dag_id: str, out: Path, conf: dict[str, Any] | None = None) -> str:
     command = [sys.executable, "-m", "airflow", "dags", "test", dag_id, *(["--conf", json.dumps(conf)] if conf else [])]
     path = out / f"{dag_id}.log"
     with open(path, "w") as log:
-        done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
+        done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT)
     states = re.findall(r"DagRun Finished: dag_id=\S+,.*? state=(\w+)", path.read_text(errors="replace"))
     return states[-1] if states else f"not run (exit {done.returncode}; see {path})"
 

@@ -87,8 +87,7 @@ def configure(store_url: str, *, metadata_db: str = "airflow", home: Path | None
     bin_dir = str(Path(sys.executable).parent)  # spark-submit comes with pyspark
     if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
-    done = subprocess.run([sys.executable, "-m", "airflow", "db", "migrate"], env=os.environ.copy(),
-                          capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-m", "airflow", "db", "migrate"], capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"airflow db migrate failed (exit {done.returncode}): {done.stderr.strip()[-2000:]}")
     return {name: os.environ[name] for name in env}
