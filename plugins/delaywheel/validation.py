@@ -127,18 +127,14 @@ def place(
                 raise InvalidMessage("bad_deliver_at", f"deliver_at must be a datetime, got {deliver_at!r}")
             if deliver_at.tzinfo is None or deliver_at.utcoffset() is None:
                 raise InvalidMessage("naive_deliver_at", "deliver_at must be timezone-aware (e.g. datetime.now(timezone.utc))")
-            due = deliver_at
+            ahead = deliver_at - now
         else:
-            span = _delay_as_timedelta(delay)
-            if span < timedelta(0):
-                raise InvalidMessage("bad_delay", f"delay must not be negative, got {span}")
-            if span > settings.wheel_max_delay:  # checked before the sum, which can overflow datetime
-                raise InvalidMessage("too_far", f"delay {span} is more than {settings.wheel_max_delay} (wheel_max_delay)")
-            due = now + span
-        if due - now > settings.wheel_max_delay:
-            raise InvalidMessage(
-                "too_far", f"due time {due.isoformat()} is more than {settings.wheel_max_delay} ahead (wheel_max_delay)"
-            )
+            ahead = _delay_as_timedelta(delay)
+            if ahead < timedelta(0):
+                raise InvalidMessage("bad_delay", f"delay must not be negative, got {ahead}")
+        if ahead > settings.wheel_max_delay:  # checked before `now + delay`, which can overflow datetime
+            raise InvalidMessage("too_far", f"due time is {ahead} ahead, more than {settings.wheel_max_delay} (wheel_max_delay)")
+        due = deliver_at if isinstance(deliver_at, datetime) else now + ahead
         if now - due > settings.past_tolerance:
             raise InvalidMessage(
                 "too_old", f"due time {due.isoformat()} is more than {settings.past_tolerance} in the past (past_tolerance)"
