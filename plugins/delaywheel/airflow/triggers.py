@@ -1,10 +1,13 @@
-"""`DueMessagesTrigger`: waits in the triggerer (no worker slot held) until a lane has a message due.
+"""The triggers: `DueMessagesTrigger` (for the sensors) and `TopicMessagesTrigger` (each topic Asset's watcher).
+
+`DueMessagesTrigger` waits in the triggerer (no worker slot held) until a lane has a message due.
 
 The wait is RocketMQ's countdown: sleep until the lane's head falls due, but LISTEN on the producers'
 channel, where every enqueue announces its earliest due time, and look again when an announced time is
 sooner than the end of the current wait (an empty level, or the wheel getting a nearer message). A NOTIFY
 can be missed (e.g. across a reconnect), so the wait never exceeds `poll_interval` before looking again.
-The trigger only reads: running it twice, or in two triggerers, changes nothing."""
+It only reads: running it twice, or in two triggerers, changes nothing. (`TopicMessagesTrigger` writes
+its announcement mark; see its docstring for why two of them still announce each message once.)"""
 
 from __future__ import annotations
 
