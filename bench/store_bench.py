@@ -7,7 +7,7 @@
 3. Single `send` latency p50/p99, next to a single-row INSERT into a plain table.
 4. Flat cost: send and delivery rates with 10M pending level-18 messages in the same partition and indexes,
    against an empty store in a second database (`delaywheel_bench_empty`); rounds alternate between the two so
-   both see the same load on a shared machine (best of three rounds each).
+   both see the same load on a shared machine (best of five rounds each).
 
 The clock is injected (`now=`), so backlogs are due without waiting.
 """
@@ -56,30 +56,41 @@ def _messages(start: int, levels: list[int], prefix: str) -> list[Message]:
             for j, lv in enumerate(levels)]
 
 
-def send_vs_copy(store: Store, raw: psycopg.Connection, count: int, batch: int, at: datetime) -> tuple[float, float, float]:
-    """Rates (ours, raw, raw into a table with level_queue's indexes) for the same rows: levels 2-17 at random,
-    a key, tags and a ~90-byte body."""
-    raw.execute(RAW_TABLE.format(name="raw_copy"))
-    raw.execute(RAW_TABLE.format(name="raw_indexed"))
-    raw.execute("ALTER TABLE raw_indexed ADD COLUMN xid xid8 NOT NULL DEFAULT pg_current_xact_id()")
-    raw.execute("CREATE INDEX ON raw_indexed (level, xid, id); CREATE INDEX ON raw_indexed (id);"
-                " CREATE INDEX ON raw_indexed (key) WHERE key IS NOT NULL")
+# level_queue's indexes, one raw table each, to show what each costs a plain COPY (the same DDL as sql/001)
+INDEXES = {
+    "fifo": "CREATE INDEX ON {t} (level, xid, id)",
+    "id": "CREATE INDEX ON {t} (id)",
+    "key": "CREATE INDEX ON {t} (key) WHERE key IS NOT NULL",
+}
+
+
+def send_vs_copy(store: Store, raw: psycopg.Connection, count: int, batch: int, at: datetime) -> dict[str, float]:
+    """Rates for the same rows (levels 2-17 at random, a key, tags and a ~90-byte body): ours, raw COPY into a
+    plain table, into a table with all of level_queue's indexes, and into one table per index."""
+    tables = {"raw": [], "all indexes": list(INDEXES.values()), **{f"{n} index": [ddl] for n, ddl in INDEXES.items()}}
+    names = {side: f"raw_{n}" for n, side in enumerate(tables)}
+    for side, ddls in tables.items():
+        raw.execute(RAW_TABLE.format(name=names[side]))
+        if any("xid" in ddl for ddl in ddls):  # level_queue's column, filled by default as there
+            raw.execute(f"ALTER TABLE {names[side]} ADD COLUMN xid xid8 NOT NULL DEFAULT pg_current_xact_id()")
+        for ddl in ddls:
+            raw.execute(ddl.format(t=names[side]))  # type: ignore[arg-type]
     rng = random.Random(2)
-    ours, base, indexed = Stopwatch(), Stopwatch(), Stopwatch()
+    watches = {side: Stopwatch() for side in ["ours", *tables]}
     for n, (start, size) in enumerate(chunks(count, batch)):
         levels = [rng.randint(2, 17) for _ in range(size)]
         messages = _messages(start, levels, "order")
         rows = [(10**12 + start + j, lv, lv, TOPIC, f"order-{start + j}", "created", None, body(start + j), False, 0,
                  at + store.settings.level_delay(lv), at) for j, lv in enumerate(levels)]
-        for side in (n % 3, (n + 1) % 3, (n + 2) % 3):  # rotate who goes first
-            if side == 0:
-                with ours.run(size):
+        sides = list(watches)
+        for side in sides[n % len(sides):] + sides[:n % len(sides)]:  # rotate who goes first
+            with watches[side].run(size):
+                if side == "ours":
                     store.send_many(messages, now=at)
-            else:
-                table, watch = ("raw_copy", base) if side == 1 else ("raw_indexed", indexed)
-                with watch.run(size), raw.transaction():
-                    copy_rows(raw, table, _LEVEL_COLUMNS, _LEVEL_TYPES, rows)
-    return ours.rate, base.rate, indexed.rate
+                else:
+                    with raw.transaction():
+                        copy_rows(raw, names[side], _LEVEL_COLUMNS, _LEVEL_TYPES, rows)
+    return {side: watch.rate for side, watch in watches.items()}
 
 
 def send_level(store: Store, count: int, batch: int, level: int, at: datetime, prefix: str) -> float:
@@ -165,7 +176,7 @@ def send_latency(store: Store, raw: psycopg.Connection, count: int) -> tuple[lis
     return ours, base
 
 
-def flat_rounds(stores: dict[str, Store], count: int, batch: int, at: datetime, rounds: int = 3) -> dict[str, tuple[float, float]]:
+def flat_rounds(stores: dict[str, Store], count: int, batch: int, at: datetime, rounds: int = 5) -> dict[str, tuple[float, float]]:
     """Best-of-`rounds` (send rate, delivery rate) of `count` level-1 messages per store, alternating stores."""
     rates: dict[str, list[tuple[float, float]]] = {name: [] for name in stores}
     for r in range(rounds):
@@ -206,11 +217,16 @@ def main() -> list[Check]:
     notes: list[str] = []
     with Store(url) as store, psycopg.connect(url, autocommit=True) as raw:
         log(f"send_many vs raw COPY: {n_send} messages in batches of {args.batch}")
-        ours, base, indexed = send_vs_copy(store, raw, n_send, args.batch, T0 + timedelta(minutes=5))
+        rates = send_vs_copy(store, raw, n_send, args.batch, T0 + timedelta(minutes=5))
+        ours, base, indexed = rates["ours"], rates["raw"], rates["all indexes"]
         checks.append(at_least("send_many vs raw COPY (msg/s)", ours, base, 0.6))
-        log(f"   ours {ours:,.0f} msg/s, raw COPY {base:,.0f} msg/s, raw COPY with the same indexes {indexed:,.0f} msg/s")
+        log("   " + ", ".join(f"{side} {rate:,.0f} msg/s" for side, rate in rates.items()))
         notes.append(f"send_many batches of {args.batch:,}; raw COPY into a plain table with level_queue's three "
                      f"indexes (same run, interleaved): {indexed:,.0f} msg/s — ours is {ours / indexed:.2f} of that")
+        notes.append("what each index costs a plain COPY, per row: " + ", ".join(
+            f"{name} {1e6 / rates[name + ' index'] - 1e6 / base:.2f} µs" for name in INDEXES)
+            + f" (plain COPY {1e6 / base:.2f} µs, all three {1e6 / indexed:.2f} µs, ours {1e6 / ours:.2f} µs); "
+            f"0.6 of the plain COPY leaves {1e6 / base / 0.6:.2f} µs per message for everything")
         log(f"delivery vs raw move: backlog of {n_backlog} due level-1 messages")
         ours, base, waits = deliver_vs_move(store, raw, n_backlog, args.batch, T0 + timedelta(minutes=10))
         checks.append(at_least("level delivery vs raw batched move (msg/s)", ours, base, 0.5))
@@ -222,7 +238,7 @@ def main() -> list[Check]:
         fill_pending(store, n_pending, T0 + timedelta(minutes=20))
         notes.append(f"pending backdrop: {n_pending:,} level-18 messages in the same hour partition and indexes "
                      f"(SQL INSERT ... SELECT, {time.perf_counter() - filled:.0f} s), then VACUUM (ANALYZE)")
-        log(f"flat cost: {n_flat} level-1 sends + deliveries, loaded and empty store alternating, best of 3")
+        log(f"flat cost: {n_flat} level-1 sends + deliveries, loaded and empty store alternating, best of 5")
         with Store(fresh_database(EMPTY_DB)) as empty:
             flat_rates = flat_rounds({"loaded": store, "empty": empty}, n_flat, args.batch, T0 + timedelta(minutes=30))
         drop_database(EMPTY_DB)

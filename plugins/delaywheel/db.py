@@ -21,6 +21,14 @@ COMMIT_HORIZON = """(
         WHERE a.backend_xid IS NOT NULL
           AND a.datid <> (SELECT oid FROM pg_database WHERE datname = current_database())))"""
 
+# Planner settings for reading a queue in cursor order, as SQL to SELECT at the start of the reading transaction
+# (set_config(..., true) = SET LOCAL). The rows past a cursor arrived after the last ANALYZE, so the planner
+# estimates about one of them and picks "read every partition's rows past the cursor, then sort": a pass would
+# read the level's whole backlog to deliver one batch, and catching up a backlog would cost its square. With
+# sorting priced out it merges the partitions' index order and stops at the LIMIT. JIT goes with it: the price
+# put on the sorts that remain pushes the estimate over jit_above_cost, and compiling takes longer than the pass.
+QUEUE_PLAN = "set_config('enable_sort', 'off', true), set_config('jit', 'off', true)"
+
 
 def database_url(settings: Settings | None = None, *, start_embedded: bool = True) -> str:
     """The configured URL; without one, the embedded cluster's (started on demand, idempotently)."""

@@ -14,7 +14,7 @@ from typing import Any
 
 import psycopg
 
-from .db import COMMIT_HORIZON
+from .db import COMMIT_HORIZON, QUEUE_PLAN
 from .partitions import PartitionCache
 from .pending import LEVEL_HEAD
 
@@ -149,11 +149,11 @@ def deliver_level(
     with conn.transaction():
         row = conn.execute(
             f"SELECT pg_try_advisory_xact_lock(%s, %s), {COMMIT_HORIZON}::text,"
-            " coalesce(%s::timestamptz, clock_timestamp())",
+            f" coalesce(%s::timestamptz, clock_timestamp()), {QUEUE_PLAN}",
             (LEVEL_LOCK, level, now),
         ).fetchone()
         assert row is not None
-        locked, xmin, clock = row
+        locked, xmin, clock, *_ = row
         if not locked:
             return PassResult(0, 0, None, busy=True)
         cache.ensure(conn, "topic_messages", [clock])

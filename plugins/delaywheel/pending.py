@@ -27,6 +27,9 @@ STILL_PENDING = """
 # When the head of one lane falls due, read without writing anything (sensors and triggers only look).
 # A level is FIFO with one delay, so its head is the first row after its checkpoint; the wheel's next due
 # time is the first row after its cursor, a far block's earliest row, or "now" while stragglers wait.
+# Cursors are read in subqueries, and stragglers found as the first row in xid order rather than by EXISTS
+# (which drops ORDER BY ... LIMIT): either way the planner walks an index from the cursor, even on a fresh
+# partition without statistics, instead of scanning every delivered row (a sensor polls this every second).
 LEVEL_HEAD = """
     SELECT q.deliver_at FROM delaywheel.level_queue q
     WHERE q.level = %(level)s
@@ -36,11 +39,15 @@ LEVEL_HEAD = """
 """
 WHEEL_HEAD = """
     SELECT least(
-        (SELECT w.deliver_at FROM delaywheel.wheel w, delaywheel.wheel_state s
-          WHERE w.deliver_at >= s.cursor_at AND (w.deliver_at, w.id) > (s.cursor_at, s.cursor_id)
+        (SELECT w.deliver_at FROM delaywheel.wheel w
+          WHERE w.deliver_at >= (SELECT cursor_at FROM delaywheel.wheel_state)
+            AND (w.deliver_at, w.id) > ((SELECT cursor_at FROM delaywheel.wheel_state),
+                                        (SELECT cursor_id FROM delaywheel.wheel_state))
           ORDER BY w.deliver_at, w.id LIMIT 1),
         (SELECT min(deliver_at) FROM delaywheel.wheel_far),
-        (SELECT clock_timestamp() WHERE EXISTS (
-            SELECT 1 FROM delaywheel.wheel w, delaywheel.wheel_state s
-            WHERE w.xid >= s.horizon_xid AND w.deliver_at <= s.cursor_at)))
+        (SELECT clock_timestamp() WHERE (
+            SELECT w.xid FROM delaywheel.wheel w
+            WHERE w.xid >= (SELECT horizon_xid FROM delaywheel.wheel_state)
+              AND w.deliver_at <= (SELECT cursor_at FROM delaywheel.wheel_state)
+            ORDER BY w.xid LIMIT 1) IS NOT NULL))
 """

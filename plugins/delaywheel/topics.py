@@ -15,7 +15,7 @@ from typing import Any
 import psycopg
 
 from .config import Settings
-from .db import COMMIT_HORIZON
+from .db import COMMIT_HORIZON, QUEUE_PLAN
 from .levels import TopicSpan
 from .partitions import PartitionCache
 from .producer import clock_and_ids, prepare, write_prepared
@@ -70,6 +70,7 @@ def pull(conn: psycopg.Connection, topic: str, group: str, max_messages: int = 1
     """The next messages after the group's committed offset, from the topic and the group's retry topic."""
     batch = Batch(group, [])
     with conn.transaction():
+        conn.execute(f"SELECT {QUEUE_PLAN}")  # the cursor's index order across partitions, not "read all, sort"
         for source in (topic, retry_topic(group)):
             room = max_messages - len(batch.messages)
             if room <= 0:
@@ -79,9 +80,10 @@ def pull(conn: psycopg.Connection, topic: str, group: str, max_messages: int = 1
                 SELECT t.topic, t.queue_offset, t.xid::text, t.message_id, t.key, t.tags, t.properties, t.body,
                        t.is_json, t.reconsume_times, t.deliver_at, t.delivered_at
                 FROM delaywheel.topic_messages t
-                LEFT JOIN delaywheel.consumer_offsets o ON o.grp = %(group)s AND o.topic = %(topic)s
                 WHERE t.topic = %(topic)s
-                  AND (t.xid, t.queue_offset) > (coalesce(o.cursor_xid, '0'), coalesce(o.cursor_offset, 0))
+                  AND (t.xid, t.queue_offset) > (
+                      coalesce((SELECT cursor_xid FROM delaywheel.consumer_offsets WHERE grp = %(group)s AND topic = %(topic)s), '0'),
+                      coalesce((SELECT cursor_offset FROM delaywheel.consumer_offsets WHERE grp = %(group)s AND topic = %(topic)s), 0))
                   AND t.xid < """ + COMMIT_HORIZON + """
                 ORDER BY t.xid, t.queue_offset
                 LIMIT %(limit)s

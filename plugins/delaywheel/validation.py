@@ -11,7 +11,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from .config import Settings
 
@@ -44,9 +44,9 @@ class Message:
     properties: dict[str, str] = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
-class Placement:
-    """Where a valid message goes and when it falls due (fixed here, at enqueue)."""
+class Placement(NamedTuple):
+    """Where a valid message goes and when it falls due (fixed here, at enqueue). A NamedTuple: the wheel
+    lane builds one per message."""
 
     lane: Lane
     deliver_at: datetime

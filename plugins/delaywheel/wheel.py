@@ -16,7 +16,7 @@ import psycopg
 from psycopg import errors
 
 from .config import Settings
-from .db import COMMIT_HORIZON
+from .db import COMMIT_HORIZON, QUEUE_PLAN
 from .levels import TOPIC_SUMMARY, PassResult, topic_spans
 from .partitions import DAY, HOUR, PartitionCache, floor_to
 
@@ -130,6 +130,9 @@ def advance_wheel(
             f" SELECT (SELECT count(*) FROM moved), ({TOPIC_SUMMARY})",
             params,
         ).fetchone()
+        # After the stragglers: they have no index in due order, and priced-out sorting would make the planner
+        # walk the whole due index up to the cursor to avoid sorting them.
+        conn.execute(f"SELECT {QUEUE_PLAN}")
         moved, due_count, last_at, last_id, summary = conn.execute(  # type: ignore[misc]
             f"WITH due AS ({_DUE}), moved AS ({_MOVE.format(rows='SELECT * FROM due')} RETURNING topic, queue_offset, xid)"
             " SELECT (SELECT count(*) FROM moved), (SELECT count(*) FROM due),"
@@ -151,8 +154,9 @@ def advance_wheel(
                 (SELECT deliver_at FROM delaywheel.wheel WHERE deliver_at >= %(at)s AND (deliver_at, id) > (%(at)s, %(id)s)
                   ORDER BY deliver_at, id LIMIT 1),
                 (SELECT min(deliver_at) FROM delaywheel.wheel_far),
-                (SELECT %(clock)s::timestamptz WHERE EXISTS (
-                    SELECT 1 FROM delaywheel.wheel WHERE xid >= %(xmin)s::xid8 AND deliver_at <= %(at)s)))
+                (SELECT %(clock)s::timestamptz WHERE (  -- stragglers: see pending.WHEEL_HEAD
+                    SELECT xid FROM delaywheel.wheel WHERE xid >= %(xmin)s::xid8 AND deliver_at <= %(at)s
+                    ORDER BY xid LIMIT 1) IS NOT NULL))
             """,
             {"at": new_at, "id": new_id, "clock": clock, "xmin": xmin},
         ).fetchone()
