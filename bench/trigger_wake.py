@@ -7,8 +7,8 @@ has to be woken by the NOTIFY and then count down; the poll just keeps looking. 
 noticed the message (the database clock at the look that found it due, minus its due time) and how many
 queries each makes per idle minute.
 
-Also: how soon a topic's Asset watcher (`TopicMessagesTrigger`, a 1-s poll of the topic behind a claimed mark)
-announces a message that reached the topic (sent at level 0, so it is in the topic at commit): the database
+Also: how soon a topic's Asset watcher (`TopicMessagesTrigger`: LISTEN for the topic's NOTIFY, a look at least
+every second, behind a claimed mark) announces a message that reached the topic (sent at level 0, so it is in the topic at commit): the database
 clock when the event is in hand, minus the message's `delivered_at`.
 
 Run: `python -m bench.trigger_wake [--samples 20] [--poll 1.0]`.
@@ -77,7 +77,7 @@ async def _announced(store: Store, rng: random.Random) -> float:
 
     events = TopicMessagesTrigger("bench.watch").run()
     waiting = asyncio.ensure_future(events.__anext__())
-    await asyncio.sleep(rng.uniform(0.1, 1.1))  # anywhere in the watcher's 1-s wait
+    await asyncio.sleep(rng.uniform(0.1, 1.1))  # anywhere in the watcher's wait (its poll is 1 s)
     message = await asyncio.to_thread(store.send, "bench.watch", {"n": 1})
     event = await asyncio.wait_for(waiting, 30)
     noticed = await asyncio.to_thread(store.clock)
@@ -120,7 +120,7 @@ def main() -> None:
     print(f"| short poll every {args.poll:g} s (same query) | {_summary(results['poll'])} | {2 * 60 / args.poll:,.0f} |")
     print(f"\n- {args.samples} messages each, due 0.5-2 s after the waiter went to sleep; noticed before due: {early}")
     print("- a look is two queries (the lane's head, the database clock)")
-    print(f"\nTopic watcher (TopicMessagesTrigger, look every 1 s): a message in the topic was announced "
+    print(f"\nTopic watcher (TopicMessagesTrigger, LISTEN + a look every 1 s): a message in the topic was announced "
           f"{_summary(results['watcher'])} after it landed ({args.samples} samples).")
 
 

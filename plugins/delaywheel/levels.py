@@ -17,6 +17,7 @@ import psycopg
 from .db import COMMIT_HORIZON, QUEUE_PLAN
 from .partitions import PartitionCache
 from .pending import LEVEL_HEAD
+from .producer import notify_topics
 
 LEVEL_LOCK = 0x64770010  # advisory lock class for levels (second key: the level)
 
@@ -168,6 +169,7 @@ def deliver_level(
             _DELIVER,
             {"now": clock, "injected": now, "level": level, "cxid": cursor[0], "cid": cursor[1], "xmin": xmin, "limit": limit},
         ).fetchone()
+        notify_topics(conn, summary)
         if last is not None:
             conn.execute(
                 "UPDATE delaywheel.level_checkpoint SET cursor_xid = %s::xid8, cursor_id = %s,"

@@ -20,6 +20,7 @@ from .partitions import WIDTH, PartitionCache
 from .validation import InvalidMessage, Message, Placement, check_key, check_properties, check_topic, encode_body, place
 
 NOTIFY_CHANNEL = "delaywheel_enqueue"
+TOPIC_CHANNEL = "delaywheel_topic"  # payload: a topic that got messages (readable once the writer commits)
 
 _LEVEL_COLUMNS = (
     "id", "level", "requested_level", "topic", "key", "tags", "properties", "body", "is_json",
@@ -135,6 +136,7 @@ def write_prepared(conn: psycopg.Connection, cache: PartitionCache, rows: list[t
             (p.topic, i, "direct", 0, p.key, p.tags, _json(p.properties), p.body, p.is_json, p.reconsume_times, p.placement.deliver_at, clock)
             for i, p in direct
         ))
+        notify_topics(conn, [p.topic for _, p in direct])
     if level:
         cache.ensure(conn, "level_queue", [clock])
         _copy(conn, "level_queue", _LEVEL_COLUMNS, _LEVEL_TYPES, (
@@ -179,6 +181,14 @@ def _write_wheel(conn: psycopg.Connection, cache: PartitionCache, rows: list[tup
 def _notify(conn: psycopg.Connection, due: list[datetime]) -> None:
     """Tell sleeping deliverers the earliest new due time (sent at COMMIT), so they can wake sooner."""
     conn.execute("SELECT pg_notify(%s, %s)", (NOTIFY_CHANNEL, str(min(due).timestamp())))
+
+
+def notify_topics(conn: psycopg.Connection, topics: Iterable[str]) -> None:
+    """Tell topic watchers (the Asset triggers) which topics got messages; sent at COMMIT, when they become
+    readable, so a consumer DAG starts without waiting for the watcher's next look."""
+    names = sorted(set(topics))
+    if names:
+        conn.execute("SELECT pg_notify(%s, t) FROM unnest(%s::text[]) t", (TOPIC_CHANNEL, names))
 
 
 def _json(properties: dict[str, str]) -> Jsonb | None:

@@ -174,3 +174,29 @@ def test_topic_watcher_announces_each_delivered_message_once(store_connection: s
 
     assert asyncio.run(race()) == 20
     assert store.conn.execute("SELECT announced FROM delaywheel.topic_watch WHERE topic = 'orders'").fetchone() == (25,)
+
+
+def test_topic_watcher_wakes_on_a_delivery_not_on_its_poll(store_connection: str, store: Store, t0) -> None:
+    """With a poll a minute long, only the NOTIFY that a deliver pass (or a direct send) makes at commit can bring
+    the watcher's event within seconds; an enqueue onto a level is not in the topic yet and must not wake it."""
+    from delaywheel.airflow.triggers import TopicMessagesTrigger
+
+    async def go():
+        gen = TopicMessagesTrigger("orders", poll_interval=60).run()
+        waiting = asyncio.ensure_future(gen.__anext__())
+        await asyncio.sleep(1.0)  # looked, found nothing, asleep on LISTEN
+        await asyncio.to_thread(store.send, "orders", b"timeout", delay_level=1, now=t0)
+        await asyncio.sleep(1.0)
+        assert not waiting.done()  # on its level: nothing readable yet
+        await asyncio.to_thread(store.deliver_level, 1, now=t0 + timedelta(seconds=1))
+        delivered = await asyncio.wait_for(waiting, 10)
+        waiting = asyncio.ensure_future(gen.__anext__())
+        await asyncio.sleep(0.5)
+        await asyncio.to_thread(store.send, "orders", b"now")  # level 0: straight into the topic
+        direct = await asyncio.wait_for(waiting, 10)
+        await gen.aclose()
+        return delivered, direct
+
+    delivered, direct = asyncio.run(go())
+    assert (delivered.payload["count"], direct.payload["count"]) == (1, 1)
+    assert direct.payload["first_offset"] > delivered.payload["last_offset"]

@@ -12,13 +12,13 @@ its announcement mark; see its docstring for why two of them still announce each
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from airflow.triggers.base import BaseEventTrigger, BaseTrigger, TriggerEvent
 
 from delaywheel.levels import event_extra
-from delaywheel.producer import NOTIFY_CHANNEL
+from delaywheel.producer import NOTIFY_CHANNEL, TOPIC_CHANNEL
 from delaywheel.topics import announce_new
 
 from .hooks import DelayWheelHook, next_due_async
@@ -71,16 +71,21 @@ class DueMessagesTrigger(BaseTrigger):
                     return
                 wait = self.poll_interval if head is None else min(self.poll_interval, (head - clock).total_seconds())
                 self.log.debug("%s: next due %s, waiting up to %.3fs", lane_label(self.level), head, wait)
-                await _sleep_or_sooner(conn, wait, clock.timestamp() + wait)
+                await _sleep_or_sooner(conn, wait, _due_before(clock.timestamp() + wait))
 
 
-async def _sleep_or_sooner(conn: Any, seconds: float, wake_at: float) -> None:
-    """Wait `seconds`, returning early when a producer announces a message due before `wake_at` (epoch
-    seconds, the end of this wait): a later one is found by the next look anyway."""
+def _due_before(wake_at: float) -> Callable[[str], bool]:
+    """A producer's announcement wakes the wait if its message is due before the wait ends (`wake_at`, epoch
+    seconds); a later one is found by the next look anyway."""
+    return lambda payload: float(payload) < wake_at
+
+
+async def _sleep_or_sooner(conn: Any, seconds: float, wakes: Callable[[str], bool]) -> None:
+    """Wait `seconds` on a LISTENing connection, returning early at a notification whose payload `wakes`."""
     deadline = asyncio.get_running_loop().time() + seconds
     while (remaining := deadline - asyncio.get_running_loop().time()) > 0:
         async for notice in conn.notifies(timeout=remaining):
-            if float(notice.payload) < wake_at:
+            if wakes(notice.payload):
                 return
 
 
@@ -92,7 +97,11 @@ class TopicMessagesTrigger(BaseEventTrigger):
     Each event claims the messages it announces (a mark in `delaywheel.topic_watch`, moved in the same
     transaction that reads them), so two triggerers, or a restarted one, never announce a message twice.
     An announcement lost in a triggerer crash is made up by the next one and by the deliver DAG's
-    `publish_topic_events` task; consumers read by group offset, so an event only says "look now"."""
+    `publish_topic_events` task; consumers read by group offset, so an event only says "look now".
+
+    It looks when a write into the topic commits (every writer NOTIFYs `TOPIC_CHANNEL` with the topic), and
+    every `poll_interval` regardless: a notification can be missed (a reconnect, one arriving during a look),
+    or name rows still above the commit horizon."""
 
     def __init__(self, topic: str, delaywheel_conn_id: str = DelayWheelHook.default_conn_name,
                  poll_interval: float = 1.0) -> None:
@@ -110,9 +119,10 @@ class TopicMessagesTrigger(BaseEventTrigger):
     async def run(self) -> AsyncIterator[TriggerEvent]:
         hook = DelayWheelHook(self.delaywheel_conn_id)
         async with await hook.aconnect() as conn:
+            await conn.execute(f"LISTEN {TOPIC_CHANNEL}")  # deliverers and producers name the topics they wrote
             while True:
                 span = await announce_new(conn, self.topic)
                 if span is not None:
                     yield TriggerEvent(event_extra(self.topic, "watcher", span))
-                else:
-                    await asyncio.sleep(self.poll_interval)
+                else:  # a missed NOTIFY, or one for rows still above the commit horizon: look again after the poll
+                    await _sleep_or_sooner(conn, self.poll_interval, lambda payload: payload == self.topic)
