@@ -29,25 +29,27 @@ INSTALL_HINT = (
 )
 
 
-def _shared_buffers() -> str:
-    """A quarter of the memory this machine (or its container) may use, PostgreSQL's usual advice, between
-    128 MB and 8 GB: the indexes of millions of pending messages stay cached, so enqueue cost stays flat."""
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    limit = Path("/sys/fs/cgroup/memory.max")
-    if limit.exists() and limit.read_text().strip().isdigit():
-        memory = min(memory, int(limit.read_text()))
-    return f"{max(128, min(8192, memory // 4 // 2**20))}MB"
-
-
-# Settings the embedded cluster changes from PostgreSQL's defaults, each for a reason:
+# Settings the embedded cluster changes from PostgreSQL's defaults, each for a reason (and `shared_buffers`,
+# sized to the machine at start: `server_options`):
 SERVER_OPTIONS = {
     "listen_addresses": "127.0.0.1",  # loopback only
     "max_connections": "300",  # Airflow's services + tests + Spark executors share this cluster
-    "shared_buffers": _shared_buffers(),
     "max_wal_size": "8GB",  # bulk COPY without checkpoint storms
     "checkpoint_timeout": "15min",
     "wal_compression": "on",
 }
+
+
+def server_options() -> dict[str, str]:
+    """SERVER_OPTIONS plus `shared_buffers`: a quarter of the memory this machine (or its container) may use,
+    PostgreSQL's usual advice, between 128 MB and 8 GB, so the indexes of millions of pending messages stay
+    cached and enqueue cost stays flat. Computed when the cluster starts, not at import (DAGs import this)."""
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    limit = Path("/sys/fs/cgroup/memory.max")
+    text = limit.read_text().strip() if limit.exists() else ""
+    if text.isdigit():
+        memory = min(memory, int(text))
+    return {**SERVER_OPTIONS, "shared_buffers": f"{max(128, min(8192, memory // 4 // 2**20))}MB"}
 
 
 class EmbeddedError(RuntimeError):
@@ -185,7 +187,7 @@ def start(cluster: Cluster | None = None) -> Cluster:
         if result.returncode != 0:
             raise EmbeddedError(f"initdb failed:\n{result.stderr.strip()}")
     if status(cluster) != "running":
-        options = " ".join(f"-c {k}={v}" for k, v in SERVER_OPTIONS.items())
+        options = " ".join(f"-c {k}={v}" for k, v in server_options().items())
         options += f" -p {cluster.port} -k {cluster.socket_dir}"
         result = _run_as_owner(
             [str(bindir / "pg_ctl"), "start", "-w", "-t", "60", "-D", str(cluster.data_dir),

@@ -17,7 +17,7 @@ import psycopg
 from .db import COMMIT_HORIZON, QUEUE_PLAN
 from .partitions import PartitionCache
 from .pending import LEVEL_HEAD
-from .producer import notify_topics
+from .producer import TOPIC_CHANNEL
 
 LEVEL_LOCK = 0x64770010  # advisory lock class for levels (second key: the level)
 
@@ -60,9 +60,12 @@ def _position(at: tuple[str, int]) -> tuple[int, int]:
 
 
 # Per topic, what the `moved` CTE (RETURNING topic, queue_offset, xid) wrote: {topic: [count, xid, first, last]}.
+# It also NOTIFYs each topic to the topic watchers (sent at COMMIT, when the rows become readable), so every
+# statement that reports what it wrote into topics tells them too; PostgreSQL keeps the volatile column.
 TOPIC_SUMMARY = """
     SELECT coalesce(jsonb_object_agg(topic, jsonb_build_array(n, x, lo, hi)), '{}'::jsonb)
-    FROM (SELECT topic, count(*) AS n, min(xid::text) AS x, min(queue_offset) AS lo, max(queue_offset) AS hi
+    FROM (SELECT topic, count(*) AS n, min(xid::text) AS x, min(queue_offset) AS lo, max(queue_offset) AS hi,
+                 pg_notify('""" + TOPIC_CHANNEL + """', topic) AS notified
           FROM moved GROUP BY topic) s
 """
 
@@ -169,7 +172,6 @@ def deliver_level(
             _DELIVER,
             {"now": clock, "injected": now, "level": level, "cxid": cursor[0], "cid": cursor[1], "xmin": xmin, "limit": limit},
         ).fetchone()
-        notify_topics(conn, summary)
         if last is not None:
             conn.execute(
                 "UPDATE delaywheel.level_checkpoint SET cursor_xid = %s::xid8, cursor_id = %s,"

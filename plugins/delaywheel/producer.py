@@ -136,7 +136,7 @@ def write_prepared(conn: psycopg.Connection, cache: PartitionCache, rows: list[t
             (p.topic, i, "direct", 0, p.key, p.tags, _json(p.properties), p.body, p.is_json, p.reconsume_times, p.placement.deliver_at, clock)
             for i, p in direct
         ))
-        notify_topics(conn, [p.topic for _, p in direct])
+        _notify_topics(conn, [p.topic for _, p in direct])
     if level:
         cache.ensure(conn, "level_queue", [clock])
         _copy(conn, "level_queue", _LEVEL_COLUMNS, _LEVEL_TYPES, (
@@ -183,7 +183,7 @@ def _notify(conn: psycopg.Connection, due: list[datetime]) -> None:
     conn.execute("SELECT pg_notify(%s, %s)", (NOTIFY_CHANNEL, str(min(due).timestamp())))
 
 
-def notify_topics(conn: psycopg.Connection, topics: Iterable[str]) -> None:
+def _notify_topics(conn: psycopg.Connection, topics: Iterable[str]) -> None:
     """Tell topic watchers (the Asset triggers) which topics got messages; sent at COMMIT, when they become
     readable, so a consumer DAG starts without waiting for the watcher's next look."""
     names = sorted(set(topics))

@@ -18,9 +18,9 @@ import psycopg
 from psycopg.types.json import Jsonb
 
 from .config import Settings
+from .levels import TOPIC_SUMMARY
 from .partitions import HOUR, PartitionCache, floor_to
 from .pending import PENDING
-from .producer import notify_topics
 from .store import Store
 from .validation import check_topic
 
@@ -131,11 +131,10 @@ def replay_slice(url: str, replay_id: int, request: ReplayRequest, lo: datetime,
         conn.execute("SELECT pg_advisory_xact_lock(%s, %s)", (REPLAY_LOCK, int(floor_to(lo, HOUR).timestamp() // 3600)))
         clock = conn.execute("SELECT clock_timestamp()").fetchone()[0]  # type: ignore[index]
         PartitionCache().ensure(conn, "topic_messages", [clock])
-        replayed, topics = conn.execute(  # type: ignore[misc]
-            f"WITH r AS ({_REPLAY} RETURNING topic) SELECT count(*), coalesce(array_agg(DISTINCT topic), '{{}}') FROM r",
+        replayed = conn.execute(  # type: ignore[index]
+            f"WITH moved AS ({_REPLAY} RETURNING topic, queue_offset, xid) SELECT count(*), ({TOPIC_SUMMARY}) FROM moved",
             params,  # type: ignore[arg-type]
-        ).fetchone()
-        notify_topics(conn, topics)
+        ).fetchone()[0]
         candidates = conn.execute(_ALREADY, params).fetchone()[0]  # type: ignore[arg-type, index]
     return replayed, candidates - replayed
 

@@ -19,7 +19,6 @@ from .config import Settings
 from .db import COMMIT_HORIZON, QUEUE_PLAN
 from .levels import TOPIC_SUMMARY, PassResult, topic_spans
 from .partitions import DAY, HOUR, PartitionCache, floor_to
-from .producer import notify_topics
 
 WHEEL_LOCK = (0x64770020, 0)
 MAX_ID = 2**63 - 1
@@ -142,7 +141,6 @@ def advance_wheel(
             params,
         ).fetchone()
         full = due_count == limit
-        notify_topics(conn, [*straggled, *summary])
         new_at, new_id = (last_at, last_id) if full else (clock, MAX_ID)
         delivered = stragglers + moved
         conn.execute(
