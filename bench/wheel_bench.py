@@ -6,7 +6,8 @@
    loop (`delaywheel.runner.run`); lateness from topic_messages; the same rows then moved raw in batches.
 3. Delivery rate on an (almost) empty store, injected clock.
 4. 10M pending (due 4 h - 30 days ahead) in the wheel and in the naive design (bench/naive.py).
-5. With 10M pending: enqueue and delivery, ours vs naive interleaved; flat cost against steps 1 and 3.
+5. With 10M pending: enqueue and delivery, ours vs naive interleaved; flat cost against steps 1 and 3; single
+   cancels by key of near and far timers (latency).
 6. A full cycle on top of the 10M pending: 1M messages due within one hour enqueued in both, all delivered,
    ours retired, the naive one after its deletes, plain VACUUM on both; table sizes before and after.
 """
@@ -14,6 +15,7 @@
 from __future__ import annotations
 
 import random
+import statistics
 import sys
 import threading
 import time
@@ -236,6 +238,24 @@ def cycle(store: Store, other: psycopg.Connection, count: int, batch: int, hour:
     return drain_both(store, other, hour + HOUR, count)
 
 
+def cancel_latency(store: Store, other: psycopg.Connection, count: int) -> dict[str, tuple[float, float]]:
+    """Single cancels by key of pending backdrop timers: near ones (B-tree on key) and far ones (BRIN bloom
+    summaries, sql/008); (p50, max) in ms for each."""
+    figures = {}
+    for lane, table in (("near", "delaywheel.wheel"), ("far", "delaywheel.wheel_far")):
+        keys = [k for (k,) in other.execute(
+            f"SELECT key FROM {table} TABLESAMPLE SYSTEM (1) WHERE key LIKE 'backdrop-%%' LIMIT %s",  # type: ignore[arg-type]
+            (count,))]
+        times = []
+        for key in keys:
+            started = time.perf_counter()
+            if [r.outcome for r in store.cancel(key=key)] != ["cancelled"]:
+                raise RuntimeError(f"cancel {key}: not cancelled")
+            times.append(1000 * (time.perf_counter() - started))
+        figures[lane] = (statistics.median(times), max(times))
+    return figures
+
+
 def sizes(conn: psycopg.Connection) -> dict[str, int]:
     return {
         "ours_queue": table_bytes(conn, "delaywheel.wheel") + table_bytes(conn, "delaywheel.wheel_far"),
@@ -292,8 +312,10 @@ def main() -> list[Check]:
         naive.fill(other, n_pending, first_due, span, body(0))
         for table in ("naive.queue", "delaywheel.wheel", "delaywheel.wheel_far"):  # settle after the bulk load
             other.execute(f"VACUUM (ANALYZE) {table}")  # type: ignore[arg-type]
+        other.execute("CHECKPOINT")  # write the fill's dirty pages now, not while step 5 is being timed
         notes.append(f"pending backdrop: {n_pending:,} messages each in the wheel and the naive table, due 4 h - 30 d "
-                     f"(SQL INSERT ... SELECT, {time.perf_counter() - filled:.0f} s for both), then VACUUM (ANALYZE)")
+                     f"(SQL INSERT ... SELECT, {time.perf_counter() - filled:.0f} s for both), then VACUUM (ANALYZE) and "
+                     "CHECKPOINT")
 
         log(f"5a. with {n_pending} pending: enqueue ours vs naive, {n_enqueue} each")
         loaded_enqueue, naive_enqueue = enqueue_vs_copy(store, other, n_enqueue, args.batch, 2, "naive")
@@ -310,6 +332,10 @@ def main() -> list[Check]:
         checks.append(flat(f"wheel delivery rate, {n_pending:,} pending vs empty (msg/s)", loaded_deliver, empty_deliver))
         checks.append(at_least(f"enqueue, {n_pending:,} pending: ours vs naive (msg/s)", loaded_enqueue, naive_enqueue, 1.0))
         checks.append(at_least(f"delivery, {n_pending:,} pending: ours vs naive (msg/s)", loaded_deliver, naive_watch.rate, 1.0))
+
+        log("5c. with the backdrop pending: 20 single cancels by key each, near and far timers")
+        cancels = cancel_latency(store, other, 20)
+        log("   " + ", ".join(f"{lane} p50 {p50:.1f} ms, max {top:.1f} ms" for lane, (p50, top) in cancels.items()))
 
         log(f"6. full cycle: {n_cycle} messages due within one hour enqueued, delivered, retired / deleted")
         for table in ("delaywheel.wheel", "delaywheel.wheel_far", "naive.queue"):
@@ -336,8 +362,11 @@ def main() -> list[Check]:
             f"{mib(before['naive_queue'])}; after the cycle (ours retired, naive deleted; plain VACUUM): ours "
             f"{mib(after['ours_queue'])}, naive {mib(after['naive_queue'])}; topic tables after: ours "
             f"{mib(after['ours_topic'])}, naive {mib(after['naive_topic'])}",
-            "indexes: wheel (deliver_at, id), xid, id, key; wheel_far id, key, deliver_at; naive queue: primary key "
-            "and deliver_at only (no key index, so no cancel by key); topic tables: ours 2 indexes, naive 1",
+            "indexes: wheel (deliver_at, id), xid, id, key; wheel_far BRIN only (minmax-multi on id, bloom on key; "
+            "sql/008); naive queue: primary key and deliver_at only (no key index, so no cancel by key); topic "
+            "tables: ours 2 indexes, naive 1",
+            f"single cancel by key with {n_pending:,} pending (20 each): near timer p50 {cancels['near'][0]:.1f} ms, max "
+            f"{cancels['near'][1]:.1f} ms; far timer p50 {cancels['far'][0]:.1f} ms, max {cancels['far'][1]:.1f} ms",
             f"delivery on the almost empty store: {empty_deliver:,.0f} msg/s; raw move of the burst rows "
             f"{move_rate:,.0f} msg/s (batches of {batch_move})",
         ]

@@ -21,7 +21,7 @@ import psycopg
 
 from .config import Settings
 from .partitions import PartitionCache
-from .producer import Prepared, clock_and_ids, prepare, write_prepared
+from .producer import Prepared, clock_and_ids, collector_paused, prepare, write_prepared
 from .validation import InvalidMessage, Message, Placement
 
 BodyFormat = Literal["json", "text", "bytes"]
@@ -208,7 +208,7 @@ def write_chunk(
     counts = Counts(rows=len(rows))
     if not rows:
         return counts
-    with conn.transaction():
+    with collector_paused(), conn.transaction():
         clock, ids = clock_and_ids(conn, len(rows), now)
         good: list[tuple[int, Prepared, str]] = []
         bad: list[_Bad] = []

@@ -12,6 +12,7 @@ from typing import Literal
 
 import psycopg
 
+from .db import LOOKUP_PLAN
 from .levels import LEVEL_LOCK
 from .partitions import PartitionCache
 from .pending import PENDING, STILL_PENDING
@@ -53,6 +54,7 @@ def cancel(
     params: dict[str, object] = {"v": message_id if message_id is not None else key}
     where = "id = %(v)s" if message_id is not None else "key = %(v)s"
     with conn.transaction():
+        conn.execute(f"SELECT {LOOKUP_PLAN}")
         _lock_level_lanes(conn, where, params)
         found = conn.execute(
             f"""

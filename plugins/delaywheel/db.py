@@ -29,6 +29,12 @@ COMMIT_HORIZON = """(
 # put on the sorts that remain pushes the estimate over jit_above_cost, and compiling takes longer than the pass.
 QUEUE_PLAN = "set_config('enable_sort', 'off', true), set_config('jit', 'off', true)"
 
+# Planner settings for finding one message by id or key (cancel). Far blocks carry BRIN summaries, not B-trees
+# (sql/008), and the planner prices a BRIN scan by the column's physical correlation: none for random keys, none
+# at all before ANALYZE. It would read whole blocks sequentially; with that priced out it reads the page ranges
+# whose summaries may match. JIT goes for the same reason as above.
+LOOKUP_PLAN = "set_config('enable_seqscan', 'off', true), set_config('jit', 'off', true)"
+
 
 def database_url(settings: Settings | None = None, *, start_embedded: bool = True) -> str:
     """The configured URL; without one, the embedded cluster's (started on demand, idempotently)."""

@@ -26,7 +26,9 @@ STILL_PENDING = """
 
 # When the head of one lane falls due, read without writing anything (sensors and triggers only look).
 # A level is FIFO with one delay, so its head is the first row after its checkpoint; the wheel's next due
-# time is the first row after its cursor, a far block's earliest row, or "now" while stragglers wait.
+# time is the first row after its cursor, or "now" while stragglers wait, or, with only far blocks pending,
+# `near_until`: every far row is due at or after it, and far blocks have no index in due order (sql/008),
+# so a waiter wakes when the far blocks start, never after their first row is due.
 # Cursors are read in subqueries, and stragglers found as the first row in xid order rather than by EXISTS
 # (which drops ORDER BY ... LIMIT): either way the planner walks an index from the cursor, even on a fresh
 # partition without statistics, instead of scanning every delivered row (a sensor polls this every second).
@@ -44,7 +46,7 @@ WHEEL_HEAD = """
             AND (w.deliver_at, w.id) > ((SELECT cursor_at FROM delaywheel.wheel_state),
                                         (SELECT cursor_id FROM delaywheel.wheel_state))
           ORDER BY w.deliver_at, w.id LIMIT 1),
-        (SELECT min(deliver_at) FROM delaywheel.wheel_far),
+        (SELECT near_until FROM delaywheel.wheel_state WHERE EXISTS (SELECT FROM delaywheel.wheel_far)),
         (SELECT clock_timestamp() WHERE (
             SELECT w.xid FROM delaywheel.wheel w
             WHERE w.xid >= (SELECT horizon_xid FROM delaywheel.wheel_state)

@@ -17,6 +17,7 @@ from .config import Settings
 
 TOPIC_PATTERN = re.compile(r"^[%|A-Za-z0-9_.-]{1,127}$")  # RocketMQ's topic charset, plus '.'
 MAX_KEY_CHARS = 1024
+_ZERO = timedelta(0)
 MAX_REQUESTED_LEVEL = 2**31 - 1  # the stored requested level is an int4; above the table's maximum it is clamped
 
 Lane = Literal["direct", "level", "wheel"]
@@ -109,6 +110,10 @@ def _delay_as_timedelta(delay: object) -> timedelta:
         raise InvalidMessage("too_far", f"delay of {delay!r} ms is beyond any due time delaywheel accepts") from None
 
 
+def _too_far(ahead: timedelta, settings: Settings) -> InvalidMessage:
+    return InvalidMessage("too_far", f"due time is {ahead} ahead, more than {settings.wheel_max_delay} (wheel_max_delay)")
+
+
 def place(
     now: datetime,
     settings: Settings,
@@ -118,23 +123,25 @@ def place(
     deliver_at: object = None,
 ) -> Placement:
     """Decide the lane and due time. `now` is the database clock (or a test's injected one)."""
-    given = [name for name, v in (("delay_level", delay_level), ("delay", delay), ("deliver_at", deliver_at)) if v is not None]
-    if len(given) > 1:
+    if (delay_level is not None) + (delay is not None) + (deliver_at is not None) > 1:  # once per message: no list
+        given = [name for name, v in (("delay_level", delay_level), ("delay", delay), ("deliver_at", deliver_at)) if v is not None]
         raise InvalidMessage("conflicting_delay", f"give only one of delay_level, delay, deliver_at (got {', '.join(given)})")
-    if deliver_at is not None or delay is not None:
-        if deliver_at is not None:
-            if not isinstance(deliver_at, datetime):
-                raise InvalidMessage("bad_deliver_at", f"deliver_at must be a datetime, got {deliver_at!r}")
-            if deliver_at.tzinfo is None or deliver_at.utcoffset() is None:
-                raise InvalidMessage("naive_deliver_at", "deliver_at must be timezone-aware (e.g. datetime.now(timezone.utc))")
-            ahead = deliver_at - now
-        else:
-            ahead = _delay_as_timedelta(delay)
-            if ahead < timedelta(0):
-                raise InvalidMessage("bad_delay", f"delay must not be negative, got {ahead}")
+    if delay is not None:  # the common bulk case, kept short: a due time from a delay is never in the past
+        ahead = delay if type(delay) is timedelta else _delay_as_timedelta(delay)
+        if ahead < _ZERO:
+            raise InvalidMessage("bad_delay", f"delay must not be negative, got {ahead}")
         if ahead > settings.wheel_max_delay:  # checked before `now + delay`, which can overflow datetime
-            raise InvalidMessage("too_far", f"due time is {ahead} ahead, more than {settings.wheel_max_delay} (wheel_max_delay)")
-        due = deliver_at if isinstance(deliver_at, datetime) else now + ahead
+            raise _too_far(ahead, settings)
+        return Placement("wheel", now + ahead) if ahead else Placement("direct", now)
+    if deliver_at is not None:
+        if not isinstance(deliver_at, datetime):
+            raise InvalidMessage("bad_deliver_at", f"deliver_at must be a datetime, got {deliver_at!r}")
+        if deliver_at.tzinfo is None or deliver_at.utcoffset() is None:
+            raise InvalidMessage("naive_deliver_at", "deliver_at must be timezone-aware (e.g. datetime.now(timezone.utc))")
+        ahead = deliver_at - now
+        if ahead > settings.wheel_max_delay:
+            raise _too_far(ahead, settings)
+        due = deliver_at
         if now - due > settings.past_tolerance:
             raise InvalidMessage(
                 "too_old", f"due time {due.isoformat()} is more than {settings.past_tolerance} in the past (past_tolerance)"

@@ -153,7 +153,7 @@ def advance_wheel(
             SELECT least(
                 (SELECT deliver_at FROM delaywheel.wheel WHERE deliver_at >= %(at)s AND (deliver_at, id) > (%(at)s, %(id)s)
                   ORDER BY deliver_at, id LIMIT 1),
-                (SELECT min(deliver_at) FROM delaywheel.wheel_far),
+                (SELECT near_until FROM delaywheel.wheel_state WHERE EXISTS (SELECT FROM delaywheel.wheel_far)),  -- see pending.WHEEL_HEAD
                 (SELECT %(clock)s::timestamptz WHERE (  -- stragglers: see pending.WHEEL_HEAD
                     SELECT xid FROM delaywheel.wheel WHERE xid >= %(xmin)s::xid8 AND deliver_at <= %(at)s
                     ORDER BY xid LIMIT 1) IS NOT NULL))
