@@ -6,8 +6,9 @@
    loop (`delaywheel.runner.run`); lateness from topic_messages; the same rows then moved raw in batches.
 3. Delivery rate on an (almost) empty store, injected clock.
 4. 10M pending (due 4 h - 30 days ahead) in the wheel and in the naive design (bench/naive.py).
-5. With 10M pending: enqueue and delivery, ours vs naive interleaved; flat cost against steps 1 and 3; single
-   cancels by key of near and far timers (latency).
+5. With 10M pending: enqueue, ours vs naive vs an empty store in a second database, interleaved (flat enqueue
+   compares the loaded store with that empty one, in the same minutes); delivery, ours vs naive interleaved
+   (flat delivery against step 3); single cancels by key of near and far timers (latency).
 6. A full cycle on top of the 10M pending: 1M messages due within one hour enqueued in both, all delivered,
    ours retired, the naive one after its deletes, plain VACUUM on both; table sizes before and after.
 """
@@ -34,6 +35,7 @@ from .common import (
     body,
     chunks,
     copy_rows,
+    drop_database,
     flat,
     fresh_database,
     log,
@@ -47,6 +49,7 @@ from .common import (
 
 TOPIC = "bench.timers"
 BURST_TOPIC = "bench.burst"
+EMPTY_DB = "delaywheel_bench_empty"
 MAX_DELAY_S = 30 * 86400
 WHEEL_COLUMNS = ("id", "topic", "key", "tags", "properties", "body", "is_json", "deliver_at", "enqueued_at")
 WHEEL_TYPES = ["int8", "text", "text", "text", "jsonb", "bytea", "bool", "timestamptz", "timestamptz"]
@@ -61,10 +64,12 @@ def _delays(rng: random.Random, size: int) -> list[timedelta]:
 
 
 def enqueue_vs_copy(store: Store, other: psycopg.Connection, count: int, batch: int, seed: int,
-                    baseline: str) -> tuple[float, float]:
-    """Rates (ours, baseline) enqueueing the same random-time messages; baseline 'raw' or 'naive'."""
+                    baseline: str, empty: Store | None = None) -> dict[str, float]:
+    """Rates enqueueing the same random-time messages, interleaved batch by batch (the order rotating): "ours",
+    the baseline ('raw' COPY or 'naive'), and, if given, a second, empty store ("empty")."""
     rng = random.Random(seed)
-    ours, base = Stopwatch(), Stopwatch()
+    watches = {"ours": Stopwatch(), baseline: Stopwatch(), **({"empty": Stopwatch()} if empty else {})}
+    sides = list(watches)
     for n, (start, size) in enumerate(chunks(count, batch)):
         delays = _delays(rng, size)
         key = f"{baseline}{seed}"
@@ -73,17 +78,19 @@ def enqueue_vs_copy(store: Store, other: psycopg.Connection, count: int, batch: 
         now = datetime.now(UTC)
         rows = [(TOPIC, f"{key}-{start + j}", "created", None, body(start + j), False, now + d, now)
                 for j, d in enumerate(delays)]
-        for side in ((0, 1) if n % 2 else (1, 0)):
-            if side:
-                with ours.run(size):
+        for side in sides[n % len(sides):] + sides[:n % len(sides)]:
+            with watches[side].run(size):
+                if side == "ours":
                     store.send_many(messages)
-            elif baseline == "naive":
-                with base.run(size):
+                elif side == "empty":
+                    empty.send_many(messages)  # type: ignore[union-attr]
+                elif side == "naive":
                     naive.enqueue(other, rows)
-            else:
-                with base.run(size), other.transaction():
-                    copy_rows(other, "raw_copy", WHEEL_COLUMNS, WHEEL_TYPES, ((10**12 + start + j, *r) for j, r in enumerate(rows)))
-    return ours.rate, base.rate
+                else:
+                    with other.transaction():
+                        copy_rows(other, "raw_copy", WHEEL_COLUMNS, WHEEL_TYPES,
+                                  ((10**12 + start + j, *r) for j, r in enumerate(rows)))
+    return {side: watch.rate for side, watch in watches.items()}
 
 
 def burst(store: Store, url: str, count: int, batch: int, enqueue_rate: float) -> tuple[dict[str, float], list[str]]:
@@ -282,7 +289,8 @@ def main() -> list[Check]:
         real0 = store.clock()
 
         log(f"1. enqueue vs raw COPY: {n_enqueue} messages, random due 1 s - 30 d")
-        empty_enqueue, raw_copy = enqueue_vs_copy(store, other, n_enqueue, args.batch, 1, "raw")
+        rates = enqueue_vs_copy(store, other, n_enqueue, args.batch, 1, "raw")
+        empty_enqueue, raw_copy = rates["ours"], rates["raw"]
         checks.append(at_least("wheel send_many vs raw COPY, random 1 s - 30 d (msg/s)", empty_enqueue, raw_copy, 0.5))
         log(f"   ours {empty_enqueue:,.0f} msg/s, raw COPY {raw_copy:,.0f} msg/s")
 
@@ -317,9 +325,14 @@ def main() -> list[Check]:
                      f"(SQL INSERT ... SELECT, {time.perf_counter() - filled:.0f} s for both), then VACUUM (ANALYZE) and "
                      "CHECKPOINT")
 
-        log(f"5a. with {n_pending} pending: enqueue ours vs naive, {n_enqueue} each")
-        loaded_enqueue, naive_enqueue = enqueue_vs_copy(store, other, n_enqueue, args.batch, 2, "naive")
-        log(f"   ours {loaded_enqueue:,.0f} msg/s, naive {naive_enqueue:,.0f} msg/s")
+        log(f"5a. with {n_pending} pending: enqueue ours vs naive vs an empty store (interleaved), {n_enqueue} each")
+        with Store(fresh_database(EMPTY_DB)) as empty:
+            empty.prepare()
+            enqueue_vs_copy(empty, other, args.batch, args.batch, 9, "raw")  # untimed: its partitions and caches
+            rates = enqueue_vs_copy(store, other, n_enqueue, args.batch, 2, "naive", empty)
+        drop_database(EMPTY_DB)
+        loaded_enqueue, naive_enqueue, empty_enqueue2 = rates["ours"], rates["naive"], rates["empty"]
+        log(f"   ours {loaded_enqueue:,.0f} msg/s, naive {naive_enqueue:,.0f} msg/s, empty store {empty_enqueue2:,.0f} msg/s")
         log(f"5b. with {n_pending} pending: delivery ours vs naive, {n_deliver} due at one instant each")
         x2 = real0 + 2 * HOUR
         send_due_at(store, n_deliver, args.batch, x2, "loaded")
@@ -328,7 +341,7 @@ def main() -> list[Check]:
         ours_watch, naive_watch = drain_both(store, other, x2 + timedelta(seconds=1), n_deliver)
         loaded_deliver = ours_watch.rate
         log(f"   ours {loaded_deliver:,.0f} msg/s, naive {naive_watch.rate:,.0f} msg/s")
-        checks.append(flat(f"wheel enqueue rate, {n_pending:,} pending vs empty (msg/s)", loaded_enqueue, empty_enqueue))
+        checks.append(flat(f"wheel enqueue rate, {n_pending:,} pending vs empty (msg/s)", loaded_enqueue, empty_enqueue2))
         checks.append(flat(f"wheel delivery rate, {n_pending:,} pending vs empty (msg/s)", loaded_deliver, empty_deliver))
         checks.append(at_least(f"enqueue, {n_pending:,} pending: ours vs naive (msg/s)", loaded_enqueue, naive_enqueue, 1.0))
         checks.append(at_least(f"delivery, {n_pending:,} pending: ours vs naive (msg/s)", loaded_deliver, naive_watch.rate, 1.0))
@@ -352,7 +365,9 @@ def main() -> list[Check]:
         checks.append(smaller(f"queue tables after the cycle, {n_pending:,} still pending (bytes)",
                               after["ours_queue"], after["naive_queue"]))
         notes += [
-            f"with {n_pending:,} pending: enqueue ours {loaded_enqueue:,.0f} vs naive {naive_enqueue:,.0f} msg/s; "
+            f"with {n_pending:,} pending: enqueue ours {loaded_enqueue:,.0f} vs naive {naive_enqueue:,.0f} msg/s, and "
+            f"{empty_enqueue2:,.0f} msg/s into an empty store in a second database (`{EMPTY_DB}`, warmed by one untimed "
+            "batch), the three interleaved batch by batch: the flat check compares the first with the last; "
             f"delivery ours {loaded_deliver:,.0f} vs naive {naive_watch.rate:,.0f} msg/s (batches of "
             f"{store.settings.batch_size}, ours and naive interleaved)",
             f"cycle delivery ({ours_cycle.count:,} ours / {naive_cycle.count:,} naive, incl. step 1/5 messages due "

@@ -223,7 +223,7 @@ def write_chunk(
             good.append((message_id, prepared, prepared.key or f"{file}#{number}"))
         claimed = _claim(conn, source, good)
         fresh = [(i, p) for i, p, _ in good if i in claimed]
-        write_prepared(conn, cache, fresh, clock)
+        write_prepared(conn, settings, cache, fresh, clock)
         _quarantine(conn, source, bad)
     counts.enqueued = len(fresh)
     counts.skipped = len(good) - len(fresh)

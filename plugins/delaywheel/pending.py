@@ -28,7 +28,8 @@ STILL_PENDING = """
 # A level is FIFO with one delay, so its head is the first row after its checkpoint; the wheel's next due
 # time is the first row after its cursor, or "now" while stragglers wait, or, with only far blocks pending,
 # `near_until`: every far row is due at or after it, and far blocks have no index in due order (sql/008),
-# so a waiter wakes when the far blocks start, never after their first row is due.
+# so a waiter wakes when the far blocks start, never after their first row is due. (A near_until already
+# past means the roll is overdue: the head is then in the past, and the next pass rolls.)
 # Cursors are read in subqueries, and stragglers found as the first row in xid order rather than by EXISTS
 # (which drops ORDER BY ... LIMIT): either way the planner walks an index from the cursor, even on a fresh
 # partition without statistics, instead of scanning every delivered row (a sensor polls this every second).

@@ -18,7 +18,7 @@ from psycopg import errors
 from psycopg.types.json import Jsonb
 
 from .config import Settings
-from .partitions import WIDTH, PartitionCache
+from .partitions import DAY, WIDTH, PartitionCache, floor_to
 from .validation import InvalidMessage, Message, Placement, check_key, check_properties, check_topic, encode_body, place
 
 NOTIFY_CHANNEL = "delaywheel_enqueue"
@@ -137,11 +137,13 @@ def send_many(
         retries = reconsume_times or [0] * len(batch)
         placements: dict[int, Placement] = {}
         prepared = [prepare(m, clock, settings, r, placements) for m, r in zip(batch, retries, strict=True)]
-        write_prepared(conn, cache, list(zip(ids, prepared, strict=True)), clock)
+        write_prepared(conn, settings, cache, list(zip(ids, prepared, strict=True)), clock)
     return ids
 
 
-def write_prepared(conn: psycopg.Connection, cache: PartitionCache, rows: list[tuple[int, Prepared]], clock: datetime) -> None:
+def write_prepared(
+    conn: psycopg.Connection, settings: Settings, cache: PartitionCache, rows: list[tuple[int, Prepared]], clock: datetime
+) -> None:
     """COPY validated rows into their lanes (inside the caller's transaction)."""
     lanes: dict[str, list[tuple[int, Prepared]]] = {"direct": [], "level": [], "wheel": []}
     for row in rows:
@@ -163,17 +165,22 @@ def write_prepared(conn: psycopg.Connection, cache: PartitionCache, rows: list[t
         ))
         _notify(conn, [p.placement.deliver_at for _, p in level])
     if wheel:
-        _write_wheel(conn, cache, wheel, clock)
+        _write_wheel(conn, settings, cache, wheel, clock)
         _notify(conn, [p.placement.deliver_at for _, p in wheel])
 
 
-def _write_wheel(conn: psycopg.Connection, cache: PartitionCache, rows: list[tuple[int, Prepared]], clock: datetime) -> None:
+def _write_wheel(
+    conn: psycopg.Connection, settings: Settings, cache: PartitionCache, rows: list[tuple[int, Prepared]], clock: datetime
+) -> None:
     # FOR KEY SHARE waits for a roll in progress (it holds the row FOR UPDATE) and then reads its new near_until:
     # a stale value would put rows into a far block after the roll moved it, stranding them until the next roll.
     # The wheel deliverer's per-pass UPDATE does not conflict with it.
     row = conn.execute("SELECT near_until FROM delaywheel.wheel_state FOR KEY SHARE").fetchone()
     assert row is not None
-    near_until = row[0]
+    # Far blocks only hold rows beyond the near window, even before the first roll or after days without one
+    # (near_until behind the clock): the wheel's head takes near_until as the far blocks' lower bound
+    # (pending.WHEEL_HEAD), so a timer due within the window must be in the near wheel to be waited for exactly.
+    near_until = max(row[0], floor_to(clock + settings.wheel_near_window, DAY))
     near: list[tuple[int, Prepared]] = []
     far: list[tuple[int, Prepared]] = []
     for row in rows:

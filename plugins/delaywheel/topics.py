@@ -150,7 +150,7 @@ def _reconsume_later(
             outgoing = OutgoingMessage(retry_topic(group), m.body, delay_level=level, key=m.key, tags=m.tags,
                                        properties=properties)
         rows.append((new_id, prepare(outgoing, clock, settings, times)))
-    write_prepared(conn, cache, rows, clock)
+    write_prepared(conn, settings, cache, rows, clock)
 
 
 # Messages in a topic past the watchers' mark and below the commit horizon (what a consumer could read now).
