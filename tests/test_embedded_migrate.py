@@ -52,7 +52,11 @@ def test_start_status_stop_are_idempotent(second_cluster: embedded.Cluster) -> N
     assert embedded.status(second_cluster) == "running"
     with psycopg.connect(second_cluster.url("postgres")) as conn:
         names = {r[0] for r in conn.execute("SELECT datname FROM pg_database")}
+        running = {name: conn.execute(f"SHOW {name}").fetchone()[0] for name in ("wal_compression", "max_wal_size")}
     assert set(embedded.DATABASES) <= names
+    chosen = embedded.server_options(second_cluster, embedded.find_bindir())
+    assert running == {"wal_compression": chosen["wal_compression"], "max_wal_size": "8GB"}
+    assert chosen["wal_compression"] in ("lz4", "on")  # lz4 wherever the server was built with it, as here
 
     assert embedded.stop(second_cluster) == "stopped"
     assert embedded.status(second_cluster) == "stopped"

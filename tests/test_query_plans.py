@@ -86,6 +86,21 @@ def test_a_far_block_is_searched_by_its_page_summaries(store: Store, t0: datetim
     assert delivered == (BACKLOG - 2,)
 
 
+def test_a_level_queue_is_searched_by_its_page_summaries(store: Store, t0: datetime) -> None:
+    """Level queues carry BRIN summaries on id and key (sql/010): a cancel reads a range or two, not the queue."""
+    ids = store.send_many([Message("orders", b"x" * 100, delay_level=18, key=f"order-{i}") for i in range(BACKLOG)],
+                          now=t0)
+    store.conn.execute("VACUUM delaywheel.level_queue")  # summarizes full ranges now, as autosummarize does soon after
+    for target in ({"message_id": ids[7000]}, {"key": "order-12000"}):
+        before = rows_read(store, "level_queue_p%")
+        assert [r.outcome for r in store.cancel(**target)] == ["cancelled"]  # type: ignore[arg-type]
+        assert rows_read(store, "level_queue_p%") - before < BACKLOG / 5
+    while store.deliver_level(18, now=t0 + timedelta(hours=3)).more:
+        pass
+    delivered = store.conn.execute("SELECT count(*) FROM delaywheel.topic_messages").fetchone()
+    assert delivered == (BACKLOG - 2,)
+
+
 def test_a_cancel_by_key_finds_a_delivered_message_by_page_summaries(store: Store, t0: datetime) -> None:
     """Cancel by key reports delivered messages too: topics carry bloom summaries on key (sql/009), so that
     search reads a range or two, not every delivered message within retention."""

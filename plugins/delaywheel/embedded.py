@@ -36,20 +36,26 @@ SERVER_OPTIONS = {
     "max_connections": "300",  # Airflow's services + tests + Spark executors share this cluster
     "max_wal_size": "8GB",  # bulk COPY without checkpoint storms
     "checkpoint_timeout": "15min",
-    "wal_compression": "on",
 }
 
 
-def server_options() -> dict[str, str]:
-    """SERVER_OPTIONS plus `shared_buffers`: a quarter of the memory this machine (or its container) may use,
-    PostgreSQL's usual advice, between 128 MB and 8 GB, so the indexes of millions of pending messages stay
-    cached and enqueue cost stays flat. Computed when the cluster starts, not at import (DAGs import this)."""
+def server_options(cluster: Cluster, bindir: Path) -> dict[str, str]:
+    """SERVER_OPTIONS plus two chosen at start, not at import (DAGs import this module):
+    `shared_buffers`, a quarter of the memory this machine (or its container) may use, PostgreSQL's usual
+    advice, between 128 MB and 8 GB, so the indexes of millions of pending messages stay cached; and
+    `wal_compression`. After each checkpoint the first change to a page logs the whole page; with millions
+    pending, the near wheel's index pages are many, and compressing their images with pglz (`on`) made enqueue
+    20 % slower than on an empty store for the first ~600,000 messages after every checkpoint. lz4 does the
+    same for a few percent (bench/RESULTS.md, timing wheel). A server built without lz4 keeps pglz."""
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     limit = Path("/sys/fs/cgroup/memory.max")
     text = limit.read_text().strip() if limit.exists() else ""
     if text.isdigit():
         memory = min(memory, int(text))
-    return {**SERVER_OPTIONS, "shared_buffers": f"{max(128, min(8192, memory // 4 // 2**20))}MB"}
+    probe = _run_as_owner([str(bindir / "postgres"), "-D", str(cluster.data_dir), "-C", "wal_compression",
+                           "-c", "wal_compression=lz4"])
+    return {**SERVER_OPTIONS, "shared_buffers": f"{max(128, min(8192, memory // 4 // 2**20))}MB",
+            "wal_compression": "lz4" if probe.returncode == 0 else "on"}
 
 
 class EmbeddedError(RuntimeError):
@@ -187,7 +193,7 @@ def start(cluster: Cluster | None = None) -> Cluster:
         if result.returncode != 0:
             raise EmbeddedError(f"initdb failed:\n{result.stderr.strip()}")
     if status(cluster) != "running":
-        options = " ".join(f"-c {k}={v}" for k, v in server_options().items())
+        options = " ".join(f"-c {k}={v}" for k, v in server_options(cluster, bindir).items())
         options += f" -p {cluster.port} -k {cluster.socket_dir}"
         result = _run_as_owner(
             [str(bindir / "pg_ctl"), "start", "-w", "-t", "60", "-D", str(cluster.data_dir),
