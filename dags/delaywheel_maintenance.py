@@ -1,9 +1,11 @@
-"""delaywheel_maintenance: partitions ahead, delivered partitions retired, table sizes, vacuum.
+"""delaywheel_maintenance: partitions ahead, delivered partitions retired, BRIN summaries, table sizes, vacuum.
 
 Hourly, because partitions are hourly (level queue, near wheel) and daily (topics, far wheel):
 - `prepare` creates the next hours' partitions so producers and deliverers never wait on DDL;
 - `retire` DROPs partitions whose messages are all delivered (and topic partitions past
   `topic_retention`): whole-partition drops, never row DELETEs, so the hot tables do not bloat;
+- `summarize` adds the BRIN summaries autovacuum's queue dropped (cancel searches by them; the delivery
+  loops do this every minute too);
 - `table_sizes` reports every store table's size (partitions summed into their parent);
 - `vacuum` runs VACUUM (ANALYZE) on the tables that need it: the small, constantly updated ones
   (checkpoints, wheel state, consumer offsets) collect dead rows; VACUUM cannot run inside a
@@ -66,6 +68,11 @@ with DAG(
         return [{"parent": r.parent, "partition": r.name, "rows": r.rows} for r in retired]
 
     @task
+    def summarize() -> int:
+        with DelayWheelHook().get_store() as store:
+            return store.summarize()
+
+    @task
     def table_sizes() -> list[dict[str, Any]]:
         with DelayWheelHook().get_store() as store:
             cur = store.conn.execute(SIZES)
@@ -80,4 +87,4 @@ with DAG(
                 store.conn.execute(f'VACUUM (ANALYZE) delaywheel."{table}"')  # type: ignore[arg-type]
         return tables
 
-    prepare() >> retire() >> table_sizes() >> vacuum()
+    prepare() >> retire() >> summarize() >> table_sizes() >> vacuum()

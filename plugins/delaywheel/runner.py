@@ -22,6 +22,7 @@ from .store import Store
 Lane = int | None  # a level number, or None for the wheel
 BUSY_RETRY_S = 0.05  # another deliverer or a canceller holds the lane: look again soon
 PREPARE_EVERY_S = 600.0  # partitions are created hours ahead; refresh them this often
+SUMMARIZE_EVERY_S = 60.0  # BRIN summaries autovacuum dropped (partitions.summarize): a cancel stays fast
 SAFETY_WAKE_S = 5.0  # without a known next due time, look anyway this often (a missed NOTIFY costs this much)
 HANDOVER_POLL_S = 0.5  # past the duration, waiting for a successor: look for one this often
 PRESENCE_LOCK = 0x64770030  # advisory lock class held (shared) by every live runner of a lane; second key: lane
@@ -63,7 +64,7 @@ def run(
     totals = RunTotals()
     deadline = time.monotonic() + duration_s
     next_report = time.monotonic() + progress_every_s
-    next_prepare = time.monotonic()
+    next_prepare = next_summarize = time.monotonic()
     with connect(store.url, autocommit=True) as listener:
         listener.execute(f"LISTEN {NOTIFY_CHANNEL}")  # type: ignore[arg-type]
         for lane in lanes:  # released with the connection, so a crashed runner is never counted
@@ -72,6 +73,9 @@ def run(
             if time.monotonic() >= next_prepare:
                 store.prepare()
                 next_prepare = time.monotonic() + PREPARE_EVERY_S
+            if time.monotonic() >= next_summarize:
+                store.summarize()
+                next_summarize = time.monotonic() + SUMMARIZE_EVERY_S
             earliest = None
             busy = False
             for lane in lanes:

@@ -147,5 +147,9 @@ class Store:
             self._cache.ensure(self.conn, "level_queue", [clock + partitions.HOUR * i for i in range(3)])
             self._cache.ensure(self.conn, "topic_messages", [clock, clock + partitions.DAY])
 
+    def summarize(self) -> int:
+        """Bring the BRIN summaries that cancel searches by up to date (partitions.summarize)."""
+        return partitions.summarize(self.conn)
+
     def retire(self, *, now: datetime | None = None) -> list[partitions.Retired]:
         return partitions.retire(self.conn, now or self.clock(), self.settings.topic_retention, self._cache)

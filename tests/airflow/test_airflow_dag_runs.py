@@ -102,3 +102,4 @@ def test_maintenance(dags: dict[str, Any], db_url: str) -> None:
     tables = {row["table"] for row in values["table_sizes"]}
     assert {"level_queue", "topic_messages", "level_checkpoint", "wheel_state"} <= tables
     assert isinstance(values["vacuum"], list) and isinstance(values["retire"], list)
+    assert values["summarize"] >= 0
