@@ -11,6 +11,7 @@ from pathlib import Path
 
 import yaml
 
+from delaywheel import embedded
 from delaywheel.config import parse_levels
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -101,3 +102,13 @@ def test_compose_and_code_agree_on_the_deliver_pool() -> None:
     cfg.read(ROOT / "airflow.cfg")
     assert slots == 2 * (len(parse_levels(cfg.get("delaywheel", "levels"))) + 1)
     assert cfg.getint("core", "parallelism") > slots  # room beside the deliver DAG
+
+
+def test_compose_postgres_runs_with_the_embedded_clusters_settings() -> None:
+    """The settings the store was measured with (bench/RESULTS.md), wherever it runs."""
+    command = SERVICES["postgres"]["command"].split()
+    assert command[0] == "postgres"
+    given = dict(option.split("=", 1) for option in command[2::2])
+    expected = {k: v for k, v in embedded.SERVER_OPTIONS.items() if k != "listen_addresses"}
+    assert given == {**expected, "wal_compression": "lz4"}
+
