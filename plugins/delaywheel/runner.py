@@ -7,13 +7,15 @@ A pass is one transaction, so stopping between passes (deadline, SIGTERM) loses 
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import psycopg
 
+from . import partitions
 from .db import connect
 from .levels import TopicSpan, add_spans
 from .producer import NOTIFY_CHANNEL
@@ -64,8 +66,8 @@ def run(
     totals = RunTotals()
     deadline = time.monotonic() + duration_s
     next_report = time.monotonic() + progress_every_s
-    next_prepare = next_summarize = time.monotonic()
-    with connect(store.url, autocommit=True) as listener:
+    next_prepare = time.monotonic()
+    with _summarizing(store.url), connect(store.url, autocommit=True) as listener:
         listener.execute(f"LISTEN {NOTIFY_CHANNEL}")  # type: ignore[arg-type]
         for lane in lanes:  # released with the connection, so a crashed runner is never counted
             listener.execute("SELECT pg_advisory_lock_shared(%s, %s)", (PRESENCE_LOCK, _lane_key(lane)))
@@ -73,9 +75,6 @@ def run(
             if time.monotonic() >= next_prepare:
                 store.prepare()
                 next_prepare = time.monotonic() + PREPARE_EVERY_S
-            if time.monotonic() >= next_summarize:
-                store.summarize()
-                next_summarize = time.monotonic() + SUMMARIZE_EVERY_S
             earliest = None
             busy = False
             for lane in lanes:
@@ -111,6 +110,26 @@ def run(
     if progress:
         progress(totals)
     return totals
+
+
+@contextlib.contextmanager
+def _summarizing(url: str) -> Iterator[None]:
+    """partitions.summarize every SUMMARIZE_EVERY_S while the run lasts, on a thread with its own connection: after
+    a burst it may summarize thousands of ranges (a second or more), which would otherwise hold up the passes."""
+    finished = threading.Event()
+
+    def loop() -> None:
+        while not finished.wait(SUMMARIZE_EVERY_S):
+            with contextlib.suppress(psycopg.Error), connect(url, autocommit=True) as conn:
+                partitions.summarize(conn)
+
+    thread = threading.Thread(target=loop, name="delaywheel-summarize", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        finished.set()
+        thread.join()
 
 
 def _lane_key(lane: Lane) -> int:
