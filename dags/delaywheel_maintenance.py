@@ -27,7 +27,7 @@ DEAD_ROWS_MIN = 1000
 DEAD_FRACTION = 0.2
 
 SIZES = """
-    SELECT coalesce(parent.relname, c.relname) AS "table", count(*) AS partitions,
+    SELECT coalesce(parent.relname, c.relname) AS "table", count(*) FILTER (WHERE c.relkind = 'r') AS partitions,
            sum(pg_total_relation_size(c.oid))::bigint AS bytes,
            sum(coalesce(s.n_live_tup, 0))::bigint AS live_rows, sum(coalesce(s.n_dead_tup, 0))::bigint AS dead_rows
     FROM pg_class c
@@ -35,7 +35,7 @@ SIZES = """
     LEFT JOIN pg_inherits i ON i.inhrelid = c.oid
     LEFT JOIN pg_class parent ON parent.oid = i.inhparent
     LEFT JOIN pg_stat_user_tables s ON s.relid = c.oid
-    WHERE c.relkind = 'r'
+    WHERE c.relkind IN ('r', 'p')  -- a partitioned table without partitions yet still shows, with 0 bytes
     GROUP BY 1 ORDER BY 3 DESC
 """
 NEEDS_VACUUM = """

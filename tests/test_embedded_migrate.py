@@ -12,12 +12,14 @@ import socket
 import tempfile
 import uuid
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import psycopg
 import pytest
+from psycopg.types.json import Jsonb
 
-from delaywheel import embedded
+from delaywheel import Settings, Store, embedded
 from delaywheel.migrate import SQL_DIR, MigrationError, available, current_version, migrate
 from tests.conftest import dbname
 
@@ -145,3 +147,55 @@ def test_badly_named_file_is_refused(sql_copy: Path) -> None:
 def test_test_databases_are_migrated(db_url: str) -> None:
     assert dbname(db_url).startswith("dwtest_")
     assert current_version(db_url) == available()[-1].version
+
+
+def test_pending_messages_survive_the_move_to_segments(empty_db: str, sql_copy: Path, tmp_path: Path) -> None:
+    """A store at version 10 with pending level and far-wheel messages (one level message already delivered),
+    migrated to segments (sql/011, sql/012): every pending message is delivered once, with its fields intact, and
+    the one behind the level checkpoint is not delivered again; new ids start above the old ones."""
+    later = tmp_path / "later"
+    later.mkdir()
+    for migration in available(sql_copy):
+        if migration.version > 10:
+            migration.path.rename(later / migration.path.name)
+    migrate(empty_db, sql_copy)
+    assert current_version(empty_db) == 10
+    t0 = datetime(2030, 1, 1, tzinfo=UTC)
+    far_day = t0 + timedelta(days=20)
+    with psycopg.connect(empty_db) as conn:
+        conn.execute("SELECT delaywheel.ensure_partition('level_queue', %s, %s)", (t0, t0 + timedelta(hours=1)))
+        conn.execute("SELECT delaywheel.ensure_partition('wheel_far', %s, %s)", (far_day, far_day + timedelta(days=1)))
+        level_ids = [conn.execute("""
+            INSERT INTO delaywheel.level_queue (id, level, requested_level, topic, key, tags, properties, body, is_json,
+                                                deliver_at, enqueued_at)
+            VALUES (nextval('delaywheel.message_id_seq'), 2, 2, 'old.level', %s, 'tag', %s, %s, false, %s, %s)
+            RETURNING id""", (f"k{i}", Jsonb({"i": i}) if i % 2 else None, b"body-%d" % i, t0 + timedelta(seconds=5), t0,
+                              )).fetchone()[0] for i in range(5)]
+        far_ids = [conn.execute("""
+            INSERT INTO delaywheel.wheel_far (id, topic, key, body, is_json, deliver_at, enqueued_at)
+            VALUES (nextval('delaywheel.message_id_seq'), 'old.far', %s, '{"far": true}', true, %s, %s)
+            RETURNING id""", (f"f{i}", far_day + timedelta(hours=i, microseconds=7), t0)).fetchone()[0] for i in range(3)]
+        # the first level message counts as delivered: the checkpoint passed it
+        conn.execute("INSERT INTO delaywheel.level_checkpoint (level, cursor_xid, cursor_id)"
+                     " SELECT 2, xid, id FROM delaywheel.level_queue WHERE id = %s", (level_ids[0],))
+    for path in later.iterdir():
+        path.rename(sql_copy / path.name)
+    assert migrate(empty_db, sql_copy) == sorted(p.name for p in sql_copy.glob("01[1-9]_*.sql"))
+
+    with Store(empty_db, Settings()) as store:
+        assert store.conn.execute("SELECT count(*) FROM delaywheel.level_queue").fetchone() == (5,)
+        assert store.conn.execute("SELECT count(*) FROM delaywheel.wheel_far").fetchone() == (3,)
+        assert store.deliver_level(2, now=t0 + timedelta(seconds=5)).delivered == 4
+        new_id = store.send("new.topic", b"x", delay_level=2, now=t0)
+        assert new_id > max(level_ids + far_ids)
+        end = far_day + timedelta(days=1)
+        while store.advance_wheel(now=end).delivered:
+            pass
+        rows = store.conn.execute(
+            "SELECT message_id, topic, key, tags, properties, body, is_json, deliver_at FROM delaywheel.topic_messages"
+            " WHERE topic LIKE 'old.%' ORDER BY message_id").fetchall()
+    assert [r[0] for r in rows] == level_ids[1:] + far_ids
+    assert [(r[2], r[3], r[4], bytes(r[5]), r[6]) for r in rows[:4]] == [
+        (f"k{i}", "tag", {"i": i} if i % 2 else None, b"body-%d" % i, False) for i in range(1, 5)]
+    assert [(r[1], r[2], bytes(r[5]), r[6], r[7]) for r in rows[4:]] == [
+        ("old.far", f"f{i}", b'{"far": true}', True, far_day + timedelta(hours=i, microseconds=7)) for i in range(3)]

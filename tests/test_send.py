@@ -116,7 +116,7 @@ def _rejections(t0: datetime) -> list[tuple[str, dict[str, Any]]]:
 def test_every_rejection_names_its_reason_and_writes_nothing(db_url: str, t0: datetime) -> None:
     with Store(db_url, Settings(max_body_bytes=64)) as store:
         store.send("warmup", b"x" * 64, delay_level=1, now=t0)  # exactly the limit is fine
-        store.conn.execute("TRUNCATE delaywheel.level_queue")
+        store.conn.execute("TRUNCATE delaywheel.level_segments")
         for reason, override in _rejections(t0):
             args: dict[str, Any] = {"topic": "orders", "body": {"ok": 1}, **override}
             topic, body = args.pop("topic"), args.pop("body")

@@ -1,7 +1,7 @@
 """Bulk enqueue of rows from files or queries (the Spark job's writer; nothing here imports Spark).
 
 Each input row is turned into a `Message` by a column mapping and checked by the same rules as `send`
-(`producer.prepare`); good rows are written by the producer's COPY path, bad rows go to
+(`validation.prepare`, by `columns.prepare_columns`); good rows are written by the producer's COPY path, bad rows go to
 `delaywheel.quarantine` with the rule's reason, the source file and the row number. A chunk is one
 transaction: ids, idempotency claims, the COPY and the quarantine rows commit together, so a retried
 Spark task or a re-run of the same input enqueues nothing twice (claims are keyed by (source, key)).
@@ -18,13 +18,15 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Literal
 
+import numpy as np
 import psycopg
 from psycopg import errors
 
+from .columns import prepare_columns
 from .config import Settings
 from .partitions import PartitionCache
-from .producer import Prepared, clock_and_ids, collector_paused, prepare, write_prepared
-from .validation import InvalidMessage, Message, Placement
+from .producer import clock_and_ids, collector_paused, write_columns
+from .validation import InvalidMessage, Message, prepare
 
 BodyFormat = Literal["json", "text", "bytes"]
 FILE_COLUMN = "_file"  # the source file of a row (added by the reader)
@@ -214,52 +216,69 @@ def write_chunk(
         return counts
     with collector_paused(), conn.transaction():
         clock, ids = clock_and_ids(conn, len(rows), now)
-        good: list[tuple[int, Prepared, str]] = []
         bad: list[_Bad] = []
-        placements: dict[int, Placement] = {}
-        for message_id, row in zip(ids, rows, strict=True):
-            file, number = str(row[FILE_COLUMN]), int(row[ROW_COLUMN])
+        messages, positions = [], []
+        for position, row in enumerate(rows):
             try:
-                prepared = prepare(to_message(row, mapping), clock, settings, level_placements=placements)
+                messages.append(to_message(row, mapping))
+                positions.append(position)
             except InvalidMessage as exc:
-                bad.append(_Bad(file, number, exc.reason, str(exc), _raw(row)))
-                continue
-            good.append((message_id, prepared, prepared.key or f"{file}#{number}"))
-        claimed = _claim(conn, source, good)
-        fresh = [(i, p) for i, p, _ in good if i in claimed]
-        write_prepared(conn, settings, cache, fresh, clock)
+                bad.append(_bad(row, exc))
+        try:
+            columns = prepare_columns(messages, clock, settings)
+        except InvalidMessage:  # some row breaks a rule: sort the rows out one by one, then check the rest at once
+            kept = []
+            for message, position in zip(messages, positions, strict=True):
+                try:
+                    prepare(message, clock, settings)
+                    kept.append((message, position))
+                except InvalidMessage as exc:
+                    bad.append(_bad(rows[position], exc))
+            messages, positions = [m for m, _ in kept], [p for _, p in kept]
+            columns = prepare_columns(messages, clock, settings)
+        claimed = _claim(conn, source, [
+            (ids[p], m.key or f"{rows[p][FILE_COLUMN]}#{rows[p][ROW_COLUMN]}") for m, p in zip(messages, positions, strict=True)
+        ])
+        fresh = [j for j, p in enumerate(positions) if ids[p] in claimed]
+        if fresh:
+            write_columns(conn, settings, cache, [ids[positions[j]] for j in fresh],
+                          columns if len(fresh) == len(positions) else columns.take(np.asarray(fresh)), clock)
         _quarantine(conn, source, bad)
     counts.enqueued = len(fresh)
-    counts.skipped = len(good) - len(fresh)
+    counts.skipped = len(positions) - len(fresh)
     counts.rejected = len(bad)
     counts.reasons.update(b.reason for b in bad)
     return counts
 
 
-def _claim(conn: psycopg.Connection, source: str, good: list[tuple[int, Prepared, str]]) -> set[int]:
-    """Claim (source, key) for each row; returns the ids whose claim is new. A key claimed by a concurrent
-    transaction waits for it to finish, then counts as taken: no two writers enqueue the same key.
+def _bad(row: Mapping[str, Any], exc: InvalidMessage) -> _Bad:
+    return _Bad(str(row[FILE_COLUMN]), int(row[ROW_COLUMN]), exc.reason, str(exc), _raw(row))
+
+
+def _claim(conn: psycopg.Connection, source: str, claims: list[tuple[int, str]]) -> set[int]:
+    """Claim (source, key) for each (message id, key); returns the ids whose claim is new. A key claimed by a
+    concurrent transaction waits for it to finish, then counts as taken: no two writers enqueue the same key.
 
     A first run claims every key, so the chunk's claims are COPYed (2.4 µs a row); only when one is taken (a re-run,
     a key repeated in the input, a concurrent writer) does the chunk claim row by row with ON CONFLICT DO NOTHING,
     whose speculative inserts cost 6.4 µs a row: the larger part of a bulk enqueue's database time."""
-    if not good:
+    if not claims:
         return set()
     try:
         with conn.transaction(), conn.cursor().copy(
             "COPY delaywheel.idempotency (source, key, message_id) FROM STDIN (FORMAT BINARY)"
         ) as copy:
             copy.set_types(["text", "text", "int8"])
-            for message_id, _, key in good:
+            for message_id, key in claims:
                 copy.write_row((source, key, message_id))
-        return {message_id for message_id, _, _ in good}
+        return {message_id for message_id, _ in claims}
     except errors.UniqueViolation:
         pass  # the savepoint rolled the COPY back
     cur = conn.execute(
         "INSERT INTO delaywheel.idempotency (source, key, message_id)"
         " SELECT %s, k, i FROM unnest(%s::text[], %s::int8[]) AS u(k, i)"
         " ON CONFLICT DO NOTHING RETURNING message_id",
-        (source, [k for _, _, k in good], [i for i, _, _ in good]),
+        (source, [k for _, k in claims], [i for i, _ in claims]),
     )
     return {r[0] for r in cur.fetchall()}
 

@@ -15,7 +15,7 @@ import psycopg
 from .db import LOOKUP_PLAN
 from .levels import LEVEL_LOCK
 from .partitions import PartitionCache
-from .pending import PENDING, STILL_PENDING
+from .pending import PENDING, STILL_PENDING, pending
 from .wheel import WHEEL_LOCK
 
 Outcome = Literal["cancelled", "already_cancelled", "already_delivered", "not_found"]
@@ -30,19 +30,28 @@ def _lock_all_lanes(conn: psycopg.Connection) -> None:
     """Wheel first, then levels in ascending order: one order for every canceller, so no deadlock."""
     conn.execute("SELECT pg_advisory_xact_lock(%s, %s)", WHEEL_LOCK)
     levels = conn.execute(
-        "SELECT generate_series(1, coalesce((SELECT max(level) FROM delaywheel.level_queue), 0))"
+        "SELECT generate_series(1, coalesce((SELECT max(level) FROM delaywheel.level_segments), 0))"
     ).fetchall()
     for (level,) in levels:
         conn.execute("SELECT pg_advisory_xact_lock(%s, %s)", (LEVEL_LOCK, level))
 
 
-def _lock_level_lanes(conn: psycopg.Connection, where: str, params: dict[str, object]) -> None:
+def _lock_level_lanes(conn: psycopg.Connection, segments: str, params: dict[str, object]) -> None:
+    """The wheel and every level with a segment that may hold the message (a superset is harmless)."""
     conn.execute("SELECT pg_advisory_xact_lock(%s, %s)", WHEEL_LOCK)
     levels = conn.execute(
-        f"SELECT DISTINCT level FROM delaywheel.level_queue WHERE {where} ORDER BY 1", params  # type: ignore[arg-type]
+        f"SELECT DISTINCT level FROM delaywheel.level_segments s WHERE {segments} ORDER BY 1", params  # type: ignore[arg-type]
     ).fetchall()
     for (level,) in levels:
         conn.execute("SELECT pg_advisory_xact_lock(%s, %s)", (LEVEL_LOCK, level))
+
+
+# Finding one message: the level segments that may hold it (by their id ranges; by key, every pending segment's
+# keys: segments carry no key index, see DESIGN.md), then the message itself.
+_LOOKUP = {
+    "id": ("int8range(s.id_first, s.id_last, '[]') @> %(v)s::bigint", "q.id = %(v)s"),
+    "key": ("s.keys @> ARRAY[%(v)s::text]", "q.key = %(v)s"),
+}
 
 
 def cancel(
@@ -52,15 +61,15 @@ def cancel(
     if (message_id is None) == (key is None):
         raise ValueError("cancel needs exactly one of message_id or key")
     params: dict[str, object] = {"v": message_id if message_id is not None else key}
-    where = "id = %(v)s" if message_id is not None else "key = %(v)s"
+    segments, rows = _LOOKUP["id" if message_id is not None else "key"]
     with conn.transaction():
         conn.execute(f"SELECT {LOOKUP_PLAN}")
-        _lock_level_lanes(conn, where, params)
+        _lock_level_lanes(conn, segments, params)
         found = conn.execute(
             f"""
             SELECT p.id, p.deliver_at, p.key,
                    EXISTS (SELECT 1 FROM delaywheel.cancellations c WHERE c.message_id = p.id) AS cancelled
-            FROM ({PENDING}) p WHERE p.{where}
+            FROM ({pending(segments, rows)}) p
             """,  # type: ignore[arg-type]
             params,
         ).fetchall()

@@ -95,13 +95,22 @@ class PassResult:
                           min(dues, default=None), self.busy or other.busy, self.more or other.more, spans)
 
 
+# A level's queue in (xid, id) order: its segments in (xid, id_last) order, each one's messages in id order
+# (sql/011). Sorting is priced out for the pass (QUEUE_PLAN), so the planner walks the FIFO index, unnests one
+# segment at a time and stops at the LIMIT: a pass reads its batch plus at most one partly passed segment.
 _DELIVER = """
 WITH batch AS (
-    SELECT q.*, bool_and(q.deliver_at <= %(now)s) OVER (ORDER BY q.xid, q.id) AS due
+    SELECT q.*, bool_and(q.deliver_at <= %(now)s) OVER (ORDER BY q.xid, q.id_last, q.id) AS due
     FROM (
-        SELECT * FROM delaywheel.level_queue
-        WHERE level = %(level)s AND (xid, id) > (%(cxid)s::xid8, %(cid)s) AND xid < %(xmin)s::xid8
-        ORDER BY xid, id
+        SELECT s.xid, s.id_last, m.id, s.level, m.topic, m.key, m.tags, m.properties::jsonb, m.body, m.is_json,
+               s.reconsume_times, s.deliver_at
+        FROM delaywheel.level_segments s,
+             unnest(s.ids, delaywheel.spread(s.topics, s.n), s.keys, delaywheel.spread(s.tags, s.n),
+                    delaywheel.spread(s.properties, s.n), s.bodies, delaywheel.spread(s.is_json, s.n))
+                 AS m(id, topic, key, tags, properties, body, is_json)
+        WHERE s.level = %(level)s AND (s.xid, s.id_last) > (%(cxid)s::xid8, %(cid)s) AND s.xid < %(xmin)s::xid8
+          AND (s.xid, m.id) > (%(cxid)s::xid8, %(cid)s)
+        ORDER BY s.xid, s.id_last, m.id
         LIMIT %(limit)s
     ) q
 ),
@@ -114,13 +123,13 @@ moved AS (
            deliver_at, coalesce(%(injected)s::timestamptz, clock_timestamp())
     FROM due d
     WHERE NOT EXISTS (SELECT 1 FROM delaywheel.cancellations c WHERE c.message_id = d.id AND c.due_at = d.deliver_at)
-    ORDER BY xid, id
+    ORDER BY xid, id_last, id
     RETURNING topic, queue_offset, xid
 )
 SELECT (SELECT count(*) FROM moved),
        (SELECT count(*) FROM due),
        (SELECT count(*) FROM batch),
-       (SELECT ARRAY[xid::text, id::text] FROM due ORDER BY xid DESC, id DESC LIMIT 1),
+       (SELECT ARRAY[xid::text, id::text] FROM due ORDER BY xid DESC, id_last DESC, id DESC LIMIT 1),
        (""" + TOPIC_SUMMARY + """)
 """
 
@@ -131,9 +140,9 @@ def levels_above(conn: psycopg.Connection, level: int) -> list[int]:
     when there are none."""
     rows = conn.execute(
         """WITH RECURSIVE l(level) AS (
-               (SELECT level FROM delaywheel.level_queue WHERE level > %(l)s ORDER BY level LIMIT 1)
+               (SELECT level FROM delaywheel.level_segments WHERE level > %(l)s ORDER BY level LIMIT 1)
                UNION ALL
-               SELECT (SELECT q.level FROM delaywheel.level_queue q WHERE q.level > l.level ORDER BY q.level LIMIT 1)
+               SELECT (SELECT q.level FROM delaywheel.level_segments q WHERE q.level > l.level ORDER BY q.level LIMIT 1)
                FROM l WHERE l.level IS NOT NULL)
            SELECT level FROM l WHERE level IS NOT NULL""",
         {"l": level},

@@ -9,12 +9,12 @@ from datetime import UTC, datetime, timedelta
 import psycopg
 from psycopg import errors
 
-from .pending import PENDING
+from .pending import SEGMENT_PENDING
 
 HOUR = timedelta(hours=1)
 DAY = timedelta(days=1)
 # parent table -> partition width
-WIDTH = {"level_queue": HOUR, "wheel": HOUR, "wheel_far": DAY, "topic_messages": DAY, "cancellations": DAY}
+WIDTH = {"level_segments": HOUR, "wheel": HOUR, "wheel_far_segments": DAY, "topic_messages": DAY, "cancellations": DAY}
 
 
 def floor_to(ts: datetime, width: timedelta) -> datetime:
@@ -62,10 +62,10 @@ def _try_lock(conn: psycopg.Connection, name: str) -> bool:
 # A partition may go when nothing in it is pending. These queries run after the partition is locked
 # ACCESS EXCLUSIVE, so no transaction can still be writing into it.
 _PENDING = {
-    "level_queue": """
-        SELECT count(*) FROM delaywheel.{name} q
-        LEFT JOIN delaywheel.level_checkpoint c ON c.level = q.level
-        WHERE c.level IS NULL OR (q.xid, q.id) > (c.cursor_xid, c.cursor_id)""",
+    "level_segments": """
+        SELECT count(*) FROM delaywheel.{name} s
+        LEFT JOIN delaywheel.level_checkpoint c ON c.level = s.level
+        WHERE """ + SEGMENT_PENDING,
     "wheel": """
         SELECT count(*) FROM delaywheel.{name} q, delaywheel.wheel_state s
         WHERE (q.deliver_at, q.id) > (s.cursor_at, s.cursor_id) OR q.xid >= s.horizon_xid""",
@@ -77,11 +77,11 @@ def retire(conn: psycopg.Connection, now: datetime, retention: timedelta, cache:
     dropped: list[Retired] = []
     candidates = conn.execute(
         "SELECT parent, name, lo, hi FROM delaywheel.partitions WHERE parent = ANY(%s) ORDER BY lo",
-        (["level_queue", "wheel", "topic_messages", "cancellations"],),
+        (["level_segments", "wheel", "topic_messages", "cancellations"],),
     ).fetchall()
     oldest_pending_due = _oldest_pending_due(conn)
     for parent, name, lo, hi in candidates:
-        if parent == "level_queue" and hi > now - HOUR:
+        if parent == "level_segments" and hi > now - HOUR:
             continue  # may still receive rows from producers' clocks
         if parent == "wheel" and hi > now:
             continue
@@ -105,8 +105,14 @@ def retire(conn: psycopg.Connection, now: datetime, retention: timedelta, cache:
 
 
 def _oldest_pending_due(conn: psycopg.Connection) -> datetime | None:
-    """The earliest due time of any message not yet delivered or cancelled, across all lanes."""
-    row = conn.execute(f"SELECT min(deliver_at) FROM ({PENDING}) p").fetchone()  # type: ignore[arg-type]
+    """The earliest due time of any message not yet delivered (a segment's messages share theirs)."""
+    row = conn.execute(f"""
+        SELECT least(
+            (SELECT min(s.deliver_at) FROM delaywheel.level_segments s
+             LEFT JOIN delaywheel.level_checkpoint c ON c.level = s.level WHERE {SEGMENT_PENDING}),
+            (SELECT min(q.deliver_at) FROM delaywheel.wheel q, delaywheel.wheel_state s
+             WHERE (q.deliver_at, q.id) > (s.cursor_at, s.cursor_id) OR q.xid >= s.horizon_xid),
+            (SELECT min(block) FROM delaywheel.wheel_far_segments))  -- a lower bound: the blocks' days""").fetchone()  # type: ignore[call-overload]
     return row[0] if row else None
 
 

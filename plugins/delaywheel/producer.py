@@ -1,98 +1,38 @@
-"""Sending: validate every message first, then write the whole batch by COPY in one transaction.
+"""Sending: validate every message first, then write the whole batch by binary COPY in one transaction.
 
 Due times are computed from one reading of the database clock per call, so a batch is consistent
-and every worker shares the same clock (DESIGN.md §5).
+and every worker shares the same clock (DESIGN.md §5). A batch travels as columns (`columns.Columns`) into
+Arrow record batches, which pgpq encodes in PostgreSQL's binary COPY format column by column; psycopg's
+`write_row` cost about 1 µs per message in Python. The encoding is written in slices, so the server stores one
+slice while the next is encoded.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import gc
+import itertools
 from collections.abc import Iterable, Iterator, Sequence
-from datetime import datetime
-from typing import NamedTuple
+from datetime import datetime, timedelta
 
+import numpy as np
+import pgpq
 import psycopg
+import pyarrow as pa
+import pyarrow.compute as pc
 from psycopg import errors
-from psycopg.types.json import Jsonb
 
+from .columns import DIRECT, EPOCH, LEVEL, TIMESTAMP, US, WHEEL, Columns, micros, prepare_columns
 from .config import Settings
 from .partitions import DAY, WIDTH, PartitionCache, floor_to
-from .validation import InvalidMessage, Message, Placement, check_key, check_properties, check_topic, encode_body, place
+from .validation import Message
 
 NOTIFY_CHANNEL = "delaywheel_enqueue"
 TOPIC_CHANNEL = "delaywheel_topic"  # payload: a topic that got messages (readable once the writer commits)
-
-_LEVEL_COLUMNS = (
-    "id", "level", "requested_level", "topic", "key", "tags", "properties", "body", "is_json",
-    "reconsume_times", "deliver_at", "enqueued_at",
-)
-_LEVEL_TYPES = ["int8", "int2", "int4", "text", "text", "text", "jsonb", "bytea", "bool", "int4", "timestamptz", "timestamptz"]
-_WHEEL_COLUMNS = ("id", "topic", "key", "tags", "properties", "body", "is_json", "deliver_at", "enqueued_at")
-_WHEEL_TYPES = ["int8", "text", "text", "text", "jsonb", "bytea", "bool", "timestamptz", "timestamptz"]
-_TOPIC_COLUMNS = (
-    "topic", "message_id", "origin", "level", "key", "tags", "properties", "body", "is_json",
-    "reconsume_times", "deliver_at", "delivered_at",
-)
-_TOPIC_TYPES = ["text", "int8", "text", "int2", "text", "text", "jsonb", "bytea", "bool", "int4", "timestamptz", "timestamptz"]
-
-
-class Prepared(NamedTuple):
-    """A validated message, ready to write. A NamedTuple, not a frozen dataclass: one is built per message,
-    and a frozen dataclass's __init__ costs about as much as all the rules together."""
-
-    topic: str
-    key: str | None
-    tags: str | None
-    properties: dict[str, str]
-    body: bytes
-    is_json: bool
-    placement: Placement
-    reconsume_times: int = 0
-
-
-def prepare(
-    message: Message, now: datetime, settings: Settings, reconsume_times: int = 0,
-    level_placements: dict[int, Placement] | None = None,
-) -> Prepared:
-    """Apply every rule to one message; raises InvalidMessage naming the first it breaks.
-    `level_placements` lets one batch (one clock reading) share the placement of each delay level."""
-    body, is_json = encode_body(message.body, settings.max_body_bytes)
-    if message.tags is not None and not isinstance(message.tags, str):
-        raise InvalidMessage("bad_tags", f"tags must be a string, got {message.tags!r}")
-    return Prepared(  # positional: a NamedTuple built from keywords costs noticeably more, once per message
-        _checked_topic(message.topic) if isinstance(message.topic, str) else check_topic(message.topic),
-        check_key(message.key),
-        message.tags,
-        _NO_PROPERTIES if message.properties is None or (type(message.properties) is dict and not message.properties)
-        else check_properties(message.properties),
-        body,
-        is_json,
-        _place(message, now, settings, level_placements),
-        reconsume_times,
-    )
-
-
-def _place(message: Message, now: datetime, settings: Settings, shared: dict[int, Placement] | None) -> Placement:
-    level = message.delay_level
-    if shared is None or type(level) is not int or message.delay is not None or message.deliver_at is not None:
-        return place(now, settings, delay_level=level, delay=message.delay, deliver_at=message.deliver_at)
-    hit = shared.get(level)
-    if hit is None:  # an invalid level raises here, every time, and is never stored
-        hit = shared[level] = place(now, settings, delay_level=level)
-    return hit
-
-
-_NO_PROPERTIES: dict[str, str] = {}  # shared, never mutated: rows without properties are written as NULL
-_checked_topic = functools.lru_cache(maxsize=4096)(check_topic)  # a batch usually has few distinct topics
-
-
-def _one_per_partition(table: str, instants: list[datetime]) -> list[datetime]:
-    """One instant per partition the batch touches (the cache floors each instant it is given, which is slow
-    per row; bucketing by epoch seconds is the same UTC floor, much cheaper)."""
-    width = WIDTH[table].total_seconds()
-    return list({ts.timestamp() // width: ts for ts in instants}.values())
+ID_BLOCK = 65536  # ids per nextval (sql/011): a call numbers its messages within the blocks it takes
+SEGMENT_MAX = 1000  # messages per level segment (sql/011): a pass reads whole segments, so not too many
+SLICE_BYTES = 1 << 20  # COPY data per write: the server stores a slice while the next one is encoded
+UTC_WALL_TIME = pa.timestamp("us")  # far blocks' due times: `timestamp`, read AT TIME ZONE 'UTC' (sql/012)
 
 
 @contextlib.contextmanager
@@ -110,13 +50,17 @@ def collector_paused() -> Iterator[None]:
 
 
 def clock_and_ids(conn: psycopg.Connection, count: int, now: datetime | None) -> tuple[datetime, list[int]]:
+    """The clock for this call and `count` new message ids, ascending (from ceil(count / ID_BLOCK) blocks)."""
     row = conn.execute(
         "SELECT coalesce(%s::timestamptz, clock_timestamp()),"
         " ARRAY(SELECT nextval('delaywheel.message_id_seq') FROM generate_series(1, %s))",
-        (now, count),
+        (now, -(-count // ID_BLOCK)),
     ).fetchone()
     assert row is not None
-    return row[0], list(row[1])
+    ids: list[int] = []
+    for block in row[1]:
+        ids.extend(range(block, block + min(ID_BLOCK, count - len(ids))))
+    return row[0], ids
 
 
 def send_many(
@@ -134,44 +78,100 @@ def send_many(
         return []
     with collector_paused(), conn.transaction():
         clock, ids = clock_and_ids(conn, len(batch), now)
-        retries = reconsume_times or [0] * len(batch)
-        placements: dict[int, Placement] = {}
-        prepared = [prepare(m, clock, settings, r, placements) for m, r in zip(batch, retries, strict=True)]
-        write_prepared(conn, settings, cache, list(zip(ids, prepared, strict=True)), clock)
+        write_columns(conn, settings, cache, ids, prepare_columns(batch, clock, settings, reconsume_times), clock)
     return ids
 
 
-def write_prepared(
-    conn: psycopg.Connection, settings: Settings, cache: PartitionCache, rows: list[tuple[int, Prepared]], clock: datetime
+def write_columns(
+    conn: psycopg.Connection, settings: Settings, cache: PartitionCache, ids: Sequence[int], columns: Columns,
+    clock: datetime,
 ) -> None:
-    """COPY validated rows into their lanes (inside the caller's transaction)."""
-    lanes: dict[str, list[tuple[int, Prepared]]] = {"direct": [], "level": [], "wheel": []}
-    for row in rows:
-        lanes[row[1].placement.lane].append(row)
-    direct, level, wheel = lanes["direct"], lanes["level"], lanes["wheel"]
-    if direct:
-        cache.ensure(conn, "topic_messages", [clock])
-        _copy(conn, "topic_messages", _TOPIC_COLUMNS, _TOPIC_TYPES, (
-            (p.topic, i, "direct", 0, p.key, p.tags, _json(p.properties), p.body, p.is_json, p.reconsume_times, p.placement.deliver_at, clock)
-            for i, p in direct
-        ))
-        _notify_topics(conn, [p.topic for _, p in direct])
-    if level:
-        cache.ensure(conn, "level_queue", [clock])
-        _copy(conn, "level_queue", _LEVEL_COLUMNS, _LEVEL_TYPES, (
-            (i, p.placement.level, p.placement.requested_level, p.topic, p.key, p.tags, _json(p.properties), p.body,
-             p.is_json, p.reconsume_times, p.placement.deliver_at, clock)
-            for i, p in level
-        ))
-        _notify(conn, [p.placement.deliver_at for _, p in level])
-    if wheel:
-        _write_wheel(conn, settings, cache, wheel, clock)
-        _notify(conn, [p.placement.deliver_at for _, p in wheel])
+    """COPY validated messages into their lanes (inside the caller's transaction)."""
+    all_ids = np.asarray(ids, np.int64)
+    for lane, write in ((DIRECT, _write_direct), (LEVEL, _write_levels), (WHEEL, _write_wheel)):
+        rows = np.flatnonzero(columns.lane == lane)
+        if len(rows) == len(all_ids):
+            write(conn, settings, cache, all_ids, columns, clock)
+        elif len(rows):
+            write(conn, settings, cache, all_ids[rows], columns.take(rows), clock)
+
+
+def _write_direct(
+    conn: psycopg.Connection, settings: Settings, cache: PartitionCache, ids: np.ndarray, c: Columns, clock: datetime,
+) -> None:
+    """Level 0, a zero delay or a due time already past: straight into the topic (its lateness shows)."""
+    n = len(ids)
+    cache.ensure(conn, "topic_messages", [clock])
+    copy_arrow(conn, "topic_messages", pa.RecordBatch.from_pydict({
+        "topic": c.topic, "message_id": ids, "origin": pa.repeat("direct", n), "level": pa.repeat(pa.scalar(0, pa.int16()), n),
+        "key": c.key, "tags": c.tags, "properties": _jsonb(c.properties), "body": c.body, "is_json": c.is_json,
+        "reconsume_times": c.reconsume_times, "deliver_at": _timestamps(c.due), "delivered_at": _timestamps(np.full(n, micros(clock))),
+    }))
+    _notify_topics(conn, pc.unique(c.topic).to_pylist())
+
+
+def _write_levels(
+    conn: psycopg.Connection, settings: Settings, cache: PartitionCache, ids: np.ndarray, c: Columns, clock: datetime,
+) -> None:
+    """Segments of each level's messages (sql/011)."""
+    ids, c, starts, counts = _segments(ids, c, c.level, c.requested_level, c.reconsume_times, c.due)
+    cache.ensure(conn, "level_segments", [clock])
+    copy_arrow(conn, "level_segments", pa.RecordBatch.from_pydict({
+        "level": c.level[starts], "requested_level": c.requested_level[starts],
+        "reconsume_times": c.reconsume_times[starts], "deliver_at": _timestamps(c.due[starts]),
+        "enqueued_at": _timestamps(np.full(len(starts), micros(clock))), **_segment_columns(ids, c, starts, counts),
+    }))
+    _notify(conn, int(c.due.min()))
+
+
+def _segments(ids: np.ndarray, c: Columns, *keys: np.ndarray) -> tuple[np.ndarray, Columns, np.ndarray, np.ndarray]:
+    """Group the messages by `keys` (the first one sorted on, stably), cut into runs of equal keys of at most
+    SEGMENT_MAX; returns the messages in that order, and each segment's first position and size. Input order
+    holds within a group, so the segments one transaction writes for a group hold ascending, disjoint id ranges:
+    a queue read in (xid, id) order runs through them segment by segment (sql/011)."""
+    n = len(ids)
+    order = np.argsort(keys[0], kind="stable")
+    if (order[1:] < order[:-1]).any():  # several groups: bring each together, in input order
+        ids, c, keys = ids[order], c.take(order), tuple(k[order] for k in keys)
+    stacked = np.stack(keys)
+    runs = np.flatnonzero(np.concatenate(([True], (stacked[:, 1:] != stacked[:, :-1]).any(axis=0), [True])))
+    starts = np.concatenate([np.arange(a, b, SEGMENT_MAX) for a, b in itertools.pairwise(runs)])
+    return ids, c, starts, np.diff(np.append(starts, n))
+
+
+def _segment_columns(ids: np.ndarray, c: Columns, starts: np.ndarray, counts: np.ndarray) -> dict[str, pa.Array]:
+    """The columns every segment table has: its id range and count, and its messages as lists."""
+    offsets = pa.array(np.append(starts, len(ids)).astype(np.int32))
+    return {
+        "id_first": ids[starts], "id_last": ids[starts + counts - 1], "n": counts.astype(np.int32),
+        "ids": pa.ListArray.from_arrays(offsets, pa.array(ids)), "keys": pa.ListArray.from_arrays(offsets, c.key),
+        "bodies": pa.ListArray.from_arrays(offsets, c.body), "topics": _spread(c.topic, starts, counts),
+        "tags": _spread(c.tags, starts, counts), "properties": _spread(c.properties, starts, counts),
+        "is_json": _spread(c.is_json, starts, counts),
+    }
+
+
+def _spread(values: pa.Array, starts: np.ndarray, counts: np.ndarray) -> pa.ListArray:
+    """One list per segment, of one element where all of the segment's values are the same (delaywheel.spread
+    reads it back as n copies): the server then stores one value, not a thousand."""
+    if len(starts) == len(values):  # segments of one (a single send): nothing to spread
+        return pa.ListArray.from_arrays(pa.array(np.arange(len(values) + 1, dtype=np.int32)), values)
+    first = pa.array(np.repeat(starts, counts))
+    same = pc.fill_null(pc.equal(values, values.take(first)), False).to_numpy(zero_copy_only=False)
+    same |= np.repeat(np.add.reduceat(values.is_null().to_numpy(zero_copy_only=False), starts) == counts, counts)
+    uniform = np.logical_and.reduceat(same, starts)
+    keep = ~np.repeat(uniform, counts)
+    keep[starts] = True
+    lengths = np.where(uniform, 1, counts)
+    return pa.ListArray.from_arrays(pa.array(np.append(0, np.cumsum(lengths)).astype(np.int32)),
+                                    values.filter(pa.array(keep)))
 
 
 def _write_wheel(
-    conn: psycopg.Connection, settings: Settings, cache: PartitionCache, rows: list[tuple[int, Prepared]], clock: datetime
+    conn: psycopg.Connection, settings: Settings, cache: PartitionCache, ids: np.ndarray, c: Columns, clock: datetime,
 ) -> None:
+    """Timers due within the near window as rows of the near wheel; later ones as segments of far blocks, one per
+    far day (sql/012)."""
     # FOR KEY SHARE waits for a roll in progress (it holds the row FOR UPDATE) and then reads its new near_until:
     # a stale value would put rows into a far block after the roll moved it, stranding them until the next roll.
     # The wheel deliverer's per-pass UPDATE does not conflict with it.
@@ -180,33 +180,85 @@ def _write_wheel(
     # Far blocks only hold rows beyond the near window, even before the first roll or after days without one
     # (near_until behind the clock): the wheel's head takes near_until as the far blocks' lower bound
     # (pending.WHEEL_HEAD), so a timer due within the window must be in the near wheel to be waited for exactly.
-    near_until = max(row[0], floor_to(clock + settings.wheel_near_window, DAY))
-    near: list[tuple[int, Prepared]] = []
-    far: list[tuple[int, Prepared]] = []
-    for row in rows:
-        (near if row[1].placement.deliver_at < near_until else far).append(row)
-    for table, part in (("wheel", near), ("wheel_far", far)):
-        if not part:
-            continue
-        for attempt in range(3):
-            try:
-                with conn.transaction():  # a savepoint: a roll may drop a far block between ensure and COPY
-                    cache.ensure(conn, table, _one_per_partition(table, [p.placement.deliver_at for _, p in part]))
-                    _copy(conn, table, _WHEEL_COLUMNS, _WHEEL_TYPES, (
-                        (i, p.topic, p.key, p.tags, _json(p.properties), p.body, p.is_json, p.placement.deliver_at, clock)
-                        for i, p in part
-                    ))
-                break
-            except (errors.CheckViolation, errors.UndefinedTable):
-                for _, p in part:
-                    cache.forget(table, p.placement.deliver_at)
-                if attempt == 2:
-                    raise
+    near_until = micros(max(row[0], floor_to(clock + settings.wheel_near_window, DAY)))
+    # Near timers first, in due order (a COPY into ~72 hourly partitions then fills one partition at a time, and
+    # the due-time index in order), then far ones by day, each day in input order (its segments' id ranges).
+    day = DAY // US
+    place = np.where(c.due < near_until, c.due, c.due // day * day)
+    order = np.argsort(place, kind="stable")
+    if (order[1:] < order[:-1]).any():
+        ids, c, place = ids[order], c.take(order), place[order]
+    split = int(np.searchsorted(place, near_until))
+    enqueued = micros(clock)
+    if split:
+        near = c.slice(0, split)
+        _copy_wheel_part(conn, cache, "wheel", near.due, pa.RecordBatch.from_pydict({
+            "id": ids[:split], "topic": near.topic, "key": near.key, "tags": near.tags,
+            "properties": _jsonb(near.properties), "body": near.body, "is_json": near.is_json,
+            "deliver_at": _timestamps(near.due), "enqueued_at": _timestamps(np.full(split, enqueued)),
+        }))
+    if split < len(ids):
+        far_ids, far, starts, counts = _segments(ids[split:], c.slice(split, len(ids)), place[split:])
+        _copy_wheel_part(conn, cache, "wheel_far_segments", far.due, pa.RecordBatch.from_pydict({
+            "block": _timestamps(far.due[starts] // day * day), "enqueued_at": _timestamps(np.full(len(starts), enqueued)),
+            "deliver_ats": pa.ListArray.from_arrays(pa.array(np.append(starts, len(far_ids)).astype(np.int32)),
+                                                    _timestamps(far.due, UTC_WALL_TIME)),
+            **_segment_columns(far_ids, far, starts, counts),
+        }))
+    _notify(conn, int(c.due.min()))
 
 
-def _notify(conn: psycopg.Connection, due: list[datetime]) -> None:
+def _copy_wheel_part(conn: psycopg.Connection, cache: PartitionCache, table: str, due: np.ndarray, batch: pa.RecordBatch) -> None:
+    partitions = _one_per_partition(table, due)
+    for attempt in range(3):
+        try:
+            with conn.transaction():  # a savepoint: a roll may drop a far block between ensure and COPY
+                cache.ensure(conn, table, partitions)
+                copy_arrow(conn, table, batch)
+            return
+        except (errors.CheckViolation, errors.UndefinedTable):
+            for start in partitions:
+                cache.forget(table, start)
+            if attempt == 2:
+                raise
+
+
+def _one_per_partition(table: str, due: np.ndarray) -> list[datetime]:
+    """The start of each partition the rows fall into."""
+    width = WIDTH[table] // US
+    return [EPOCH + timedelta(microseconds=int(lo)) for lo in np.unique(due // width) * width]
+
+
+def _timestamps(micros_since_epoch: np.ndarray, kind: pa.DataType = TIMESTAMP) -> pa.Array:
+    values = np.ascontiguousarray(micros_since_epoch, np.int64)
+    return pa.Array.from_buffers(kind, len(values), [None, pa.py_buffer(values)])  # no copy, no cast
+
+
+def _jsonb(json_text: pa.Array) -> pa.Array:
+    """JSON text in jsonb's binary COPY format (a version byte, then the text) for a scalar jsonb column: Arrow
+    binary, which pgpq writes as is (its jsonb encoder took longer to set up than a whole single send)."""
+    return pc.binary_join_element_wise(pa.scalar(b"\x01"), json_text.cast(pa.binary()), pa.scalar(b""))
+
+
+def copy_arrow(conn: psycopg.Connection, table: str, batch: pa.RecordBatch) -> None:
+    """COPY a record batch into delaywheel.<table>, its columns by name, in slices of about SLICE_BYTES."""
+    encoder = pgpq.ArrowToPostgresBinaryEncoder(batch.schema)
+    step = max(1, batch.num_rows * SLICE_BYTES // max(batch.nbytes, 1))
+    with conn.cursor().copy(  # type: ignore[call-overload]
+        f"COPY delaywheel.{table} ({', '.join(batch.schema.names)}) FROM STDIN (FORMAT BINARY)"
+    ) as copy:
+        data = encoder.write_header()  # a small batch goes out in one write: each write waits on the socket
+        for offset in range(0, batch.num_rows, step):
+            data += encoder.write_batch(batch.slice(offset, step))
+            if len(data) >= SLICE_BYTES:
+                copy.write(data)
+                data = b""
+        copy.write(data + encoder.finish())
+
+
+def _notify(conn: psycopg.Connection, due: int) -> None:
     """Tell sleeping deliverers the earliest new due time (sent at COMMIT), so they can wake sooner."""
-    conn.execute("SELECT pg_notify(%s, %s)", (NOTIFY_CHANNEL, str(min(due).timestamp())))
+    conn.execute("SELECT pg_notify(%s, %s)", (NOTIFY_CHANNEL, str(due / 1e6)))
 
 
 def _notify_topics(conn: psycopg.Connection, topics: Iterable[str]) -> None:
@@ -215,15 +267,3 @@ def _notify_topics(conn: psycopg.Connection, topics: Iterable[str]) -> None:
     names = sorted(set(topics))
     if names:
         conn.execute("SELECT pg_notify(%s, t) FROM unnest(%s::text[]) t", (TOPIC_CHANNEL, names))
-
-
-def _json(properties: dict[str, str]) -> Jsonb | None:
-    return Jsonb(properties) if properties else None
-
-
-def _copy(conn: psycopg.Connection, table: str, columns: Sequence[str], types: list[str], rows: Iterable[tuple]) -> None:
-    sql = f"COPY delaywheel.{table} ({', '.join(columns)}) FROM STDIN (FORMAT BINARY)"
-    with conn.cursor().copy(sql) as copy:  # type: ignore[arg-type]
-        copy.set_types(types)
-        for row in rows:
-            copy.write_row(row)

@@ -53,7 +53,8 @@ def due_sql(start: datetime, end: datetime, longest_level: timedelta) -> str:
               UNION ALL
               SELECT id, 'wheel', 0, topic, deliver_at FROM delaywheel.wheel WHERE {window}
               UNION ALL
-              SELECT id, 'wheel', 0, topic, deliver_at FROM delaywheel.wheel_far WHERE {window}) d"""
+              SELECT id, 'wheel', 0, topic, deliver_at FROM delaywheel.wheel_far
+              WHERE {window} AND block > {_ts(start)} - interval '1 day' AND block < {_ts(end)}) d"""
 
 
 # --- aggregating (Spark SQL over the views `deliveries` and `due`) -------------------------------------

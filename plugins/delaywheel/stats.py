@@ -25,17 +25,19 @@ def level_stats(conn: psycopg.Connection, settings: Settings, now: datetime, win
         SELECT l.level, %(delays)s[l.level] AS delay,
                coalesce(c.cursor_id, 0) AS checkpoint_id, coalesce(c.cursor_xid::text, '0') AS checkpoint_xid,
                coalesce(c.delivered, 0) AS delivered, c.updated_at AS checkpoint_at,
-               (SELECT count(*) FROM delaywheel.level_queue q WHERE q.level = l.level
-                  AND (q.xid, q.id) > (coalesce(c.cursor_xid, '0'), coalesce(c.cursor_id, 0))) AS backlog,
+               (SELECT coalesce(sum(CASE WHEN (s.xid, s.id_first) > (coalesce(c.cursor_xid, '0'), coalesce(c.cursor_id, 0))
+                                         THEN s.n ELSE (SELECT count(*) FROM unnest(s.ids) i WHERE i > c.cursor_id) END), 0)
+                  FROM delaywheel.level_segments s WHERE s.level = l.level
+                  AND (s.xid, s.id_last) > (coalesce(c.cursor_xid, '0'), coalesce(c.cursor_id, 0))) AS backlog,
                h.deliver_at AS head_due,
                CASE WHEN h.deliver_at < %(now)s THEN extract(epoch FROM %(now)s - h.deliver_at) END AS oldest_overdue_s,
                lat.p50 AS lateness_p50_s, lat.p99 AS lateness_p99_s, lat.n AS delivered_in_window
-        FROM generate_series(1, greatest(%(n)s, (SELECT max(level) FROM delaywheel.level_queue))) AS l(level)
+        FROM generate_series(1, greatest(%(n)s, (SELECT max(level) FROM delaywheel.level_segments))) AS l(level)
         LEFT JOIN delaywheel.level_checkpoint c ON c.level = l.level
         LEFT JOIN LATERAL (
-            SELECT q.deliver_at FROM delaywheel.level_queue q
-            WHERE q.level = l.level AND (q.xid, q.id) > (coalesce(c.cursor_xid, '0'), coalesce(c.cursor_id, 0))
-            ORDER BY q.xid, q.id LIMIT 1) h ON true
+            SELECT s.deliver_at FROM delaywheel.level_segments s
+            WHERE s.level = l.level AND (s.xid, s.id_last) > (coalesce(c.cursor_xid, '0'), coalesce(c.cursor_id, 0))
+            ORDER BY s.xid, s.id_last LIMIT 1) h ON true
         LEFT JOIN LATERAL (
             SELECT count(*) AS n,
                    percentile_cont(0.5) WITHIN GROUP (ORDER BY extract(epoch FROM t.delivered_at - t.deliver_at)) AS p50,

@@ -144,7 +144,7 @@ class Store:
             wheel.roll(self.conn, self.settings, self._cache, now)
         clock = now or self.clock()
         with self.conn.transaction():
-            self._cache.ensure(self.conn, "level_queue", [clock + partitions.HOUR * i for i in range(3)])
+            self._cache.ensure(self.conn, "level_segments", [clock + partitions.HOUR * i for i in range(3)])
             self._cache.ensure(self.conn, "topic_messages", [clock, clock + partitions.DAY])
 
     def summarize(self) -> int:

@@ -18,7 +18,7 @@ from .config import Settings
 from .db import COMMIT_HORIZON, QUEUE_PLAN
 from .levels import TopicSpan
 from .partitions import PartitionCache
-from .producer import clock_and_ids, prepare, write_prepared
+from .producer import send_many
 from .validation import Message as OutgoingMessage
 
 RETRY_PREFIX = "%RETRY%"
@@ -136,21 +136,19 @@ def ack(
 def _reconsume_later(
     conn: psycopg.Connection, settings: Settings, cache: PartitionCache, group: str, messages: list[Message]
 ) -> None:
-    clock, ids = clock_and_ids(conn, len(messages), None)
-    rows = []
-    for new_id, m in zip(ids, messages, strict=True):
-        times = m.reconsume_times + 1
+    outgoing, times = [], []
+    for m in messages:
+        times.append(m.reconsume_times + 1)
         properties = dict(m.properties)
         properties.setdefault("ORIGIN_TOPIC", m.topic)
         properties.setdefault("ORIGIN_MESSAGE_ID", str(m.message_id))
-        if times > settings.max_reconsume_times:
-            outgoing = OutgoingMessage(dlq_topic(group), m.body, key=m.key, tags=m.tags, properties=properties)
+        if times[-1] > settings.max_reconsume_times:
+            outgoing.append(OutgoingMessage(dlq_topic(group), m.body, key=m.key, tags=m.tags, properties=properties))
         else:
             level = FIRST_RETRY_LEVEL + m.reconsume_times
-            outgoing = OutgoingMessage(retry_topic(group), m.body, delay_level=level, key=m.key, tags=m.tags,
-                                       properties=properties)
-        rows.append((new_id, prepare(outgoing, clock, settings, times)))
-    write_prepared(conn, settings, cache, rows, clock)
+            outgoing.append(OutgoingMessage(retry_topic(group), m.body, delay_level=level, key=m.key, tags=m.tags,
+                                            properties=properties))
+    send_many(conn, settings, cache, outgoing, reconsume_times=times)
 
 
 # Messages in a topic past the watchers' mark and below the commit horizon (what a consumer could read now).

@@ -63,14 +63,14 @@ def roll(conn: psycopg.Connection, settings: Settings, cache: PartitionCache, no
         if not locked or not locked[0] or state is None or state[0] >= target:
             return 0
         # Creating and dropping partitions takes ACCESS EXCLUSIVE on the parents: take it first, in the order
-        # producers lock them (wheel, then wheel_far). Taken later, after a far block's lock, it deadlocks
+        # producers lock them (wheel, then wheel_far_segments). Taken later, after a far block's lock, it deadlocks
         # with a producer that holds the parent and waits for the block (seen in bench/airflow_lateness).
-        conn.execute("LOCK TABLE delaywheel.wheel, delaywheel.wheel_far IN ACCESS EXCLUSIVE MODE")
+        conn.execute("LOCK TABLE delaywheel.wheel, delaywheel.wheel_far_segments IN ACCESS EXCLUSIVE MODE")
         start = max(floor_to(clock, HOUR), state[0])
         hours = int((target - start) / HOUR) if target > start else 0
         cache.ensure(conn, "wheel", [start + HOUR * i for i in range(hours)])
         blocks = conn.execute(
-            "SELECT name, lo, hi FROM delaywheel.partitions WHERE parent = 'wheel_far' AND lo < %s ORDER BY lo",
+            "SELECT name, lo, hi FROM delaywheel.partitions WHERE parent = 'wheel_far_segments' AND lo < %s ORDER BY lo",
             (target,),
         ).fetchall()
         for name, lo, hi in blocks:
@@ -78,11 +78,15 @@ def roll(conn: psycopg.Connection, settings: Settings, cache: PartitionCache, no
             cache.ensure(conn, "wheel", [lo + HOUR * i for i in range(int((hi - lo) / HOUR))])
             cur = conn.execute(
                 f"INSERT INTO delaywheel.wheel (id, topic, key, tags, properties, body, is_json, deliver_at, enqueued_at)"  # type: ignore[arg-type]
-                f" SELECT id, topic, key, tags, properties, body, is_json, deliver_at, enqueued_at FROM delaywheel.{name}"
+                f" SELECT m.id, m.topic, m.key, m.tags, m.properties::jsonb, m.body, m.is_json, m.due AT TIME ZONE 'UTC',"
+                f"        s.enqueued_at"
+                f" FROM delaywheel.{name} s, unnest(s.ids, delaywheel.spread(s.topics, s.n), s.keys,"
+                f"      delaywheel.spread(s.tags, s.n), delaywheel.spread(s.properties, s.n), s.bodies,"
+                f"      delaywheel.spread(s.is_json, s.n), s.deliver_ats) AS m(id, topic, key, tags, properties, body, is_json, due)"
             )
             moved += cur.rowcount
             conn.execute(f"DROP TABLE delaywheel.{name}")  # type: ignore[arg-type]
-            cache.forget("wheel_far", lo)
+            cache.forget("wheel_far_segments", lo)
         conn.execute("UPDATE delaywheel.wheel_state SET near_until = %s", (target,))
     return moved
 
@@ -153,7 +157,7 @@ def advance_wheel(
             SELECT least(
                 (SELECT deliver_at FROM delaywheel.wheel WHERE deliver_at >= %(at)s AND (deliver_at, id) > (%(at)s, %(id)s)
                   ORDER BY deliver_at, id LIMIT 1),
-                (SELECT near_until FROM delaywheel.wheel_state WHERE EXISTS (SELECT FROM delaywheel.wheel_far)),  -- see pending.WHEEL_HEAD
+                (SELECT near_until FROM delaywheel.wheel_state WHERE EXISTS (SELECT FROM delaywheel.wheel_far_segments)),  -- see pending.WHEEL_HEAD
                 (SELECT %(clock)s::timestamptz WHERE (  -- stragglers: see pending.WHEEL_HEAD
                     SELECT xid FROM delaywheel.wheel WHERE xid >= %(xmin)s::xid8 AND deliver_at <= %(at)s
                     ORDER BY xid LIMIT 1) IS NOT NULL))
