@@ -24,7 +24,7 @@ from datetime import UTC, datetime, timedelta
 import psycopg
 
 from delaywheel import Message, Store
-from delaywheel.producer import _LEVEL_COLUMNS, _LEVEL_TYPES  # the exact columns send_many COPYs
+from delaywheel.producer import SEGMENT_MAX
 
 from .common import (
     Check,
@@ -45,6 +45,11 @@ from .common import (
 TOPIC = "bench.orders"
 EMPTY_DB = "delaywheel_bench_empty"
 T0 = datetime(2031, 1, 1, tzinfo=UTC)  # injected clock origin: an empty hour partition
+# The baseline's rows: every field a level message carries, one row per message (what the level queue stored
+# before sql/011), written by binary COPY with psycopg's write_row, as a hand-written loader would.
+COLUMNS = ("id", "level", "requested_level", "topic", "key", "tags", "properties", "body", "is_json",
+           "reconsume_times", "deliver_at", "enqueued_at")
+TYPES = ["int8", "int2", "int4", "text", "text", "text", "jsonb", "bytea", "bool", "int4", "timestamptz", "timestamptz"]
 RAW_TABLE = """CREATE TABLE {name} (id bigint, level smallint, requested_level int, topic text, key text,
     tags text, properties jsonb, body bytea, is_json boolean, reconsume_times int, deliver_at timestamptz,
     enqueued_at timestamptz)"""
@@ -57,25 +62,15 @@ def _messages(start: int, levels: list[int], prefix: str) -> list[Message]:
             for j, lv in enumerate(levels)]
 
 
-# level_queue's indexes, one raw table each, to show what each costs a plain COPY (the same DDL as sql/001)
-INDEXES = {
-    "fifo": "CREATE INDEX ON {t} (level, xid, id)",
-    "id": "CREATE INDEX ON {t} (id)",
-    "key": "CREATE INDEX ON {t} (key) WHERE key IS NOT NULL",
-}
-
-
 def send_vs_copy(store: Store, raw: psycopg.Connection, count: int, batch: int, at: datetime) -> dict[str, float]:
-    """Rates for the same rows (levels 2-17 at random, a key, tags and a ~90-byte body): ours, raw COPY into a
-    plain table, into a table with all of level_queue's indexes, and into one table per index."""
-    tables = {"raw": [], "all indexes": list(INDEXES.values()), **{f"{n} index": [ddl] for n, ddl in INDEXES.items()}}
-    names = {side: f"raw_{n}" for n, side in enumerate(tables)}
-    for side, ddls in tables.items():
-        raw.execute(RAW_TABLE.format(name=names[side]))
-        if any("xid" in ddl for ddl in ddls):  # level_queue's column, filled by default as there
-            raw.execute(f"ALTER TABLE {names[side]} ADD COLUMN xid xid8 NOT NULL DEFAULT pg_current_xact_id()")
-        for ddl in ddls:
-            raw.execute(ddl.format(t=names[side]))  # type: ignore[arg-type]
+    """Rates for the same rows (levels 2-17 at random, a key, tags and a ~90-byte body): ours, a raw COPY into a
+    plain table, and into a plain table with a per-message FIFO index (level, xid, id), the level queue's layout
+    before segments (sql/011)."""
+    tables = {"raw": "raw_plain", "raw + FIFO index": "raw_fifo"}
+    for table in tables.values():
+        raw.execute(RAW_TABLE.format(name=table))
+    raw.execute("ALTER TABLE raw_fifo ADD COLUMN xid xid8 NOT NULL DEFAULT pg_current_xact_id()")
+    raw.execute("CREATE INDEX ON raw_fifo (level, xid, id)")
     rng = random.Random(2)
     watches = {side: Stopwatch() for side in ["ours", *tables]}
     for n, (start, size) in enumerate(chunks(count, batch)):
@@ -90,7 +85,7 @@ def send_vs_copy(store: Store, raw: psycopg.Connection, count: int, batch: int, 
                     store.send_many(messages, now=at)
                 else:
                     with raw.transaction():
-                        copy_rows(raw, names[side], _LEVEL_COLUMNS, _LEVEL_TYPES, rows)
+                        copy_rows(raw, tables[side], COLUMNS, TYPES, rows)
     return {side: watch.rate for side, watch in watches.items()}
 
 
@@ -140,7 +135,7 @@ def deliver_vs_move(store: Store, raw: psycopg.Connection, count: int, batch: in
     """Rates (ours, raw move) for a due backlog of `count` level-1 messages and the same rows in a plain table."""
     send_level(store, count, batch, 1, at, "backlog")
     raw.execute(RAW_TABLE.format(name="raw_src"))
-    raw.execute(f"INSERT INTO raw_src SELECT {', '.join(_LEVEL_COLUMNS)} FROM delaywheel.level_queue"
+    raw.execute(f"INSERT INTO raw_src SELECT {', '.join(COLUMNS)} FROM delaywheel.level_queue"
                 " WHERE level = 1 AND enqueued_at = %s", (at,))
     raw.execute("ALTER TABLE raw_src ADD PRIMARY KEY (id)")
     raw.execute(RAW_TABLE.format(name="raw_dst"))
@@ -163,7 +158,7 @@ def send_latency(store: Store, raw: psycopg.Connection, count: int) -> tuple[lis
     """Milliseconds per single `send` (real clock, one transaction each) and per single-row INSERT."""
     store.prepare()
     raw.execute(RAW_TABLE.format(name="raw_single"))
-    insert = f"INSERT INTO raw_single ({', '.join(_LEVEL_COLUMNS)}) VALUES ({', '.join(['%s'] * 12)})"
+    insert = f"INSERT INTO raw_single ({', '.join(COLUMNS)}) VALUES ({', '.join(['%s'] * 12)})"
     ours, base = [], []
     for i in range(count):
         started = time.perf_counter()
@@ -189,19 +184,26 @@ def flat_rounds(stores: dict[str, Store], count: int, batch: int, at: datetime, 
 
 
 def fill_pending(store: Store, count: int, at: datetime) -> None:
-    """`count` pending level-18 messages enqueued at `at` (same hour partition as the measurements)."""
+    """`count` pending level-18 messages enqueued at `at` (same hour partition as the measurements), in segments
+    of SEGMENT_MAX as send_many writes them, each segment's ids from its own block."""
     store.prepare(now=at)
-    for start in range(0, count, 1_000_000):
+    segments = -(-count // SEGMENT_MAX)
+    for start in range(0, segments, 1000):
         with store.conn.transaction():
             store.conn.execute(
-                "INSERT INTO delaywheel.level_queue (id, level, requested_level, topic, key, tags, body, is_json,"
-                " deliver_at, enqueued_at)"
-                " SELECT nextval('delaywheel.message_id_seq'), 18, 18, 'bench.backdrop', 'backdrop-' || g, 'created',"
-                " %(body)s, false, %(due)s, %(at)s FROM generate_series(%(a)s::bigint, %(b)s::bigint) g",
-                {"body": body(0), "due": at + store.settings.level_delay(18), "at": at,
-                 "a": start + 1, "b": min(count, start + 1_000_000)},
+                "INSERT INTO delaywheel.level_segments (id_first, id_last, level, requested_level, reconsume_times,"
+                " deliver_at, enqueued_at, n, ids, topics, keys, tags, properties, bodies, is_json)"
+                " SELECT b, b + %(m)s - 1, 18, 18, 0, %(due)s, %(at)s, %(m)s,"
+                " ARRAY(SELECT b + i FROM generate_series(0, %(m)s - 1) i), array_fill('bench.backdrop'::text, ARRAY[%(m)s]),"
+                " ARRAY(SELECT 'backdrop-' || (s * %(m)s + i) FROM generate_series(0, %(m)s - 1) i),"
+                " array_fill('created'::text, ARRAY[%(m)s]), array_fill(NULL::jsonb, ARRAY[%(m)s]),"
+                " array_fill(%(body)s::bytea, ARRAY[%(m)s]), array_fill(false, ARRAY[%(m)s])"
+                " FROM (SELECT s, nextval('delaywheel.message_id_seq') AS b"
+                "       FROM generate_series(%(a)s::bigint, %(b)s::bigint) s) blocks",
+                {"body": body(0), "due": at + store.settings.level_delay(18), "at": at, "m": SEGMENT_MAX,
+                 "a": start, "b": min(segments, start + 1000) - 1},
             )
-    store.conn.execute("VACUUM (ANALYZE) delaywheel.level_queue")  # settle, as a store holding 10M would be
+    store.conn.execute("VACUUM (ANALYZE) delaywheel.level_segments")  # settle, as a store holding 10M would be
     store.conn.execute("CHECKPOINT")  # write the fill's dirty pages now, not while the flat rounds are timed
 
 
@@ -211,7 +213,7 @@ def settle(store: Store, count: int, batch: int, at: datetime) -> None:
     store's first pass, creating partitions and planning without statistics, ran 20 % slower than later ones."""
     send_level(store, count, batch, 1, at, "settle")
     Drain(store, 1, at + timedelta(seconds=5), count).run()
-    for table in ("delaywheel.level_queue", "delaywheel.topic_messages"):
+    for table in ("delaywheel.level_segments", "delaywheel.topic_messages"):
         store.conn.execute(f"VACUUM (ANALYZE) {table}")  # type: ignore[arg-type]
 
 
@@ -230,15 +232,13 @@ def main() -> list[Check]:
     with Store(url) as store, psycopg.connect(url, autocommit=True) as raw:
         log(f"send_many vs raw COPY: {n_send} messages in batches of {args.batch}")
         rates = send_vs_copy(store, raw, n_send, args.batch, T0 + timedelta(minutes=5))
-        ours, base, indexed = rates["ours"], rates["raw"], rates["all indexes"]
+        ours, base, indexed = rates["ours"], rates["raw"], rates["raw + FIFO index"]
         checks.append(at_least("send_many vs raw COPY (msg/s)", ours, base, 0.6))
         log("   " + ", ".join(f"{side} {rate:,.0f} msg/s" for side, rate in rates.items()))
-        notes.append(f"send_many batches of {args.batch:,}; raw COPY into a plain table with level_queue's three "
-                     f"indexes (same run, interleaved): {indexed:,.0f} msg/s — ours is {ours / indexed:.2f} of that")
-        notes.append("what each index costs a plain COPY, per row: " + ", ".join(
-            f"{name} {1e6 / rates[name + ' index'] - 1e6 / base:.2f} µs" for name in INDEXES)
-            + f" (plain COPY {1e6 / base:.2f} µs, all three {1e6 / indexed:.2f} µs, ours {1e6 / ours:.2f} µs); "
-            f"0.6 of the plain COPY leaves {1e6 / base / 0.6:.2f} µs per message for everything")
+        notes.append(f"send_many batches of {args.batch:,} (levels 2-17 at random: segments of up to {SEGMENT_MAX} "
+                     f"per level); per message: ours {1e6 / ours:.2f} µs, raw COPY {1e6 / base:.2f} µs, raw COPY into "
+                     f"a table with a per-message FIFO index (the level queue before sql/011) {1e6 / indexed:.2f} µs "
+                     f"({indexed:,.0f} msg/s, same run, interleaved)")
         log(f"delivery vs raw move: backlog of {n_backlog} due level-1 messages")
         ours, base, waits = deliver_vs_move(store, raw, n_backlog, args.batch, T0 + timedelta(minutes=10))
         checks.append(at_least("level delivery vs raw batched move (msg/s)", ours, base, 0.5))

@@ -26,6 +26,7 @@ import psycopg
 
 from delaywheel import Message, Store, runner
 from delaywheel.partitions import DAY, HOUR, floor_to
+from delaywheel.producer import SEGMENT_MAX
 
 from . import naive
 from .common import (
@@ -210,7 +211,7 @@ def fill_pending(store: Store, count: int, first_due: datetime, span: timedelta)
         conn.execute("SELECT delaywheel.ensure_partition('wheel', h, h + interval '1 hour')"
                      " FROM generate_series(%s::timestamptz, %s::timestamptz - interval '1 hour', interval '1 hour') h",
                      (floor_to(first_due, HOUR), near_until))
-        conn.execute("SELECT delaywheel.ensure_partition('wheel_far', d, d + interval '1 day')"
+        conn.execute("SELECT delaywheel.ensure_partition('wheel_far_segments', d, d + interval '1 day')"
                      " FROM generate_series(%s::timestamptz, %s::timestamptz, interval '1 day') d",
                      (near_until, floor_to(first_due + span, DAY)))
     for start in range(0, count, 1_000_000):
@@ -222,13 +223,20 @@ def fill_pending(store: Store, count: int, first_due: datetime, span: timedelta)
                            FROM generate_series(%(a)s::bigint, %(b)s::bigint) i),
                 near AS (INSERT INTO delaywheel.wheel (id, topic, key, tags, body, is_json, deliver_at, enqueued_at)
                          SELECT id, 'bench.backdrop', key, 'created', %(body)s, false, due, clock_timestamp()
-                         FROM g WHERE due < %(near)s)
-                INSERT INTO delaywheel.wheel_far (id, topic, key, tags, body, is_json, deliver_at, enqueued_at)
-                SELECT id, 'bench.backdrop', key, 'created', %(body)s, false, due, clock_timestamp()
-                FROM g WHERE due >= %(near)s
+                         FROM g WHERE due < %(near)s),
+                far AS (SELECT *, row_number() OVER (PARTITION BY block ORDER BY id) AS r
+                        FROM (SELECT *, 'epoch'::timestamptz + floor(extract(epoch FROM due) / 86400) * interval '1 day'
+                                        AS block FROM g WHERE due >= %(near)s) f)
+                INSERT INTO delaywheel.wheel_far_segments (id_first, id_last, block, enqueued_at, n, ids, deliver_ats,
+                                                           keys, bodies, topics, tags, properties, is_json)
+                SELECT min(id), max(id), block, clock_timestamp(), count(*), array_agg(id ORDER BY id),
+                       array_agg(due AT TIME ZONE 'UTC' ORDER BY id), array_agg(key ORDER BY id),
+                       array_fill(%(body)s::bytea, ARRAY[count(*)::int]), ARRAY['bench.backdrop'], ARRAY['created'],
+                       ARRAY[NULL::text], ARRAY[false]
+                FROM far GROUP BY block, (r - 1) / %(segment)s
                 """,
                 {"lo": first_due, "span": span, "a": start + 1, "b": min(count, start + 1_000_000),
-                 "body": body(0), "near": near_until},
+                 "body": body(0), "near": near_until, "segment": SEGMENT_MAX},
             )
 
 
@@ -246,13 +254,14 @@ def cycle(store: Store, other: psycopg.Connection, count: int, batch: int, hour:
 
 
 def cancel_latency(store: Store, other: psycopg.Connection, count: int) -> dict[str, tuple[float, float]]:
-    """Single cancels by key of pending backdrop timers: near ones (B-tree on key) and far ones (BRIN bloom
-    summaries, sql/008); (p50, max) in ms for each."""
+    """Single cancels by key of pending backdrop timers: near ones (B-tree on key) and far ones (far-block segments,
+    sql/012); (p50, max) in ms for each."""
     figures = {}
-    for lane, table in (("near", "delaywheel.wheel"), ("far", "delaywheel.wheel_far")):
-        keys = [k for (k,) in other.execute(
-            f"SELECT key FROM {table} TABLESAMPLE SYSTEM (1) WHERE key LIKE 'backdrop-%%' LIMIT %s",  # type: ignore[arg-type]
-            (count,))]
+    samples = {"near": "SELECT key FROM delaywheel.wheel TABLESAMPLE SYSTEM (1) WHERE key LIKE 'backdrop-%%' LIMIT %s",
+               "far": "SELECT k FROM delaywheel.wheel_far_segments TABLESAMPLE SYSTEM (1), unnest(keys[1:1]) k"
+                      " WHERE k LIKE 'backdrop-%%' LIMIT %s"}
+    for lane, sample in samples.items():
+        keys = [k for (k,) in other.execute(sample, (count,))]  # type: ignore[arg-type]
         times = []
         for key in keys:
             started = time.perf_counter()
@@ -265,7 +274,7 @@ def cancel_latency(store: Store, other: psycopg.Connection, count: int) -> dict[
 
 def sizes(conn: psycopg.Connection) -> dict[str, int]:
     return {
-        "ours_queue": table_bytes(conn, "delaywheel.wheel") + table_bytes(conn, "delaywheel.wheel_far"),
+        "ours_queue": table_bytes(conn, "delaywheel.wheel") + table_bytes(conn, "delaywheel.wheel_far_segments"),
         "ours_topic": table_bytes(conn, "delaywheel.topic_messages"),
         "naive_queue": table_bytes(conn, "naive.queue"),
         "naive_topic": table_bytes(conn, "naive.topic"),
@@ -318,7 +327,7 @@ def main() -> list[Check]:
         first_due, span = real0 + 4 * HOUR, timedelta(days=30) - 4 * HOUR
         fill_pending(store, n_pending, first_due, span)
         naive.fill(other, n_pending, first_due, span, body(0))
-        for table in ("naive.queue", "delaywheel.wheel", "delaywheel.wheel_far"):  # settle after the bulk load
+        for table in ("naive.queue", "delaywheel.wheel", "delaywheel.wheel_far_segments"):  # settle after the bulk load
             other.execute(f"VACUUM (ANALYZE) {table}")  # type: ignore[arg-type]
         other.execute("CHECKPOINT")  # write the fill's dirty pages now, not while step 5 is being timed
         notes.append(f"pending backdrop: {n_pending:,} messages each in the wheel and the naive table, due 4 h - 30 d "
@@ -355,13 +364,13 @@ def main() -> list[Check]:
             f"{lane} p50 {p50:.1f} ms, max {top:.1f} ms" for lane, (p50, top) in summarized_cancels.items()))
 
         log(f"6. full cycle: {n_cycle} messages due within one hour enqueued, delivered, retired / deleted")
-        for table in ("delaywheel.wheel", "delaywheel.wheel_far", "naive.queue"):
+        for table in ("delaywheel.wheel", "delaywheel.wheel_far_segments", "naive.queue"):
             other.execute(f"VACUUM {table}")  # type: ignore[arg-type]
         before = sizes(other)
         hour = floor_to(real0, HOUR) + 3 * HOUR  # after step 5's instant, before the backdrop's first due time
         ours_cycle, naive_cycle = cycle(store, other, n_cycle, args.batch, hour)
         retired = store.retire(now=hour + HOUR)
-        for table in ("delaywheel.wheel", "delaywheel.wheel_far", "naive.queue"):
+        for table in ("delaywheel.wheel", "delaywheel.wheel_far_segments", "naive.queue"):
             other.execute(f"VACUUM {table}")  # type: ignore[arg-type]
         after = sizes(other)
         checks.append(smaller("queue tables' growth over the cycle (bytes)", after["ours_queue"] - before["ours_queue"],
@@ -381,8 +390,8 @@ def main() -> list[Check]:
             f"{mib(before['naive_queue'])}; after the cycle (ours retired, naive deleted; plain VACUUM): ours "
             f"{mib(after['ours_queue'])}, naive {mib(after['naive_queue'])}; topic tables after: ours "
             f"{mib(after['ours_topic'])}, naive {mib(after['naive_topic'])}",
-            "indexes: wheel (deliver_at, id), xid, id, key; wheel_far BRIN only (minmax-multi on id, bloom on key; "
-            "sql/008); naive queue: primary key and deliver_at only (no key index, so no cancel by key); topic "
+            f"indexes: wheel (deliver_at, id), xid, id, key; far blocks: one row per send call and far day (up to "
+            f"{SEGMENT_MAX} timers, sql/012) with a GiST index on its id range; naive queue: primary key and deliver_at only (no key index, so no cancel by key); topic "
             "tables: ours 2 B-trees and a BRIN bloom on key (sql/009), naive 1",
             f"single cancel by key with {n_pending:,} pending (20 each), right after the bulk deliveries above: near timer "
             f"p50 {cancels['near'][0]:.1f} ms, max {cancels['near'][1]:.1f} ms; far timer p50 {cancels['far'][0]:.1f} ms, "
