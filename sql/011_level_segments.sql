@@ -35,6 +35,7 @@ CREATE TABLE delaywheel.level_segments (
     properties      text[]      NOT NULL,          -- JSON objects as text, read as jsonb (NULL elements: none)
     bodies          bytea[]     NOT NULL,
     is_json         boolean[]   NOT NULL,
+    key_bloom       bytea,                         -- Bloom filter of keys (keyblooms.py); NULL: read the keys
     CHECK (n >= 1 AND id_first = ids[1] AND id_last = ids[n] AND cardinality(ids) = n
            AND cardinality(keys) = n AND cardinality(bodies) = n AND cardinality(topics) IN (1, n)
            AND cardinality(tags) IN (1, n) AND cardinality(properties) IN (1, n) AND cardinality(is_json) IN (1, n))
@@ -43,7 +44,7 @@ ALTER TABLE delaywheel.level_segments
     ALTER COLUMN ids SET STORAGE EXTERNAL, ALTER COLUMN topics SET STORAGE EXTERNAL,
     ALTER COLUMN keys SET STORAGE EXTERNAL, ALTER COLUMN tags SET STORAGE EXTERNAL,
     ALTER COLUMN properties SET STORAGE EXTERNAL, ALTER COLUMN bodies SET STORAGE EXTERNAL,
-    ALTER COLUMN is_json SET STORAGE EXTERNAL;
+    ALTER COLUMN is_json SET STORAGE EXTERNAL, ALTER COLUMN key_bloom SET STORAGE EXTERNAL;
 CREATE INDEX level_segments_fifo ON delaywheel.level_segments (level, xid, id_last);
 -- cancel by id: the segment whose id range holds the message (ranges of concurrent segments overlap)
 CREATE INDEX level_segments_ids ON delaywheel.level_segments USING gist (int8range(id_first, id_last, '[]'));
@@ -68,6 +69,18 @@ DROP TABLE delaywheel.level_queue;
 CREATE FUNCTION delaywheel.spread(items anyarray, n integer) RETURNS anyarray
 LANGUAGE sql IMMUTABLE PARALLEL SAFE
 AS $$ SELECT CASE WHEN cardinality(items) = 1 AND n > 1 THEN array_fill(items[1], ARRAY[n]) ELSE items END $$;
+
+-- May a segment hold a key with hashes (h1, h2)? Bits (h1 + i * h2) mod m, i < 4, of its filter (keyblooms.py
+-- computes the hashes, for a send's keys and a looked-up key alike). A segment without a filter may hold any key.
+CREATE FUNCTION delaywheel.bloom_may_hold(bloom bytea, h1 bigint, h2 bigint) RETURNS boolean
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+AS $$
+    SELECT bloom IS NULL OR (
+        get_bit(bloom, (h1 % (8 * octet_length(bloom)))::int) = 1
+        AND get_bit(bloom, ((h1 + h2) % (8 * octet_length(bloom)))::int) = 1
+        AND get_bit(bloom, ((h1 + 2 * h2) % (8 * octet_length(bloom)))::int) = 1
+        AND get_bit(bloom, ((h1 + 3 * h2) % (8 * octet_length(bloom)))::int) = 1)
+$$;
 
 CREATE VIEW delaywheel.level_queue AS
 SELECT m.id, s.xid, s.level, s.requested_level, m.topic, m.key, m.tags, m.properties::jsonb AS properties,

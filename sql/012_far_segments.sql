@@ -6,7 +6,7 @@
 -- searched by cancel, so nothing needs its messages as rows: a call writes one row per far day (up to 1,000
 -- messages), its messages as arrays in send order, due times included (as UTC `timestamp`: binary COPY of a
 -- `timestamptz[]` needs that element type, which the encoder does not write). Cancel finds a segment by its id
--- range (GiST) or by scanning the pending segments' keys; the roll unnests a block into the near wheel.
+-- range (GiST) or by its keys' Bloom filter (sql/011); the roll unnests a block into the near wheel.
 -- `delaywheel.wheel_far` becomes a view with the old row per message.
 
 CREATE TABLE delaywheel.wheel_far_segments (
@@ -25,6 +25,7 @@ CREATE TABLE delaywheel.wheel_far_segments (
     tags        text[]      NOT NULL,
     properties  text[]      NOT NULL,          -- JSON objects as text
     is_json     boolean[]   NOT NULL,
+    key_bloom   bytea,                         -- Bloom filter of keys (sql/011); NULL: read the keys
     CHECK (n >= 1 AND id_first = ids[1] AND id_last = ids[n] AND cardinality(ids) = n
            AND cardinality(deliver_ats) = n AND cardinality(keys) = n AND cardinality(bodies) = n
            AND cardinality(topics) IN (1, n) AND cardinality(tags) IN (1, n)
@@ -34,7 +35,8 @@ ALTER TABLE delaywheel.wheel_far_segments
     ALTER COLUMN ids SET STORAGE EXTERNAL, ALTER COLUMN deliver_ats SET STORAGE EXTERNAL,
     ALTER COLUMN keys SET STORAGE EXTERNAL, ALTER COLUMN bodies SET STORAGE EXTERNAL,
     ALTER COLUMN topics SET STORAGE EXTERNAL, ALTER COLUMN tags SET STORAGE EXTERNAL,
-    ALTER COLUMN properties SET STORAGE EXTERNAL, ALTER COLUMN is_json SET STORAGE EXTERNAL;
+    ALTER COLUMN properties SET STORAGE EXTERNAL, ALTER COLUMN is_json SET STORAGE EXTERNAL,
+    ALTER COLUMN key_bloom SET STORAGE EXTERNAL;
 CREATE INDEX wheel_far_segments_ids ON delaywheel.wheel_far_segments USING gist (int8range(id_first, id_last, '[]'));
 
 -- Pending far rows move over as segments of one, keeping their xid.

@@ -14,6 +14,7 @@ from datetime import datetime, timedelta
 import pytest
 
 from delaywheel import Store
+from delaywheel.keyblooms import probe
 from delaywheel.pending import WHEEL_HEAD
 from delaywheel.validation import Message
 
@@ -112,3 +113,24 @@ def test_a_cancel_by_key_finds_a_delivered_message_by_page_summaries(store: Stor
     before = rows_read(store, "topic_messages_p%")
     assert [r.outcome for r in store.cancel(key="order-12000")] == ["already_delivered"]
     assert rows_read(store, "topic_messages_p%") - before < BACKLOG / 5
+
+
+def test_a_cancel_by_key_reads_the_keys_of_the_segments_its_filter_lets_through(store: Store, t0: datetime) -> None:
+    """Each segment carries a Bloom filter of its keys (keyblooms.py): of 40 segments (20 level, 20 far) only the
+    one holding a key passes it, give or take a false positive, and no key that is there is ever missed."""
+    store.advance_wheel(now=t0)
+    far = t0 + timedelta(days=20)
+    store.send_many([Message("orders", b"x", delay_level=18, key=f"order-{i}") for i in range(BACKLOG)], now=t0)
+    store.send_many([Message("orders", b"x", deliver_at=far, key=f"far-{i}") for i in range(BACKLOG)], now=t0)
+    through = """SELECT count(*) FILTER (WHERE delaywheel.bloom_may_hold(key_bloom, %(h1)s, %(h2)s)),
+                        count(*) FILTER (WHERE keys @> ARRAY[%(k)s]) FROM delaywheel.{} s"""
+    passed = []
+    for key in [f"order-{i}" for i in range(0, BACKLOG, 97)] + [f"far-{i}" for i in range(0, BACKLOG, 97)]:
+        h1, h2 = probe(key)
+        for table in ("level_segments", "wheel_far_segments"):
+            let_through, holding = store.conn.execute(through.format(table), {"h1": h1, "h2": h2, "k": key}).fetchone()
+            assert let_through >= holding  # never a false negative
+            passed.append(let_through - holding)
+    assert sum(passed) <= 0.05 * len(passed) * 20  # false positives: about 1 % of the segments without the key
+    assert [r.outcome for r in store.cancel(key="far-12345")] == ["cancelled"]
+    assert [r.outcome for r in store.cancel(key="order-54321")] == ["not_found"]

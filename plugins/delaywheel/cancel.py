@@ -13,6 +13,7 @@ from typing import Literal
 import psycopg
 
 from .db import LOOKUP_PLAN
+from .keyblooms import probe
 from .levels import LEVEL_LOCK
 from .partitions import PartitionCache
 from .pending import PENDING, STILL_PENDING, pending
@@ -46,11 +47,11 @@ def _lock_level_lanes(conn: psycopg.Connection, segments: str, params: dict[str,
         conn.execute("SELECT pg_advisory_xact_lock(%s, %s)", (LEVEL_LOCK, level))
 
 
-# Finding one message: the level segments that may hold it (by their id ranges; by key, every pending segment's
-# keys: segments carry no key index, see DESIGN.md), then the message itself.
+# Finding one message: the segments that may hold it (by their id ranges; by key, the pending segments whose key
+# filter lets it through: segments carry no key index, see keyblooms.py), then the message itself.
 _LOOKUP = {
     "id": ("int8range(s.id_first, s.id_last, '[]') @> %(v)s::bigint", "q.id = %(v)s"),
-    "key": ("s.keys @> ARRAY[%(v)s::text]", "q.key = %(v)s"),
+    "key": ("delaywheel.bloom_may_hold(s.key_bloom, %(h1)s, %(h2)s) AND s.keys @> ARRAY[%(v)s::text]", "q.key = %(v)s"),
 }
 
 
@@ -60,7 +61,10 @@ def cancel(
     """Cancel one message by id, or every message with a key; one result per message found."""
     if (message_id is None) == (key is None):
         raise ValueError("cancel needs exactly one of message_id or key")
-    params: dict[str, object] = {"v": message_id if message_id is not None else key}
+    params: dict[str, object] = {"v": message_id}
+    if key is not None:
+        h1, h2 = probe(key)
+        params = {"v": key, "h1": h1, "h2": h2}
     segments, rows = _LOOKUP["id" if message_id is not None else "key"]
     with conn.transaction():
         conn.execute(f"SELECT {LOOKUP_PLAN}")

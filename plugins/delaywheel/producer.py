@@ -24,6 +24,7 @@ from psycopg import errors
 
 from .columns import DIRECT, EPOCH, LEVEL, TIMESTAMP, US, WHEEL, Columns, micros, prepare_columns
 from .config import Settings
+from .keyblooms import segment_blooms
 from .partitions import DAY, WIDTH, PartitionCache, floor_to
 from .validation import Message
 
@@ -140,14 +141,14 @@ def _segments(ids: np.ndarray, c: Columns, *keys: np.ndarray) -> tuple[np.ndarra
 
 
 def _segment_columns(ids: np.ndarray, c: Columns, starts: np.ndarray, counts: np.ndarray) -> dict[str, pa.Array]:
-    """The columns every segment table has: its id range and count, and its messages as lists."""
+    """The columns every segment table has: its id range and count, its messages as lists, its keys' filter."""
     offsets = pa.array(np.append(starts, len(ids)).astype(np.int32))
     return {
         "id_first": ids[starts], "id_last": ids[starts + counts - 1], "n": counts.astype(np.int32),
         "ids": pa.ListArray.from_arrays(offsets, pa.array(ids)), "keys": pa.ListArray.from_arrays(offsets, c.key),
         "bodies": pa.ListArray.from_arrays(offsets, c.body), "topics": _spread(c.topic, starts, counts),
         "tags": _spread(c.tags, starts, counts), "properties": _spread(c.properties, starts, counts),
-        "is_json": _spread(c.is_json, starts, counts),
+        "is_json": _spread(c.is_json, starts, counts), "key_bloom": segment_blooms(c.key, starts, counts),
     }
 
 
