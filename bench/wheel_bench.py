@@ -22,9 +22,12 @@ import threading
 import time
 from datetime import UTC, datetime, timedelta
 
+import numpy as np
 import psycopg
+import pyarrow as pa
 
 from delaywheel import Message, Store, runner
+from delaywheel.keyblooms import segment_blooms
 from delaywheel.partitions import DAY, HOUR, floor_to
 from delaywheel.producer import SEGMENT_MAX
 
@@ -216,7 +219,7 @@ def fill_pending(store: Store, count: int, first_due: datetime, span: timedelta)
                      (near_until, floor_to(first_due + span, DAY)))
     for start in range(0, count, 1_000_000):
         with conn.transaction():
-            conn.execute(
+            segments = conn.execute(
                 """
                 WITH g AS (SELECT nextval('delaywheel.message_id_seq') AS id, 'backdrop-' || i AS key,
                                   %(lo)s + random() * %(span)s AS due
@@ -234,10 +237,22 @@ def fill_pending(store: Store, count: int, first_due: datetime, span: timedelta)
                        array_fill(%(body)s::bytea, ARRAY[count(*)::int]), ARRAY['bench.backdrop'], ARRAY['created'],
                        ARRAY[NULL::text], ARRAY[false]
                 FROM far GROUP BY block, (r - 1) / %(segment)s
+                RETURNING id_first, keys
                 """,
                 {"lo": first_due, "span": span, "a": start + 1, "b": min(count, start + 1_000_000),
                  "body": body(0), "near": near_until, "segment": SEGMENT_MAX},
-            )
+            ).fetchall()
+            _add_key_filters(conn, segments)
+
+
+def _add_key_filters(conn: psycopg.Connection, segments: list[tuple[int, list[str]]]) -> None:
+    """Each filled far segment's key filter, as send_many writes it (SQL cannot hash keys the way keyblooms does)."""
+    counts = np.array([len(keys) for _, keys in segments])
+    starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
+    blooms = segment_blooms(pa.array([k for _, keys in segments for k in keys], pa.string()), starts, counts)
+    conn.execute("UPDATE delaywheel.wheel_far_segments s SET key_bloom = f.bloom"
+                 " FROM unnest(%s::bigint[], %s::bytea[]) AS f(id_first, bloom) WHERE s.id_first = f.id_first",
+                 ([i for i, _ in segments], blooms.to_pylist()))
 
 
 def cycle(store: Store, other: psycopg.Connection, count: int, batch: int, hour: datetime) -> tuple[Stopwatch, Stopwatch]:
