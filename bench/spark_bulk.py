@@ -104,8 +104,8 @@ def main() -> list[Check]:
     print_section(f"Bulk enqueue from Parquet, {count:,} rows", checks, [
         f"ours {ours:.1f} s ({count / ours:,.0f} rows/s), raw COPY {raw:.1f} s, Spark JDBC writer {jdbc:.1f} s, "
         f"JDBC writer with reWriteBatchedInserts=true {jdbc_rewrite:.1f} s ({count / jdbc_rewrite:,.0f} rows/s)",
-        "ours validates every row with the library's rules, claims (source, key) for idempotency and COPYs into the "
-        "indexed level-queue partitions; the baselines write 4 columns into an unindexed plain table",
+        "ours validates every row with the library's rules, claims (source, key) for idempotency and COPYs level "
+        "segments (sql/011); the baselines write 4 columns into an unindexed plain table",
         f"Spark local[*] on {spark.sparkContext.defaultParallelism} cores; all rows in every table counted afterwards",
     ], started_at, f"python -m bench.spark_bulk --scale {args.scale}")
     spark.stop()

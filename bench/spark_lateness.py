@@ -30,18 +30,24 @@ W0 = datetime(2031, 2, 1, tzinfo=UTC)
 WINDOW = timedelta(minutes=15)
 BUDGET_S = 120.0
 
+# level segments as send_many writes them: 1,000 messages of one level and due time each (sql/011)
 QUEUE = """
-INSERT INTO delaywheel.level_queue (id, level, requested_level, topic, key, body, is_json, deliver_at, enqueued_at)
-SELECT i, lv, lv, 'bench.t' || (i %% 4), 'k' || i, '\\x7b7d'::bytea, true, due,
-       due - make_interval(secs => (%(delays)s::float8[])[lv])
-FROM (SELECT i, 1 + (i %% 18) AS lv, %(w0)s::timestamptz + make_interval(secs => (i %% %(span)s) / 1000.0) AS due
+INSERT INTO delaywheel.level_segments (id_first, id_last, level, requested_level, reconsume_times, deliver_at,
+                                       enqueued_at, n, ids, topics, keys, tags, properties, bodies, is_json)
+SELECT min(i), max(i), lv, lv, 0, due, due - make_interval(secs => (%(delays)s::float8[])[lv]), count(*),
+       array_agg(i ORDER BY i), array_agg('bench.t' || (i %% 4) ORDER BY i), array_agg('k' || i ORDER BY i),
+       ARRAY[NULL::text], ARRAY[NULL::text], array_fill('\\x7b7d'::bytea, ARRAY[count(*)::int]), ARRAY[true]
+FROM (SELECT i, (i - 1) / 1000 AS g, 1 + ((i - 1) / 1000 %% 18) AS lv,
+             %(w0)s::timestamptz + make_interval(secs => (((i - 1) / 1000 * 7919) %% %(span)s) / 1000.0) AS due
       FROM generate_series(%(lo)s::bigint, %(hi)s::bigint) i) g
+GROUP BY g, lv, due
 """
 DELIVERIES = """
 INSERT INTO delaywheel.topic_messages (topic, message_id, origin, level, key, body, is_json, deliver_at, delivered_at)
-SELECT topic, id, 'level', level, key, body, is_json, deliver_at,
-       deliver_at + make_interval(secs => ((id * 7919) %% 400) / 1000.0)
-FROM delaywheel.level_queue WHERE id BETWEEN %(lo)s AND %(hi)s
+SELECT m.topic, m.id, 'level', s.level, m.key, m.body, true, s.deliver_at,
+       s.deliver_at + make_interval(secs => ((m.id * 7919) %% 400) / 1000.0)
+FROM delaywheel.level_segments s, unnest(s.ids, s.topics, s.keys, s.bodies) AS m(id, topic, key, body)
+WHERE s.id_first BETWEEN %(lo)s AND %(hi)s
 """
 
 
@@ -51,7 +57,7 @@ def populate(url: str, count: int) -> None:
     span = int(WINDOW.total_seconds() * 1000)
     with psycopg.connect(url, autocommit=True) as conn:
         cache = PartitionCache()
-        cache.ensure(conn, "level_queue", [W0 - max(settings.levels) - HOUR + HOUR * i for i in range(5)])
+        cache.ensure(conn, "level_segments", [W0 - max(settings.levels) - HOUR + HOUR * i for i in range(5)])
         cache.ensure(conn, "topic_messages", [W0])
         for lo in range(1, count + 1, 1_000_000):
             hi = min(count, lo + 999_999)
@@ -59,7 +65,7 @@ def populate(url: str, count: int) -> None:
             conn.execute(QUEUE, params)
             conn.execute(DELIVERIES, params)
             log(f"  {hi:,} written")
-        conn.execute("ANALYZE delaywheel.level_queue; ANALYZE delaywheel.topic_messages")
+        conn.execute("ANALYZE delaywheel.level_segments; ANALYZE delaywheel.topic_messages")
 
 
 def main() -> list[Check]:

@@ -22,13 +22,10 @@ import threading
 import time
 from datetime import UTC, datetime, timedelta
 
-import numpy as np
 import psycopg
-import pyarrow as pa
 
 from delaywheel import Message, Store, runner
-from delaywheel.keyblooms import segment_blooms
-from delaywheel.partitions import DAY, HOUR, floor_to
+from delaywheel.partitions import HOUR, floor_to
 from delaywheel.producer import SEGMENT_MAX
 
 from . import naive
@@ -203,56 +200,13 @@ def send_due_at(store: Store, count: int, batch: int, due: datetime, prefix: str
                          for j in range(size)])
 
 
-def fill_pending(store: Store, count: int, first_due: datetime, span: timedelta) -> None:
-    """`count` pending wheel messages due uniformly in [first_due, first_due + span): the near part in the
-    fine wheel, the rest in far blocks, exactly where send_many would put them (1M per transaction)."""
-    conn = store.conn
-    row = conn.execute("SELECT near_until FROM delaywheel.wheel_state").fetchone()
-    assert row is not None
-    near_until = row[0]
-    with conn.transaction():
-        conn.execute("SELECT delaywheel.ensure_partition('wheel', h, h + interval '1 hour')"
-                     " FROM generate_series(%s::timestamptz, %s::timestamptz - interval '1 hour', interval '1 hour') h",
-                     (floor_to(first_due, HOUR), near_until))
-        conn.execute("SELECT delaywheel.ensure_partition('wheel_far_segments', d, d + interval '1 day')"
-                     " FROM generate_series(%s::timestamptz, %s::timestamptz, interval '1 day') d",
-                     (near_until, floor_to(first_due + span, DAY)))
-    for start in range(0, count, 1_000_000):
-        with conn.transaction():
-            segments = conn.execute(
-                """
-                WITH g AS (SELECT nextval('delaywheel.message_id_seq') AS id, 'backdrop-' || i AS key,
-                                  %(lo)s + random() * %(span)s AS due
-                           FROM generate_series(%(a)s::bigint, %(b)s::bigint) i),
-                near AS (INSERT INTO delaywheel.wheel (id, topic, key, tags, body, is_json, deliver_at, enqueued_at)
-                         SELECT id, 'bench.backdrop', key, 'created', %(body)s, false, due, clock_timestamp()
-                         FROM g WHERE due < %(near)s),
-                far AS (SELECT *, row_number() OVER (PARTITION BY block ORDER BY id) AS r
-                        FROM (SELECT *, 'epoch'::timestamptz + floor(extract(epoch FROM due) / 86400) * interval '1 day'
-                                        AS block FROM g WHERE due >= %(near)s) f)
-                INSERT INTO delaywheel.wheel_far_segments (id_first, id_last, block, enqueued_at, n, ids, deliver_ats,
-                                                           keys, bodies, topics, tags, properties, is_json)
-                SELECT min(id), max(id), block, clock_timestamp(), count(*), array_agg(id ORDER BY id),
-                       array_agg(due AT TIME ZONE 'UTC' ORDER BY id), array_agg(key ORDER BY id),
-                       array_fill(%(body)s::bytea, ARRAY[count(*)::int]), ARRAY['bench.backdrop'], ARRAY['created'],
-                       ARRAY[NULL::text], ARRAY[false]
-                FROM far GROUP BY block, (r - 1) / %(segment)s
-                RETURNING id_first, keys
-                """,
-                {"lo": first_due, "span": span, "a": start + 1, "b": min(count, start + 1_000_000),
-                 "body": body(0), "near": near_until, "segment": SEGMENT_MAX},
-            ).fetchall()
-            _add_key_filters(conn, segments)
-
-
-def _add_key_filters(conn: psycopg.Connection, segments: list[tuple[int, list[str]]]) -> None:
-    """Each filled far segment's key filter, as send_many writes it (SQL cannot hash keys the way keyblooms does)."""
-    counts = np.array([len(keys) for _, keys in segments])
-    starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
-    blooms = segment_blooms(pa.array([k for _, keys in segments for k in keys], pa.string()), starts, counts)
-    conn.execute("UPDATE delaywheel.wheel_far_segments s SET key_bloom = f.bloom"
-                 " FROM unnest(%s::bigint[], %s::bytea[]) AS f(id_first, bloom) WHERE s.id_first = f.id_first",
-                 ([i for i, _ in segments], blooms.to_pylist()))
+def fill_pending(store: Store, count: int, first_due: datetime, span: timedelta, batch: int) -> None:
+    """`count` pending wheel messages due uniformly in [first_due, first_due + span), sent by send_many in batches:
+    near ones in the fine wheel, the rest in far segments with their key filters, as producers would leave them."""
+    rng = random.Random(7)
+    for start, size in chunks(count, batch):
+        store.send_many([Message("bench.backdrop", body(0), deliver_at=first_due + rng.random() * span,
+                                 key=f"backdrop-{start + j}", tags="created") for j in range(size)])
 
 
 def cycle(store: Store, other: psycopg.Connection, count: int, batch: int, hour: datetime) -> tuple[Stopwatch, Stopwatch]:
@@ -340,13 +294,13 @@ def main() -> list[Check]:
         log(f"4. filling {n_pending} pending in the wheel and in the naive table (due 4 h - 30 d)")
         filled = time.perf_counter()
         first_due, span = real0 + 4 * HOUR, timedelta(days=30) - 4 * HOUR
-        fill_pending(store, n_pending, first_due, span)
+        fill_pending(store, n_pending, first_due, span, args.batch)
         naive.fill(other, n_pending, first_due, span, body(0))
         for table in ("naive.queue", "delaywheel.wheel", "delaywheel.wheel_far_segments"):  # settle after the bulk load
             other.execute(f"VACUUM (ANALYZE) {table}")  # type: ignore[arg-type]
         other.execute("CHECKPOINT")  # write the fill's dirty pages now, not while step 5 is being timed
         notes.append(f"pending backdrop: {n_pending:,} messages each in the wheel and the naive table, due 4 h - 30 d "
-                     f"(SQL INSERT ... SELECT, {time.perf_counter() - filled:.0f} s for both), then VACUUM (ANALYZE) and "
+                     f"(ours by send_many, naive by SQL INSERT ... SELECT, {time.perf_counter() - filled:.0f} s for both), then VACUUM (ANALYZE) and "
                      "CHECKPOINT")
 
         log(f"5a. with {n_pending} pending: enqueue ours vs naive vs an empty store (interleaved), {n_enqueue} each")
@@ -406,7 +360,7 @@ def main() -> list[Check]:
             f"{mib(after['ours_queue'])}, naive {mib(after['naive_queue'])}; topic tables after: ours "
             f"{mib(after['ours_topic'])}, naive {mib(after['naive_topic'])}",
             f"indexes: wheel (deliver_at, id), xid, id, key; far blocks: one row per send call and far day (up to "
-            f"{SEGMENT_MAX} timers, sql/012) with a GiST index on its id range; naive queue: primary key and deliver_at only (no key index, so no cancel by key); topic "
+            f"{SEGMENT_MAX} timers, sql/012) with a GiST index on its id range and a Bloom filter of its keys in the row; naive queue: primary key and deliver_at only (no key index, so no cancel by key); topic "
             "tables: ours 2 B-trees and a BRIN bloom on key (sql/009), naive 1",
             f"single cancel by key with {n_pending:,} pending (20 each), right after the bulk deliveries above: near timer "
             f"p50 {cancels['near'][0]:.1f} ms, max {cancels['near'][1]:.1f} ms; far timer p50 {cancels['far'][0]:.1f} ms, "
