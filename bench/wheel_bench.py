@@ -226,9 +226,11 @@ def cancel_latency(store: Store, other: psycopg.Connection, count: int) -> dict[
     """Single cancels by key of pending backdrop timers: near ones (B-tree on key) and far ones (far-block segments,
     sql/012); (p50, max) in ms for each."""
     figures = {}
-    samples = {"near": "SELECT key FROM delaywheel.wheel TABLESAMPLE SYSTEM (1) WHERE key LIKE 'backdrop-%%' LIMIT %s",
-               "far": "SELECT k FROM delaywheel.wheel_far_segments TABLESAMPLE SYSTEM (1), unnest(keys[1:1]) k"
-                      " WHERE k LIKE 'backdrop-%%' LIMIT %s"}
+    samples = {"near": "SELECT key FROM delaywheel.wheel w WHERE key LIKE 'backdrop-%%' AND NOT EXISTS"
+                       " (SELECT FROM delaywheel.cancellations c WHERE c.message_id = w.id) ORDER BY random() LIMIT %s",
+               "far": "SELECT k FROM delaywheel.wheel_far_segments, unnest(ids[1:1], keys[1:1]) u(id, k) WHERE k LIKE 'backdrop-%%'"
+                      " AND NOT EXISTS (SELECT FROM delaywheel.cancellations c WHERE c.message_id = u.id)"
+                      " ORDER BY random() LIMIT %s"}
     for lane, sample in samples.items():
         keys = [k for (k,) in other.execute(sample, (count,))]  # type: ignore[arg-type]
         times = []
