@@ -94,16 +94,20 @@ def _as_lists(c: Columns) -> list[list[object]]:
     return [col.to_pylist() if isinstance(col, pa.Array) else col.tolist() for col in c]
 
 
-@settings(max_examples=600, deadline=None)
-@given(batches())
-def test_the_column_checks_agree_with_the_per_message_rules(batch: list[Message]) -> None:
+def _assert_both_paths_agree(batch: list[Message]) -> None:
     expected = _outcome(_one_by_one, batch)
-    got = _outcome(lambda b, now, s, r: prepare_columns(b, now, s, r), batch)
+    got = _outcome(prepare_columns, batch)
     if isinstance(expected, Columns):
         assert isinstance(got, Columns), got
         assert _as_lists(got) == _as_lists(expected)
     else:
         assert got == expected
+
+
+@settings(max_examples=600, deadline=None)
+@given(batches())
+def test_the_column_checks_agree_with_the_per_message_rules(batch: list[Message]) -> None:
+    _assert_both_paths_agree(batch)
 
 
 def test_a_good_batch_takes_the_column_checks() -> None:
@@ -127,10 +131,4 @@ EDGES = [
 def test_the_edges_of_each_rule_agree(edge: Message) -> None:
     """Each rule's boundary, after a good message of the same kind (so the batch stays one the column checks take)."""
     batch = [edge._replace(body=b"ok", key=None), edge]
-    expected = _outcome(_one_by_one, batch)
-    got = _outcome(lambda b, now, s, r: prepare_columns(b, now, s, r), batch)
-    if isinstance(expected, Columns):
-        assert isinstance(got, Columns), got
-        assert _as_lists(got) == _as_lists(expected)
-    else:
-        assert got == expected
+    _assert_both_paths_agree(batch)

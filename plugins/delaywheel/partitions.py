@@ -9,7 +9,7 @@ from datetime import UTC, datetime, timedelta
 import psycopg
 from psycopg import errors
 
-from .pending import SEGMENT_PENDING
+from .pending import SEGMENT_PENDING, WHEEL_PENDING
 
 HOUR = timedelta(hours=1)
 DAY = timedelta(days=1)
@@ -68,7 +68,7 @@ _PENDING = {
         WHERE """ + SEGMENT_PENDING,
     "wheel": """
         SELECT count(*) FROM delaywheel.{name} q, delaywheel.wheel_state s
-        WHERE (q.deliver_at, q.id) > (s.cursor_at, s.cursor_id) OR q.xid >= s.horizon_xid""",
+        WHERE """ + WHEEL_PENDING,
 }
 
 
@@ -111,7 +111,7 @@ def _oldest_pending_due(conn: psycopg.Connection) -> datetime | None:
             (SELECT min(s.deliver_at) FROM delaywheel.level_segments s
              LEFT JOIN delaywheel.level_checkpoint c ON c.level = s.level WHERE {SEGMENT_PENDING}),
             (SELECT min(q.deliver_at) FROM delaywheel.wheel q, delaywheel.wheel_state s
-             WHERE (q.deliver_at, q.id) > (s.cursor_at, s.cursor_id) OR q.xid >= s.horizon_xid),
+             WHERE {WHEEL_PENDING}),
             (SELECT min(block) FROM delaywheel.wheel_far_segments))  -- a lower bound: the blocks' days""").fetchone()  # type: ignore[call-overload]
     return row[0] if row else None
 

@@ -4,6 +4,8 @@ stats, and the Airflow sensors and triggers (the cursor rules are in levels.py a
 # Pending = not yet passed by its lane's cursor (the cursor rules of levels.py and wheel.py). `pending()` narrows
 # it with a condition on segments `s` (level segments and far blocks: their id-range GiST indexes, say) and one
 # on each message `q` (id, key, topic, tags, properties; in the near wheel by its own indexes).
+# A near-wheel row `q` not yet passed by the wheel cursor `s` (wheel_state): ahead of it, or a straggler.
+WHEEL_PENDING = "((q.deliver_at, q.id) > (s.cursor_at, s.cursor_id) OR q.xid >= s.horizon_xid)"
 _PENDING = """
     SELECT q.id, s.deliver_at, q.key, q.topic, q.tags, q.properties::jsonb, 'level' AS lane, s.level, s.xid
     FROM delaywheel.level_segments s
@@ -15,7 +17,7 @@ _PENDING = """
     UNION ALL
     SELECT q.id, q.deliver_at, q.key, q.topic, q.tags, q.properties, 'wheel', NULL, q.xid
     FROM delaywheel.wheel q, delaywheel.wheel_state s
-    WHERE ({rows}) AND ((q.deliver_at, q.id) > (s.cursor_at, s.cursor_id) OR q.xid >= s.horizon_xid)
+    WHERE ({rows}) AND {wheel_pending}
     UNION ALL
     SELECT q.id, q.due AT TIME ZONE 'UTC', q.key, q.topic, q.tags, q.properties::jsonb, 'wheel', NULL, s.xid
     FROM delaywheel.wheel_far_segments s
@@ -26,7 +28,7 @@ _PENDING = """
 
 
 def pending(segments: str = "true", rows: str = "true") -> str:
-    return _PENDING.format(segments=segments, rows=rows)
+    return _PENDING.format(segments=segments, rows=rows, wheel_pending=WHEEL_PENDING)
 
 
 PENDING = pending()
