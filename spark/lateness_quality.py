@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> quality.ContractResult:
     spark.sparkContext.setJobDescription(f"delaywheel lateness [{start.isoformat()}, {end.isoformat()})")
     deliveries = sparkjob.read_sql(spark, url, quality.deliveries_sql(start, end), split_column="message_id").cache()
     due = sparkjob.read_sql(spark, url, quality.due_sql(start, end, max(load_settings().levels)),
-                            split_column="message_id")
+                            split_column="split")
     deliveries.createOrReplaceTempView("deliveries")
     due.createOrReplaceTempView("due")
     minutes = [tuple(r) for r in spark.sql(quality.MINUTES_SQL).collect()]
