@@ -108,6 +108,7 @@ def place_orders(store: Store, plans: list[OrderPlan], timeout: timedelta, *, no
             "INSERT INTO shop.order_lines (order_id, sku, qty) SELECT unnest(%s::bigint[]), unnest(%s::text[]), unnest(%s::int[])",
             (line_orders, line_skus, line_qty),
         )
+        _lock_stock(conn, ids)
         conn.execute(
             """UPDATE shop.products p SET on_hand = p.on_hand - l.qty, reserved = p.reserved + l.qty
                FROM (SELECT sku, sum(qty) AS qty FROM shop.order_lines WHERE order_id = ANY(%s::bigint[]) GROUP BY sku) l
@@ -131,14 +132,26 @@ def place_orders(store: Store, plans: list[OrderPlan], timeout: timedelta, *, no
     return len(plans)
 
 
+# Lock order, so that the sweep, the customers and the order generator never deadlock one another: every
+# transaction takes the orders it may change first, then their products, each in ascending order, before it
+# updates any of them (an UPDATE ... FROM locks rows in whatever order its join yields them). The locks are the
+# ones those UPDATEs take (FOR NO KEY UPDATE): FOR UPDATE would also wait on the key-share locks that inserting
+# order lines takes on their products, unordered.
+
 def _lock_orders(conn: psycopg.Connection, order_ids: list[int]) -> None:
-    """Lock in ascending id order: the sweep and the customers then never deadlock each other."""
-    conn.execute("SELECT 1 FROM shop.orders WHERE order_id = ANY(%s::bigint[]) ORDER BY order_id FOR UPDATE", (order_ids,))
+    conn.execute("SELECT 1 FROM shop.orders WHERE order_id = ANY(%s::bigint[]) ORDER BY order_id FOR NO KEY UPDATE", (order_ids,))
+
+
+def _lock_stock(conn: psycopg.Connection, order_ids: list[int]) -> None:
+    conn.execute(
+        "SELECT 1 FROM shop.products WHERE sku IN (SELECT sku FROM shop.order_lines WHERE order_id = ANY(%s::bigint[]))"
+        " ORDER BY sku FOR NO KEY UPDATE", (order_ids,))
 
 
 def _release(conn: psycopg.Connection, order_ids: list[int], sell: bool) -> None:
     """Move the orders' reserved stock to sold (paid) or back on hand (cancelled)."""
     target = "sold" if sell else "on_hand"
+    _lock_stock(conn, order_ids)
     conn.execute(
         f"""UPDATE shop.products p SET reserved = p.reserved - l.qty, {target} = p.{target} + l.qty
             FROM (SELECT sku, sum(qty) AS qty FROM shop.order_lines WHERE order_id = ANY(%s::bigint[]) GROUP BY sku) l
@@ -205,6 +218,9 @@ def act_customers(store: Store, *, now: datetime | None = None) -> dict[str, int
             "UPDATE shop.customer_plan SET done = true WHERE order_id IN ("
             " SELECT order_id FROM shop.customer_plan WHERE NOT done AND act_at <= %s FOR UPDATE SKIP LOCKED)"
             " RETURNING order_id, action, act_at", (when,)).fetchall()
+        # payments and cancellations settle in one transaction: take all their locks at once, in order
+        _lock_orders(conn, sorted({o for o, _, _ in due}))
+        _lock_stock(conn, [o for o, _, _ in due])
         payers = [(o, at) for o, a, at in due if a == "pay"]
         cancellers = [(o, at) for o, a, at in due if a == "cancel"]
         paid = pay(store, payers, cancel_timers=False) if payers else []
