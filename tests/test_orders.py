@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import threading
+import time
 from datetime import timedelta
 
+import psycopg
 import pytest
 
 from delaywheel import Store, orders
@@ -168,3 +170,31 @@ def test_payment_racing_the_timeout_ends_paid_or_cancelled_never_both(db_url: st
         gap, reserved = check.conn.execute(
             "SELECT sum(initial_stock - on_hand - reserved - sold), sum(reserved) FROM shop.products").fetchone()
         assert (gap, reserved) == (0, 0)
+
+
+def test_customers_take_all_their_order_locks_in_one_ascending_pass(db_url: str, t0) -> None:
+    """A cancellation (order 1) and a payment (order 2) fall due in one customers' transaction while the sweep
+    holds order 1 and then wants order 2. The customers must wait for order 1 before taking order 2: CI once
+    deadlocked when they locked the payments' orders first and the cancellations' after."""
+    with Store(db_url) as setup:
+        orders.reset(setup, stock_per_sku=100)
+        orders.place_orders(setup, [orders.OrderPlan(1, "c", [("sku-001", 1)], "cancel", timedelta(seconds=1)),
+                                    orders.OrderPlan(2, "c", [("sku-002", 1)], "pay", timedelta(seconds=1))],
+                            TIMEOUT, now=t0)
+    outcome: list[dict[str, int]] = []
+    with psycopg.connect(db_url, autocommit=True) as sweep, Store(db_url) as customers:
+        pid = customers.conn.info.backend_pid
+        worker = threading.Thread(target=lambda: outcome.append(orders.act_customers(customers, now=t0 + TIMEOUT / 2)))
+        with sweep.transaction():
+            sweep.execute("SELECT 1 FROM shop.orders WHERE order_id = 1 FOR NO KEY UPDATE")
+            worker.start()
+            for _ in range(200):  # until the customers' transaction waits for order 1
+                if sweep.execute("SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchone()[0]:
+                    break
+                time.sleep(0.05)
+            else:
+                pytest.fail("the customers' transaction never waited for order 1")
+            sweep.execute("SET LOCAL lock_timeout = '5s'")  # order 2 must be free: the customers hold nothing yet
+            sweep.execute("SELECT 1 FROM shop.orders WHERE order_id = 2 FOR NO KEY UPDATE")
+        worker.join(30)
+    assert outcome == [{"payments": 1, "accepted": 1, "customer_cancels": 1}]
