@@ -133,10 +133,10 @@ def place_orders(store: Store, plans: list[OrderPlan], timeout: timedelta, *, no
 
 
 # Lock order, so that the sweep, the customers and the order generator never deadlock one another: every
-# transaction takes the orders it may change first, then their products, each in ascending order, before it
-# updates any of them (an UPDATE ... FROM locks rows in whatever order its join yields them). The locks are the
-# ones those UPDATEs take (FOR NO KEY UPDATE): FOR UPDATE would also wait on the key-share locks that inserting
-# order lines takes on their products, unordered.
+# transaction takes the orders it may change first, then their products, each in ascending order (the ORDER BY
+# below, whatever order the ids come in), before it updates any of them: an UPDATE ... FROM locks rows in
+# whatever order its join yields them. The locks are the ones those UPDATEs take (FOR NO KEY UPDATE): FOR UPDATE
+# would also wait on the key-share locks that inserting order lines takes on their products, unordered.
 
 def _lock_orders(conn: psycopg.Connection, order_ids: list[int]) -> None:
     conn.execute("SELECT 1 FROM shop.orders WHERE order_id = ANY(%s::bigint[]) ORDER BY order_id FOR NO KEY UPDATE", (order_ids,))
@@ -163,7 +163,7 @@ def _release(conn: psycopg.Connection, order_ids: list[int], sell: bool) -> None
 def _settle_in_time(conn: psycopg.Connection, requests: list[tuple[int, datetime]], status: str, stamp: str) -> list[int]:
     """Move the orders still pending whose deadline had not passed when the customer asked (the request's
     own time, not when it is processed) to `status`, stamping `stamp` with that time; returns their ids."""
-    _lock_orders(conn, sorted(o for o, _ in requests))
+    _lock_orders(conn, [o for o, _ in requests])
     return [r[0] for r in conn.execute(
         f"""UPDATE shop.orders o SET status = %s, {stamp} = r.at
             FROM unnest(%s::bigint[], %s::timestamptz[]) AS r(id, at)
@@ -219,8 +219,9 @@ def act_customers(store: Store, *, now: datetime | None = None) -> dict[str, int
             " SELECT order_id FROM shop.customer_plan WHERE NOT done AND act_at <= %s FOR UPDATE SKIP LOCKED)"
             " RETURNING order_id, action, act_at", (when,)).fetchall()
         # payments and cancellations settle in one transaction: take all their locks at once, in order
-        _lock_orders(conn, sorted({o for o, _, _ in due}))
-        _lock_stock(conn, [o for o, _, _ in due])
+        asked = [o for o, _, _ in due]
+        _lock_orders(conn, asked)
+        _lock_stock(conn, asked)
         payers = [(o, at) for o, a, at in due if a == "pay"]
         cancellers = [(o, at) for o, a, at in due if a == "cancel"]
         paid = pay(store, payers, cancel_timers=False) if payers else []
@@ -252,14 +253,15 @@ def apply_timeouts(conn: psycopg.Connection, batch: Batch, *, now: datetime | No
             " WHERE NOT EXISTS (SELECT 1 FROM shop.processed_messages p WHERE p.message_id = t.m)",
             (message_ids, order_ids),
         ).fetchall()
-        _lock_orders(conn, sorted({o for _, o in fresh}))
+        touched = sorted({o for _, o in fresh})
+        _lock_orders(conn, touched)
         # a timer cancels its order only once the order's own deadline has passed: a stray or early
         # message (a replay, a timer created by reconcile, another run's) never cancels too soon
         cancelled = [r[0] for r in conn.execute(
             """UPDATE shop.orders SET status = 'cancelled_timeout', cancelled_at = coalesce(%(now)s, clock_timestamp())
                WHERE order_id = ANY(%(ids)s::bigint[]) AND status = 'pending' AND deadline <= coalesce(%(now)s, clock_timestamp())
                RETURNING order_id""",
-            {"now": now, "ids": sorted({o for _, o in fresh})}).fetchall()]
+            {"now": now, "ids": touched}).fetchall()]
         _release(conn, cancelled, sell=False)
         conn.execute(
             "INSERT INTO shop.processed_messages (message_id, order_id, cancelled)"
