@@ -91,14 +91,10 @@ def write_rows(df: DataFrame, url: str, settings: Settings, mapping: bulk.Column
     `chunk` rows per transaction; returns the summed counts."""
 
     def write_partition(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        total, cache, pending = bulk.Counts(), PartitionCache(), []
+        total, cache = bulk.Counts(), PartitionCache()
         with connect(url, autocommit=True) as conn:
-            for batch in batches:
-                pending.extend(batch.to_pylist())
-                while len(pending) >= chunk:
-                    total.add(bulk.write_chunk(conn, settings, cache, pending[:chunk], mapping, source, now=now))
-                    pending = pending[chunk:]
-            total.add(bulk.write_chunk(conn, settings, cache, pending, mapping, source, now=now))
+            for rows in bulk.chunks(batches, chunk):
+                total.add(bulk.write_chunk(conn, settings, cache, rows, mapping, source, now=now))
         yield pa.RecordBatch.from_pylist([{"kind": k, "reason": r, "n": n} for k, r, n in total.as_rows()],
                                          schema=_COUNTS_ARROW)
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import threading
 from datetime import datetime
-from typing import Any
 
 import psycopg
+import pyarrow as pa
 
 from delaywheel import Store, bulk
 from delaywheel.partitions import PartitionCache
@@ -18,16 +18,16 @@ from delaywheel.partitions import PartitionCache
 MAPPING = bulk.ColumnMap.parse("", "orders", "text").with_defaults(["key", "body", "delay_level"])
 
 
-def rows(keys: range | list[int], file: str = "orders.csv") -> list[dict[str, Any]]:
-    return [{"key": f"order-{k}", "body": f"cancel {k}", "delay_level": 3, bulk.FILE_COLUMN: file,
-             bulk.ROW_COLUMN: n + 1} for n, k in enumerate(keys)]
+def rows(keys: range | list[int], file: str = "orders.csv") -> pa.RecordBatch:
+    return pa.RecordBatch.from_pylist([{"key": f"order-{k}", "body": f"cancel {k}", "delay_level": 3,
+                                        bulk.FILE_COLUMN: file, bulk.ROW_COLUMN: n + 1} for n, k in enumerate(keys)])
 
 
 def queued_keys(store: Store) -> list[str]:
     return [k for (k,) in store.conn.execute("SELECT key FROM delaywheel.level_queue ORDER BY key")]
 
 
-def write(url: str, store: Store, chunk: list[dict[str, Any]], t0: datetime) -> bulk.Counts:
+def write(url: str, store: Store, chunk: pa.RecordBatch, t0: datetime) -> bulk.Counts:
     with psycopg.connect(url, autocommit=True) as conn:
         return bulk.write_chunk(conn, store.settings, PartitionCache(), chunk, MAPPING, "orders.csv", now=t0)
 

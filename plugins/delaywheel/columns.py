@@ -84,7 +84,7 @@ def _one_by_one(messages: Sequence[Message], now: datetime, settings: Settings, 
     )
 
 
-class _Irregular(Exception):
+class Irregular(Exception):
     """The batch is not one the column checks cover (or breaks a rule): `prepare` decides, one by one."""
 
 
@@ -96,13 +96,13 @@ def _simple(messages: Sequence[Message], now: datetime, settings: Settings, retr
     try:
         for name in set(topic):
             if type(name) is not str:
-                raise _Irregular
+                raise Irregular
             checked_topic(name)
         if not set(map(type, key)) <= {str, type(None)} or "" in key \
                 or max(map(len, filter(None, key)), default=0) > MAX_KEY_CHARS:
-            raise _Irregular
+            raise Irregular
         if not set(map(type, tags)) <= {str, type(None)}:
-            raise _Irregular
+            raise Irregular
         lane, due, levels, requested = _placed(level, delay, deliver_at, micros(now), settings)
         data, flags = _bodies(body, settings.max_body_bytes)
         props = _properties(properties)
@@ -123,7 +123,7 @@ def _bodies(body: tuple[Any, ...], max_bytes: int) -> tuple[pa.Array, pa.Array]:
         data = [e[0] for e in encoded]
         flags = pa.array([e[1] for e in encoded], pa.bool_())
     if max(map(len, data)) > max_bytes:
-        raise _Irregular
+        raise Irregular
     return pa.array(data, pa.binary()), flags
 
 
@@ -132,7 +132,7 @@ def _properties(properties: tuple[Any, ...]) -> pa.Array:
         return pa.nulls(len(properties), pa.string())
     for p in properties:
         if not (p is None or (type(p) is dict and all(type(k) is str and type(v) is str for k, v in p.items()))):
-            raise _Irregular
+            raise Irregular
     return pa.array([json.dumps(p) if p else None for p in properties], pa.string())
 
 
@@ -142,45 +142,66 @@ def _level_delays(levels: tuple[timedelta, ...]) -> np.ndarray:
     return np.array([0, *(d // US for d in levels)], np.int64)
 
 
+Placed = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]  # (lane, due, level, requested level)
+
+
 def _placed(
     level: tuple[Any, ...], delay: tuple[Any, ...], deliver_at: tuple[Any, ...], now: int, settings: Settings,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+) -> Placed:
     """(lane, due, level, requested level) for a batch with one kind of delay, as `validation.place` decides."""
     n = len(level)
     no_level, no_delay, no_at = level.count(None) == n, delay.count(None) == n, deliver_at.count(None) == n
-    zeros16, zeros32 = np.zeros(n, np.int16), np.zeros(n, np.int32)
     if no_level and no_delay and no_at:
-        return np.full(n, DIRECT, np.int8), np.full(n, now, np.int64), zeros16, zeros32
-    max_ahead = settings.wheel_max_delay // US
+        return placed_now(n, now)
     if no_delay and no_at:
         if set(map(type, level)) != {int}:
-            raise _Irregular
-        asked = np.fromiter(level, np.int64, n)  # OverflowError beyond int64: irregular
-        if asked.min() < 0 or asked.max() > MAX_REQUESTED_LEVEL:
-            raise _Irregular
-        effective = np.minimum(asked, settings.max_level)
-        delays = _level_delays(settings.levels)
-        lanes = np.where(asked == 0, DIRECT, LEVEL).astype(np.int8)
-        return lanes, now + delays[effective], effective.astype(np.int16), asked.astype(np.int32)
+            raise Irregular
+        return placed_by_level(np.fromiter(level, np.int64, n), now, settings)  # OverflowError beyond int64: irregular
     if no_level and no_at:
         kinds = set(map(type, delay))
         if kinds == {timedelta}:
-            ahead = pa.array(delay, pa.duration("us")).cast(pa.int64()).to_numpy()
-        elif kinds == {int}:  # milliseconds; floats round as timedelta does, so they take the per-message path
-            ms = np.fromiter(delay, np.int64, n)
-            if ms.max() > max_ahead // 1000 + 1:
-                raise _Irregular
-            ahead = ms * 1000
-        else:
-            raise _Irregular
-        if ahead.min() < 0 or ahead.max() > max_ahead:
-            raise _Irregular
-        return np.where(ahead == 0, DIRECT, WHEEL).astype(np.int8), now + ahead, zeros16, zeros32
+            return placed_by_delay(pa.array(delay, pa.duration("us")).cast(pa.int64()).to_numpy(), now, settings)
+        if kinds == {int}:  # milliseconds; floats round as timedelta does, so they take the per-message path
+            return placed_by_delay_ms(np.fromiter(delay, np.int64, n), now, settings)
+        raise Irregular
     if no_level and no_delay:
         if set(map(type, deliver_at)) != {datetime} or None in set(map(datetime.utcoffset, deliver_at)):
-            raise _Irregular  # naive datetimes would be read as UTC
-        due = pa.array(deliver_at, TIMESTAMP).cast(pa.int64()).to_numpy()
-        if (due - now).max() > max_ahead or (now - due).max() > settings.past_tolerance // US:
-            raise _Irregular
-        return np.where(due <= now, DIRECT, WHEEL).astype(np.int8), due, zeros16, zeros32
-    raise _Irregular  # several kinds of delay in one batch
+            raise Irregular  # naive datetimes would be read as UTC
+        return placed_at(pa.array(deliver_at, TIMESTAMP).cast(pa.int64()).to_numpy(), now, settings)
+    raise Irregular  # several kinds of delay in one batch
+
+
+# One kind of delay for a whole batch, as numpy arrays (also what `bulk` reads from Arrow columns); each raises
+# Irregular for anything `validation.place` might refuse, so that it names the reason.
+
+def placed_now(n: int, now: int) -> Placed:
+    """No delay: straight into the topic."""
+    return np.full(n, DIRECT, np.int8), np.full(n, now, np.int64), np.zeros(n, np.int16), np.zeros(n, np.int32)
+
+
+def placed_by_level(asked: np.ndarray, now: int, settings: Settings) -> Placed:
+    if asked.min() < 0 or asked.max() > MAX_REQUESTED_LEVEL:
+        raise Irregular
+    effective = np.minimum(asked, settings.max_level)
+    lanes = np.where(asked == 0, DIRECT, LEVEL).astype(np.int8)
+    return lanes, now + _level_delays(settings.levels)[effective], effective.astype(np.int16), asked.astype(np.int32)
+
+
+def placed_by_delay_ms(ms: np.ndarray, now: int, settings: Settings) -> Placed:
+    if ms.max() > settings.wheel_max_delay // US // 1000 + 1:  # before `* 1000`, which could overflow
+        raise Irregular
+    return placed_by_delay(ms * 1000, now, settings)
+
+
+def placed_by_delay(ahead: np.ndarray, now: int, settings: Settings) -> Placed:
+    if ahead.min() < 0 or ahead.max() > settings.wheel_max_delay // US:
+        raise Irregular
+    n = len(ahead)
+    return np.where(ahead == 0, DIRECT, WHEEL).astype(np.int8), now + ahead, np.zeros(n, np.int16), np.zeros(n, np.int32)
+
+
+def placed_at(due: np.ndarray, now: int, settings: Settings) -> Placed:
+    if (due - now).max() > settings.wheel_max_delay // US or (now - due).max() > settings.past_tolerance // US:
+        raise Irregular
+    n = len(due)
+    return np.where(due <= now, DIRECT, WHEEL).astype(np.int8), due, np.zeros(n, np.int16), np.zeros(n, np.int32)
