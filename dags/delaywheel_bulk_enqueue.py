@@ -38,7 +38,7 @@ with DAG(
         "source": Param("", type="string", title="Idempotency source",
                         description="re-running with the same source skips rows already enqueued "
                                     "(default: the input path or query)"),
-        "chunk": Param(20000, type="integer", minimum=1, description="rows per transaction in each partition"),
+        "chunk": Param(50000, type="integer", minimum=1, description="rows per transaction in each partition"),
         "partitions": Param("", type="string", pattern=r"^([1-9]\d*)?$",
                             description="repartition the input to this many writers (empty: at least one per core)"),
     },

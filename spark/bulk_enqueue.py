@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> bulk.Counts:
                    help="a text body column holds JSON (default), plain text, or raw bytes as UTF-8")
     p.add_argument("--source", type=sparkjob.text, help="idempotency source: a re-run with the same source skips rows already "
                                     "enqueued (default: the input path or the query)")
-    p.add_argument("--chunk", type=int, default=20_000, help="rows per transaction in each partition")
+    p.add_argument("--chunk", type=int, default=50_000, help="rows per transaction in each partition")
     p.add_argument("--partitions", type=sparkjob.integer,
                    help="repartition the input to this many writers (default: at least one per core)")
     p.add_argument("--now", type=sparkjob.instant, help="inject the clock (tests); default: the database's")

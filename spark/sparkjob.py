@@ -86,7 +86,7 @@ def read_sql(spark: SparkSession, url: str, sql: str, *, split_column: str | Non
 
 
 def write_rows(df: DataFrame, url: str, settings: Settings, mapping: bulk.ColumnMap, source: str, *,
-               now: datetime | None = None, chunk: int = 20_000) -> bulk.Counts:
+               now: datetime | None = None, chunk: int = 50_000) -> bulk.Counts:
     """Write every partition of input rows through `bulk.write_chunk`: its own connection per partition,
     `chunk` rows per transaction; returns the summed counts."""
 

@@ -16,11 +16,13 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import psycopg
+import pyarrow as pa
 import pytest
 from psycopg.types.json import Jsonb
 
-from delaywheel import Settings, Store, embedded
+from delaywheel import Settings, Store, bulk, embedded
 from delaywheel.migrate import SQL_DIR, MigrationError, available, current_version, migrate
+from delaywheel.partitions import PartitionCache
 from tests.conftest import dbname
 
 
@@ -202,3 +204,28 @@ def test_pending_messages_survive_the_move_to_segments(empty_db: str, sql_copy: 
         (f"k{i}", "tag", {"i": i} if i % 2 else None, b"body-%d" % i, False) for i in range(1, 4)]
     assert [(r[1], r[2], bytes(r[5]), r[6], r[7]) for r in rows[3:]] == [
         ("old.far", f"f{i}", b'{"far": true}', True, far_day + timedelta(hours=i, microseconds=7)) for i in range(2)]
+
+
+def test_bulk_claims_survive_the_move_to_source_ids(empty_db: str, sql_copy: Path, tmp_path: Path) -> None:
+    """Claims written at version 13 (keyed by the source's text) still stop a re-run after sql/014 keys them by a
+    source id: the same keys are skipped, new ones enqueued, and the claims still read by source text."""
+    later = tmp_path / "later"
+    later.mkdir()
+    for migration in available(sql_copy):
+        if migration.version > 13:
+            migration.path.rename(later / migration.path.name)
+    migrate(empty_db, sql_copy)
+    with psycopg.connect(empty_db) as conn:
+        conn.execute("INSERT INTO delaywheel.idempotency (source, key, message_id)"
+                     " SELECT s, 'k' || i, i FROM unnest(ARRAY['a.csv', 'b.csv']) s, generate_series(1, 3) i")
+    for path in later.iterdir():
+        path.rename(sql_copy / path.name)
+    migrate(empty_db, sql_copy)
+    mapping = bulk.ColumnMap.parse("", "orders", "text").with_defaults(["key", "body"])
+    chunk = pa.RecordBatch.from_pylist([{"key": f"k{i}", "body": "x", bulk.FILE_COLUMN: "a.csv", bulk.ROW_COLUMN: i}
+                                        for i in range(1, 6)])
+    with psycopg.connect(empty_db, autocommit=True) as conn:
+        counts = bulk.write_chunk(conn, Settings(), PartitionCache(), chunk, mapping, "a.csv")
+        claims = conn.execute("SELECT source, count(*) FROM delaywheel.idempotency GROUP BY 1 ORDER BY 1").fetchall()
+    assert (counts.enqueued, counts.skipped) == (2, 3)
+    assert claims == [("a.csv", 5), ("b.csv", 3)]
