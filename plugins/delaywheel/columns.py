@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from .config import Settings
 from .validation import MAX_KEY_CHARS, MAX_REQUESTED_LEVEL, Message, Placement, checked_topic, encode_body, prepare
@@ -94,24 +95,29 @@ def _simple(messages: Sequence[Message], now: datetime, settings: Settings, retr
         return None
     topic, body, level, delay, deliver_at, key, tags, properties = zip(*messages, strict=True)
     try:
+        topics = _text_column(topic)
         for name in set(topic):
-            if type(name) is not str:
-                raise Irregular
             checked_topic(name)
         if not set(map(type, key)) <= {str, type(None)} or "" in key \
                 or max(map(len, filter(None, key)), default=0) > MAX_KEY_CHARS:
             raise Irregular
-        if not set(map(type, tags)) <= {str, type(None)}:
-            raise Irregular
         lane, due, levels, requested = _placed(level, delay, deliver_at, micros(now), settings)
         data, flags = _bodies(body, settings.max_body_bytes)
-        props = _properties(properties)
+        columns = Columns(topics, pa.array(key, pa.string()), _text_column(tags, nullable=True),
+                          _properties(properties), data, flags, lane, due, levels, requested, retries)
     except Exception:  # any surprise at all: the per-message rules decide, and name it
         return None
-    return Columns(
-        pa.array(topic, pa.string()), pa.array(key, pa.string()), pa.array(tags, pa.string()), props, data, flags,
-        lane, due, levels, requested, retries,
-    )
+    return columns
+
+
+def _text_column(values: tuple[Any, ...], nullable: bool = False) -> pa.Array:
+    """A column of str (or None); one repeated value, as topics and tags usually are, is not converted n times."""
+    distinct = set(values)
+    if not {type(v) for v in distinct} <= ({str, type(None)} if nullable else {str}):
+        raise Irregular
+    if len(distinct) == 1:
+        return pa.repeat(pa.scalar(values[0], pa.string()), len(values))
+    return pa.array(values, pa.string())
 
 
 def _bodies(body: tuple[Any, ...], max_bytes: int) -> tuple[pa.Array, pa.Array]:
@@ -122,9 +128,10 @@ def _bodies(body: tuple[Any, ...], max_bytes: int) -> tuple[pa.Array, pa.Array]:
         encoded = [encode_body(b, max_bytes) for b in body]  # raises: _simple falls back to the per-message rules
         data = [e[0] for e in encoded]
         flags = pa.array([e[1] for e in encoded], pa.bool_())
-    if max(map(len, data)) > max_bytes:
+    column = pa.array(data, pa.binary())
+    if pc.max(pc.binary_length(column)).as_py() > max_bytes:
         raise Irregular
-    return pa.array(data, pa.binary()), flags
+    return column, flags
 
 
 def _properties(properties: tuple[Any, ...]) -> pa.Array:

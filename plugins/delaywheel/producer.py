@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import itertools
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import datetime, timedelta
 
 import numpy as np
@@ -191,31 +191,45 @@ def _write_wheel(
         ids, c, place = ids[order], c.take(order), place[order]
     split = int(np.searchsorted(place, near_until))
     enqueued = micros(clock)
+    far_part: list[tuple[np.ndarray, pa.RecordBatch]] = []
+
+    def prepare_far() -> None:
+        if split < len(ids) and not far_part:
+            far_part.append(_far_segments(ids[split:], c.slice(split, len(ids)), place[split:], enqueued))
+
     if split:
         near = c.slice(0, split)
         _copy_wheel_part(conn, cache, "wheel", near.due, pa.RecordBatch.from_pydict({
             "id": ids[:split], "topic": near.topic, "key": near.key, "tags": near.tags,
             "properties": _jsonb(near.properties), "body": near.body, "is_json": near.is_json,
             "deliver_at": _timestamps(near.due), "enqueued_at": _timestamps(np.full(split, enqueued)),
-        }))
-    if split < len(ids):
-        far_ids, far, starts, counts = _segments(ids[split:], c.slice(split, len(ids)), place[split:])
-        _copy_wheel_part(conn, cache, "wheel_far_segments", far.due, pa.RecordBatch.from_pydict({
-            "block": _timestamps(far.due[starts] // day * day), "enqueued_at": _timestamps(np.full(len(starts), enqueued)),
-            "deliver_ats": pa.ListArray.from_arrays(pa.array(np.append(starts, len(far_ids)).astype(np.int32)),
-                                                    _timestamps(far.due, UTC_WALL_TIME)),
-            **_segment_columns(far_ids, far, starts, counts),
-        }))
+        }), meanwhile=prepare_far)  # the far segments are built while the server stores the near rows
+    prepare_far()
+    if far_part:
+        _copy_wheel_part(conn, cache, "wheel_far_segments", *far_part[0])
     _notify(conn, int(c.due.min()))
 
 
-def _copy_wheel_part(conn: psycopg.Connection, cache: PartitionCache, table: str, due: np.ndarray, batch: pa.RecordBatch) -> None:
+def _far_segments(ids: np.ndarray, c: Columns, day_of: np.ndarray, enqueued: int) -> tuple[np.ndarray, pa.RecordBatch]:
+    """(due times, segment rows) of far timers: one segment per far day, in input order within it."""
+    ids, c, starts, counts = _segments(ids, c, day_of)
+    day = DAY // US
+    return c.due, pa.RecordBatch.from_pydict({
+        "block": _timestamps(c.due[starts] // day * day), "enqueued_at": _timestamps(np.full(len(starts), enqueued)),
+        "deliver_ats": pa.ListArray.from_arrays(pa.array(np.append(starts, len(ids)).astype(np.int32)),
+                                                _timestamps(c.due, UTC_WALL_TIME)),
+        **_segment_columns(ids, c, starts, counts),
+    })
+
+
+def _copy_wheel_part(conn: psycopg.Connection, cache: PartitionCache, table: str, due: np.ndarray, batch: pa.RecordBatch,
+                     meanwhile: Callable[[], None] | None = None) -> None:
     partitions = _one_per_partition(table, due)
     for attempt in range(3):
         try:
             with conn.transaction():  # a savepoint: a roll may drop a far block between ensure and COPY
                 cache.ensure(conn, table, partitions)
-                copy_arrow(conn, table, batch)
+                copy_arrow(conn, table, batch, meanwhile)
             return
         except (errors.CheckViolation, errors.UndefinedTable):
             for start in partitions:
@@ -241,8 +255,10 @@ def _jsonb(json_text: pa.Array) -> pa.Array:
     return pc.binary_join_element_wise(pa.scalar(b"\x01"), json_text.cast(pa.binary()), pa.scalar(b""))
 
 
-def copy_arrow(conn: psycopg.Connection, table: str, batch: pa.RecordBatch) -> None:
-    """COPY a record batch into delaywheel.<table>, its columns by name, in slices of about SLICE_BYTES."""
+def copy_arrow(conn: psycopg.Connection, table: str, batch: pa.RecordBatch,
+               meanwhile: Callable[[], None] | None = None) -> None:
+    """COPY a record batch into delaywheel.<table>, its columns by name, in slices of about SLICE_BYTES.
+    `meanwhile` runs once every slice is sent, before the COPY ends: client work the server's storing hides."""
     encoder = pgpq.ArrowToPostgresBinaryEncoder(batch.schema)
     step = max(1, batch.num_rows * SLICE_BYTES // max(batch.nbytes, 1))
     with conn.cursor().copy(  # type: ignore[call-overload]
@@ -255,6 +271,8 @@ def copy_arrow(conn: psycopg.Connection, table: str, batch: pa.RecordBatch) -> N
                 copy.write(data)
                 data = b""
         copy.write(data + encoder.finish())
+        if meanwhile is not None:
+            meanwhile()
 
 
 def _notify(conn: psycopg.Connection, due: int) -> None:
