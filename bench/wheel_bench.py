@@ -7,8 +7,9 @@
 3. Delivery rate on an (almost) empty store, injected clock.
 4. 10M pending (due 4 h - 30 days ahead) in the wheel and in the naive design (bench/naive.py).
 5. With 10M pending: enqueue, ours vs naive vs an empty store in a second database, interleaved (flat enqueue
-   compares the loaded store with that empty one, in the same minutes); delivery, ours vs naive interleaved
-   (flat delivery against step 3); single cancels by key of near and far timers (latency).
+   compares the loaded store with that empty one, in the same minutes); delivery, ours vs naive vs that empty
+   store, interleaved pass by pass (flat delivery compares the loaded store with the empty one; step 3's figure,
+   minutes earlier, moved by half between runs); single cancels by key of near and far timers (latency).
 6. A full cycle on top of the 10M pending: 1M messages due within one hour enqueued in both, all delivered,
    ours retired, the naive one after its deletes, plain VACUUM on both; table sizes before and after.
 """
@@ -177,21 +178,22 @@ class WheelDrain:
                 time.sleep(0.02)  # another transaction holds the commit horizon (untimed)
 
 
-def drain_both(store: Store, other: psycopg.Connection, now: datetime, expected: int) -> tuple[Stopwatch, Stopwatch]:
-    """Deliver everything due by `now` in both designs, ours and naive interleaved pass by pass, so both
-    see the same load; returns both stopwatches."""
-    drain = WheelDrain(store, now, expected)
+def drain_all(stores: list[Store], other: psycopg.Connection, now: datetime, expected: int) -> tuple[list[Stopwatch], Stopwatch]:
+    """Deliver everything due by `now` in each of our stores and in the naive design, interleaved pass by pass, so
+    all see the same load; returns each store's stopwatch and the naive one."""
+    drains = [WheelDrain(store, now, expected) for store in stores]
     naive_watch = Stopwatch()
     naive_idle = False
-    while not (drain.idle and naive_idle):
-        if not drain.idle:
-            drain.step()
+    while not (all(d.idle for d in drains) and naive_idle):
+        for drain in drains:
+            if not drain.idle:
+                drain.step()
         if not naive_idle:
             with naive_watch.run():
-                moved = naive.deliver(other, now, store.settings.batch_size)
+                moved = naive.deliver(other, now, stores[0].settings.batch_size)
             naive_watch.count += moved
             naive_idle = moved == 0
-    return drain.watch, naive_watch
+    return [d.watch for d in drains], naive_watch
 
 
 def send_due_at(store: Store, count: int, batch: int, due: datetime, prefix: str) -> None:
@@ -219,7 +221,8 @@ def cycle(store: Store, other: psycopg.Connection, count: int, batch: int, hour:
         naive.enqueue(other, ((TOPIC, f"cycle-{start + j}", None, None, body(start + j), False, d, hour)
                               for j, d in enumerate(due)))
     store.prepare(now=hour + HOUR)
-    return drain_both(store, other, hour + HOUR, count)
+    (ours,), naive_watch = drain_all([store], other, hour + HOUR, count)
+    return ours, naive_watch
 
 
 def cancel_latency(store: Store, other: psycopg.Connection, count: int) -> dict[str, tuple[float, float]]:
@@ -306,23 +309,25 @@ def main() -> list[Check]:
                      "CHECKPOINT")
 
         log(f"5a. with {n_pending} pending: enqueue ours vs naive vs an empty store (interleaved), {n_enqueue} each")
+        x2 = real0 + 2 * HOUR
         with Store(fresh_database(EMPTY_DB)) as empty:
             empty.prepare()
             enqueue_vs_copy(empty, other, args.batch, args.batch, 9, "raw")  # untimed: its partitions and caches
             rates = enqueue_vs_copy(store, other, n_enqueue, args.batch, 2, "naive", empty)
+            loaded_enqueue, naive_enqueue, empty_enqueue2 = rates["ours"], rates["naive"], rates["empty"]
+            log(f"   ours {loaded_enqueue:,.0f} msg/s, naive {naive_enqueue:,.0f} msg/s, empty store {empty_enqueue2:,.0f} msg/s")
+            log(f"5b. with {n_pending} pending: delivery ours vs naive vs the empty store (interleaved), {n_deliver} due "
+                "at one instant each")
+            for target in (store, empty):
+                send_due_at(target, n_deliver, args.batch, x2, "loaded")
+                target.prepare(now=x2)
+            naive.enqueue(other, ((TOPIC, f"loaded-{i}", None, None, body(i), False, x2, real0) for i in range(n_deliver)))
+            (ours_watch, empty_watch), naive_watch = drain_all([store, empty], other, x2 + timedelta(seconds=1), n_deliver)
         drop_database(EMPTY_DB)
-        loaded_enqueue, naive_enqueue, empty_enqueue2 = rates["ours"], rates["naive"], rates["empty"]
-        log(f"   ours {loaded_enqueue:,.0f} msg/s, naive {naive_enqueue:,.0f} msg/s, empty store {empty_enqueue2:,.0f} msg/s")
-        log(f"5b. with {n_pending} pending: delivery ours vs naive, {n_deliver} due at one instant each")
-        x2 = real0 + 2 * HOUR
-        send_due_at(store, n_deliver, args.batch, x2, "loaded")
-        naive.enqueue(other, ((TOPIC, f"loaded-{i}", None, None, body(i), False, x2, real0) for i in range(n_deliver)))
-        store.prepare(now=x2)
-        ours_watch, naive_watch = drain_both(store, other, x2 + timedelta(seconds=1), n_deliver)
-        loaded_deliver = ours_watch.rate
-        log(f"   ours {loaded_deliver:,.0f} msg/s, naive {naive_watch.rate:,.0f} msg/s")
+        loaded_deliver, empty_deliver2 = ours_watch.rate, empty_watch.rate
+        log(f"   ours {loaded_deliver:,.0f} msg/s, naive {naive_watch.rate:,.0f} msg/s, empty store {empty_deliver2:,.0f} msg/s")
         checks.append(flat(f"wheel enqueue rate, {n_pending:,} pending vs empty (msg/s)", loaded_enqueue, empty_enqueue2))
-        checks.append(flat(f"wheel delivery rate, {n_pending:,} pending vs empty (msg/s)", loaded_deliver, empty_deliver))
+        checks.append(flat(f"wheel delivery rate, {n_pending:,} pending vs empty (msg/s)", loaded_deliver, empty_deliver2))
         checks.append(at_least(f"enqueue, {n_pending:,} pending: ours vs naive (msg/s)", loaded_enqueue, naive_enqueue, 1.0))
         checks.append(at_least(f"delivery, {n_pending:,} pending: ours vs naive (msg/s)", loaded_deliver, naive_watch.rate, 1.0))
 
@@ -352,8 +357,9 @@ def main() -> list[Check]:
             f"with {n_pending:,} pending: enqueue ours {loaded_enqueue:,.0f} vs naive {naive_enqueue:,.0f} msg/s, and "
             f"{empty_enqueue2:,.0f} msg/s into an empty store in a second database (`{EMPTY_DB}`, warmed by one untimed "
             "batch), the three interleaved batch by batch: the flat check compares the first with the last; "
-            f"delivery ours {loaded_deliver:,.0f} vs naive {naive_watch.rate:,.0f} msg/s (batches of "
-            f"{store.settings.batch_size}, ours and naive interleaved)",
+            f"delivery ours {loaded_deliver:,.0f} vs naive {naive_watch.rate:,.0f} msg/s vs {empty_deliver2:,.0f} msg/s "
+            f"from the empty store (batches of {store.settings.batch_size}, the three interleaved pass by pass: the flat "
+            "check compares the first with the last)",
             f"cycle delivery ({ours_cycle.count:,} ours / {naive_cycle.count:,} naive, incl. step 1/5 messages due "
             f"in that hour): ours {ours_cycle.rate:,.0f} msg/s, naive {naive_cycle.rate:,.0f} msg/s; "
             f"retire dropped {len(retired)} partitions",

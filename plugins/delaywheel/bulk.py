@@ -1,7 +1,9 @@
 """Bulk enqueue of rows from files or queries (the Spark job's writer; nothing here imports Spark).
 
-Each input row is turned into a `Message` by a column mapping and checked by the same rules as `send`
-(`validation.prepare`, by `columns.prepare_columns`); good rows are written by the producer's COPY path, bad rows go to
+A chunk of input rows arrives as an Arrow batch and a column mapping says which column feeds which message field.
+A regular chunk is checked by `send`'s rules column by column and converted as a whole (`arrow_columns`); any other
+is turned into one `Message` per row and checked by the same rules (`validation.prepare`, by
+`columns.prepare_columns`). Good rows are written by the producer's COPY path, bad rows go to
 `delaywheel.quarantine` with the rule's reason, the source file and the row number. A chunk is one
 transaction: ids, idempotency claims, the COPY and the quarantine rows commit together, so a retried
 Spark task or a re-run of the same input enqueues nothing twice (claims are keyed by (source, key)).
