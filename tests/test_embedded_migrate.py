@@ -11,7 +11,7 @@ import shutil
 import socket
 import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -151,15 +151,26 @@ def test_test_databases_are_migrated(db_url: str) -> None:
     assert current_version(db_url) == available()[-1].version
 
 
+def _hold_back_after(version: int, sql_copy: Path, tmp_path: Path) -> Callable[[], None]:
+    """Move the migrations after `version` out of `sql_copy` (so a store can be built at that version); returns
+    what puts them back."""
+    later = tmp_path / f"after_{version}"
+    later.mkdir()
+    for migration in available(sql_copy):
+        if migration.version > version:
+            migration.path.rename(later / migration.path.name)
+
+    def put_back() -> None:
+        for path in later.iterdir():
+            path.rename(sql_copy / path.name)
+    return put_back
+
+
 def test_pending_messages_survive_the_move_to_segments(empty_db: str, sql_copy: Path, tmp_path: Path) -> None:
     """A store at version 10 with pending level and far-wheel messages (one level message already delivered),
     migrated to segments (sql/011, sql/012): every pending message is delivered once, with its fields intact, and
     the one behind the level checkpoint is not delivered again; new ids start above the old ones."""
-    later = tmp_path / "later"
-    later.mkdir()
-    for migration in available(sql_copy):
-        if migration.version > 10:
-            migration.path.rename(later / migration.path.name)
+    put_back = _hold_back_after(10, sql_copy, tmp_path)
     migrate(empty_db, sql_copy)
     assert current_version(empty_db) == 10
     t0 = datetime(2030, 1, 1, tzinfo=UTC)
@@ -180,8 +191,7 @@ def test_pending_messages_survive_the_move_to_segments(empty_db: str, sql_copy: 
         # the first level message counts as delivered: the checkpoint passed it
         conn.execute("INSERT INTO delaywheel.level_checkpoint (level, cursor_xid, cursor_id)"
                      " SELECT 2, xid, id FROM delaywheel.level_queue WHERE id = %s", (level_ids[0],))
-    for path in later.iterdir():
-        path.rename(sql_copy / path.name)
+    put_back()
     assert migrate(empty_db, sql_copy) == sorted(p.name for p in sql_copy.glob("01[1-9]_*.sql"))
 
     with Store(empty_db, Settings()) as store:
@@ -209,17 +219,12 @@ def test_pending_messages_survive_the_move_to_segments(empty_db: str, sql_copy: 
 def test_bulk_claims_survive_the_move_to_source_ids(empty_db: str, sql_copy: Path, tmp_path: Path) -> None:
     """Claims written at version 13 (keyed by the source's text) still stop a re-run after sql/014 keys them by a
     source id: the same keys are skipped, new ones enqueued, and the claims still read by source text."""
-    later = tmp_path / "later"
-    later.mkdir()
-    for migration in available(sql_copy):
-        if migration.version > 13:
-            migration.path.rename(later / migration.path.name)
+    put_back = _hold_back_after(13, sql_copy, tmp_path)
     migrate(empty_db, sql_copy)
     with psycopg.connect(empty_db) as conn:
         conn.execute("INSERT INTO delaywheel.idempotency (source, key, message_id)"
                      " SELECT s, 'k' || i, i FROM unnest(ARRAY['a.csv', 'b.csv']) s, generate_series(1, 3) i")
-    for path in later.iterdir():
-        path.rename(sql_copy / path.name)
+    put_back()
     migrate(empty_db, sql_copy)
     mapping = bulk.ColumnMap.parse("", "orders", "text").with_defaults(["key", "body"])
     chunk = pa.RecordBatch.from_pylist([{"key": f"k{i}", "body": "x", bulk.FILE_COLUMN: "a.csv", bulk.ROW_COLUMN: i}

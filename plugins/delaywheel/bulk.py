@@ -427,14 +427,13 @@ def _claim(conn: psycopg.Connection, source: str, ids: np.ndarray, keys: pa.Arra
 
 
 def _source_id(conn: psycopg.Connection, source: str) -> int:
-    """The number of a claims source, registered on first use. A source another writer registers concurrently is
-    waited for by ON CONFLICT, but this statement's snapshot predates it: the next statement sees it."""
+    """The number of a claims source, registered on first use: looked up first, so that every later chunk neither
+    tries an insert nor spends an identity value. A source another writer registers concurrently is waited for by
+    ON CONFLICT, which then returns nothing: the next lookup, a new statement, sees it."""
     for _ in range(3):
-        row = conn.execute(
-            "WITH new AS (INSERT INTO delaywheel.bulk_sources (source) VALUES (%s) ON CONFLICT (source) DO NOTHING"
-            " RETURNING id) SELECT id FROM new UNION ALL SELECT id FROM delaywheel.bulk_sources WHERE source = %s",
-            (source, source),
-        ).fetchone()
+        row = (conn.execute("SELECT id FROM delaywheel.bulk_sources WHERE source = %s", (source,)).fetchone()
+               or conn.execute("INSERT INTO delaywheel.bulk_sources (source) VALUES (%s)"
+                               " ON CONFLICT (source) DO NOTHING RETURNING id", (source,)).fetchone())
         if row is not None:
             return int(row[0])
     raise RuntimeError(f"claims source {source!r} could not be registered")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any, NamedTuple
 
@@ -95,9 +95,7 @@ def _simple(messages: Sequence[Message], now: datetime, settings: Settings, retr
         return None
     topic, body, level, delay, deliver_at, key, tags, properties = zip(*messages, strict=True)
     try:
-        topics = _text_column(topic)
-        for name in set(topic):
-            checked_topic(name)
+        topics = _text_column(topic, check=checked_topic)
         if not set(map(type, key)) <= {str, type(None)} or "" in key \
                 or max(map(len, filter(None, key)), default=0) > MAX_KEY_CHARS:
             raise Irregular
@@ -110,11 +108,14 @@ def _simple(messages: Sequence[Message], now: datetime, settings: Settings, retr
     return columns
 
 
-def _text_column(values: tuple[Any, ...], nullable: bool = False) -> pa.Array:
-    """A column of str (or None); one repeated value, as topics and tags usually are, is not converted n times."""
+def _text_column(values: tuple[Any, ...], nullable: bool = False, check: Callable[[str], object] | None = None) -> pa.Array:
+    """A column of str (or None), each distinct value passed to `check`; one repeated value, as topics and tags
+    usually are, is not converted n times."""
     distinct = set(values)
     if not {type(v) for v in distinct} <= ({str, type(None)} if nullable else {str}):
         raise Irregular
+    for value in distinct if check else ():
+        check(value)
     if len(distinct) == 1:
         return pa.repeat(pa.scalar(values[0], pa.string()), len(values))
     return pa.array(values, pa.string())
@@ -183,7 +184,11 @@ def _placed(
 
 def placed_now(n: int, now: int) -> Placed:
     """No delay: straight into the topic."""
-    return np.full(n, DIRECT, np.int8), np.full(n, now, np.int64), np.zeros(n, np.int16), np.zeros(n, np.int32)
+    return _no_level(np.full(n, DIRECT, np.int8), np.full(n, now, np.int64))
+
+
+def _no_level(lanes: np.ndarray, due: np.ndarray) -> Placed:
+    return lanes, due, np.zeros(len(due), np.int16), np.zeros(len(due), np.int32)
 
 
 def placed_by_level(asked: np.ndarray, now: int, settings: Settings) -> Placed:
@@ -203,12 +208,10 @@ def placed_by_delay_ms(ms: np.ndarray, now: int, settings: Settings) -> Placed:
 def placed_by_delay(ahead: np.ndarray, now: int, settings: Settings) -> Placed:
     if ahead.min() < 0 or ahead.max() > settings.wheel_max_delay // US:
         raise Irregular
-    n = len(ahead)
-    return np.where(ahead == 0, DIRECT, WHEEL).astype(np.int8), now + ahead, np.zeros(n, np.int16), np.zeros(n, np.int32)
+    return _no_level(np.where(ahead == 0, DIRECT, WHEEL).astype(np.int8), now + ahead)
 
 
 def placed_at(due: np.ndarray, now: int, settings: Settings) -> Placed:
     if (due - now).max() > settings.wheel_max_delay // US or (now - due).max() > settings.past_tolerance // US:
         raise Irregular
-    n = len(due)
-    return np.where(due <= now, DIRECT, WHEEL).astype(np.int8), due, np.zeros(n, np.int16), np.zeros(n, np.int32)
+    return _no_level(np.where(due <= now, DIRECT, WHEEL).astype(np.int8), due)

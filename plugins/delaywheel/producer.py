@@ -10,6 +10,7 @@ slice while the next is encoded.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import itertools
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -191,22 +192,16 @@ def _write_wheel(
         ids, c, place = ids[order], c.take(order), place[order]
     split = int(np.searchsorted(place, near_until))
     enqueued = micros(clock)
-    far_part: list[tuple[np.ndarray, pa.RecordBatch]] = []
-
-    def prepare_far() -> None:
-        if split < len(ids) and not far_part:
-            far_part.append(_far_segments(ids[split:], c.slice(split, len(ids)), place[split:], enqueued))
-
+    far = functools.cache(lambda: _far_segments(ids[split:], c.slice(split, len(ids)), place[split:], enqueued))
     if split:
         near = c.slice(0, split)
         _copy_wheel_part(conn, cache, "wheel", near.due, pa.RecordBatch.from_pydict({
             "id": ids[:split], "topic": near.topic, "key": near.key, "tags": near.tags,
             "properties": _jsonb(near.properties), "body": near.body, "is_json": near.is_json,
             "deliver_at": _timestamps(near.due), "enqueued_at": _timestamps(np.full(split, enqueued)),
-        }), meanwhile=prepare_far)  # the far segments are built while the server stores the near rows
-    prepare_far()
-    if far_part:
-        _copy_wheel_part(conn, cache, "wheel_far_segments", *far_part[0])
+        }), meanwhile=far if split < len(ids) else None)  # far segments built while the server stores near rows
+    if split < len(ids):
+        _copy_wheel_part(conn, cache, "wheel_far_segments", *far())
     _notify(conn, int(c.due.min()))
 
 
@@ -223,7 +218,7 @@ def _far_segments(ids: np.ndarray, c: Columns, day_of: np.ndarray, enqueued: int
 
 
 def _copy_wheel_part(conn: psycopg.Connection, cache: PartitionCache, table: str, due: np.ndarray, batch: pa.RecordBatch,
-                     meanwhile: Callable[[], None] | None = None) -> None:
+                     meanwhile: Callable[[], object] | None = None) -> None:
     partitions = _one_per_partition(table, due)
     for attempt in range(3):
         try:
@@ -256,7 +251,7 @@ def _jsonb(json_text: pa.Array) -> pa.Array:
 
 
 def copy_arrow(conn: psycopg.Connection, table: str, batch: pa.RecordBatch,
-               meanwhile: Callable[[], None] | None = None) -> None:
+               meanwhile: Callable[[], object] | None = None) -> None:
     """COPY a record batch into delaywheel.<table>, its columns by name, in slices of about SLICE_BYTES.
     `meanwhile` runs once every slice is sent, before the COPY ends: client work the server's storing hides."""
     encoder = pgpq.ArrowToPostgresBinaryEncoder(batch.schema)
