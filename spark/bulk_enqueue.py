@@ -6,7 +6,8 @@
 Each row is checked by the rules of `send` and written by its COPY path, a chunk per transaction in each
 partition (`delaywheel.bulk`); bad rows land in `delaywheel.quarantine` with the reason, the file and the
 row number; a re-run of the same input (same --source) enqueues nothing new. The counts are printed at the
-end as one JSON line; each partition's progress shows in the Spark UI (one task per partition).
+end as one JSON line; each partition prints its counts to stderr every 10 s (the task log in local mode) and shows
+as a task in the Spark UI.
 """
 
 from __future__ import annotations
@@ -102,6 +103,8 @@ def main(argv: list[str] | None = None) -> bulk.Counts:
     writers = args.partitions or spark.sparkContext.defaultParallelism
     if args.partitions or df.rdd.getNumPartitions() < writers:  # e.g. one Parquet row group: use every core
         df = df.repartition(writers)
+    print(f"bulk enqueue of {args.input or 'a query'}: {df.rdd.getNumPartitions()} partitions, {args.chunk:,} rows "
+          "per transaction; each partition reports its counts every 10 s", flush=True)
     counts = sparkjob.write_rows(df, url, load_settings(), mapping, args.source or args.input or args.query,
                                 now=args.now, chunk=args.chunk)
     print(json.dumps({"job": "bulk_enqueue", "rows": counts.rows, "enqueued": counts.enqueued,

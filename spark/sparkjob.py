@@ -15,6 +15,7 @@ from datetime import UTC, datetime
 
 import pyarrow as pa
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from pyspark import TaskContext
 from pyspark.sql import DataFrame, SparkSession
 
 from delaywheel import bulk
@@ -88,13 +89,15 @@ def read_sql(spark: SparkSession, url: str, sql: str, *, split_column: str | Non
 def write_rows(df: DataFrame, url: str, settings: Settings, mapping: bulk.ColumnMap, source: str, *,
                now: datetime | None = None, chunk: int = 50_000) -> bulk.Counts:
     """Write every partition of input rows through `bulk.write_chunk`: its own connection per partition,
-    `chunk` rows per transaction; returns the summed counts."""
+    `chunk` rows per transaction, its counts on stderr as it goes (`bulk.Progress`); returns the summed counts."""
 
     def write_partition(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         total, cache = bulk.Counts(), PartitionCache()
+        progress = bulk.Progress(f"bulk enqueue, partition {TaskContext.get().partitionId()}")  # type: ignore[union-attr]
         with connect(url, autocommit=True) as conn:
             for rows in bulk.chunks(batches, chunk):
-                total.add(bulk.write_chunk(conn, settings, cache, rows, mapping, source, now=now))
+                progress.update(total.add(bulk.write_chunk(conn, settings, cache, rows, mapping, source, now=now)))
+        progress.update(total, done=True)
         yield pa.RecordBatch.from_pylist([{"kind": k, "reason": r, "n": n} for k, r, n in total.as_rows()],
                                          schema=_COUNTS_ARROW)
 

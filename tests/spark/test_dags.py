@@ -10,6 +10,7 @@ import csv
 import importlib
 import json
 import os
+import re
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -38,7 +39,7 @@ def _state(dag: Any, **conf: Any) -> str:
     return str(dag.test(run_conf=conf or None).state)
 
 
-def test_bulk_enqueue_dag(dags: dict[str, Any], store: Store, tmp_path: Path) -> None:
+def test_bulk_enqueue_dag(dags: dict[str, Any], store: Store, tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "timers.csv"
     with path.open("w", newline="") as f:
         writer = csv.writer(f)
@@ -48,6 +49,9 @@ def test_bulk_enqueue_dag(dags: dict[str, Any], store: Store, tmp_path: Path) ->
 
     assert _state(dags["delaywheel_bulk_enqueue"], input=str(path), topic="orders") == "success"
 
+    # the task log has each partition's closing progress line (bulk.Progress, from the Spark job's stderr)
+    done = re.findall(r"bulk enqueue, partition \d+: ([\d,]+) rows, .*?, done", capfd.readouterr().out)
+    assert done and sum(int(n.replace(",", "")) for n in done) == 41, done
     assert store.conn.execute("SELECT count(*) FROM delaywheel.level_queue").fetchone() == (40,)
     assert store.conn.execute("SELECT row_number, reason FROM delaywheel.quarantine").fetchall() == [(41, "bad_level")]
 
