@@ -22,6 +22,7 @@ from delaywheel import bulk
 from delaywheel.config import Settings
 from delaywheel.db import connect
 from delaywheel.partitions import PartitionCache
+from delaywheel.progress import Progress
 
 JDBC_JAR = os.environ.get("DELAYWHEEL_JDBC_JAR", "/usr/share/java/postgresql.jar")  # Debian libpostgresql-jdbc-java
 COUNTS = "kind string, reason string, n long"
@@ -89,15 +90,16 @@ def read_sql(spark: SparkSession, url: str, sql: str, *, split_column: str | Non
 def write_rows(df: DataFrame, url: str, settings: Settings, mapping: bulk.ColumnMap, source: str, *,
                now: datetime | None = None, chunk: int = 50_000) -> bulk.Counts:
     """Write every partition of input rows through `bulk.write_chunk`: its own connection per partition,
-    `chunk` rows per transaction, its counts on stderr as it goes (`bulk.Progress`); returns the summed counts."""
+    `chunk` rows per transaction, its counts on stderr as it goes (`progress.Progress`); returns the summed counts."""
 
     def write_partition(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         total, cache = bulk.Counts(), PartitionCache()
-        progress = bulk.Progress(f"bulk enqueue, partition {TaskContext.get().partitionId()}")  # type: ignore[union-attr]
+        progress = Progress(f"bulk enqueue, partition {TaskContext.get().partitionId()}", "rows")  # type: ignore[union-attr]
         with connect(url, autocommit=True) as conn:
             for rows in bulk.chunks(batches, chunk):
-                progress.update(total.add(bulk.write_chunk(conn, settings, cache, rows, mapping, source, now=now)))
-        progress.update(total, done=True)
+                total.add(bulk.write_chunk(conn, settings, cache, rows, mapping, source, now=now))
+                progress.update(total.rows, total.summary())
+        progress.update(total.rows, total.summary(), done=True)
         yield pa.RecordBatch.from_pylist([{"kind": k, "reason": r, "n": n} for k, r, n in total.as_rows()],
                                          schema=_COUNTS_ARROW)
 

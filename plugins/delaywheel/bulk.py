@@ -14,13 +14,11 @@ from __future__ import annotations
 import functools
 import json
 import re
-import sys
-import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, Literal, TextIO
+from typing import Any, Literal
 
 import numpy as np
 import psycopg
@@ -116,6 +114,9 @@ class Counts:
         self.reasons.update(other.reasons)
         return self
 
+    def summary(self) -> str:
+        return f"{self.enqueued:,} enqueued, {self.skipped:,} already enqueued, {self.rejected:,} quarantined"
+
     def as_rows(self) -> list[tuple[str, str, int]]:
         """(kind, reason, n) triples: the shape the Spark job collects from its partitions."""
         rows = [("rows", "", self.rows), ("enqueued", "", self.enqueued), ("skipped", "", self.skipped)]
@@ -131,27 +132,6 @@ class Counts:
             else:
                 setattr(total, kind, getattr(total, kind) + n)
         return total
-
-
-class Progress:
-    """A writer's running counts as a line on stderr (the Airflow task log in local mode, the executor's log on a
-    cluster) every `every` seconds and at its end. Spark's console bar counts finished partitions, and a
-    partition of millions of rows stays at 0 for minutes."""
-
-    def __init__(self, label: str, every: float = 10.0, *, clock: Callable[[], float] = time.monotonic,
-                 out: TextIO | None = None) -> None:
-        self.label, self.every, self.clock, self.out = label, every, clock, out
-        self.started = self.reported = clock()
-
-    def update(self, counts: Counts, *, done: bool = False) -> None:
-        now = self.clock()
-        if not done and now - self.reported < self.every:
-            return
-        self.reported = now
-        rate = counts.rows / (now - self.started) if now > self.started else 0.0
-        print(f"{self.label}: {counts.rows:,} rows, {counts.enqueued:,} enqueued, {counts.skipped:,} already "
-              f"enqueued, {counts.rejected:,} quarantined; {rate:,.0f} rows/s" + (", done" if done else ""),
-              file=self.out or sys.stderr, flush=True)
 
 
 def _coerce_body(value: object, body_format: BodyFormat) -> object:

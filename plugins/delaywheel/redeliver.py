@@ -21,6 +21,7 @@ from .config import Settings
 from .levels import TOPIC_SUMMARY
 from .partitions import HOUR, PartitionCache, floor_to
 from .pending import PENDING
+from .progress import Progress
 from .store import Store
 from .validation import check_topic
 
@@ -40,8 +41,10 @@ class LaneResult:
 
 def catch_up_lane(url: str, settings: Settings, level: int | None, *, now: datetime | None = None,
                   limit: int = 50_000) -> LaneResult:
-    """Drain one lane with the deliverers' own passes until nothing due is left (its own connection)."""
+    """Drain one lane with the deliverers' own passes until nothing due is left (its own connection), its counts
+    on stderr as it goes."""
     delivered = cancelled = passes = busy = 0
+    progress = Progress(f"catch-up, {'wheel' if level is None else f'level {level}'}", "delivered")
     with Store(url, settings) as store:
         while True:
             result = store.advance_wheel(now=now, limit=limit) if level is None else store.deliver_level(
@@ -55,6 +58,7 @@ def catch_up_lane(url: str, settings: Settings, level: int | None, *, now: datet
             passes += 1
             delivered += result.delivered
             cancelled += result.skipped_cancelled
+            progress.update(delivered, f"{cancelled:,} cancelled, {passes:,} passes", done=not result.more)
             if not result.more:
                 return LaneResult(level, delivered, cancelled, passes)
 

@@ -56,11 +56,16 @@ def test_bulk_enqueue_dag(dags: dict[str, Any], store: Store, tmp_path: Path, ca
     assert store.conn.execute("SELECT row_number, reason FROM delaywheel.quarantine").fetchall() == [(41, "bad_level")]
 
 
-def test_redeliver_dag_catches_up(dags: dict[str, Any], store: Store) -> None:
+def test_redeliver_dag_catches_up(dags: dict[str, Any], store: Store, capfd: pytest.CaptureFixture[str]) -> None:
     past = store.clock() - timedelta(hours=3)  # every level (up to 2 h) is overdue
     store.send_many([Message("orders", {"i": i}, delay_level=1 + i % 18, key=f"c{i}") for i in range(90)], now=past)
 
     assert _state(dags["delaywheel_redeliver"], mode="catch-up") == "success"
+
+    # every lane's closing progress line is in the task log (progress.Progress, from the Spark job's stderr)
+    done = dict(re.findall(r"catch-up, (level \d+|wheel): ([\d,]+) delivered, .*?, done", capfd.readouterr().out))
+    assert set(done) == {f"level {n}" for n in range(1, 19)} | {"wheel"}
+    assert sum(int(n.replace(",", "")) for n in done.values()) == 90
 
     assert store.conn.execute("SELECT count(DISTINCT message_id), count(*) FROM delaywheel.topic_messages"
                               ).fetchone() == (90, 90)

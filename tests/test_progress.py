@@ -1,24 +1,26 @@
-"""A bulk writer's progress lines: every `every` seconds of its clock, and once at its end."""
+"""Progress lines of long work in Spark tasks: every `every` seconds of their clock, and once at the end."""
 
 from __future__ import annotations
 
 import io
 
-from delaywheel.bulk import Counts, Progress
+from delaywheel.bulk import Counts
+from delaywheel.progress import Progress
 
 
 def test_progress_reports_every_interval_and_at_the_end() -> None:
     now = [100.0]
     out = io.StringIO()
-    progress = Progress("bulk enqueue, partition 3", 10.0, clock=lambda: now[0], out=out)
+    progress = Progress("bulk enqueue, partition 3", "rows", 10.0, clock=lambda: now[0], out=out)
     total = Counts()
 
     for at, rows in ((104.0, 50_000), (110.0, 50_000), (115.0, 50_000), (121.0, 50_000)):
         now[0] = at
-        progress.update(total.add(Counts(rows=rows, enqueued=rows - 2, rejected=2)))
+        total.add(Counts(rows=rows, enqueued=rows - 2, rejected=2))
+        progress.update(total.rows, total.summary())
     total.add(Counts(rows=10_000, skipped=10_000))
     now[0] = 125.0
-    progress.update(total, done=True)
+    progress.update(total.rows, total.summary(), done=True)
 
     assert out.getvalue().splitlines() == [
         "bulk enqueue, partition 3: 100,000 rows, 99,996 enqueued, 0 already enqueued, 4 quarantined; 10,000 rows/s",
@@ -28,7 +30,7 @@ def test_progress_reports_every_interval_and_at_the_end() -> None:
     ]
 
 
-def test_an_empty_partition_still_says_it_is_done() -> None:
+def test_work_that_ends_at_once_still_says_it_is_done() -> None:
     out = io.StringIO()
-    Progress("bulk enqueue, partition 0", out=out, clock=lambda: 5.0).update(Counts(), done=True)
-    assert out.getvalue() == "bulk enqueue, partition 0: 0 rows, 0 enqueued, 0 already enqueued, 0 quarantined; 0 rows/s, done\n"
+    Progress("catch-up, level 4", "delivered", out=out, clock=lambda: 5.0).update(0, done=True)
+    assert out.getvalue() == "catch-up, level 4: 0 delivered; 0 delivered/s, done\n"
