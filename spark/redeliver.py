@@ -76,7 +76,8 @@ def reconcile(spark: SparkSession, url: str, settings: Settings, job: redeliver.
               "stale": [r.key for r in stale.limit(SAMPLE).collect()]}
     run_source = f"reconcile:{job.table}:{datetime.now().isoformat()}"  # dedup within this run only
     mapping = bulk.ColumnMap.parse("", job.topic).with_defaults(c for c in missing.columns if not c.startswith("_"))
-    created = sparkjob.write_rows(missing, url, settings, mapping, run_source, now=now) if missing_count else bulk.Counts()
+    created = (sparkjob.write_rows(missing, url, settings, mapping, run_source, now=now, job="reconcile: missing timers")
+               if missing_count else bulk.Counts())
     with Store(url, settings) as store:
         cancelled = store.cancel_matching(where=job.stale_where(), reason=f"reconcile {job.table}") if stale_count else 0
         run_id = redeliver.record_reconcile(store.conn, job, requested_by, missing=missing_count, stale=stale_count,

@@ -88,13 +88,14 @@ def read_sql(spark: SparkSession, url: str, sql: str, *, split_column: str | Non
 
 
 def write_rows(df: DataFrame, url: str, settings: Settings, mapping: bulk.ColumnMap, source: str, *,
-               now: datetime | None = None, chunk: int = 50_000) -> bulk.Counts:
+               now: datetime | None = None, chunk: int = 50_000, job: str = "bulk enqueue") -> bulk.Counts:
     """Write every partition of input rows through `bulk.write_chunk`: its own connection per partition,
-    `chunk` rows per transaction, its counts on stderr as it goes (`progress.Progress`); returns the summed counts."""
+    `chunk` rows per transaction, its counts on stderr as it goes (`progress.Progress`, lines starting with
+    `job`); returns the summed counts."""
 
     def write_partition(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         total, cache = bulk.Counts(), PartitionCache()
-        progress = Progress(f"bulk enqueue, partition {TaskContext.get().partitionId()}", "rows")  # type: ignore[union-attr]
+        progress = Progress(f"{job}, partition {TaskContext.get().partitionId()}", "rows")  # type: ignore[union-attr]
         with connect(url, autocommit=True) as conn:
             for rows in bulk.chunks(batches, chunk):
                 total.add(bulk.write_chunk(conn, settings, cache, rows, mapping, source, now=now))
