@@ -101,9 +101,10 @@ def main(argv: list[str] | None = None) -> bulk.Counts:
           else read_query(spark, sparkjob.db_url(args.source_url) if args.source_url else url, args.query))
     df, mapping = mapped(df, bulk.ColumnMap.parse(args.map, args.topic, args.body_format))
     writers = args.partitions or spark.sparkContext.defaultParallelism
-    if args.partitions or df.rdd.getNumPartitions() < writers:  # e.g. one Parquet row group: use every core
-        df = df.repartition(writers)
-    print(f"bulk enqueue of {args.input or 'a query'}: {df.rdd.getNumPartitions()} partitions, {args.chunk:,} rows "
+    partitions = df.rdd.getNumPartitions()
+    if args.partitions or partitions < writers:  # e.g. one Parquet row group: use every core
+        df, partitions = df.repartition(writers), writers
+    print(f"bulk enqueue of {args.input or 'a query'}: {partitions} partitions, {args.chunk:,} rows "
           "per transaction; each partition reports its counts every 10 s", flush=True)
     counts = sparkjob.write_rows(df, url, load_settings(), mapping, args.source or args.input or args.query,
                                 now=args.now, chunk=args.chunk)

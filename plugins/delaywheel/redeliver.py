@@ -22,6 +22,7 @@ from .levels import TOPIC_SUMMARY
 from .partitions import HOUR, PartitionCache, floor_to
 from .pending import PENDING
 from .progress import Progress
+from .runner import lane_name
 from .store import Store
 from .validation import check_topic
 
@@ -44,7 +45,7 @@ def catch_up_lane(url: str, settings: Settings, level: int | None, *, now: datet
     """Drain one lane with the deliverers' own passes until nothing due is left (its own connection), its counts
     on stderr as it goes."""
     delivered = cancelled = passes = busy = 0
-    progress = Progress(f"catch-up, {'wheel' if level is None else f'level {level}'}", "delivered")
+    progress = Progress(f"catch-up, {lane_name(level)}", "delivered")
     with Store(url, settings) as store:
         while True:
             result = store.advance_wheel(now=now, limit=limit) if level is None else store.deliver_level(

@@ -49,7 +49,7 @@ def test_bulk_enqueue_dag(dags: dict[str, Any], store: Store, tmp_path: Path, ca
 
     assert _state(dags["delaywheel_bulk_enqueue"], input=str(path), topic="orders") == "success"
 
-    # the task log has each partition's closing progress line (bulk.Progress, from the Spark job's stderr)
+    # the task log has each partition's closing progress line (progress.Progress, from the Spark job's stderr)
     done = re.findall(r"bulk enqueue, partition \d+: ([\d,]+) rows, .*?, done", capfd.readouterr().out)
     assert done and sum(int(n.replace(",", "")) for n in done) == 41, done
     assert store.conn.execute("SELECT count(*) FROM delaywheel.level_queue").fetchone() == (40,)
