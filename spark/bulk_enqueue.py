@@ -7,20 +7,27 @@ Each row is checked by the rules of `send` and written by its COPY path, a chunk
 partition (`delaywheel.bulk`); bad rows land in `delaywheel.quarantine` with the reason, the file and the
 row number; a re-run of the same input (same --source) enqueues nothing new. The counts are printed at the
 end as one JSON line; each partition prints its counts to stderr every 10 s (the task log in local mode) and shows
-as a task in the Spark UI.
+as a task in the Spark UI. Local Parquet files are read a row group per task by pyarrow in the Python workers,
+which skips the JVM's rows between Parquet and Arrow (`delaywheel.row_groups`; `--parquet-reader spark` for
+Spark's reader, which also reads whatever that path leaves to it).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
+from collections.abc import Callable, Iterator
+from dataclasses import astuple
 
+import pyarrow as pa
 import sparkjob
 from pyspark.sql import DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
+from pyspark.sql.pandas.types import to_arrow_schema
 from pyspark.sql.types import StringType, StructField, StructType
 
-from delaywheel import bulk
+from delaywheel import bulk, row_groups
 from delaywheel.config import load_settings
 
 FORMATS = {".csv": "csv", ".json": "json", ".jsonl": "json", ".ndjson": "json", ".parquet": "parquet"}
@@ -74,6 +81,22 @@ def mapped(df: DataFrame, mapping: bulk.ColumnMap) -> tuple[DataFrame, bulk.Colu
     return df.select(*keep), mapping
 
 
+def row_group_tasks(spark: SparkSession, df: DataFrame, mapping: bulk.ColumnMap, writers: int, batch_rows: int
+                    ) -> tuple[DataFrame, Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]] | None:
+    """A Parquet input as its row groups over `writers` partitions and the reader that turns them into rows in the
+    workers (`delaywheel.row_groups`); None when Spark's reader should read it: files `row_groups.plan` leaves to
+    Spark, or fewer row groups than writers (Spark's reader and a repartition keep every writer busy)."""
+    wanted = to_arrow_schema(
+        df.select(*mapping.input_columns).schema, timezone=spark.conf.get("spark.sql.session.timeZone"),
+        prefers_large_types=spark.conf.get("spark.sql.execution.arrow.useLargeVarTypes") == "true")
+    groups = row_groups.plan(df.inputFiles(), wanted)
+    if groups is None or len(groups) < writers:
+        return None
+    tasks = spark.createDataFrame(spark.sparkContext.parallelize([astuple(g) for g in groups], writers),
+                                  row_groups.SCHEMA)
+    return tasks, functools.partial(row_groups.read, wanted=wanted, batch_rows=batch_rows)
+
+
 def main(argv: list[str] | None = None) -> bulk.Counts:
     p = sparkjob.parser("Enqueue delayed messages in bulk from files or a query.")
     p.add_argument("--input", type=sparkjob.text, help="a file, directory or glob")
@@ -90,6 +113,9 @@ def main(argv: list[str] | None = None) -> bulk.Counts:
     p.add_argument("--chunk", type=int, default=50_000, help="rows per transaction in each partition")
     p.add_argument("--partitions", type=sparkjob.integer,
                    help="repartition the input to this many writers (default: at least one per core)")
+    p.add_argument("--parquet-reader", choices=["auto", "spark"], default="auto",
+                   help="auto (default): local Parquet files are read by pyarrow in the Python workers, a row group "
+                        "per task, when their columns read as Spark would read them; spark: always Spark's reader")
     p.add_argument("--now", type=sparkjob.instant, help="inject the clock (tests); default: the database's")
     args = p.parse_args(argv)
     if (args.input is None) == (args.query is None):
@@ -97,17 +123,24 @@ def main(argv: list[str] | None = None) -> bulk.Counts:
     url = sparkjob.db_url(args.db_url)
     spark = sparkjob.session("delaywheel bulk enqueue")
     spark.sparkContext.setJobDescription(f"delaywheel bulk enqueue of {args.input or 'query'}")
-    df = (read_files(spark, args.input, input_format(args.input, args.format)) if args.input
+    fmt = input_format(args.input, args.format) if args.input else "query"
+    df = (read_files(spark, args.input, fmt) if args.input
           else read_query(spark, sparkjob.db_url(args.source_url) if args.source_url else url, args.query))
     df, mapping = mapped(df, bulk.ColumnMap.parse(args.map, args.topic, args.body_format))
     writers = args.partitions or spark.sparkContext.defaultParallelism
-    partitions = df.rdd.getNumPartitions()
-    if args.partitions or partitions < writers:  # e.g. one Parquet row group: use every core
-        df, partitions = df.repartition(writers), writers
-    print(f"bulk enqueue of {args.input or 'a query'}: {partitions} partitions, {args.chunk:,} rows "
+    by_row_group = (row_group_tasks(spark, df, mapping, writers, args.chunk)
+                    if fmt == "parquet" and args.parquet_reader == "auto" else None)
+    read = None
+    if by_row_group:
+        (df, read), partitions, how = by_row_group, writers, "row groups read by pyarrow"
+    else:
+        partitions, how = df.rdd.getNumPartitions(), "Spark's reader"
+        if args.partitions or partitions < writers:  # e.g. one Parquet row group: use every core
+            df, partitions = df.repartition(writers), writers
+    print(f"bulk enqueue of {args.input or 'a query'}: {partitions} partitions ({how}), {args.chunk:,} rows "
           "per transaction; each partition reports its counts every 10 s", flush=True)
     counts = sparkjob.write_rows(df, url, load_settings(), mapping, args.source or args.input or args.query,
-                                now=args.now, chunk=args.chunk)
+                                 now=args.now, chunk=args.chunk, read=read)
     print(json.dumps({"job": "bulk_enqueue", "rows": counts.rows, "enqueued": counts.enqueued,
                       "skipped_already_enqueued": counts.skipped, "quarantined": counts.rejected,
                       "reasons": dict(counts.reasons)}), flush=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 
 import pyarrow as pa
@@ -88,16 +88,18 @@ def read_sql(spark: SparkSession, url: str, sql: str, *, split_column: str | Non
 
 
 def write_rows(df: DataFrame, url: str, settings: Settings, mapping: bulk.ColumnMap, source: str, *,
-               now: datetime | None = None, chunk: int = 50_000, job: str = "bulk enqueue") -> bulk.Counts:
+               now: datetime | None = None, chunk: int = 50_000, job: str = "bulk enqueue",
+               read: Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]] | None = None) -> bulk.Counts:
     """Write every partition of input rows through `bulk.write_chunk`: its own connection per partition,
     `chunk` rows per transaction, its counts on stderr as it goes (`progress.Progress`, lines starting with
-    `job`); returns the summed counts."""
+    `job`); returns the summed counts. With `read`, a partition holds what `read` turns into its input rows
+    (`row_groups.read`: Parquet row groups)."""
 
     def write_partition(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         total, cache = bulk.Counts(), PartitionCache()
         progress = Progress(f"{job}, partition {TaskContext.get().partitionId()}", "rows")  # type: ignore[union-attr]
         with connect(url, autocommit=True) as conn:
-            for rows in bulk.chunks(batches, chunk):
+            for rows in bulk.chunks(read(batches) if read else batches, chunk):
                 total.add(bulk.write_chunk(conn, settings, cache, rows, mapping, source, now=now))
                 progress.update(total.rows, total.summary())
         progress.update(total.rows, total.summary(), done=True)

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import csv
 import json
+from collections import Counter
 from datetime import datetime, timedelta
 from pathlib import Path
 
 import bulk_enqueue
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 
 from delaywheel import Store
 
@@ -123,3 +125,63 @@ def test_query_source_over_jdbc(spark: object, store: Store, db_url: str, t0: da
     assert _quarantine(store) == {7: ("bad_delay", "query")}
     assert store.conn.execute("SELECT count(*) FROM delaywheel.idempotency WHERE source = %s", (query,)
                               ).fetchone() == (19,)
+
+
+def _messages(store: Store) -> Counter[tuple[object, ...]]:
+    """Every written message's fields (not its id or enqueue time), counted."""
+    fields = "topic, key, tags, properties, body, deliver_at"
+    return Counter(row for t in ("level_queue", "wheel", "wheel_far")
+                   for row in store.conn.execute(f"SELECT {fields} FROM delaywheel.{t}").fetchall())
+
+
+def test_parquet_row_groups_by_pyarrow_match_sparks_reader(spark: object, store: Store, db_url: str, t0: datetime,
+                                                           tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """Local Parquet is read a row group per task by pyarrow: the same rows, quarantine entries and claims as
+    Spark's reader gives, so either reader's re-run finds the other's claims (keyless rows are claimed by
+    file#row, with the file as Spark names it)."""
+    n = 40
+    table = pa.table({
+        "TOPIC": ["orders"] * n,
+        "key": [None if i % 3 == 0 else f"p{i}" for i in range(n)],  # a third keyless
+        "body": [json.dumps({"i": i}) for i in range(n)],
+        "lvl": pa.array([None if i % 2 else -2 if i == 32 else i % 18 + 1 for i in range(n)], pa.int32()),  # row 33 bad
+        "due": pa.array([t0 + timedelta(minutes=i) if i % 2 else None for i in range(n)], pa.timestamp("us", "UTC"))})
+    path = tmp_path / "orders 1é.parquet"
+    pq.write_table(table, path, row_group_size=6)
+    argv = ["--db-url", db_url, "--input", str(path), "--now", t0.isoformat(),
+            "--map", "topic=TOPIC,delay_level=lvl,deliver_at=due", "--chunk", "5"]
+
+    first = bulk_enqueue.main(argv)
+
+    assert "2 partitions (row groups read by pyarrow)" in capfd.readouterr().out
+    assert (first.rows, first.enqueued, first.rejected, dict(first.reasons)) == (n, n - 1, 1, {"bad_level": 1})
+    quarantined = _quarantine(store)
+    spark_file = spark.read.parquet(str(path)).select("_metadata.file_path").first()[0]  # type: ignore[attr-defined]
+    assert quarantined == {33: ("bad_level", spark_file)}
+    written = _messages(store)
+
+    again = bulk_enqueue.main([*argv, "--parquet-reader", "spark"])
+
+    assert "(Spark's reader)" in capfd.readouterr().out
+    assert (again.enqueued, again.skipped, again.rejected) == (0, n - 1, 1)
+    assert _quarantine(store) == quarantined
+
+    bulk_enqueue.main([*argv, "--parquet-reader", "spark", "--source", "once more"])
+
+    assert _messages(store) == Counter({row: 2 * k for row, k in written.items()})
+
+
+def test_parquet_partition_directories_are_read_by_spark(spark: object, store: Store, db_url: str, t0: datetime,
+                                                         tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    for level in (2, 5):
+        (tmp_path / f"level={level}").mkdir()
+        pq.write_table(pa.table({"key": [f"l{level}-{i}" for i in range(10)], "body": ["{}"] * 10}),
+                       tmp_path / f"level={level}" / "part-0.parquet", row_group_size=3)
+
+    counts = bulk_enqueue.main(["--db-url", db_url, "--input", str(tmp_path), "--format", "parquet",
+                                "--topic", "orders", "--map", "delay_level=level", "--now", t0.isoformat()])
+
+    assert "(Spark's reader)" in capfd.readouterr().out
+    assert counts.enqueued == 20
+    assert store.conn.execute("SELECT level, count(*) FROM delaywheel.level_queue GROUP BY 1 ORDER BY 1"
+                              ).fetchall() == [(2, 10), (5, 10)]
