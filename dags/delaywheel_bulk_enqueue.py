@@ -41,6 +41,9 @@ with DAG(
         "chunk": Param(50000, type="integer", minimum=1, description="rows per transaction in each partition"),
         "partitions": Param("", type="string", pattern=r"^([1-9]\d*)?$",
                             description="repartition the input to this many writers (empty: at least one per core)"),
+        "parquet_reader": Param("auto", type="string", enum=["auto", "spark"], title="Parquet reader",
+                                description="auto: local Parquet row groups read by pyarrow in the workers where "
+                                            "they read as Spark reads them; spark: always Spark's reader"),
     },
 ) as dag:
     spark_job("bulk_enqueue", "bulk_enqueue", [
@@ -48,4 +51,5 @@ with DAG(
         "--format", "{{ params.format }}",
         "--map", "{{ params.map }}", "--topic", "{{ params.topic }}", "--body-format", "{{ params.body_format }}",
         "--source", "{{ params.source }}", "--chunk", "{{ params.chunk }}", "--partitions", "{{ params.partitions }}",
+        "--parquet-reader", "{{ params.parquet_reader }}",
     ])

@@ -7,8 +7,8 @@ Each row is checked by the rules of `send` and written by its COPY path, a chunk
 partition (`delaywheel.bulk`); bad rows land in `delaywheel.quarantine` with the reason, the file and the
 row number; a re-run of the same input (same --source) enqueues nothing new. The counts are printed at the
 end as one JSON line; each partition prints its counts to stderr every 10 s (the task log in local mode) and shows
-as a task in the Spark UI. Local Parquet files are read a row group per task by pyarrow in the Python workers,
-which skips the JVM's rows between Parquet and Arrow (`delaywheel.row_groups`; `--parquet-reader spark` for
+as a task in the Spark UI. Local Parquet files are read by pyarrow in the Python workers, each its share of the
+row groups, which skips the JVM's rows between Parquet and Arrow (`delaywheel.row_groups`; `--parquet-reader spark` for
 Spark's reader, which also reads whatever that path leaves to it).
 """
 
@@ -114,8 +114,8 @@ def main(argv: list[str] | None = None) -> bulk.Counts:
     p.add_argument("--partitions", type=sparkjob.integer,
                    help="repartition the input to this many writers (default: at least one per core)")
     p.add_argument("--parquet-reader", choices=["auto", "spark"], default="auto",
-                   help="auto (default): local Parquet files are read by pyarrow in the Python workers, a row group "
-                        "per task, when their columns read as Spark would read them; spark: always Spark's reader")
+                   help="auto (default): local Parquet files are read by pyarrow in the Python workers, by row "
+                        "group, when their columns read as Spark would read them; spark: always Spark's reader")
     p.add_argument("--now", type=sparkjob.instant, help="inject the clock (tests); default: the database's")
     args = p.parse_args(argv)
     if (args.input is None) == (args.query is None):

@@ -125,7 +125,7 @@ def _job_argv(dag: Any, conf: dict[str, Any]) -> list[str]:
       "topic": "order.timeout", "delay_seconds": "90"},
      {"table": "shop.orders", "due_column": None, "delay_seconds": 90.0}),
     ("delaywheel_bulk_enqueue", "bulk_enqueue", {"input": "orders.csv"},
-     {"input": "orders.csv", "source_url": None, "partitions": None, "chunk": 50_000}),
+     {"input": "orders.csv", "source_url": None, "partitions": None, "chunk": 50_000, "parquet_reader": "auto"}),
     ("delaywheel_bulk_enqueue", "bulk_enqueue",
      {"query": "SELECT 1", "source_url": "postgresql://shop@db/shop", "partitions": "6"},
      {"input": None, "source_url": "postgresql://shop@db/shop", "partitions": 6}),
