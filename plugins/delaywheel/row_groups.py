@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import unquote, urlsplit
 
 import numpy as np
@@ -62,10 +63,10 @@ def plan(listed: Iterable[str], wanted: pa.Schema) -> list[RowGroup] | None:
     for file in map(spark_file_path, listed):
         if urlsplit(file).scheme != "file":
             return None  # HDFS, S3 and the like: Spark's file systems, not pyarrow's
-        parquet = pq.ParquetFile(local_path(file))
-        if physical_columns(parquet.schema_arrow, wanted) is None:
-            return None
-        metadata = parquet.metadata
+        with pq.ParquetFile(local_path(file)) as parquet:
+            if physical_columns(parquet.schema_arrow, wanted) is None:
+                return None
+            metadata = parquet.metadata
         first = 1
         for index in range(metadata.num_row_groups):
             groups.append(RowGroup(file, index, first))
@@ -78,14 +79,19 @@ def read(tasks: Iterable[pa.RecordBatch], wanted: pa.Schema, batch_rows: int) ->
     names = [*wanted.names, FILE_COLUMN, ROW_COLUMN]
     for task in tasks:
         for group in task.to_pylist():
-            parquet = pq.ParquetFile(local_path(group["file"]))
-            columns = physical_columns(parquet.schema_arrow, wanted)
-            if columns is None:  # the file changed since it was planned
-                raise ValueError(f"{group['file']}: no longer holds the columns {wanted}")
-            row = group["first_row"]
-            for batch in parquet.iter_batches(batch_rows, row_groups=[group["row_group"]], columns=sorted(set(columns))):
-                count = batch.num_rows
-                file = pa.array([group["file"]], pa.string()).take(np.zeros(count, np.int32))
-                rows = pa.array(np.arange(row, row + count, dtype=np.int64))
-                yield pa.RecordBatch.from_arrays([*map(batch.column, columns), file, rows], names=names)
-                row += count
+            with pq.ParquetFile(local_path(group["file"])) as parquet:
+                yield from _rows(parquet, group, wanted, names, batch_rows)
+
+
+def _rows(parquet: pq.ParquetFile, group: dict[str, Any], wanted: pa.Schema, names: list[str], batch_rows: int
+          ) -> Iterator[pa.RecordBatch]:
+    columns = physical_columns(parquet.schema_arrow, wanted)
+    if columns is None:  # the file changed since it was planned
+        raise ValueError(f"{group['file']} no longer holds the columns {', '.join(wanted.names)} as planned")
+    row = group["first_row"]
+    for batch in parquet.iter_batches(batch_rows, row_groups=[group["row_group"]], columns=sorted(set(columns))):
+        count = batch.num_rows
+        file = pa.array([group["file"]], pa.string()).take(np.zeros(count, np.int32))
+        rows = pa.array(np.arange(row, row + count, dtype=np.int64))
+        yield pa.RecordBatch.from_arrays([*map(batch.column, columns), file, rows], names=names)
+        row += count
