@@ -130,11 +130,11 @@ def main(argv: list[str] | None = None) -> bulk.Counts:
     writers = args.partitions or spark.sparkContext.defaultParallelism
     by_row_group = (row_group_tasks(spark, df, mapping, writers, args.chunk)
                     if fmt == "parquet" and args.parquet_reader == "auto" else None)
-    read = None
     if by_row_group:
-        (df, read), partitions, how = by_row_group, writers, "row groups read by pyarrow"
+        df, read = by_row_group
+        partitions, how = writers, "row groups read by pyarrow"
     else:
-        partitions, how = df.rdd.getNumPartitions(), "Spark's reader"
+        read, partitions, how = None, df.rdd.getNumPartitions(), "Spark's reader"
         if args.partitions or partitions < writers:  # e.g. one Parquet row group: use every core
             df, partitions = df.repartition(writers), writers
     print(f"bulk enqueue of {args.input or 'a query'}: {partitions} partitions ({how}), {args.chunk:,} rows "

@@ -10,9 +10,9 @@ them. Any input where that is not plainly so is left to Spark's reader (`plan` r
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
 from urllib.parse import unquote, urlsplit
 
 import numpy as np
@@ -75,23 +75,25 @@ def plan(listed: Iterable[str], wanted: pa.Schema) -> list[RowGroup] | None:
 
 
 def read(tasks: Iterable[pa.RecordBatch], wanted: pa.Schema, batch_rows: int) -> Iterator[pa.RecordBatch]:
-    """The rows of each row group in `tasks` (batches of SCHEMA), as the wanted columns plus `_file` and `_row`."""
+    """The rows of each row group in `tasks` (batches of SCHEMA), as the wanted columns plus `_file` and `_row`;
+    each file is opened once for its consecutive row groups."""
     names = [*wanted.names, FILE_COLUMN, ROW_COLUMN]
-    for task in tasks:
-        for group in task.to_pylist():
-            with pq.ParquetFile(local_path(group["file"])) as parquet:
-                yield from _rows(parquet, group, wanted, names, batch_rows)
+    groups = (RowGroup(**g) for task in tasks for g in task.to_pylist())
+    for file, same_file in itertools.groupby(groups, key=lambda g: g.file):
+        with pq.ParquetFile(local_path(file)) as parquet:
+            columns = physical_columns(parquet.schema_arrow, wanted)
+            if columns is None:  # the file changed since it was planned
+                raise ValueError(f"{file} no longer holds the columns {', '.join(wanted.names)} as planned")
+            for group in same_file:
+                yield from _batches(parquet, group, columns, names, batch_rows)
 
 
-def _rows(parquet: pq.ParquetFile, group: dict[str, Any], wanted: pa.Schema, names: list[str], batch_rows: int
-          ) -> Iterator[pa.RecordBatch]:
-    columns = physical_columns(parquet.schema_arrow, wanted)
-    if columns is None:  # the file changed since it was planned
-        raise ValueError(f"{group['file']} no longer holds the columns {', '.join(wanted.names)} as planned")
-    row = group["first_row"]
-    for batch in parquet.iter_batches(batch_rows, row_groups=[group["row_group"]], columns=sorted(set(columns))):
+def _batches(parquet: pq.ParquetFile, group: RowGroup, columns: list[str], names: list[str], batch_rows: int
+             ) -> Iterator[pa.RecordBatch]:
+    row = group.first_row
+    for batch in parquet.iter_batches(batch_rows, row_groups=[group.row_group], columns=sorted(set(columns))):
         count = batch.num_rows
-        file = pa.array([group["file"]], pa.string()).take(np.zeros(count, np.int32))
+        file = pa.array([group.file], pa.string()).take(np.zeros(count, np.int32))
         rows = pa.array(np.arange(row, row + count, dtype=np.int64))
         yield pa.RecordBatch.from_arrays([*map(batch.column, columns), file, rows], names=names)
         row += count
