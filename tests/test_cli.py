@@ -3,8 +3,17 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
 
+import psycopg
 import pytest
+from psycopg.conninfo import make_conninfo
 
 from delaywheel import Store
 from delaywheel.cli import main
@@ -53,10 +62,74 @@ def test_cli_bad_input_is_exit_2_with_a_message(db_url: str, monkeypatch: pytest
     (Bulk cancel's guard codes are in test_cancel.py.)"""
     monkeypatch.setenv("DELAYWHEEL_DATABASE_URL", db_url)
     assert main(["cancel", "--where", "key ==== 'x'"]) == 2
-    assert "database error" in capsys.readouterr().err
+    assert capsys.readouterr().err.startswith("delaywheel:")  # a message saying why (the predicate's checks)
     assert main(["deliver", "--level", "99", "--duration", "1s"]) == 2
     assert "level 99 is not configured" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exited:  # argparse's own usage error
         main(["send", "--topic", "orders", "--body", "1", "--in", "99999999999d"])
     assert exited.value.code == 2
     assert "too large" in capsys.readouterr().err
+
+
+def test_cli_never_shows_a_traceback_for_bad_input(db_url: str, server_url: str, tmp_path: Path) -> None:
+    """The CLI as a user runs it (a subprocess): bad files, bad JSON, bad durations and times, a missing database,
+    an unmigrated one, an unreachable server and a bad setting each give exit 2 and one line on stderr."""
+    binary = tmp_path / "binary.txt"
+    binary.write_bytes(b"\xff\xfe\x00bad")
+    unmigrated = f"dwtest_empty_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(server_url, autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {unmigrated}")
+    env = {**os.environ, "DELAYWHEEL_DATABASE_URL": db_url}
+    env.pop("DELAYWHEEL_TRACEBACK", None)
+    cases: list[tuple[list[str], dict[str, str], str]] = [
+        (["cancel", "--keys-from", "/nonexistent/keys.txt"], {}, "No such file or directory"),
+        (["cancel", "--keys-from", str(tmp_path)], {}, "Is a directory"),
+        (["cancel", "--keys-from", str(binary)], {}, "--keys-from"),
+        (["send", "--topic", "t", "--body", "1", "--property", "foo"], {}, "'foo' is not K=V"),
+        (["send", "--topic", "t", "--body", "{"], {}, "--body is not JSON"),
+        (["send", "--topic", "t", "--body", "[" * 50_000 + "]" * 50_000], {}, "--body"),
+        (["send", "--topic", "t", "--body", "1", "--in", "5 fortnights"], {}, "--in"),
+        (["send", "--topic", "t", "--body", "1", "--at", "2026-13-01T00:00:00+00:00"], {}, "not an ISO 8601 time"),
+        (["send", "--topic", "t", "--body", "1", "--at", "2026-12-01T00:00:00"], {}, "no time zone"),
+        (["send", "--topic", "t", "--body", "1", "--level", "x"], {}, "invalid int value"),
+        (["deliver", "--duration", "soon"], {}, "--duration"),
+        (["deliver", "--progress-every", "-1"], {}, "--progress-every"),
+        (["pull", "--topic", "t", "--group", "g", "--max", "0"], {}, "must be at least 1"),
+        (["stats"], {"DELAYWHEEL_DATABASE_URL": make_conninfo(server_url, dbname="dwtest_no_such_db")},
+         "does not exist"),
+        (["stats"], {"DELAYWHEEL_DATABASE_URL": make_conninfo(server_url, dbname=unmigrated)}, "delaywheel migrate"),
+        (["send", "--topic", "t", "--body", "1"],
+         {"DELAYWHEEL_DATABASE_URL": "postgresql://postgres@127.0.0.1:1/delaywheel?connect_timeout=2"},
+         "database error"),
+        (["stats"], {"DELAYWHEEL_DATABASE_URL": "not a connection string"}, "database error"),
+        (["stats"], {"DELAYWHEEL_BATCH_SIZE": "lots"}, "batch_size"),
+    ]
+    try:
+        for argv, extra, expected in cases:
+            done = subprocess.run([sys.executable, "-m", "delaywheel.cli", *argv], env={**env, **extra},
+                                  capture_output=True, text=True, timeout=60)
+            shown = f"{argv[:4]} -> rc {done.returncode}, stderr: {done.stderr[-2000:]}"
+            assert done.returncode == 2, shown
+            assert "Traceback" not in done.stderr, shown
+            assert expected in done.stderr, shown
+            assert done.stderr.strip().splitlines()[-1].startswith(("delaywheel", "usage")), shown
+    finally:
+        with psycopg.connect(server_url, autocommit=True) as conn:
+            conn.execute(f"DROP DATABASE IF EXISTS {unmigrated} WITH (FORCE)")
+
+
+def test_deliver_stops_cleanly_on_sigterm(db_url: str) -> None:
+    env = {**os.environ, "DELAYWHEEL_DATABASE_URL": db_url}
+    loop = subprocess.Popen([sys.executable, "-m", "delaywheel.cli", "deliver", "--duration", "60s", "--json"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(3.0)  # connected and waiting by now
+        assert loop.poll() is None
+        loop.send_signal(signal.SIGTERM)
+        out, err = loop.communicate(timeout=20)
+    finally:
+        if loop.poll() is None:
+            loop.kill()
+    assert loop.returncode == 0, err
+    assert json.loads(out)["stopped_by_signal"] is True
+    assert "Traceback" not in err

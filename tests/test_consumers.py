@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta
 
+import pytest
+
 from delaywheel import Settings, Store
-from delaywheel.topics import dlq_topic, retry_topic
+from delaywheel.topics import AckResult, dlq_topic, retry_topic
 from delaywheel.validation import Message
 from tests.conftest import at
 
@@ -16,7 +18,7 @@ def test_pull_ack_and_redelivery_of_unacked(store: Store, t0: datetime) -> None:
     assert [m.message_id for m in first.messages] == ids[:3]
     again = store.pull("orders", "billing", 3)  # not acked: the same batch again
     assert [m.message_id for m in again.messages] == ids[:3]
-    assert store.ack(again) == 3
+    assert store.ack(again) == AckResult(acked=3, retried=0, already_acked=0)
     rest = store.pull("orders", "billing", 10)
     assert [m.message_id for m in rest.messages] == ids[3:]
     store.ack(rest)
@@ -64,3 +66,57 @@ def test_retry_delay_follows_the_level_table(store: Store, t0: datetime) -> None
     store.ack(store.pull("orders", "g"), failed={mid})
     row = store.conn.execute("SELECT deliver_at - enqueued_at FROM delaywheel.level_queue").fetchone()
     assert row is not None and row[0] == timedelta(seconds=10)  # level 3 = 10s
+
+
+def _retries(store: Store) -> list[tuple[str, int]]:
+    """(topic, reconsume_times) of every retry or dead letter waiting or delivered."""
+    return store.conn.execute(
+        "SELECT topic, reconsume_times FROM delaywheel.level_queue WHERE topic LIKE '\\%%RETRY\\%%%%'"
+        " UNION ALL SELECT topic, reconsume_times FROM delaywheel.topic_messages WHERE topic LIKE '\\%%DLQ\\%%%%'"
+    ).fetchall()
+
+
+def test_acking_a_batch_twice_retries_its_failures_once(store: Store, t0: datetime) -> None:
+    ids = store.send_many([Message("orders", {"n": i}) for i in range(3)], now=t0)
+    batch = store.pull("orders", "g")
+    assert store.ack(batch, failed={ids[1]}) == AckResult(acked=3, retried=1, already_acked=0)
+    assert store.ack(batch, failed={ids[1]}) == AckResult(acked=0, retried=0, already_acked=3)  # a retried ack
+    assert _retries(store) == [(retry_topic("g"), 1)]
+    offset = store.conn.execute("SELECT acked FROM delaywheel.consumer_offsets WHERE grp = 'g'").fetchone()
+    assert offset == (3,)  # counted once
+
+
+def test_a_stale_ack_moves_nothing_and_retries_nothing(store: Store, t0: datetime) -> None:
+    """Two consumers of one group pull the same messages; the one that acks second (and less far) changes
+    nothing: its failure was the other consumer's success, already committed."""
+    ids = store.send_many([Message("orders", {"n": i}) for i in range(4)], now=t0)
+    slow = store.pull("orders", "g", 2)
+    with Store(store.url, store.settings) as other:
+        fast = other.pull("orders", "g", 4)
+        assert other.ack(fast) == AckResult(acked=4)
+    assert store.ack(slow, failed={ids[0]}) == AckResult(acked=0, retried=0, already_acked=2)
+    assert _retries(store) == []
+    assert len(store.pull("orders", "g")) == 0  # the offset stayed where the faster consumer left it
+
+
+def test_an_ack_overlapping_a_newer_one_retries_only_what_it_moves_past(store: Store, t0: datetime) -> None:
+    ids = store.send_many([Message("orders", {"n": i}) for i in range(4)], now=t0)
+    whole = store.pull("orders", "g", 4)
+    store.ack(store.pull("orders", "g", 2))  # another consumer acked the first two meanwhile
+    assert store.ack(whole, failed={ids[0], ids[3]}) == AckResult(acked=2, retried=1, already_acked=2)
+    assert _retries(store) == [(retry_topic("g"), 1)]
+    retry = store.conn.execute(
+        "SELECT properties->>'ORIGIN_MESSAGE_ID' FROM delaywheel.level_queue WHERE topic = %s", (retry_topic("g"),)
+    ).fetchone()
+    assert retry == (str(ids[3]),)
+
+
+def test_failed_ids_not_in_the_batch_are_an_error_and_ack_nothing(store: Store, t0: datetime) -> None:
+    ids = store.send_many([Message("orders", {"n": i}) for i in range(2)], now=t0)
+    batch = store.pull("orders", "g")
+    with pytest.raises(ValueError, match=r"1 id\(s\) that are not messages of this batch: 999"):
+        store.ack(batch, failed={ids[0], 999})
+    assert _retries(store) == []
+    assert [m.message_id for m in store.pull("orders", "g").messages] == ids  # nothing acked
+    assert store.ack(store.pull("orders", "g"), failed=set()) == AckResult(acked=2)
+    assert store.ack(store.pull("orders", "g")) == AckResult()  # an empty batch

@@ -5,12 +5,15 @@ e.g. a run without grace ends seconds before one that waits out a 30-s grace."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
+import psycopg
 import pytest
 
 from delaywheel import Message, Store, runner
+from delaywheel.producer import NOTIFY_CHANNEL
 from tests.conftest import deliveries
 
 
@@ -62,3 +65,45 @@ def test_the_loop_keeps_brin_summaries_up_to_date(store: Store, monkeypatch: pyt
     monkeypatch.setattr(runner, "SUMMARIZE_EVERY_S", 0.2)
     runner.run(store, [1], 1.5)
     assert store.summarize() == 0  # the loop left nothing to summarize, not even the topic's last, partial range
+
+
+def test_due_hint_parses_due_times_and_nothing_else() -> None:
+    assert runner.due_hint("1700000000.25") == 1700000000.25
+    for bad in ("not-a-number", "", "nan", "inf", "-inf", "1e999", "1,5", "\x00"):
+        assert runner.due_hint(bad) is None, bad
+
+
+def test_a_bad_notify_payload_neither_stops_the_loop_nor_floods_its_log(
+    db_url: str, store: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Anyone may NOTIFY the producers' channel: the payload is a hint, and one that is not a due time is ignored
+    (logged once per loop). The loop goes on and still wakes for a real announcement."""
+    stop = threading.Event()
+    out: dict[str, runner.RunTotals] = {}
+
+    def loop() -> None:
+        with Store(db_url) as own:
+            out["totals"] = runner.run(own, [1], 60, stop=stop)
+
+    thread = threading.Thread(target=loop)
+    with caplog.at_level(logging.WARNING, logger="delaywheel.runner"):
+        thread.start()
+        try:
+            time.sleep(1.0)  # asleep on LISTEN by now (nothing pending: a 5-s safety wake)
+            with psycopg.connect(db_url, autocommit=True) as other:
+                for payload in ("not-a-number", "nan", "", "1e999", "not-a-number"):
+                    other.execute("SELECT pg_notify(%s, %s)", (NOTIFY_CHANNEL, payload))
+            time.sleep(1.0)
+            assert thread.is_alive(), "a bad NOTIFY payload ended the delivery loop"
+            store.send("hints", {"n": 1}, delay_level=1)  # due in 1 s: its announcement wakes the loop
+            deadline = time.monotonic() + 15
+            while not deliveries(store, "hints") and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert len(deliveries(store, "hints")) == 1
+            assert thread.is_alive()
+        finally:
+            stop.set()
+            thread.join(timeout=15)
+    assert not thread.is_alive() and out["totals"].delivered == 1
+    warnings = [r for r in caplog.records if "ignoring a NOTIFY" in r.getMessage()]
+    assert len(warnings) == 1  # once per loop, not per notice

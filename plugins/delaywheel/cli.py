@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
+import threading
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -33,6 +36,37 @@ def _moment(text: str) -> datetime:
     if moment.tzinfo is None:
         raise argparse.ArgumentTypeError(f"{text!r} has no time zone; add one, e.g. +00:00")
     return moment
+
+
+def _property(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"{text!r} is not K=V (a property name, '=', its value)")
+    return key, value
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 < value < 1e9:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive number of seconds")
+    return value
+
+
+class UsageError(Exception):
+    """Bad input found while running a command (a file that cannot be read, a body nested too deep): exit 2."""
 
 
 def _print(data: Any, as_json: bool) -> None:
@@ -69,8 +103,11 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 
 
 def cmd_send(args: argparse.Namespace) -> int:
-    body: Any = args.body.encode() if args.raw else json.loads(args.body)
-    properties = dict(p.split("=", 1) for p in args.property)
+    try:
+        body: Any = args.body.encode() if args.raw else json.loads(args.body)
+    except RecursionError:
+        raise UsageError("--body is nested too deeply to be a message") from None
+    properties = dict(args.property)
     with Store() as store:
         message_id = store.send(
             args.topic, body, delay_level=args.level, delay=args.delay_in, deliver_at=args.at,
@@ -85,15 +122,37 @@ def _progress(totals: runner.RunTotals) -> None:
           f" {totals.per_lane}", file=sys.stderr, flush=True)
 
 
+def _stop_on_signals(stop: threading.Event) -> dict[int, Any]:
+    """SIGTERM and SIGINT stop the delivery loop after its current pass (a pass commits or rolls back whole);
+    returns the handlers to restore."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    previous = {}
+    for number in (signal.SIGTERM, signal.SIGINT):
+        previous[number] = signal.signal(number, lambda *_: stop.set())
+    return previous
+
+
 def cmd_deliver(args: argparse.Namespace) -> int:
+    stop = threading.Event()
+    previous = _stop_on_signals(stop)
+    try:
+        return _deliver(args, stop)
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+
+
+def _deliver(args: argparse.Namespace, stop: threading.Event) -> int:
     with Store() as store:
         lanes: list[runner.Lane] = list(args.level) if args.level else list(range(1, store.settings.max_level + 1))
         if args.command == "advance" or (args.command == "deliver" and not args.level and not args.no_wheel):
             lanes = [*lanes, None] if args.command == "deliver" else [None]
-        totals = runner.run(store, lanes, args.duration.total_seconds(), progress=_progress,
+        totals = runner.run(store, lanes, args.duration.total_seconds(), stop=stop, progress=_progress,
                             progress_every_s=args.progress_every, until_idle=args.until_idle)
     _print({"delivered": totals.delivered, "skipped_cancelled": totals.skipped_cancelled, "passes": totals.passes,
-            "per_lane": totals.per_lane}, args.json)
+            "per_lane": totals.per_lane, "reconnects": totals.reconnects, "stopped_by_signal": stop.is_set()},
+           args.json)
     return 0
 
 
@@ -120,8 +179,11 @@ def cmd_cancel(args: argparse.Namespace) -> int:
         if args.where is not None or args.keys_from is not None:
             keys = None
             if args.keys_from:
-                with open(args.keys_from) as lines:
-                    keys = [line.strip() for line in lines if line.strip()]
+                try:
+                    with open(args.keys_from, encoding="utf-8") as lines:
+                        keys = [line.strip() for line in lines if line.strip()]
+                except (OSError, UnicodeDecodeError) as exc:
+                    raise UsageError(f"--keys-from {args.keys_from}: {_reason(exc)}") from None
             where = args.where if keys is None else None
             count = store.count_matching(keys=keys, where=where)
             if not args.yes:
@@ -197,7 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
     when.add_argument("--at", type=_moment, help="deliver at this ISO 8601 time with a zone")
     p.add_argument("--key")
     p.add_argument("--tags")
-    p.add_argument("--property", action="append", default=[], metavar="K=V")
+    p.add_argument("--property", action="append", default=[], metavar="K=V", type=_property)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_send)
 
@@ -208,14 +270,14 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--no-wheel", action="store_true", help="levels only")
         p.add_argument("--duration", type=_duration, default=timedelta(seconds=60), help="how long to run (default 60s)")
         p.add_argument("--until-idle", action="store_true", help="stop early once nothing is pending")
-        p.add_argument("--progress-every", type=float, default=10.0, metavar="SECONDS")
+        p.add_argument("--progress-every", type=_seconds, default=10.0, metavar="SECONDS")
         p.add_argument("--json", action="store_true")
         p.set_defaults(func=cmd_deliver, level=None, no_wheel=False)
 
     p = sub.add_parser("pull", help="pull a batch for a consumer group")
     p.add_argument("--topic", required=True)
     p.add_argument("--group", required=True)
-    p.add_argument("--max", type=int, default=100)
+    p.add_argument("--max", type=_positive, default=100)
     p.add_argument("--ack", action="store_true", help="commit the group's offset after printing")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_pull)
@@ -240,7 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_retire)
 
     p = sub.add_parser("demo", help="the order-timeout story end to end (the README's first command)")
-    p.add_argument("--orders", type=int, default=100_000, help="how many orders to place (default 100000)")
+    p.add_argument("--orders", type=_positive, default=100_000, help="how many orders to place (default 100000)")
     p.add_argument("--timeout", default="20s", help="payment timeout (production: 30m; default 20s for the demo)")
     p.add_argument("--period", default="30s", help="place the orders over this long (default 30s)")
     p.add_argument("--json", action="store_true")
@@ -256,12 +318,41 @@ def main(argv: list[str] | None = None) -> int:
     except json.JSONDecodeError as exc:
         print(f"delaywheel: error: --body is not JSON ({exc}); use --raw to send text as bytes", file=sys.stderr)
         return 2
-    except (InvalidMessage, ConfigError, MigrationError, embedded.EmbeddedError, ValueError) as exc:
-        print(f"delaywheel: error: {exc}", file=sys.stderr)
+    except (InvalidMessage, ConfigError, MigrationError, embedded.EmbeddedError, UsageError, ValueError) as exc:
+        print(f"delaywheel: error: {_one_line(exc)}", file=sys.stderr)
+        return 2
+    except psycopg.errors.UndefinedTable as exc:  # (or an unmigrated database)
+        print(f"delaywheel: database error: {_one_line(exc)} (is the schema migrated? `delaywheel migrate`)",
+              file=sys.stderr)
         return 2
     except psycopg.Error as exc:  # e.g. a --where predicate that is not valid SQL, or an unreachable server
-        print(f"delaywheel: database error: {str(exc).strip()}", file=sys.stderr)
+        print(f"delaywheel: database error: {_one_line(exc)}", file=sys.stderr)
         return 2
+    except OSError as exc:  # a file or folder the command needs
+        print(f"delaywheel: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("delaywheel: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # a bug: still no traceback for the user unless asked for
+        if os.environ.get("DELAYWHEEL_TRACEBACK"):
+            raise
+        print(f"delaywheel: internal error: {type(exc).__name__}: {_one_line(exc)}"
+              " (set DELAYWHEEL_TRACEBACK=1 to see where)", file=sys.stderr)
+        return 2
+
+
+def _reason(exc: BaseException) -> str:
+    """An OSError's reason without its errno prefix, e.g. 'No such file or directory'."""
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    return str(exc)
+
+
+def _one_line(exc: BaseException) -> str:
+    """The error's first line: PostgreSQL's messages carry LINE / DETAIL / HINT lines after it."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[0] if lines else type(exc).__name__
 
 
 if __name__ == "__main__":

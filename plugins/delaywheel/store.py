@@ -39,6 +39,9 @@ class Store:
     @property
     def conn(self) -> psycopg.Connection:
         if self._conn is None or self._conn.closed:
+            if self._conn is not None:  # lost (a server restart) or closed: partitions its cut transaction
+                self._cache = partitions.PartitionCache()  # created are gone, so forget what it knew
+                self._conn = None
             self._conn = connect(self.url)
             self._conn.autocommit = True  # explicit transactions only: conn.transaction()
         return self._conn
@@ -113,7 +116,7 @@ class Store:
     def pull(self, topic: str, group: str, max_messages: int = 100) -> topics.Batch:
         return topics.pull(self.conn, topic, group, max_messages)
 
-    def ack(self, batch: topics.Batch, failed: set[int] | None = None) -> int:
+    def ack(self, batch: topics.Batch, failed: set[int] | None = None) -> topics.AckResult:
         return topics.ack(self.conn, self.settings, self._cache, batch, failed)
 
     # cancelling

@@ -53,9 +53,22 @@ class Batch:
     group: str
     messages: list[Message]
     cursors: dict[str, tuple[str, int]] = field(default_factory=dict)  # topic -> (xid, offset) of its last message
+    positions: list[tuple[int, int]] = field(default_factory=list)  # each message's (xid, queue_offset) in its topic
 
     def __len__(self) -> int:
         return len(self.messages)
+
+
+@dataclass(frozen=True)
+class AckResult:
+    """What an ack did. `acked`: messages whose group offset this ack moved past, failed ones included;
+    `retried`: of those, the failed ones handed to the retry ladder (or, after `max_reconsume_times`, the
+    dead-letter topic); `already_acked`: messages another ack of the group had passed already (a second ack of
+    the batch, or another consumer of the group acked further) — nothing was done for them, failed or not."""
+
+    acked: int = 0
+    retried: int = 0
+    already_acked: int = 0
 
 
 def retry_topic(group: str) -> str:
@@ -91,6 +104,7 @@ def pull(conn: psycopg.Connection, topic: str, group: str, max_messages: int = 1
                 {"group": group, "topic": source, "limit": room},
             ).fetchall()
             for r in rows:
+                batch.positions.append((int(r[2]), r[1]))
                 properties = r[6] or {}
                 body = json.loads(bytes(r[7])) if r[8] else bytes(r[7])
                 batch.messages.append(Message(
@@ -109,28 +123,50 @@ def ack(
     cache: PartitionCache,
     batch: Batch,
     failed: set[int] | None = None,
-) -> int:
+) -> AckResult:
     """Commit the batch's offsets; messages whose message_id is in `failed` go to the retry ladder
-    (or the dead-letter topic after `max_reconsume_times`) in the same transaction."""
-    failed = failed or set()
+    (or the dead-letter topic after `max_reconsume_times`) in the same transaction.
+
+    Idempotent: only the messages this ack moves the group's offset past count, and only failed ones among them
+    are retried. Acking a batch again, or acking a batch another consumer of the group has acked past, retries
+    nothing twice (`AckResult.already_acked`). A `failed` id that is not a message of the batch raises ValueError
+    and nothing is acked: it is a bug in the caller, which would otherwise lose that failure silently."""
+    failed = set(failed or ())
+    unknown = failed - {m.message_id for m in batch.messages}
+    if unknown:
+        shown = ", ".join(str(i) for i in sorted(unknown)[:10]) + (" ..." if len(unknown) > 10 else "")
+        raise ValueError(f"failed holds {len(unknown)} id(s) that are not messages of this batch: {shown};"
+                         " nothing was acked")
+    acked: list[Message] = []
     with conn.transaction():
-        retry = [m for m in batch.messages if m.message_id in failed]
+        for topic, (xid, offset) in batch.cursors.items():
+            # the group's offset for the topic, locked until commit: concurrent acks of the group take turns
+            conn.execute(
+                "INSERT INTO delaywheel.consumer_offsets (grp, topic) VALUES (%s, %s) ON CONFLICT DO NOTHING",
+                (batch.group, topic),
+            )
+            row = conn.execute(
+                "SELECT cursor_xid::text, cursor_offset FROM delaywheel.consumer_offsets"
+                " WHERE grp = %s AND topic = %s FOR UPDATE",
+                (batch.group, topic),
+            ).fetchone()
+            before = (int(row[0]), row[1]) if row else (0, 0)
+            if before >= (int(xid), offset):
+                continue  # acked this far already: nothing to commit, nothing to retry
+            passed = [m for m, pos in zip(batch.messages, batch.positions, strict=True)
+                      if m.source_topic == topic and pos > before]
+            conn.execute(
+                """UPDATE delaywheel.consumer_offsets
+                   SET cursor_xid = %(xid)s::xid8, cursor_offset = %(offset)s, acked = acked + %(n)s,
+                       updated_at = clock_timestamp()
+                   WHERE grp = %(group)s AND topic = %(topic)s""",
+                {"group": batch.group, "topic": topic, "xid": xid, "offset": offset, "n": len(passed)},
+            )
+            acked += passed
+        retry = [m for m in acked if m.message_id in failed]
         if retry:
             _reconsume_later(conn, settings, cache, batch.group, retry)
-        for topic, (xid, offset) in batch.cursors.items():
-            conn.execute(
-                """
-                INSERT INTO delaywheel.consumer_offsets AS o (grp, topic, cursor_xid, cursor_offset, acked)
-                VALUES (%(group)s, %(topic)s, %(xid)s::xid8, %(offset)s, %(n)s)
-                ON CONFLICT (grp, topic) DO UPDATE
-                SET cursor_xid = excluded.cursor_xid, cursor_offset = excluded.cursor_offset,
-                    acked = o.acked + excluded.acked, updated_at = clock_timestamp()
-                WHERE (o.cursor_xid, o.cursor_offset) < (excluded.cursor_xid, excluded.cursor_offset)
-                """,
-                {"group": batch.group, "topic": topic, "xid": xid, "offset": offset,
-                 "n": sum(1 for m in batch.messages if m.source_topic == topic)},
-            )
-    return len(batch.messages) - len(failed)
+    return AckResult(acked=len(acked), retried=len(retry), already_acked=len(batch.messages) - len(acked))
 
 
 def _reconsume_later(

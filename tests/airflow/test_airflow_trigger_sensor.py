@@ -84,6 +84,35 @@ def test_wheel_trigger_wakes_on_a_sooner_message(store_connection: str, store: S
     assert event.payload["checked_at"] >= event.payload["due_at"]
 
 
+def test_a_bad_notify_payload_is_ignored_by_the_trigger(store_connection: str, store: Store,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """Anyone may NOTIFY the producers' channel: a payload that is not a due time neither fails the trigger nor
+    wakes it, is logged once, and a real announcement after it still wakes the wait."""
+    import psycopg
+
+    from delaywheel.airflow.triggers import DueMessagesTrigger
+    from delaywheel.producer import NOTIFY_CHANNEL
+
+    async def go():
+        gen = DueMessagesTrigger(poll_interval=600).run()
+        waiting = asyncio.ensure_future(gen.__anext__())
+        await asyncio.sleep(1.0)  # asleep on LISTEN by now
+        async with await psycopg.AsyncConnection.connect(store.url, autocommit=True) as other:
+            for payload in ("not-a-number", "nan", "", "not-a-number"):
+                await other.execute("SELECT pg_notify(%s, %s)", (NOTIFY_CHANNEL, payload))
+        await asyncio.sleep(1.0)
+        assert not waiting.done()  # neither failed nor woke
+        await asyncio.to_thread(store.send, "orders", "soon", delay=timedelta(seconds=1))
+        event = await asyncio.wait_for(waiting, 60)
+        await gen.aclose()
+        return event
+
+    event = asyncio.run(go())
+    assert event.payload["lane"] == "wheel"
+    logged = capsys.readouterr()
+    assert (logged.out + logged.err).count("ignoring a NOTIFY") == 1  # the trigger's log (structlog): once
+
+
 def test_sensor_pokes_and_defers(store_connection: str, store: Store) -> None:
     from airflow.sdk.exceptions import TaskDeferred
 

@@ -6,19 +6,23 @@ The wait is RocketMQ's countdown: sleep until the lane's head falls due, but LIS
 channel, where every enqueue announces its earliest due time, and look again when an announced time is
 sooner than the end of the current wait (an empty level, or the wheel getting a nearer message). A NOTIFY
 can be missed (e.g. across a reconnect), so the wait never exceeds `poll_interval` before looking again.
-It only reads: running it twice, or in two triggerers, changes nothing. (`TopicMessagesTrigger` writes
+A payload is only a hint: one that is not a due time (anyone may NOTIFY) is ignored and logged once.
+Both triggers survive a lost connection (a PostgreSQL restart): they reconnect with backoff, LISTEN again
+and look at once, since notifications sent meanwhile are lost. It only reads: running it twice, or in two triggerers, changes nothing. (`TopicMessagesTrigger` writes
 its announcement mark; see its docstring for why two of them still announce each message once.)"""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
+import psycopg
 from airflow.triggers.base import BaseEventTrigger, BaseTrigger, TriggerEvent
 
 from delaywheel.levels import event_extra
 from delaywheel.producer import NOTIFY_CHANNEL, TOPIC_CHANNEL
+from delaywheel.runner import DueHints, backoff_delays, connection_lost
 from delaywheel.topics import announce_new
 
 from .hooks import DelayWheelHook, next_due_async
@@ -61,23 +65,46 @@ class DueMessagesTrigger(BaseTrigger):
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         hook = DelayWheelHook(self.delaywheel_conn_id)
-        async with await hook.aconnect() as conn:
-            await conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
-            while True:
-                head, clock = await next_due_async(conn, self.level, self.now_offset_s)
-                if head is not None and head <= clock:
-                    yield TriggerEvent({"lane": lane_label(self.level), "due_at": head.isoformat(),
-                                        "checked_at": clock.isoformat()})
-                    return
-                wait = self.poll_interval if head is None else min(self.poll_interval, (head - clock).total_seconds())
-                self.log.debug("%s: next due %s, waiting up to %.3fs", lane_label(self.level), head, wait)
-                await _sleep_or_sooner(conn, wait, _due_before(clock.timestamp() + wait))
+        hints = DueHints(self.log)
+        retry_in = backoff_delays()
+        while True:
+            try:
+                async with await hook.aconnect() as conn:
+                    await conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
+                    while True:
+                        head, clock = await next_due_async(conn, self.level, self.now_offset_s)
+                        retry_in = backoff_delays()
+                        if head is not None and head <= clock:
+                            yield TriggerEvent({"lane": lane_label(self.level), "due_at": head.isoformat(),
+                                                "checked_at": clock.isoformat()})
+                            return
+                        wait = self.poll_interval if head is None else min(self.poll_interval,
+                                                                           (head - clock).total_seconds())
+                        self.log.debug("%s: next due %s, waiting up to %.3fs", lane_label(self.level), head, wait)
+                        await _sleep_or_sooner(conn, wait, _due_before(clock.timestamp() + wait, hints))
+            except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
+                await _after_lost_connection(self.log, exc, retry_in)
 
 
-def _due_before(wake_at: float) -> Callable[[str], bool]:
+async def _after_lost_connection(log: Any, exc: psycopg.Error, retry_in: Iterator[float]) -> None:
+    """A trigger's connection failed: re-raise unless the connection itself was lost, else wait the next backoff
+    delay before the caller reconnects (and looks at once: notifications sent meanwhile are lost)."""
+    if not connection_lost(exc):
+        raise exc
+    delay = next(retry_in)
+    log.warning("lost the database connection (%s); reconnecting in %.1fs", str(exc).strip(), delay)
+    await asyncio.sleep(delay)
+
+
+def _due_before(wake_at: float, hints: DueHints) -> Callable[[str], bool]:
     """A producer's announcement wakes the wait if its message is due before the wait ends (`wake_at`, epoch
-    seconds); a later one is found by the next look anyway."""
-    return lambda payload: float(payload) < wake_at
+    seconds); a later one is found by the next look anyway, and a payload that is not a due time is ignored."""
+
+    def wakes(payload: str) -> bool:
+        due = hints.parse(payload)
+        return due is not None and due < wake_at
+
+    return wakes
 
 
 async def _sleep_or_sooner(conn: Any, seconds: float, wakes: Callable[[str], bool]) -> None:
@@ -118,11 +145,18 @@ class TopicMessagesTrigger(BaseEventTrigger):
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         hook = DelayWheelHook(self.delaywheel_conn_id)
-        async with await hook.aconnect() as conn:
-            await conn.execute(f"LISTEN {TOPIC_CHANNEL}")  # deliverers and producers name the topics they wrote
-            while True:
-                span = await announce_new(conn, self.topic)
-                if span is not None:
-                    yield TriggerEvent(event_extra(self.topic, "watcher", span))
-                else:  # a missed NOTIFY, or one for rows still above the commit horizon: look again after the poll
-                    await _sleep_or_sooner(conn, self.poll_interval, lambda payload: payload == self.topic)
+        retry_in = backoff_delays()
+        while True:
+            try:
+                async with await hook.aconnect() as conn:
+                    await conn.execute(f"LISTEN {TOPIC_CHANNEL}")  # deliverers and producers name the topics they wrote
+                    while True:
+                        span = await announce_new(conn, self.topic)
+                        retry_in = backoff_delays()
+                        if span is not None:
+                            yield TriggerEvent(event_extra(self.topic, "watcher", span))
+                        else:  # a missed NOTIFY, or one for rows still above the commit horizon: look after the poll
+                            await _sleep_or_sooner(conn, self.poll_interval, lambda payload: payload == self.topic)
+            except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
+                # an announcement cut by the loss did not move the mark (one transaction): the next one makes it
+                await _after_lost_connection(self.log, exc, retry_in)

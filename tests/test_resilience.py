@@ -1,0 +1,194 @@
+"""PostgreSQL restarts under load: the delivery loop reconnects and goes on, losing, duplicating and hurrying
+nothing; a producer's call cut by the restart raises OperationalError and its Store works again on the next call.
+
+These tests restart a throwaway cluster of their own (a temporary folder, a free port), never the shared one.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from delaywheel import Message, Store, embedded, runner
+from delaywheel.migrate import migrate
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def own_cluster() -> Iterator[embedded.Cluster]:
+    root = Path(tempfile.mkdtemp(prefix="delaywheel-restart-", dir="/var/tmp"))
+    root.chmod(0o755)  # the postgres user (we may be root) must reach it
+    cluster = embedded.Cluster(root=root, port=embedded._free_port(55400 + random.randrange(500)))
+    embedded.start(cluster)
+    try:
+        _least_privilege_roles(cluster)
+        migrate(cluster.url())
+        with Store(cluster.url()) as store:
+            store.prepare()
+        yield cluster
+    finally:
+        embedded.stop(cluster)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _least_privilege_roles(cluster: embedded.Cluster) -> None:
+    """The group roles migrations expect (README, "Roles"), if the cluster's start did not create them."""
+    with psycopg.connect(cluster.url("postgres"), autocommit=True) as conn:
+        for role in ("delaywheel_owner", "delaywheel_runtime"):
+            if not conn.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (role,)).fetchone():
+                conn.execute(f"CREATE ROLE {role} NOLOGIN")
+        conn.execute("GRANT delaywheel_owner TO CURRENT_USER")
+        conn.execute("GRANT CREATE ON DATABASE delaywheel TO delaywheel_owner")
+        conn.execute("GRANT pg_read_all_stats TO delaywheel_owner")
+
+
+def restart(cluster: embedded.Cluster, down_s: float = 1.0) -> None:
+    """A fast shutdown (sessions are terminated, in-flight transactions roll back), some downtime, a start."""
+    embedded.stop(cluster)
+    time.sleep(down_s)
+    embedded.start(cluster)
+
+
+def test_a_store_recovers_on_the_next_call_after_a_restart(own_cluster: embedded.Cluster) -> None:
+    with Store(own_cluster.url()) as store:
+        store.send("resilience.producer", {"n": 0})
+        restart(own_cluster, down_s=0.2)
+        with pytest.raises(psycopg.OperationalError):  # the connection this call had is gone: the caller may retry
+            store.send("resilience.producer", {"n": 1})
+        second = store.send("resilience.producer", {"n": 2})  # a fresh connection (not delayed: in the topic)
+        (row,) = store.conn.execute(
+            "SELECT count(*) FROM delaywheel.topic_messages WHERE message_id = %s", (second,)).fetchall()
+        assert row == (1,)
+
+
+def test_the_delivery_loop_rides_out_restarts_under_load(own_cluster: embedded.Cluster) -> None:
+    url = own_cluster.url()
+    topic = "resilience.load"
+    stop_loop, stop_producing = threading.Event(), threading.Event()
+    loop_out: dict[str, object] = {}
+    sent: list[int] = []  # ids of sends that returned: each must be delivered exactly once
+    failures: list[BaseException] = []
+    sent_after_restarts: list[int] = []
+    restarts_done = threading.Event()
+
+    def deliver() -> None:
+        try:
+            with Store(url) as store:
+                loop_out["totals"] = runner.run(store, [1, 2, None], 90, stop=stop_loop)
+        except BaseException as exc:  # the test fails below, with this
+            loop_out["error"] = exc
+
+    def produce() -> None:
+        rng = random.Random(7)
+        with Store(url) as store:
+            n = 0
+            while not stop_producing.is_set():
+                n += 1
+                try:
+                    if n % 10 == 0:  # a batch on the wheel, due within 2 s
+                        ids = store.send_many([Message(topic, {"n": n, "i": i}, key=f"{n}-{i}",
+                                                       delay=timedelta(seconds=rng.uniform(0.1, 2.0)))
+                                               for i in range(50)])
+                    elif n % 3 == 0:
+                        ids = [store.send(topic, {"n": n}, key=str(n), delay_level=rng.choice((1, 2)))]
+                    else:
+                        ids = [store.send(topic, {"n": n}, key=str(n), delay=timedelta(seconds=rng.uniform(0, 1.5)))]
+                except psycopg.OperationalError as exc:  # cut by a restart: may or may not have committed
+                    failures.append(exc)
+                    time.sleep(0.05)
+                    continue
+                sent.extend(ids)
+                if restarts_done.is_set():
+                    sent_after_restarts.extend(ids)
+                time.sleep(0.01)
+
+    deliverer = threading.Thread(target=deliver, name="deliverer")
+    producer = threading.Thread(target=produce, name="producer")
+    deliverer.start()
+    producer.start()
+    try:
+        for _ in range(2):
+            time.sleep(3.0)
+            restart(own_cluster)
+            assert deliverer.is_alive(), f"the delivery loop ended: {loop_out}"
+        restarts_done.set()
+        time.sleep(3.0)
+        stop_producing.set()
+        producer.join(timeout=30)
+        assert sent_after_restarts, "the producer's Store did not recover"
+        # everything sent is due within 5 s (level 2); give the loop time to deliver the rest
+        with Store(url) as check:
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                enqueued = {r[0] for r in check.conn.execute(
+                    "SELECT id FROM delaywheel.level_queue WHERE topic = %(t)s"
+                    " UNION ALL SELECT id FROM delaywheel.wheel WHERE topic = %(t)s", {"t": topic})}
+                delivered = check.conn.execute(
+                    "SELECT message_id, deliver_at, delivered_at FROM delaywheel.topic_messages WHERE topic = %s",
+                    (topic,)).fetchall()
+                if {r[0] for r in delivered} >= enqueued:
+                    break
+                time.sleep(0.5)
+        assert deliverer.is_alive(), f"the delivery loop ended: {loop_out}"
+    finally:
+        stop_producing.set()
+        stop_loop.set()
+        producer.join(timeout=30)
+        deliverer.join(timeout=30)
+    assert "error" not in loop_out, loop_out.get("error")
+    totals = loop_out["totals"]
+    assert isinstance(totals, runner.RunTotals)
+    assert totals.reconnects >= 2
+    ids = [r[0] for r in delivered]
+    assert len(ids) == len(set(ids)), "a message was delivered twice"
+    assert set(ids) == enqueued, f"{len(enqueued - set(ids))} message(s) not delivered"
+    assert set(sent) <= enqueued  # every send that returned was enqueued ...
+    early = [r for r in delivered if r[2] < r[1]]
+    assert not early, f"{len(early)} message(s) delivered before their due time"
+    assert len(sent) > 200 and failures  # ... under load, and the restarts did cut producer calls
+
+
+@pytest.mark.airflow
+def test_the_triggers_reconnect_after_a_restart(own_cluster: embedded.Cluster, airflow_db: dict[str, str],
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both triggers wait on LISTEN with a 10-minute poll; after a restart they must reconnect and LISTEN again,
+    or the announcements below would not wake them in time."""
+    import asyncio
+
+    from delaywheel.airflow.triggers import DueMessagesTrigger, TopicMessagesTrigger
+    from delaywheel.local_airflow import as_url
+
+    monkeypatch.setenv("AIRFLOW_CONN_DELAYWHEEL_DEFAULT", as_url(own_cluster.url()))
+    topic = "resilience.trigger"
+
+    async def go():
+        due = DueMessagesTrigger(poll_interval=600).run()
+        watch = TopicMessagesTrigger(topic, poll_interval=600).run()
+        due_event = asyncio.ensure_future(due.__anext__())
+        watch_event = asyncio.ensure_future(watch.__anext__())
+        await asyncio.sleep(1.5)  # both asleep on LISTEN
+        await asyncio.to_thread(restart, own_cluster)
+        await asyncio.sleep(6.0)  # backoff: reconnected by now
+        assert not due_event.done() and not watch_event.done()
+        with Store(own_cluster.url()) as store:
+            await asyncio.to_thread(store.send, topic, {"n": 1}, delay=timedelta(seconds=1))
+            fired = await asyncio.wait_for(due_event, 20)
+            delivered = await asyncio.to_thread(store.advance_wheel)
+            announced = await asyncio.wait_for(watch_event, 20)
+        await due.aclose()
+        await watch.aclose()
+        return fired, delivered, announced
+
+    fired, delivered, announced = asyncio.run(go())
+    assert fired.payload["lane"] == "wheel" and delivered.delivered == 1
+    assert announced.payload["topic"] == topic and announced.payload["count"] == 1
