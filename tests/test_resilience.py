@@ -31,7 +31,6 @@ def own_cluster() -> Iterator[embedded.Cluster]:
     cluster = embedded.Cluster(root=root, port=embedded._free_port(55400 + random.randrange(500)))
     embedded.start(cluster)
     try:
-        _least_privilege_roles(cluster)
         migrate(cluster.url())
         with Store(cluster.url()) as store:
             store.prepare()
@@ -39,17 +38,6 @@ def own_cluster() -> Iterator[embedded.Cluster]:
     finally:
         embedded.stop(cluster)
         shutil.rmtree(root, ignore_errors=True)
-
-
-def _least_privilege_roles(cluster: embedded.Cluster) -> None:
-    """The group roles migrations expect (README, "Roles"), if the cluster's start did not create them."""
-    with psycopg.connect(cluster.url("postgres"), autocommit=True) as conn:
-        for role in ("delaywheel_owner", "delaywheel_runtime"):
-            if not conn.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (role,)).fetchone():
-                conn.execute(f"CREATE ROLE {role} NOLOGIN")
-        conn.execute("GRANT delaywheel_owner TO CURRENT_USER")
-        conn.execute("GRANT CREATE ON DATABASE delaywheel TO delaywheel_owner")
-        conn.execute("GRANT pg_read_all_stats TO delaywheel_owner")
 
 
 def restart(cluster: embedded.Cluster, down_s: float = 1.0) -> None:

@@ -113,6 +113,14 @@ def test_a_bad_notify_payload_is_ignored_by_the_trigger(store_connection: str, s
     assert (logged.out + logged.err).count("ignoring a NOTIFY") == 1  # the trigger's log (structlog): once
 
 
+def test_a_poke_that_cannot_reach_the_database_is_not_yet(airflow_db: dict[str, str],
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    from delaywheel.airflow.sensors import DueMessagesSensor
+
+    monkeypatch.setenv("AIRFLOW_CONN_DELAYWHEEL_DEFAULT", "postgresql://postgres@127.0.0.1:1/delaywheel")
+    assert not DueMessagesSensor(task_id="down", level=1, deferrable=False).poke({}).is_done
+
+
 def test_sensor_pokes_and_defers(store_connection: str, store: Store) -> None:
     from airflow.sdk.exceptions import TaskDeferred
 

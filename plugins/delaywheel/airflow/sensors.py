@@ -10,7 +10,10 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
+import psycopg
 from airflow.sdk import BaseSensorOperator, Context, PokeReturnValue
+
+from delaywheel.runner import connection_lost
 
 from .hooks import DelayWheelHook
 from .triggers import DueMessagesTrigger, lane_label
@@ -50,7 +53,16 @@ class DueMessagesSensor(BaseSensorOperator):
         return None if self.wheel else int(self.level)  # type: ignore[arg-type]
 
     def poke(self, context: Context) -> PokeReturnValue:
-        head, clock = DelayWheelHook(self.delaywheel_conn_id).next_due(self.lane, now_offset_s=self.now_offset_s)
+        """Each poke connects afresh; a poke that finds the database unreachable (a restart) is "not yet",
+        not a failed task: the next poke, or the trigger, looks again."""
+        try:
+            head, clock = DelayWheelHook(self.delaywheel_conn_id).next_due(self.lane, now_offset_s=self.now_offset_s)
+        except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
+            if not connection_lost(exc):
+                raise
+            self.log.warning("%s: database not reachable (%s); looking again later", lane_label(self.lane),
+                             str(exc).strip())
+            return PokeReturnValue(is_done=False)
         self.log.info("%s: head due %s, now %s", lane_label(self.lane), head, clock)
         if head is None or head > clock:
             return PokeReturnValue(is_done=False)
