@@ -6,7 +6,7 @@
 due time could never give sub-second lateness; a lease amortises that start over many deliveries.
 Each pass is one transaction that moves the messages and the checkpoint together, and the runner stops
 only between passes, so the lease end, SIGTERM (`on_kill`) or a crash neither loses nor duplicates a
-delivery. Two tasks on the same lane (the next run taking over, another worker, another scheduler)
+delivery. A lost connection (a PostgreSQL restart) does not end the task: the runner reconnects and goes on. Two tasks on the same lane (the next run taking over, another worker, another scheduler)
 take the lane's advisory lock one pass at a time: each pass is delivered by exactly one of them.
 
 Each topic delivered into gets an Asset event (`delaywheel://topics/<topic>`, through the
@@ -157,6 +157,7 @@ class _LeaseOperator(BaseOperator):
             "lane": name, "lease_seconds": lease, "stopped_early": self._stop.is_set(),
             "delivered": totals.delivered, "skipped_cancelled": totals.skipped_cancelled,
             "passes": totals.passes, "busy_passes": totals.busy_passes,
+            "reconnects": totals.reconnects,  # connections lost (a PostgreSQL restart) and made again
             "topics": {t: event_extra(t, name, s) for t, s in sorted(totals.per_topic.items())},
         }
 
