@@ -35,12 +35,14 @@ from .columns import (
     placed_by_delay_ms,
     placed_by_level,
     placed_now,
+    plain_json,
     prepare_columns,
+    storable_column,
 )
 from .config import Settings
 from .partitions import PartitionCache
 from .producer import clock_and_ids, collector_paused, copy_arrow, write_columns
-from .validation import MAX_KEY_CHARS, InvalidMessage, Message, checked_topic, prepare
+from .validation import MAX_KEY_CHARS, MAX_TAGS_CHARS, InvalidMessage, Message, checked_topic, prepare
 
 BodyFormat = Literal["json", "text", "bytes"]
 FILE_COLUMN = "_file"  # the source file of a row (added by the reader)
@@ -142,6 +144,8 @@ def _coerce_body(value: object, body_format: BodyFormat) -> object:
             return json.loads(value)
         except ValueError as exc:
             raise InvalidMessage("bad_body", f"body is not valid JSON text: {exc}") from None
+        except RecursionError:
+            raise InvalidMessage("bad_body", "body is nested too deeply to read as JSON") from None
     return value
 
 
@@ -224,7 +228,8 @@ def arrow_columns(rows: pa.RecordBatch, mapping: ColumnMap, now: datetime, setti
         data, is_json = _arrow_bodies(body, mapping.body_format, settings.max_body_bytes)
         return Columns(
             _arrow_topics(topic, mapping.default_topic, n), _arrow_keys(key, n),
-            pa.nulls(n, pa.string()) if tags is None else _text(tags), pa.nulls(n, pa.string()), data, is_json,
+            pa.nulls(n, pa.string()) if tags is None else storable_column(_text(tags), MAX_TAGS_CHARS),
+            pa.nulls(n, pa.string()), data, is_json,
             *_arrow_placed(level, delay_ms, deliver_at, micros(now), settings, n), np.zeros(n, np.int32),
         )
     except Exception:  # any surprise at all: the rows go one by one, and the rules name it
@@ -259,7 +264,7 @@ def _arrow_keys(column: pa.Array | None, n: int) -> pa.Array:
     shortest, longest = pc.min_max(pc.utf8_length(column)).values()
     if shortest.as_py() == 0 or longest.as_py() > MAX_KEY_CHARS:
         raise Irregular
-    return column
+    return storable_column(column)
 
 
 def _arrow_bodies(column: pa.Array | None, body_format: BodyFormat, max_bytes: int) -> tuple[pa.Array, pa.Array]:
@@ -272,7 +277,8 @@ def _arrow_bodies(column: pa.Array | None, body_format: BodyFormat, max_bytes: i
     else:
         texts = _text(column).to_pylist()
         values = map(json.loads, texts) if body_format == "json" else texts
-        data = pa.array([json.dumps(v, allow_nan=False, separators=(",", ":")).encode() for v in values], pa.binary())
+        data = plain_json(pa.array([json.dumps(v, allow_nan=False, separators=(",", ":")).encode() for v in values],
+                                   pa.binary()))
         is_json = pa.repeat(True, len(column))
     if pc.max(pc.binary_length(data)).as_py() > max_bytes:
         raise Irregular

@@ -127,7 +127,7 @@ def _stop_on_signals(stop: threading.Event) -> dict[int, Any]:
     returns the handlers to restore."""
     if threading.current_thread() is not threading.main_thread():
         return {}
-    previous = {}
+    previous: dict[int, Any] = {}
     for number in (signal.SIGTERM, signal.SIGINT):
         previous[number] = signal.signal(number, lambda *_: stop.set())
     return previous

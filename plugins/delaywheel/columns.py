@@ -22,7 +22,20 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .config import Settings
-from .validation import MAX_KEY_CHARS, MAX_REQUESTED_LEVEL, Message, Placement, checked_topic, encode_body, prepare
+from .validation import (
+    MAX_KEY_CHARS,
+    MAX_PROPERTIES_BYTES,
+    MAX_REQUESTED_LEVEL,
+    MAX_TAGS_CHARS,
+    RESERVED_PROPERTIES,
+    Message,
+    Placement,
+    checked_any_topic,
+    checked_topic,
+    encode_body,
+    prepare,
+    storable,
+)
 
 DIRECT, LEVEL, WHEEL = 0, 1, 2  # lanes, as stored in Columns.lane
 LANES = {"direct": DIRECT, "level": LEVEL, "wheel": WHEEL}
@@ -63,16 +76,21 @@ class Columns(NamedTuple):
 
 def prepare_columns(
     messages: Sequence[Message], now: datetime, settings: Settings, reconsume_times: Sequence[int] | None = None,
+    *, internal: bool = False,
 ) -> Columns:
-    """Every message checked against every rule; raises InvalidMessage naming the first bad one."""
+    """Every message checked against every rule; raises InvalidMessage naming the first bad one. `internal`: the
+    store's own retry path, which may use reserved topics and properties (validation.prepare)."""
     retries = np.zeros(len(messages), np.int32) if reconsume_times is None else np.asarray(reconsume_times, np.int32)
-    fast = _simple(messages, now, settings, retries)
-    return fast if fast is not None else _one_by_one(messages, now, settings, retries)
+    fast = _simple(messages, now, settings, retries, internal=internal)
+    return fast if fast is not None else _one_by_one(messages, now, settings, retries, internal=internal)
 
 
-def _one_by_one(messages: Sequence[Message], now: datetime, settings: Settings, retries: np.ndarray) -> Columns:
+def _one_by_one(
+    messages: Sequence[Message], now: datetime, settings: Settings, retries: np.ndarray, *, internal: bool = False,
+) -> Columns:
     placements: dict[int, Placement] = {}
-    rows = [prepare(m, now, settings, int(r), placements) for m, r in zip(messages, retries, strict=True)]
+    rows = [prepare(m, now, settings, int(r), placements, internal=internal)
+            for m, r in zip(messages, retries, strict=True)]
     topic, key, tags, properties, body, is_json, placement, _ = zip(*rows, strict=True)
     lane, due, level, requested = zip(*placement, strict=True)
     return Columns(
@@ -89,20 +107,25 @@ class Irregular(Exception):
     """The batch is not one the column checks cover (or breaks a rule): `prepare` decides, one by one."""
 
 
-def _simple(messages: Sequence[Message], now: datetime, settings: Settings, retries: np.ndarray) -> Columns | None:
+def _simple(
+    messages: Sequence[Message], now: datetime, settings: Settings, retries: np.ndarray, *, internal: bool = False,
+) -> Columns | None:
     n = len(messages)
     if n == 0 or set(map(type, messages)) != {Message}:
         return None
     topic, body, level, delay, deliver_at, key, tags, properties = zip(*messages, strict=True)
     try:
-        topics = _text_column(topic, check=checked_topic)
+        topics = _text_column(topic, check=checked_any_topic if internal else checked_topic)
         if not set(map(type, key)) <= {str, type(None)} or "" in key \
                 or max(map(len, filter(None, key)), default=0) > MAX_KEY_CHARS:
             raise Irregular
+        keys = pa.array(key, pa.string())  # a lone surrogate raises (UnicodeEncodeError): the rules name it
+        if pc.any(pc.match_substring(keys, "\x00")).as_py():
+            raise Irregular
         lane, due, levels, requested = _placed(level, delay, deliver_at, micros(now), settings)
         data, flags = _bodies(body, settings.max_body_bytes)
-        columns = Columns(topics, pa.array(key, pa.string()), _text_column(tags, nullable=True),
-                          _properties(properties), data, flags, lane, due, levels, requested, retries)
+        columns = Columns(topics, keys, _text_column(tags, nullable=True, check=_tags_ok),
+                          _properties(properties, internal), data, flags, lane, due, levels, requested, retries)
     except Exception:  # any surprise at all: the per-message rules decide, and name it
         return None
     return columns
@@ -115,7 +138,8 @@ def _text_column(values: tuple[Any, ...], nullable: bool = False, check: Callabl
     if not {type(v) for v in distinct} <= ({str, type(None)} if nullable else {str}):
         raise Irregular
     for value in distinct if check else ():
-        check(value)
+        if value is not None:
+            check(value)
     if len(distinct) == 1:
         return pa.repeat(pa.scalar(values[0], pa.string()), len(values))
     return pa.array(values, pa.string())
@@ -135,13 +159,47 @@ def _bodies(body: tuple[Any, ...], max_bytes: int) -> tuple[pa.Array, pa.Array]:
     return column, flags
 
 
-def _properties(properties: tuple[Any, ...]) -> pa.Array:
+def _tags_ok(tags: str) -> None:
+    if len(tags) > MAX_TAGS_CHARS or not storable(tags):
+        raise Irregular
+
+
+# In properties' JSON text (json.dumps escapes every non-ASCII character): \u0000 (NUL) or a surrogate, paired or
+# lone. It may also match an escaped backslash followed by "u0000": the rules then decide, which is never wrong.
+_ODD_ESCAPE = r"\\u(?:0000|[dD][89a-fA-F])"
+
+
+def storable_column(column: pa.Array, max_chars: int | None = None) -> pa.Array:
+    """A text column as is, if every value is text PostgreSQL can store (Arrow strings are UTF-8, so only NUL is
+    left to refuse) of at most `max_chars`; Irregular otherwise (also for `bulk`'s column path)."""
+    if pc.any(pc.match_substring(column, "\x00")).as_py():
+        raise Irregular
+    if max_chars is not None and (pc.max(pc.utf8_length(column)).as_py() or 0) > max_chars:
+        raise Irregular
+    return column
+
+
+def plain_json(texts: pa.Array) -> pa.Array:
+    """JSON texts (binary, as json.dumps writes them) as they are, if none holds \\u0000 or a surrogate escape;
+    Irregular otherwise, so that the rules decide (validation.encode_body)."""
+    if pc.any(pc.match_substring_regex(texts.cast(pa.string()), _ODD_ESCAPE)).as_py():
+        raise Irregular
+    return texts
+
+
+def _properties(properties: tuple[Any, ...], internal: bool = False) -> pa.Array:
     if properties.count(None) + properties.count({}) == len(properties):
         return pa.nulls(len(properties), pa.string())
     for p in properties:
         if not (p is None or (type(p) is dict and all(type(k) is str and type(v) is str for k, v in p.items()))):
             raise Irregular
-    return pa.array([json.dumps(p) if p else None for p in properties], pa.string())
+        if p and not internal and not RESERVED_PROPERTIES.isdisjoint(p):
+            raise Irregular
+    column = pa.array([json.dumps(p) if p else None for p in properties], pa.string())
+    if pc.max(pc.binary_length(column)).as_py() > MAX_PROPERTIES_BYTES \
+            or pc.any(pc.match_substring_regex(column, _ODD_ESCAPE)).as_py():
+        raise Irregular
+    return column
 
 
 @functools.cache

@@ -18,6 +18,7 @@ from .db import COMMIT_HORIZON, QUEUE_PLAN
 from .partitions import PartitionCache
 from .pending import LEVEL_HEAD
 from .producer import TOPIC_CHANNEL
+from .setaside import POISON, record
 
 LEVEL_LOCK = 0x64770010  # advisory lock class for levels (second key: the level)
 
@@ -134,6 +135,33 @@ SELECT (SELECT count(*) FROM moved),
 """
 
 
+# After a pass failed on a row it cannot deliver (setaside.py): the same pass, except that a message set aside has
+# no properties to cast (its cast is what failed; it is cancelled, so it is passed over like any cancelled message).
+_DELIVER_SETTING_ASIDE = _DELIVER.replace(
+    "m.properties::jsonb,",
+    "CASE WHEN EXISTS (SELECT 1 FROM delaywheel.set_aside x WHERE x.message_id = m.id) THEN NULL"
+    " ELSE m.properties::jsonb END AS properties,")
+assert _DELIVER_SETTING_ASIDE != _DELIVER
+
+# The rows a pass would read (its batch, due or not: the batch casts every row it reads) that cannot be delivered.
+_UNDELIVERABLE = """
+SELECT b.id, 'level', b.level, b.topic, b.key, b.deliver_at, u.reason, u.detail, b.tags, b.properties, b.body,
+       b.is_json, b.reconsume_times
+FROM (
+    SELECT s.level, s.reconsume_times, s.deliver_at, m.*
+    FROM delaywheel.level_segments s,
+         unnest(s.ids, delaywheel.spread(s.topics, s.n), s.keys, delaywheel.spread(s.tags, s.n),
+                delaywheel.spread(s.properties, s.n), s.bodies, delaywheel.spread(s.is_json, s.n))
+             AS m(id, topic, key, tags, properties, body, is_json)
+    WHERE s.level = %(level)s AND (s.xid, s.id_last) > (%(cxid)s::xid8, %(cid)s) AND s.xid < %(xmin)s::xid8
+      AND (s.xid, m.id) > (%(cxid)s::xid8, %(cid)s)
+    ORDER BY s.xid, s.id_last, m.id
+    LIMIT %(limit)s
+) b, LATERAL delaywheel.undeliverable(b.topic, b.body, b.is_json, b.properties) u
+WHERE u.reason IS NOT NULL
+"""
+
+
 def levels_above(conn: psycopg.Connection, level: int) -> list[int]:
     """Levels above `level` that still hold rows: what is left when the level table is shortened while
     messages are pending. One index probe per level found (a loose index scan), so it costs nothing
@@ -158,7 +186,40 @@ def deliver_level(
     now: datetime | None = None,
     limit: int = 5000,
 ) -> PassResult:
-    """Deliver the due head of one level's queue; see the module docstring for the guarantees."""
+    """Deliver the due head of one level's queue; see the module docstring for the guarantees. A row the pass
+    cannot deliver is set aside (setaside.py) and the pass runs again: the level never stops on it."""
+    statement = _DELIVER
+    for _ in range(3):  # more rows may turn up in the next try's batch (a newer horizon)
+        try:
+            return _deliver_level(conn, cache, level, now, limit, statement)
+        except POISON:
+            if not set_aside(conn, cache, level, limit):
+                raise  # nothing the store can name: the lane stops, as before, rather than skip a row
+            statement = _DELIVER_SETTING_ASIDE
+    return _deliver_level(conn, cache, level, now, limit, statement)
+
+
+def set_aside(conn: psycopg.Connection, cache: PartitionCache, level: int, limit: int) -> int:
+    """Set aside the rows of the level's next batch that cannot be delivered (own transaction, under the level's
+    lock); returns how many there are, those set aside before included (their cast still fails the fast pass)."""
+    with conn.transaction():
+        row = conn.execute(
+            f"SELECT pg_advisory_xact_lock(%s, %s), {COMMIT_HORIZON}::text", (LEVEL_LOCK, level)
+        ).fetchone()
+        assert row is not None
+        cursor = conn.execute(
+            "SELECT cursor_xid::text, cursor_id FROM delaywheel.level_checkpoint WHERE level = %s", (level,)
+        ).fetchone() or ("0", 0)
+        bad = conn.execute(
+            _UNDELIVERABLE,
+            {"level": level, "cxid": cursor[0], "cid": cursor[1], "xmin": row[1], "limit": limit},
+        ).fetchall()
+        return record(conn, cache, bad)
+
+
+def _deliver_level(
+    conn: psycopg.Connection, cache: PartitionCache, level: int, now: datetime | None, limit: int, statement: str,
+) -> PassResult:
     with conn.transaction():
         row = conn.execute(
             f"SELECT pg_try_advisory_xact_lock(%s, %s), {COMMIT_HORIZON}::text,"
@@ -178,7 +239,7 @@ def deliver_level(
         ).fetchone()
         assert cursor is not None
         moved, due, scanned, last, summary = conn.execute(  # type: ignore[misc]
-            _DELIVER,
+            statement,  # type: ignore[arg-type]
             {"now": clock, "injected": now, "level": level, "cxid": cursor[0], "cid": cursor[1], "xmin": xmin, "limit": limit},
         ).fetchone()
         if last is not None:

@@ -23,24 +23,57 @@ def floor_to(ts: datetime, width: timedelta) -> datetime:
 
 
 class PartitionCache:
-    """Partitions this process knows exist, so the hot path asks PostgreSQL only for new ranges."""
+    """Partitions this process knows exist, so the hot path asks PostgreSQL only for new ranges.
+
+    A partition this session creates exists only once its transaction commits: a pass or a roll that fails after
+    creating one rolls the creation back. Such an entry is *tentative*, kept with the id of the transaction that
+    created it; the next time it is needed it is trusted within that same transaction, confirmed if that
+    transaction committed, and otherwise created again (a cache that trusted it sent rows to a partition that was
+    never there: "no partition of relation ... found for row", on every later pass)."""
 
     def __init__(self) -> None:
         self._known: set[tuple[str, datetime]] = set()
+        self._tentative: dict[tuple[str, datetime], str] = {}  # entry -> xid of the transaction that created it
 
     def ensure(self, conn: psycopg.Connection, parent: str, instants: set[datetime] | list[datetime]) -> None:
         width = WIDTH[parent]
         for lo in sorted({floor_to(ts, width) for ts in instants}):
-            if (parent, lo) not in self._known:
-                # ensure_partition's re-check after its lock can read a stale catalog snapshot (an advisory
-                # lock does not refresh it), so a session racing another creator may still get DuplicateTable:
-                # the partition exists, which is all we wanted. The savepoint keeps the caller's transaction.
-                with contextlib.suppress(errors.DuplicateTable), conn.transaction():
-                    conn.execute("SELECT delaywheel.ensure_partition(%s, %s, %s)", (parent, lo, lo + width))
-                self._known.add((parent, lo))
+            entry = (parent, lo)
+            if entry in self._known or (entry in self._tentative and self._settled(conn, entry)):
+                continue
+            # ensure_partition's re-check after its lock can read a stale catalog snapshot (an advisory
+            # lock does not refresh it), so a session racing another creator may still get DuplicateTable:
+            # the partition exists, which is all we wanted. The savepoint keeps the caller's transaction.
+            xid = None
+            with contextlib.suppress(errors.DuplicateTable), conn.transaction():
+                row = conn.execute(
+                    "SELECT delaywheel.ensure_partition(%s, %s, %s), pg_current_xact_id_if_assigned()::text",
+                    (parent, lo, lo + width),
+                ).fetchone()
+                xid = row[1] if row else None
+            if xid is None:  # this transaction wrote nothing (so created nothing): it existed, committed
+                self._known.add(entry)
+            else:  # it may have been created just now, by a transaction that can still roll back
+                self._tentative[entry] = xid
+
+    def _settled(self, conn: psycopg.Connection, entry: tuple[str, datetime]) -> bool:
+        """Can a tentative entry be used? Yes within the transaction that created it, or once that committed."""
+        xid = self._tentative[entry]
+        row = conn.execute(
+            "SELECT pg_current_xact_id_if_assigned()::text = %s, pg_xact_status(%s::xid8)", (xid, xid)
+        ).fetchone()
+        if row is not None and row[0]:
+            return True
+        del self._tentative[entry]
+        if row is not None and row[1] == "committed":
+            self._known.add(entry)
+            return True
+        return False  # rolled back (or too old to tell): ensure it again
 
     def forget(self, parent: str, instant: datetime) -> None:
-        self._known.discard((parent, floor_to(instant, WIDTH[parent])))
+        entry = (parent, floor_to(instant, WIDTH[parent]))
+        self._known.discard(entry)
+        self._tentative.pop(entry, None)
 
 
 @dataclass(frozen=True)

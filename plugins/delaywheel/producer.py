@@ -75,12 +75,29 @@ def send_many(
     reconsume_times: Sequence[int] | None = None,
 ) -> list[int]:
     """Write all messages or none; returns their ids in input order."""
+    return _send(conn, settings, cache, messages, now, reconsume_times, internal=False)
+
+
+def send_for_store(
+    conn: psycopg.Connection, settings: Settings, cache: PartitionCache, messages: Iterable[Message],
+    reconsume_times: Sequence[int],
+) -> list[int]:
+    """The store's own sends (the retry ladder, `topics._reconsume_later`): the same rules, except that reserved
+    topics (%RETRY%, %DLQ%) and properties (ORIGIN_*, REPLAY_*) are allowed. Not for producers."""
+    return _send(conn, settings, cache, messages, None, reconsume_times, internal=True)
+
+
+def _send(
+    conn: psycopg.Connection, settings: Settings, cache: PartitionCache, messages: Iterable[Message],
+    now: datetime | None, reconsume_times: Sequence[int] | None, *, internal: bool,
+) -> list[int]:
     batch = list(messages)
     if not batch:
         return []
     with collector_paused(), conn.transaction():
         clock, ids = clock_and_ids(conn, len(batch), now)
-        write_columns(conn, settings, cache, ids, prepare_columns(batch, clock, settings, reconsume_times), clock)
+        columns = prepare_columns(batch, clock, settings, reconsume_times, internal=internal)
+        write_columns(conn, settings, cache, ids, columns, clock)
     return ids
 
 

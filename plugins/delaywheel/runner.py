@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import psycopg
 
@@ -283,7 +284,7 @@ class DueHints:
     time is ignored (the waiter looks at its next poll anyway) and logged once per waiter, then only counted:
     a flood of bad NOTIFYs neither stops a loop nor fills its log."""
 
-    def __init__(self, logger: logging.Logger | logging.LoggerAdapter | None = None) -> None:  # type: ignore[type-arg]
+    def __init__(self, logger: Any = None) -> None:  # a logging.Logger, or Airflow's structlog logger
         self.logger = logger or log
         self.ignored = 0
 

@@ -18,7 +18,7 @@ from .config import Settings
 from .db import COMMIT_HORIZON, QUEUE_PLAN
 from .levels import TopicSpan
 from .partitions import PartitionCache
-from .producer import send_many
+from .producer import send_for_store
 from .validation import Message as OutgoingMessage
 
 RETRY_PREFIX = "%RETRY%"
@@ -44,8 +44,15 @@ class Message:
 
     @property
     def idempotency_id(self) -> int:
-        """The original message's id, the same across retries: deduplicate on this."""
-        return int(self.properties.get("ORIGIN_MESSAGE_ID", self.message_id))
+        """The original message's id, the same across retries: deduplicate on this. Only the store writes
+        ORIGIN_MESSAGE_ID (producers may not, validation.RESERVED_PROPERTIES); a value that is not an id anyway
+        (a row written some other way) gives this message's own id rather than an error."""
+        origin = self.properties.get("ORIGIN_MESSAGE_ID") if isinstance(self.properties, dict) else None
+        if isinstance(origin, str) and origin.isascii() and origin.isdigit() and len(origin) <= 19:
+            value = int(origin)
+            if value <= 2**63 - 1:
+                return value
+        return self.message_id
 
 
 @dataclass
@@ -184,7 +191,7 @@ def _reconsume_later(
             level = FIRST_RETRY_LEVEL + m.reconsume_times
             outgoing.append(OutgoingMessage(retry_topic(group), m.body, delay_level=level, key=m.key, tags=m.tags,
                                             properties=properties))
-    send_many(conn, settings, cache, outgoing, reconsume_times=times)
+    send_for_store(conn, settings, cache, outgoing, times)  # the store's own: reserved topics and properties
 
 
 # Messages in a topic past the watchers' mark and below the commit horizon (what a consumer could read now).

@@ -15,8 +15,14 @@ from typing import Any, Literal, NamedTuple
 
 from .config import Settings
 
-TOPIC_PATTERN = re.compile(r"^[%|A-Za-z0-9_.-]{1,127}$")  # RocketMQ's topic charset, plus '.'
+TOPIC_PATTERN = re.compile(r"[%|A-Za-z0-9_.-]{1,127}")  # RocketMQ's topic charset, plus '.'; used with fullmatch
 MAX_KEY_CHARS = 1024
+MAX_TAGS_CHARS = 1024
+MAX_PROPERTIES_BYTES = 32767  # RocketMQ's limit; here the properties as stored: their JSON text (ASCII, \u escapes)
+# Written by the store itself: the retry ladder (ORIGIN_*) and replay (REPLAY_*). A producer setting them would
+# change what consumers deduplicate on (Message.idempotency_id) or where a message seems to come from.
+RESERVED_PROPERTIES = frozenset({"ORIGIN_MESSAGE_ID", "ORIGIN_TOPIC", "REPLAY_ID", "REPLAY_OF_TOPIC"})
+RESERVED_TOPIC_PREFIXES = ("%RETRY%", "%DLQ%")  # a consumer group's retry and dead-letter topics (topics.py)
 _ZERO = timedelta(0)
 MAX_REQUESTED_LEVEL = 2**31 - 1  # the stored requested level is an int4; above the table's maximum it is clamped
 
@@ -57,17 +63,54 @@ class Placement(NamedTuple):
 
 
 def check_topic(topic: object) -> str:
+    """A topic's name: RocketMQ's charset (which holds neither NUL nor anything beyond ASCII)."""
     if not isinstance(topic, str) or not topic:
         raise InvalidMessage("bad_topic", f"topic must be a non-empty string, got {topic!r}")
-    if not TOPIC_PATTERN.match(topic):
+    if not TOPIC_PATTERN.fullmatch(topic):  # fullmatch: `$` would let a trailing newline through
         raise InvalidMessage(
             "bad_topic", f"topic {topic!r} is malformed: use 1-127 characters from A-Z a-z 0-9 . _ - | %"
         )
     return topic
 
 
+def check_sendable_topic(topic: object) -> str:
+    """A topic a producer may send into: a well-formed name, and not one of the store's own."""
+    check_topic(topic)
+    assert isinstance(topic, str)
+    if topic.startswith(RESERVED_TOPIC_PREFIXES):
+        raise InvalidMessage(
+            "reserved_topic", f"topic {topic!r} is reserved: topics starting with %RETRY% or %DLQ% are written by the"
+            " store's retry ladder only")
+    return topic
+
+
+def storable(text: str) -> bool:
+    """Can PostgreSQL store this text? A UTF-8 database holds every Unicode character but NUL; a lone surrogate
+    (e.g. from bytes decoded with surrogateescape) has no UTF-8 form at all."""
+    if "\x00" in text:
+        return False
+    if text.isascii():
+        return True
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _unstorable(reason: str, what: str, value: str) -> InvalidMessage:
+    return InvalidMessage(reason, f"{what} {value[:40]!r} cannot be stored: it holds NUL or a lone surrogate"
+                                  " (PostgreSQL text holds neither)")
+
+
+# A \u0000 escape in JSON text (ASCII, as json.dumps writes it): preceded by an even run of backslashes, so it is an
+# escape and not the text "\u0000" (whose backslash is itself escaped).
+_JSON_NUL = re.compile(rb"(?:^|[^\\])(?:\\\\)*\\u0000")
+
+
 def encode_body(body: object, max_bytes: int) -> tuple[bytes, bool]:
-    """(bytes, is_json): bytes stay bytes; anything else must be JSON-serialisable."""
+    """(bytes, is_json): bytes stay bytes; anything else must be JSON-serialisable, and its text castable to
+    jsonb (no NUL, no lone surrogate in any string: PostgreSQL's jsonb refuses both)."""
     if isinstance(body, (bytes, bytearray, memoryview)):
         data, is_json = bytes(body), False
     else:
@@ -75,9 +118,23 @@ def encode_body(body: object, max_bytes: int) -> tuple[bytes, bool]:
             data, is_json = json.dumps(body, allow_nan=False, separators=(",", ":")).encode(), True
         except (TypeError, ValueError) as exc:
             raise InvalidMessage("bad_body", f"body must be bytes or JSON-serialisable: {exc}") from None
+        except RecursionError:
+            raise InvalidMessage("bad_body", "body is nested too deeply to encode as JSON") from None
+        if b"\\u" in data:  # a character outside printable ASCII: rare, so the checks below cost nothing usually
+            _check_json_text(data, body)
     if len(data) > max_bytes:
         raise InvalidMessage("body_too_large", f"body is {len(data)} bytes, above the limit of {max_bytes} bytes")
     return data, is_json
+
+
+def _check_json_text(data: bytes, body: object) -> None:
+    if _JSON_NUL.search(data):
+        raise InvalidMessage("bad_body", "body holds NUL (\\u0000) in a string: PostgreSQL's jsonb cannot store it")
+    try:  # the same text without escapes: a surrogate, paired or not, has no UTF-8 form
+        json.dumps(body, allow_nan=False, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        raise InvalidMessage("bad_body", "body holds a lone surrogate in a string: PostgreSQL's jsonb cannot"
+                                         " store it") from None
 
 
 def check_key(key: object) -> str | None:
@@ -85,16 +142,44 @@ def check_key(key: object) -> str | None:
         return None
     if not isinstance(key, str) or not key or len(key) > MAX_KEY_CHARS:
         raise InvalidMessage("bad_key", f"key must be a non-empty string of at most {MAX_KEY_CHARS} characters")
+    if not storable(key):
+        raise _unstorable("bad_key", "key", key)
     return key
 
 
-def check_properties(properties: object) -> dict[str, str]:
+def check_tags(tags: object) -> str | None:
+    if tags is None:
+        return None
+    if not isinstance(tags, str):
+        raise InvalidMessage("bad_tags", f"tags must be a string, got {tags!r}")
+    if len(tags) > MAX_TAGS_CHARS:
+        raise InvalidMessage("bad_tags", f"tags are {len(tags)} characters, above the limit of {MAX_TAGS_CHARS}")
+    if not storable(tags):
+        raise _unstorable("bad_tags", "tags", tags)
+    return tags
+
+
+def check_properties(properties: object, internal: bool = False) -> dict[str, str]:
+    """A dict of str to str, every name and value storable, at most MAX_PROPERTIES_BYTES as stored, and no name in
+    RESERVED_PROPERTIES (unless `internal`: the store's own retry path)."""
     if properties is None:
         return {}
     if not isinstance(properties, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in properties.items()
     ):
         raise InvalidMessage("bad_properties", "properties must be a dict of strings to strings")
+    for k, v in properties.items():
+        if not storable(k):
+            raise _unstorable("bad_properties", "property name", k)
+        if not storable(v):
+            raise _unstorable("bad_properties", f"property {k!r} value", v)
+    if not internal and not RESERVED_PROPERTIES.isdisjoint(properties):
+        names = ", ".join(sorted(RESERVED_PROPERTIES.intersection(properties)))
+        raise InvalidMessage("reserved_property", f"properties {names} are reserved: the store writes them")
+    size = len(json.dumps(properties))
+    if size > MAX_PROPERTIES_BYTES:
+        raise InvalidMessage("properties_too_large", f"properties are {size} bytes as stored (JSON text), above the"
+                                                     f" limit of {MAX_PROPERTIES_BYTES} bytes")
     return properties
 
 
@@ -176,19 +261,21 @@ class Prepared(NamedTuple):
 
 def prepare(
     message: Message, now: datetime, settings: Settings, reconsume_times: int = 0,
-    level_placements: dict[int, Placement] | None = None,
+    level_placements: dict[int, Placement] | None = None, *, internal: bool = False,
 ) -> Prepared:
     """Apply every rule to one message; raises InvalidMessage naming the first it breaks.
-    `level_placements` lets one batch (one clock reading) share the placement of each delay level."""
+    `level_placements` lets one batch (one clock reading) share the placement of each delay level.
+    `internal` is the store's own retry path (topics._reconsume_later), which may write reserved names."""
+    if not isinstance(message, Message):
+        raise InvalidMessage("bad_message", f"messages must be delaywheel.Message values, got {type(message).__name__}")
     body, is_json = encode_body(message.body, settings.max_body_bytes)
-    if message.tags is not None and not isinstance(message.tags, str):
-        raise InvalidMessage("bad_tags", f"tags must be a string, got {message.tags!r}")
+    topic_rule = checked_any_topic if internal else checked_topic
     return Prepared(  # positional: a NamedTuple built from keywords costs noticeably more, once per message
-        checked_topic(message.topic) if isinstance(message.topic, str) else check_topic(message.topic),
+        topic_rule(message.topic) if isinstance(message.topic, str) else check_topic(message.topic),
         check_key(message.key),
-        message.tags,
+        check_tags(message.tags),
         _NO_PROPERTIES if message.properties is None or (type(message.properties) is dict and not message.properties)
-        else check_properties(message.properties),
+        else check_properties(message.properties, internal),
         body,
         is_json,
         _place(message, now, settings, level_placements),
@@ -207,4 +294,6 @@ def _place(message: Message, now: datetime, settings: Settings, shared: dict[int
 
 
 _NO_PROPERTIES: dict[str, str] = {}  # shared, never mutated: rows without properties are written as NULL
-checked_topic = functools.lru_cache(maxsize=4096)(check_topic)  # a batch usually has few distinct topics
+# A batch usually has few distinct topics: producers' (reserved names refused) and the store's own (any name).
+checked_topic = functools.lru_cache(maxsize=4096)(check_sendable_topic)
+checked_any_topic = functools.lru_cache(maxsize=1024)(check_topic)

@@ -19,6 +19,7 @@ from .config import Settings
 from .db import COMMIT_HORIZON, QUEUE_PLAN
 from .levels import TOPIC_SUMMARY, PassResult, topic_spans
 from .partitions import DAY, HOUR, PartitionCache, floor_to
+from .setaside import POISON, record
 
 WHEEL_LOCK = (0x64770020, 0)
 MAX_ID = 2**63 - 1
@@ -46,13 +47,71 @@ _DUE = """
 """
 
 
+# A far block's messages into the near wheel (the roll). {name}: the block; {only}: which messages.
+_ROLL = (
+    "INSERT INTO delaywheel.wheel (id, topic, key, tags, properties, body, is_json, deliver_at, enqueued_at)"
+    " SELECT m.id, m.topic, m.key, m.tags, m.properties::jsonb, m.body, m.is_json, m.due AT TIME ZONE 'UTC',"
+    "        s.enqueued_at"
+    " FROM delaywheel.{name} s, unnest(s.ids, delaywheel.spread(s.topics, s.n), s.keys,"
+    "      delaywheel.spread(s.tags, s.n), delaywheel.spread(s.properties, s.n), s.bodies,"
+    "      delaywheel.spread(s.is_json, s.n), s.deliver_ats) AS m(id, topic, key, tags, properties, body, is_json, due)"
+    "{only}"
+)
+# After a roll failed on a row it cannot deliver: the same, without the rows set aside (setaside.py).
+_NOT_SET_ASIDE = " WHERE NOT EXISTS (SELECT 1 FROM delaywheel.set_aside x WHERE x.message_id = m.id)"
+# The far blocks' messages the roll would move that cannot be delivered.
+_FAR_UNDELIVERABLE = """
+SELECT m.id, 'wheel', NULL::smallint, m.topic, m.key, m.due AT TIME ZONE 'UTC', u.reason, u.detail, m.tags,
+       m.properties, m.body, m.is_json, 0
+FROM delaywheel.wheel_far_segments s,
+     unnest(s.ids, delaywheel.spread(s.topics, s.n), s.keys, delaywheel.spread(s.tags, s.n),
+            delaywheel.spread(s.properties, s.n), s.bodies, delaywheel.spread(s.is_json, s.n), s.deliver_ats)
+         AS m(id, topic, key, tags, properties, body, is_json, due),
+     LATERAL delaywheel.undeliverable(m.topic, m.body, m.is_json, m.properties) u
+WHERE s.block < %(target)s AND u.reason IS NOT NULL
+"""
+# The rows a wheel pass would read (stragglers and its due batch) that cannot be delivered and are not cancelled.
+_UNDELIVERABLE = """
+SELECT d.id, 'wheel', NULL::smallint, d.topic, d.key, d.deliver_at, u.reason, u.detail, d.tags, d.properties::text,
+       d.body, d.is_json, 0
+FROM ((""" + _STRAGGLERS + """) UNION ALL (""" + _DUE + """)) d,
+     LATERAL delaywheel.undeliverable(d.topic, d.body, d.is_json, d.properties::text) u
+WHERE u.reason IS NOT NULL
+  AND NOT EXISTS (SELECT 1 FROM delaywheel.cancellations c WHERE c.message_id = d.id AND c.due_at = d.deliver_at)
+"""
+
+
 def roll(conn: psycopg.Connection, settings: Settings, cache: PartitionCache, now: datetime | None = None) -> int:
-    """Move far blocks that entered the near window into the fine wheel; returns rows moved."""
+    """Move far blocks that entered the near window into the fine wheel; returns rows moved. A row that cannot be
+    delivered is set aside (setaside.py) instead of stopping the roll, hence every wheel pass."""
+    try:
+        return _roll(conn, settings, cache, now, "")
+    except POISON:
+        if not _set_aside_far(conn, settings, cache, now):
+            raise  # nothing the store can name: the roll fails, as before, rather than skip a row
+    return _roll(conn, settings, cache, now, _NOT_SET_ASIDE)
+
+
+def _roll_target(clock: datetime, settings: Settings) -> datetime:
+    return floor_to(clock + settings.wheel_near_window, DAY) + DAY
+
+
+def _set_aside_far(conn: psycopg.Connection, settings: Settings, cache: PartitionCache, now: datetime | None) -> int:
+    """Set aside the messages of the far blocks the roll moves that cannot be delivered; returns how many."""
+    with conn.transaction():
+        conn.execute("SELECT pg_advisory_xact_lock(%s, %s)", WHEEL_LOCK)
+        row = conn.execute("SELECT coalesce(%s::timestamptz, clock_timestamp())", (now,)).fetchone()
+        assert row is not None
+        bad = conn.execute(_FAR_UNDELIVERABLE, {"target": _roll_target(row[0], settings)}).fetchall()
+        return record(conn, cache, bad)
+
+
+def _roll(conn: psycopg.Connection, settings: Settings, cache: PartitionCache, now: datetime | None, only: str) -> int:
     moved = 0
     clock, near_until = conn.execute(  # type: ignore[misc]
         "SELECT coalesce(%s::timestamptz, clock_timestamp()), near_until FROM delaywheel.wheel_state", (now,)
     ).fetchone()
-    target = floor_to(clock + settings.wheel_near_window, DAY) + DAY
+    target = _roll_target(clock, settings)
     if near_until >= target:  # nothing to roll (the common case): skip the locking transaction below
         return 0
     with conn.transaction():
@@ -76,14 +135,7 @@ def roll(conn: psycopg.Connection, settings: Settings, cache: PartitionCache, no
         for name, lo, hi in blocks:
             conn.execute(f"LOCK TABLE delaywheel.{name} IN ACCESS EXCLUSIVE MODE")  # type: ignore[arg-type]
             cache.ensure(conn, "wheel", [lo + HOUR * i for i in range(int((hi - lo) / HOUR))])
-            cur = conn.execute(
-                f"INSERT INTO delaywheel.wheel (id, topic, key, tags, properties, body, is_json, deliver_at, enqueued_at)"  # type: ignore[arg-type]
-                f" SELECT m.id, m.topic, m.key, m.tags, m.properties::jsonb, m.body, m.is_json, m.due AT TIME ZONE 'UTC',"
-                f"        s.enqueued_at"
-                f" FROM delaywheel.{name} s, unnest(s.ids, delaywheel.spread(s.topics, s.n), s.keys,"
-                f"      delaywheel.spread(s.tags, s.n), delaywheel.spread(s.properties, s.n), s.bodies,"
-                f"      delaywheel.spread(s.is_json, s.n), s.deliver_ats) AS m(id, topic, key, tags, properties, body, is_json, due)"
-            )
+            cur = conn.execute(_ROLL.format(name=name, only=only))  # type: ignore[arg-type]
             moved += cur.rowcount
             conn.execute(f"DROP TABLE delaywheel.{name}")  # type: ignore[arg-type]
             cache.forget("wheel_far_segments", lo)
@@ -99,9 +151,40 @@ def advance_wheel(
     now: datetime | None = None,
     limit: int = 5000,
 ) -> PassResult:
-    """One pass over the wheel; see the module docstring for the guarantees."""
+    """One pass over the wheel; see the module docstring for the guarantees. A row the pass cannot deliver is set
+    aside (setaside.py) and the pass runs again: the wheel never stops on it."""
     with contextlib.suppress(errors.LockNotAvailable):  # a producer holds a far block: roll next pass
         roll(conn, settings, cache, now)
+    for _ in range(3):  # more rows may turn up in the next try's batch (a newer horizon)
+        try:
+            return _advance(conn, cache, now, limit)
+        except POISON:
+            if not _set_aside_due(conn, cache, now, limit):
+                raise  # nothing the store can name: the lane stops, as before, rather than skip a row
+    return _advance(conn, cache, now, limit)
+
+
+def _set_aside_due(conn: psycopg.Connection, cache: PartitionCache, now: datetime | None, limit: int) -> int:
+    """Set aside the rows the next pass reads that cannot be delivered (own transaction, under the wheel's lock);
+    returns how many (not counting those already cancelled, which the pass skips anyway)."""
+    with conn.transaction():
+        row = conn.execute(
+            f"SELECT pg_advisory_xact_lock(%s, %s), {COMMIT_HORIZON}::text, coalesce(%s::timestamptz, clock_timestamp())",
+            (*WHEEL_LOCK, now),
+        ).fetchone()
+        assert row is not None
+        _, xmin, clock = row
+        state = conn.execute("SELECT cursor_at, cursor_id, horizon_xid::text FROM delaywheel.wheel_state").fetchone()
+        assert state is not None
+        cursor_at, cursor_id, horizon = state
+        bad = conn.execute(_UNDELIVERABLE, {
+            "now": clock, "xmin": str(max(int(xmin), int(horizon))), "horizon": horizon, "cursor_at": cursor_at,
+            "cursor_id": cursor_id, "limit": limit,
+        }).fetchall()
+        return record(conn, cache, bad)
+
+
+def _advance(conn: psycopg.Connection, cache: PartitionCache, now: datetime | None, limit: int) -> PassResult:
     with conn.transaction():
         row = conn.execute(
             f"SELECT pg_try_advisory_xact_lock(%s, %s), {COMMIT_HORIZON}::text,"
