@@ -4,6 +4,13 @@ Trigger it from the UI with the form: an input path or glob (CSV, JSON lines, Pa
 query, a column mapping and a topic. Every row is checked by the rules of `send`; bad rows go to
 `delaywheel.quarantine` with reason, file and row number; triggering the same input again enqueues nothing
 new (idempotency by source and key). The job's counts are the last JSON line of the task log.
+
+What the form may name is limited by configuration: the input must lie under an input root
+(`DELAYWHEEL_INPUT_ROOTS`, default the project's `data/` and `.delaywheel/input/`), the query must be one read-only
+SELECT (run in a READ ONLY session with a statement timeout), and its database must be the store or an allowed source
+(`DELAYWHEEL_ALLOWED_SOURCES`: Airflow connection ids or URLs). Optional fields may stay empty (the form sends null).
+The DAG changes data, so in a deployment with the FAB auth manager it is triggered by the `delaywheel_operator` role
+(`access_control`), besides the roles allowed every DAG.
 """
 
 from __future__ import annotations
@@ -14,6 +21,10 @@ from airflow.sdk import DAG, Param
 
 from delaywheel.airflow.spark import spark_job
 
+# DAG-level permissions (FAB auth manager): this role may see and trigger this DAG; Admin and Op may anyway.
+ACCESS = {"delaywheel_operator": {"DAGs": {"can_read"}, "DAG Runs": {"can_read", "can_create"}}}
+TOPIC = r"^[A-Za-z0-9._|%-]{1,127}$"
+
 with DAG(
     dag_id="delaywheel_bulk_enqueue",
     schedule=None,
@@ -21,25 +32,32 @@ with DAG(
     catchup=False,
     tags=["delaywheel", "spark"],
     doc_md=__doc__,
+    access_control=ACCESS,
     params={
-        "input": Param("", type="string", title="Input path or glob",
-                       description="CSV, JSON lines or Parquet; leave empty to read a query instead"),
-        "query": Param("", type="string", title="Or: PostgreSQL query", description="read over JDBC"),
-        "source_url": Param("", type="string", title="Query database",
-                            description="PostgreSQL URL of the database the query reads (empty: the store's)"),
-        "format": Param("", type="string", enum=["", "csv", "json", "parquet"],
+        # Optional fields are nullable: the form sends an empty field as null (a plain "string" would be required).
+        "input": Param(None, type=["null", "string"], title="Input path or glob",
+                       description="CSV, JSON lines or Parquet under an input root (DELAYWHEEL_INPUT_ROOTS); "
+                                   "leave empty to read a query instead"),
+        "query": Param(None, type=["null", "string"], title="Or: PostgreSQL query", maxLength=20000,
+                       description="one read-only SELECT, read over JDBC in a read-only session"),
+        "source_url": Param(None, type=["null", "string"], title="Query database",
+                            description="an allowed source (DELAYWHEEL_ALLOWED_SOURCES: an Airflow connection id or "
+                                        "URL) for the query (empty: the store's database)"),
+        "format": Param(None, type=["null", "string"], enum=[None, "csv", "json", "parquet"],
                         description="empty: from the file name"),
-        "map": Param("", type="string", title="Column mapping",
+        "map": Param(None, type=["null", "string"], title="Column mapping",
+                     pattern=r"^\s*([a-z_]+\s*=\s*[^,=]+(\s*,\s*[a-z_]+\s*=\s*[^,=]+)*)?\s*$",
                      description="FIELD=COLUMN,… for topic, key, body, tags, properties and one of "
                                  "delay_level, delay_ms, deliver_at; unmapped fields use same-named columns"),
-        "topic": Param("", type="string", description="the topic of every row, if no topic column is mapped"),
+        "topic": Param(None, type=["null", "string"], pattern=TOPIC,
+                       description="the topic of every row, if no topic column is mapped"),
         "body_format": Param("json", type="string", enum=["json", "text", "bytes"],
                              description="what a text body column holds"),
-        "source": Param("", type="string", title="Idempotency source",
+        "source": Param(None, type=["null", "string"], title="Idempotency source",
                         description="re-running with the same source skips rows already enqueued "
                                     "(default: the input path or query)"),
         "chunk": Param(50000, type="integer", minimum=1, description="rows per transaction in each partition"),
-        "partitions": Param("", type="string", pattern=r"^([1-9]\d*)?$",
+        "partitions": Param(None, type=["null", "string"], pattern=r"^([1-9]\d*)?$",
                             description="repartition the input to this many writers (empty: at least one per core)"),
         "parquet_reader": Param("auto", type="string", enum=["auto", "spark"], title="Parquet reader",
                                 description="auto: local Parquet row groups read by pyarrow in the workers where "
@@ -47,9 +65,10 @@ with DAG(
     },
 ) as dag:
     spark_job("bulk_enqueue", "bulk_enqueue", [
-        "--input", "{{ params.input }}", "--query", "{{ params.query }}", "--source-url", "{{ params.source_url }}",
-        "--format", "{{ params.format }}",
-        "--map", "{{ params.map }}", "--topic", "{{ params.topic }}", "--body-format", "{{ params.body_format }}",
-        "--source", "{{ params.source }}", "--chunk", "{{ params.chunk }}", "--partitions", "{{ params.partitions }}",
+        "--input", "{{ params.input or '' }}", "--query", "{{ params.query or '' }}",
+        "--source-url", "{{ params.source_url or '' }}", "--format", "{{ params.format or '' }}",
+        "--map", "{{ params.map or '' }}", "--topic", "{{ params.topic or '' }}",
+        "--body-format", "{{ params.body_format }}", "--source", "{{ params.source or '' }}",
+        "--chunk", "{{ params.chunk }}", "--partitions", "{{ params.partitions or '' }}",
         "--parquet-reader", "{{ params.parquet_reader }}",
     ])

@@ -10,6 +10,10 @@ end as one JSON line; each partition prints its counts to stderr every 10 s (the
 as a task in the Spark UI. Local Parquet files are read by pyarrow in the Python workers, each its share of the
 row groups, which skips the JVM's rows between Parquet and Arrow (`delaywheel.row_groups`; `--parquet-reader spark` for
 Spark's reader, which also reads whatever that path leaves to it).
+
+What a form may give is checked first (`delaywheel.inputs`, `delaywheel.predicate`): `--input` only under the
+configured input roots (DELAYWHEEL_INPUT_ROOTS), `--query` only one read-only SELECT (run in a READ ONLY session with
+a statement timeout), `--source-url` only an allowed source (DELAYWHEEL_ALLOWED_SOURCES; empty: the store).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import json
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import astuple
+from datetime import timedelta
 
 import pyarrow as pa
 import sparkjob
@@ -27,7 +32,7 @@ from pyspark.sql import functions as F
 from pyspark.sql.pandas.types import to_arrow_schema
 from pyspark.sql.types import StringType, StructField, StructType
 
-from delaywheel import bulk, row_groups
+from delaywheel import bulk, inputs, predicate, row_groups
 from delaywheel.config import load_settings
 
 FORMATS = {".csv": "csv", ".json": "json", ".jsonl": "json", ".ndjson": "json", ".parquet": "parquet"}
@@ -66,8 +71,9 @@ def read_files(spark: SparkSession, path: str, fmt: str) -> DataFrame:
     return df.withColumn(bulk.ROW_COLUMN, F.row_number().over(order)).drop("_block", "_pos")
 
 
-def read_query(spark: SparkSession, url: str, query: str) -> DataFrame:
-    df = sparkjob.read_sql(spark, url, query)
+def read_query(spark: SparkSession, url: str, query: str, timeout: timedelta) -> DataFrame:
+    """A checked query (`predicate.check_query`: one read-only SELECT), read in a READ ONLY session."""
+    df = sparkjob.read_only_sql(spark, url, query, timeout)
     order = Window.orderBy(F.monotonically_increasing_id())
     return df.select("*", F.lit("query").alias(bulk.FILE_COLUMN), F.row_number().over(order).alias(bulk.ROW_COLUMN))
 
@@ -120,12 +126,22 @@ def main(argv: list[str] | None = None) -> bulk.Counts:
     args = p.parse_args(argv)
     if (args.input is None) == (args.query is None):
         p.error("give exactly one of --input and --query")
+    if args.source_url and not args.query:
+        p.error("--source-url is the database of --query; give --query too")
     url = sparkjob.db_url(args.db_url)
+    settings = load_settings()
+    try:  # what the form gave, checked before Spark starts: a clear error, never a traceback
+        query = predicate.check_query(args.query) if args.query else None
+        source_url = inputs.check_source(args.source_url, settings, to_url=sparkjob.db_url) if query else None
+        if args.input:
+            inputs.check_input(args.input, settings)
+    except ValueError as exc:  # predicate.UnsafeSQL, inputs.NotAllowed
+        p.error(str(exc))
     spark = sparkjob.session("delaywheel bulk enqueue")
     spark.sparkContext.setJobDescription(f"delaywheel bulk enqueue of {args.input or 'query'}")
     fmt = input_format(args.input, args.format) if args.input else "query"
     df = (read_files(spark, args.input, fmt) if args.input
-          else read_query(spark, sparkjob.db_url(args.source_url) if args.source_url else url, args.query))
+          else read_query(spark, source_url or url, str(query), settings.match_timeout))
     df, mapping = mapped(df, bulk.ColumnMap.parse(args.map, args.topic, args.body_format))
     writers = args.partitions or spark.sparkContext.defaultParallelism
     by_row_group = (row_group_tasks(spark, df, mapping, writers, args.chunk)
@@ -139,7 +155,7 @@ def main(argv: list[str] | None = None) -> bulk.Counts:
             df, partitions = df.repartition(writers), writers
     print(f"bulk enqueue of {args.input or 'a query'}: {partitions} partitions ({how}), {args.chunk:,} rows "
           "per transaction; each partition reports its counts every 10 s", flush=True)
-    counts = sparkjob.write_rows(df, url, load_settings(), mapping, args.source or args.input or args.query,
+    counts = sparkjob.write_rows(df, url, settings, mapping, args.source or args.input or args.query,
                                  now=args.now, chunk=args.chunk, read=read)
     print(json.dumps({"job": "bulk_enqueue", "rows": counts.rows, "enqueued": counts.enqueued,
                       "skipped_already_enqueued": counts.skipped, "quarantined": counts.rejected,

@@ -7,6 +7,10 @@
         --table shop.orders --key-column order_id --predicate "status = 'pending'" --topic order.timeout \
         --due-column deadline
 
+Reconcile's table and columns are looked up in the catalog and quoted, and its predicate is one expression over
+that table's columns, checked by `delaywheel.predicate` (no subqueries, only pure functions): the business rows are
+read in a READ ONLY JDBC session with a statement timeout.
+
 Each mode spreads library calls over partitions (`delaywheel.redeliver`): catch-up runs the deliverers' own
 passes, one partition per level and one for the wheel; replay one partition per hour of the range; reconcile
 joins the business keys with the pending timers and writes the missing ones with the bulk writer.
@@ -67,8 +71,10 @@ def missing_timers(needed: DataFrame, pending: DataFrame, job: redeliver.Reconci
 
 def reconcile(spark: SparkSession, url: str, settings: Settings, job: redeliver.Reconcile, requested_by: str,
               now: datetime | None) -> dict[str, Any]:
-    needed = sparkjob.read_sql(spark, url, job.needed_sql()).cache()
-    pending = sparkjob.read_sql(spark, url, job.pending_sql()).cache()
+    with connect(url, autocommit=True) as conn:  # names checked against the catalog, the predicate over its columns
+        needed_sql, pending_sql = job.needed_sql(conn), job.pending_sql(conn)
+    needed = sparkjob.read_only_sql(spark, url, needed_sql, settings.match_timeout).cache()
+    pending = sparkjob.read_only_sql(spark, url, pending_sql, settings.match_timeout).cache()
     missing = missing_timers(needed, pending, job).cache()
     stale = pending.join(needed.select("key"), "key", "left_anti").cache()
     missing_count, stale_count = missing.count(), stale.count()
@@ -79,7 +85,8 @@ def reconcile(spark: SparkSession, url: str, settings: Settings, job: redeliver.
     created = (sparkjob.write_rows(missing, url, settings, mapping, run_source, now=now, job="reconcile: missing timers")
                if missing_count else bulk.Counts())
     with Store(url, settings) as store:
-        cancelled = store.cancel_matching(where=job.stale_where(), reason=f"reconcile {job.table}") if stale_count else 0
+        cancelled = (store.cancel_matching(match=job.stale_match(store.conn), reason=f"reconcile {job.table}")
+                     if stale_count else 0)
         run_id = redeliver.record_reconcile(store.conn, job, requested_by, missing=missing_count, stale=stale_count,
                                             created=created.enqueued, cancelled=cancelled, sample=sample)
     return {"mode": "reconcile", "run_id": run_id, "missing": missing_count, "created": created.enqueued,
@@ -100,12 +107,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     k = p.add_argument_group("reconcile: create missing and cancel stale timers against a business table")
     k.add_argument("--table", type=sparkjob.text, help="schema.table of the business rows")
     k.add_argument("--key-column", type=sparkjob.text, help="the column whose text is the timer's key")
-    k.add_argument("--predicate", type=sparkjob.text, help="SQL: which rows need a timer, e.g. status = 'pending'")
+    k.add_argument("--predicate", type=sparkjob.text,
+                   help="which rows need a timer: one expression over the table's columns, e.g. status = 'pending'"
+                        " (checked: no subqueries, only pure functions; empty: every row)")
     k.add_argument("--topic", type=sparkjob.text, help="the timers' topic")
     k.add_argument("--due-column", type=sparkjob.text, help="timestamptz column: when the timer fires")
     k.add_argument("--delay-seconds", type=sparkjob.number, help="or: fire this long after the timer is created")
     args = p.parse_args(argv)
-    needs = {"replay": ["due_from", "due_until"], "reconcile": ["table", "key_column", "predicate", "topic"]}
+    needs = {"replay": ["due_from", "due_until"], "reconcile": ["table", "key_column", "topic"]}
     missing = [f"--{name.replace('_', '-')}" for name in needs.get(args.mode, []) if getattr(args, name) is None]
     if missing:
         p.error(f"--mode {args.mode} needs {', '.join(missing)}")
@@ -113,6 +122,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         p.error("--mode reconcile needs exactly one of --due-column and --delay-seconds")
     url = sparkjob.db_url(args.db_url)
     settings = load_settings()
+    job = None
+    if args.mode == "reconcile":
+        delay = timedelta(seconds=args.delay_seconds) if args.delay_seconds is not None else None
+        try:
+            job = redeliver.Reconcile(args.table, args.key_column, args.predicate, args.topic, args.due_column, delay)
+            with connect(url, autocommit=True) as conn:
+                job.resolve(conn)  # every name and the predicate checked before Spark starts
+        except ValueError as exc:  # UnsafeSQL and InvalidMessage among them: a clear error, not a traceback
+            p.error(str(exc))
     spark = sparkjob.session(f"delaywheel redeliver ({args.mode})")
     spark.sparkContext.setJobDescription(f"delaywheel {args.mode}")
     if args.mode == "catch-up":
@@ -121,8 +139,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         request = redeliver.ReplayRequest(args.due_from, args.due_until, args.source_topic, args.target_topic)
         report = replay(spark, url, request, args.requested_by)
     else:
-        delay = timedelta(seconds=args.delay_seconds) if args.delay_seconds is not None else None
-        job = redeliver.Reconcile(args.table, args.key_column, args.predicate, args.topic, args.due_column, delay)
+        assert job is not None
         report = reconcile(spark, url, settings, job, args.requested_by, args.now)
     print(json.dumps({"job": "redeliver", **report}, default=str), flush=True)
     return report

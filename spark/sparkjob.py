@@ -11,7 +11,7 @@ import argparse
 import os
 import sys
 from collections.abc import Callable, Iterator
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 import pyarrow as pa
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
@@ -22,6 +22,7 @@ from delaywheel import bulk
 from delaywheel.config import Settings
 from delaywheel.db import connect
 from delaywheel.partitions import PartitionCache
+from delaywheel.predicate import read_only_session
 from delaywheel.progress import Progress
 
 JDBC_JAR = os.environ.get("DELAYWHEEL_JDBC_JAR", "/usr/share/java/postgresql.jar")  # Debian libpostgresql-jdbc-java
@@ -85,6 +86,14 @@ def read_sql(spark: SparkSession, url: str, sql: str, *, split_column: str | Non
     properties = {k: v for k, v in options.items() if k != "url"} | {"fetchsize": "20000"}
     predicates = [f"{split_column} % {n} = {i}" for i in range(n)]
     return spark.read.jdbc(options["url"], f"({sql}) AS q", predicates=predicates, properties=properties)
+
+
+def read_only_sql(spark: SparkSession, url: str, sql: str, timeout: timedelta) -> DataFrame:
+    """A query shaped by a caller (a checked bulk-enqueue query, reconcile's business rows) as a DataFrame, read in
+    a READ ONLY session with a statement timeout (`predicate.read_only_session`)."""
+    init = read_only_session(int(timeout.total_seconds() * 1000))
+    return (spark.read.format("jdbc").options(**jdbc_options(url)).option("fetchsize", "20000")
+            .option("sessionInitStatement", init).option("query", sql).load())
 
 
 def write_rows(df: DataFrame, url: str, settings: Settings, mapping: bulk.ColumnMap, source: str, *,

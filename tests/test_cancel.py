@@ -1,14 +1,16 @@
-"""Cancel by id, by key, in bulk by keys and by SQL predicate; the CLI's guard; cancelled is never delivered."""
+"""Cancel by id, by key, in bulk by keys, by a checked predicate and by keys from a table; the CLI's guard; cancelled
+is never delivered. Attacks through `where` are in test_caller_sql.py."""
 
 from __future__ import annotations
 
 from datetime import datetime, timedelta
 
-import psycopg
 import pytest
 
 from delaywheel import Store
+from delaywheel.cancel import KeysFrom
 from delaywheel.cli import main
+from delaywheel.predicate import UnsafeSQL
 from delaywheel.validation import Message
 from tests.conftest import at, deliveries
 
@@ -58,20 +60,49 @@ def test_bulk_cancel_by_keys(store: Store, t0: datetime) -> None:
     assert sorted(r[0] for r in deliveries(store)) == sorted(ids[i] for i in range(14) if i not in (1, 3, 11))
 
 
-def test_bulk_cancel_by_predicate_with_a_subquery_on_a_user_table(store: Store, t0: datetime) -> None:
+def test_bulk_cancel_by_keys_from_a_user_table(store: Store, t0: datetime) -> None:
     store.conn.execute("CREATE TABLE public.shop_orders (id int PRIMARY KEY, paid boolean NOT NULL)")
     store.conn.execute("INSERT INTO public.shop_orders SELECT g, g % 3 = 0 FROM generate_series(1, 30) g")
     msgs = [Message("timeouts", {"order": i}, key=str(i), delay=timedelta(minutes=30)) for i in range(1, 21)]
     msgs += [Message("timeouts", {"order": i}, key=str(i), delay=timedelta(days=40)) for i in range(21, 31)]
     ids = dict(zip(range(1, 31), store.send_many(msgs, now=t0), strict=True))
-    where = "key IN (SELECT id::text FROM public.shop_orders WHERE paid)"
-    assert store.count_matching(where=where) == 10
-    assert store.cancel_matching(where=where, reason="paid") == 10
+    paid = KeysFrom("public.shop_orders", "id", filters={"paid": True})  # was: key IN (SELECT id::text ... WHERE paid)
+    assert store.count_matching(keys_from=paid) == 10
+    assert store.cancel_matching(keys_from=paid, reason="paid") == 10
     reasons = store.conn.execute("SELECT DISTINCT reason FROM delaywheel.cancellations").fetchall()
     assert reasons == [("paid",)]
     assert store.cancel_matching(where="topic = 'timeouts' AND deliver_at > '2031-01-01'::timestamptz") == 0
     store.deliver_due(now=t0 + timedelta(days=41))
     assert sorted(r[0] for r in deliveries(store)) == sorted(v for k, v in ids.items() if k % 3)
+
+
+def test_keys_from_with_prefix_lists_and_a_checked_where(store: Store, t0: datetime) -> None:
+    store.conn.execute("CREATE SCHEMA biz")
+    store.conn.execute("CREATE TABLE biz.orders (id int PRIMARY KEY, status text, region text)")
+    store.conn.execute("INSERT INTO biz.orders VALUES (1, 'paid', 'eu'), (2, 'paid', 'us'), (3, 'open', 'eu'),"
+                       " (4, 'void', 'eu'), (5, NULL, 'eu')")
+    store.send_many([Message(topic, {"i": i}, key=f"order-{i}", delay=timedelta(hours=1))
+                     for i in range(1, 6) for topic in ("timeouts", "reminders")], now=t0)
+    paid_eu = KeysFrom("biz.orders", "id", prefix="order-", filters={"status": "paid", "region": "eu"})
+    assert store.count_matching(keys_from=paid_eu) == 2
+    assert store.count_matching(keys_from=KeysFrom("biz.orders", "id", prefix="order-",
+                                                   filters={"status": ["paid", "void"]})) == 6
+    assert store.count_matching(keys_from=KeysFrom("biz.orders", "id", prefix="order-", filters={"status": None})) == 2
+    assert store.cancel_matching(keys_from=paid_eu, where="topic = 'timeouts'") == 1
+    with pytest.raises(UnsafeSQL, match="does not exist"):
+        store.count_matching(keys_from=KeysFrom("biz.nothing", "id"))
+    with pytest.raises(UnsafeSQL, match=r"not a column of biz\.orders"):
+        store.count_matching(keys_from=KeysFrom("biz.orders", "xmin"))
+    with pytest.raises(UnsafeSQL, match="not a plain identifier"):
+        store.count_matching(keys_from=KeysFrom("biz.orders", "id", filters={"status; DROP TABLE x": "a"}))
+    with pytest.raises(UnsafeSQL, match="plain identifier"):
+        store.count_matching(keys_from=KeysFrom('biz.orders"; DROP TABLE biz.orders; --', "id"))
+    with pytest.raises(UnsafeSQL, match="system table"):
+        store.count_matching(keys_from=KeysFrom("pg_catalog.pg_authid", "rolpassword"))
+    # a hostile value is a value: bound, never SQL
+    assert store.count_matching(keys_from=KeysFrom("biz.orders", "id", prefix="'); DROP TABLE biz.orders; --",
+                                                   filters={"status": "x' OR '1'='1"})) == 0
+    assert store.conn.execute("SELECT count(*) FROM biz.orders").fetchone() == (5,)
 
 
 def test_cli_bulk_cancel_needs_yes(store: Store, db_url: str, t0: datetime, monkeypatch: pytest.MonkeyPatch,
@@ -91,6 +122,6 @@ def test_cli_bulk_cancel_needs_yes(store: Store, db_url: str, t0: datetime, monk
 
 def test_bulk_cancel_rejects_bad_sql_and_writes_nothing(store: Store, t0: datetime) -> None:
     store.send("orders", b"x", delay=timedelta(hours=1), key="a", now=t0)
-    with pytest.raises(psycopg.errors.SyntaxError):
+    with pytest.raises(UnsafeSQL, match="not valid SQL"):
         store.cancel_matching(where="key = = 'a'")
     assert store.conn.execute("SELECT count(*) FROM delaywheel.cancellations").fetchone() == (0,)

@@ -1,4 +1,4 @@
-"""Cancel pending messages by id, by key, or by a set-based predicate.
+"""Cancel pending messages by id, by key, or in bulk: by a key list, a checked predicate, or keys from another table.
 
 A cancellation is a row in `cancellations` that deliverers anti-join; the message itself stays until
 its partition is retired. Cancelling takes the same advisory locks as the deliverers of the lanes it
@@ -7,17 +7,24 @@ touches, so a message is either delivered or cancelled, never both, and the call
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Literal
 
 import psycopg
+from psycopg import sql
 
 from .db import LOOKUP_PLAN
 from .keyblooms import probe
 from .levels import LEVEL_LOCK
 from .partitions import PartitionCache
 from .pending import PENDING, STILL_PENDING, pending
+from .predicate import CANCEL_COLUMNS, UnsafeSQL, catalog_table, check_column, check_expression
 from .wheel import WHEEL_LOCK
+
+MATCH_TIMEOUT = timedelta(minutes=5)  # the default of Settings.match_timeout
 
 Outcome = Literal["cancelled", "already_cancelled", "already_delivered", "not_found"]
 
@@ -103,35 +110,139 @@ def cancel(
     return results
 
 
-def count_matching(conn: psycopg.Connection, *, keys: list[str] | None = None, where: str | None = None) -> int:
-    """How many pending, not yet cancelled messages a bulk cancel would hit (for the CLI's guard)."""
-    predicate, params = _predicate(keys, where)
-    row = conn.execute(
-        f"SELECT count(*) FROM ({PENDING}) p WHERE ({predicate})"  # type: ignore[arg-type]
-        " AND NOT EXISTS (SELECT 1 FROM delaywheel.cancellations c WHERE c.message_id = p.id)",
-        params,
-    ).fetchone()
+@dataclass(frozen=True)
+class Match:
+    """A condition on the pending rows `p`, composed by library code only: identifiers through
+    `psycopg.sql.Identifier`, values as `%(name)s` parameters in `params`. Callers never build one from text."""
+
+    sql: sql.Composable
+    params: Mapping[str, object] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class KeysFrom:
+    """The keys of another table's rows, as the structured replacement of a subquery in `where`:
+    `KeysFrom("shop.orders", "id", prefix="order-", filters={"status": "paid"})` matches pending messages whose key
+    is `'order-' || id` for an order with status 'paid'. `filters` are `column = value` (a list or tuple: `IN`, None:
+    `IS NULL`), all ANDed. The table and columns are looked up in the catalog and quoted; every value is bound."""
+
+    table: str
+    column: str
+    prefix: str = ""
+    suffix: str = ""
+    filters: Mapping[str, object] = field(default_factory=dict)
+
+    def match(self, conn: psycopg.Connection, name: str = "kf") -> Match:
+        schema, table, columns = catalog_table(conn, self.table)
+        label = f"{schema}.{table}"
+        column = check_column(self.column, columns, label)
+        params: dict[str, object] = {f"{name}_prefix": self.prefix, f"{name}_suffix": self.suffix}
+        conditions: list[sql.Composable] = []
+        for i, (col, value) in enumerate(sorted(self.filters.items())):
+            ident = sql.SQL("b.{}").format(sql.Identifier(check_column(col, columns, label, what="filter column")))
+            if value is None:
+                conditions.append(sql.SQL("{} IS NULL").format(ident))
+            elif isinstance(value, list | tuple | set | frozenset):
+                values = list(value)
+                if not values:
+                    raise UnsafeSQL(f"filter {col!r} has an empty list of values")
+                names = [f"{name}_{i}_{j}" for j in range(len(values))]
+                params.update(zip(names, values, strict=True))
+                conditions.append(sql.SQL("{} IN ({})").format(ident, sql.SQL(", ").join(map(sql.Placeholder, names))))
+            else:
+                params[f"{name}_{i}"] = value
+                conditions.append(sql.SQL("{} = {}").format(ident, sql.Placeholder(f"{name}_{i}")))
+        query = sql.SQL("p.key IN (SELECT {prefix} || b.{column}::text || {suffix} FROM {schema}.{table} b WHERE {where})"
+                        ).format(prefix=sql.Placeholder(f"{name}_prefix"), suffix=sql.Placeholder(f"{name}_suffix"),
+                                 column=sql.Identifier(column), schema=sql.Identifier(schema), table=sql.Identifier(table),
+                                 where=sql.SQL(" AND ").join(conditions) if conditions else sql.SQL("true"))
+        return Match(query, params)
+
+
+def where_match(where: str) -> Match:
+    """A caller's predicate over the pending rows, checked (`predicate.check_expression`) and rendered from its
+    parse tree; the text itself never reaches the server."""
+    try:
+        checked = check_expression(where, CANCEL_COLUMNS, qualifier="p", what="--where predicate")
+    except UnsafeSQL as exc:
+        hint = " (to match keys from another table, use keys_from / --keys-from-table)" if "subquery" in str(exc) else ""
+        raise UnsafeSQL(f"{exc}{hint}") from None
+    return Match(sql.SQL(checked.replace("%", "%%")))
+
+
+def matching(conn: psycopg.Connection, *, keys: list[str] | None = None, where: str | None = None,
+             keys_from: KeysFrom | None = None, match: Match | None = None) -> Match:
+    """Every condition given, ANDed: a key list, a checked predicate, keys from another table, a library Match."""
+    parts: list[Match] = []
+    if keys is not None:
+        parts.append(Match(sql.SQL("p.key = ANY(%(keys)s)"), {"keys": [str(k) for k in keys]}))
+    if where is not None:
+        parts.append(where_match(where))
+    if keys_from is not None:
+        parts.append(keys_from.match(conn))
+    if match is not None:
+        parts.append(match)
+    if not parts:
+        raise ValueError("bulk cancel needs keys, where, keys_from or a match")
+    return Match(sql.SQL(" AND ").join(sql.SQL("({})").format(m.sql) for m in parts),
+                 {k: v for m in parts for k, v in m.params.items()})
+
+
+@contextmanager
+def read_only(conn: psycopg.Connection, timeout: timedelta | None) -> Iterator[None]:
+    """A READ ONLY transaction with a statement timeout for reads shaped by a caller. Inside a transaction the
+    caller owns, a savepoint with the timeout only (read-only cannot be undone before the caller's commit)."""
+    ms = f"{int((timeout or MATCH_TIMEOUT).total_seconds() * 1000)}ms"
+    if conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE:
+        with conn.transaction():
+            conn.execute("SET TRANSACTION READ ONLY")
+            conn.execute("SELECT pg_catalog.set_config('statement_timeout', %s, true)", (ms,))
+            yield
+        return
+    before = conn.execute("SELECT pg_catalog.current_setting('statement_timeout')").fetchone()[0]  # type: ignore[index]
+    try:
+        with conn.transaction():
+            conn.execute("SELECT pg_catalog.set_config('statement_timeout', %s, true)", (ms,))
+            yield
+    finally:
+        if not conn.broken and conn.info.transaction_status == psycopg.pq.TransactionStatus.INTRANS:
+            conn.execute("SELECT pg_catalog.set_config('statement_timeout', %s, true)", (before,))
+
+
+_FIND = sql.SQL("SELECT {columns} FROM ({pending}) p WHERE ({match})"
+                " AND NOT EXISTS (SELECT 1 FROM delaywheel.cancellations c WHERE c.message_id = p.id)")
+
+
+def count_matching(conn: psycopg.Connection, *, keys: list[str] | None = None, where: str | None = None,
+                   keys_from: KeysFrom | None = None, match: Match | None = None, timeout: timedelta | None = None) -> int:
+    """How many pending, not yet cancelled messages a bulk cancel would hit (for the CLI's guard); read-only."""
+    m = matching(conn, keys=keys, where=where, keys_from=keys_from, match=match)
+    with read_only(conn, timeout):
+        row = conn.execute(_FIND.format(columns=sql.SQL("count(*)"), pending=sql.SQL(PENDING), match=m.sql),
+                           m.params).fetchone()
     return int(row[0]) if row else 0
 
 
 def cancel_matching(
-    conn: psycopg.Connection, cache: PartitionCache, *, keys: list[str] | None = None, where: str | None = None, reason: str = "bulk cancel"
+    conn: psycopg.Connection, cache: PartitionCache, *, keys: list[str] | None = None, where: str | None = None,
+    keys_from: KeysFrom | None = None, match: Match | None = None, reason: str = "bulk cancel",
+    timeout: timedelta | None = None,
 ) -> int:
-    """Cancel, in one set-based statement, every pending message whose key is in `keys` or which
-    satisfies the SQL predicate `where` over (id, deliver_at, key, topic, tags, properties, lane, level).
-    `where` is trusted SQL from an operator, e.g. "key IN (SELECT id::text FROM shop.orders WHERE paid)"."""
-    predicate, params = _predicate(keys, where)
+    """Cancel, in one set-based statement, every pending message that meets every condition given: its key is in
+    `keys`; it satisfies `where`, one expression over (id, deliver_at, key, topic, tags, properties, lane, level)
+    checked by `predicate.check_expression` (no subqueries, no functions outside a pure whitelist: `UnsafeSQL`
+    otherwise); its key comes from `keys_from` (another table's rows, e.g. the paid orders)."""
+    m = matching(conn, keys=keys, where=where, keys_from=keys_from, match=match)
+    # Find the matching rows first, read-only and without the lanes' locks: the scan can take a while (a large set,
+    # fresh tables without statistics) and deliverers must not wait for it. Then, under the locks, each row found
+    # is checked again against the cursors and the cancellations only, so one delivered or cancelled meanwhile is
+    # left alone.
+    with read_only(conn, timeout):
+        found = conn.execute(_FIND.format(columns=sql.SQL("p.id, p.deliver_at, p.key, p.lane, p.level, p.xid::text"),
+                                          pending=sql.SQL(PENDING), match=m.sql), m.params).fetchall()
+    if not found:
+        return 0
     with conn.transaction():
-        # Find the matching rows first, without the lanes' locks: the scan can take a while (a large set,
-        # fresh tables without statistics) and deliverers must not wait for it. Under the locks, each row
-        # found is checked again against the cursors only, so one delivered meanwhile is left alone.
-        found = conn.execute(
-            f"SELECT p.id, p.deliver_at, p.key, p.lane, p.level, p.xid::text FROM ({PENDING}) p WHERE ({predicate})"
-            " AND NOT EXISTS (SELECT 1 FROM delaywheel.cancellations c WHERE c.message_id = p.id)",  # type: ignore[arg-type]
-            params,
-        ).fetchall()
-        if not found:
-            return 0
         cache.ensure(conn, "cancellations", [due for _, due, *_ in found])
         _lock_all_lanes(conn)
         cur = conn.execute(
@@ -147,11 +258,3 @@ def cancel_matching(
                                   enumerate(("ids", "dues", "keys", "lanes", "levels", "xids"))}},
         )
     return cur.rowcount
-
-
-def _predicate(keys: list[str] | None, where: str | None) -> tuple[str, dict[str, object]]:
-    if (keys is None) == (where is None):
-        raise ValueError("bulk cancel needs exactly one of keys or where")
-    if keys is not None:
-        return "p.key = ANY(%(keys)s)", {"keys": list(keys)}
-    return str(where).replace("%", "%%"), {}

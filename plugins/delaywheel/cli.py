@@ -14,6 +14,7 @@ from typing import Any
 import psycopg
 
 from . import embedded, runner
+from .cancel import KeysFrom
 from .config import ConfigError, load_settings, parse_duration
 from .db import database_url
 from .migrate import MigrationError, migrate
@@ -176,7 +177,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
 
 def cmd_cancel(args: argparse.Namespace) -> int:
     with Store() as store:
-        if args.where is not None or args.keys_from is not None:
+        if args.where is not None or args.keys_from is not None or args.keys_from_table is not None:
             keys = None
             if args.keys_from:
                 try:
@@ -185,16 +186,37 @@ def cmd_cancel(args: argparse.Namespace) -> int:
                 except (OSError, UnicodeDecodeError) as exc:
                     raise UsageError(f"--keys-from {args.keys_from}: {_reason(exc)}") from None
             where = args.where if keys is None else None
-            count = store.count_matching(keys=keys, where=where)
+            keys_from = _keys_from(args)
+            count = store.count_matching(keys=keys, where=where, keys_from=keys_from)
             if not args.yes:
                 print(f"{count} pending message(s) match; run again with --yes to cancel them")
                 return 0 if count else 1
-            cancelled = store.cancel_matching(keys=keys, where=where, reason=args.reason)
+            cancelled = store.cancel_matching(keys=keys, where=where, keys_from=keys_from, reason=args.reason)
             _print({"cancelled": cancelled}, args.json)
             return 0 if cancelled else 1
         results = store.cancel(message_id=args.id, key=args.key, reason=args.reason)
     _print([{"message_id": r.message_id, "outcome": r.outcome} for r in results], args.json)
     return 0 if any(r.outcome == "cancelled" for r in results) else 1
+
+
+def _keys_from(args: argparse.Namespace) -> KeysFrom | None:
+    """--keys-from-table and its companions as a KeysFrom (looked up in the catalog, values bound)."""
+    if args.keys_from_table is None:
+        if args.keys_from_column or args.keys_from_filter:
+            raise ValueError("--keys-from-column and --keys-from-filter need --keys-from-table")
+        return None
+    if not args.keys_from_column:
+        raise ValueError("--keys-from-table needs --keys-from-column (the column whose text is the key)")
+    filters: dict[str, object] = {}
+    for text in args.keys_from_filter:
+        column, sep, value = text.partition("=")
+        if not sep or not column.strip():
+            raise ValueError(f"--keys-from-filter {text!r} is not COLUMN=VALUE")
+        previous = filters.get(column.strip())
+        filters[column.strip()] = value if previous is None else [*(previous if isinstance(previous, list)
+                                                                   else [previous]), value]
+    return KeysFrom(args.keys_from_table, args.keys_from_column, prefix=args.keys_from_prefix,
+                    suffix=args.keys_from_suffix, filters=filters)
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
@@ -286,8 +308,17 @@ def build_parser() -> argparse.ArgumentParser:
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--id", type=int)
     what.add_argument("--key")
-    what.add_argument("--where", help="SQL predicate over pending messages (id, key, topic, tags, deliver_at, ...)")
+    what.add_argument("--where", help="one expression over the pending messages' id, deliver_at, key, topic, tags,"
+                      " properties, lane, level: comparisons, AND/OR/NOT, IN lists, LIKE, BETWEEN, IS NULL, casts and"
+                      " pure functions such as lower() or now(); checked before it runs, no subqueries (README)")
+    what.add_argument("--keys-from-table", metavar="SCHEMA.TABLE",
+                      help="cancel every pending message whose key is a value of --keys-from-column in this table")
     what.add_argument("--keys-from", metavar="FILE", help="cancel every pending message whose key is a line of FILE")
+    p.add_argument("--keys-from-column", metavar="COLUMN", help="with --keys-from-table: the column holding the keys")
+    p.add_argument("--keys-from-prefix", default="", metavar="TEXT", help="with --keys-from-table: key = TEXT || column")
+    p.add_argument("--keys-from-suffix", default="", metavar="TEXT", help="with --keys-from-table: key = column || TEXT")
+    p.add_argument("--keys-from-filter", action="append", default=[], metavar="COLUMN=VALUE",
+                   help="with --keys-from-table: only rows where COLUMN = VALUE (repeatable; one column twice: IN)")
     p.add_argument("--reason", default="cancelled by CLI")
     p.add_argument("--yes", action="store_true", help="confirm a bulk cancel (without it: only count)")
     p.add_argument("--json", action="store_true")

@@ -66,6 +66,12 @@ class Settings:
     past_tolerance: timedelta = timedelta(days=1)
     topic_retention: timedelta = timedelta(days=7)
     batch_size: int = 5000
+    # Caller-supplied text (issue 18): how long a checked predicate or bulk query may read (read-only, with this
+    # statement_timeout); which databases a bulk query may read besides the store (Airflow connection ids or URLs;
+    # empty: the store only); and the folders bulk enqueue may read files from (symlinks and .. resolved first).
+    match_timeout: timedelta = timedelta(minutes=5)
+    allowed_sources: tuple[str, ...] = ()
+    input_roots: tuple[str, ...] = (str(PROJECT_ROOT / "data"), str(PROJECT_ROOT / ".delaywheel" / "input"))
 
     def __post_init__(self) -> None:
         if not timedelta(milliseconds=100) <= self.wheel_precision <= timedelta(minutes=1):
@@ -113,7 +119,11 @@ def load_settings() -> Settings:
                 values[name] = int(raw)
             except ValueError:
                 raise ConfigError(f"{name}: {raw!r} is not an integer") from None
-    for name in ("wheel_precision", "wheel_near_window", "wheel_max_delay", "past_tolerance", "topic_retention"):
+    for name in ("wheel_precision", "wheel_near_window", "wheel_max_delay", "past_tolerance", "topic_retention",
+                 "match_timeout"):
         if (raw := _raw(name, cfg)) is not None:
             values[name] = parse_duration(raw, name)
+    for name in ("allowed_sources", "input_roots"):  # comma-separated lists
+        if (raw := _raw(name, cfg)) is not None:
+            values[name] = tuple(item.strip() for item in raw.split(",") if item.strip())
     return Settings(**values)  # type: ignore[arg-type]

@@ -123,11 +123,18 @@ class Store:
     def cancel(self, *, message_id: int | None = None, key: str | None = None, reason: str = "cancelled") -> list[cancelling.CancelResult]:
         return cancelling.cancel(self.conn, self._cache, message_id=message_id, key=key, reason=reason)
 
-    def cancel_matching(self, *, keys: list[str] | None = None, where: str | None = None, reason: str = "bulk cancel") -> int:
-        return cancelling.cancel_matching(self.conn, self._cache, keys=keys, where=where, reason=reason)
+    def cancel_matching(self, *, keys: list[str] | None = None, where: str | None = None,
+                        keys_from: cancelling.KeysFrom | None = None, match: cancelling.Match | None = None,
+                        reason: str = "bulk cancel") -> int:
+        """Cancel every pending message meeting every condition given (see `cancel.cancel_matching`): `where` is
+        one checked expression, never SQL text run as is (`predicate.UnsafeSQL` otherwise)."""
+        return cancelling.cancel_matching(self.conn, self._cache, keys=keys, where=where, keys_from=keys_from,
+                                          match=match, reason=reason, timeout=self.settings.match_timeout)
 
-    def count_matching(self, *, keys: list[str] | None = None, where: str | None = None) -> int:
-        return cancelling.count_matching(self.conn, keys=keys, where=where)
+    def count_matching(self, *, keys: list[str] | None = None, where: str | None = None,
+                       keys_from: cancelling.KeysFrom | None = None, match: cancelling.Match | None = None) -> int:
+        return cancelling.count_matching(self.conn, keys=keys, where=where, keys_from=keys_from, match=match,
+                                         timeout=self.settings.match_timeout)
 
     # operating
     def stats(self, *, now: datetime | None = None, window: timedelta = timedelta(minutes=5)) -> dict[str, Any]:

@@ -17,6 +17,13 @@ import pytest
 from delaywheel import Store
 
 
+@pytest.fixture(autouse=True)
+def input_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Inputs are read only under the configured roots: these tests write theirs under tmp_path."""
+    monkeypatch.setenv("DELAYWHEEL_INPUT_ROOTS", str(tmp_path))
+    return tmp_path
+
+
 def _rows(t0: datetime) -> tuple[list[dict[str, str]], dict[int, str]]:
     """Good rows of every lane and one bad row per rule, as CSV-like text; returns (rows, row number -> reason)."""
     rows: list[dict[str, str]] = []
@@ -185,3 +192,53 @@ def test_parquet_partition_directories_are_read_by_spark(spark: object, store: S
     assert counts.enqueued == 20
     assert store.conn.execute("SELECT level, count(*) FROM delaywheel.level_queue GROUP BY 1 ORDER BY 1"
                               ).fetchall() == [(2, 10), (5, 10)]
+
+
+# --- what a form may give (issue 18): each refused before Spark starts, with a clear error and nothing written ---
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["--query", "WITH d AS (DELETE FROM delaywheel.cancellations RETURNING message_id) SELECT message_id::text"
+                 " AS key FROM d", "--topic", "orders"], "data-modifying WITH"),
+    (["--query", "SELECT 'k' AS key, 'orders' AS topic, 0 AS delay_level; DROP TABLE public.victim"],
+     "2 statements"),
+    (["--query", "SELECT pg_read_file('/etc/hostname') AS body, 'orders' AS topic"], "pg_read_file()"),
+    (["--query", "SELECT rolname AS key, rolpassword AS body FROM pg_authid", "--topic", "orders"], "system table"),
+    (["--input", "/etc/passwd", "--format", "csv", "--topic", "orders"], "not under an input root"),
+    (["--query", "SELECT 1 AS key", "--source-url", "postgresql://postgres@127.0.0.1:54329/postgres"],
+     "not an allowed source"),
+])
+def test_form_fields_are_checked(store: Store, db_url: str, tmp_path: Path, argv: list[str], says: str,
+                                 capsys: pytest.CaptureFixture[str]) -> None:
+    store.conn.execute("CREATE TABLE public.victim (x int)")
+    with pytest.raises(SystemExit) as exited:
+        bulk_enqueue.main(["--db-url", db_url, *argv])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err
+    assert store.conn.execute("SELECT to_regclass('public.victim')").fetchone() == ("victim",)
+    assert store.conn.execute("SELECT count(*) FROM delaywheel.bulk_claims").fetchone() == (0,)
+
+
+def test_input_outside_the_roots_through_a_symlink(store: Store, db_url: str, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    root, outside = tmp_path / "root", tmp_path / "elsewhere"
+    root.mkdir()
+    outside.mkdir()
+    (outside / "secret.csv").write_text("key,body\nk1,{}\n")
+    (root / "innocent.csv").symlink_to(outside / "secret.csv")
+    monkeypatch.setenv("DELAYWHEEL_INPUT_ROOTS", str(root))
+    for path in (root / "innocent.csv", root / ".." / "elsewhere" / "secret.csv", root / "*.csv"):
+        with pytest.raises(SystemExit):
+            bulk_enqueue.main(["--db-url", db_url, "--input", str(path), "--topic", "orders"])
+
+
+def test_caller_shaped_reads_run_in_a_read_only_session(spark: object, store: Store, db_url: str) -> None:
+    """The defence behind the checks: even a query that got past them could neither write nor run long."""
+    import sparkjob
+
+    store.conn.execute("CREATE SEQUENCE public.counter")
+    with pytest.raises(Exception, match="read-only transaction"):
+        sparkjob.read_only_sql(spark, db_url, "SELECT nextval('public.counter') AS n", timedelta(seconds=30)).collect()
+    with pytest.raises(Exception, match="statement timeout"):
+        sparkjob.read_only_sql(spark, db_url, "SELECT pg_sleep(5) AS s", timedelta(milliseconds=200)).collect()
+    assert store.conn.execute("SELECT last_value, is_called FROM public.counter").fetchone() == (1, False)

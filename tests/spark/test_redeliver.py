@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 from datetime import datetime, timedelta
 
+import pytest
 import redeliver
 
 from delaywheel import Message, Store
@@ -125,3 +126,26 @@ def test_reconcile_creates_missing_cancels_stale_and_records_it(spark: object, s
     again = redeliver.main(argv)
 
     assert (again["missing"], again["created"], again["stale"], again["cancelled"]) == (0, 0, 0, 0)
+
+
+@pytest.mark.parametrize(("field", "value", "says"), [
+    ("--predicate", "status = 'x' OR (SELECT count(*) FROM pg_authid) > 0", "subquery"),
+    ("--predicate", "status = 'pending')); DROP TABLE public.victim; --", "not valid SQL"),
+    ("--predicate", "pg_read_file('/etc/hostname') = status", "pg_read_file()"),
+    ("--table", "biz.orders b; DROP TABLE public.victim; --", "plain identifier"),
+    ("--key-column", "id::text FROM pg_authid --", "plain identifier"),
+    ("--due-column", "xmin", "not a column of biz.orders"),
+])
+def test_reconcile_refuses_hostile_fields_before_spark(store: Store, db_url: str, field: str, value: str, says: str,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    store.conn.execute("CREATE SCHEMA biz")
+    store.conn.execute("CREATE TABLE biz.orders (id bigint PRIMARY KEY, status text NOT NULL, deadline timestamptz)")
+    store.conn.execute("CREATE TABLE public.victim (x int)")
+    args = {"--table": "biz.orders", "--key-column": "id", "--predicate": "status = 'pending'",
+            "--topic": "order.timeout", "--due-column": "deadline", field: value}
+    with pytest.raises(SystemExit) as exited:
+        redeliver.main(["--db-url", db_url, "--mode", "reconcile", *[x for kv in args.items() for x in kv]])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err
+    assert store.conn.execute("SELECT to_regclass('public.victim')").fetchone() == ("victim",)
