@@ -160,8 +160,7 @@ def _deliver(args: argparse.Namespace, stop: threading.Event) -> int:
 def cmd_pull(args: argparse.Namespace) -> int:
     with Store() as store:
         batch = store.pull(args.topic, args.group, args.max)
-        if args.ack:
-            store.ack(batch)
+        acked = store.ack(batch) if args.ack else None
     rows = [{"message_id": m.message_id, "topic": m.topic, "key": m.key, "tags": m.tags,
              "body": m.body if not isinstance(m.body, bytes) else m.body.decode(errors="replace"),
              "deliver_at": m.deliver_at, "delivered_at": m.delivered_at, "reconsume_times": m.reconsume_times}
@@ -171,7 +170,11 @@ def cmd_pull(args: argparse.Namespace) -> int:
     else:
         for row in rows:
             print(f"{row['message_id']}\t{row['topic']}\t{row['key'] or ''}\t{row['delivered_at']}\t{row['body']}")
-        print(f"{len(rows)} message(s){' acked' if args.ack else ' (not acked: pull again to see them again)'}")
+        if acked is None:
+            print(f"{len(rows)} message(s) (not acked: pull again to see them again)")
+        else:
+            already = f", {acked.already_acked} acked already by another consumer" if acked.already_acked else ""
+            print(f"{len(rows)} message(s), {acked.acked} acked{already}")
     return 0
 
 
