@@ -2,7 +2,12 @@
 # Start Airflow locally on the project's embedded PostgreSQL (the README's `make airflow`).
 #
 #   scripts/airflow.sh                 set up, then run the API server + UI (http://127.0.0.1:8080), and once it
-#                                      answers, the triggerer, DAG processor and scheduler; Ctrl-C stops them all
+#                                      answers, the triggerer, DAG processor and scheduler. Ctrl-C (or TERM) stops
+#                                      them in order, leaving no process behind: the scheduler first (running tasks
+#                                      are asked to stop, the operator's on_kill, and report their end to the API
+#                                      server), then the triggerer and DAG processor, the API server last. Whatever
+#                                      has not ended after DELAYWHEEL_AIRFLOW_STOP_SECONDS (60; 20 for the other
+#                                      services) or at a second Ctrl-C is killed.
 #   scripts/airflow.sh standalone      set up, then `airflow standalone` instead (same services; it starts the
 #                                      scheduler before the API server, so the first task tries may fail and retry)
 #   scripts/airflow.sh <command...>    any other airflow command in the same environment, e.g. `dags list`,
@@ -14,13 +19,17 @@
 # Everything lives in the git-ignored .delaywheel/: the PostgreSQL cluster (.delaywheel/pg, holding the
 # store in database `delaywheel` and Airflow's metadata in database `airflow`, never SQLite) and
 # AIRFLOW_HOME (.delaywheel/airflow: logs, generated secrets). Configuration is the project's airflow.cfg.
+# To run a second, separate Airflow (the tests do): DELAYWHEEL_AIRFLOW_HOME (AIRFLOW_HOME),
+# DELAYWHEEL_AIRFLOW_DB (the metadata database's name), AIRFLOW__API__PORT (8080) and Airflow's own
+# AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT (8793) / AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT (8794).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 export PATH="$ROOT/.venv/bin:$PATH"
 PY="$ROOT/.venv/bin/python"
 
-export AIRFLOW_HOME="$ROOT/.delaywheel/airflow"
+export AIRFLOW_HOME="${DELAYWHEEL_AIRFLOW_HOME:-$ROOT/.delaywheel/airflow}"
+AIRFLOW_DB="${DELAYWHEEL_AIRFLOW_DB:-airflow}"
 export AIRFLOW_CONFIG="$ROOT/airflow.cfg"
 export AIRFLOW__CORE__DAGS_FOLDER="$ROOT/dags"
 export AIRFLOW__CORE__PLUGINS_FOLDER="$ROOT/plugins"
@@ -28,22 +37,25 @@ export DELAYWHEEL_HOME="$ROOT"
 mkdir -p "$AIRFLOW_HOME"
 
 # Start the embedded cluster if no external store is configured (idempotent), then derive both URLs from
-# the store's: the store itself for connection `delaywheel_default`, database `airflow` beside it for
-# Airflow's metadata (created if missing; the embedded cluster creates it at initdb).
+# the store's: the store itself for connection `delaywheel_default`, database $AIRFLOW_DB (`airflow`) beside it
+# for Airflow's metadata (created if missing; the embedded cluster creates `airflow` at initdb).
 "$PY" -m delaywheel.cli db start >/dev/null
-read -r STORE_URL AIRFLOW_DB_URL < <("$PY" - <<'PYEOF'
+read -r STORE_URL AIRFLOW_DB_URL < <(AIRFLOW_DB="$AIRFLOW_DB" "$PY" - <<'PYEOF'
+import os
+
 import psycopg
+from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from sqlalchemy.engine import URL
 from delaywheel.db import database_url
 
-store = database_url()
+store, name = database_url(), os.environ["AIRFLOW_DB"]
 with psycopg.connect(make_conninfo(store, dbname="postgres"), autocommit=True) as conn:
-    if not conn.execute("SELECT 1 FROM pg_database WHERE datname = 'airflow'").fetchone():
-        conn.execute("CREATE DATABASE airflow")
+    if not conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone():
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
 p = conninfo_to_dict(store)
 meta = URL.create("postgresql+psycopg2", username=p.get("user"), password=p.get("password"), host=p.get("host"),
-                  port=int(p.get("port", 5432)), database="airflow")
+                  port=int(p.get("port", 5432)), database=name)
 print(store, meta.render_as_string(hide_password=False))
 PYEOF
 )
@@ -54,15 +66,19 @@ export AIRFLOW_CONN_DELAYWHEEL_DEFAULT="${AIRFLOW_CONN_DELAYWHEEL_DEFAULT:-$STOR
 [[ -n "${AIRFLOW_CONN_SPARK_DEFAULT:-}" ]] || AIRFLOW_CONN_SPARK_DEFAULT='{"conn_type":"spark","host":"local[*]"}'
 export AIRFLOW_CONN_SPARK_DEFAULT
 
-# Secrets every Airflow process must share (the scheduler signs task tokens the API server checks):
-# generated once, kept out of airflow.cfg and git.
-secret() {
-  local file="$AIRFLOW_HOME/$1"
-  [[ -s "$file" ]] || (umask 077 && "$PY" -c "$2" >"$file")
-  cat "$file"
-}
-export AIRFLOW__API_AUTH__JWT_SECRET="${AIRFLOW__API_AUTH__JWT_SECRET:-$(secret jwt_secret 'import secrets; print(secrets.token_urlsafe(32))')}"
-export AIRFLOW__CORE__FERNET_KEY="${AIRFLOW__CORE__FERNET_KEY:-$(secret fernet_key 'from cryptography.fernet import Fernet; print(Fernet.generate_key().decode())')}"
+# The API server's port and the URL every process reaches it by (tasks report to its Execution API there).
+export AIRFLOW__API__PORT="${AIRFLOW__API__PORT:-8080}"
+export AIRFLOW__API__BASE_URL="${AIRFLOW__API__BASE_URL:-http://127.0.0.1:$AIRFLOW__API__PORT}"
+
+# Secrets every Airflow process must share, generated once per AIRFLOW_HOME (files of mode 0600, kept out of
+# airflow.cfg and git; delaywheel.local_airflow.SECRETS says what each is for): the Fernet key, the JWT secret
+# (the scheduler signs task tokens the API server checks) and [api] secret_key (the API server signs its requests
+# for a running task's log to the scheduler's log server). A variable already set wins.
+SECRETS="$("$PY" -m delaywheel.local_airflow secrets "$AIRFLOW_HOME")"
+while read -r line; do
+  name="${line%%=*}"  # (not IFS='=' read: that drops a Fernet key's trailing '=')
+  [[ -n "${!name:-}" ]] || export "$line"
+done <<<"$SECRETS"
 
 if [[ $# -gt 0 && "$1" != "standalone" ]]; then
   exec airflow "$@"
@@ -74,22 +90,126 @@ SLOTS="$("$PY" -c 'from delaywheel import load_settings; print(2 * (load_setting
 airflow pools set delaywheel_deliver "$SLOTS" "delaywheel_deliver: per level and wheel, two runs during a hand-over" >/dev/null
 
 PASSWORDS="$AIRFLOW_HOME/simple_auth_manager_passwords.json.generated"
-login() { echo "Airflow UI: http://127.0.0.1:8080  user: admin  password: $(cat "$PASSWORDS" 2>/dev/null || echo "in $PASSWORDS")"; }
+login() {
+  echo "Airflow UI: $AIRFLOW__API__BASE_URL  user: admin  password: $(cat "$PASSWORDS" 2>/dev/null || echo "in $PASSWORDS")"
+}
 if [[ "${1:-}" == "standalone" ]]; then
   login
   exec airflow standalone
 fi
 
+# Each service runs in a session of its own (setsid), so Ctrl-C in the terminal reaches this script alone and
+# `stop` decides the order. A session holds everything its service starts: the scheduler's LocalExecutor workers
+# (which ignore INT and TERM) and their tasks (each leading a process group of its own), the log servers, the
+# DAG processor's and triggerer's subprocesses. DELAYWHEEL_AIRFLOW_RUN marks the services' environment, so a
+# program one of them runs that leaves its session is found too (Airflow's own processes rename themselves over
+# what /proc shows of their environment; their sessions find those).
+RUN="$$-$(date +%s%N)"
+STOP_SECONDS="${DELAYWHEEL_AIRFLOW_STOP_SECONDS:-60}"
+declare -A pid=()
+service() { DELAYWHEEL_AIRFLOW_RUN="$RUN" setsid airflow "$1" & pid[$1]=$!; }
+note() { echo "scripts/airflow.sh: $*" >&2; }
+# "pid pgid sid" of every live process (from /proc/<pid>/stat: after "pid (comm) ", state ppid pgrp session).
+procs() {
+  local f line
+  for f in /proc/[0-9]*/stat; do
+    { read -r line <"$f"; } 2>/dev/null || continue
+    local -a a=(${line##*) })
+    [[ ${a[0]} != Z ]] && echo "${f:6:-5} ${a[2]} ${a[3]}"
+  done
+  return 0
+}
+# The live processes of the sessions given (each service's session id is its pid).
+in_sessions() {
+  local p g s
+  procs | while read -r p g s; do [[ " $* " != *" $s "* ]] || echo "$p"; done
+}
+# Processes carrying this run's mark, wherever they went.
+marked() { grep -lzxF "DELAYWHEEL_AIRFLOW_RUN=$RUN" /proc/[0-9]*/environ 2>/dev/null | cut -d/ -f3 || true; }
+# The task processes under the scheduler (session $1): each leads a process group of its own. With `ready`, only
+# those whose SIGTERM handler is in place (the task runner's, which calls the operator's on_kill; before that,
+# TERM would kill the task outright and it would fail).
+task_groups() {
+  local p g s k v
+  procs | while read -r p g s; do
+    [[ $s == "$1" && $p == "$g" && $p != "$s" ]] || continue
+    if [[ "${2:-}" == ready ]]; then
+      v=0
+      while read -r k v; do [[ $k == SigCgt: ]] && break; done 2>/dev/null <"/proc/$p/status"
+      (( 0x${v:-0} >> 14 & 1 )) || continue  # bit 14: SIGTERM caught
+    fi
+    echo "$p"
+  done
+}
+# Wait up to $1 seconds (less after a second Ctrl-C) for the sessions that follow to empty; kill what is left.
+drain() {
+  local limit=$(($1 + SECONDS)); shift
+  while [[ -n "$(in_sessions "$@")" ]] && ((SECONDS < limit && !hurry)); do sleep 0.5; done
+  local left; left="$(in_sessions "$@")"
+  [[ -z "$left" ]] || { note "killing what is left of ${*/#/session }: $(echo $left)"; kill -KILL $left 2>/dev/null; }
+}
+
+# The order lets running tasks end cleanly: the scheduler first, while the API server is still up to receive
+# their final state (in Airflow 3 a task reports to the API server; without it, it fails and is retried). On TERM
+# the scheduler stops scheduling and waits for its LocalExecutor workers, which finish the task they run, so the
+# tasks are asked to stop too (TERM: on_kill; a delaywheel lane stops after its current pass and succeeds),
+# again each second, for any a worker starts from the queue meanwhile. Past the bound, the tasks and then the
+# scheduler's session are killed (such a task stays `running` until the next scheduler finds it without a
+# heartbeat and retries it). Then the triggerer and the DAG processor; the API server last; then anything still
+# marked as ours.
+stopping=0 hurry=0
+stop() {
+  ((stopping)) && return
+  stopping=1
+  set +e
+  trap 'hurry=1; note "killing what is left"' INT TERM
+  local s="${pid[scheduler]:-}" limit t
+  if [[ -n "$s" ]]; then
+    note "stopping: the scheduler first; running tasks are asked to stop (up to ${STOP_SECONDS}s; Ctrl-C again kills them)"
+    kill -TERM "$s" 2>/dev/null
+    limit=$((SECONDS + STOP_SECONDS))
+    while [[ -n "$(in_sessions "$s")" ]] && ((SECONDS < limit && !hurry)); do
+      t="$(task_groups "$s" ready)"
+      [[ -z "$t" ]] || kill -TERM $t 2>/dev/null
+      sleep 1
+    done
+    t="$(task_groups "$s")"
+    if [[ -n "$t" ]]; then
+      note "tasks still running, killed: $(echo $t)"
+      for g in $t; do kill -KILL -- "-$g" 2>/dev/null; done
+    fi
+    drain 0 "$s"
+  fi
+  local others=()
+  for n in triggerer dag-processor; do
+    [[ -z "${pid[$n]:-}" ]] || { others+=("${pid[$n]}"); kill -TERM "${pid[$n]}" 2>/dev/null; }
+  done
+  ((${#others[@]})) && drain 20 "${others[@]}"
+  if [[ -n "${pid[api-server]:-}" ]]; then
+    kill -TERM "${pid[api-server]}" 2>/dev/null
+    drain 20 "${pid[api-server]}"
+  fi
+  t="$(marked)"
+  [[ -z "$t" ]] || { note "killing processes that left their service: $(echo $t)"; kill -KILL $t 2>/dev/null; }
+  wait 2>/dev/null
+  note "stopped"
+}
+trap 'stop; exit 130' INT
+trap 'stop; exit 143' TERM
+trap 'stop' EXIT
+
 # The API server first: workers report to its Execution API, so a task started before it answers fails.
-pids=()
-trap 'trap - EXIT; kill -TERM "${pids[@]}" 2>/dev/null; wait' EXIT INT TERM
-airflow api-server & pids+=($!)
+service api-server
 for _ in $(seq 1 180); do
-  curl -fs http://127.0.0.1:8080/api/v2/monitor/health >/dev/null && break
+  curl -fs "$AIRFLOW__API__BASE_URL/api/v2/monitor/health" >/dev/null && break
+  kill -0 "${pid[api-server]}" 2>/dev/null || { note "the API server exited"; exit 1; }
   sleep 1
 done
 login
-airflow triggerer & pids+=($!)
-airflow dag-processor & pids+=($!)
-airflow scheduler & pids+=($!)
-wait -n  # one service ended: stop the others (the EXIT trap)
+service triggerer
+service dag-processor
+service scheduler
+rc=0
+wait -n || rc=$?
+for n in "${!pid[@]}"; do kill -0 "${pid[$n]}" 2>/dev/null || note "$n exited (status $rc): stopping the others"; done
+exit 1
