@@ -13,7 +13,7 @@ import psycopg
 import pytest
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from delaywheel import Settings, Store
+from delaywheel import Settings, Store, embedded
 from delaywheel.db import database_url
 from delaywheel.local_airflow import as_url, configure
 from delaywheel.migrate import migrate
@@ -29,8 +29,12 @@ def _with_db(url: str, dbname: str) -> str:
 
 @pytest.fixture(scope="session")
 def server_url() -> str:
-    """Admin URL of the server the tests use (the `postgres` database)."""
-    return _with_db(database_url(Settings(database_url=os.environ.get("DELAYWHEEL_DATABASE_URL"))), "postgres")
+    """Admin URL of the server the tests use (the `postgres` database): DELAYWHEEL_DATABASE_URL's role, or the
+    embedded cluster's superuser (its default URL is the runtime role's, which may create nothing)."""
+    if os.environ.get("DELAYWHEEL_DATABASE_URL"):
+        return _with_db(os.environ["DELAYWHEEL_DATABASE_URL"], "postgres")
+    database_url(Settings())  # starts the embedded cluster (idempotent)
+    return embedded.default_cluster().admin_url("postgres")
 
 
 @pytest.fixture(scope="session")

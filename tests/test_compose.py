@@ -112,3 +112,40 @@ def test_compose_postgres_runs_with_the_embedded_clusters_settings() -> None:
     expected = {k: v for k, v in embedded.SERVER_OPTIONS.items() if k != "listen_addresses"}
     assert given == {**expected, "wal_compression": "lz4"}
 
+
+
+def test_services_run_as_the_runtime_role_and_only_migrate_as_the_owner() -> None:
+    """README, "Roles": every service reaches the store as the runtime login; only airflow-init's `delaywheel
+    migrate` gets the owner's URL; Airflow's metadata has its own role; the init script creates them all."""
+    from psycopg.conninfo import conninfo_to_dict
+
+    from delaywheel.migrate import OWNER_ROLE, RUNTIME_ROLE
+
+    def user(url: str) -> str:
+        return str(conninfo_to_dict(url.replace("postgresql+psycopg2://", "postgresql://"))["user"])
+
+    for name, service in SERVICES.items():
+        env = service.get("environment", {})
+        if name == "postgres":
+            continue
+        assert user(env["DELAYWHEEL_DATABASE_URL"]) == "delaywheel_app", name
+        assert user(env["AIRFLOW_CONN_DELAYWHEEL_DEFAULT"]) == "delaywheel_app", name
+        assert user(env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"]) == "airflow", name
+        assert ("DELAYWHEEL_OWNER_URL" in env) == (name == "airflow-init"), name
+    owner = SERVICES["airflow-init"]["environment"]["DELAYWHEEL_OWNER_URL"]
+    assert user(owner) == "delaywheel_migrator"
+    assert conninfo_to_dict(owner)["dbname"] == conninfo_to_dict(ENV["DELAYWHEEL_DATABASE_URL"])["dbname"] == "delaywheel"
+    assert SERVICES["postgres"]["environment"]["POSTGRES_USER"] == "postgres"
+    init = (ROOT / "docker" / "postgres-init.sql").read_text()
+    mounted = [v for v in SERVICES["postgres"]["volumes"] if v.startswith("./docker/postgres-init.sql:")]
+    assert mounted and mounted[0].split(":")[1].startswith("/docker-entrypoint-initdb.d/")
+    for statement in (f"CREATE ROLE {OWNER_ROLE} NOLOGIN", f"CREATE ROLE {RUNTIME_ROLE} NOLOGIN",
+                      f"CREATE ROLE delaywheel_migrator LOGIN PASSWORD 'delaywheel_migrator' IN ROLE {OWNER_ROLE}",
+                      f"CREATE ROLE delaywheel_app LOGIN PASSWORD 'delaywheel_app' IN ROLE {RUNTIME_ROLE}",
+                      f"GRANT CREATE, CONNECT ON DATABASE delaywheel TO {OWNER_ROLE}",
+                      "CREATE DATABASE airflow OWNER airflow"):
+        assert statement in init, statement
+    # the passwords in the URLs are the ones the init script sets
+    for url in (owner, ENV["DELAYWHEEL_DATABASE_URL"], ENV["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"]):
+        params = conninfo_to_dict(url.replace("postgresql+psycopg2://", "postgresql://"))
+        assert f"CREATE ROLE {params['user']} LOGIN PASSWORD '{params['password']}'" in init

@@ -74,6 +74,25 @@ def test_start_status_stop_are_idempotent(second_cluster: embedded.Cluster) -> N
         assert conn.execute("SELECT 1").fetchone() == (1,)
 
 
+def test_start_creates_the_roles_and_the_store_runs_as_the_runtime(second_cluster: embedded.Cluster) -> None:
+    """`db start` creates the owner and runtime roles (README, "Roles"); the store's URL is the runtime login's, a
+    non-superuser, and `migrate` given it runs as the owner's login."""
+    embedded.start(second_cluster)
+    embedded.start(second_cluster)  # idempotent
+    with psycopg.connect(second_cluster.admin_url()) as conn:
+        roles = {r[0]: r[1:] for r in conn.execute("SELECT rolname, rolsuper, rolcanlogin FROM pg_roles WHERE rolname LIKE 'delaywheel%'")}
+    assert roles == {"delaywheel_owner": (False, False), "delaywheel_runtime": (False, False),
+                     embedded.OWNER_LOGIN: (False, True), embedded.RUNTIME_LOGIN: (False, True)}
+    applied = migrate(second_cluster.url("delaywheel"))
+    assert applied[-1] == available()[-1].path.name
+    with Store(second_cluster.url("delaywheel"), Settings()) as store:
+        assert store.conn.execute("SELECT current_user, current_setting('is_superuser')").fetchone() == (
+            embedded.RUNTIME_LOGIN, "off")
+        store.prepare()
+        assert store.conn.execute("SELECT DISTINCT relowner::regrole::text FROM pg_class WHERE relname LIKE 'wheel_p%'"
+                                  ).fetchall() == [("delaywheel_owner",)]
+
+
 @pytest.fixture
 def empty_db(server_url: str) -> Iterator[str]:
     """A database with no schema at all, for exercising the runner from scratch."""

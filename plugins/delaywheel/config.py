@@ -57,6 +57,7 @@ class Settings:
     """Everything tunable; `load_settings()` builds it, tests build it directly."""
 
     database_url: str | None = None
+    owner_url: str | None = None  # the owner role's URL, for `migrate` (README, "Roles"); None: database_url's
     levels: tuple[timedelta, ...] = field(default_factory=lambda: parse_levels(DEFAULT_LEVELS))
     max_body_bytes: int = 4 * 1024 * 1024
     max_reconsume_times: int = 16
@@ -111,6 +112,8 @@ def load_settings() -> Settings:
     values: dict[str, object] = {}
     if (url := _raw("database_url", cfg)) is not None:
         values["database_url"] = url
+    if (url := _raw("owner_url", cfg)) is not None:
+        values["owner_url"] = url
     if (levels := _raw("levels", cfg)) is not None:
         values["levels"] = parse_levels(levels)
     for name in ("max_body_bytes", "max_reconsume_times", "batch_size"):

@@ -6,6 +6,7 @@ the `postgres` system user (created by Debian's packages) through `runuser`.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
 import os
@@ -18,10 +19,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import psycopg
+from psycopg import sql
 
 from .config import PROJECT_ROOT
 
 DATABASES = ("delaywheel", "airflow")
+# Login roles of the embedded cluster (README, "Roles"): members of the group roles sql/017 grants to. The cluster
+# authenticates local connections by `trust` (loopback only, a development cluster): the roles bound what the
+# store's SQL may do, not who may connect.
+OWNER_LOGIN = "delaywheel_migrator"
+RUNTIME_LOGIN = "delaywheel_app"
 INSTALL_HINT = (
     "no PostgreSQL server binaries found. Install them (Debian/Ubuntu: `apt-get install postgresql`; "
     "then `make setup` again), or set DELAYWHEEL_PG_BIN to the folder holding initdb and pg_ctl, "
@@ -80,7 +87,19 @@ class Cluster:
         return self.root / "postgresql.log"
 
     def url(self, database: str = "delaywheel") -> str:
-        return f"postgresql://postgres@127.0.0.1:{self.port}/{database}"
+        """The store's runtime login (`delaywheel_app`, a member of `delaywheel_runtime`): what the store uses."""
+        return self._url(RUNTIME_LOGIN, database)
+
+    def owner_url(self, database: str = "delaywheel") -> str:
+        """The owner's login (`delaywheel_migrator`, a member of `delaywheel_owner`): what `migrate` uses."""
+        return self._url(OWNER_LOGIN, database)
+
+    def admin_url(self, database: str = "postgres") -> str:
+        """The cluster's superuser: creating databases and roles (the tests, the benchmarks), Airflow's metadata."""
+        return self._url("postgres", database)
+
+    def _url(self, user: str, database: str) -> str:
+        return f"postgresql://{user}@127.0.0.1:{self.port}/{database}"
 
 
 DEFAULT_PORT = 54329
@@ -210,7 +229,7 @@ def _create_databases(cluster: Cluster) -> None:
     deadline = time.monotonic() + 30
     while True:
         try:
-            conn = psycopg.connect(cluster.url("postgres"), autocommit=True)
+            conn = psycopg.connect(cluster.admin_url("postgres"), autocommit=True)
             break
         except psycopg.OperationalError:
             if time.monotonic() > deadline:
@@ -221,6 +240,49 @@ def _create_databases(cluster: Cluster) -> None:
         for name in DATABASES:
             if name not in existing:
                 conn.execute(f'CREATE DATABASE "{name}"')
+        create_roles(conn, databases=("delaywheel",))
+    # A store migrated before the roles existed belongs to `postgres`: hand it to the owner, whose login migrates.
+    from .migrate import adopt
+
+    with psycopg.connect(cluster.admin_url("delaywheel"), autocommit=True) as conn:
+        conn.execute("SET lock_timeout = '5s'")
+        with contextlib.suppress(psycopg.errors.LockNotAvailable):  # busy: `migrate` says so if it matters
+            adopt(conn)
+
+
+def create_roles(conn: psycopg.Connection, *, databases: tuple[str, ...] = (),
+                 owner_login: str = OWNER_LOGIN, runtime_login: str = RUNTIME_LOGIN) -> None:
+    """The store's roles (README, "Roles"), idempotently, as a superuser: the group roles `delaywheel_owner` and
+    `delaywheel_runtime` (NOLOGIN; what sql/017 grants to), a login for each (no password: the embedded cluster
+    trusts loopback), the owner's CREATE on `databases` (it creates the schemas), and nothing for the runtime beyond
+    its group: no superuser, no CREATEDB or CREATEROLE, no file or
+    program access (pg_read_server_files, pg_write_server_files, pg_execute_server_program)."""
+    from .migrate import OWNER_ROLE, RUNTIME_ROLE
+
+    existing = {r[0] for r in conn.execute("SELECT rolname FROM pg_roles")}
+    for role, login in ((OWNER_ROLE, owner_login), (RUNTIME_ROLE, runtime_login)):
+        for name, options in ((role, "NOLOGIN"), (login, "LOGIN INHERIT")):
+            if name not in existing:
+                with contextlib.suppress(psycopg.errors.DuplicateObject):  # another process, just now
+                    conn.execute(sql.SQL("CREATE ROLE {} " + options).format(sql.Identifier(name)))
+            conn.execute(sql.SQL("ALTER ROLE {} NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION NOBYPASSRLS")
+                         .format(sql.Identifier(name)))
+        if not _member(conn, login, role):
+            conn.execute(sql.SQL("GRANT {} TO {}").format(sql.Identifier(role), sql.Identifier(login)))
+        for power in ("pg_read_server_files", "pg_write_server_files", "pg_execute_server_program"):
+            for name in (role, login):
+                if _member(conn, name, power):
+                    conn.execute(sql.SQL("REVOKE {} FROM {}").format(sql.Identifier(power), sql.Identifier(name)))
+    for database in databases:
+        conn.execute(sql.SQL("GRANT CREATE, CONNECT ON DATABASE {} TO {}").format(
+            sql.Identifier(database), sql.Identifier(OWNER_ROLE)))
+
+
+def _member(conn: psycopg.Connection, role: str, group: str) -> bool:
+    """Directly a member (pg_has_role would also say yes through a superuser's implicit membership)."""
+    row = conn.execute("SELECT EXISTS (SELECT 1 FROM pg_auth_members WHERE roleid = to_regrole(%s)"
+                       " AND member = to_regrole(%s))", (group, role)).fetchone()
+    return bool(row and row[0])
 
 
 def stop(cluster: Cluster | None = None) -> str:

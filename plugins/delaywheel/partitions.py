@@ -83,11 +83,12 @@ class Retired:
     rows: int
 
 
-def _try_lock(conn: psycopg.Connection, name: str) -> bool:
+def _try_lock(conn: psycopg.Connection, parent: str, lo: datetime) -> bool:
+    """ACCESS EXCLUSIVE on a partition, NOWAIT; through sql/017's function, as the runtime role owns no table."""
     try:
         with conn.transaction():
-            conn.execute(f"LOCK TABLE delaywheel.{name} IN ACCESS EXCLUSIVE MODE NOWAIT")  # type: ignore[arg-type]
-        return True
+            row = conn.execute("SELECT delaywheel.lock_partition(%s, %s, true)", (parent, lo)).fetchone()
+        return bool(row and row[0])
     except errors.LockNotAvailable:
         return False
 
@@ -123,14 +124,14 @@ def retire(conn: psycopg.Connection, now: datetime, retention: timedelta, cache:
         if parent == "cancellations" and (hi > now - HOUR or (oldest_pending_due is not None and hi > oldest_pending_due)):
             continue  # a cancellation must outlive every message due in its range
         with conn.transaction():
-            if not _try_lock(conn, name):
+            if not _try_lock(conn, parent, lo):
                 continue
             if parent in _PENDING:
                 row = conn.execute(_PENDING[parent].format(name=name)).fetchone()  # type: ignore[arg-type]
                 if row and row[0]:
                     continue
             count = conn.execute(f"SELECT count(*) FROM delaywheel.{name}").fetchone()  # type: ignore[arg-type]
-            conn.execute(f"DROP TABLE delaywheel.{name}")  # type: ignore[arg-type]
+            conn.execute("SELECT delaywheel.drop_partition(%s, %s)", (parent, lo))  # sql/017: the owner drops it
         if cache:
             cache.forget(parent, lo)
         dropped.append(Retired(parent, name, int(count[0]) if count else 0))
@@ -177,7 +178,7 @@ def summarize(conn: psycopg.Connection) -> int:
             try:
                 with conn.transaction():  # one short transaction per index: none holds the commit horizon back
                     conn.execute("SET LOCAL lock_timeout = '50ms'")
-                    row = conn.execute("SELECT brin_summarize_new_values(%s::regclass)", (index,)).fetchone()
+                    row = conn.execute("SELECT delaywheel.summarize_brin(%s::regclass)", (index,)).fetchone()
                 added += int(row[0]) if row else 0
             except (errors.LockNotAvailable, errors.UndefinedTable, errors.InsufficientPrivilege):
                 continue

@@ -124,7 +124,7 @@ def _roll(conn: psycopg.Connection, settings: Settings, cache: PartitionCache, n
         # Creating and dropping partitions takes ACCESS EXCLUSIVE on the parents: take it first, in the order
         # producers lock them (wheel, then wheel_far_segments). Taken later, after a far block's lock, it deadlocks
         # with a producer that holds the parent and waits for the block (seen in bench/airflow_lateness).
-        conn.execute("LOCK TABLE delaywheel.wheel, delaywheel.wheel_far_segments IN ACCESS EXCLUSIVE MODE")
+        conn.execute("SELECT delaywheel.lock_partition('wheel'); SELECT delaywheel.lock_partition('wheel_far_segments')")
         start = max(floor_to(clock, HOUR), state[0])
         hours = int((target - start) / HOUR) if target > start else 0
         cache.ensure(conn, "wheel", [start + HOUR * i for i in range(hours)])
@@ -133,11 +133,11 @@ def _roll(conn: psycopg.Connection, settings: Settings, cache: PartitionCache, n
             (target,),
         ).fetchall()
         for name, lo, hi in blocks:
-            conn.execute(f"LOCK TABLE delaywheel.{name} IN ACCESS EXCLUSIVE MODE")  # type: ignore[arg-type]
+            conn.execute("SELECT delaywheel.lock_partition('wheel_far_segments', %s)", (lo,))  # sql/017
             cache.ensure(conn, "wheel", [lo + HOUR * i for i in range(int((hi - lo) / HOUR))])
             cur = conn.execute(_ROLL.format(name=name, only=only))  # type: ignore[arg-type]
             moved += cur.rowcount
-            conn.execute(f"DROP TABLE delaywheel.{name}")  # type: ignore[arg-type]
+            conn.execute("SELECT delaywheel.drop_partition('wheel_far_segments', %s)", (lo,))
             cache.forget("wheel_far_segments", lo)
         conn.execute("UPDATE delaywheel.wheel_state SET near_until = %s", (target,))
     return moved

@@ -1,0 +1,226 @@
+"""Least privilege (issue 18, finding 2; README "Roles"): the store runs as a non-superuser runtime role on a database
+migrated by the owner role, and everything it does, partition maintenance included, works; what it must not do
+fails."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+
+import psycopg
+import pytest
+from psycopg import errors
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+from delaywheel import Settings, Store, embedded
+from delaywheel.migrate import OWNER_ROLE, RUNTIME_ROLE, MigrationError, available, migrate, owner_url
+from delaywheel.validation import Message
+
+T0 = datetime(2030, 1, 1, tzinfo=UTC)
+
+
+@pytest.fixture(scope="module")
+def roles(server_url: str) -> None:
+    """The embedded cluster's roles, created as `db start` creates them (idempotent; a superuser's work)."""
+    with psycopg.connect(server_url, autocommit=True) as conn:
+        embedded.create_roles(conn)
+
+
+@pytest.fixture
+def role_db(server_url: str, roles: None) -> Iterator[tuple[str, str]]:
+    """A fresh database migrated by the owner's login; yields (owner URL, runtime URL)."""
+    name = f"dwroles_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(server_url, autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {name}")
+        conn.execute(f"GRANT CREATE ON DATABASE {name} TO {OWNER_ROLE}")
+    owner = make_conninfo(server_url, dbname=name, user=embedded.OWNER_LOGIN)
+    runtime = make_conninfo(server_url, dbname=name, user=embedded.RUNTIME_LOGIN)
+    migrate(owner)
+    yield owner, runtime
+    with psycopg.connect(server_url, autocommit=True) as conn:
+        conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+def test_the_owner_owns_everything_and_the_runtime_is_no_superuser(role_db: tuple[str, str], server_url: str) -> None:
+    owner, runtime = role_db
+    with psycopg.connect(make_conninfo(server_url, dbname=conninfo_to_dict(owner)["dbname"])) as admin:
+        owners = admin.execute(
+            "SELECT DISTINCT relowner::regrole::text FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
+            " WHERE n.nspname IN ('delaywheel', 'shop')"
+            " UNION SELECT DISTINCT nspowner::regrole::text FROM pg_namespace WHERE nspname IN ('delaywheel', 'shop')"
+            " UNION SELECT DISTINCT proowner::regrole::text FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace"
+            " WHERE n.nspname = 'delaywheel'").fetchall()
+        assert owners == [(OWNER_ROLE,)]
+        definers = dict(admin.execute(
+            "SELECT proname, array_to_string(proconfig, ',') FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace"
+            " WHERE n.nspname = 'delaywheel' AND prosecdef").fetchall())
+        assert set(definers) == {"ensure_partition", "lock_partition", "drop_partition", "summarize_brin"}
+        assert set(definers.values()) == {"search_path=pg_catalog, pg_temp"}
+    with psycopg.connect(runtime) as conn:
+        row = conn.execute(
+            "SELECT r.rolsuper, r.rolcreatedb, r.rolcreaterole, r.rolbypassrls, pg_has_role(current_user, %s, 'MEMBER'),"
+            " pg_has_role(current_user, %s, 'MEMBER'), pg_has_role(current_user, 'pg_read_server_files', 'MEMBER'),"
+            " pg_has_role(current_user, 'pg_execute_server_program', 'MEMBER'),"
+            " pg_has_role(current_user, 'pg_read_all_stats', 'MEMBER'),"
+            " has_schema_privilege('delaywheel', 'CREATE'), has_table_privilege('delaywheel.topic_messages', 'TRUNCATE'),"
+            " has_table_privilege('delaywheel.topic_messages', 'DELETE')"
+            " FROM pg_roles r WHERE r.rolname = current_user", (RUNTIME_ROLE, OWNER_ROLE)).fetchone()
+    assert row == (False, False, False, False, True, False, False, False, False, False, False, False)
+
+
+def test_the_runtime_runs_the_whole_lifecycle(role_db: tuple[str, str]) -> None:
+    """Send (levels, near wheel, far wheel), deliver, advance the wheel with a roll, pull/ack, cancel by id and key,
+    prepare, summarize, retire, stats: all as the runtime role."""
+    _, runtime = role_db
+    with Store(runtime, Settings()) as store:
+        assert store.conn.execute("SELECT current_user").fetchone() == (embedded.RUNTIME_LOGIN,)
+        store.prepare(now=T0)
+        level = store.send("orders", {"n": 1}, delay_level=2, key="level", now=T0)
+        near = store.send("orders", {"n": 2}, delay=timedelta(hours=2), key="near", now=T0)
+        far = store.send("orders", {"n": 3}, delay=timedelta(days=10), key="far", now=T0)
+        many = store.send_many([Message("orders", {"i": i}, key=f"m{i}", delay=timedelta(days=10, minutes=i))
+                                for i in range(50)], now=T0)
+        by_id = store.send("orders", {"n": 4}, delay=timedelta(hours=3), now=T0)
+        by_key = store.send("orders", {"n": 5}, delay=timedelta(days=12), key="cancel-me", now=T0)
+        assert [r.outcome for r in store.cancel(message_id=by_id)] == ["cancelled"]
+        assert [(r.message_id, r.outcome) for r in store.cancel(key="cancel-me")] == [(by_key, "cancelled")]
+        far_blocks = "SELECT count(*) FROM delaywheel.partitions WHERE parent = 'wheel_far_segments'"
+        assert store.conn.execute(far_blocks).fetchone() == (2,)
+
+        assert store.deliver_level(2, now=T0 + timedelta(seconds=5)).delivered == 1
+        assert store.advance_wheel(now=T0 + timedelta(hours=2)).delivered == 1
+        store.conn.commit()
+        # a far day enters the near window: the pass rolls it (lock, move, drop) and delivers what is due
+        end = T0 + timedelta(days=13)
+        delivered = 0
+        while (result := store.advance_wheel(now=end)).delivered or result.more:
+            delivered += result.delivered
+        assert delivered == 51
+        assert store.conn.execute(far_blocks).fetchone() == (0,)
+        batch = store.pull("orders", "g", 1000)
+        assert sorted(m.message_id for m in batch.messages) == sorted([level, near, far, *many])
+        assert store.ack(batch).acked == 53
+        assert len(store.pull("orders", "g", 1000).messages) == 0
+
+        store.prepare(now=end)
+        store.summarize()
+        stats = store.stats(now=end)
+        assert stats
+        tables = "SELECT name FROM delaywheel.partitions WHERE parent = ANY(%s)"
+        hot = ["level_segments", "wheel", "wheel_far_segments", "topic_messages", "cancellations"]
+        before = {r[0] for r in store.conn.execute(tables, (hot,))}
+        retired = store.retire(now=end + timedelta(days=30))
+        assert {r.parent for r in retired} == {"level_segments", "wheel", "topic_messages", "cancellations"}
+        assert {r[0] for r in store.conn.execute(tables, (hot,))} == before - {r.name for r in retired}
+        assert store.conn.execute("SELECT count(*) FROM delaywheel.topic_messages").fetchone() == (0,)
+
+
+@pytest.mark.parametrize(("statement", "error"), [
+    ("DROP TABLE delaywheel.topic_messages", errors.InsufficientPrivilege),
+    ("CREATE TABLE delaywheel.intruder (x int)", errors.InsufficientPrivilege),
+    ("CREATE TABLE public.intruder (x int)", errors.InsufficientPrivilege),
+    ("ALTER TABLE delaywheel.wheel ADD COLUMN x int", errors.InsufficientPrivilege),
+    ("TRUNCATE delaywheel.topic_messages", errors.InsufficientPrivilege),
+    ("DELETE FROM delaywheel.level_checkpoint", errors.InsufficientPrivilege),
+    ("INSERT INTO delaywheel.schema_migrations VALUES (999, 'x', 'x')", errors.InsufficientPrivilege),
+    ("COPY (SELECT 1) TO PROGRAM 'id > /tmp/delaywheel-roles-test'", errors.InsufficientPrivilege),
+    ("COPY delaywheel.quarantine FROM '/etc/hostname'", errors.InsufficientPrivilege),
+    ("SELECT pg_read_file('/etc/hostname')", errors.InsufficientPrivilege),
+    ("SELECT pg_ls_dir('.')", errors.InsufficientPrivilege),
+    ("CREATE FUNCTION delaywheel.f() RETURNS int LANGUAGE sql AS 'SELECT 1'", errors.InsufficientPrivilege),
+    ("SET ROLE delaywheel_owner", errors.InsufficientPrivilege),
+    ("SET ROLE postgres", errors.InsufficientPrivilege),
+    # the DDL functions take a store parent and a whole aligned range only, never another table
+    ("SELECT delaywheel.drop_partition('schema_migrations', now())", errors.InvalidParameterValue),
+    ("SELECT delaywheel.lock_partition('schema_migrations')", errors.InvalidParameterValue),
+    ("SELECT delaywheel.ensure_partition('topic_messages; DROP TABLE x', now(), now())", errors.InvalidParameterValue),
+    ("SELECT delaywheel.ensure_partition('wheel', '2030-01-01 00:30+00', '2030-01-01 01:30+00')",
+     errors.InvalidParameterValue),
+    ("SELECT delaywheel.ensure_partition('wheel', '2030-01-01 00:00+00', '2030-01-09 00:00+00')",
+     errors.InvalidParameterValue),
+    ("SELECT delaywheel.summarize_brin('delaywheel.topic_messages_message')", errors.InvalidParameterValue),
+])
+def test_the_runtime_may_not(role_db: tuple[str, str], statement: str, error: type[Exception]) -> None:
+    _, runtime = role_db
+    with psycopg.connect(runtime) as conn, pytest.raises(error):
+        conn.execute(statement)  # type: ignore[arg-type]
+
+
+def test_the_runtime_drops_only_partitions(role_db: tuple[str, str]) -> None:
+    """drop_partition takes a parent and a bound: it drops that partition and nothing else (no such one: false)."""
+    _, runtime = role_db
+    with psycopg.connect(runtime, autocommit=True) as conn:
+        conn.execute("SELECT delaywheel.ensure_partition('topic_messages', %s, %s)", (T0, T0 + timedelta(days=1)))
+        assert conn.execute("SELECT delaywheel.drop_partition('topic_messages', %s)", (T0 - timedelta(days=1),)).fetchone() == (False,)
+        assert conn.execute("SELECT delaywheel.drop_partition('topic_messages', %s)", (T0,)).fetchone() == (True,)
+        assert conn.execute("SELECT to_regclass('delaywheel.topic_messages_p20300101t0000')").fetchone() == (None,)
+        assert conn.execute("SELECT to_regclass('delaywheel.topic_messages')").fetchone() != (None,)
+
+
+def test_other_databases_transactions_do_not_hold_the_runtime_back(role_db: tuple[str, str], server_url: str) -> None:
+    """The commit horizon (db.COMMIT_HORIZON) leaves out transactions of other databases (Airflow's metadata) by their
+    backend_xid in pg_stat_activity. PostgreSQL shows every role a session's database and backend_xid (query text
+    and the like need pg_read_all_stats, which the runtime does not hold and does not need): a transaction of another
+    role, open with an xid in another database, does not hold the runtime's deliveries back."""
+    _, runtime = role_db
+    with psycopg.connect(server_url) as other, Store(runtime, Settings()) as store:
+        xid = other.execute("SELECT pg_current_xact_id()::text").fetchone()[0]  # type: ignore[index]
+        seen = store.conn.execute("SELECT backend_xid::text, query, pg_has_role('pg_read_all_stats', 'MEMBER')"
+                                  " FROM pg_stat_activity WHERE pid = %s", (other.info.backend_pid,)).fetchone()
+        assert seen == (xid, "<insufficient privilege>", False)
+        store.conn.commit()
+        store.send("orders", b"x", delay_level=1, now=T0)
+        assert store.deliver_level(1, now=T0 + timedelta(seconds=1)).delivered == 1
+        assert store.send("orders", b"y", delay=timedelta(seconds=3), now=T0)
+        assert store.advance_wheel(now=T0 + timedelta(seconds=3)).delivered == 1
+        other.rollback()
+
+
+def test_migrate_hands_a_store_of_a_single_role_to_the_owner(server_url: str, roles: None) -> None:
+    """A store migrated before the roles existed belongs to the role that migrated it. Its owner's login cannot
+    take it over (MigrationError says what to do); a superuser's migrate hands everything to delaywheel_owner and
+    applies sql/017, after which the runtime role works."""
+    name = f"dwroles_{uuid.uuid4().hex[:12]}"
+    admin = make_conninfo(server_url, dbname=name)
+    with psycopg.connect(server_url, autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {name}")
+        conn.execute(f"GRANT CREATE ON DATABASE {name} TO {OWNER_ROLE}")
+    try:
+        migrate(make_conninfo(server_url, dbname=name, user=embedded.OWNER_LOGIN))
+        with psycopg.connect(admin, autocommit=True) as conn:  # as if an older delaywheel had migrated it as postgres
+            conn.execute("DELETE FROM delaywheel.schema_migrations WHERE version = 17")
+            conn.execute("DO $$ DECLARE r record; BEGIN FOR r IN SELECT c.oid::regclass AS t FROM pg_class c"
+                         " JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = 'delaywheel'"
+                         " AND c.relkind IN ('r', 'p', 'v') LOOP EXECUTE format('ALTER TABLE %s OWNER TO postgres', r.t);"
+                         " END LOOP; END $$")
+            conn.execute("ALTER SCHEMA delaywheel OWNER TO postgres")
+        with pytest.raises(MigrationError, match="belong to another role"):
+            migrate(make_conninfo(server_url, dbname=name, user=embedded.OWNER_LOGIN))
+        assert migrate(admin) == [available()[-1].path.name]
+        with Store(make_conninfo(server_url, dbname=name, user=embedded.RUNTIME_LOGIN), Settings()) as store:
+            store.send("orders", b"x", delay=timedelta(days=9), now=T0)
+            store.prepare(now=T0)
+            assert store.deliver_due(now=T0 + timedelta(days=10)) == 1
+    finally:
+        with psycopg.connect(server_url, autocommit=True) as conn:
+            conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+def test_migrate_connects_as_the_configured_owner(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Given the store's runtime URL, `migrate` uses the owner's: DELAYWHEEL_OWNER_URL, or the embedded cluster's
+    owner login. One URL configured: that one, as before."""
+    for name in ("DELAYWHEEL_DATABASE_URL", "DELAYWHEEL_OWNER_URL", "AIRFLOW__DELAYWHEEL__DATABASE_URL",
+                 "AIRFLOW__DELAYWHEEL__OWNER_URL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AIRFLOW_CONFIG", "/nonexistent/airflow.cfg")
+    cluster = embedded.default_cluster()
+    assert conninfo_to_dict(cluster.url())["user"] == embedded.RUNTIME_LOGIN
+    assert owner_url(cluster.url("delaywheel")) == cluster.owner_url("delaywheel")
+    assert conninfo_to_dict(cluster.owner_url())["user"] == embedded.OWNER_LOGIN
+    assert owner_url("postgresql://someone@elsewhere/db") == "postgresql://someone@elsewhere/db"
+    monkeypatch.setenv("DELAYWHEEL_DATABASE_URL", "postgresql://app@db/store")
+    assert owner_url("postgresql://app@db/store") == "postgresql://app@db/store"
+    monkeypatch.setenv("DELAYWHEEL_OWNER_URL", "postgresql://migrator@db/store")
+    assert owner_url("postgresql://app@db/store") == "postgresql://migrator@db/store"
+    assert owner_url("postgresql://app@db/other") == "postgresql://app@db/other"
