@@ -180,3 +180,37 @@ def test_the_triggers_reconnect_after_a_restart(own_cluster: embedded.Cluster, a
     fired, delivered, announced = asyncio.run(go())
     assert fired.payload["lane"] == "wheel" and delivered.delivered == 1
     assert announced.payload["topic"] == topic and announced.payload["count"] == 1
+
+
+def test_the_deliver_command_rides_out_a_restart_and_stops_on_sigterm(own_cluster: embedded.Cluster) -> None:
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    env = {**os.environ, "DELAYWHEEL_DATABASE_URL": own_cluster.url()}
+    loop = subprocess.Popen([sys.executable, "-m", "delaywheel.cli", "deliver", "--duration", "60s", "--json"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(2.0)
+        restart(own_cluster)
+        assert loop.poll() is None, loop.communicate()
+        with Store(own_cluster.url()) as store:
+            sent = store.send("resilience.cli", {"n": 1}, delay=timedelta(seconds=1))
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline and not store.conn.execute(
+                    "SELECT 1 FROM delaywheel.topic_messages WHERE message_id = %s", (sent,)).fetchone():
+                time.sleep(0.2)
+            assert store.conn.execute(
+                "SELECT count(*) FROM delaywheel.topic_messages WHERE message_id = %s", (sent,)).fetchone() == (1,)
+        loop.send_signal(signal.SIGTERM)
+        out, err = loop.communicate(timeout=30)
+    finally:
+        if loop.poll() is None:
+            loop.kill()
+            loop.communicate()
+    assert loop.returncode == 0, err
+    result = json.loads(out)
+    assert result["reconnects"] >= 1 and result["stopped_by_signal"] is True and result["delivered"] >= 1
+    assert "Traceback" not in err
