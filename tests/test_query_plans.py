@@ -10,6 +10,7 @@ the rows one read takes from them (PostgreSQL 15+'s statistics, flushed first).
 from __future__ import annotations
 
 from datetime import datetime, timedelta
+from typing import Any
 
 import pytest
 
@@ -134,3 +135,52 @@ def test_a_cancel_by_key_reads_the_keys_of_the_segments_its_filter_lets_through(
     assert sum(passed) <= 0.05 * len(passed) * 20  # false positives: about 1 % of the segments without the key
     assert [r.outcome for r in store.cancel(key="far-12345")] == ["cancelled"]
     assert [r.outcome for r in store.cancel(key="order-54321")] == ["not_found"]
+
+
+def index_entries_read(store: Store, indexes: str) -> int:
+    """Index entries this session's scans returned from the indexes named like `indexes` (flushed first)."""
+    store.conn.execute("SELECT pg_stat_force_next_flush()")
+    row = store.conn.execute("SELECT sum(idx_tup_read) FROM pg_stat_user_indexes WHERE indexrelname LIKE %s",
+                             (indexes,)).fetchone()
+    return int(row[0]) if row and row[0] is not None else 0
+
+
+def test_stats_reads_segments_and_index_ranges_without_jit(store: Store, t0: datetime,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """`stats` took 16-18 s on an empty store: JIT compiled its wheel query (a hundred partitions push the estimate
+    past jit_above_cost). Store connections have JIT off, and stats turns it off for its own transaction too (here
+    the session asks for JIT on every statement). Its counts read segments (`n`) and index ranges: a level backlog
+    of 20,000 is 20 segment rows; of 41,000 timers it reads the next hour's 1,000 one by one and takes the 40,000
+    due in 5 h from the statistics, with the exact budget set below them."""
+    from delaywheel import stats
+
+    assert store.conn.execute("SHOW jit").fetchone() == ("off",)  # db.connect's session options
+    store.send_many([Message("orders", b"x", delay_level=18) for _ in range(BACKLOG)], now=t0)
+    store.send_many([Message("orders", b"x", deliver_at=t0 + timedelta(hours=5, milliseconds=i))
+                     for i in range(2 * BACKLOG)], now=t0)
+    store.send_many([Message("orders", b"x", deliver_at=t0 + timedelta(minutes=30)) for _ in range(1000)], now=t0)
+    monkeypatch.setattr(stats, "EXACT_ROWS", 5000)
+    jit_settings = []
+    plain_rows = stats._rows
+
+    def watched(conn: Any, sql: str, params: Any = None) -> list[dict[str, Any]]:
+        jit_settings.append(conn.execute("SELECT current_setting('jit')").fetchone()[0])
+        return plain_rows(conn, sql, params)
+
+    monkeypatch.setattr(stats, "_rows", watched)
+    store.conn.execute("SET jit = on")
+    store.conn.execute("SET jit_above_cost = 0")  # would compile every statement
+    try:
+        levels_before, wheel_before = rows_read(store, "level_segments_p%"), index_entries_read(store, "wheel_p%")
+        figures = store.stats(now=t0)
+        levels_read = rows_read(store, "level_segments_p%") - levels_before
+        wheel_read = index_entries_read(store, "wheel_p%") - wheel_before
+    finally:
+        store.conn.execute("RESET jit")
+        store.conn.execute("RESET jit_above_cost")
+    assert jit_settings and set(jit_settings) == {"off"}
+    assert next(row["backlog"] for row in figures["levels"] if row["level"] == 18) == BACKLOG
+    wheel = figures["wheel"]
+    assert (wheel["next_hour"], wheel["next_day"], wheel["estimated_after"]) == (1000, 2 * BACKLOG, t0 + timedelta(hours=5))
+    assert levels_read <= 2 * (BACKLOG // 1000) + 5  # its segments (backlog and head reads), not its 20,000 messages
+    assert wheel_read < 1000 + 100  # the next hour's entries, not the 40,000 of hour 5

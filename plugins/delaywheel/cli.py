@@ -223,26 +223,41 @@ def _keys_from(args: argparse.Namespace) -> KeysFrom | None:
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
+    from .stats import as_json  # the web API's JSON form too: numbers as numbers, times as ISO 8601
+
     with Store() as store:
         data = store.stats()
     if args.json:
-        _print(data, True)
+        print(json.dumps(as_json(data), indent=2))
         return 0
-    print(f"{'level':>5} {'delay':>8} {'backlog':>8} {'checkpoint':>10} {'head due':>27} {'overdue s':>9} {'p50 s':>7} {'p99 s':>7}")
+    print(f"as of {data['now']:%Y-%m-%d %H:%M:%S} UTC")
+    print(f"{'level':>5} {'delay':>8} {'backlog':>8} {'checkpoint':>10} {'head due':>27} {'lag s':>9} {'p50 s':>7} {'p99 s':>7}")
     for row in data["levels"]:
         print(f"{row['level']:>5} {row['delay'] if row['delay'] is not None else 'removed':>8} {row['backlog']:>8} {row['checkpoint_id']:>10} "
-              f"{row['head_due'] or '-'!s:>27} {_num(row['oldest_overdue_s']):>9} "
+              f"{row['head_due'] or '-'!s:>27} {_num(row['lag_s']):>9} "
               f"{_num(row['lateness_p50_s']):>7} {_num(row['lateness_p99_s']):>7}")
     w = data["wheel"]
-    print(f"\nwheel: pending {w['pending']} (next minute {w['next_minute']}, hour {w['next_hour']}, day {w['next_day']},"
-          f" later {w['later']}), overdue {w['overdue']} (oldest {_num(w['oldest_overdue_s'])} s),"
-          f" cursor {w['cursor_at']} (slot {w['cursor_slot']}, lag {_num(w['cursor_lag_s'])} s),"
+    print(f"\nwheel: pending {w['pending']} (overdue {w['overdue']}, next minute {w['next_minute']}, hour {w['next_hour']},"
+          f" day {w['next_day']}, later {w['later']}), lag {_num(w['lag_s'])} s,"
+          f" last pass {_num(w['since_last_pass_s'])} s ago (cursor {w['cursor_at']}, slot {w['cursor_slot']}),"
           f" lateness p50 {_num(w['lateness_p50_s'])} s p99 {_num(w['lateness_p99_s'])} s")
+    if w["estimated_after"] is not None:
+        print(f"  (near-wheel counts after {w['estimated_after']:%Y-%m-%d %H:%M} UTC are the statistics' estimates)")
+    biggest = max((bucket["due"] for bucket in w["histogram_24h"]), default=0)
     for bucket in w["histogram_24h"]:
-        print(f"  due {bucket['hour']:%Y-%m-%d %H:00}  {bucket['due']:>9}  {'#' * min(60, int(bucket['due']) // max(1, w['pending'] // 60 or 1))}")
+        print(f"  due {bucket['start']:%m-%d %H:%M}-{bucket['end']:%H:%M}  {bucket['due']:>9}  "
+              f"{'#' * (60 * bucket['due'] // biggest if biggest else 0)}")
     print("\ntopic / group: depth, lag")
     for row in data["topics"]:
         print(f"  {row['topic']} / {row['consumer_group'] or '-'}: depth {row['depth']}, lag {row['lag'] if row['lag'] is not None else '-'}")
+    for name, what in (("quarantine", "bulk-enqueue rows refused"), ("set_aside", "messages set aside, undeliverable")):
+        part = data[name]
+        reasons = ", ".join(f"{r['reason']} {r['count']}" for r in part["by_reason"])
+        print(f"\n{name}: {part['total']} {what}" + (f" ({reasons})" if reasons else ""))
+        for row in part["recent"]:
+            where = (f"{row['source_file']} row {row['row_number']}" if name == "quarantine"
+                     else f"message {row['message_id']} ({row['lane']}, topic {row['topic']})")
+            print(f"  {row.get('quarantined_at') or row.get('set_aside_at')}  {where}: {row['reason']}: {row['detail']}")
     return 0
 
 

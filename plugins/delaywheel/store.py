@@ -138,14 +138,8 @@ class Store:
 
     # operating
     def stats(self, *, now: datetime | None = None, window: timedelta = timedelta(minutes=5)) -> dict[str, Any]:
-        now = now or self.clock()
-        with self.conn.transaction():
-            return {
-                "now": now,
-                "levels": stats.level_stats(self.conn, self.settings, now, window),
-                "wheel": stats.wheel_stats(self.conn, self.settings, now, window),
-                "topics": stats.topic_stats(self.conn),
-            }
+        """Figures for operators, from one snapshot (README, "stats"); `stats.as_json` is their JSON form."""
+        return stats.collect(self.conn, self.settings, now, window)
 
     def prepare(self, *, now: datetime | None = None) -> None:
         """Create the partitions the next hours need, so producers and deliverers never wait on DDL.

@@ -16,12 +16,13 @@ from psycopg.conninfo import conninfo_to_dict
 
 from delaywheel import Store
 from delaywheel.airflow.web.charts import hourly
+from delaywheel.stats import as_json
 
 pytestmark = pytest.mark.airflow
 
 USERS = {"admin": ("admin", "admin-pw"), "vera": ("viewer", "viewer-pw")}
 # Figures that depend on the moment they are computed, not on the store's content.
-CLOCK_DEPENDENT = {"now", "oldest_overdue_s", "cursor_lag_s"}
+CLOCK_DEPENDENT = {"now", "oldest_overdue_s", "lag_s", "since_last_pass_s", "start", "end"}
 
 
 def connection_uri(db_url: str) -> str:
@@ -115,13 +116,11 @@ def test_anonymous_callers_are_refused(client: Any, plugin_store: Store) -> None
 
 
 def test_json_api_gives_the_store_figures_to_a_logged_in_user(client: Any, plugin_store: Store) -> None:
-    from fastapi.encoders import jsonable_encoder
-
     seed(plugin_store)
     response = client.get("/delaywheel/api/stats", headers={"Authorization": f"Bearer {token(client, 'vera')}"})
     assert response.status_code == 200
     served = response.json()
-    expected = jsonable_encoder(plugin_store.stats())
+    expected = as_json(plugin_store.stats())
     assert served.pop("window_s") == 300
     assert without_clock(served) == without_clock(expected)
     level = {row["level"]: row for row in served["levels"]}
@@ -130,6 +129,26 @@ def test_json_api_gives_the_store_figures_to_a_logged_in_user(client: Any, plugi
     assert served["wheel"]["pending"] == 5
     topics = {(t["topic"], t["consumer_group"]): t for t in served["topics"]}
     assert (topics[("orders.paid", "billing")]["depth"], topics[("orders.paid", "billing")]["lag"]) == (5, 3)
+    assert served["quarantine"]["total"] == 0 and served["set_aside"]["total"] == 0
+
+
+def test_json_api_and_cli_give_numbers_of_the_same_types(client: Any, plugin_store: Store, db_url: str,
+                                                          monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """`delaywheel stats --json` gave `extract()`'s numerics as strings where the web API gave numbers."""
+    from delaywheel.cli import main
+    from tests.test_stats import number_paths
+
+    seed(plugin_store)
+    served = client.get("/delaywheel/api/stats", headers={"Authorization": f"Bearer {token(client, 'vera')}"}).json()
+    assert served.pop("window_s") == 300
+    monkeypatch.setenv("DELAYWHEEL_DATABASE_URL", db_url)
+    capsys.readouterr()  # the API server's access log
+    assert main(["stats", "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert number_paths(served) == number_paths(printed)
+    assert isinstance(served["levels"][2]["lateness_p50_s"], float) and isinstance(printed["levels"][2]["lateness_p50_s"], float)
+    assert isinstance(printed["wheel"]["pending"], int) and isinstance(printed["levels"][0]["delay"], float)
 
 
 def test_page_shows_the_same_figures_with_the_ui_session_cookie(client: Any, plugin_store: Store) -> None:
@@ -146,9 +165,12 @@ def test_page_shows_the_same_figures_with_the_ui_session_cookie(client: Any, plu
     level18 = next(row for row in stats["levels"] if row["level"] == 18)
     assert f'<td data-field="backlog">{level18["backlog"]}</td>' in html
     assert 'data-field="pending">5<' in html
-    assert bar_values(html, "histogram-chart") == hourly(stats["now"], stats["wheel"]["histogram_24h"])
-    assert sum(v for _, v in bar_values(html, "histogram-chart")) == 4  # due in 2, 30, 30 and 90 minutes
+    shown = bar_values(html, "histogram-chart")
+    assert [v for _, v in shown] == [v for _, v in hourly(stats["wheel"]["histogram_24h"])] == [3, 1] + [0] * 22
+    assert len({label for label, _ in shown}) == 24  # one label per hour from now, none twice
+    assert sum(v for _, v in shown) == 4  # due in 2, 30, 30 and 90 minutes
     assert dict(bar_values(html, "horizon-chart")) == {"overdue": 0, "≤ 1 min": 0, "≤ 1 h": 3, "≤ 24 h": 1, "later": 1}
+    assert '<p id="quarantine-total">0 row(s)' in html and '<p id="set-aside-total">0 message(s)' in html
     assert "signed in as admin" in html
     assert '<a href="/delaywheel/api/stats">JSON</a>' in html  # the mount prefix, not the app's own root
 

@@ -18,6 +18,7 @@ from airflow.providers.postgres.hooks.postgres import PostgresHook
 from sqlalchemy.engine import URL
 
 from delaywheel import Store, load_settings
+from delaywheel.db import with_session_options
 from delaywheel.pending import LEVEL_HEAD, WHEEL_HEAD
 
 CLOCK = "SELECT clock_timestamp() + make_interval(secs => %(offset)s)"
@@ -58,7 +59,7 @@ class DelayWheelHook(PostgresHook):
     def next_due(self, level: int | None, *, now_offset_s: float = 0.0) -> tuple[datetime | None, datetime]:
         """(the lane's next due time or None, the database clock shifted by `now_offset_s`)."""
         sql, params = head_query(level)
-        with psycopg.connect(self.url, autocommit=True, application_name="delaywheel-sensor") as conn:
+        with psycopg.connect(with_session_options(self.url), autocommit=True, application_name="delaywheel-sensor") as conn:
             head = conn.execute(sql, params).fetchone()  # type: ignore[arg-type]
             clock = conn.execute(CLOCK, {"offset": now_offset_s}).fetchone()
         assert clock is not None
@@ -72,7 +73,7 @@ class DelayWheelHook(PostgresHook):
         """An autocommit AsyncConnection: LISTEN needs autocommit; the one trigger that writes (the topic
         watcher's mark) does so in explicit transactions."""
         return await psycopg.AsyncConnection.connect(
-            await self.aurl(), autocommit=True, application_name="delaywheel-trigger"
+            with_session_options(await self.aurl()), autocommit=True, application_name="delaywheel-trigger"
         )
 
 

@@ -16,11 +16,11 @@ from airflow.api_fastapi.app import get_auth_manager
 from airflow.api_fastapi.auth.managers.base_auth_manager import BaseUser
 from airflow.api_fastapi.core_api.security import GetUserDep
 from fastapi import Depends, FastAPI, HTTPException, Request, status
-from fastapi.encoders import jsonable_encoder
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from fastapi.templating import Jinja2Templates
 
 from delaywheel import Store
+from delaywheel.stats import as_json
 
 from .charts import bar_chart, hourly
 
@@ -65,8 +65,9 @@ async def login_redirect(request: Request, exc: HTTPException) -> Response:
 
 @app.get("/api/stats")
 def api_stats(user: AuthorizedUser) -> Any:
-    """The page's numbers as JSON: `now`, `levels`, `wheel` (with `histogram_24h`), `topics`, `window_s`."""
-    return jsonable_encoder({**current_stats(), "window_s": WINDOW.total_seconds()})
+    """The page's numbers as JSON: `now`, `levels`, `wheel` (with `histogram_24h`), `topics`, `quarantine`,
+    `set_aside`, `window_s`; in the same form as `delaywheel stats --json` (`stats.as_json`)."""
+    return as_json({**current_stats(), "window_s": WINDOW.total_seconds()})
 
 
 @app.get("/", response_class=HTMLResponse)
@@ -80,14 +81,22 @@ def page(request: Request, user: AuthorizedUser) -> HTMLResponse:
         "stats": stats, "user": user.get_name(), "window_min": int(WINDOW.total_seconds() // 60),
         "refresh_s": REFRESH_S, "api_url": f"{request.scope.get('root_path', '')}/api/stats",
         "horizon_chart": bar_chart(horizons, width=420),
-        "histogram_chart": bar_chart(hourly(stats["now"], wheel["histogram_24h"])),
-        "fmt_time": fmt_time, "fmt_ms": fmt_ms, "fmt_delay": fmt_delay,
+        "histogram_chart": bar_chart(hourly(wheel["histogram_24h"]), width=960),
+        "fmt_time": fmt_time, "fmt_clock": fmt_clock, "fmt_ms": fmt_ms, "fmt_delay": fmt_delay,
     })
 
 
 def fmt_time(value: datetime | None) -> str:
     """UTC to the millisecond: the precision lateness is judged at."""
     return "—" if value is None else value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
+
+
+def fmt_clock(value: datetime | None, now: datetime) -> str:
+    """The time of day alone when it falls on the page's UTC day (the full time is in the cell's title), so the
+    levels table fits a 1280 px screen; another day's time in full."""
+    if value is None or value.astimezone(UTC).date() != now.astimezone(UTC).date():
+        return fmt_time(value)
+    return value.astimezone(UTC).strftime("%H:%M:%S.%f")[:-3]
 
 
 def fmt_delay(seconds: float) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import UTC
 from typing import Any
 
 
@@ -39,9 +39,7 @@ def bar_chart(points: Sequence[tuple[str, int]], *, width: int = 720, height: in
     return Chart(bars, width, height, maximum)
 
 
-def hourly(now: datetime, histogram: list[dict[str, Any]]) -> list[tuple[str, int]]:
-    """`wheel_stats`' sparse per-hour histogram as 25 buckets (this hour through now + 24 h, UTC labels), zeros
-    filled, so the chart's x axis is always the same day-long clock."""
-    first = now.replace(minute=0, second=0, microsecond=0)
-    due = {row["hour"]: int(row["due"]) for row in histogram}
-    return [(f"{h.astimezone(UTC):%H}", due.get(h, 0)) for h in (first + timedelta(hours=i) for i in range(25))]
+def hourly(histogram: list[dict[str, Any]]) -> list[tuple[str, int]]:
+    """`wheel_stats`' 24 one-hour buckets from now as chart points, each labelled by its start (UTC, to the minute):
+    24 distinct clock times, the first one now."""
+    return [(f"{row['start'].astimezone(UTC):%H:%M}", int(row["due"])) for row in histogram]
