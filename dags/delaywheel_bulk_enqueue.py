@@ -43,8 +43,9 @@ with DAG(
         "source_url": Param(None, type=["null", "string"], title="Query database",
                             description="an allowed source (DELAYWHEEL_ALLOWED_SOURCES: an Airflow connection id or "
                                         "URL) for the query (empty: the store's database)"),
-        "format": Param(None, type=["null", "string"], enum=[None, "csv", "json", "parquet"],
-                        description="empty: from the file name"),
+        # Not a nullable enum: Airflow 3's form has refused to render an enum holding null (apache/airflow#62049).
+        "format": Param("auto", type="string", enum=["auto", "csv", "json", "parquet"],
+                        description="auto: from the file name"),
         "map": Param(None, type=["null", "string"], title="Column mapping",
                      pattern=r"^\s*([a-z_]+\s*=\s*[^,=]+(\s*,\s*[a-z_]+\s*=\s*[^,=]+)*)?\s*$",
                      description="FIELD=COLUMN,… for topic, key, body, tags, properties and one of "
@@ -66,7 +67,7 @@ with DAG(
 ) as dag:
     spark_job("bulk_enqueue", "bulk_enqueue", [
         "--input", "{{ params.input or '' }}", "--query", "{{ params.query or '' }}",
-        "--source-url", "{{ params.source_url or '' }}", "--format", "{{ params.format or '' }}",
+        "--source-url", "{{ params.source_url or '' }}", "--format", "{{ params.format }}",
         "--map", "{{ params.map or '' }}", "--topic", "{{ params.topic or '' }}",
         "--body-format", "{{ params.body_format }}", "--source", "{{ params.source or '' }}",
         "--chunk", "{{ params.chunk }}", "--partitions", "{{ params.partitions or '' }}",

@@ -39,7 +39,7 @@ FORMATS = {".csv": "csv", ".json": "json", ".jsonl": "json", ".ndjson": "json", 
 
 
 def input_format(path: str, given: str | None) -> str:
-    if given:
+    if given and given != "auto":
         if given not in FORMATS.values():
             raise SystemExit(f"unknown format {given!r}: use csv, json or parquet")
         return given
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> bulk.Counts:
     p.add_argument("--input", type=sparkjob.text, help="a file, directory or glob")
     p.add_argument("--query", type=sparkjob.text, help="or: a PostgreSQL query (over JDBC, from --source-url)")
     p.add_argument("--source-url", type=sparkjob.text, help="database of --query (default: the store's)")
-    p.add_argument("--format", type=sparkjob.text, help="csv, json or parquet (default: from the file name)")
+    p.add_argument("--format", type=sparkjob.text, help="csv, json or parquet (default, or auto: from the file name)")
     p.add_argument("--map", default="", help="FIELD=COLUMN,… for topic, key, body, tags, properties, "
                                              "delay_level | delay_ms | deliver_at (default: same-named columns)")
     p.add_argument("--topic", type=sparkjob.text, help="the topic of every row, when no topic column is mapped")

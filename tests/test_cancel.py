@@ -125,3 +125,22 @@ def test_bulk_cancel_rejects_bad_sql_and_writes_nothing(store: Store, t0: dateti
     with pytest.raises(UnsafeSQL, match="not valid SQL"):
         store.cancel_matching(where="key = = 'a'")
     assert store.conn.execute("SELECT count(*) FROM delaywheel.cancellations").fetchone() == (0,)
+
+
+def test_cli_keys_from_table(store: Store, db_url: str, t0: datetime, monkeypatch: pytest.MonkeyPatch,
+                             capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("DELAYWHEEL_DATABASE_URL", db_url)
+    store.conn.execute("CREATE TABLE public.paid_orders (id int PRIMARY KEY, status text)")
+    store.conn.execute("INSERT INTO public.paid_orders VALUES (1, 'paid'), (2, 'paid'), (3, 'open'), (4, 'void')")
+    store.send_many([Message("orders", {"i": i}, key=f"order-{i}", delay=timedelta(hours=1)) for i in range(6)],
+                    now=t0)
+    argv = ["cancel", "--keys-from-table", "public.paid_orders", "--keys-from-column", "id",
+            "--keys-from-prefix", "order-", "--keys-from-filter", "status=paid", "--keys-from-filter", "status=void"]
+    assert main(argv) == 0
+    assert "3 pending message(s) match" in capsys.readouterr().out
+    assert main([*argv, "--yes", "--json"]) == 0
+    assert '"cancelled": 3' in capsys.readouterr().out
+    assert main(["cancel", "--keys-from-table", "public.paid_orders", "--keys-from-column", "nope"]) == 2
+    assert "not a column of public.paid_orders" in capsys.readouterr().err
+    assert main(["cancel", "--keys-from-table", "public.paid_orders"]) == 2
+    assert "needs --keys-from-column" in capsys.readouterr().err
