@@ -224,3 +224,23 @@ def test_migrate_connects_as_the_configured_owner(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv("DELAYWHEEL_OWNER_URL", "postgresql://migrator@db/store")
     assert owner_url("postgresql://app@db/store") == "postgresql://migrator@db/store"
     assert owner_url("postgresql://app@db/other") == "postgresql://app@db/other"
+
+
+def test_migrate_as_the_runtime_role_changes_nothing(role_db: tuple[str, str], server_url: str,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """With only the runtime's URL (an external server, DELAYWHEEL_OWNER_URL unset): an up-to-date store is up to date;
+    a schema change is refused with a MigrationError naming the owner role and DELAYWHEEL_OWNER_URL."""
+    _, runtime = role_db
+    monkeypatch.setenv("DELAYWHEEL_DATABASE_URL", runtime)
+    monkeypatch.delenv("DELAYWHEEL_OWNER_URL", raising=False)
+    assert owner_url(runtime) == runtime
+    assert migrate(runtime) == []
+    name = f"dwroles_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(server_url, autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {name}")
+    try:
+        with pytest.raises(MigrationError, match=r"migrations run as delaywheel_owner.*DELAYWHEEL_OWNER_URL"):
+            migrate(make_conninfo(runtime, dbname=name))
+    finally:
+        with psycopg.connect(server_url, autocommit=True) as conn:
+            conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -134,6 +135,18 @@ def adopt(conn: psycopg.Connection) -> None:
             ) from exc
 
 
+@contextlib.contextmanager
+def _as_the_owner_only() -> Iterator[None]:
+    """A schema change this role may not make: say which role may."""
+    try:
+        yield
+    except psycopg.errors.InsufficientPrivilege as exc:
+        raise MigrationError(
+            f"{exc}: migrations run as {OWNER_ROLE} (README, \"Roles\"); give `migrate` the owner's URL"
+            " (DELAYWHEEL_OWNER_URL), or run it as a member of that role or a superuser"
+        ) from exc
+
+
 def owner_url(url: str) -> str:
     """The URL migrations connect with for `url`: the configured owner's when `url` is the store's configured
     runtime URL (`DELAYWHEEL_DATABASE_URL` with `DELAYWHEEL_OWNER_URL` set), the embedded cluster's owner login
@@ -164,12 +177,15 @@ def migrate(url: str, sql_dir: Path = SQL_DIR) -> list[str]:
         try:
             ensure_roles(conn)
             as_owner = act_as_owner(conn)
-            conn.execute("CREATE SCHEMA IF NOT EXISTS delaywheel")
-            conn.execute(
-                "CREATE TABLE IF NOT EXISTS delaywheel.schema_migrations ("
-                " version int PRIMARY KEY, name text NOT NULL, checksum text NOT NULL,"
-                " applied_at timestamptz NOT NULL DEFAULT now())"
-            )
+            # only when missing: IF NOT EXISTS still needs CREATE, and the runtime role finds an up-to-date store
+            if conn.execute("SELECT to_regclass('delaywheel.schema_migrations') IS NULL").fetchone() != (False,):
+                with _as_the_owner_only():
+                    conn.execute("CREATE SCHEMA IF NOT EXISTS delaywheel")
+                    conn.execute(
+                        "CREATE TABLE IF NOT EXISTS delaywheel.schema_migrations ("
+                        " version int PRIMARY KEY, name text NOT NULL, checksum text NOT NULL,"
+                        " applied_at timestamptz NOT NULL DEFAULT now())"
+                    )
             done = {v: (n, c) for v, n, c in conn.execute("SELECT version, name, checksum FROM delaywheel.schema_migrations")}
             newest_known = max((m.version for m in migrations), default=0)
             if done and max(done) > newest_known:
@@ -186,7 +202,7 @@ def migrate(url: str, sql_dir: Path = SQL_DIR) -> list[str]:
                     continue
                 if not as_owner:  # the roles may have come with the last file (they are cluster-wide)
                     as_owner = act_as_owner(conn)
-                with conn.transaction():
+                with _as_the_owner_only(), conn.transaction():
                     conn.execute(migration.path.read_text())  # type: ignore[arg-type]
                     conn.execute(
                         "INSERT INTO delaywheel.schema_migrations (version, name, checksum) VALUES (%s, %s, %s)",
