@@ -8,6 +8,7 @@ pass that meets it (level pass, wheel pass, the roll), and the lane goes on deli
 
 from __future__ import annotations
 
+import json
 from datetime import UTC, datetime, timedelta
 
 import numpy as np
@@ -108,6 +109,31 @@ def test_the_store_may_use_its_reserved_names() -> None:
     with pytest.raises(InvalidMessage) as e:
         prepare_columns([Message("orders", b"x", properties={"ORIGIN_TOPIC": "x"})], NOW, SETTINGS)
     assert e.value.reason == "reserved_property"
+
+
+def test_the_store_may_retry_what_it_stored_before_the_limits() -> None:
+    """Limits are for producers: a retry re-sends what the store already held (tags or properties stored before
+    the limits existed). Storability still holds for everyone."""
+    big = Message("%RETRY%g", b"x", delay_level=3, tags="t" * 5000, properties={"p": "v" * 40_000})
+    prepare_columns([big], NOW, SETTINGS, internal=True)
+    for bad in (big._replace(tags="\x00"), big._replace(properties={"p": LONE})):
+        with pytest.raises(InvalidMessage):
+            prepare_columns([bad], NOW, SETTINGS, internal=True)
+
+
+def test_a_retry_of_an_odd_stored_message_does_not_fail_the_ack(store: Store, t0: datetime) -> None:
+    """A delivered row written some other way (long tags, a property that is a number) still goes to the retry
+    topic when its consumer fails it, with its properties as strings."""
+    store.send("orders", b"x", now=t0)
+    store.conn.execute("UPDATE delaywheel.topic_messages SET tags = repeat('t', 5000),"
+                       " properties = '{\"n\": 1, \"ORIGIN_MESSAGE_ID\": \"abc\"}'")
+    batch = store.pull("orders", "g")
+    (m,) = batch.messages
+    assert m.idempotency_id == m.message_id
+    store.ack(batch, failed={m.message_id})
+    row = store.conn.execute("SELECT tags, properties FROM delaywheel.level_segments").fetchone()
+    assert row is not None and row[0] == ["t" * 5000]
+    assert json.loads(row[1][0]) == {"n": "1", "ORIGIN_MESSAGE_ID": "abc", "ORIGIN_TOPIC": "orders"}
 
 
 def test_send_many_of_something_else_is_an_invalid_message() -> None:
@@ -304,3 +330,18 @@ def test_an_unexplained_failure_still_stops_the_pass(store: Store, t0: datetime,
     with pytest.raises(psycopg.errors.DivisionByZero):
         store.deliver_level(1, now=at(t0, 5))
     assert _set_aside(store) == [] and deliveries(store) == []
+
+
+def test_the_cli_refuses_what_it_refused_to_deliver_before(store: Store, db_url: str, monkeypatch: pytest.MonkeyPatch,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """`delaywheel send ... --property $'p=\\xff'` returned 0 and stopped level 1 for good; now it is bad input."""
+    from delaywheel.cli import main
+
+    monkeypatch.setenv("DELAYWHEEL_DATABASE_URL", db_url)
+    argv_property = b"p=\xff".decode(errors="surrogateescape")  # how Python hands the shell's $'p=\xff' over
+    assert main(["send", "--topic", "t", "--body", '{"n":1}', "--level", "1", "--property", argv_property]) == 2
+    err = capsys.readouterr().err
+    assert "cannot be stored" in err and "Traceback" not in err
+    assert main(["send", "--topic", "%DLQ%g", "--body", "1"]) == 2
+    assert "reserved" in capsys.readouterr().err
+    assert _hot_rows(store) == 0

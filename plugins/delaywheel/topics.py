@@ -182,7 +182,8 @@ def _reconsume_later(
     outgoing, times = [], []
     for m in messages:
         times.append(m.reconsume_times + 1)
-        properties = dict(m.properties)
+        # as strings: a row written some other way may hold other JSON values, and its retry must not fail the ack
+        properties = {str(k): v if isinstance(v, str) else json.dumps(v) for k, v in (m.properties or {}).items()}
         properties.setdefault("ORIGIN_TOPIC", m.topic)
         properties.setdefault("ORIGIN_MESSAGE_ID", str(m.message_id))
         if times[-1] > settings.max_reconsume_times:

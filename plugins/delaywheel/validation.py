@@ -147,12 +147,14 @@ def check_key(key: object) -> str | None:
     return key
 
 
-def check_tags(tags: object) -> str | None:
+def check_tags(tags: object, internal: bool = False) -> str | None:
+    """A string of at most MAX_TAGS_CHARS (not checked for the store's own retries: what it stored before the limit
+    existed must still reach the retry topic), every character storable."""
     if tags is None:
         return None
     if not isinstance(tags, str):
         raise InvalidMessage("bad_tags", f"tags must be a string, got {tags!r}")
-    if len(tags) > MAX_TAGS_CHARS:
+    if len(tags) > MAX_TAGS_CHARS and not internal:
         raise InvalidMessage("bad_tags", f"tags are {len(tags)} characters, above the limit of {MAX_TAGS_CHARS}")
     if not storable(tags):
         raise _unstorable("bad_tags", "tags", tags)
@@ -161,7 +163,7 @@ def check_tags(tags: object) -> str | None:
 
 def check_properties(properties: object, internal: bool = False) -> dict[str, str]:
     """A dict of str to str, every name and value storable, at most MAX_PROPERTIES_BYTES as stored, and no name in
-    RESERVED_PROPERTIES (unless `internal`: the store's own retry path)."""
+    RESERVED_PROPERTIES (neither of the last two for `internal`: the store's own retry path)."""
     if properties is None:
         return {}
     if not isinstance(properties, dict) or not all(
@@ -176,7 +178,7 @@ def check_properties(properties: object, internal: bool = False) -> dict[str, st
     if not internal and not RESERVED_PROPERTIES.isdisjoint(properties):
         names = ", ".join(sorted(RESERVED_PROPERTIES.intersection(properties)))
         raise InvalidMessage("reserved_property", f"properties {names} are reserved: the store writes them")
-    size = len(json.dumps(properties))
+    size = 0 if internal else len(json.dumps(properties))
     if size > MAX_PROPERTIES_BYTES:
         raise InvalidMessage("properties_too_large", f"properties are {size} bytes as stored (JSON text), above the"
                                                      f" limit of {MAX_PROPERTIES_BYTES} bytes")
@@ -273,7 +275,7 @@ def prepare(
     return Prepared(  # positional: a NamedTuple built from keywords costs noticeably more, once per message
         topic_rule(message.topic) if isinstance(message.topic, str) else check_topic(message.topic),
         check_key(message.key),
-        check_tags(message.tags),
+        check_tags(message.tags, internal),
         _NO_PROPERTIES if message.properties is None or (type(message.properties) is dict and not message.properties)
         else check_properties(message.properties, internal),
         body,
