@@ -90,7 +90,9 @@ def run(
                 earliest = None
                 busy = False
                 for lane in lanes:
-                    while not stop.is_set():
+                    if stop.is_set():  # SIGTERM between lanes: the round ends here, every pass so far committed
+                        break
+                    while True:
                         result = store.advance_wheel() if lane is None else store.deliver_level(lane)
                         totals.passes += 1
                         totals.delivered += result.delivered
@@ -100,7 +102,7 @@ def run(
                             add_spans(totals.per_topic, result.topics)
                         busy |= result.busy
                         totals.busy_passes += result.busy
-                        if not result.more:
+                        if not result.more or stop.is_set():
                             break
                     if result.next_due is not None and (earliest is None or result.next_due < earliest):
                         earliest = result.next_due
