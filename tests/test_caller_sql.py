@@ -153,6 +153,31 @@ def test_random_text_runs_only_as_a_checked_expression(cli: Store, text: str) ->
     assert cli.conn.execute("SELECT current_setting('transaction_read_only')").fetchone() == ("off",)
 
 
+
+_QUERY_TOKENS = st.sampled_from([
+    "SELECT", "1", "'k'", "AS", "key", "FROM", "public.victim", "pg_authid", "v", "WHERE", "x", "=", "(", ")", ";",
+    ",", "--", "/*", "*/", "WITH", "d", "DELETE", "INSERT INTO public.victim VALUES (1)", "DROP TABLE public.victim",
+    "RETURNING", "*", "INTO", "FOR UPDATE", "UNION", "ALL", "generate_series(1, 3)", "g", "nextval('s')",
+    "pg_read_file('/etc/hostname')", "COMMIT", "count(*)", "ORDER BY", "LIMIT", "'", "$$",
+])
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(_QUERY_TOKENS, min_size=1, max_size=14).map(" ".join))
+def test_random_queries_run_only_as_a_checked_select(cli: Store, text: str) -> None:
+    try:
+        rendered = check_query(text)
+    except UnsafeSQL:
+        return
+    assert check_query(rendered) == rendered
+    try:
+        with read_only(cli.conn, timedelta(seconds=5)):
+            cli.conn.execute(rendered).fetchall()  # type: ignore[arg-type]
+    except (psycopg.DataError, psycopg.ProgrammingError):
+        pass  # a checked SELECT the server refused (an unknown column, a type mismatch)
+    assert _victim(cli) == "victim"
+    assert cli.conn.execute("SELECT count(*) FROM public.victim").fetchone() == (0,)
+
 # --- reconcile ------------------------------------------------------------------------------------------
 
 @pytest.fixture

@@ -116,7 +116,7 @@ def _parse(text: str, what: str, prefix: str = "") -> list[ast.RawStmt]:
 
 
 def _func_name(node: ast.FuncCall) -> str:
-    names = [n.sval for n in node.funcname]
+    names = [n.sval for n in node.funcname or ()]
     if len(names) == 2 and names[0] == "pg_catalog":
         return names[1].lower()
     if len(names) != 1:
@@ -125,7 +125,7 @@ def _func_name(node: ast.FuncCall) -> str:
 
 
 def _type_name(node: ast.TypeName) -> str:
-    names = [n.sval for n in node.names]
+    names = [n.sval for n in node.names or ()]
     if len(names) == 2 and names[0] == "pg_catalog":
         names = names[1:]
     return ".".join(names).lower()
@@ -161,12 +161,12 @@ class _Checker:
         if kind not in self.nodes:
             raise self.refuse(_DESCRIBE.get(kind, f"{kind} ({RawStream()(node)[:60] if _deparsable(node) else kind})"))
         getattr(self, f"_{kind}", lambda _n: None)(node)
-        for slot in type(node).__slots__:
+        for slot in getattr(type(node), "__slots__", ()):
             self.check(getattr(node, slot, None), depth + 1)
 
     # --- per-node rules -------------------------------------------------------------------------------
     def _ColumnRef(self, node: ast.ColumnRef) -> None:
-        fields = node.fields
+        fields = node.fields or ()
         if any(isinstance(f, ast.A_Star) for f in fields):
             if self.columns is not None:
                 raise self.refuse("*")
@@ -182,7 +182,7 @@ class _Checker:
 
     def _A_Expr(self, node: ast.A_Expr) -> None:
         if node.kind not in _A_EXPR_KINDS:
-            raise self.refuse(f"the operator form {node.kind.name}")
+            raise self.refuse(f"the operator form {getattr(node.kind, 'name', node.kind)}")
         names = [n.sval for n in node.name or ()]
         if len(names) == 2 and names[0] == "pg_catalog":
             names = names[1:]
@@ -209,7 +209,7 @@ class _Checker:
 
     def _SQLValueFunction(self, node: ast.SQLValueFunction) -> None:
         if node.op not in _TIME_VALUES:
-            raise self.refuse(node.op.name.removeprefix("SVFOP_"))
+            raise self.refuse(str(getattr(node.op, 'name', node.op)).removeprefix("SVFOP_"))
 
     def _SelectStmt(self, node: ast.SelectStmt) -> None:
         if node.intoClause:
@@ -219,7 +219,7 @@ class _Checker:
 
     def _RangeVar(self, node: ast.RangeVar) -> None:
         schema = (node.schemaname or "").lower()
-        if node.catalogname or schema in _SYSTEM_SCHEMAS or (not schema and node.relname.lower().startswith("pg_")):
+        if node.catalogname or schema in _SYSTEM_SCHEMAS or (not schema and (node.relname or "").lower().startswith("pg_")):
             raise self.refuse(f"reading the system table {node.relname}")
 
     def _CommonTableExpr(self, node: ast.CommonTableExpr) -> None:
@@ -250,7 +250,7 @@ def _single_expression(stmts: list[ast.RawStmt], what: str) -> ast.Node:
                                "lockingClause", "withClause", "larg", "rarg") if getattr(stmt, slot, None)]
     if extra or stmt.op not in (None, SetOperation.SETOP_NONE):
         raise UnsafeSQL(f"{what} must be one expression; found {', '.join(extra) or 'a set operation'} after it")
-    target = stmt.targetList[0]
+    target = (stmt.targetList or ())[0]
     if target.name or target.indirection:
         raise UnsafeSQL(f"{what} must be one expression (no AS)")
     return target.val  # type: ignore[no-any-return]
@@ -266,7 +266,7 @@ def check_expression(text: str, columns: Iterable[str] | None, *, qualifier: str
     checker = _Checker(columns=columns, qualifiers=accepted, what=what)
     checker.check(expr)
     for ref in checker.column_refs:
-        name = ref.fields[-1].sval
+        name = (ref.fields or ())[-1].sval
         ref.fields = (ast.String(sval=qualifier), ast.String(sval=name)) if qualifier else (ast.String(sval=name),)
     rendered = RawStream()(expr)
     # The rendering is parsed and checked once more: what runs is exactly what was checked.

@@ -254,7 +254,7 @@ class _Business:
 
 def _inline(conn: psycopg.Connection, query: sql.Composable, params: Mapping[str, object]) -> str:
     """One statement's text with its values quoted by psycopg (for readers that take text only, like Spark's JDBC)."""
-    return psycopg.ClientCursor(conn).mogrify(query, params)
+    return psycopg.ClientCursor(conn).mogrify(query, params)  # type: ignore[arg-type]  # a Composed
 
 
 def record_reconcile(conn: psycopg.Connection, job: Reconcile, requested_by: str, *, missing: int, stale: int,
