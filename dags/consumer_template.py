@@ -3,9 +3,14 @@
 Copy this file, set TOPIC and GROUP, and replace `handle()` with your processing.
 
 How it works:
-- The deliver DAG emits an Asset event for `delaywheel://topics/<topic>` when a deliver task that
-  delivered into the topic ends (its extra: count, lane and first/last (xid, queue_offset) of the batch).
-  This DAG is scheduled on that Asset, so Airflow starts a run after new deliveries.
+- This DAG is scheduled on the topic's Asset, `delaywheel://topics/<topic>`, so Airflow starts a run after
+  new deliveries. Two things record events for it: the topic's watcher (`TopicMessagesTrigger`, an
+  `AssetWatcher` running in the triggerer) within about a second of messages becoming readable, and the
+  deliver DAG's final task (`publish_topic_events`), once per deliver run, as a backstop. The deliver tasks
+  themselves emit none (Airflow would record them only when their lease of minutes ends).
+  A watcher's event extra arrives wrapped by Airflow, `{"from_trigger": true, "payload": {topic, lane,
+  count, first/last (xid, queue_offset)}}`; `publish_topic_events` gives those fields unwrapped, with
+  `lanes`. `consume` only logs them.
 - The run does not trust the events for *what* to read: it pulls from the topic by consumer group
   (the group's committed offset), handles the batch, acks it, and repeats until the topic is drained.
   Events that arrive while a run is active, or while the DAG is paused, are therefore never a gap:

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta
 
-from airflow.sdk import DAG, Param, conf
+from airflow.sdk import DAG, Param, TaskGroup, conf
 
 from delaywheel import load_settings
 from delaywheel.airflow.operators import AdvanceWheelOperator, DeliverLevelOperator, PublishTopicEventsOperator
@@ -79,14 +79,19 @@ with DAG(
 ):
     common = {"lease_seconds": "{{ params.lease_seconds }}", "until_idle": "{{ params.until_idle }}",
               "handover_grace_seconds": "{{ params.handover_grace_seconds }}", "emit_asset_events": False}
-    lanes = [
-        DeliverLevelOperator(
-            task_id=f"deliver_level_{level}", task_display_name=f"level {level} ({_label(delay)})", level=level,
-            **common,
-        )
-        for level, delay in enumerate(LEVELS, start=1)
-    ]
-    lanes.append(AdvanceWheelOperator(task_id="advance_wheel", task_display_name="timing wheel", **common))
+    # The grid lists a DAG's top-level nodes by id, as text: deliver_level_10 would come before deliver_level_2.
+    # Each lane is therefore a one-task group whose id sorts naturally (lane_01 … lane_18, lane_wheel), while the
+    # task ids stay deliver_level_<n> and advance_wheel (prefix_group_id=False): the grid and graph show the lanes
+    # in level order and nothing that names a task changes.
+    width = len(str(len(LEVELS)))
+    lanes: list[DeliverLevelOperator | AdvanceWheelOperator] = []
+    for level, delay in enumerate(LEVELS, start=1):
+        name = f"level {level} ({_label(delay)})"
+        with TaskGroup(f"lane_{level:0{width}d}", group_display_name=name, prefix_group_id=False):
+            lanes.append(DeliverLevelOperator(task_id=f"deliver_level_{level}", task_display_name=name, level=level,
+                                              **common))
+    with TaskGroup("lane_wheel", group_display_name="timing wheel", prefix_group_id=False):
+        lanes.append(AdvanceWheelOperator(task_id="advance_wheel", task_display_name="timing wheel", **common))
     lanes >> PublishTopicEventsOperator(  # type: ignore[operator]
         task_id="publish_topic_events", task_display_name="topic Asset events",
         lane_task_ids=[lane.task_id for lane in lanes],

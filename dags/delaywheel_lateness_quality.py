@@ -16,6 +16,10 @@ from airflow.sdk import DAG, Param
 
 from delaywheel.airflow.spark import spark_job
 
+# What the form accepts before a run is created (the job parses them again).
+ISO_8601 = r"^\d{4}-\d{2}-\d{2}([T ]\d{2}:\d{2}(:\d{2}(\.\d+)?)?)?(Z|[+-]\d{2}(:?\d{2})?)?$"
+P99_LIMITS = r"^\s*((default|wheel|direct|\d+)=)?\d+(\.\d*)?(\s*,\s*((default|wheel|direct|\d+)=)?\d+(\.\d*)?)*\s*$"
+
 with DAG(
     dag_id="delaywheel_lateness_quality",
     schedule=timedelta(minutes=15),
@@ -27,15 +31,19 @@ with DAG(
     params={
         "window_minutes": Param(15, type="number", minimum=0.1, description="length of the due-time window"),
         "settle_seconds": Param(60, type="number", minimum=0, description="leave out the most recent due times"),
-        "start": Param("", type="string", description="or: an explicit window start (ISO-8601)"),
-        "end": Param("", type="string", description="and end (exclusive)"),
-        "p99_ms": Param("5000", type="string", title="p99 limits (ms)",
+        # Optional fields are nullable: the form sends an empty field as null (a plain "string" would be required).
+        "start": Param(None, type=["null", "string"], pattern=ISO_8601,
+                       description="or: an explicit window start (ISO-8601, UTC if no offset; empty: end - window)"),
+        "end": Param(None, type=["null", "string"], pattern=ISO_8601,
+                     description="and end, exclusive (empty: now - settle_seconds)"),
+        "p99_ms": Param("5000", type="string", pattern=P99_LIMITS, title="p99 limits (ms)",
                         description="MS, or default=MS,LEVEL=MS,wheel=MS,direct=MS"),
-        "report_dir": Param("", type="string", description="where the HTML report goes (empty: .delaywheel/reports)"),
+        "report_dir": Param(None, type=["null", "string"],
+                            description="where the HTML report goes (empty: .delaywheel/reports)"),
     },
 ) as dag:
     spark_job("lateness_quality", "lateness_quality", [
         "--window-minutes", "{{ params.window_minutes }}", "--settle-seconds", "{{ params.settle_seconds }}",
-        "--start", "{{ params.start }}", "--end", "{{ params.end }}", "--p99-ms", "{{ params.p99_ms }}",
-        "--report-dir", "{{ params.report_dir }}",
+        "--start", "{{ params.start or '' }}", "--end", "{{ params.end or '' }}", "--p99-ms", "{{ params.p99_ms }}",
+        "--report-dir", "{{ params.report_dir or '' }}",
     ])

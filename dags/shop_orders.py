@@ -22,6 +22,7 @@ from delaywheel.airflow.hooks import DelayWheelHook
 from delaywheel.airflow.spark import spark_job
 
 START = datetime(2025, 1, 1)
+DURATION = r"^\d+(ms|s|m|h|d)$"  # the level table's notation (config.parse_duration), checked in the form
 
 with DAG(
     dag_id="shop_place_orders",
@@ -32,8 +33,9 @@ with DAG(
     doc_md=__doc__,
     params={
         "orders": Param(100_000, type="integer", minimum=1, description="How many orders to place."),
-        "timeout": Param("30m", type="string", description="Payment timeout (e.g. 30m; seconds for a demo)."),
-        "period": Param("30s", type="string", description="Spread the orders over this long."),
+        "timeout": Param("30m", type="string", pattern=DURATION,
+                         description="Payment timeout (e.g. 30m; seconds for a demo)."),
+        "period": Param("30s", type="string", pattern=DURATION, description="Spread the orders over this long."),
         "first_id": Param(1, type="integer", minimum=1, description="First order id (ids must be new)."),
     },
 ):

@@ -12,6 +12,7 @@ import os
 import sys
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import pyarrow as pa
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
@@ -28,12 +29,19 @@ from delaywheel.progress import Progress
 JDBC_JAR = os.environ.get("DELAYWHEEL_JDBC_JAR", "/usr/share/java/postgresql.jar")  # Debian libpostgresql-jdbc-java
 COUNTS = "kind string, reason string, n long"
 _COUNTS_ARROW = pa.schema([("kind", pa.string()), ("reason", pa.string()), ("n", pa.int64())])
+# The jobs' JVM logging (spark/log4j2.properties): WARN unless DELAYWHEEL_SPARK_LOG_LEVEL says otherwise.
+LOG4J2 = Path(__file__).resolve().with_name("log4j2.properties")
+LOG4J2_OPTION = f"-Dlog4j2.configurationFile=file:{LOG4J2}"
 _LIBPQ_EXTRAS = {"sslmode", "sslrootcert", "sslcert", "sslkey", "connect_timeout", "options", "application_name"}
 
 
 def session(app: str) -> SparkSession:
     """The job's session. The master comes from spark-submit (the Airflow `spark_default` connection);
-    run directly, it is local[*]. Times are UTC end to end."""
+    run directly, it is local[*]. Times are UTC end to end.
+
+    Run directly (not by spark-submit, which `delaywheel.airflow.spark` configures the same way), the JVM it
+    starts logs at WARN unless DELAYWHEEL_SPARK_LOG_LEVEL asks for more (LOG4J2), and in local mode the driver
+    and its UI listen on 127.0.0.1 only (Spark binds its UI to SPARK_LOCAL_IP, else to every interface)."""
     builder = (
         SparkSession.builder.appName(app)
         .config("spark.jars", JDBC_JAR)
@@ -42,7 +50,10 @@ def session(app: str) -> SparkSession:
         .config("spark.sql.execution.arrow.pyspark.enabled", "true")
     )
     if not os.environ.get("PYSPARK_GATEWAY_PORT"):  # not launched by spark-submit, which sets the master
-        builder = builder.master(os.environ.get("DELAYWHEEL_SPARK_MASTER", "local[*]"))
+        master = os.environ.get("DELAYWHEEL_SPARK_MASTER", "local[*]")
+        builder = builder.master(master).config("spark.driver.extraJavaOptions", LOG4J2_OPTION)
+        if master.startswith("local"):
+            os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")  # read when the JVM starts, at getOrCreate
         # Python workers run `python3` from PATH unless told otherwise: without the project's venv on PATH
         # they would miss the delaywheel library. Use this interpreter (PYSPARK_PYTHON still wins).
         os.environ.setdefault("PYSPARK_PYTHON", sys.executable)

@@ -1,12 +1,15 @@
 """End to end in a real browser: Airflow's API server (UI + our plugin), scheduler and DAG processor on the
 project's PostgreSQL; headless Chromium (Debian's, never a downloaded one) logs in through the UI, triggers the
 consumer template DAG with parameters from the trigger form, then opens the delaywheel page from the navigation
-and checks its figures against the store. Screenshots and service logs go to test-output/browser/."""
+and checks its figures against the store. A second test opens the trigger form of every DAG the DagBag loads
+from dags/ and submits it with its defaults (each DAG paused, so nothing heavy runs); the run must be created.
+Screenshots (one per form: form-<dag_id>.png) and service logs go to test-output/browser/."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -42,10 +45,11 @@ class Airflow:
     base: str
     token: str
 
-    def api(self, path: str) -> Any:
-        response = httpx.get(f"{self.base}{path}", headers={"Authorization": f"Bearer {self.token}"}, timeout=30)
+    def api(self, path: str, method: str = "GET", **kwargs: Any) -> Any:
+        response = httpx.request(method, f"{self.base}{path}", headers={"Authorization": f"Bearer {self.token}"},
+                                 timeout=30, **kwargs)
         response.raise_for_status()
-        return response.json()
+        return response.json() if response.content else None
 
 
 def free_port() -> int:
@@ -132,6 +136,24 @@ def finished(airflow: Airflow, run_id: str) -> dict[str, Any] | None:
     return run if run["state"] in ("success", "failed") else None
 
 
+def launch(p: Any, height: int = 1100) -> Any:
+    browser = p.chromium.launch(executable_path=CHROMIUM, args=[
+        "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"])
+    page = browser.new_page(viewport={"width": 1400, "height": height})
+    page.set_default_timeout(60_000)
+    return browser, page
+
+
+def sign_in(page: Any, airflow: Airflow, path: str) -> None:
+    """Open `path`, which sends an anonymous browser to Airflow's login, sign in, and land back on `path`."""
+    page.goto(f"{airflow.base}{path}")
+    page.wait_for_url("**/auth/login**")  # the dashboard redirects at once, the UI's own pages by script
+    page.get_by_label("Username").fill(USER)
+    page.get_by_label("Password").fill(PASSWORD)
+    page.get_by_role("button", name="Sign in").click()
+    page.wait_for_url(f"{airflow.base}{path}")  # back where we were going, now signed in
+
+
 def seed(store: Store) -> None:
     """Ten messages delivered into the consumer's topic, a level-18 backlog, wheel messages due in 45 min (two)
     and in 30 h (one: pending, but outside the next-24 h histogram)."""
@@ -155,20 +177,11 @@ def test_login_trigger_with_params_and_dashboard_matches_store(airflow: Airflow,
 
     seed(store)
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=[
-            "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"])
-        page = browser.new_page(viewport={"width": 1400, "height": 1100})
-        page.set_default_timeout(60_000)
+        browser, page = launch(p)
 
         # Anonymous: the dashboard's API is refused, the page sends the browser to Airflow's login.
         assert page.request.get(f"{airflow.base}/delaywheel/api/stats").status == 401
-        page.goto(f"{airflow.base}/delaywheel/")
-        assert "/auth/login" in page.url
-
-        page.get_by_label("Username").fill(USER)
-        page.get_by_label("Password").fill(PASSWORD)
-        page.get_by_role("button", name="Sign in").click()
-        page.wait_for_url(f"{airflow.base}/delaywheel/")  # back where we were going, now signed in
+        sign_in(page, airflow, "/delaywheel/")
         expect(page.locator("h1")).to_have_text("delaywheel", timeout=60_000)
 
         # Trigger the consumer with parameters from the UI's trigger form: one batch of three messages.
@@ -220,3 +233,73 @@ def test_login_trigger_with_params_and_dashboard_matches_store(airflow: Airflow,
         page.screenshot(path=str(OUT / "delaywheel-page.png"), full_page=True)
         browser.close()
 
+
+
+def dagbag() -> dict[str, Any]:
+    """Every DAG the DagBag loads from dags/: a new DAG is covered without editing this test."""
+    from airflow.dag_processing.dagbag import DagBag
+
+    bag = DagBag(dag_folder=str(ROOT / "dags"))
+    assert bag.import_errors == {}
+    return dict(bag.dags)
+
+
+def parsed_dag_ids(airflow: Airflow) -> set[str]:
+    return {d["dag_id"] for d in airflow.api("/api/v2/dags?limit=1000")["dags"]}
+
+
+def test_every_dags_trigger_form_submits_with_its_defaults(airflow: Airflow) -> None:
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+    from playwright.sync_api import expect, sync_playwright
+
+    dags = dagbag()
+    dag_ids = sorted(dags)
+    assert len(dag_ids) >= 10
+    wait_for("every DAG to be parsed", lambda: set(dag_ids) <= parsed_dag_ids(airflow), STARTUP_S, [])
+    # Paused, a triggered run stays queued: the form is what is tested, not the jobs (Spark on 2 cores). The
+    # form offers to unpause the DAG on trigger; the test unticks that and checks the DAG stayed paused.
+    for dag_id in dag_ids:
+        airflow.api(f"/api/v2/dags/{dag_id}", "PATCH", json={"is_paused": True})
+    # The deliver DAG's lanes as the grid lists them: in level order (Airflow sorts a DAG's top level by node id).
+    grid = [node["label"] for node in airflow.api("/ui/grid/structure/delaywheel_deliver")]
+    assert grid[:3] == ["level 1 (1s)", "level 2 (5s)", "level 3 (10s)"] and grid[-2] == "timing wheel", grid
+    assert grid.index("level 2 (5s)") < grid.index("level 10 (6m)")
+
+    problems: dict[str, str] = {}
+    with sync_playwright() as p:
+        browser, page = launch(p, height=2000)  # tall: the longest form fits in one screenshot
+        sign_in(page, airflow, "/")
+        for dag_id in dag_ids:
+            run_id = f"ui_form_{dag_id}"
+            page.goto(f"{airflow.base}/dags/{dag_id}")
+            page.get_by_test_id("trigger-dag-button").click()
+            dialog = page.get_by_role("dialog")
+            submit = dialog.get_by_test_id("trigger-dag-submit")
+            expect(submit).to_be_visible()
+            unpause = dialog.get_by_text(re.compile(r"^Unpause .* on trigger$"))
+            unpause.click()  # ticked by default: untick it, the DAG stays paused
+            page.screenshot(path=str(OUT / f"form-{dag_id}.png"), full_page=True)  # the run parameters, as shown
+            if not submit.is_enabled():  # the form refuses its own defaults
+                problems[dag_id] = "Trigger disabled with the defaults"
+                continue
+            dialog.get_by_role("button", name="Advanced Options").click()
+            dialog.get_by_label("Run ID").fill(run_id)
+            submit.click()
+            try:
+                page.wait_for_url(f"**/runs/{run_id}**", timeout=30_000)
+            except PlaywrightTimeout as error:  # collect every DAG's outcome, fail once at the end
+                page.screenshot(path=str(OUT / f"form-{dag_id}-submitted.png"), full_page=True)
+                problems[dag_id] = f"no run page after submitting: {error}"
+                continue
+            run = airflow.api(f"/api/v2/dags/{dag_id}/dagRuns/{run_id}")
+            dag = airflow.api(f"/api/v2/dags/{dag_id}")
+            if run["state"] not in ("queued", "running") or run["run_type"] != "manual" or not dag["is_paused"]:
+                problems[dag_id] = f"run {run['state']}, {run['run_type']}, DAG paused: {dag['is_paused']}"
+            elif set(run["conf"] or {}) != set(dags[dag_id].params):  # the form sent every field
+                problems[dag_id] = f"conf {run['conf']} is not the DAG's params {sorted(dags[dag_id].params)}"
+            if dag_id == "delaywheel_deliver":  # its run page shows the grid: lanes in level order
+                expect(page.get_by_text("level 10 (6m)").first).to_be_visible()
+                page.screenshot(path=str(OUT / "grid-delaywheel_deliver.png"), full_page=True)
+            airflow.api(f"/api/v2/dags/{dag_id}/dagRuns/{run_id}", "DELETE")
+        browser.close()
+    assert problems == {}, problems

@@ -28,6 +28,7 @@ IMPORT_BUDGET_S = 30
 PARSE = """
 import json, sys
 from airflow.dag_processing.dagbag import DagBag
+from airflow.serialization.serialized_objects import DagSerialization
 bag = DagBag(dag_folder=sys.argv[1])
 print(json.dumps({
     "errors": {k: str(v) for k, v in bag.import_errors.items()},
@@ -35,6 +36,9 @@ print(json.dumps({
     "levels": {t.task_id: t.level for t in bag.dags["delaywheel_deliver"].tasks if hasattr(t, "level")},
     "consumer_assets": [a.uri for a in bag.dags["delaywheel_consumer_template"].timetable.asset_condition.objects],
     "spark_loaded": "pyspark" in sys.modules,
+    # the deliver DAG's top level as the grid lists it (serialized, sorted by Airflow's grid order)
+    "grid": [n.label for n in DagSerialization.from_dict(DagSerialization.to_dict(bag.dags["delaywheel_deliver"]))
+             .task_group.topological_sort()],
 }))
 """
 
@@ -70,6 +74,11 @@ def test_every_dag_imports_without_touching_the_store_or_spark(airflow_db: dict[
         "advance_wheel", "publish_topic_events"]
     assert result["levels"] == {f"deliver_level_{n}": n for n in range(1, default + 1)}
     assert result["consumer_assets"] == ["delaywheel://topics/orders"]
+    # the grid lists the lanes in level order (level 2 before level 10), under their tasks' display names
+    assert result["grid"][:3] == ["level 1 (1s)", "level 2 (5s)", "level 3 (10s)"]
+    assert result["grid"][9:] == ["level 10 (6m)", "level 11 (7m)", "level 12 (8m)", "level 13 (9m)", "level 14 (10m)",
+                                  "level 15 (20m)", "level 16 (30m)", "level 17 (1h)", "level 18 (2h)",
+                                  "timing wheel", "publish_topic_events"]
 
 
 @pytest.mark.parametrize("variable", ["DELAYWHEEL_LEVELS", "AIRFLOW__DELAYWHEEL__LEVELS"])

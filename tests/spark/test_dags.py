@@ -1,5 +1,8 @@
-"""The three Spark DAGs under `dag.test()`: SparkSubmitOperator on `spark_default` = local[*], the store from
+"""The Spark DAGs under `dag.test()`: SparkSubmitOperator on `spark_default` = local[*], the store from
 `delaywheel_default`, the jobs' effects checked in the store; a broken lateness contract fails the task.
+Each DAG runs to success once with a realistic parameter set given as the trigger form sends it (every field,
+an empty optional one as null), so the templates' rendering of null is covered. The task log holds the jobs'
+progress lines and hardly any Spark INFO line (Spark logs at WARN unless DELAYWHEEL_SPARK_LOG_LEVEL asks).
 Every job argument is a run parameter: checked against the jobs' own parsers, without starting Spark."""
 
 from __future__ import annotations
@@ -30,16 +33,33 @@ def dags(store_connection: str, monkeypatch: pytest.MonkeyPatch) -> dict[str, An
     from airflow.dag_processing.dagbag import DagBag
 
     bag = DagBag(dag_folder=DagBag().dag_folder)
-    ours = {"delaywheel_bulk_enqueue.py", "delaywheel_redeliver.py", "delaywheel_lateness_quality.py"}
+    ours = {"delaywheel_bulk_enqueue.py", "delaywheel_redeliver.py", "delaywheel_lateness_quality.py", "shop_orders.py"}
     assert not {k: v for k, v in bag.import_errors.items() if Path(k).name in ours}
     return bag.dags
 
 
+SPARK_INFO = re.compile(r"^.*\d\d/\d\d/\d\d \d\d:\d\d:\d\d INFO ", re.MULTILINE)  # log4j2.properties' pattern
+MAX_SPARK_INFO_LINES = 5  # Spark's default INFO logging gave ~250 a job
+
+
+def form_conf(dag: Any, **fields: Any) -> dict[str, Any]:
+    """The conf the trigger form sends: every field, with its default unless given; an empty field is null."""
+    conf = {name: None if value == "" else value for name, value in dag.params.dump().items()}
+    conf.update(fields)
+    return conf
+
+
 def _state(dag: Any, **conf: Any) -> str:
-    return str(dag.test(run_conf=conf or None).state)
+    return str(dag.test(run_conf=form_conf(dag, **conf)).state)
 
 
-def test_bulk_enqueue_dag(dags: dict[str, Any], store: Store, tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+def _spark_info_lines(out: str) -> list[str]:
+    return SPARK_INFO.findall(out)
+
+
+def test_bulk_enqueue_dag(dags: dict[str, Any], store: Store, tmp_path: Path, capfd: pytest.CaptureFixture[str],
+                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DELAYWHEEL_INPUT_ROOTS", str(tmp_path))  # inputs are read only under an input root
     path = tmp_path / "timers.csv"
     with path.open("w", newline="") as f:
         writer = csv.writer(f)
@@ -50,8 +70,10 @@ def test_bulk_enqueue_dag(dags: dict[str, Any], store: Store, tmp_path: Path, ca
     assert _state(dags["delaywheel_bulk_enqueue"], input=str(path), topic="orders") == "success"
 
     # the task log has each partition's closing progress line (progress.Progress, from the Spark job's stderr)
-    done = re.findall(r"bulk enqueue, partition \d+: ([\d,]+) rows, .*?, done", capfd.readouterr().out)
+    out = capfd.readouterr().out
+    done = re.findall(r"bulk enqueue, partition \d+: ([\d,]+) rows, .*?, done", out)
     assert done and sum(int(n.replace(",", "")) for n in done) == 41, done
+    assert len(_spark_info_lines(out)) <= MAX_SPARK_INFO_LINES, _spark_info_lines(out)
     assert store.conn.execute("SELECT count(*) FROM delaywheel.level_queue").fetchone() == (40,)
     assert store.conn.execute("SELECT row_number, reason FROM delaywheel.quarantine").fetchall() == [(41, "bad_level")]
 
@@ -63,7 +85,9 @@ def test_redeliver_dag_catches_up(dags: dict[str, Any], store: Store, capfd: pyt
     assert _state(dags["delaywheel_redeliver"], mode="catch-up") == "success"
 
     # every lane's closing progress line is in the task log (progress.Progress, from the Spark job's stderr)
-    done = dict(re.findall(r"catch-up, (level \d+|wheel): ([\d,]+) delivered, .*?, done", capfd.readouterr().out))
+    out = capfd.readouterr().out
+    done = dict(re.findall(r"catch-up, (level \d+|wheel): ([\d,]+) delivered, .*?, done", out))
+    assert len(_spark_info_lines(out)) <= MAX_SPARK_INFO_LINES, _spark_info_lines(out)
     assert set(done) == {f"level {n}" for n in range(1, 19)} | {"wheel"}
     assert sum(int(n.replace(",", "")) for n in done.values()) == 90
 
@@ -71,18 +95,42 @@ def test_redeliver_dag_catches_up(dags: dict[str, Any], store: Store, capfd: pyt
                               ).fetchone() == (90, 90)
 
 
-def test_lateness_dag_fails_on_a_broken_contract(dags: dict[str, Any], store: Store, tmp_path: Path) -> None:
+def test_lateness_dag_passes_then_fails_on_a_broken_contract(dags: dict[str, Any], store: Store, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch,
+                                                            capfd: pytest.CaptureFixture[str]) -> None:
     enqueued = store.clock() - timedelta(minutes=10)  # inside the default window: the last 15 minutes, settled
     store.send_many([Message("orders", {"i": i}, delay_level=2, key=f"q{i}") for i in range(20)], now=enqueued)
     store.deliver_due(now=enqueued + timedelta(seconds=6))
+    dag = dags["delaywheel_lateness_quality"]
+
+    # the form's defaults (start, end and report_dir empty: null), with per-lane limits
+    assert _state(dag, p99_ms="default=5000,2=3000,wheel=2000") == "success"
+    out = capfd.readouterr().out
+    assert len(_spark_info_lines(out)) <= MAX_SPARK_INFO_LINES, _spark_info_lines(out)
+
     store.conn.execute("UPDATE delaywheel.topic_messages SET delivered_at = deliver_at - interval '2 s'"
                        " WHERE key = 'q7'")
+    monkeypatch.setenv("DELAYWHEEL_SPARK_LOG_LEVEL", "info")  # asked for: Spark's INFO lines are back
+    assert _state(dag, report_dir=str(tmp_path)) == "failed"
+    out = capfd.readouterr().out
+    assert len(_spark_info_lines(out)) > 50
+    assert re.search(r"INFO JettyUtils: Start Jetty 127\.0\.0\.1:\d+ for SparkUI", out), "the UI listens on loopback"
 
-    assert _state(dags["delaywheel_lateness_quality"], report_dir=str(tmp_path)) == "failed"
+    saved = store.conn.execute("SELECT success, failed, report_path FROM delaywheel.validation_results"
+                               " ORDER BY id").fetchall()
+    assert [(s, f) for s, f, _ in saved] == [(True, []), (False, ["zero_early_deliveries"])]
+    assert Path(saved[0][2]).parent != tmp_path and Path(saved[1][2]).parent == tmp_path
 
-    saved = store.conn.execute("SELECT success, failed, report_path FROM delaywheel.validation_results").fetchall()
-    assert [(s, f) for s, f, _ in saved] == [(False, ["zero_early_deliveries"])]
-    assert Path(saved[0][2]).parent == tmp_path
+
+def test_place_orders_dag(dags: dict[str, Any], store: Store) -> None:
+    from delaywheel import orders
+
+    orders.reset(store, stock_per_sku=1000)
+    assert _state(dags["shop_place_orders"], orders=120, timeout="30m", period="1s", first_id=1) == "success"
+
+    assert store.conn.execute("SELECT count(*) FROM shop.orders").fetchone() == (120,)
+    stats = store.stats()  # each order's timeout message, pending (due in 30 minutes)
+    assert stats["wheel"]["pending"] + sum(level["backlog"] for level in stats["levels"]) == 120
 
 
 class _Parsed(Exception):
@@ -130,6 +178,11 @@ def _job_argv(dag: Any, conf: dict[str, Any]) -> list[str]:
      {"query": "SELECT 1", "source_url": "postgresql://shop@db/shop", "partitions": "6"},
      {"input": None, "source_url": "postgresql://shop@db/shop", "partitions": 6}),
     ("delaywheel_lateness_quality", "lateness_quality", {}, {"start": None, "window_minutes": 15.0}),
+    ("delaywheel_lateness_quality", "lateness_quality",  # as the form sends empty fields: null
+     {"start": None, "end": None, "report_dir": None}, {"start": None, "end": None, "report_dir": None}),
+    ("delaywheel_lateness_quality", "lateness_quality",
+     {"start": "2026-01-01T00:00", "end": "2026-01-01T01:00:00+02:00", "report_dir": "/tmp/r"},
+     {"report_dir": "/tmp/r", "window_minutes": 15.0}),
 ])
 def test_every_job_argument_is_a_run_parameter(dags: dict[str, Any], monkeypatch: pytest.MonkeyPatch, dag_id: str,
                                                job: str, conf: dict[str, Any], expected: dict[str, Any]) -> None:

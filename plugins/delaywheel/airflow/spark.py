@@ -3,6 +3,10 @@
 The Spark connection (`spark_default`) decides where a job runs: `local[*]` by default, or a cluster
 (`spark://host:7077`, `yarn`, `k8s://…`) by editing that connection; nothing in the DAGs changes. The store's
 URL comes from the `delaywheel_default` connection at run time (templated, never read while parsing).
+
+Spark's JVM logs at WARN (`spark/log4j2.properties`; DELAYWHEEL_SPARK_LOG_LEVEL=info in the worker's
+environment asks for Spark's INFO lines), so a task log shows the jobs' own progress lines and result, not
+hundreds of Spark INFO lines. On a `local[…]` master the driver and its UI listen on 127.0.0.1 only.
 """
 
 from __future__ import annotations
@@ -12,14 +16,31 @@ import sys
 from typing import Any
 
 from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
+from airflow.sdk import BaseHook
 
 from delaywheel.config import PROJECT_ROOT
 
 SPARK_DIR = PROJECT_ROOT / "spark"
+LOG4J2 = SPARK_DIR / "log4j2.properties"
 JDBC_JAR = os.environ.get("DELAYWHEEL_JDBC_JAR", "/usr/share/java/postgresql.jar")
 DB_URL = "{{ conn.delaywheel_default.get_uri() }}"
 # Who asked, for audit rows: the user who triggered the run, else the scheduler.
 REQUESTED_BY = "{{ dag_run.triggering_user_name or 'scheduler' }}"
+
+
+class DelaywheelSparkSubmitOperator(SparkSubmitOperator):
+    """SparkSubmitOperator that keeps a local Spark on loopback: Spark binds its driver and UI to SPARK_LOCAL_IP,
+    else to every interface. The master is only known at run time (the `spark_default` connection), and a
+    cluster's executors must reach the driver, so SPARK_LOCAL_IP is set only for a `local[…]` master."""
+
+    def execute(self, context: Any) -> None:
+        try:
+            master = BaseHook.get_connection(self._conn_id).host or ""
+        except Exception:  # no such connection: the hook falls back to its own default (yarn)
+            master = ""
+        if master.startswith("local"):
+            self.env_vars = {"SPARK_LOCAL_IP": "127.0.0.1", **(self.env_vars or {})}
+        super().execute(context)
 
 
 def spark_job(task_id: str, job: str, args: list[str], **kwargs: Any) -> SparkSubmitOperator:
@@ -28,7 +49,7 @@ def spark_job(task_id: str, job: str, args: list[str], **kwargs: Any) -> SparkSu
     Executors need the delaywheel library: with `local[*]` they use this interpreter (PYSPARK_PYTHON); on a
     cluster, install delaywheel into the cluster's Python and set DELAYWHEEL_SPARK_PYTHON to it."""
     python = os.environ.get("DELAYWHEEL_SPARK_PYTHON", sys.executable)
-    return SparkSubmitOperator(
+    return DelaywheelSparkSubmitOperator(
         task_id=task_id,
         conn_id="spark_default",
         application=str(SPARK_DIR / f"{job}.py"),
@@ -37,5 +58,6 @@ def spark_job(task_id: str, job: str, args: list[str], **kwargs: Any) -> SparkSu
         name=f"delaywheel-{job}",
         application_args=["--db-url", DB_URL, "--requested-by", REQUESTED_BY, *args],
         env_vars={"PYSPARK_PYTHON": python, "PYSPARK_DRIVER_PYTHON": python, "TZ": "UTC"},
+        conf={"spark.driver.extraJavaOptions": f"-Dlog4j2.configurationFile=file:{LOG4J2}", **kwargs.pop("conf", {})},
         **kwargs,
     )
