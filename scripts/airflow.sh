@@ -36,9 +36,11 @@ export AIRFLOW__CORE__PLUGINS_FOLDER="$ROOT/plugins"
 export DELAYWHEEL_HOME="$ROOT"
 mkdir -p "$AIRFLOW_HOME"
 
-# Start the embedded cluster if no external store is configured (idempotent), then derive both URLs from
-# the store's: the store itself for connection `delaywheel_default`, database $AIRFLOW_DB (`airflow`) beside it
-# for Airflow's metadata (created if missing; the embedded cluster creates `airflow` at initdb).
+# Start the embedded cluster if no external store is configured (idempotent), then derive both URLs: the store's
+# (its runtime role, for connection `delaywheel_default`) and Airflow's metadata database $AIRFLOW_DB (`airflow`)
+# beside it, created if missing, as the cluster's superuser on the embedded cluster (the store's roles may create
+# nothing; the README's "Roles") and with the store URL's credentials on an external server. A metadata URL set in
+# AIRFLOW__DATABASE__SQL_ALCHEMY_CONN is used as it is.
 "$PY" -m delaywheel.cli db start >/dev/null
 read -r STORE_URL AIRFLOW_DB_URL < <(AIRFLOW_DB="$AIRFLOW_DB" "$PY" - <<'PYEOF'
 import os
@@ -47,13 +49,19 @@ import psycopg
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from sqlalchemy.engine import URL
+from delaywheel import embedded, load_settings
 from delaywheel.db import database_url
 
-store, name = database_url(), os.environ["AIRFLOW_DB"]
-with psycopg.connect(make_conninfo(store, dbname="postgres"), autocommit=True) as conn:
+settings = load_settings()
+store, name = database_url(settings), os.environ["AIRFLOW_DB"]
+server = store if settings.database_url else embedded.default_cluster().admin_url("postgres")
+if os.environ.get("AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"):
+    print(store, "-")
+    raise SystemExit
+with psycopg.connect(make_conninfo(server, dbname="postgres"), autocommit=True) as conn:
     if not conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone():
         conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-p = conninfo_to_dict(store)
+p = conninfo_to_dict(server)
 meta = URL.create("postgresql+psycopg2", username=p.get("user"), password=p.get("password"), host=p.get("host"),
                   port=int(p.get("port", 5432)), database=name)
 print(store, meta.render_as_string(hide_password=False))
