@@ -74,9 +74,12 @@ export AIRFLOW_CONN_DELAYWHEEL_DEFAULT="${AIRFLOW_CONN_DELAYWHEEL_DEFAULT:-$STOR
 [[ -n "${AIRFLOW_CONN_SPARK_DEFAULT:-}" ]] || AIRFLOW_CONN_SPARK_DEFAULT='{"conn_type":"spark","host":"local[*]"}'
 export AIRFLOW_CONN_SPARK_DEFAULT
 
-# The API server's port and the URL every process reaches it by (tasks report to its Execution API there).
-export AIRFLOW__API__PORT="${AIRFLOW__API__PORT:-8080}"
-export AIRFLOW__API__BASE_URL="${AIRFLOW__API__BASE_URL:-http://127.0.0.1:$AIRFLOW__API__PORT}"
+# The URL every process reaches the API server by (tasks report to its Execution API there): airflow.cfg's
+# (port 8080), or, given another port in AIRFLOW__API__PORT, the same on that port.
+if [[ -n "${AIRFLOW__API__PORT:-}" ]]; then
+  export AIRFLOW__API__BASE_URL="${AIRFLOW__API__BASE_URL:-http://127.0.0.1:$AIRFLOW__API__PORT}"
+fi
+UI="${AIRFLOW__API__BASE_URL:-http://127.0.0.1:8080}"
 
 # Secrets every Airflow process must share, generated once per AIRFLOW_HOME (files of mode 0600, kept out of
 # airflow.cfg and git; delaywheel.local_airflow.SECRETS says what each is for): the Fernet key, the JWT secret
@@ -99,7 +102,7 @@ airflow pools set delaywheel_deliver "$SLOTS" "delaywheel_deliver: per level and
 
 PASSWORDS="$AIRFLOW_HOME/simple_auth_manager_passwords.json.generated"
 login() {
-  echo "Airflow UI: $AIRFLOW__API__BASE_URL  user: admin  password: $(cat "$PASSWORDS" 2>/dev/null || echo "in $PASSWORDS")"
+  echo "Airflow UI: $UI  user: admin  password: $(cat "$PASSWORDS" 2>/dev/null || echo "in $PASSWORDS")"
 }
 if [[ "${1:-}" == "standalone" ]]; then
   login
@@ -209,7 +212,7 @@ trap 'stop' EXIT
 # The API server first: workers report to its Execution API, so a task started before it answers fails.
 service api-server
 for _ in $(seq 1 180); do
-  curl -fs "$AIRFLOW__API__BASE_URL/api/v2/monitor/health" >/dev/null && break
+  curl -fs "$UI/api/v2/monitor/health" >/dev/null && break
   kill -0 "${pid[api-server]}" 2>/dev/null || { note "the API server exited"; exit 1; }
   sleep 1
 done
