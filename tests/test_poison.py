@@ -29,6 +29,7 @@ from delaywheel.validation import (
     storable,
 )
 from tests.conftest import at, deliveries
+from tests.test_roles import role_db, roles  # noqa: F401  (fixtures)
 
 NOW = datetime(2030, 1, 1, 12, tzinfo=UTC)
 SETTINGS = Settings()
@@ -345,3 +346,22 @@ def test_the_cli_refuses_what_it_refused_to_deliver_before(store: Store, db_url:
     assert main(["send", "--topic", "%DLQ%g", "--body", "1"]) == 2
     assert "reserved" in capsys.readouterr().err
     assert _hot_rows(store) == 0
+
+
+def test_the_runtime_role_sets_rows_aside(role_db: tuple[str, str]) -> None:  # noqa: F811
+    """Set-aside needs nothing the runtime role lacks (README "Roles"): a level row and a far row, poisoned by the
+    owner, are set aside by a runtime store's passes and the roll."""
+    owner, runtime = role_db
+    t0 = datetime(2030, 1, 1, tzinfo=UTC)
+    with Store(runtime, Settings()) as store, psycopg.connect(owner, autocommit=True) as admin:
+        level_ids = [store.send("orders", b"x", delay_level=1, now=t0) for _ in range(2)]
+        far_ids = [store.send("orders", b"x", delay=timedelta(days=5), now=t0) for _ in range(2)]
+        admin.execute("UPDATE delaywheel.level_segments SET properties = ARRAY[%s] WHERE id_first = %s",
+                      (BAD_PROPERTIES, level_ids[0]))
+        admin.execute("UPDATE delaywheel.wheel_far_segments SET properties = ARRAY[%s] WHERE id_first = %s",
+                      (BAD_PROPERTIES, far_ids[0]))
+        assert store.deliver_level(1, now=at(t0, 5)).delivered == 1
+        for day in range(2, 7):
+            store.advance_wheel(now=t0 + timedelta(days=day, seconds=1))
+        assert _delivered_once(store) == [level_ids[1], far_ids[1]]
+        assert [r[:2] for r in _set_aside(store)] == [(level_ids[0], "level"), (far_ids[0], "wheel")]
