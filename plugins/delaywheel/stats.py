@@ -30,7 +30,7 @@ from psycopg import pq
 from .config import Settings
 
 HISTOGRAM_HOURS = 24
-EXACT_ROWS = 250_000  # near-wheel rows stats counts one by one beyond the next hour (see _near_estimates)
+EXACT_ROWS = 100_000  # near-wheel rows stats counts one by one beyond the next hour (see _near_estimates)
 RECENT = 5  # quarantined and set-aside rows listed, most recent first
 MINUTE, HOUR = timedelta(minutes=1), timedelta(hours=1)
 _INFINITY = datetime.max.replace(tzinfo=UTC)  # the open ends of the time axis
@@ -137,11 +137,14 @@ _NEAR_AHEAD = """
 # live rows the cumulative statistics counted (inserts committed since the last VACUUM or ANALYZE counted them), or
 # what the last VACUUM/ANALYZE found, whichever is more (rows leave a partition only when it is dropped).
 _NEAR_PARTITIONS = """
-    SELECT p.lo, p.hi, greatest(pg_stat_get_live_tuples(c.oid), c.reltuples, 0)::bigint AS rows
-    FROM delaywheel.partitions p JOIN pg_class c ON c.relname = p.name
-    JOIN pg_namespace n ON n.oid = c.relnamespace AND n.nspname = 'delaywheel'
-    WHERE p.parent = 'wheel' AND p.hi > %(cursor_at)s
-    ORDER BY p.lo
+    SELECT b.lo, b.hi, b.rows FROM (
+        SELECT p.bound[1]::timestamptz AS lo, p.bound[2]::timestamptz AS hi,
+               greatest(pg_stat_get_live_tuples(c.oid), c.reltuples, 0)::bigint AS rows
+        FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
+        CROSS JOIN LATERAL regexp_match(pg_get_expr(c.relpartbound, c.oid), 'FROM \\(''(.*)''\\) TO \\(''(.*)''\\)') AS p(bound)
+        WHERE i.inhparent = 'delaywheel.wheel'::regclass) b
+    WHERE b.hi > %(cursor_at)s
+    ORDER BY b.lo
 """
 # Rows behind the cursor committed after its pass (xid >= horizon_xid): the next pass delivers them first.
 _STRAGGLERS = """
