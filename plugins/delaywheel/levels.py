@@ -203,8 +203,8 @@ def set_aside(conn: psycopg.Connection, cache: PartitionCache, level: int, limit
     """Set aside the rows of the level's next batch that cannot be delivered (own transaction, under the level's
     lock); returns how many there are, those set aside before included (their cast still fails the fast pass)."""
     with conn.transaction():
-        row = conn.execute(
-            f"SELECT pg_advisory_xact_lock(%s, %s), {COMMIT_HORIZON}::text", (LEVEL_LOCK, level)
+        row = conn.execute(  # planned as the pass is (QUEUE_PLAN): the FIFO index, not a sort of the queue
+            f"SELECT pg_advisory_xact_lock(%s, %s), {COMMIT_HORIZON}::text, {QUEUE_PLAN}", (LEVEL_LOCK, level)
         ).fetchone()
         assert row is not None
         cursor = conn.execute(

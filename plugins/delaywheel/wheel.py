@@ -70,12 +70,12 @@ FROM delaywheel.wheel_far_segments s,
      LATERAL delaywheel.undeliverable(m.topic, m.body, m.is_json, m.properties) u
 WHERE s.block < %(target)s AND u.reason IS NOT NULL
 """
-# The rows a wheel pass would read (stragglers and its due batch) that cannot be delivered and are not cancelled.
+# The rows a wheel pass would read ({rows}: its stragglers, or its due batch) that cannot be delivered and are not
+# cancelled.
 _UNDELIVERABLE = """
 SELECT d.id, 'wheel', NULL::smallint, d.topic, d.key, d.deliver_at, u.reason, u.detail, d.tags, d.properties::text,
        d.body, d.is_json, 0
-FROM ((""" + _STRAGGLERS + """) UNION ALL (""" + _DUE + """)) d,
-     LATERAL delaywheel.undeliverable(d.topic, d.body, d.is_json, d.properties::text) u
+FROM ({rows}) d, LATERAL delaywheel.undeliverable(d.topic, d.body, d.is_json, d.properties::text) u
 WHERE u.reason IS NOT NULL
   AND NOT EXISTS (SELECT 1 FROM delaywheel.cancellations c WHERE c.message_id = d.id AND c.due_at = d.deliver_at)
 """
@@ -177,10 +177,11 @@ def _set_aside_due(conn: psycopg.Connection, cache: PartitionCache, now: datetim
         state = conn.execute("SELECT cursor_at, cursor_id, horizon_xid::text FROM delaywheel.wheel_state").fetchone()
         assert state is not None
         cursor_at, cursor_id, horizon = state
-        bad = conn.execute(_UNDELIVERABLE, {
-            "now": clock, "xmin": str(max(int(xmin), int(horizon))), "horizon": horizon, "cursor_at": cursor_at,
-            "cursor_id": cursor_id, "limit": limit,
-        }).fetchall()
+        params = {"now": clock, "xmin": str(max(int(xmin), int(horizon))), "horizon": horizon, "cursor_at": cursor_at,
+                  "cursor_id": cursor_id, "limit": limit}
+        bad = conn.execute(_UNDELIVERABLE.format(rows=_STRAGGLERS), params).fetchall()  # type: ignore[arg-type]
+        conn.execute(f"SELECT {QUEUE_PLAN}")  # as the pass plans its due batch (after its stragglers)
+        bad += conn.execute(_UNDELIVERABLE.format(rows=_DUE), params).fetchall()  # type: ignore[arg-type]
         return record(conn, cache, bad)
 
 
