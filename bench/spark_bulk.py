@@ -18,6 +18,7 @@ first would pay for everyone.
 from __future__ import annotations
 
 import io
+import os
 import sys
 import time
 from datetime import UTC, datetime
@@ -85,8 +86,11 @@ def enqueue(url: str, path: Path, reader: str = "auto") -> float:
     return elapsed
 
 
+BENCH_INPUT = Path("/tmp")
+
+
 def parquet(count: int) -> Path:
-    path = Path("/tmp") / f"delaywheel_bench_{count}.parquet"
+    path = BENCH_INPUT / f"delaywheel_bench_{count}.parquet"
     if not path.exists():
         log(f"writing {count:,} rows to {path}")
         write_parquet(path, count)
@@ -110,6 +114,7 @@ def warm_up(spark: object, path: Path) -> str:
 def main() -> list[Check]:
     args = parse_args(__doc__.splitlines()[0])
     count = scaled(ROWS, args.scale)
+    os.environ.setdefault("DELAYWHEEL_INPUT_ROOTS", str(BENCH_INPUT))  # bulk enqueue reads only under an input root
     started_at = datetime.now(UTC)
     path = parquet(count)
     spark = sparkjob.session("delaywheel bench: bulk enqueue")
