@@ -3,7 +3,8 @@ rows the store would not take (quarantine) or could not deliver (set aside).
 
 `collect` reads them all in one READ ONLY, REPEATABLE READ transaction, so they describe one moment: the clock is
 read after that transaction's snapshot is taken, hence no pass it can see ran later than its `now` (a lag is never
-negative). Every figure is exact, and each query costs what it reads through an index, not what is pending:
+negative). Each query costs what it reads through an index or a segment row, not what is pending, and every figure
+is exact but one kind (flagged by the wheel's `estimated_after`):
 
 * a level's backlog is the sum of its pending segments' `n` (a segment holds up to 1,000 messages), plus the part
   of the one segment its checkpoint sits in;
@@ -11,7 +12,10 @@ negative). Every figure is exact, and each query costs what it reads through an 
   them (only when the roll is overdue) is unnested;
 * the near wheel is counted per interval of the time axis (overdue, the next minute, each hour of the next 24 h,
   later) by index-only range scans of `(deliver_at, id)` from the cursor on, plus the stragglers behind it;
-* cancellations (set-aside rows included) are subtracted per interval, each found from its own side.
+* cancellations (set-aside rows included) are subtracted per interval, each found from its own side;
+* past a budget of rows counted (EXACT_ROWS, never within the next hour), each later hourly partition of the near
+  wheel adds the live-row count of PostgreSQL's statistics instead: exact while they are intact and flushed (a
+  committed insert reaches them within seconds; a crash resets them until the next ANALYZE).
 
 The delivered side (lateness over the window, topic depth, group lag) reads `topic_messages` as before.
 """
