@@ -24,13 +24,19 @@ NOW = datetime(2030, 1, 1, 12, 0, 0, 250_000, tzinfo=UTC)
 SETTINGS = Settings(max_body_bytes=64)
 YEAR = timedelta(days=365)
 
-topics = st.sampled_from(["orders", "orders.timeout", "%RETRY%g", "", "bad topic", "x" * 128])
+topics = st.sampled_from(["orders", "orders.timeout", "%RETRY%g", "%DLQ%g", "", "bad topic", "x" * 128, "orders\n",
+                         "orders\x00"])
+UNSTORABLE = st.sampled_from(["\x00", "a\x00", "\udcff", "\ud800\udc00"])  # NUL, lone surrogates (issue 18)
 bodies = st.one_of(st.sampled_from([b"x" * 64, b"x" * 65, "é" * 32, "é" * 33]), st.binary(max_size=80), st.dictionaries(st.text(max_size=3), st.integers(), max_size=3),
-                   st.lists(st.integers(), max_size=4), st.text(max_size=10), st.just(object()))
-keys = st.one_of(st.sampled_from(["", "k" * 1024, "k" * 1025, None]), st.text(max_size=4), st.integers())
-tags = st.one_of(st.none(), st.sampled_from(["created", "paid"]), st.integers())
+                   st.lists(st.integers(), max_size=4), st.text(max_size=10), st.just(object()), UNSTORABLE,
+                   st.dictionaries(UNSTORABLE, st.integers(), max_size=1), st.sampled_from(["\\u0000", [[[[]]]]]))
+keys = st.one_of(st.sampled_from(["", "k" * 1024, "k" * 1025, None]), st.text(max_size=4), st.integers(), UNSTORABLE)
+tags = st.one_of(st.none(), st.sampled_from(["created", "paid", "t" * 1024, "t" * 1025]), st.integers(), UNSTORABLE)
 properties = st.one_of(st.none(), st.just({}), st.dictionaries(st.sampled_from(["a", "b"]), st.sampled_from(["1", "2"])),
-                       st.just({"a": 1}), st.just({1: "a"}))
+                       st.just({"a": 1}), st.just({1: "a"}), st.dictionaries(UNSTORABLE, st.just("1"), max_size=1),
+                       st.dictionaries(st.just("a"), UNSTORABLE, max_size=1),
+                       st.sampled_from([{"ORIGIN_MESSAGE_ID": "1"}, {"ORIGIN_TOPIC": "t", "a": "1"}, {"REPLAY_ID": "r"},
+                                        {"a": "v" * 32_758}, {"a": "v" * 32_759}, {"a": "é" * 5459}]))
 levels = st.one_of(st.sampled_from([-1, 0, 18, 19, 2**31 - 1, 2**31, 2**63, 1.0, True, None]), st.integers(-1, 20))
 # the edges of each rule, which random draws over a year would rarely hit
 EDGES_DELAY = [timedelta(microseconds=-1), timedelta(0), -1, 0, YEAR, YEAR + timedelta(microseconds=1),
