@@ -184,3 +184,15 @@ def test_stats_reads_segments_and_index_ranges_without_jit(store: Store, t0: dat
     assert (wheel["next_hour"], wheel["next_day"], wheel["estimated_after"]) == (1000, 2 * BACKLOG, t0 + timedelta(hours=5))
     assert levels_read <= 2 * (BACKLOG // 1000) + 5  # its segments (backlog and head reads), not its 20,000 messages
     assert wheel_read < 1000 + 100  # the next hour's entries, not the 40,000 of hour 5
+
+
+def test_store_connections_keep_a_urls_own_options(db_url: str) -> None:
+    """JIT goes off by libpq `options`, appended to any the URL already sets (not replacing them)."""
+    from psycopg.conninfo import make_conninfo
+
+    from delaywheel.db import connect
+
+    url = make_conninfo(db_url, options="-c statement_timeout=12345")
+    with connect(url) as conn:
+        assert conn.execute("SELECT current_setting('jit'), current_setting('statement_timeout')").fetchone() == (
+            "off", "12345ms")
