@@ -4,9 +4,11 @@ fails."""
 
 from __future__ import annotations
 
+import shutil
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import psycopg
 import pytest
@@ -14,7 +16,7 @@ from psycopg import errors
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from delaywheel import Settings, Store, embedded
-from delaywheel.migrate import OWNER_ROLE, RUNTIME_ROLE, MigrationError, available, migrate, owner_url
+from delaywheel.migrate import OWNER_ROLE, RUNTIME_ROLE, SQL_DIR, MigrationError, available, migrate, owner_url
 from delaywheel.validation import Message
 
 T0 = datetime(2030, 1, 1, tzinfo=UTC)
@@ -244,3 +246,24 @@ def test_migrate_as_the_runtime_role_changes_nothing(role_db: tuple[str, str], s
     finally:
         with psycopg.connect(server_url, autocommit=True) as conn:
             conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+def test_what_later_migrations_create_is_granted_to_the_runtime(role_db: tuple[str, str], tmp_path: Path) -> None:
+    """Default privileges (sql/017): a table and a function a later migration adds are the runtime's to use as the
+    others (rows in, out and updated; no DELETE), with no GRANT in the migration."""
+    owner, runtime = role_db
+    sql_copy = tmp_path / "sql"
+    shutil.copytree(SQL_DIR, sql_copy)
+    newest = available(sql_copy)[-1].version
+    (sql_copy / f"{newest + 1:03d}_later.sql").write_text(
+        "CREATE TABLE delaywheel.later (id bigint GENERATED ALWAYS AS IDENTITY, note text);\n"
+        "CREATE FUNCTION delaywheel.later_count() RETURNS bigint LANGUAGE sql AS 'SELECT count(*) FROM delaywheel.later';\n")
+    assert migrate(owner, sql_copy) == [f"{newest + 1:03d}_later.sql"]
+    with psycopg.connect(runtime, autocommit=True) as conn:
+        conn.execute("INSERT INTO delaywheel.later (note) VALUES ('a')")
+        conn.execute("UPDATE delaywheel.later SET note = 'b'")
+        assert conn.execute("SELECT delaywheel.later_count()").fetchone() == (1,)
+        with pytest.raises(errors.InsufficientPrivilege):
+            conn.execute("DELETE FROM delaywheel.later")
+        owners = conn.execute("SELECT relowner::regrole::text FROM pg_class WHERE relname = 'later'").fetchone()
+    assert owners == (OWNER_ROLE,)
