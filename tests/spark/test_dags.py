@@ -202,3 +202,19 @@ def test_reconcile_needs_a_due_column_or_a_delay(dags: dict[str, Any]) -> None:
     for conf in (reconcile, {**reconcile, "due_column": "deadline", "delay_seconds": "90"}):
         with pytest.raises(SystemExit):
             redeliver.main(_job_argv(dags["delaywheel_redeliver"], conf))
+
+
+@pytest.mark.parametrize(("master", "loopback"), [("local[2]", True), ("spark://spark-master:7077", False)])
+def test_a_local_spark_listens_on_loopback_only(dags: dict[str, Any], monkeypatch: pytest.MonkeyPatch, master: str,
+                                                 loopback: bool) -> None:
+    """SPARK_LOCAL_IP (where Spark binds its driver and UI) is 127.0.0.1 for a local master only: a cluster's
+    executors must reach the driver. The JVM logs at WARN through spark/log4j2.properties either way."""
+    from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
+
+    monkeypatch.setenv("AIRFLOW_CONN_SPARK_DEFAULT", json.dumps({"conn_type": "spark", "host": master}))
+    seen: list[dict[str, Any]] = []
+    monkeypatch.setattr(SparkSubmitOperator, "execute", lambda self, context: seen.append(dict(self.env_vars)))
+    task = copy.deepcopy(dags["delaywheel_lateness_quality"].get_task("lateness_quality"))
+    task.execute({})
+    assert (seen[0].get("SPARK_LOCAL_IP") == "127.0.0.1") is loopback
+    assert task.conf["spark.driver.extraJavaOptions"].endswith("spark/log4j2.properties")
