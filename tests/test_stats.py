@@ -197,3 +197,28 @@ def test_json_numbers_are_numbers(store: Store, db_url: str, t0: datetime, monke
     assert isinstance(printed["now"], str) and datetime.fromisoformat(printed["now"])
     assert not [p for p, t in number_paths(printed).items() if t == "str" and p.endswith(("_s", "count", "due", "n"))]
     assert number_paths(printed) == number_paths(json.loads(json.dumps(stats.as_json(store.stats()))))
+
+
+def test_stragglers_and_cancellations_count_in_their_interval(store: Store, db_url: str, t0: datetime) -> None:
+    """A timer committed after a pass passed its due time (a straggler) is overdue; a cancelled one is not pending."""
+    store.advance_wheel(now=t0)
+    with Store(db_url) as producer:
+        with producer.conn.transaction():
+            producer.send("timers", b"late", deliver_at=at(t0, 5), now=t0)
+            store.advance_wheel(now=at(t0, 10))  # passes t0+10 below the producer's open transaction
+        ids = producer.send_many([Message("timers", {"s": s}, deliver_at=at(t0, s)) for s in (3600, 3600, 7200)],
+                                 now=at(t0, 10))
+    store.cancel(message_id=ids[0])
+    wheel = store.stats(now=at(t0, 10))["wheel"]
+    assert (wheel["overdue"], wheel["lag_s"], wheel["head_due"]) == (1, 5.0, at(t0, 5))
+    assert (wheel["next_hour"], wheel["next_day"], wheel["pending"]) == (1, 1, 3)  # one of the two at 3600 s is cancelled
+    assert [b["due"] for b in wheel["histogram_24h"]][:3] == [1, 1, 0]  # (t0+10, t0+3610] holds 3600 s; then 7200 s
+
+
+def test_far_blocks_the_roll_has_not_reached_count_by_their_due_times(store: Store, t0: datetime) -> None:
+    store.advance_wheel(now=t0)  # near_until: the day after t0 + 3 days
+    store.send_many([Message("timers", {"d": d}, deliver_at=t0 + timedelta(days=d)) for d in (5, 5, 6, 40)], now=t0)
+    assert store.stats(now=t0)["wheel"]["later"] == 4
+    late = t0 + timedelta(days=5, hours=1)  # no pass since: the block of day 5 is overdue, day 6 within 24 h
+    wheel = store.stats(now=late)["wheel"]
+    assert (wheel["overdue"], wheel["next_day"], wheel["later"], wheel["lag_s"]) == (2, 1, 1, 3600.0)

@@ -150,12 +150,13 @@ _NEAR_PARTITIONS = """
     WHERE b.hi > %(cursor_at)s
     ORDER BY b.lo
 """
+# The queries below find each row's interval (lo, hi] by binary search in the intervals' starts: width_bucket gives
+# the i with lo_i <= x < lo_i+1, so x less one microsecond (timestamptz's resolution) lands in (lo_i, lo_i+1].
 # Rows behind the cursor committed after its pass (xid >= horizon_xid): the next pass delivers them first.
 _STRAGGLERS = """
-    SELECT b.i::int AS i, count(*) AS n, min(w.deliver_at) AS first
+    SELECT width_bucket(w.deliver_at - interval '1 microsecond', %(lo)s::timestamptz[]) AS i, count(*) AS n,
+           min(w.deliver_at) AS first
     FROM delaywheel.wheel w
-    JOIN unnest(%(lo)s::timestamptz[], %(hi)s::timestamptz[]) WITH ORDINALITY AS b(lo, hi, i)
-      ON w.deliver_at > b.lo AND w.deliver_at <= b.hi
     WHERE w.xid >= %(horizon)s::text::xid8 AND w.deliver_at <= %(cursor_at)s AND (w.deliver_at, w.id) <= (%(cursor_at)s, %(cursor_id)s)
       AND NOT EXISTS (SELECT 1 FROM delaywheel.cancellations c WHERE c.message_id = w.id AND c.due_at = w.deliver_at)
     GROUP BY 1
@@ -171,10 +172,9 @@ _FAR = """
     SELECT NULL::int AS i, coalesce(sum(s.n), 0)::bigint AS n, NULL::timestamptz AS first
     FROM delaywheel.wheel_far_segments s WHERE s.block > %(later)s
     UNION ALL
-    SELECT b.i::int, count(*), min(d.due AT TIME ZONE 'UTC')
+    SELECT width_bucket(d.due AT TIME ZONE 'UTC' - interval '1 microsecond', %(lo)s::timestamptz[]), count(*),
+           min(d.due AT TIME ZONE 'UTC')
     FROM delaywheel.wheel_far_segments s CROSS JOIN LATERAL unnest(s.deliver_ats) AS d(due)
-    JOIN unnest(%(lo)s::timestamptz[], %(hi)s::timestamptz[]) WITH ORDINALITY AS b(lo, hi, i)
-      ON d.due AT TIME ZONE 'UTC' > b.lo AND d.due AT TIME ZONE 'UTC' <= b.hi
     WHERE s.block <= %(later)s
     GROUP BY 1
 """
@@ -183,10 +183,8 @@ _FAR = """
 # can only be a wheel message's and is counted as it is; an earlier one is looked up by id in the near wheel or far
 # blocks (a level message's is not a wheel message's).
 _CANCELLED = """
-    SELECT b.i::int AS i, count(*) AS n
+    SELECT width_bucket(c.due_at - interval '1 microsecond', %(lo)s::timestamptz[]) AS i, count(*) AS n
     FROM delaywheel.cancellations c
-    JOIN unnest(%(lo)s::timestamptz[], %(hi)s::timestamptz[]) WITH ORDINALITY AS b(lo, hi, i)
-      ON c.due_at > b.lo AND c.due_at <= b.hi
     WHERE c.due_at >= %(cursor_at)s
       AND (c.due_at > coalesce((SELECT max(l.deliver_at) FROM delaywheel.level_segments l), '-infinity')
            OR EXISTS (SELECT 1 FROM delaywheel.wheel w WHERE w.id = c.message_id AND w.deliver_at = c.due_at
