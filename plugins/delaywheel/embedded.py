@@ -241,13 +241,20 @@ def _create_databases(cluster: Cluster) -> None:
             if name not in existing:
                 conn.execute(f'CREATE DATABASE "{name}"')
         create_roles(conn, databases=("delaywheel",))
-    # A store migrated before the roles existed belongs to `postgres`: hand it to the owner, whose login migrates.
+    # A store migrated before the roles existed belongs to `postgres`: hand it to the owner, whose login migrates
+    # (once per process and cluster: every Store without a URL comes through here).
+    if (cluster.root, cluster.port) in _ADOPTED:
+        return
     from .migrate import adopt
 
     with psycopg.connect(cluster.admin_url("delaywheel"), autocommit=True) as conn:
         conn.execute("SET lock_timeout = '5s'")
         with contextlib.suppress(psycopg.errors.LockNotAvailable):  # busy: `migrate` says so if it matters
             adopt(conn)
+            _ADOPTED.add((cluster.root, cluster.port))
+
+
+_ADOPTED: set[tuple[Path, int]] = set()
 
 
 def create_roles(conn: psycopg.Connection, *, databases: tuple[str, ...] = (),
@@ -259,30 +266,33 @@ def create_roles(conn: psycopg.Connection, *, databases: tuple[str, ...] = (),
     program access (pg_read_server_files, pg_write_server_files, pg_execute_server_program)."""
     from .migrate import OWNER_ROLE, RUNTIME_ROLE
 
-    existing = {r[0] for r in conn.execute("SELECT rolname FROM pg_roles")}
-    for role, login in ((OWNER_ROLE, owner_login), (RUNTIME_ROLE, runtime_login)):
+    # one read of what is there, so a start with everything in place changes nothing and costs one query
+    wanted = ((OWNER_ROLE, owner_login), (RUNTIME_ROLE, runtime_login))
+    names = [name for pair in wanted for name in pair]
+    powers = ("pg_read_server_files", "pg_write_server_files", "pg_execute_server_program")
+    attributes = {r[0]: r[1] for r in conn.execute(
+        "SELECT rolname, rolsuper OR rolcreatedb OR rolcreaterole OR rolreplication OR rolbypassrls FROM pg_roles"
+        " WHERE rolname = ANY(%s)", (names,))}
+    memberships = {(r[0], r[1]) for r in conn.execute(
+        "SELECT m.rolname, g.rolname FROM pg_auth_members a JOIN pg_roles m ON m.oid = a.member"
+        " JOIN pg_roles g ON g.oid = a.roleid WHERE m.rolname = ANY(%s)", (names,))}
+    for role, login in wanted:
         for name, options in ((role, "NOLOGIN"), (login, "LOGIN INHERIT")):
-            if name not in existing:
+            if name not in attributes:
                 with contextlib.suppress(psycopg.errors.DuplicateObject):  # another process, just now
                     conn.execute(sql.SQL("CREATE ROLE {} " + options).format(sql.Identifier(name)))
-            conn.execute(sql.SQL("ALTER ROLE {} NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION NOBYPASSRLS")
-                         .format(sql.Identifier(name)))
-        if not _member(conn, login, role):
+            elif attributes[name]:
+                conn.execute(sql.SQL("ALTER ROLE {} NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION NOBYPASSRLS")
+                             .format(sql.Identifier(name)))
+        if (login, role) not in memberships:
             conn.execute(sql.SQL("GRANT {} TO {}").format(sql.Identifier(role), sql.Identifier(login)))
-        for power in ("pg_read_server_files", "pg_write_server_files", "pg_execute_server_program"):
+        for power in powers:
             for name in (role, login):
-                if _member(conn, name, power):
+                if (name, power) in memberships:
                     conn.execute(sql.SQL("REVOKE {} FROM {}").format(sql.Identifier(power), sql.Identifier(name)))
     for database in databases:
         conn.execute(sql.SQL("GRANT CREATE, CONNECT ON DATABASE {} TO {}").format(
             sql.Identifier(database), sql.Identifier(OWNER_ROLE)))
-
-
-def _member(conn: psycopg.Connection, role: str, group: str) -> bool:
-    """Directly a member (pg_has_role would also say yes through a superuser's implicit membership)."""
-    row = conn.execute("SELECT EXISTS (SELECT 1 FROM pg_auth_members WHERE roleid = to_regrole(%s)"
-                       " AND member = to_regrole(%s))", (group, role)).fetchone()
-    return bool(row and row[0])
 
 
 def stop(cluster: Cluster | None = None) -> str:
