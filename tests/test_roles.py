@@ -267,3 +267,15 @@ def test_what_later_migrations_create_is_granted_to_the_runtime(role_db: tuple[s
             conn.execute("DELETE FROM delaywheel.later")
         owners = conn.execute("SELECT relowner::regrole::text FROM pg_class WHERE relname = 'later'").fetchone()
     assert owners == (OWNER_ROLE,)
+
+
+def test_airflow_metadata_keeps_its_own_role() -> None:
+    """The embedded runtime login may create nothing, so Airflow's metadata (the demo, `configure`) goes to the
+    cluster's superuser there; with any other store URL, to that URL's role, as before."""
+    from delaywheel.local_airflow import metadata_server
+
+    cluster = embedded.default_cluster()
+    assert conninfo_to_dict(metadata_server(cluster.url()))["user"] == "postgres"
+    assert conninfo_to_dict(metadata_server(cluster.url()))["dbname"] == "postgres"
+    external = conninfo_to_dict(metadata_server("postgresql://app:pw@db.example:5432/store"))
+    assert (external["user"], external["password"], external["dbname"]) == ("app", "pw", "postgres")
