@@ -39,10 +39,9 @@ import psycopg
 from psycopg.conninfo import make_conninfo
 
 from delaywheel import Message, Store, load_settings
-from delaywheel.db import database_url
 from delaywheel.local_airflow import as_url
 
-from .common import fresh_database, log
+from .common import fresh_database, log, server_url
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / ".delaywheel" / "bench"
@@ -69,10 +68,6 @@ class Outcome:
     sent: Sent
     figures: dict[str, Any]
     notes: list[str] = field(default_factory=list)
-
-
-def server_url() -> str:
-    return make_conninfo(database_url(load_settings()), dbname="postgres")
 
 
 def free_port() -> int:

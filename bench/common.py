@@ -13,6 +13,7 @@ from datetime import datetime
 import psycopg
 from psycopg.conninfo import make_conninfo
 
+from delaywheel import embedded
 from delaywheel.config import load_settings
 from delaywheel.db import database_url
 from delaywheel.migrate import migrate
@@ -38,9 +39,19 @@ def body(i: int) -> bytes:
     return f'{{"order":{i:010d},"note":"{BODY_PAD}"}}'.encode()
 
 
+def server_url() -> str:
+    """A role that may create databases: DELAYWHEEL_DATABASE_URL's, or the embedded cluster's superuser (its default
+    URL is the runtime role's, which may create nothing; README, "Roles")."""
+    settings = load_settings()
+    if settings.database_url:
+        return make_conninfo(settings.database_url, dbname="postgres")
+    database_url(settings)  # starts the embedded cluster (idempotent)
+    return embedded.default_cluster().admin_url("postgres")
+
+
 def fresh_database(name: str = BENCH_DB) -> str:
     """Drop and recreate `name` (default `delaywheel_bench`) on the project's cluster, migrate it, return its URL."""
-    server = make_conninfo(database_url(load_settings()), dbname="postgres")
+    server = server_url()
     with psycopg.connect(server, autocommit=True) as conn:
         conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
         conn.execute(f"CREATE DATABASE {name}")
@@ -50,8 +61,7 @@ def fresh_database(name: str = BENCH_DB) -> str:
 
 
 def drop_database(name: str) -> None:
-    server = make_conninfo(database_url(load_settings()), dbname="postgres")
-    with psycopg.connect(server, autocommit=True) as conn:
+    with psycopg.connect(server_url(), autocommit=True) as conn:
         conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")  # type: ignore[arg-type]
 
 
