@@ -301,5 +301,18 @@ def test_every_dags_trigger_form_submits_with_its_defaults(airflow: Airflow) -> 
                 expect(page.get_by_text("level 10 (6m)").first).to_be_visible()
                 page.screenshot(path=str(OUT / "grid-delaywheel_deliver.png"), full_page=True)
             airflow.api(f"/api/v2/dags/{dag_id}/dagRuns/{run_id}", "DELETE")
+
+        # What can be checked is checked before a run exists: a start that is not ISO-8601 is refused.
+        page.goto(f"{airflow.base}/dags/delaywheel_lateness_quality")
+        page.get_by_test_id("trigger-dag-button").click()
+        dialog = page.get_by_role("dialog")
+        dialog.get_by_text(re.compile(r"^Unpause .* on trigger$")).click()
+        dialog.locator("input[name=element_start]").fill("yesterday")
+        dialog.get_by_test_id("trigger-dag-submit").click()
+        expect(dialog.get_by_text(re.compile(r"Invalid input for param start: 'yesterday' does not match"))
+               ).to_be_visible()  # Airflow validates the params against their schema before creating the run
+        page.screenshot(path=str(OUT / "form-delaywheel_lateness_quality-invalid-start.png"), full_page=True)
+        runs = airflow.api("/api/v2/dags/delaywheel_lateness_quality/dagRuns")
+        assert runs["total_entries"] == 0, runs
         browser.close()
     assert problems == {}, problems
