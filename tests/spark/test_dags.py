@@ -122,7 +122,7 @@ def test_lateness_dag_passes_then_fails_on_a_broken_contract(dags: dict[str, Any
     assert Path(saved[0][2]).parent != tmp_path and Path(saved[1][2]).parent == tmp_path
 
 
-def test_place_orders_dag(dags: dict[str, Any], store: Store) -> None:
+def test_shop_place_orders_then_reconcile_dags(dags: dict[str, Any], store: Store) -> None:
     from delaywheel import orders
 
     orders.reset(store, stock_per_sku=1000)
@@ -131,6 +131,11 @@ def test_place_orders_dag(dags: dict[str, Any], store: Store) -> None:
     assert store.conn.execute("SELECT count(*) FROM shop.orders").fetchone() == (120,)
     stats = store.stats()  # each order's timeout message, pending (due in 30 minutes)
     assert stats["wheel"]["pending"] + sum(level["backlog"] for level in stats["levels"]) == 120
+
+    store.cancel_matching(keys=[orders.timer_key(7), orders.timer_key(8)], reason="lost (simulated)")
+    assert _state(dags["shop_reconcile"]) == "success"  # no params: its job arguments are fixed
+    assert store.conn.execute("SELECT missing, created, stale, cancelled FROM delaywheel.reconcile_runs"
+                              ).fetchall() == [(2, 2, 0, 0)]
 
 
 class _Parsed(Exception):
