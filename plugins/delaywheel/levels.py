@@ -99,12 +99,8 @@ class PassResult:
 # A level's queue in (xid, id) order: its segments in (xid, id_last) order, each one's messages in id order
 # (sql/011). Sorting is priced out for the pass (QUEUE_PLAN), so the planner walks the FIFO index, unnests one
 # segment at a time and stops at the LIMIT: a pass reads its batch plus at most one partly passed segment.
-_DELIVER = """
-WITH batch AS (
-    SELECT q.*, bool_and(q.deliver_at <= %(now)s) OVER (ORDER BY q.xid, q.id_last, q.id) AS due
-    FROM (
-        SELECT s.xid, s.id_last, m.id, s.level, m.topic, m.key, m.tags, m.properties::jsonb, m.body, m.is_json,
-               s.reconsume_times, s.deliver_at
+# `s` is the segment, `m` one of its messages; what a pass reads is this plus its select list.
+_BATCH_AFTER_CURSOR = """
         FROM delaywheel.level_segments s,
              unnest(s.ids, delaywheel.spread(s.topics, s.n), s.keys, delaywheel.spread(s.tags, s.n),
                     delaywheel.spread(s.properties, s.n), s.bodies, delaywheel.spread(s.is_json, s.n))
@@ -113,7 +109,14 @@ WITH batch AS (
           AND (s.xid, m.id) > (%(cxid)s::xid8, %(cid)s)
         ORDER BY s.xid, s.id_last, m.id
         LIMIT %(limit)s
-    ) q
+"""
+_DELIVER = """
+WITH batch AS (
+    SELECT q.*, bool_and(q.deliver_at <= %(now)s) OVER (ORDER BY q.xid, q.id_last, q.id) AS due
+    FROM (
+        SELECT s.xid, s.id_last, m.id, s.level, m.topic, m.key, m.tags, m.properties::jsonb, m.body, m.is_json,
+               s.reconsume_times, s.deliver_at
+""" + _BATCH_AFTER_CURSOR + """    ) q
 ),
 due AS (SELECT * FROM batch WHERE due),
 moved AS (
@@ -149,15 +152,7 @@ SELECT b.id, 'level', b.level, b.topic, b.key, b.deliver_at, u.reason, u.detail,
        b.is_json, b.reconsume_times
 FROM (
     SELECT s.level, s.reconsume_times, s.deliver_at, m.*
-    FROM delaywheel.level_segments s,
-         unnest(s.ids, delaywheel.spread(s.topics, s.n), s.keys, delaywheel.spread(s.tags, s.n),
-                delaywheel.spread(s.properties, s.n), s.bodies, delaywheel.spread(s.is_json, s.n))
-             AS m(id, topic, key, tags, properties, body, is_json)
-    WHERE s.level = %(level)s AND (s.xid, s.id_last) > (%(cxid)s::xid8, %(cid)s) AND s.xid < %(xmin)s::xid8
-      AND (s.xid, m.id) > (%(cxid)s::xid8, %(cid)s)
-    ORDER BY s.xid, s.id_last, m.id
-    LIMIT %(limit)s
-) b, LATERAL delaywheel.undeliverable(b.topic, b.body, b.is_json, b.properties) u
+""" + _BATCH_AFTER_CURSOR + """) b, LATERAL delaywheel.undeliverable(b.topic, b.body, b.is_json, b.properties) u
 WHERE u.reason IS NOT NULL
 """
 
