@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -178,6 +179,54 @@ def cmd_pull(args: argparse.Namespace) -> int:
     return 0
 
 
+def _message_row(m: Any) -> dict[str, Any]:
+    return {"message_id": m.message_id, "idempotency_id": m.idempotency_id, "topic": m.topic,
+            "queue_offset": m.queue_offset, "key": m.key, "tags": m.tags, "properties": m.properties,
+            "body": m.body if not isinstance(m.body, bytes) else m.body.decode(errors="replace"),
+            "deliver_at": m.deliver_at.isoformat(), "delivered_at": m.delivered_at.isoformat(),
+            "reconsume_times": m.reconsume_times}
+
+
+def cmd_consume(args: argparse.Namespace) -> int:
+    """Wait for the topic's messages, write each (a JSON object per line with --json) and ack a batch once it is
+    written and flushed. SIGTERM / SIGINT stop after the batch in hand; a closed pipe stops without acking it."""
+    from .consume import Abandon
+
+    stop = threading.Event()
+    previous = _stop_on_signals(stop)
+    out = sys.stdout
+
+    def handler(messages: list[Any]) -> None:
+        try:
+            for m in messages:
+                row = _message_row(m)
+                if args.json:
+                    out.write(json.dumps(row, default=str, ensure_ascii=False) + "\n")
+                else:
+                    out.write(f"{row['message_id']}\t{row['topic']}\t{row['key'] or ''}\t{row['deliver_at']}\t"
+                              f"{row['body']}\n")
+            out.flush()  # written before the ack
+        except BrokenPipeError:
+            stop.set()
+            raise Abandon() from None  # the reader went away: nothing acked, the next consumer gets the batch
+
+    try:
+        with Store() as store:
+            totals = store.consume(args.topic, args.group, handler, max_messages=args.max, stop=stop,
+                                   limit=args.count, idle_s=args.idle.total_seconds() if args.idle else None,
+                                   duration_s=args.duration.total_seconds() if args.duration else None)
+    finally:
+        for number, handler_ in previous.items():
+            signal.signal(number, handler_)
+    if totals.stopped_by == "abandon":
+        with contextlib.suppress(OSError):  # stdout is gone: say nothing more there
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    print(f"delaywheel: consumed {totals.messages} message(s) in {totals.batches} batch(es), retried"
+          f" {totals.retried}; stopped by {totals.stopped_by or 'end'}", file=sys.stderr)
+    return 0
+
+
 def cmd_cancel(args: argparse.Namespace) -> int:
     with Store() as store:
         if args.where is not None or args.keys_from is not None or args.keys_from_table is not None:
@@ -321,6 +370,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ack", action="store_true", help="commit the group's offset after printing")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_pull)
+
+    p = sub.add_parser("consume", help="wait for a topic's messages, print them (or pipe them: --json) and ack")
+    p.add_argument("--topic", required=True)
+    p.add_argument("--group", required=True)
+    p.add_argument("--max", type=_positive, default=100, help="messages per batch, acked together (default 100)")
+    p.add_argument("--count", type=_positive, help="stop after this many messages")
+    p.add_argument("--duration", type=_duration, help="stop after this long, e.g. 30s (default: until SIGTERM)")
+    p.add_argument("--idle", type=_duration, help="stop once no message came for this long")
+    p.add_argument("--json", action="store_true", help="one JSON object per line")
+    p.set_defaults(func=cmd_consume)
 
     p = sub.add_parser("cancel", help="cancel pending messages by id, key, key list or SQL predicate")
     what = p.add_mutually_exclusive_group(required=True)

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable
+import threading
+from collections.abc import Callable, Collection, Iterable, Iterator
 from datetime import datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 from psycopg import errors
@@ -17,6 +18,9 @@ from .db import connect, database_url
 from .levels import PassResult
 from .migrate import migrate
 from .validation import Message
+
+if TYPE_CHECKING:
+    from .consume import ConsumeTotals
 
 
 class Store:
@@ -119,6 +123,27 @@ class Store:
     def ack(self, batch: topics.Batch, failed: set[int] | None = None) -> topics.AckResult:
         return topics.ack(self.conn, self.settings, self._cache, batch, failed)
 
+    def consume(self, topic: str, group: str, handler: Callable[[list[topics.Message]], Collection[int] | None], *, max_messages: int = 100,
+                stop: threading.Event | None = None, limit: int | None = None, duration_s: float | None = None,
+                idle_s: float | None = None, safety_wake_s: float | None = None) -> ConsumeTotals:
+        """Wait for `topic`'s deliveries and hand them to `handler(messages)` in batches of up to `max_messages`,
+        acking each after it (consume.py): returns `consume.ConsumeTotals`. `handler` returns None or the ids that
+        failed (to the retry ladder); it raises to retry the whole batch. Runs until `stop` is set, `limit`
+        messages were handled, `duration_s` passed, or nothing came for `idle_s`."""
+        from . import consume
+
+        return consume.consume(self, topic, group, handler, **_consumer_options(
+            max_messages, stop, limit, duration_s, idle_s, safety_wake_s))
+
+    def messages(self, topic: str, group: str, *, max_messages: int = 100, stop: threading.Event | None = None,
+                 limit: int | None = None, duration_s: float | None = None, idle_s: float | None = None,
+                 safety_wake_s: float | None = None) -> Iterator[topics.Message]:
+        """`consume` as an iterator of messages: a message is acked once the loop asks for the next one (or ends)."""
+        from . import consume
+
+        return consume.messages(self, topic, group, **_consumer_options(
+            max_messages, stop, limit, duration_s, idle_s, safety_wake_s))
+
     # cancelling
     def cancel(self, *, message_id: int | None = None, key: str | None = None, reason: str = "cancelled") -> list[cancelling.CancelResult]:
         return cancelling.cancel(self.conn, self._cache, message_id=message_id, key=key, reason=reason)
@@ -157,3 +182,12 @@ class Store:
 
     def retire(self, *, now: datetime | None = None) -> list[partitions.Retired]:
         return partitions.retire(self.conn, now or self.clock(), self.settings.topic_retention, self._cache)
+
+
+def _consumer_options(max_messages: int, stop: threading.Event | None, limit: int | None, duration_s: float | None,
+                      idle_s: float | None, safety_wake_s: float | None) -> dict[str, Any]:
+    options: dict[str, Any] = {"max_messages": max_messages, "stop": stop, "limit": limit, "duration_s": duration_s,
+                               "idle_s": idle_s}
+    if safety_wake_s is not None:
+        options["safety_wake_s"] = safety_wake_s
+    return options

@@ -88,39 +88,44 @@ def dlq_topic(group: str) -> str:
 
 def pull(conn: psycopg.Connection, topic: str, group: str, max_messages: int = 100) -> Batch:
     """The next messages after the group's committed offset, from the topic and the group's retry topic."""
-    batch = Batch(group, [])
     with conn.transaction():
         conn.execute(f"SELECT {QUEUE_PLAN}")  # the cursor's index order across partitions, not "read all, sort"
-        for source in (topic, retry_topic(group)):
-            room = max_messages - len(batch.messages)
-            if room <= 0:
-                break
-            rows = conn.execute(
-                """
-                SELECT t.topic, t.queue_offset, t.xid::text, t.message_id, t.key, t.tags, t.properties, t.body,
-                       t.is_json, t.reconsume_times, t.deliver_at, t.delivered_at
-                FROM delaywheel.topic_messages t
-                WHERE t.topic = %(topic)s
-                  AND (t.xid, t.queue_offset) > (
-                      coalesce((SELECT cursor_xid FROM delaywheel.consumer_offsets WHERE grp = %(group)s AND topic = %(topic)s), '0'),
-                      coalesce((SELECT cursor_offset FROM delaywheel.consumer_offsets WHERE grp = %(group)s AND topic = %(topic)s), 0))
-                  AND t.xid < """ + COMMIT_HORIZON + """
-                ORDER BY t.xid, t.queue_offset
-                LIMIT %(limit)s
-                """,
-                {"group": group, "topic": source, "limit": room},
-            ).fetchall()
-            for r in rows:
-                batch.positions.append((int(r[2]), r[1]))
-                properties = r[6] or {}
-                body = json.loads(bytes(r[7])) if r[8] else bytes(r[7])
-                batch.messages.append(Message(
-                    topic=str(properties.get("ORIGIN_TOPIC", r[0])), queue_offset=r[1], message_id=r[3], key=r[4],
-                    tags=r[5], properties=properties, body=body, reconsume_times=r[9], deliver_at=r[10],
-                    delivered_at=r[11], source_topic=r[0],
-                ))
-            if rows:
-                batch.cursors[source] = (rows[-1][2], rows[-1][1])
+        return _pull(conn, (topic, retry_topic(group)), group, max_messages)
+
+
+def _pull(conn: psycopg.Connection, sources: tuple[str, ...], group: str, max_messages: int) -> Batch:
+    """`pull`'s reads, inside the caller's transaction (QUEUE_PLAN already set): each source in turn."""
+    batch = Batch(group, [])
+    for source in sources:
+        room = max_messages - len(batch.messages)
+        if room <= 0:
+            break
+        rows = conn.execute(
+            """
+            SELECT t.topic, t.queue_offset, t.xid::text, t.message_id, t.key, t.tags, t.properties, t.body,
+                   t.is_json, t.reconsume_times, t.deliver_at, t.delivered_at
+            FROM delaywheel.topic_messages t
+            WHERE t.topic = %(topic)s
+              AND (t.xid, t.queue_offset) > (
+                  coalesce((SELECT cursor_xid FROM delaywheel.consumer_offsets WHERE grp = %(group)s AND topic = %(topic)s), '0'),
+                  coalesce((SELECT cursor_offset FROM delaywheel.consumer_offsets WHERE grp = %(group)s AND topic = %(topic)s), 0))
+              AND t.xid < """ + COMMIT_HORIZON + """
+            ORDER BY t.xid, t.queue_offset
+            LIMIT %(limit)s
+            """,
+            {"group": group, "topic": source, "limit": room},
+        ).fetchall()
+        for r in rows:
+            batch.positions.append((int(r[2]), r[1]))
+            properties = r[6] or {}
+            body = json.loads(bytes(r[7])) if r[8] else bytes(r[7])
+            batch.messages.append(Message(
+                topic=str(properties.get("ORIGIN_TOPIC", r[0])), queue_offset=r[1], message_id=r[3], key=r[4],
+                tags=r[5], properties=properties, body=body, reconsume_times=r[9], deliver_at=r[10],
+                delivered_at=r[11], source_topic=r[0],
+            ))
+        if rows:
+            batch.cursors[source] = (rows[-1][2], rows[-1][1])
     return batch
 
 
@@ -138,41 +143,98 @@ def ack(
     are retried. Acking a batch again, or acking a batch another consumer of the group has acked past, retries
     nothing twice (`AckResult.already_acked`). A `failed` id that is not a message of the batch raises ValueError
     and nothing is acked: it is a bug in the caller, which would otherwise lose that failure silently."""
+    failed = _checked_failures(batch, failed)
+    with conn.transaction():
+        return _ack(conn, settings, cache, batch, failed)
+
+
+# Advisory lock class of a consumer group's hold on one source topic (second key: a hash of group and topic). A
+# `consume` loop holds it (session level) from the pull of a batch to the commit of its ack, so two consumers of one
+# group never handle the same batch. Keys of different (group, topic) pairs may collide: they then take turns.
+GROUP_LOCK = 0x64770040
+_GROUP_KEY = "hashtext(jsonb_build_array(%s::text, %s::text)::text)"
+
+
+def ack_and_pull(
+    conn: psycopg.Connection,
+    settings: Settings,
+    cache: PartitionCache,
+    done: Batch | None,
+    failed: set[int] | None,
+    topic: str,
+    group: str,
+    max_messages: int,
+    held: frozenset[str] = frozenset(),
+) -> tuple[AckResult, Batch, frozenset[str]]:
+    """Ack `done` (as `ack`) and pull the group's next batch from `topic` and its retry topic, in one transaction:
+    a consumer's steady state costs one BEGIN/COMMIT per batch, not two, and the pull starts past what was just acked.
+
+    The group lock (GROUP_LOCK) is tried for each source not in `held` in the statement that sets the pull's plan;
+    a source whose lock another consumer of the group holds is not read. The reads come in later statements, so
+    their snapshots are taken after the lock was granted, hence after the previous holder's ack committed. Returns
+    the ack's result, the batch, and the sources whose locks this session now holds: the caller releases them
+    (`release_group_locks`) only after the transaction committed, once it has nothing of theirs in hand."""
+    failed = _checked_failures(done, failed) if done is not None else set()
+    sources = (topic, retry_topic(group))
+    wanted = [s for s in sources if s not in held]
+    tries = "".join(f", pg_try_advisory_lock({GROUP_LOCK}, {_GROUP_KEY})" for _ in wanted)
+    params = [v for s in wanted for v in (group, s)]
+    with conn.transaction():
+        result = _ack(conn, settings, cache, done, failed) if done is not None else AckResult()
+        row = conn.execute(f"SELECT {QUEUE_PLAN}{tries}", params).fetchone()  # type: ignore[arg-type]
+        assert row is not None
+        now_held = held | {s for s, got in zip(wanted, row[2:], strict=True) if got}
+        batch = _pull(conn, tuple(s for s in sources if s in now_held), group, max_messages)
+    return result, batch, frozenset(now_held)
+
+
+def release_group_locks(conn: psycopg.Connection, group: str, sources: frozenset[str] | set[str]) -> None:
+    """Release the group locks `ack_and_pull` took on this session (call after its transaction committed)."""
+    if sources:
+        unlocks = ", ".join(f"pg_advisory_unlock({GROUP_LOCK}, {_GROUP_KEY})" for _ in sources)
+        conn.execute(f"SELECT {unlocks}", [v for s in sorted(sources) for v in (group, s)])  # type: ignore[arg-type]
+
+
+def _checked_failures(batch: Batch, failed: set[int] | None) -> set[int]:
     failed = set(failed or ())
     unknown = failed - {m.message_id for m in batch.messages}
     if unknown:
         shown = ", ".join(str(i) for i in sorted(unknown)[:10]) + (" ..." if len(unknown) > 10 else "")
         raise ValueError(f"failed holds {len(unknown)} id(s) that are not messages of this batch: {shown};"
                          " nothing was acked")
+    return failed
+
+
+def _ack(conn: psycopg.Connection, settings: Settings, cache: PartitionCache, batch: Batch, failed: set[int]) -> AckResult:
+    """`ack`'s work inside the caller's transaction."""
     acked: list[Message] = []
-    with conn.transaction():
-        for topic, (xid, offset) in batch.cursors.items():
-            # the group's offset for the topic, locked until commit: concurrent acks of the group take turns
-            conn.execute(
-                "INSERT INTO delaywheel.consumer_offsets (grp, topic) VALUES (%s, %s) ON CONFLICT DO NOTHING",
-                (batch.group, topic),
-            )
-            row = conn.execute(
-                "SELECT cursor_xid::text, cursor_offset FROM delaywheel.consumer_offsets"
-                " WHERE grp = %s AND topic = %s FOR UPDATE",
-                (batch.group, topic),
-            ).fetchone()
-            before = (int(row[0]), row[1]) if row else (0, 0)
-            if before >= (int(xid), offset):
-                continue  # acked this far already: nothing to commit, nothing to retry
-            passed = [m for m, pos in zip(batch.messages, batch.positions, strict=True)
-                      if m.source_topic == topic and pos > before]
-            conn.execute(
-                """UPDATE delaywheel.consumer_offsets
-                   SET cursor_xid = %(xid)s::xid8, cursor_offset = %(offset)s, acked = acked + %(n)s,
-                       updated_at = clock_timestamp()
-                   WHERE grp = %(group)s AND topic = %(topic)s""",
-                {"group": batch.group, "topic": topic, "xid": xid, "offset": offset, "n": len(passed)},
-            )
-            acked += passed
-        retry = [m for m in acked if m.message_id in failed]
-        if retry:
-            _reconsume_later(conn, settings, cache, batch.group, retry)
+    for topic, (xid, offset) in batch.cursors.items():
+        # the group's offset for the topic, locked until commit: concurrent acks of the group take turns
+        conn.execute(
+            "INSERT INTO delaywheel.consumer_offsets (grp, topic) VALUES (%s, %s) ON CONFLICT DO NOTHING",
+            (batch.group, topic),
+        )
+        row = conn.execute(
+            "SELECT cursor_xid::text, cursor_offset FROM delaywheel.consumer_offsets"
+            " WHERE grp = %s AND topic = %s FOR UPDATE",
+            (batch.group, topic),
+        ).fetchone()
+        before = (int(row[0]), row[1]) if row else (0, 0)
+        if before >= (int(xid), offset):
+            continue  # acked this far already: nothing to commit, nothing to retry
+        passed = [m for m, pos in zip(batch.messages, batch.positions, strict=True)
+                  if m.source_topic == topic and pos > before]
+        conn.execute(
+            """UPDATE delaywheel.consumer_offsets
+               SET cursor_xid = %(xid)s::xid8, cursor_offset = %(offset)s, acked = acked + %(n)s,
+                   updated_at = clock_timestamp()
+               WHERE grp = %(group)s AND topic = %(topic)s""",
+            {"group": batch.group, "topic": topic, "xid": xid, "offset": offset, "n": len(passed)},
+        )
+        acked += passed
+    retry = [m for m in acked if m.message_id in failed]
+    if retry:
+        _reconsume_later(conn, settings, cache, batch.group, retry)
     return AckResult(acked=len(acked), retried=len(retry), already_acked=len(batch.messages) - len(acked))
 
 
