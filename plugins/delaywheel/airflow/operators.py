@@ -255,8 +255,12 @@ def _message(item: dict[str, Any]) -> Message:
 
 
 class CancelOperator(BaseOperator):
-    """Cancel pending messages by `message_id`, `key`, `keys` (list) or `where` (trusted SQL predicate over
-    id, deliver_at, key, topic, tags, properties, lane, level).
+    """Cancel pending messages by `message_id`, `key`, `keys` (list) or `where`.
+
+    :param where: one boolean expression over id, deliver_at, key, topic, tags, properties, lane, level, checked by
+        PostgreSQL's own parser against a whitelist and rendered from its parse tree (`delaywheel.predicate`): no
+        subquery, no function outside the whitelist, never more than that expression; matching reads READ ONLY.
+        Text that is not such an expression fails the task with `UnsafeSQL` and cancels nothing.
 
     `max_matches` guards bulk cancels: if more pending messages match, the task fails and cancels nothing.
     Returns `{"cancelled": n, "results": [...]}` (results per message for id/key).
