@@ -107,3 +107,27 @@ def test_a_bad_notify_payload_neither_stops_the_loop_nor_floods_its_log(
     assert not thread.is_alive() and out["totals"].delivered == 1
     warnings = [r for r in caplog.records if "ignoring a NOTIFY" in r.getMessage()]
     assert len(warnings) == 1  # once per loop, not per notice
+
+
+def test_idle_levels_are_not_passed_while_the_wheel_is_busy(db_url: str, store: Store) -> None:
+    """A round passes only the lanes due by now: with timers falling due every 50 ms on the wheel, the 18 idle
+    levels are looked at once at start (and at a safety wake), not once per wheel pass as they used to be. A level
+    message announced meanwhile is still delivered on time."""
+    from datetime import timedelta
+
+    store.send_many([Message("busy", {"n": i}, delay=timedelta(seconds=0.5 + 0.05 * i)) for i in range(40)])
+    store.send("idle", {"n": 1}, delay_level=1)
+    level_passes = []
+    with Store(db_url) as own:
+        deliver_level = own.deliver_level
+
+        def counted(level: int, **kw: object) -> object:
+            level_passes.append(level)
+            return deliver_level(level, **kw)  # type: ignore[arg-type]
+
+        own.deliver_level = counted  # type: ignore[method-assign, assignment]
+        totals = runner.run(own, [*range(1, 19), None], 20, until_idle=True)
+    assert totals.delivered == 41
+    assert len(level_passes) <= 18 * 3, f"{len(level_passes)} level passes"
+    (late,) = [d for d in deliveries(store, "idle")]
+    assert late[2] >= late[1]  # never early

@@ -8,6 +8,7 @@ A pass is one transaction, so stopping between passes (deadline, SIGTERM) loses 
 from __future__ import annotations
 
 import contextlib
+import heapq
 import logging
 import math
 import random
@@ -22,11 +23,13 @@ import psycopg
 from . import partitions
 from .db import connect
 from .levels import TopicSpan, add_spans
+from .pending import LEVEL_HEAD
 from .producer import NOTIFY_CHANNEL
 from .store import Store
 
 Lane = int | None  # a level number, or None for the wheel
-BUSY_RETRY_S = 0.05  # another deliverer or a canceller holds the lane: look again soon
+BUSY_RETRY_S = 0.02  # another deliverer or a canceller holds the lane: look again soon
+CLOCK_EVERY_S = 60.0  # measure the database clock's offset from ours this often
 PREPARE_EVERY_S = 600.0  # partitions are created hours ahead; refresh them this often
 SUMMARIZE_EVERY_S = 60.0  # BRIN summaries autovacuum dropped (partitions.summarize): a cancel stays fast
 SAFETY_WAKE_S = 5.0  # without a known next due time, look anyway this often (a missed NOTIFY costs this much)
@@ -63,6 +66,7 @@ def run(
     progress_every_s: float = 10.0,
     until_idle: bool = False,
     handover_grace_s: float = 0.0,
+    ready: Callable[[], None] | None = None,
 ) -> RunTotals:
     """Deliver on `lanes` for `duration_s` seconds (or until `stop` is set, or, with `until_idle`,
     until nothing is pending on them).
@@ -70,7 +74,8 @@ def run(
     With `handover_grace_s`, the run hands its lanes over only to a live successor: past `duration_s`
     it keeps delivering, for up to `handover_grace_s` more, until every lane has another runner. A
     successor that failed to start (a task killed at start-up on a busy machine) then leaves no lane
-    unserved while Airflow retries it."""
+    unserved while Airflow retries it. `ready` is called once the loop listens for producers' notifications and
+    holds its lanes' presence locks, before the first pass."""
     stop = stop or threading.Event()
     totals = RunTotals()
     deadline = time.monotonic() + duration_s
@@ -78,7 +83,16 @@ def run(
     next_prepare = time.monotonic()
     hints = DueHints()
     retry_in = backoff_delays()  # waits before reconnecting; starts over once a round succeeds
+    # When each lane is next due (database epoch seconds; None: empty as last seen; -inf: look now). A round passes
+    # only the lanes due by now: an idle level costs nothing while the wheel is busy (it used to cost a transaction
+    # per level per round). Every lane is looked at once at start, after a reconnect and every SAFETY_WAKE_S.
+    due: dict[Lane, float | None] = dict.fromkeys(lanes, -math.inf)
+    announced: list[float] = []  # due times producers announced and not yet looked at (a heap)
+    look_all_at = time.monotonic() + SAFETY_WAKE_S
+    clock = _Clock(store)
     with _summarizing(store.url), _Listener(store.url, lanes) as listener:
+        if ready:
+            ready()
         while not stop.is_set():
             try:
                 listener.ensure(stop, deadline + handover_grace_s)
@@ -87,11 +101,23 @@ def run(
                 if time.monotonic() >= next_prepare:
                     store.prepare()
                     next_prepare = time.monotonic() + PREPARE_EVERY_S
-                earliest = None
+                now = clock.now()
+                if time.monotonic() >= look_all_at:  # the safety wake: every lane, whatever we believe
+                    due = dict.fromkeys(lanes, -math.inf)
+                    look_all_at = time.monotonic() + SAFETY_WAKE_S
+                elif announced and announced[0] <= now:
+                    # A producer announced a message due by now, on a lane we cannot tell: read every lane's head
+                    # in one query rather than pass every lane.
+                    due.update(_heads(store.conn, lanes))
+                while announced and announced[0] <= now:
+                    heapq.heappop(announced)
                 busy = False
                 for lane in lanes:
                     if stop.is_set():  # SIGTERM between lanes: the round ends here, every pass so far committed
                         break
+                    lane_due = due[lane]
+                    if lane_due is None or lane_due > now:
+                        continue
                     while True:
                         result = store.advance_wheel() if lane is None else store.deliver_level(lane)
                         totals.passes += 1
@@ -100,39 +126,41 @@ def run(
                         if result.delivered:
                             totals.per_lane[lane_name(lane)] = totals.per_lane.get(lane_name(lane), 0) + result.delivered
                             add_spans(totals.per_topic, result.topics)
-                        busy |= result.busy
                         totals.busy_passes += result.busy
                         if not result.more or stop.is_set():
                             break
-                    if result.next_due is not None and (earliest is None or result.next_due < earliest):
-                        earliest = result.next_due
+                    if result.busy:  # another deliverer or a canceller holds the lane: look again soon
+                        busy = True
+                        due[lane] = clock.now() + BUSY_RETRY_S
+                    else:
+                        due[lane] = None if result.next_due is None else result.next_due.timestamp()
                 if progress and time.monotonic() >= next_report:
                     progress(totals)
                     next_report = time.monotonic() + progress_every_s
-                if until_idle and earliest is None and not busy:
+                known = [d for d in due.values() if d is not None] + announced[:1]
+                if until_idle and not known and not busy:
                     break
-                now = store.clock()
-                wait = SAFETY_WAKE_S if earliest is None else max(0.0, (earliest - now).total_seconds())
-                if busy:
-                    wait = min(wait, BUSY_RETRY_S)
+                now = clock.now()
+                wait = min([look_all_at - time.monotonic(), *(max(0.0, d - now) for d in known)])
                 past = time.monotonic() >= deadline
                 wait = min(wait, HANDOVER_POLL_S if past else deadline - time.monotonic())
                 if wait > 0:
-                    # A message due after this sleep ends is found by the next pass anyway; waking for it would
-                    # wake every idle lane on every enqueue. So only announcements due sooner cut the sleep short.
-                    _sleep_or_notified(listener.conn, wait, stop, now.timestamp() + wait, hints)
+                    # Every announcement is kept (its lane may be idle now); only one due before the wake cuts it short.
+                    _sleep_or_notified(listener.conn, wait, stop, now + wait, hints, announced)
                 retry_in = backoff_delays()
             except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
                 if not connection_lost(exc):
                     raise
                 # The pass in flight was one transaction: cut by the lost connection, it did not happen (or, if
                 # its COMMIT reached the server, it did, checkpoint included). Either way the next pass resumes
-                # from the checkpoint. Notifications sent meanwhile are lost: the next round passes at once.
+                # from the checkpoint. Notifications sent meanwhile are lost: the next round passes every lane.
                 totals.reconnects += 1
                 log.warning("delaywheel: lost the database connection (%s); reconnecting", str(exc).strip())
                 store.close()  # the store's next call opens a fresh connection
                 listener.lost()
                 next_prepare = time.monotonic()
+                due = dict.fromkeys(lanes, -math.inf)
+                clock.reset()
                 stop.wait(next(retry_in))
     if progress:
         progress(totals)
@@ -257,18 +285,68 @@ def _keep_going(listener: psycopg.Connection, lanes: Sequence[Lane], deadline: f
 
 
 def _sleep_or_notified(
-    listener: psycopg.Connection, seconds: float, stop: threading.Event, earliest: float, hints: DueHints
+    listener: psycopg.Connection, seconds: float, stop: threading.Event, earliest: float, hints: DueHints,
+    announced: list[float] | None = None,
 ) -> None:
-    """Sleep, but return as soon as a producer announces a message due before `earliest` (epoch seconds)."""
+    """Sleep, but return as soon as a producer announces a message due before `earliest` (epoch seconds). Every
+    announced due time is pushed onto the heap `announced`."""
     end = time.monotonic() + seconds
     while not stop.is_set():
         remaining = end - time.monotonic()
         if remaining <= 0:
             return
-        for notice in listener.notifies(timeout=min(remaining, 0.5)):
+        for notice in listener.notifies(timeout=min(remaining, 0.5), stop_after=1):
             due = hints.parse(notice.payload)
-            if due is not None and due < earliest:
-                return
+            if due is not None:
+                if announced is not None:
+                    heapq.heappush(announced, due)
+                if due < earliest:
+                    return
+
+
+# Every level's head in one statement (pending.LEVEL_HEAD per level), as epoch seconds. Not the wheel's: its pass
+# returns its head, and WHEEL_HEAD reads `wheel_state`, the one row every wheel pass updates (which costs a scan of
+# its dead versions while an old transaction anywhere in the cluster keeps them from being pruned: RESULTS.md).
+_HEADS = (
+    "SELECT ARRAY(SELECT extract(epoch FROM (" + LEVEL_HEAD.replace("%(level)s", "l.level") + "))::float8"
+    " FROM unnest(%(levels)s::int[]) WITH ORDINALITY l(level, n) ORDER BY l.n)"
+)
+
+
+def _heads(conn: psycopg.Connection, lanes: Sequence[Lane]) -> dict[Lane, float | None]:
+    """Each lane's head after an announcement fell due: the levels' read in one query; the wheel is passed
+    (the announced message may be the wheel's, and its pass is what reads its head)."""
+    levels = [lane for lane in lanes if lane is not None]
+    heads: dict[Lane, float | None] = {}
+    if levels:
+        row = conn.execute(_HEADS, {"levels": levels}).fetchone()  # type: ignore[arg-type]
+        assert row is not None
+        heads.update(zip(levels, row[0], strict=True))
+    if None in lanes:
+        heads[None] = -math.inf
+    return heads
+
+
+class _Clock:
+    """The database's clock read locally: its offset from this machine's clock, measured once a minute (a round
+    used to spend a round trip on `clock_timestamp()` just to compute its sleep)."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.offset: float | None = None
+        self.measured = 0.0
+
+    def reset(self) -> None:
+        self.offset = None
+
+    def now(self) -> float:
+        if self.offset is None or time.monotonic() - self.measured > CLOCK_EVERY_S:
+            before = time.time()
+            db = self.store.clock().timestamp()
+            after = time.time()
+            self.offset = db - (before + after) / 2
+            self.measured = time.monotonic()
+        return time.time() + self.offset
 
 
 def due_hint(payload: str) -> float | None:
