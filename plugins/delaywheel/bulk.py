@@ -26,6 +26,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from psycopg import errors
 
+from .arrow_copy import copy_arrow, write_columns
 from .columns import (
     Columns,
     Irregular,
@@ -41,7 +42,7 @@ from .columns import (
 )
 from .config import Settings
 from .partitions import PartitionCache
-from .producer import clock_and_ids, collector_paused, copy_arrow, write_columns
+from .producer import clock_and_ids, collector_paused
 from .validation import MAX_KEY_CHARS, MAX_TAGS_CHARS, InvalidMessage, Message, checked_topic, prepare
 
 BodyFormat = Literal["json", "text", "bytes"]
@@ -354,7 +355,7 @@ def write_chunk(
         clock, ids = clock_and_ids(conn, rows.num_rows, now)
         columns = arrow_columns(rows, mapping, clock, settings)
         if columns is not None:
-            positions, bad = np.arange(rows.num_rows), []
+            positions, bad = np.arange(rows.num_rows), list[_Bad]()
         else:
             positions, columns, bad = _row_by_row(rows.to_pylist(), mapping, clock, settings)
         kept = np.asarray(ids, np.int64)[positions]

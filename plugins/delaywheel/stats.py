@@ -219,15 +219,15 @@ def wheel_stats(conn: psycopg.Connection, settings: Settings, state: dict[str, A
     head_due = min(firsts, default=None)
     if head_due is None and counts[-1]:  # only far blocks after the next 24 h pending: not read row by row
         head_due = state["near_until"]
-    counts = [round(n) for n in counts]
-    overdue = counts[0]
+    whole = [round(n) for n in counts]
+    overdue = whole[0]
     started = state["cursor_at"] > _EPOCH_DAY
     late = lateness.get(("wheel", None), {})
     due_now = head_due is not None and head_due <= now and overdue > 0
     return {
         "estimated_after": estimated,
-        "pending": sum(counts), "overdue": overdue, "next_minute": counts[1], "next_hour": counts[2],
-        "next_day": sum(counts[3:-1]), "later": counts[-1],
+        "pending": sum(whole), "overdue": overdue, "next_minute": whole[1], "next_hour": whole[2],
+        "next_day": sum(whole[3:-1]), "later": whole[-1],
         "head_due": head_due,
         "oldest_overdue_s": _seconds(now, head_due) if due_now else None,
         "lag_s": _seconds(now, head_due) if due_now else 0.0,
@@ -237,7 +237,7 @@ def wheel_stats(conn: psycopg.Connection, settings: Settings, state: dict[str, A
         # by the database clock even when `now` is injected: the pass stamped its commit with that clock
         "since_last_pass_s": _seconds(state["clock"], state["updated_at"]) if started else None,
         "lateness_p50_s": late.get("p50"), "lateness_p99_s": late.get("p99"), "delivered_in_window": late.get("n", 0),
-        "histogram_24h": histogram(now, counts),
+        "histogram_24h": histogram(now, whole),
     }
 
 
