@@ -17,6 +17,7 @@ from psycopg.conninfo import make_conninfo
 
 from delaywheel import Store
 from delaywheel.cli import main
+from delaywheel.levels import LEVEL_LOCK
 
 
 def _json(capsys: pytest.CaptureFixture[str]) -> object:
@@ -133,3 +134,54 @@ def test_deliver_stops_cleanly_on_sigterm(db_url: str) -> None:
     assert loop.returncode == 0, err
     assert json.loads(out)["stopped_by_signal"] is True
     assert "Traceback" not in err
+
+
+_IMPORTS_OF = """
+import sys
+from delaywheel.cli import main
+code = main(sys.argv[1:])
+print("heavy:", ",".join(m for m in ("pyarrow", "numpy", "pgpq") if m in sys.modules), file=sys.stderr)
+sys.exit(code)
+"""
+
+
+def test_commands_that_need_no_arrow_do_not_import_it(db_url: str) -> None:
+    """Issue 19: a command that writes or reads one message at a time starts without pyarrow, numpy or pgpq (they
+    cost the CLI a quarter of a second of CPU to import); send_many's batch path imports them when it runs."""
+    env = {**os.environ, "DELAYWHEEL_DATABASE_URL": db_url}
+    for argv in (["send", "--topic", "t", "--body", "{}"], ["send", "--topic", "t", "--body", "1", "--level", "2"],
+                 ["send", "--topic", "t", "--body", "x", "--raw", "--in", "90s", "--key", "k"],
+                 ["send", "--topic", "t", "--body", "1", "--at", "2020-01-01T00:00:00+00:00"],  # refused: too old
+                 ["cancel", "--key", "k"], ["cancel", "--id", "1"], ["stats"], ["pull", "--topic", "t", "--group", "g"]):
+        done = subprocess.run([sys.executable, "-c", _IMPORTS_OF, *argv], env=env, capture_output=True, text=True,
+                              timeout=60)
+        assert done.returncode in (0, 1, 2), done.stderr
+        assert "heavy: \n" in done.stderr, (argv, done.stderr)
+    with Store(db_url) as store:
+        assert store.conn.execute("SELECT count(*) FROM delaywheel.level_queue").fetchone() == (1,)
+        assert store.conn.execute("SELECT count(*) FROM delaywheel.wheel").fetchone() == (1,)
+
+
+def test_deliver_says_when_it_is_ready_and_counts_busy_passes(db_url: str) -> None:
+    """`delaywheel deliver` prints a line on stderr once it listens and holds its lanes, before any pass; its
+    progress lines and its result count the passes that found a lane busy."""
+    env = {**os.environ, "DELAYWHEEL_DATABASE_URL": db_url}
+    with psycopg.connect(db_url, autocommit=True) as holder:
+        holder.execute("SELECT pg_advisory_lock(%s, 1)", (LEVEL_LOCK,))  # another deliverer holds level 1
+        loop = subprocess.Popen([sys.executable, "-m", "delaywheel.cli", "deliver", "--level", "1", "--duration", "3s",
+                                 "--progress-every", "1", "--json"], env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        try:
+            assert loop.stderr is not None
+            first = loop.stderr.readline()
+            assert first.startswith("delaywheel deliver: ready"), first
+            assert "level 1" in first
+            out, err = loop.communicate(timeout=30)
+        finally:
+            if loop.poll() is None:
+                loop.kill()
+    assert loop.returncode == 0, err
+    result = json.loads(out)
+    assert result["busy_passes"] > 0 and result["busy_passes"] <= result["passes"]
+    assert f"{result['busy_passes']} busy" in err.strip().splitlines()[-1]
+

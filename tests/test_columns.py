@@ -138,3 +138,13 @@ def test_the_edges_of_each_rule_agree(edge: Message) -> None:
     """Each rule's boundary, after a good message of the same kind (so the batch stays one the column checks take)."""
     batch = [edge._replace(body=b"ok", key=None), edge]
     _assert_both_paths_agree(batch)
+
+
+@given(st.lists(st.one_of(st.text(max_size=40), st.sampled_from(["", "order-42", "é" * 300, "🙂k"])), min_size=1, max_size=20))
+@settings(max_examples=100, deadline=None)
+def test_a_looked_up_key_hashes_as_a_segment_filter_does(keys: list[str]) -> None:
+    """keyblooms.probe (plain Python, for cancel by key) and key_hashes (numpy, for a batch's filters) agree."""
+    from delaywheel.keyblooms import key_hashes, probe
+
+    h1, h2 = key_hashes(pa.array(keys, pa.string()))
+    assert [probe(k) for k in keys] == list(zip(h1.tolist(), h2.tolist(), strict=True))

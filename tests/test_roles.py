@@ -199,7 +199,7 @@ def test_migrate_hands_a_store_of_a_single_role_to_the_owner(server_url: str, ro
             conn.execute("ALTER SCHEMA delaywheel OWNER TO postgres")
         with pytest.raises(MigrationError, match="belong to another role"):
             migrate(make_conninfo(server_url, dbname=name, user=embedded.OWNER_LOGIN))
-        assert migrate(admin) == [available()[-1].path.name]
+        assert migrate(admin) == ["017_roles.sql"]  # (the one it deleted; later ones were applied already)
         with Store(make_conninfo(server_url, dbname=name, user=embedded.RUNTIME_LOGIN), Settings()) as store:
             store.send("orders", b"x", delay=timedelta(days=9), now=T0)
             store.prepare(now=T0)

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+import time
+from datetime import UTC, datetime, timedelta, timezone
 from typing import Any
 
+import hypothesis
 import pytest
 
 from delaywheel import Settings, Store
 from delaywheel.validation import InvalidMessage, Message
 from tests.conftest import at, deliveries, table_counts
+from tests.test_columns import batches
 
 EMPTY = {"level_queue": 0, "wheel": 0, "wheel_far": 0, "topic_messages": 0, "cancellations": 0}
 
@@ -170,3 +173,220 @@ def test_aware_datetime_in_any_zone(store: Store, t0: datetime) -> None:
     assert store.advance_wheel(now=at(t0, 9.9)).delivered == 0
     assert store.advance_wheel(now=at(t0, 10)).delivered == 1
     assert deliveries(store)[0][:2] == (mid, at(t0, 10))
+
+
+# A single send is one statement (delaywheel.send_one, sql/019) instead of send_many's batch path: the same rules,
+# the same rows, the same notifications, the same deliveries.
+
+ONE_BY_ONE: list[Message] = [
+    Message("orders", {"n": 1}),  # level 0: straight into the topic
+    Message("orders", b"\x00bin", delay_level=0, key="k0", tags="t", properties={"a": "1"}),
+    Message("orders", "late", deliver_at=datetime(2029, 12, 31, 23, 0, tzinfo=UTC)),  # past: direct
+    Message("orders", {"lvl": 3}, delay_level=3, key="order-1", tags="timeout", properties={"tenant": "acme"}),
+    Message("orders", b"clamped", delay_level=40),
+    Message("timers", b"near", delay=1500, key="t-1"),
+    Message("timers", {"at": 1}, deliver_at=datetime(2030, 1, 1, 0, 0, 7, 250_000, tzinfo=timezone(timedelta(hours=3)))),
+    Message("timers", b"far", delay=timedelta(days=10, microseconds=7), key="far-1", properties={"x": "é"}),
+    Message("timers", None, delay=timedelta(0)),  # a zero delay: direct
+]
+
+_ROWS = {  # every stored column but xid (transaction ids are the cluster's)
+    "level_segments": "id_first, level, requested_level, reconsume_times, deliver_at, enqueued_at, id_last, n, ids,"
+                      " topics, keys, tags, properties, bodies, is_json, key_bloom",
+    "wheel": "id, topic, key, tags, properties, body, is_json, deliver_at, enqueued_at",
+    "wheel_far_segments": "id_first, id_last, block, enqueued_at, n, ids, deliver_ats, keys, bodies, topics, tags,"
+                          " properties, is_json, key_bloom",
+    "topic_messages": "message_id, queue_offset, topic, origin, level, key, tags, properties, body, is_json,"
+                      " reconsume_times, deliver_at, delivered_at",
+}
+
+
+def _stored(store: Store) -> dict[str, list[tuple[Any, ...]]]:
+    return {table: store.conn.execute(f"SELECT {cols} FROM delaywheel.{table} ORDER BY 1").fetchall()
+            for table, cols in _ROWS.items()}
+
+
+def _drain(listener: Any) -> list[Any]:
+    """The notifications the listening connection has received (none arrives later than this short wait)."""
+    return list(listener.notifies(timeout=0.3))
+
+
+@pytest.fixture
+def twin_url(server_url: str, template_db: str) -> Any:
+    """A second fresh database from the same template: its ids and offsets start where db_url's do."""
+    import uuid
+
+    import psycopg
+
+    from tests.conftest import _with_db
+
+    name = f"dwtest_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(server_url, autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {name} TEMPLATE {template_db}")
+    yield _with_db(server_url, name)
+    with psycopg.connect(server_url, autocommit=True) as conn:
+        conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+def test_a_single_send_stores_and_delivers_what_send_many_does(db_url: str, twin_url: str, t0: datetime) -> None:
+    import psycopg
+
+    stores = Store(db_url), Store(twin_url)
+    listeners = [psycopg.connect(u, autocommit=True) for u in (db_url, twin_url)]
+    try:
+        for listener in listeners:
+            listener.execute("LISTEN delaywheel_enqueue")
+            listener.execute("LISTEN delaywheel_topic")
+        single, batch = stores
+        for m in ONE_BY_ONE:
+            assert single.send(m.topic, m.body, delay_level=m.delay_level, delay=m.delay, deliver_at=m.deliver_at,
+                               key=m.key, tags=m.tags, properties=m.properties, now=t0) \
+                == batch.send_many([m], now=t0)[0]
+        assert _stored(single) == _stored(batch)
+        assert all(_stored(single).values())  # every lane was written
+        assert [(n.channel, n.payload) for n in _drain(listeners[0])] == \
+            [(n.channel, n.payload) for n in _drain(listeners[1])]
+        for store in stores:  # the same passes over the same rows
+            store.prepare(now=at(t0, 10 * 86400))  # rolls the far block into the near wheel
+            store.deliver_due(now=at(t0, 11 * 86400))
+        assert len(_stored(single)["topic_messages"]) == len(ONE_BY_ONE)
+        assert _stored(single)["topic_messages"] == _stored(batch)["topic_messages"]
+        assert deliveries(single) == deliveries(batch)
+        assert [(m.message_id, m.body, m.key, m.tags, m.properties) for m in single.pull("timers", "g").messages] == \
+            [(m.message_id, m.body, m.key, m.tags, m.properties) for m in batch.pull("timers", "g").messages]
+    finally:
+        for listener in listeners:
+            listener.close()
+        for store in stores:
+            store.close()
+
+
+def test_a_single_send_on_the_database_clock(store: Store) -> None:
+    """Without now=, the database's clock places the message: a delay after it, an absolute time against it."""
+    before = store.clock()
+    near = store.send("timers", b"x", delay=timedelta(seconds=30))
+    level = store.send("orders", b"y", delay_level=2)
+    soon = store.send("timers", b"z", deliver_at=before + timedelta(minutes=5))
+    past = store.send("timers", b"p", deliver_at=before - timedelta(minutes=5))
+    far = store.send("timers", b"f", deliver_at=before + timedelta(days=30))
+    after = store.clock()
+    (due, enqueued), = store.conn.execute("SELECT deliver_at, enqueued_at FROM delaywheel.wheel WHERE id = %s",
+                                          (near,)).fetchall()
+    assert before <= enqueued <= after and due == enqueued + timedelta(seconds=30)
+    (due, enqueued), = store.conn.execute("SELECT deliver_at, enqueued_at FROM delaywheel.level_queue WHERE id = %s",
+                                          (level,)).fetchall()
+    assert due == enqueued + Settings().level_delay(2)
+    assert store.conn.execute("SELECT deliver_at FROM delaywheel.wheel WHERE id = %s", (soon,)).fetchone() == \
+        (before + timedelta(minutes=5),)
+    assert [d[:2] for d in deliveries(store)] == [(past, before - timedelta(minutes=5))]
+    assert store.conn.execute("SELECT count(*) FROM delaywheel.wheel_far WHERE id = %s", (far,)).fetchone() == (1,)
+
+
+def test_every_rejection_on_the_database_clock(db_url: str) -> None:
+    """The same reasons without an injected clock (absolute due times are placed by the database)."""
+    with Store(db_url, Settings(max_body_bytes=64)) as store:
+        for reason, override in _rejections(store.clock()):
+            args: dict[str, Any] = {"topic": "orders", "body": {"ok": 1}, **override}
+            topic, body = args.pop("topic"), args.pop("body")
+            with pytest.raises(InvalidMessage) as info:
+                store.send(topic, body, **args)
+            assert info.value.reason == reason, (override, info.value.reason, str(info.value))
+            assert table_counts(store) == EMPTY, override
+
+
+def test_a_single_send_in_the_callers_transaction_is_a_savepoint(db_url: str, t0: datetime) -> None:
+    import psycopg
+
+    with Store(db_url) as store, psycopg.connect(db_url, autocommit=True) as other:
+        with store.conn.transaction():
+            kept = store.send("orders", b"kept", delay_level=1, now=t0)
+            with other.transaction():  # a roll in progress holds the wheel's state: the wheel send times out
+                other.execute("SELECT 1 FROM delaywheel.wheel_state FOR UPDATE")
+                store.conn.execute("SET LOCAL lock_timeout = '50ms'")
+                with pytest.raises(psycopg.errors.LockNotAvailable):
+                    store.send("timers", b"lost", delay=1000, now=t0)
+            also = store.send("timers", b"also", delay=1000, now=t0)  # the caller's transaction goes on
+        assert sorted(r[0] for r in store.conn.execute(
+            "SELECT id FROM delaywheel.level_queue UNION ALL SELECT id FROM delaywheel.wheel").fetchall()) == [kept, also]
+        with pytest.raises(RuntimeError), store.conn.transaction():  # the caller's rollback takes the send with it
+            store.send("orders", b"gone", delay_level=1, now=t0)
+            raise RuntimeError
+        assert table_counts(store)["level_queue"] == 1
+
+
+def test_a_single_send_creates_its_partitions_as_the_runtime_role(db_url: str) -> None:
+    """The runtime role may create partitions only through ensure_partition (sql/017); send_one does, for every lane,
+    on a store none of whose partitions exist yet for those times."""
+    from psycopg.conninfo import make_conninfo
+
+    from delaywheel import embedded
+
+    runtime = make_conninfo(db_url, user=embedded.RUNTIME_LOGIN)
+    t = datetime(2031, 6, 1, 12, tzinfo=UTC)
+    with Store(runtime) as store:
+        for kwargs in ({}, {"delay_level": 1}, {"delay": 2000}, {"delay": timedelta(days=9)}):
+            store.send("orders", b"x", now=t, **kwargs)  # type: ignore[arg-type]
+        assert table_counts(store) == {**EMPTY, "level_queue": 1, "wheel": 1, "wheel_far": 1, "topic_messages": 1}
+
+
+def _verdict(send: Any) -> tuple[str, str] | None:
+    try:
+        send()
+    except InvalidMessage as e:
+        return (e.reason, str(e))
+    return None
+
+
+@hypothesis.settings(max_examples=150, deadline=None, suppress_health_check=[hypothesis.HealthCheck.function_scoped_fixture])
+@hypothesis.given(batches())
+def test_a_single_send_gives_the_verdict_of_the_rules(db_url: str, batch: list[Message]) -> None:
+    """Property: a single send accepts exactly what `validation.prepare` accepts and refuses the rest with its reason
+    and sentence, with the clock injected and (every message but an absolute due time, which the database's clock
+    places) without it: a delay or a level is checked against a fixed instant and placed by the database."""
+    from delaywheel import producer
+    from delaywheel.partitions import PartitionCache
+    from delaywheel.validation import prepare
+    from tests.test_columns import NOW, SETTINGS
+
+    message = batch[0]
+    expected = _verdict(lambda: prepare(message, NOW, SETTINGS))
+    with Store(db_url, SETTINGS) as store:
+        cache = PartitionCache()
+        assert _verdict(lambda: producer.send_one(store.conn, SETTINGS, cache, message, now=NOW)) == expected
+        if message.deliver_at is None:
+            assert _verdict(lambda: producer.send_one(store.conn, SETTINGS, cache, message)) == expected
+        written = sum(table_counts(store).values())
+        store.conn.execute("TRUNCATE delaywheel.level_segments, delaywheel.wheel, delaywheel.wheel_far_segments,"
+                           " delaywheel.topic_messages")
+    assert written == (0 if expected else 1 + (message.deliver_at is None))
+
+
+def test_the_delivered_message_has_its_own_name(store: Store, t0: datetime) -> None:
+    """A producer hands over a `delaywheel.Message`; a consumer gets `delaywheel.Delivered` (topics.Message, its former
+    name, still works)."""
+    import delaywheel
+    from delaywheel import topics
+
+    store.send("orders", {"n": 1}, now=t0)
+    (got,) = store.pull("orders", "g").messages
+    assert type(got) is delaywheel.Delivered and topics.Message is delaywheel.Delivered
+    assert delaywheel.Message is Message and delaywheel.Delivered is not delaywheel.Message
+    assert isinstance(store.ack(store.pull("orders", "g")), delaywheel.AckResult)
+    assert isinstance(store.deliver_level(1, now=t0), delaywheel.PassResult)
+    assert all(isinstance(r, delaywheel.CancelResult) for r in store.cancel(message_id=got.message_id))
+
+
+def test_an_injected_now_moves_the_wheels_single_cursor(store: Store) -> None:
+    """README, `now=`: advance_wheel(now=…) ahead of the real clock delivers what is due by then and leaves the wheel's
+    one cursor there; passes on the real clock then deliver nothing before that instant."""
+    clock = store.clock()
+    early = store.send("timers", b"early", delay=1000)
+    ahead = clock + timedelta(hours=1)
+    assert store.advance_wheel(now=ahead).delivered == 1  # due in a second, delivered now: early
+    (got,) = deliveries(store)
+    assert got[0] == early and got[2] == ahead
+    assert store.conn.execute("SELECT cursor_at FROM delaywheel.wheel_state").fetchone() == (ahead,)
+    store.send("timers", b"held", delay=1)  # due in a millisecond
+    time.sleep(0.01)
+    result = store.advance_wheel()  # the real clock is behind the cursor: held until it gets there
+    assert result.delivered == 0 and result.next_due == ahead

@@ -1,7 +1,11 @@
 """delaywheel: delayed messages on PostgreSQL (RocketMQ's delay levels and timing wheel)."""
 
+from .cancel import CancelResult
 from .config import ConfigError, Settings, load_settings, parse_levels
+from .levels import PassResult
 from .store import Store
+from .topics import AckResult, Batch, Delivered
 from .validation import InvalidMessage, Message
 
-__all__ = ["ConfigError", "InvalidMessage", "Message", "Settings", "Store", "load_settings", "parse_levels"]
+__all__ = ["AckResult", "Batch", "CancelResult", "ConfigError", "Delivered", "InvalidMessage", "Message", "PassResult",
+           "Settings", "Store", "load_settings", "parse_levels"]

@@ -121,7 +121,13 @@ def cmd_send(args: argparse.Namespace) -> int:
 
 def _progress(totals: runner.RunTotals) -> None:
     print(f"delivered {totals.delivered} (cancelled skipped {totals.skipped_cancelled}) in {totals.passes} passes"
-          f" {totals.per_lane}", file=sys.stderr, flush=True)
+          f" ({totals.busy_passes} busy: another deliverer or a cancel held the lane) {totals.per_lane}",
+          file=sys.stderr, flush=True)
+
+
+def _ready(lanes: list[runner.Lane]) -> None:
+    names = ", ".join(runner.lane_name(lane) for lane in lanes)
+    print(f"delaywheel deliver: ready (listening, {len(lanes)} lane(s) held: {names})", file=sys.stderr, flush=True)
 
 
 def _stop_on_signals(stop: threading.Event) -> dict[int, Any]:
@@ -151,9 +157,11 @@ def _deliver(args: argparse.Namespace, stop: threading.Event) -> int:
         if args.command == "advance" or (args.command == "deliver" and not args.level and not args.no_wheel):
             lanes = [*lanes, None] if args.command == "deliver" else [None]
         totals = runner.run(store, lanes, args.duration.total_seconds(), stop=stop, progress=_progress,
-                            progress_every_s=args.progress_every, until_idle=args.until_idle)
+                            progress_every_s=args.progress_every, until_idle=args.until_idle,
+                            ready=lambda: _ready(lanes))
     _print({"delivered": totals.delivered, "skipped_cancelled": totals.skipped_cancelled, "passes": totals.passes,
-            "per_lane": totals.per_lane, "reconnects": totals.reconnects, "stopped_by_signal": stop.is_set()},
+            "busy_passes": totals.busy_passes, "per_lane": totals.per_lane, "reconnects": totals.reconnects,
+            "stopped_by_signal": stop.is_set()},
            args.json)
     return 0
 

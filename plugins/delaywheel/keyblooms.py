@@ -10,8 +10,11 @@ which only tests bits: one definition of the hash, so the two sides cannot disag
 
 from __future__ import annotations
 
-import numpy as np
-import pyarrow as pa
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # imported where used: a cancel by key (probe) needs neither (issue 19, the CLI's start)
+    import numpy as np
+    import pyarrow as pa
 
 BITS_PER_KEY = 10  # with HASHES probes: about 1 % false positives
 HASHES = 4  # must match delaywheel.bloom_may_hold (sql/011)
@@ -23,6 +26,9 @@ _FNV_OFFSET, _FNV_PRIME, _MASK32 = 2166136261, 16777619, 0xFFFFFFFF
 def key_hashes(keys: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     """(h1, h2) per key, uint64 below 2**32: FNV-1a over the UTF-8 bytes, and a mix of it (odd) for the probe
     step. Null keys hash like the empty string; callers leave them out."""
+    import numpy as np
+    import pyarrow as pa
+
     keys = keys.cast(pa.string())
     n = len(keys)
     offsets = np.frombuffer(keys.buffers()[1], np.int32)[keys.offset:keys.offset + n + 1].astype(np.int64)
@@ -48,15 +54,26 @@ def key_hashes(keys: pa.Array) -> tuple[np.ndarray, np.ndarray]:
 
 
 def probe(key: str) -> tuple[int, int]:
-    """The hashes of one key, as bigint parameters for delaywheel.bloom_may_hold."""
-    h1, h2 = key_hashes(pa.array([key], pa.string()))
-    return int(h1[0]), int(h2[0])
+    """The hashes of one key, as bigint parameters for delaywheel.bloom_may_hold: key_hashes' steps in plain Python
+    (a test holds them equal), so a cancel by key imports neither numpy nor pyarrow."""
+    h1 = _FNV_OFFSET
+    for byte in key.encode():
+        h1 = ((h1 ^ byte) * _FNV_PRIME) & _MASK32
+    h2 = h1 ^ (h1 >> 16)
+    h2 = (h2 * 0x85EBCA6B) & _MASK32
+    h2 ^= h2 >> 13
+    h2 = (h2 * 0xC2B2AE35) & _MASK32
+    h2 ^= h2 >> 16
+    return h1, h2 | 1
 
 
 def segment_blooms(keys: pa.Array, starts: np.ndarray, counts: np.ndarray) -> pa.Array:
     """One filter per segment (bytes, a multiple of 8 bits): bit (h1 + i * h2) mod m for i < HASHES, numbered
     as PostgreSQL's get_bit numbers them (byte by byte, least significant bit first). A segment of fewer than
     MIN_MESSAGES gets none (NULL): its few keys are read as cheaply, and a single send skips the work."""
+    import numpy as np
+    import pyarrow as pa
+
     filtered = counts >= MIN_MESSAGES
     if not filtered.any():
         return pa.nulls(len(starts), pa.binary())

@@ -79,9 +79,11 @@ class Store:
         properties: dict[str, str] | None = None,
         now: datetime | None = None,
     ) -> int:
-        """Send one message; returns its id. Raises InvalidMessage (nothing written) on bad input."""
+        """Send one message; returns its id. Raises InvalidMessage (nothing written) on bad input. One statement
+        (`producer.send_one`); inside a transaction the caller opened on `conn`, a savepoint the server takes and
+        releases within that statement."""
         message = Message(topic, body, delay_level, delay, deliver_at, key, tags, properties or {})
-        return self.send_many([message], now=now)[0]
+        return producer.send_one(self.conn, self.settings, self._cache, message, now=now)
 
     def send_many(self, messages: Iterable[Message], *, now: datetime | None = None) -> list[int]:
         """Send a batch by COPY, all or nothing; returns ids in input order."""

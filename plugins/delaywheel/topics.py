@@ -27,8 +27,9 @@ FIRST_RETRY_LEVEL = 3  # RocketMQ: retry n is delayed by level 3 + n
 
 
 @dataclass(frozen=True)
-class Message:
-    """A delivered message as a consumer sees it."""
+class Delivered:
+    """A delivered message as a consumer sees it (`delaywheel.Delivered`; `topics.Message` is the same class, under the
+    name it had before: the producer's `delaywheel.Message` is what a producer hands over)."""
 
     topic: str
     queue_offset: int
@@ -53,6 +54,9 @@ class Message:
             if value <= 2**63 - 1:
                 return value
         return self.message_id
+
+
+Message = Delivered  # the delivered message's former name, kept for code that imports it
 
 
 @dataclass
