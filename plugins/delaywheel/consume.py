@@ -10,7 +10,9 @@ looks again after 2, 5, 10, 20 ... ms rather than waiting for the safety wake.
 Per batch, the ack of the batch just handled and the pull of the next are one transaction (`topics.ack_and_pull`).
 At most `max_messages` are in hand at a time (the prefetch bound). Two consumers of one group never handle the
 same batch: a consumer holds the group's lock on a source topic (`topics.GROUP_LOCK`, a session advisory lock)
-from the pull of a batch to the commit of its ack, and lets go when it finds nothing to do. Delivery to the
+from the pull of a batch to the commit of its ack, and keeps it while messages keep coming (a topic is one ordered
+queue per group: a second consumer adds no parallelism, only a standby); it lets go after a safety wake with
+nothing to do, and a standby consumer takes over then. Delivery to the
 handler is at least once: a batch whose ack did not commit (a crash, a kill, a lost connection) is handled again,
 by this consumer or another; deduplicate on `Message.idempotency_id`.
 """
@@ -129,17 +131,17 @@ class Consumer:
                     done = batch
                     continue
                 self.totals.empty_pulls += 1
-                busy = self.topic not in self._held  # another consumer of the group has it
-                self.totals.busy += busy
-                self._release()  # nothing in hand: another consumer of the group may take over
+                if self.topic not in self._held:  # another consumer of the group has it: a standby looks now and then
+                    self.totals.busy += 1
+                    notified = False
+                    self.stop.wait(BUSY_RETRY_S)
+                    continue
                 if notified:  # a delivery was announced but is not readable yet (commit horizon): look again soon
                     wait = next(repull, None)
                     if wait is None:
                         notified, wait = False, self.safety_wake_s
                 else:
                     wait = self.safety_wake_s
-                if busy:
-                    wait = min(wait, BUSY_RETRY_S)
                 try:
                     woke = self._wait(wait)
                 except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
@@ -154,6 +156,7 @@ class Consumer:
                     self.totals.notified_wakes += 1
                 elif not notified:
                     self.totals.safety_wakes += 1
+                    self._release()  # idle for a while: another consumer of the group may take over
         except Abandon:
             done = None  # handled again by the next consumer
             self.totals.stopped_by = "abandon"

@@ -93,12 +93,16 @@ def dlq_topic(group: str) -> str:
 def pull(conn: psycopg.Connection, topic: str, group: str, max_messages: int = 100) -> Batch:
     """The next messages after the group's committed offset, from the topic and the group's retry topic."""
     with conn.transaction():
-        conn.execute(f"SELECT {QUEUE_PLAN}")  # the cursor's index order across partitions, not "read all, sort"
-        return _pull(conn, (topic, retry_topic(group)), group, max_messages)
+        # the cursor's index order across partitions, not "read all, sort"; the commit horizon, once for every source
+        row = conn.execute(f"SELECT {COMMIT_HORIZON}::text, {QUEUE_PLAN}").fetchone()
+        assert row is not None
+        return _pull(conn, (topic, retry_topic(group)), group, max_messages, row[0])
 
 
-def _pull(conn: psycopg.Connection, sources: tuple[str, ...], group: str, max_messages: int) -> Batch:
-    """`pull`'s reads, inside the caller's transaction (QUEUE_PLAN already set): each source in turn."""
+def _pull(conn: psycopg.Connection, sources: tuple[str, ...], group: str, max_messages: int, horizon: str) -> Batch:
+    """`pull`'s reads, inside the caller's transaction (QUEUE_PLAN already set), each source in turn, below
+    `horizon` (db.COMMIT_HORIZON read earlier in the transaction: every xid below it had ended then, so it is
+    still a valid horizon, only a more cautious one)."""
     batch = Batch(group, [])
     for source in sources:
         room = max_messages - len(batch.messages)
@@ -113,11 +117,11 @@ def _pull(conn: psycopg.Connection, sources: tuple[str, ...], group: str, max_me
               AND (t.xid, t.queue_offset) > (
                   coalesce((SELECT cursor_xid FROM delaywheel.consumer_offsets WHERE grp = %(group)s AND topic = %(topic)s), '0'),
                   coalesce((SELECT cursor_offset FROM delaywheel.consumer_offsets WHERE grp = %(group)s AND topic = %(topic)s), 0))
-              AND t.xid < """ + COMMIT_HORIZON + """
+              AND t.xid < %(horizon)s::xid8
             ORDER BY t.xid, t.queue_offset
             LIMIT %(limit)s
             """,
-            {"group": group, "topic": source, "limit": room},
+            {"group": group, "topic": source, "limit": room, "horizon": horizon},
         ).fetchall()
         for r in rows:
             batch.positions.append((int(r[2]), r[1]))
@@ -185,10 +189,11 @@ def ack_and_pull(
     params = [v for s in wanted for v in (group, s)]
     with conn.transaction():
         result = _ack(conn, settings, cache, done, failed) if done is not None else AckResult()
-        row = conn.execute(f"SELECT {QUEUE_PLAN}{tries}", params).fetchone()  # type: ignore[arg-type]
+        # (a horizon is valid whenever it is read; it is the offsets that must be read after the locks)
+        row = conn.execute(f"SELECT {COMMIT_HORIZON}::text, {QUEUE_PLAN}{tries}", params).fetchone()  # type: ignore[arg-type]
         assert row is not None
-        now_held = held | {s for s, got in zip(wanted, row[2:], strict=True) if got}
-        batch = _pull(conn, tuple(s for s in sources if s in now_held), group, max_messages)
+        now_held = held | {s for s, got in zip(wanted, row[3:], strict=True) if got}
+        batch = _pull(conn, tuple(s for s in sources if s in now_held), group, max_messages, row[0])
     return result, batch, frozenset(now_held)
 
 
@@ -214,15 +219,13 @@ def _ack(conn: psycopg.Connection, settings: Settings, cache: PartitionCache, ba
     acked: list[Message] = []
     for topic, (xid, offset) in batch.cursors.items():
         # the group's offset for the topic, locked until commit: concurrent acks of the group take turns
-        conn.execute(
-            "INSERT INTO delaywheel.consumer_offsets (grp, topic) VALUES (%s, %s) ON CONFLICT DO NOTHING",
-            (batch.group, topic),
-        )
-        row = conn.execute(
-            "SELECT cursor_xid::text, cursor_offset FROM delaywheel.consumer_offsets"
-            " WHERE grp = %s AND topic = %s FOR UPDATE",
-            (batch.group, topic),
-        ).fetchone()
+        row = _lock_offset(conn, batch.group, topic)
+        if row is None:  # the group's first ack of the topic (a second round trip, once)
+            conn.execute(
+                "INSERT INTO delaywheel.consumer_offsets (grp, topic) VALUES (%s, %s) ON CONFLICT DO NOTHING",
+                (batch.group, topic),
+            )
+            row = _lock_offset(conn, batch.group, topic)
         before = (int(row[0]), row[1]) if row else (0, 0)
         if before >= (int(xid), offset):
             continue  # acked this far already: nothing to commit, nothing to retry
@@ -240,6 +243,14 @@ def _ack(conn: psycopg.Connection, settings: Settings, cache: PartitionCache, ba
     if retry:
         _reconsume_later(conn, settings, cache, batch.group, retry)
     return AckResult(acked=len(acked), retried=len(retry), already_acked=len(batch.messages) - len(acked))
+
+
+def _lock_offset(conn: psycopg.Connection, group: str, topic: str) -> tuple[str, int] | None:
+    return conn.execute(  # type: ignore[return-value]
+        "SELECT cursor_xid::text, cursor_offset FROM delaywheel.consumer_offsets WHERE grp = %s AND topic = %s"
+        " FOR UPDATE",
+        (group, topic),
+    ).fetchone()
 
 
 def _reconsume_later(
