@@ -223,3 +223,45 @@ def test_cli_consume_errors_are_one_line_exit_2(
     assert main(["consume", "--topic", "t", "--group", "g", "--duration", "1s"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("delaywheel: database error:") and len(err.strip().splitlines()) == 1
+
+
+def test_the_consumer_rides_out_a_lost_connection(db_url: str, store: Store) -> None:
+    """Its connections are terminated (as by a server restart) while it waits: it reconnects, LISTENs again and
+    still gets the next message, once."""
+    got: list[int] = []
+    out: dict[str, consume.ConsumeTotals] = {}
+
+    def loop() -> None:
+        with Store(db_url) as own:
+            out["totals"] = own.consume("t", "g", lambda ms: got.extend(m.message_id for m in ms), limit=2,
+                                        duration_s=60, safety_wake_s=0.5)
+
+    first = store.send("t", {"n": 1})
+    thread = threading.Thread(target=loop)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not got and time.monotonic() < deadline:
+        time.sleep(0.05)
+    store.conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                       " WHERE datname = current_database() AND pid <> pg_backend_pid()")
+    time.sleep(0.5)
+    second = store.send("t", {"n": 2})
+    thread.join(60)
+    assert not thread.is_alive()
+    assert got == [first, second] and out["totals"].reconnects >= 1
+
+
+def test_cli_consume_stops_cleanly_on_sigterm(db_url: str, store: Store) -> None:
+    ids = store.send_many([Message("t", {"n": i}) for i in range(2)])
+    env = {**os.environ, "DELAYWHEEL_DATABASE_URL": db_url,
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "plugins"), str(ROOT)])}
+    proc = subprocess.Popen([sys.executable, "-m", "delaywheel.cli", "consume", "--topic", "t", "--group", "g", "--json"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    lines = [proc.stdout.readline(), proc.stdout.readline()]  # written and flushed before the ack
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert [json.loads(line)["message_id"] for line in lines] == ids and out == ""
+    assert "stopped by a signal" in err and "Traceback" not in err
+    assert len(store.pull("t", "g")) == 0  # acked before it stopped

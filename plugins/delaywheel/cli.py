@@ -231,7 +231,8 @@ def cmd_consume(args: argparse.Namespace) -> int:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     print(f"delaywheel: consumed {totals.messages} message(s) in {totals.batches} batch(es), retried"
-          f" {totals.retried}; stopped by {totals.stopped_by or 'end'}", file=sys.stderr)
+          f" {totals.retried}; stopped by {'a signal' if totals.stopped_by == 'stop' else totals.stopped_by}",
+          file=sys.stderr)
     return 0
 
 
