@@ -265,3 +265,27 @@ def test_cli_consume_stops_cleanly_on_sigterm(db_url: str, store: Store) -> None
     assert [json.loads(line)["message_id"] for line in lines] == ids and out == ""
     assert "stopped by a signal" in err and "Traceback" not in err
     assert len(store.pull("t", "g")) == 0  # acked before it stopped
+
+
+def test_a_notified_delivery_still_above_the_horizon_is_pulled_again_soon(db_url: str, store: Store) -> None:
+    """A transaction that began writing before a delivery committed holds the delivery back (commit horizon): the
+    consumer's notified pull finds nothing, and it looks again within milliseconds, not at its safety wake."""
+    got: list[int] = []
+    out: dict[str, consume.ConsumeTotals] = {}
+
+    def loop() -> None:
+        with Store(db_url) as own:
+            out["totals"] = own.consume("t", "g", lambda ms: got.extend(m.message_id for m in ms), limit=1,
+                                        duration_s=60, safety_wake_s=30)
+
+    thread = threading.Thread(target=loop)
+    thread.start()
+    time.sleep(0.8)  # waiting on LISTEN by now
+    with psycopg.connect(db_url) as holder:  # an open transaction with an xid, older than the delivery
+        holder.execute("SELECT pg_current_xact_id()")
+        mid = store.send("t", {"n": 1})  # in the topic at commit, NOTIFY sent; not readable yet
+        time.sleep(0.15)
+        assert got == []
+    thread.join(20)  # the holder ended (rolled back): the next look finds it
+    assert got == [mid]
+    assert out["totals"].safety_wakes == 0 and out["totals"].empty_pulls >= 2

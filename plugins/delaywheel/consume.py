@@ -109,7 +109,8 @@ class Consumer:
                 room = self.max_messages if self.limit is None else min(self.max_messages, self.limit - handed)
                 try:
                     self._ensure_listener()
-                    self._drain()  # notifications up to here are answered by this pull
+                    if self._drain():  # notifications up to here are answered by this pull, if readable yet
+                        repull, notified = iter(REPULL_S), True
                     result, batch, self._held = topics.ack_and_pull(
                         self.store.conn, self.store.settings, self.store._cache, done, self.failed, self.topic,
                         self.group, room, self._held)
@@ -125,8 +126,8 @@ class Consumer:
                     done = None
                 self.failed = set()
                 if batch.messages:
+                    # (`notified` stays: a delivery announced before this pull may still be above the horizon)
                     self._last_message = time.monotonic()
-                    repull, notified = iter(()), False
                     yield batch
                     done = batch
                     continue
@@ -204,10 +205,10 @@ class Consumer:
                 raise
             self._listener = conn
 
-    def _drain(self) -> None:
+    def _drain(self) -> bool:
+        """Take the notifications received so far; True if one named our topic or retry topic."""
         assert self._listener is not None
-        for _ in self._listener.notifies(timeout=0):
-            pass
+        return any(notice.payload in self._names for notice in list(self._listener.notifies(timeout=0)))
 
     def _wait(self, seconds: float) -> bool:
         """Sleep up to `seconds` (less near a deadline or idle limit); True if a notification named our topic or
