@@ -1,16 +1,18 @@
 """Cancel pending messages by id, by key, or in bulk: by a key list, a checked predicate, or keys from another table.
 
 A cancellation is a row in `cancellations` that deliverers anti-join; the message itself stays until
-its partition is retired. Cancelling takes the same advisory locks as the deliverers of the lanes it
-touches, so a message is either delivered or cancelled, never both, and the caller is told which.
+its partition is retired. A cancel holds no lane lock while deliverers run: it commits its cancellations,
+then waits for the passes of those lanes already running (the only ones that may have read the message
+without its cancellation) and reads what they did. A message is delivered or cancelled, never both, and
+the caller is told which: a delivery wins (DESIGN.md, "Cancellation").
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Literal
 
 import psycopg
@@ -67,46 +69,147 @@ _LOOKUP = {
 def cancel(
     conn: psycopg.Connection, cache: PartitionCache, *, message_id: int | None = None, key: str | None = None, reason: str = "cancelled"
 ) -> list[CancelResult]:
-    """Cancel one message by id, or every message with a key; one result per message found."""
+    """Cancel one message by id, or every message with a key; one result per message found.
+
+    No lane lock is held while deliverers run (DESIGN.md, "Cancellation"): the cancellations are committed first,
+    then the cancel waits for a pass of each found message's lane that may have read the message before that
+    commit, and reads what happened. A delivery wins: the answer is `already_delivered` whenever the message reached
+    its topic, and `cancelled` only when no pass can deliver it any more. Inside a transaction the caller holds
+    (nothing can be committed before the caller's commit), the lanes' locks are taken as before and held until then.
+    """
     if (message_id is None) == (key is None):
         raise ValueError("cancel needs exactly one of message_id or key")
     params: dict[str, object] = {"v": message_id}
     if key is not None:
         h1, h2 = probe(key)
         params = {"v": key, "h1": h1, "h2": h2}
-    segments, rows = _LOOKUP["id" if message_id is not None else "key"]
+    how = "id" if message_id is not None else "key"
+    if not _commits_each_statement(conn):
+        return _cancel_locked(conn, cache, how, params, reason)
+    found = find(conn, how, params)
+    marked = mark(conn, cache, found, reason)
+    return settle(conn, how, params, found, marked)
+
+
+def _commits_each_statement(conn: psycopg.Connection) -> bool:
+    """Autocommit and outside a transaction (the Store's connection): a cancellation can be committed before the
+    cancel waits for the passes in flight. Otherwise it cannot, and the cancel takes the lanes' locks instead."""
+    return conn.autocommit and conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+
+
+# Found pending messages: (id, deliver_at, key, lane, level, xid as text), STILL_PENDING's columns.
+Found = tuple[int, datetime, str | None, str, int | None, str]
+
+
+def find(conn: psycopg.Connection, how: str, params: dict[str, object]) -> list[Found]:
+    """The pending messages with the id or key (read only, no lane lock). One prepared statement, planned once per
+    connection: planning the lookup over the near wheel's ~94 hourly partitions and the far blocks cost more than
+    running it (`bench/RESULTS.md`, cancel), and a generic plan loses nothing, since no partition is pruned by id or
+    key."""
+    segments, rows = _LOOKUP[how]
+    with conn.pipeline():  # one round trip; outside a transaction, one implicit transaction for both statements
+        conn.execute(f"SELECT {LOOKUP_PLAN}, set_config('plan_cache_mode', 'force_generic_plan', true)")
+        cur = conn.execute(
+            f"SELECT p.id, p.deliver_at, p.key, p.lane, p.level, p.xid::text FROM ({pending(segments, rows)}) p",  # type: ignore[arg-type]
+            params, prepare=True,
+        )
+    return cur.fetchall()  # type: ignore[return-value]
+
+
+# The cancellations of messages found, for those the cursors still show pending; one per message (sql/018: a
+# concurrent cancel of the same message is waited for, and then this one inserts nothing).
+_MARK = f"""
+INSERT INTO delaywheel.cancellations (message_id, due_at, key, reason)
+SELECT t.id, t.deliver_at, t.key, %(reason)s
+FROM unnest(%(ids)s::bigint[], %(dues)s::timestamptz[], %(keys)s::text[], %(lanes)s::text[],
+            %(levels)s::smallint[], %(xids)s::xid8[]) AS t(id, deliver_at, key, lane, level, xid)
+WHERE {STILL_PENDING}
+ON CONFLICT (message_id, due_at) DO NOTHING
+RETURNING message_id
+"""
+
+
+def mark(conn: psycopg.Connection, cache: PartitionCache, found: Sequence[Found], reason: str) -> set[int]:
+    """Insert the cancellations of `found` in one statement (in the caller's transaction if it holds one, else
+    committed on return); returns the ids it cancelled now."""
+    if not found:
+        return set()
+    cache.ensure(conn, "cancellations", [row[1] for row in found])
+    # Outside a transaction the statement is its own (one round trip); a partition `ensure` created is committed.
+    cur = conn.execute(_MARK, {"reason": reason, **_columns(found)}, prepare=True)  # type: ignore[arg-type]
+    return {mid for (mid,) in cur.fetchall()}
+
+
+def _columns(found: Sequence[Sequence[object]]) -> dict[str, list[object]]:
+    return {name: [row[i] for row in found] for i, name in enumerate(("ids", "dues", "keys", "lanes", "levels", "xids"))}
+
+
+def lane_locks(found: Sequence[Sequence[object]]) -> list[tuple[int, int]]:
+    """The advisory locks held by delivery passes of the lanes of `found` (rows with lane and level at 3 and 4)."""
+    return sorted({WHEEL_LOCK if row[3] == "wheel" else (LEVEL_LOCK, int(row[4])) for row in found})  # type: ignore[call-overload]
+
+
+def await_passes(conn: psycopg.Connection, locks: Sequence[tuple[int, int]]) -> None:
+    """Wait for the delivery passes of these lanes that are running now (call it after the cancellations committed:
+    a pass that starts later reads them). Shared, so cancels never wait for each other, and held for no time at all:
+    session locks, each released in the statement that waited for it (the inner query takes them, the outer one lets
+    them go), so a deliverer seldom finds one and then waits only that instant (levels.take_lane) rather than report
+    busy. Under a transaction's lock such a wait would have lasted to the end of that transaction: in the pipeline of
+    `settle`, through the search of the topics."""
+    if locks:
+        keys = [k for lock in locks for k in lock]
+        take = ", ".join(["pg_advisory_lock_shared(%s, %s)"] * len(locks))
+        release = ", ".join(["pg_advisory_unlock_shared(%s, %s)"] * len(locks))
+        conn.execute(f"SELECT {release} FROM (SELECT {take} OFFSET 0) waited", keys + keys)
+
+
+def settle(conn: psycopg.Connection, how: str, params: dict[str, object], found: Sequence[Found],
+           marked: set[int]) -> list[CancelResult]:
+    """The true outcome of each message found, once every pass that may have read it without its cancellation has
+    ended (await_passes), and the messages with the id or key delivered earlier."""
+    column = "message_id" if how == "id" else "key"
+    # One round trip, in one implicit transaction: the wait, then (a statement of its own, so a snapshot taken after
+    # the wait) the search of the topics, by B-tree on message_id or by the BRIN bloom summaries on key (LOOKUP_PLAN).
+    with conn.pipeline():
+        await_passes(conn, lane_locks(found))
+        conn.execute(f"SELECT {LOOKUP_PLAN}")
+        cur = conn.execute(
+            f"SELECT DISTINCT message_id FROM delaywheel.topic_messages WHERE {column} = %(v)s AND origin <> 'replay'",  # type: ignore[arg-type]
+            params,
+        )
+    delivered = {mid for (mid,) in cur.fetchall()}
+    results = [CancelResult(mid, "already_delivered" if mid in delivered else
+                            "cancelled" if mid in marked else "already_cancelled") for mid, *_ in found]
+    seen = {mid for mid, *_ in found}
+    results += [CancelResult(mid, "already_delivered") for mid in sorted(delivered - seen)]
+    if not results:
+        results.append(CancelResult(params["v"] if how == "id" else None, "not_found"))  # type: ignore[arg-type]
+    return results
+
+
+def _cancel_locked(conn: psycopg.Connection, cache: PartitionCache, how: str, params: dict[str, object],
+                   reason: str) -> list[CancelResult]:
+    """Inside a caller's transaction: the lanes' locks, held until the caller ends it (deliverers of those lanes
+    wait for that, or report busy)."""
+    segments, rows = _LOOKUP[how]
     with conn.transaction():
         conn.execute(f"SELECT {LOOKUP_PLAN}")
         _lock_level_lanes(conn, segments, params)
         found = conn.execute(
-            f"""
-            SELECT p.id, p.deliver_at, p.key,
-                   EXISTS (SELECT 1 FROM delaywheel.cancellations c WHERE c.message_id = p.id) AS cancelled
-            FROM ({pending(segments, rows)}) p
-            """,  # type: ignore[arg-type]
+            f"SELECT p.id, p.deliver_at, p.key, p.lane, p.level, p.xid::text FROM ({pending(segments, rows)}) p",  # type: ignore[arg-type]
             params,
         ).fetchall()
-        cache.ensure(conn, "cancellations", [due for _, due, _, _ in found])
-        results = []
-        for mid, due, mkey, already in found:
-            if already:
-                results.append(CancelResult(mid, "already_cancelled"))
-                continue
-            conn.execute(
-                "INSERT INTO delaywheel.cancellations (message_id, due_at, key, reason) VALUES (%s, %s, %s, %s)",
-                (mid, due, mkey, reason),
-            )
-            results.append(CancelResult(mid, "cancelled"))
-        pending_ids = [r.message_id for r in results]
-        column = "message_id" if message_id is not None else "key"
-        delivered = conn.execute(
-            f"SELECT DISTINCT message_id FROM delaywheel.topic_messages WHERE {column} = %(v)s"
-            " AND origin <> 'replay' AND NOT (message_id = ANY(%(pending)s))",  # type: ignore[arg-type]
-            {**params, "pending": pending_ids},
-        ).fetchall()
-        results += [CancelResult(mid, "already_delivered") for (mid,) in delivered]
+        marked = mark(conn, cache, found, reason)
+        column = "message_id" if how == "id" else "key"
+        delivered = {mid for (mid,) in conn.execute(
+            f"SELECT DISTINCT message_id FROM delaywheel.topic_messages WHERE {column} = %(v)s AND origin <> 'replay'",  # type: ignore[arg-type]
+            params,
+        ).fetchall()}
+    results = [CancelResult(mid, "cancelled" if mid in marked else "already_cancelled") for mid, *_ in found]
+    seen = {mid for mid, *_ in found}
+    results += [CancelResult(mid, "already_delivered") for mid in sorted(delivered - seen)]
     if not results:
-        results.append(CancelResult(message_id, "not_found"))
+        results.append(CancelResult(params["v"] if how == "id" else None, "not_found"))  # type: ignore[arg-type]
     return results
 
 
@@ -233,28 +336,26 @@ def cancel_matching(
     checked by `predicate.check_expression` (no subqueries, no functions outside a pure whitelist: `UnsafeSQL`
     otherwise); its key comes from `keys_from` (another table's rows, e.g. the paid orders)."""
     m = matching(conn, keys=keys, where=where, keys_from=keys_from, match=match)
-    # Find the matching rows first, read-only and without the lanes' locks: the scan can take a while (a large set,
-    # fresh tables without statistics) and deliverers must not wait for it. Then, under the locks, each row found
-    # is checked again against the cursors and the cancellations only, so one delivered or cancelled meanwhile is
-    # left alone.
+    # Find the matching rows first, read-only: the scan can take a while (a large set, fresh tables without
+    # statistics). Then each row found is checked again against the cursors and the cancellations only, so one
+    # delivered or cancelled meanwhile is left alone.
     with read_only(conn, timeout):
         found = conn.execute(_FIND.format(columns=sql.SQL("p.id, p.deliver_at, p.key, p.lane, p.level, p.xid::text"),
                                           pending=sql.SQL(PENDING), match=m.sql), m.params).fetchall()
     if not found:
         return 0
-    with conn.transaction():
-        cache.ensure(conn, "cancellations", [due for _, due, *_ in found])
-        _lock_all_lanes(conn)
-        cur = conn.execute(
-            f"""
-            INSERT INTO delaywheel.cancellations (message_id, due_at, key, reason)
-            SELECT t.id, t.deliver_at, t.key, %(reason)s
-            FROM unnest(%(ids)s::bigint[], %(dues)s::timestamptz[], %(keys)s::text[], %(lanes)s::text[],
-                        %(levels)s::smallint[], %(xids)s::xid8[]) AS t(id, deliver_at, key, lane, level, xid)
-            WHERE {STILL_PENDING}
-              AND NOT EXISTS (SELECT 1 FROM delaywheel.cancellations c WHERE c.message_id = t.id)
-            """,  # type: ignore[arg-type]
-            {"reason": reason, **{name: [row[i] for row in found] for i, name in
-                                  enumerate(("ids", "dues", "keys", "lanes", "levels", "xids"))}},
-        )
-    return cur.rowcount
+    if not _commits_each_statement(conn):  # in the caller's transaction: lock as cancel does
+        with conn.transaction():
+            _lock_all_lanes(conn)
+            return len(mark(conn, cache, found, reason))
+    # As a single cancel (see `cancel`): commit the cancellations without the lanes' locks, wait for the passes that
+    # may have read them before, and leave out what those delivered.
+    marked = mark(conn, cache, found, reason)
+    if not marked:
+        return 0
+    await_passes(conn, lane_locks([row for row in found if row[0] in marked]))
+    row = conn.execute(
+        "SELECT count(DISTINCT message_id) FROM delaywheel.topic_messages"
+        " WHERE message_id = ANY(%s::bigint[]) AND origin <> 'replay'", (sorted(marked),),
+    ).fetchone()
+    return len(marked) - (int(row[0]) if row else 0)

@@ -1,7 +1,7 @@
 """Per-level delivery (RocketMQ 4.x's DeliverDelayedMessageTimerTask, one level per call).
 
 A pass runs in one transaction: it takes the level's advisory lock (a second deliverer of the same
-level gets `busy` instead of waiting), reads the head of the level's queue in (xid, id) order below
+level waits up to LANE_WAIT for it, then gets `busy`; cancels never hold it for long, see cancel.py), reads the head of the level's queue in (xid, id) order below
 the commit horizon, moves the due prefix into the topics and advances the checkpoint. A crash before
 COMMIT leaves queue, topics and checkpoint as they were; after COMMIT, all three have moved.
 """
@@ -13,6 +13,7 @@ from datetime import datetime
 from typing import Any
 
 import psycopg
+from psycopg import errors
 
 from .db import COMMIT_HORIZON, QUEUE_PLAN
 from .partitions import PartitionCache
@@ -21,6 +22,29 @@ from .producer import TOPIC_CHANNEL
 from .setaside import POISON, record
 
 LEVEL_LOCK = 0x64770010  # advisory lock class for levels (second key: the level)
+
+# How long a pass that finds its lane's lock taken waits for it before it reports `busy`. A cancel takes the lock
+# shared and lets it go in the same statement (cancel.await_passes: waiting for the pass in flight), but PostgreSQL
+# grants a waiting request when the holder releases, before the waiter's process runs: on a busy machine the cancel
+# then holds it until it is scheduled, which took over 20 ms on two shared cores (2 busy passes in ~4,000). While a
+# pass waits, later cancels queue behind it (no shared request is granted past a waiting exclusive one), so a stream
+# of them cannot starve it. Another deliverer of the lane holds the lock for a whole pass: this one then waits for
+# that pass and runs its own, or reports busy after this long.
+LANE_WAIT = "250ms"
+
+
+def take_lane(conn: psycopg.Connection, lock: tuple[int, int]) -> bool:
+    """After `pg_try_advisory_xact_lock(lock)` failed in the caller's transaction: wait up to LANE_WAIT for it (in a
+    savepoint, so a timeout leaves the transaction usable); True once held."""
+    before = conn.execute("SELECT current_setting('lock_timeout')").fetchone()[0]  # type: ignore[index]
+    try:
+        with conn.transaction():
+            conn.execute("SELECT set_config('lock_timeout', %s, true)", (LANE_WAIT,))
+            conn.execute("SELECT pg_advisory_xact_lock(%s, %s)", lock)
+    except errors.LockNotAvailable:
+        return False
+    conn.execute("SELECT set_config('lock_timeout', %s, true)", (before,))  # as it was, for the rest of the pass
+    return True
 
 
 @dataclass(frozen=True)
@@ -224,7 +248,10 @@ def _deliver_level(
         assert row is not None
         locked, xmin, clock, *_ = row
         if not locked:
-            return PassResult(0, 0, None, busy=True)
+            if not take_lane(conn, (LEVEL_LOCK, level)):
+                return PassResult(0, 0, None, busy=True)
+            xmin, clock = conn.execute(  # type: ignore[misc]
+                f"SELECT {COMMIT_HORIZON}::text, coalesce(%s::timestamptz, clock_timestamp())", (now,)).fetchone()
         cache.ensure(conn, "topic_messages", [clock])
         conn.execute(
             "INSERT INTO delaywheel.level_checkpoint (level) VALUES (%s) ON CONFLICT DO NOTHING", (level,)

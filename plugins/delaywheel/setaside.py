@@ -41,8 +41,7 @@ def record(conn: psycopg.Connection, cache: PartitionCache, rows: Sequence[Seque
         )
         cur.executemany(
             "INSERT INTO delaywheel.cancellations (message_id, due_at, key, reason)"
-            " SELECT %(id)s, %(due)s, %(key)s, %(reason)s WHERE NOT EXISTS ("
-            "     SELECT 1 FROM delaywheel.cancellations WHERE message_id = %(id)s AND due_at = %(due)s)",
+            " VALUES (%(id)s, %(due)s, %(key)s, %(reason)s) ON CONFLICT (message_id, due_at) DO NOTHING",  # sql/018
             [{"id": r[0], "due": r[5], "key": r[4], "reason": f"set aside: {r[6]}"} for r in rows],
         )
     return len(rows)

@@ -17,7 +17,7 @@ from psycopg import errors
 
 from .config import Settings
 from .db import COMMIT_HORIZON, QUEUE_PLAN
-from .levels import TOPIC_SUMMARY, PassResult, topic_spans
+from .levels import TOPIC_SUMMARY, PassResult, take_lane, topic_spans
 from .partitions import DAY, HOUR, PartitionCache, floor_to
 from .setaside import POISON, record
 
@@ -195,7 +195,10 @@ def _advance(conn: psycopg.Connection, cache: PartitionCache, now: datetime | No
         assert row is not None
         locked, xmin, clock = row
         if not locked:
-            return PassResult(0, 0, None, busy=True)
+            if not take_lane(conn, WHEEL_LOCK):
+                return PassResult(0, 0, None, busy=True)
+            xmin, clock = conn.execute(  # type: ignore[misc]
+                f"SELECT {COMMIT_HORIZON}::text, coalesce(%s::timestamptz, clock_timestamp())", (now,)).fetchone()
         state = conn.execute(
             # NO KEY UPDATE: must not wait for producers, which hold the row FOR KEY SHARE until they commit
             "SELECT cursor_at, cursor_id, horizon_xid::text FROM delaywheel.wheel_state FOR NO KEY UPDATE"

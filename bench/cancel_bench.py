@@ -1,0 +1,309 @@
+"""Cancels beside deliveries (issue 19, item 4), measured in one run on one server.
+
+1. cancel(key=…) latency with the near wheel full (hourly partitions over the next ~4 days) and `10M x scale`
+   timers pending (due 1 min - 30 days ahead, sent by send_many: near ones in the wheel, the rest in far segments):
+   the library's cancel (no lane lock; prepared lookup, generic plan) against the previous way (the lanes' locks,
+   the lookup planned per call), interleaved key by key; the new cancel's three steps timed apart; EXPLAIN
+   (ANALYZE, SUMMARY) of the lookup, planned per call and as a generic prepared plan.
+2. Delivery lateness on the real clock: timers at `--rate` msg/s (delays 1-10 s) delivered by the library's loop
+   (runner.run, wheel lane), `--seconds` long, without cancels and then with `--cancels` cancels/s by key of timers
+   due within the next second or just due (racing the passes), from several threads. Reported: lateness p50/p99/max
+   of the delivered timers, passes and busy passes, cancel latency, and exactly-once checks (no message delivered
+   twice; none both delivered and answered cancelled; every already_delivered answer true).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import types
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import psycopg
+from psycopg import sql
+
+from delaywheel import Message, Store, runner
+from delaywheel import cancel as cancel_module
+from delaywheel import wheel as wheel_module
+from delaywheel.cancel import find, mark, settle
+from delaywheel.db import LOOKUP_PLAN
+from delaywheel.keyblooms import probe
+from delaywheel.pending import pending
+
+from .common import body, chunks, drop_database, fresh_database, log
+
+DB = "delaywheel_bench_cancel"
+_OLD: types.ModuleType
+TOPIC = "bench.cancel"
+
+
+def pct(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))] if s else float("nan")
+
+
+def fill(store: Store, count: int, batch: int) -> None:
+    rng = random.Random(7)
+    first = store.clock() + timedelta(minutes=1)
+    span = timedelta(days=30)
+    for start, size in chunks(count, batch):
+        store.send_many([Message("bench.backdrop", body(0), deliver_at=first + rng.random() * span,
+                                 key=f"backdrop-{start + j}") for j in range(size)])
+
+
+SAMPLES = {
+    "near": "SELECT key FROM delaywheel.wheel w WHERE key LIKE 'backdrop-%%' ORDER BY random() LIMIT %s",
+    "far": "SELECT k FROM delaywheel.wheel_far_segments, unnest(keys) u(k) WHERE k LIKE 'backdrop-%%'"
+           " ORDER BY random() LIMIT %s",
+}
+
+
+def _before() -> types.ModuleType:
+    """The cancel module as it was before issue 19's change (commit 990e562: the lanes' locks, the lookup planned
+    per call), loaded beside the current one, for an interleaved comparison on the same store."""
+    source = subprocess.run(["git", "show", f"{BEFORE}:plugins/delaywheel/cancel.py"], check=True, capture_output=True,
+                            text=True, cwd=Path(__file__).resolve().parents[1]).stdout
+    module = types.ModuleType("delaywheel._cancel_before")
+    module.__package__ = "delaywheel"
+    sys.modules[module.__name__] = module  # dataclasses look their module up
+    exec(compile(source, "cancel_before.py", "exec"), module.__dict__)
+    return module
+
+
+BEFORE = "990e562"
+CURRENT = (cancel_module.cancel, wheel_module.take_lane)
+
+
+def old_cancel(store: Store, key: str) -> list:  # type: ignore[type-arg]
+    return _OLD.cancel(store.conn, store._cache, key=key, reason="bench")
+
+
+def latency(store: Store, other: psycopg.Connection, per_lane: int) -> list[str]:
+    lines = []
+    for lane, sample in SAMPLES.items():
+        keys = [k for (k,) in other.execute(sample, (2 * per_lane,))]  # type: ignore[arg-type]
+        new, old, steps = [], [], {"find": [], "mark": [], "settle": []}  # type: ignore[var-annotation]
+        for i, key in enumerate(keys):
+            started = time.perf_counter()
+            if i % 2:
+                outcome = [r.outcome for r in store.cancel(key=key)]
+                new.append(1000 * (time.perf_counter() - started))
+            else:
+                outcome = [r.outcome for r in old_cancel(store, key)]
+                old.append(1000 * (time.perf_counter() - started))
+            if outcome != ["cancelled"]:
+                raise RuntimeError(f"cancel {key}: {outcome}")
+        for key in [k for (k,) in other.execute(sample, (per_lane,))]:  # type: ignore[arg-type]
+            h1, h2 = probe(key)
+            params = {"v": key, "h1": h1, "h2": h2}
+            t = [time.perf_counter()]
+            found = find(store.conn, "key", params)
+            t.append(time.perf_counter())
+            marked = mark(store.conn, store._cache, found, "bench")
+            t.append(time.perf_counter())
+            settle(store.conn, "key", params, found, marked)
+            t.append(time.perf_counter())
+            for name, a, b in zip(steps, t, t[1:], strict=False):
+                steps[name].append(1000 * (b - a))
+        lines.append(f"- {lane} timer, cancel(key=…), {len(new)} calls: p50 {statistics.median(new):.2f} ms, "
+                     f"p99 {pct(new, 0.99):.2f} ms; the code before (990e562: lanes' locks), {len(old)} calls "
+                     f"interleaved: p50 {statistics.median(old):.2f} ms, p99 {pct(old, 0.99):.2f} ms; steps p50: "
+                     + ", ".join(f"{n} {statistics.median(v):.2f} ms" for n, v in steps.items()))
+    return lines
+
+
+def explain(store: Store, other: psycopg.Connection) -> list[str]:
+    (key,) = other.execute(SAMPLES["near"], (1,)).fetchone()  # type: ignore[misc]
+    h1, h2 = probe(key)
+    segments = "CASE WHEN delaywheel.bloom_may_hold(s.key_bloom, $2, $3) THEN s.keys @> ARRAY[$1::text] END"
+    query = f"SELECT p.id, p.deliver_at, p.key, p.lane, p.level, p.xid::text FROM ({pending(segments, 'q.key = $1')}) p"
+    lines = []
+    with psycopg.connect(store.url, autocommit=True) as conn:
+        conn.execute("PREPARE look(text, int8, int8) AS " + query)
+        for mode in ("force_custom_plan", "force_generic_plan"):
+            timings = []
+            for _ in range(7):
+                with conn.transaction():
+                    conn.execute(f"SELECT {LOOKUP_PLAN}, set_config('plan_cache_mode', %s, true)", (mode,))
+                    plan = conn.execute(sql.SQL("EXPLAIN (ANALYZE, SUMMARY, FORMAT JSON) EXECUTE look({}, {}, {})").format(
+                        sql.Literal(key), sql.Literal(h1), sql.Literal(h2))).fetchone()[0][0]  # type: ignore[index]
+                timings.append((plan.get("Planning Time", 0.0), plan["Execution Time"]))
+            plan_ms = statistics.median(p for p, _ in timings)
+            exec_ms = statistics.median(e for _, e in timings)
+            lines.append(f"- EXPLAIN (ANALYZE, SUMMARY) of the lookup by key, {mode} (median of 7): planning "
+                         f"{plan_ms:.2f} ms, execution {exec_ms:.2f} ms")
+        partitions = conn.execute("SELECT count(*) FROM delaywheel.partitions WHERE parent = 'wheel'").fetchone()[0]  # type: ignore[index]
+        far = conn.execute("SELECT count(*) FROM delaywheel.wheel_far_segments").fetchone()[0]  # type: ignore[index]
+        lines.append(f"- near wheel: {partitions} hourly partitions; far blocks: {far:,} segments")
+    return lines
+
+
+def race(url: str, seconds: float, rate: int, cancels: int, threads: int, window: tuple[float, float] = (-0.3, 1.0),
+         label: str = "run") -> dict[str, object]:
+    """One real-clock run; `cancels` = 0 is the baseline. Cancels pick timers due within `window` seconds of now."""
+    stop = threading.Event()
+    sent: dict[str, tuple[int, float]] = {}  # key -> (id, due as epoch seconds)
+    lock = threading.Lock()
+    answers: list[tuple[int | None, str]] = []
+    cancel_ms: list[float] = []
+    errors: list[BaseException] = []
+    topic = f"{TOPIC}.{label}"
+    totals: list[runner.RunTotals] = []
+    ready = threading.Event()
+
+    def deliver() -> None:
+        try:
+            with Store(url) as own:
+                totals.append(runner.run(own, [None], seconds + 12, stop=stop, ready=ready.set))
+        except BaseException as exc:
+            errors.append(exc)
+
+    def produce() -> None:
+        rng = random.Random(1)
+        try:
+            with Store(url) as own:
+                n, tick, started = 0, 0.02, time.monotonic()
+                while time.monotonic() - started < seconds:
+                    size = int(rate * tick)
+                    clock = time.time()
+                    delays = [rng.uniform(1, 10) for _ in range(size)]
+                    keys = [f"{topic}-{n + j}" for j in range(size)]
+                    ids = own.send_many([Message(topic, body(n + j), key=k, delay=timedelta(seconds=d))
+                                         for j, (k, d) in enumerate(zip(keys, delays, strict=True))])
+                    with lock:
+                        for k, i, d in zip(keys, ids, delays, strict=True):
+                            sent[k] = (i, clock + d)
+                    n += size
+                    time.sleep(max(0.0, started + (n / rate) - time.monotonic()))
+        except BaseException as exc:
+            errors.append(exc)
+
+    def cancel_loop(seed: int) -> None:
+        rng = random.Random(seed)
+        per_thread = cancels / threads
+        try:
+            with Store(url) as own:
+                done, started = 0, time.monotonic()
+                while time.monotonic() - started < seconds:
+                    now = time.time()
+                    with lock:
+                        near = [k for k, (_, due) in list(sent.items())[-12 * rate:] if window[0] < due - now < window[1]]
+                    for key in rng.sample(near, min(len(near), 20)):
+                        t = time.perf_counter()
+                        results = own.cancel(key=key)
+                        cancel_ms.append(1000 * (time.perf_counter() - t))
+                        answers.extend((r.message_id, r.outcome) for r in results)
+                        done += 1
+                        time.sleep(max(0.0, started + done / per_thread - time.monotonic()))
+                    if not near:
+                        time.sleep(0.01)
+        except BaseException as exc:
+            errors.append(exc)
+
+    workers = [threading.Thread(target=deliver)]
+    workers[0].start()
+    ready.wait(30)
+    workers += [threading.Thread(target=produce)]
+    workers += [threading.Thread(target=cancel_loop, args=(10 + i,)) for i in range(threads if cancels else 0)]
+    for w in workers[1:]:
+        w.start()
+    for w in workers[1:]:
+        w.join()
+    time.sleep(11)  # the last timers fall due
+    stop.set()
+    workers[0].join()
+    if errors:
+        raise errors[0]
+    with psycopg.connect(url) as conn:
+        rows = conn.execute("SELECT message_id, extract(epoch FROM delivered_at - deliver_at) * 1000"
+                            " FROM delaywheel.topic_messages WHERE topic = %s", (topic,)).fetchall()
+    delivered = [m for m, _ in rows]
+    late = [float(ms) for _, ms in rows]
+    said_cancelled = {m for m, o in answers if o in ("cancelled", "already_cancelled")}
+    said_delivered = {m for m, o in answers if o == "already_delivered"}
+    ids = {i for i, _ in sent.values()}
+    return {
+        "sent": len(sent), "delivered": len(delivered), "duplicates": len(delivered) - len(set(delivered)),
+        "missing": len(ids - set(delivered) - said_cancelled), "early": sum(1 for x in late if x < 0),
+        "both": len(said_cancelled & set(delivered)), "false_delivered": len(said_delivered - set(delivered)),
+        "p50": pct(late, 0.5), "p99": pct(late, 0.99), "max": max(late, default=float("nan")),
+        "passes": totals[0].passes, "busy": totals[0].busy_passes, "cancels": len(cancel_ms),
+        "cancel_rate": len(cancel_ms) / seconds, "cancelled": len({m for m, o in answers if o == "cancelled"}),
+        "already_delivered": len(said_delivered),
+        "cancel_p50": pct(cancel_ms, 0.5), "cancel_p99": pct(cancel_ms, 0.99),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--scale", type=float, default=1.0, help="pending timers = 10M x scale")
+    parser.add_argument("--batch", type=int, default=20_000)
+    parser.add_argument("--per-lane", type=int, default=100, help="cancels timed per lane (near, far)")
+    parser.add_argument("--seconds", type=float, default=60)
+    parser.add_argument("--rate", type=int, default=1000)
+    parser.add_argument("--cancels", type=int, default=700)
+    parser.add_argument("--threads", type=int, default=4, help="cancelling threads")
+    parser.add_argument("--skip-latency", action="store_true")
+    parser.add_argument("--skip-race", action="store_true")
+    parser.add_argument("--control", action="store_true", help="a run whose cancels race no pass (same load)")
+    parser.add_argument("--before", action="store_true", help="a third race run with the code before (990e562)")
+    args = parser.parse_args()
+    global _OLD
+    _OLD = _before()
+    started = datetime.now(UTC)
+    url = fresh_database(DB)
+    lines: list[str] = []
+    try:
+        with Store(url) as store, psycopg.connect(url, autocommit=True) as other:
+            store.prepare()
+            if not args.skip_latency:
+                n = int(10_000_000 * args.scale)
+                log(f"1. fill {n:,} pending")
+                t = time.perf_counter()
+                fill(store, n, args.batch)
+                other.execute("ANALYZE")
+                log(f"   {time.perf_counter() - t:.0f} s")
+                lines += explain(store, other)
+                lines += latency(store, other, args.per_lane)
+                lines.insert(0, f"- pending: {n:,} timers (10M x {args.scale}), due 1 min - 30 days ahead")
+                for line in lines:
+                    log(line)
+            runs = [] if args.skip_race else [(0, False), (args.cancels, False)] + ([(args.cancels, True)] if args.before else [])
+            runs += [(args.cancels, "control")] if args.control and not args.skip_race else []
+            for cancels, before in runs:
+                log(f"2. race: {args.rate} msg/s, {cancels} cancels/s, {args.seconds:.0f} s, {before}")
+                control = before == "control"
+                before = before is True
+                if before:  # the cancel of 990e562 (lanes' locks, waiting) and its deliverer (try the lock, else busy)
+                    cancel_module.cancel, wheel_module.take_lane = _OLD.cancel, lambda conn, lock: False
+                try:
+                    r = race(url, args.seconds, args.rate, cancels, args.threads, (5.0, 10.0) if control else (-0.3, 1.0),
+                             f"run{len(lines)}")
+                finally:
+                    cancel_module.cancel, wheel_module.take_lane = CURRENT
+                line = (f"- {'code before (990e562): ' if before else ''}"
+                        f"{'control (cancels of timers due 5-10 s ahead, racing no pass): ' if control else ''}"
+                        f"{args.rate} msg/s, {cancels} cancels/s asked ({r['cancel_rate']:.0f}/s done, "
+                        f"{r['cancels']} calls, p50 {r['cancel_p50']:.2f} ms, p99 {r['cancel_p99']:.2f} ms): "
+                        f"sent {r['sent']}, delivered {r['delivered']}, cancelled {r['cancelled']}, "
+                        f"already_delivered answers {r['already_delivered']}; lateness p50 {r['p50']:.1f} ms, "
+                        f"p99 {r['p99']:.1f} ms, max {r['max']:.1f} ms; passes {r['passes']}, busy {r['busy']}; "
+                        f"duplicates {r['duplicates']}, missing {r['missing']}, early {r['early']}, "
+                        f"delivered and answered cancelled {r['both']}, already_delivered not delivered "
+                        f"{r['false_delivered']}")
+                log(line)
+                lines.append(line)
+    finally:
+        drop_database(DB)
+    print(f"\n### cancel_bench, started {started:%Y-%m-%d %H:%M} UTC\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
