@@ -137,8 +137,8 @@ def _text_column(values: tuple[Any, ...], nullable: bool = False, check: Callabl
     distinct = set(values)
     if not {type(v) for v in distinct} <= ({str, type(None)} if nullable else {str}):
         raise Irregular
-    for value in distinct if check else ():
-        if value is not None:
+    if check is not None:
+        for value in distinct - {None}:
             check(value)
     if len(distinct) == 1:
         return pa.repeat(pa.scalar(values[0], pa.string()), len(values))
