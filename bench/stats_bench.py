@@ -20,15 +20,14 @@ from datetime import UTC, datetime, timedelta
 
 from psycopg.conninfo import make_conninfo
 
-from delaywheel import Store, embedded
+from delaywheel import Store
 from delaywheel import stats as stats_module
-from delaywheel.config import load_settings
-from delaywheel.db import connect, database_url
+from delaywheel.db import connect
 from delaywheel.migrate import migrate
 from delaywheel.pending import PENDING
 from delaywheel.validation import Message
 
-from .common import Check, body, chunks, log, print_section
+from .common import Check, body, chunks, log, print_section, server_url
 
 DB = "delaywheel_stats_bench"
 EMPTY_DB = "delaywheel_stats_bench_empty"
@@ -113,16 +112,6 @@ def measure(url: str, label: str, notes: list[str], checks: list[Check]) -> None
                         f"<= {TARGET_S * 1000:.0f} ms", statistics.median(stats) <= TARGET_S))
     checks.append(Check(f"stats() max, {label} (ms)", max(stats) * 1000, TARGET_S * 1000,
                         f"<= {TARGET_S * 1000:.0f} ms", max(stats) <= TARGET_S))
-
-
-def server_url() -> str:
-    """A role that may create databases: DELAYWHEEL_DATABASE_URL's, or the embedded cluster's superuser (its default
-    URL is the runtime role's, which may create nothing). Stats reads as any role; the figures do not depend on it."""
-    settings = load_settings()
-    if settings.database_url:
-        return make_conninfo(settings.database_url, dbname="postgres")
-    database_url(settings)  # starts the embedded cluster (idempotent)
-    return embedded.default_cluster().admin_url("postgres")
 
 
 def fresh_database(name: str) -> str:
