@@ -21,14 +21,21 @@ Nothing here touches the database, Spark or GX before `execute`: DAG parsing sta
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Callable, Collection
 from datetime import UTC, datetime, timedelta
 from typing import Any
 from urllib.parse import quote
 
+import psycopg
 from airflow.sdk import Asset, AssetAlias, AssetWatcher, BaseOperator, Context
+from airflow.sdk.module_loading import import_string
 
 from delaywheel import Message, runner
+from delaywheel.consume import Abandon
+from delaywheel.db import connect
 from delaywheel.levels import TopicSpan, add_spans, event_extra
+from delaywheel.topics import Message as DeliveredMessage
 
 from .hooks import DelayWheelHook
 from .triggers import TopicMessagesTrigger
@@ -128,12 +135,7 @@ class _LeaseOperator(BaseOperator):
 
     def lease_left(self, context: Context) -> float:
         """Seconds this task should deliver for (see the class docstring)."""
-        lease = float(self.lease_seconds)
-        run_after = getattr(context.get("dag_run"), "run_after", None) if self.align_lease_to_run else None
-        if run_after is None:
-            return lease
-        left = (run_after + timedelta(seconds=lease) - datetime.now(UTC)).total_seconds()
-        return max(left, min(self.min_lease_seconds, lease))
+        return _lease_left(context, float(self.lease_seconds), self.align_lease_to_run, self.min_lease_seconds)
 
     def execute(self, context: Context) -> dict[str, Any]:
         lane = self.lane()
@@ -185,6 +187,179 @@ class AdvanceWheelOperator(_LeaseOperator):
 
     def lane(self) -> runner.Lane:
         return None
+
+
+CONSUMER_PRESENCE_LOCK = 0x64770050  # shared advisory lock class held by every live lease consumer; key: (group, topic)
+_PRESENCE_KEY = "hashtext(jsonb_build_array(%s::text, %s::text)::text)"
+
+
+class ConsumeOperator(BaseOperator):
+    """A long-running consumer: holds `group` on `topic` for a lease, waiting on the topic's notifications
+    (`Store.consume`), and hands the group over to the next run's task at the lease end.
+
+    The handler, as the Kafka provider's ``ConsumeFromTopicOperator`` takes it: exactly one of
+
+    :param apply_function_batch: a callable, or its dotted import path (``"my_pkg.handlers.handle"``), called as
+        ``fn(messages, **apply_function_kwargs)`` with each batch (a list of ``delaywheel.Delivered``); it
+        returns None (all handled) or the ``message_id``s that failed, which go to the retry ladder. An exception
+        retries the whole batch; ``delaywheel.consume.Abandon`` stops without acking it.
+    :param apply_function: the same, called once per message as ``fn(message, **apply_function_kwargs)``; a message
+        whose call raises goes to the retry ladder, the others are acked.
+
+    or a subclass overriding ``handle(messages, context)`` (same contract as ``apply_function_batch``).
+
+    :param topic: the topic to consume (templated).
+    :param group: the consumer group (templated): its offset is the group's, whichever task or run acks it.
+    :param apply_function_kwargs: keyword arguments for the function (templated).
+    :param lease_seconds: how long this task consumes (templated). Counted from the DAG run's scheduled time
+        (`run_after`) with `align_lease_to_run`, as the deliver lanes do, so a run scheduled every N seconds with a
+        lease of N + overlap has its successor running before it lets go; a late task still gets `min_lease_seconds`.
+    :param handover_grace_seconds: past its lease, keep the group up to this much longer until another lease
+        consumer of (group, topic) is running (templated): a successor that failed at start-up leaves no gap while
+        Airflow retries it. 0: stop at the lease end whatever happens.
+    :param max_messages: the batch size and prefetch bound (templated).
+    :param delaywheel_conn_id: the Airflow connection of the store (templated).
+
+    Hand-over: only the holder of the group's lock on a topic handles (`topics.GROUP_LOCK`, held from the pull of a
+    batch to the commit of its ack); a second consumer of the group is a standby that tries the lock every 0.25 s.
+    So during the overlap of two runs nothing is handled twice, and when the old task stops (its batch in hand
+    acked, its lock released) the new one takes over within about 0.25 s. Every lease consumer also holds a shared
+    "presence" advisory lock on (group, topic) for its lifetime, which the grace above looks for. SIGTERM
+    (`on_kill`) stops the same way: the handler finishes its batch, the batch is acked, the task returns.
+
+    Returns ``{"handled", "acked", "retried", "reconnects", ...}``: messages handed to the handler, messages
+    covered by committed acks, sent to the retry ladder, lost connections made again.
+    """
+
+    template_fields: tuple[str, ...] = ("topic", "group", "apply_function_kwargs", "lease_seconds",
+                                        "handover_grace_seconds", "max_messages", "delaywheel_conn_id")
+    template_fields_renderers = {"apply_function_kwargs": "py"}
+    ui_color = "#fdf1dc"
+
+    def __init__(
+        self,
+        *,
+        topic: str,
+        group: str,
+        apply_function: Callable[..., Any] | str | None = None,
+        apply_function_batch: Callable[..., Any] | str | None = None,
+        apply_function_kwargs: dict[str, Any] | None = None,
+        lease_seconds: float | str = 300,
+        handover_grace_seconds: float | str = 0.0,
+        align_lease_to_run: bool = True,
+        min_lease_seconds: float = 10.0,
+        max_messages: int | str = 100,
+        delaywheel_conn_id: str = DelayWheelHook.default_conn_name,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        overridden = type(self).handle is not ConsumeOperator.handle
+        if sum((apply_function is not None, apply_function_batch is not None, overridden)) != 1:
+            raise ValueError("ConsumeOperator needs exactly one handler: apply_function, apply_function_batch, "
+                             "or a subclass overriding handle()")
+        self.topic, self.group = topic, group
+        self.apply_function, self.apply_function_batch = apply_function, apply_function_batch
+        self.apply_function_kwargs = apply_function_kwargs
+        self.lease_seconds = lease_seconds
+        self.handover_grace_seconds = handover_grace_seconds
+        self.align_lease_to_run = align_lease_to_run
+        self.min_lease_seconds = min_lease_seconds
+        self.max_messages = max_messages
+        self.delaywheel_conn_id = delaywheel_conn_id
+        self._stop: threading.Event | None = None
+        self._killed = False
+        self._lease_ended = False
+        self._fn: Callable[..., Any] | None = None
+
+    def handle(self, messages: list[DeliveredMessage], context: Context) -> Collection[int] | None:
+        """Handle one batch; return None or the ids that failed. Override this, or pass a function."""
+        kwargs = dict(self.apply_function_kwargs or {})
+        assert self._fn is not None
+        if self.apply_function_batch is not None:
+            return self._fn(messages, **kwargs)  # type: ignore[no-any-return]
+        failed = []
+        for message in messages:
+            try:
+                self._fn(message, **kwargs)
+            except Abandon:
+                raise
+            except Exception:
+                self.log.exception("apply_function failed on message %s; it goes to the retry ladder",
+                                   message.message_id)
+                failed.append(message.message_id)
+        return failed
+
+    def execute(self, context: Context) -> dict[str, Any]:
+        fn = self.apply_function_batch if self.apply_function_batch is not None else self.apply_function
+        self._fn = import_string(fn) if isinstance(fn, str) else fn  # a wrong path fails before taking the group
+        lease = _lease_left(context, float(self.lease_seconds), self.align_lease_to_run, self.min_lease_seconds)
+        grace = float(self.handover_grace_seconds)
+        self._stop = stop = threading.Event()
+        self._killed = self._lease_ended = False
+        handled = 0
+        handed_over = threading.Event()
+
+        def handler(messages: list[DeliveredMessage]) -> Collection[int] | None:
+            nonlocal handled
+            handled += len(messages)
+            return self.handle(messages, context)
+
+        with DelayWheelHook(self.delaywheel_conn_id).get_store() as store, \
+                connect(store.url, autocommit=True) as presence:
+            presence.execute(f"SELECT pg_advisory_lock_shared({CONSUMER_PRESENCE_LOCK}, {_PRESENCE_KEY})",
+                             (self.group, self.topic))
+            watchdog = threading.Thread(target=self._watch, args=(presence, lease, grace, stop, handed_over),
+                                        name="delaywheel-consumer-lease", daemon=True)
+            self.log.info("consuming %s as group %s for a lease of %.1fs (grace %.1fs)", self.topic, self.group,
+                          lease, grace)
+            watchdog.start()
+            try:
+                totals = store.consume(self.topic, self.group, handler, max_messages=int(self.max_messages),
+                                       stop=stop)
+            finally:
+                stop.set()
+                watchdog.join()
+        result = {
+            "topic": self.topic, "group": self.group, "lease_seconds": lease,
+            "stopped_early": self._killed, "stopped_by": "kill" if self._killed else "lease" if self._lease_ended else totals.stopped_by,
+            "handed_over": handed_over.is_set(),  # a successor was seen running at the lease end
+            "handled": handled, "acked": totals.messages, "retried": totals.retried, "reconnects": totals.reconnects,
+            "batches": totals.batches, "handler_errors": totals.handler_errors,
+            "already_acked": totals.already_acked, "busy_pulls": totals.busy,
+        }
+        self.log.info("consumed: %s", result)
+        return result
+
+    def _watch(self, presence: Any, lease: float, grace: float, stop: threading.Event,
+               handed_over: threading.Event) -> None:
+        """Set `stop` at the lease end, or past it once a successor is present (at most `grace` later)."""
+        end = time.monotonic() + lease
+        if stop.wait(lease):
+            return
+        while time.monotonic() < end + grace:  # the lease is over: hand over to a live successor
+            try:
+                row = presence.execute(
+                    f"""SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted AND objsubid = 2
+                          AND pid <> pg_backend_pid() AND classid::bigint = {CONSUMER_PRESENCE_LOCK}
+                          AND objid = ({_PRESENCE_KEY})::oid
+                          AND database = (SELECT oid FROM pg_database WHERE datname = current_database())""",
+                    (self.group, self.topic)).fetchone()
+            except psycopg.Error as exc:  # cannot tell: hand over as without a grace
+                self.log.warning("cannot look for a successor (%s); stopping at the lease end", exc)
+                break
+            if row and row[0] > 0:
+                handed_over.set()
+                break
+            if stop.wait(runner.HANDOVER_POLL_S):
+                return
+        self._lease_ended = True
+        stop.set()
+
+    def on_kill(self) -> None:
+        """SIGTERM: the handler finishes its batch, the batch is acked, the group lock released, the task returns."""
+        self._killed = True
+        if self._stop is not None:
+            self._stop.set()
 
 
 class EnqueueOperator(BaseOperator):
@@ -305,6 +480,16 @@ class CancelOperator(BaseOperator):
                            "results": []}
         self.log.info("cancelled %d message(s)", summary["cancelled"])
         return summary
+
+
+def _lease_left(context: Context, lease: float, align: bool, min_lease: float) -> float:
+    """Seconds left of a lease of `lease` seconds counted from the DAG run's scheduled time (`run_after`) when
+    `align`, else from now; a task starting after that moment still gets `min_lease` (at most `lease`)."""
+    run_after = getattr(context.get("dag_run"), "run_after", None) if align else None
+    if run_after is None:
+        return lease
+    left = (run_after + timedelta(seconds=lease) - datetime.now(UTC)).total_seconds()
+    return max(left, min(min_lease, lease))
 
 
 def _truthy(value: bool | str) -> bool:

@@ -1,0 +1,84 @@
+"""Template long-running consumer: one task holds the consumer group for a lease and handles each message
+as soon as it is delivered (waiting on the topic's notifications), then hands the group to the next run.
+
+Copy this file, set TOPIC and GROUP, and replace `handle()` with your processing (or pass
+`apply_function_batch="my_pkg.handlers.handle"`, a dotted import path; `apply_function=` takes one message at
+a time; or subclass `ConsumeOperator` and override `handle(messages, context)`).
+
+When to use it rather than `delaywheel_consumer_template` (scheduled on the topic's Asset): this one is for
+latency. A message is handled within tens of milliseconds of its delivery, where an Asset-scheduled run starts
+a second or more after the watcher's event (a run and a task start each time). The Asset-scheduled consumer is
+for batch work: it takes no worker slot while the topic is quiet.
+
+How the lease hands over (as the deliver lanes do, `delaywheel_deliver`):
+- A run starts every INTERVAL_S and two may be active (`max_active_runs=2`). Each task consumes until
+  `lease_seconds` after its run's scheduled time (INTERVAL_S + OVERLAP_S by default), so the next run's task is
+  already running, as a standby, when the old one lets go.
+- Only the holder of the group's lock on the topic handles messages (a session advisory lock held from the
+  pull of a batch to the commit of its ack): during the overlap nothing is handled twice. At its lease end the
+  old task finishes the batch in hand, acks it and releases the lock; the standby takes over within ~0.25 s.
+- Past its lease, a task keeps the group (up to `handover_grace_seconds`) until the next run's task is
+  running, so a successor that failed at start-up leaves no gap while Airflow retries it.
+- SIGTERM (marking the task failed, a scheduler stopping it) ends the task the same way: batch acked, lock
+  released. A crash acks nothing: the batch is handled again by the next holder (at least once; deduplicate
+  on `message.idempotency_id`).
+- Returned (XCom): handled, acked, retried, reconnects, and how the task stopped.
+
+Paused at creation: it is a template, and a running copy takes one worker slot (two during the overlap).
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime, timedelta
+
+from airflow.sdk import DAG, Param
+
+from delaywheel.airflow.operators import ConsumeOperator
+from delaywheel.topics import Message
+
+TOPIC = "orders"  # the topic to consume
+GROUP = "orders-lease-template"  # this consumer's group: each group gets every message; give each consumer its own
+INTERVAL_S = 300  # a run (a lease) starts this often
+OVERLAP_S = 60  # ... and lasts this much longer, so that the next run's task is running when it lets go
+
+log = logging.getLogger(__name__)  # task logs show it
+
+
+def handle(messages: list[Message]) -> set[int]:
+    """Process one batch; return the message_ids that failed (they are retried later). Replace this."""
+    for message in messages:
+        log.info("message %s (key %s, due %s): %r", message.idempotency_id, message.key, message.deliver_at,
+                 message.body)
+    return set()
+
+
+with DAG(
+    dag_id="delaywheel_consumer_lease_template",
+    schedule=timedelta(seconds=INTERVAL_S),
+    max_active_runs=2,  # the running lease and the one taking over
+    dagrun_timeout=timedelta(seconds=INTERVAL_S + 2 * OVERLAP_S + 300),  # a stuck run is failed, its task stopped
+    is_paused_upon_creation=True,
+    start_date=datetime(2025, 1, 1),
+    catchup=False,
+    doc_md=__doc__,
+    tags=["delaywheel", "consumer"],
+    params={
+        "lease_seconds": Param(INTERVAL_S + OVERLAP_S, type="number", minimum=1,
+                               description="The task consumes until this long after the run's scheduled time."),
+        "handover_grace_seconds": Param(OVERLAP_S, type="number", minimum=0,
+                                        description="Past its lease, keep the group up to this long until the "
+                                                    "next run's consumer is running."),
+        "max_messages": Param(100, type="integer", minimum=1, description="Messages per batch (the prefetch bound)."),
+    },
+    default_args={"retries": 2, "retry_delay": timedelta(seconds=5)},
+):
+    ConsumeOperator(
+        task_id="consume",
+        topic=TOPIC,
+        group=GROUP,
+        apply_function_batch=handle,
+        lease_seconds="{{ params.lease_seconds }}",
+        handover_grace_seconds="{{ params.handover_grace_seconds }}",
+        max_messages="{{ params.max_messages }}",
+    )

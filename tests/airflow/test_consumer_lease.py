@@ -1,0 +1,175 @@
+"""The lease consumer (`ConsumeOperator`, `dags/delaywheel_consumer_lease_template.py`) against the real store:
+the template DAG under `dag.test()` handles and acks what was delivered; two tasks overlapping on one group hand it
+over with every message handled exactly once, none early, and a short gap; on_kill (Airflow's SIGTERM handler) ends
+a lease with what was handled acked; a per-message function given by dotted path sends failures to the retry
+ladder."""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import pytest
+
+from delaywheel import Message, Store, runner
+from tests.conftest import deliveries
+
+pytestmark = pytest.mark.airflow
+
+
+def _delivering(db_url: str, stop: threading.Event) -> threading.Thread:
+    def loop() -> None:
+        with Store(db_url) as own:
+            runner.run(own, [1, None], 120, stop=stop)
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    return thread
+
+
+def _left(store: Store, topic: str, group: str) -> int:
+    """Messages the group has not acked (a pull by a throwaway connection, not acked)."""
+    return len(store.pull(topic, group, 1000))
+
+
+def test_template_dag_consumes_delivered_messages_and_acks(store_connection: str, db_url: str, store: Store,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DELAYWHEEL_LEVELS", "1s 5s")
+    from airflow.dag_processing.dagbag import DagBag
+
+    from tests.airflow.test_airflow_dag_runs import run_dag
+
+    bag = DagBag(dag_folder=DagBag().dag_folder)
+    assert bag.import_errors == {}
+    dag = bag.dags["delaywheel_consumer_lease_template"]
+    topic, group = "orders", "orders-lease-template"
+    now = store.clock()
+    ids = [store.send(topic, {"n": n}, delay_level=1, now=now - timedelta(seconds=5)) for n in range(25)]
+    stop = threading.Event()
+    deliverer = _delivering(db_url, stop)
+    try:
+        deadline = time.monotonic() + 30
+        while len(deliveries(store, topic)) < len(ids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(deliveries(store, topic)) == len(ids)
+        _run_id, states, values = run_dag(dag, lease_seconds=3, handover_grace_seconds=0, max_messages=10)
+    finally:
+        stop.set()
+        deliverer.join(30)
+    assert states == {"consume": "success"}
+    result = values["consume"]
+    assert result["handled"] == result["acked"] == len(ids), result
+    assert result["retried"] == 0 and result["reconnects"] == 0 and result["stopped_by"] == "lease"
+    assert _left(store, topic, group) == 0  # the group's offset is past every message
+
+
+def test_lease_handover_handles_every_message_once_none_early_with_a_short_gap(store_connection: str, db_url: str,
+                                                                               store: Store) -> None:
+    from delaywheel.airflow.operators import ConsumeOperator
+
+    topic, group = "jobs", "workers"
+    seen: list[tuple[int, str, float, float]] = []  # (message_id, task, handled at, due at)
+    lock = threading.Lock()
+
+    def handler_for(name: str) -> Any:
+        def handle(messages: list[Any]) -> None:
+            now = time.time()
+            with lock:
+                seen.extend((m.message_id, name, now, m.deliver_at.timestamp()) for m in messages)
+
+        return handle
+
+    # the old task: lease 4 s, then keeps the group until a successor is present (grace 10 s);
+    # the new one starts 2 s in, as a standby, and leases 9 s
+    old = ConsumeOperator(task_id="old", topic=topic, group=group, apply_function_batch=handler_for("old"),
+                          lease_seconds=4, handover_grace_seconds=10, max_messages=20)
+    new = ConsumeOperator(task_id="new", topic=topic, group=group, apply_function_batch=handler_for("new"),
+                          lease_seconds=9, handover_grace_seconds=0, max_messages=20)
+    results: dict[str, dict[str, Any]] = {}
+    sent: list[int] = []
+    stop = threading.Event()
+    deliverer = _delivering(db_url, stop)
+
+    def produce() -> None:
+        with Store(db_url) as own:
+            end = time.monotonic() + 7
+            n = 0
+            while time.monotonic() < end:  # throughout the hand-over: a level, the wheel and no delay at all
+                kind = n % 3
+                sent.append(own.send(topic, {"n": n}, delay_level=1 if kind == 0 else None,
+                                     delay=timedelta(milliseconds=400) if kind == 1 else None))
+                n += 1
+                time.sleep(0.02)
+
+    def work(op: ConsumeOperator) -> None:
+        results[op.task_id] = op.execute({})
+
+    try:
+        producer = threading.Thread(target=produce)
+        threads = [threading.Thread(target=work, args=(old,)), threading.Thread(target=work, args=(new,))]
+        producer.start()
+        threads[0].start()
+        time.sleep(2)
+        threads[1].start()
+        for t in (producer, *threads):
+            t.join(60)
+    finally:
+        stop.set()
+        deliverer.join(30)
+    ids = [s[0] for s in seen]
+    assert sorted(ids) == sorted(sent), "every message handled, none twice"
+    assert all(handled >= due for _, _, handled, due in seen), "a message was handled before it was due"
+    assert results["old"]["handed_over"] and results["old"]["stopped_by"] == "lease"
+    old_times = [s[2] for s in seen if s[1] == "old"]
+    new_times = [s[2] for s in seen if s[1] == "new"]
+    assert old_times and new_times
+    assert max(old_times) <= min(new_times), "the standby handled nothing while the old task held the group"
+    gap = min(new_times) - max(old_times)
+    assert gap < 2.0, f"hand-over gap {gap:.2f}s"
+    for name in ("old", "new"):
+        r = results[name]
+        assert r["handled"] == r["acked"] == len([s for s in seen if s[1] == name]) and r["retried"] == 0
+    assert _left(store, topic, group) == 0
+
+
+def test_on_kill_acks_what_was_handled_and_returns(store_connection: str, store: Store) -> None:
+    from delaywheel.airflow.operators import ConsumeOperator
+
+    handled: list[int] = []
+    operator = ConsumeOperator(task_id="c", topic="t", group="g", lease_seconds=600,
+                               apply_function_batch=lambda ms: handled.extend(m.message_id for m in ms))
+    result: dict[str, Any] = {}
+    thread = threading.Thread(target=lambda: result.update(operator.execute({})))
+    thread.start()
+    ids = store.send_many([Message("t", {"n": n}) for n in range(30)])  # no delay: straight into the topic
+    deadline = time.monotonic() + 30
+    while len(handled) < len(ids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    started = time.monotonic()
+    operator.on_kill()
+    thread.join(30)
+    assert not thread.is_alive() and time.monotonic() - started < 5
+    assert result["stopped_early"] and result["stopped_by"] == "kill"
+    assert sorted(handled) == sorted(ids) and result["acked"] == len(ids)
+    assert _left(store, "t", "g") == 0
+
+
+def fail_even(message: Any, *, parity: int) -> None:
+    """A per-message function for `apply_function` by dotted path: fails messages whose body n has this parity."""
+    if message.body["n"] % 2 == parity:
+        raise RuntimeError("failing on purpose")
+
+
+def test_per_message_function_by_dotted_path_retries_only_its_failures(store_connection: str, store: Store) -> None:
+    from delaywheel.airflow.operators import ConsumeOperator
+
+    with pytest.raises(ValueError, match="exactly one handler"):
+        ConsumeOperator(task_id="none", topic="t", group="g")
+    store.send_many([Message("t", {"n": n}) for n in range(10)])
+    operator = ConsumeOperator(task_id="c", topic="t", group="g", lease_seconds=3,
+                               apply_function="tests.airflow.test_consumer_lease.fail_even",
+                               apply_function_kwargs={"parity": 0})
+    result = operator.execute({})
+    assert result["handled"] == result["acked"] == 10 and result["retried"] == 5, result
