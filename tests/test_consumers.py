@@ -120,3 +120,18 @@ def test_failed_ids_not_in_the_batch_are_an_error_and_ack_nothing(store: Store, 
     assert [m.message_id for m in store.pull("orders", "g").messages] == ids  # nothing acked
     assert store.ack(store.pull("orders", "g"), failed=set()) == AckResult(acked=2)
     assert store.ack(store.pull("orders", "g")) == AckResult()  # an empty batch
+
+
+def test_a_hand_written_body_that_does_not_decode_reaches_the_consumer_as_bytes(store: Store, t0: datetime) -> None:
+    """A topic row written by SQL whose body is marked JSON but is not (bad UTF-8): the group gets it as raw bytes,
+    between the good messages around it, and moves on (it used to raise on every pull, stopping the group)."""
+    first = store.send("orders", {"n": 1}, now=t0)
+    store.conn.execute(
+        "INSERT INTO delaywheel.topic_messages (topic, message_id, origin, body, is_json, deliver_at, delivered_at)"
+        " VALUES ('orders', 999, 'direct', %s, true, %s, %s)", (b"\xff{not json", t0, t0))
+    last = store.send("orders", {"n": 2}, now=t0)
+    batch = store.pull("orders", "billing", 10)
+    assert [(m.message_id, m.body) for m in batch.messages] == [(first, {"n": 1}), (999, b"\xff{not json"),
+                                                                (last, {"n": 2})]
+    assert store.ack(batch).acked == 3
+    assert len(store.pull("orders", "billing", 10)) == 0

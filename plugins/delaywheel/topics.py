@@ -8,6 +8,7 @@ batch not acked is pulled again; `Message.idempotency_id` is the key consumers d
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -20,6 +21,8 @@ from .levels import TopicSpan
 from .partitions import PartitionCache
 from .producer import send_for_store
 from .validation import Message as OutgoingMessage
+
+_log = logging.getLogger(__name__)
 
 RETRY_PREFIX = "%RETRY%"
 DLQ_PREFIX = "%DLQ%"
@@ -99,6 +102,19 @@ def pull(conn: psycopg.Connection, topic: str, group: str, max_messages: int = 1
         return _pull(conn, (topic, retry_topic(group)), group, max_messages, row[0])
 
 
+def _body(data: bytes, is_json: bool, message_id: int) -> Any:
+    """A delivered body as the consumer gets it. Every body the store wrote as JSON decodes; a row written into a
+    topic by hand that does not (bad UTF-8 or JSON) is handed over as its raw bytes, with a warning, rather than
+    raise: a body no consumer could ever decode must not stop its group (invariant 7)."""
+    if not is_json:
+        return data
+    try:
+        return json.loads(data)
+    except ValueError:  # JSONDecodeError and UnicodeDecodeError alike
+        _log.warning("message %s: its body is marked JSON but does not decode; handed over as raw bytes", message_id)
+        return data
+
+
 def _pull(conn: psycopg.Connection, sources: tuple[str, ...], group: str, max_messages: int, horizon: str) -> Batch:
     """`pull`'s reads, inside the caller's transaction (QUEUE_PLAN already set), each source in turn, below
     `horizon` (db.COMMIT_HORIZON read earlier in the transaction: every xid below it had ended then, so it is
@@ -126,7 +142,7 @@ def _pull(conn: psycopg.Connection, sources: tuple[str, ...], group: str, max_me
         for r in rows:
             batch.positions.append((int(r[2]), r[1]))
             properties = r[6] or {}
-            body = json.loads(bytes(r[7])) if r[8] else bytes(r[7])
+            body = _body(bytes(r[7]), r[8], r[3])
             batch.messages.append(Message(
                 topic=str(properties.get("ORIGIN_TOPIC", r[0])), queue_offset=r[1], message_id=r[3], key=r[4],
                 tags=r[5], properties=properties, body=body, reconsume_times=r[9], deliver_at=r[10],
