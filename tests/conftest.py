@@ -3,7 +3,9 @@ a migrated template database, and a fresh database cloned from it for every test
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -13,7 +15,7 @@ import psycopg
 import pytest
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from delaywheel import Settings, Store, embedded
+from delaywheel import Settings, Store, embedded, runner
 from delaywheel.db import database_url
 from delaywheel.local_airflow import as_url, configure
 from delaywheel.migrate import migrate
@@ -67,15 +69,22 @@ def template_db(server_url: str) -> Iterator[str]:
         conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
 
 
-@pytest.fixture
-def db_url(server_url: str, template_db: str) -> Iterator[str]:
-    """A fresh, migrated database for one test; dropped afterwards."""
+@contextlib.contextmanager
+def fresh_database(server_url: str, template_db: str) -> Iterator[str]:
+    """A fresh, migrated database cloned from the session's template; dropped afterwards."""
     name = f"dwtest_{uuid.uuid4().hex[:12]}"
     with psycopg.connect(server_url, autocommit=True) as conn:
         conn.execute(f"CREATE DATABASE {name} TEMPLATE {template_db}")
     yield _with_db(server_url, name)
     with psycopg.connect(server_url, autocommit=True) as conn:
         conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+@pytest.fixture
+def db_url(server_url: str, template_db: str) -> Iterator[str]:
+    """A fresh, migrated database for one test; dropped afterwards."""
+    with fresh_database(server_url, template_db) as url:
+        yield url
 
 
 @pytest.fixture
@@ -122,3 +131,14 @@ def deliveries(store: Store, topic: str | None = None) -> list[tuple[int, dateti
         {"topic": topic},
     ).fetchall()
     return [(r[0], r[1], r[2], r[3]) for r in rows]
+
+
+def delivering(db_url: str, stop: threading.Event) -> threading.Thread:
+    """A delivery loop for level 1 and the wheel on its own thread and Store, until `stop` is set."""
+    def loop() -> None:
+        with Store(db_url) as own:
+            runner.run(own, [1, None], 120, stop=stop)
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    return thread

@@ -18,26 +18,16 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from delaywheel import Message, Store, consume, runner
+from delaywheel import Message, Store, consume
 from delaywheel.cli import main
 from delaywheel.producer import TOPIC_CHANNEL
 from delaywheel.topics import retry_topic
-from tests.conftest import ROOT, deliveries
-
-
-def _delivering(db_url: str, stop: threading.Event) -> threading.Thread:
-    def loop() -> None:
-        with Store(db_url) as own:
-            runner.run(own, [1, None], 120, stop=stop)
-
-    thread = threading.Thread(target=loop, daemon=True)
-    thread.start()
-    return thread
+from tests.conftest import ROOT, deliveries, delivering
 
 
 def test_the_consumer_gets_exactly_the_delivered_messages_in_order_and_none_early(db_url: str, store: Store) -> None:
     stop = threading.Event()
-    deliverer = _delivering(db_url, stop)
+    deliverer = delivering(db_url, stop)
     seen: list[tuple[int, float, float]] = []  # (message_id, handled at, due at) in handling order
     try:
         ids = store.send_many([Message("t", {"n": i}, delay=timedelta(milliseconds=300 + 37 * i)) for i in range(40)])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta, timezone
 from typing import Any
 
@@ -11,7 +12,7 @@ import pytest
 
 from delaywheel import Settings, Store
 from delaywheel.validation import InvalidMessage, Message
-from tests.conftest import at, deliveries, table_counts
+from tests.conftest import at, deliveries, fresh_database, table_counts
 from tests.test_columns import batches
 
 EMPTY = {"level_queue": 0, "wheel": 0, "wheel_far": 0, "topic_messages": 0, "cancellations": 0}
@@ -212,20 +213,10 @@ def _drain(listener: Any) -> list[Any]:
 
 
 @pytest.fixture
-def twin_url(server_url: str, template_db: str) -> Any:
+def twin_url(server_url: str, template_db: str) -> Iterator[str]:
     """A second fresh database from the same template: its ids and offsets start where db_url's do."""
-    import uuid
-
-    import psycopg
-
-    from tests.conftest import _with_db
-
-    name = f"dwtest_{uuid.uuid4().hex[:12]}"
-    with psycopg.connect(server_url, autocommit=True) as conn:
-        conn.execute(f"CREATE DATABASE {name} TEMPLATE {template_db}")
-    yield _with_db(server_url, name)
-    with psycopg.connect(server_url, autocommit=True) as conn:
-        conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+    with fresh_database(server_url, template_db) as url:
+        yield url
 
 
 def test_a_single_send_stores_and_delivers_what_send_many_does(db_url: str, twin_url: str, t0: datetime) -> None:

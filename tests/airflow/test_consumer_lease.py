@@ -13,20 +13,10 @@ from typing import Any
 
 import pytest
 
-from delaywheel import Message, Store, runner
-from tests.conftest import deliveries
+from delaywheel import Message, Store
+from tests.conftest import deliveries, delivering
 
 pytestmark = pytest.mark.airflow
-
-
-def _delivering(db_url: str, stop: threading.Event) -> threading.Thread:
-    def loop() -> None:
-        with Store(db_url) as own:
-            runner.run(own, [1, None], 120, stop=stop)
-
-    thread = threading.Thread(target=loop, daemon=True)
-    thread.start()
-    return thread
 
 
 def _left(store: Store, topic: str, group: str) -> int:
@@ -48,7 +38,7 @@ def test_template_dag_consumes_delivered_messages_and_acks(store_connection: str
     now = store.clock()
     ids = [store.send(topic, {"n": n}, delay_level=1, now=now - timedelta(seconds=5)) for n in range(25)]
     stop = threading.Event()
-    deliverer = _delivering(db_url, stop)
+    deliverer = delivering(db_url, stop)
     try:
         deadline = time.monotonic() + 30
         while len(deliveries(store, topic)) < len(ids) and time.monotonic() < deadline:
@@ -90,7 +80,7 @@ def test_lease_handover_handles_every_message_once_none_early_with_a_short_gap(s
     results: dict[str, dict[str, Any]] = {}
     sent: list[int] = []
     stop = threading.Event()
-    deliverer = _delivering(db_url, stop)
+    deliverer = delivering(db_url, stop)
 
     def produce() -> None:
         with Store(db_url) as own:
