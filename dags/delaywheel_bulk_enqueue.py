@@ -19,11 +19,8 @@ from datetime import datetime
 
 from airflow.sdk import DAG, Param
 
+from delaywheel.airflow.forms import OPERATOR_ACCESS, TOPIC
 from delaywheel.airflow.spark import spark_job
-
-# DAG-level permissions (FAB auth manager): this role may see and trigger this DAG; Admin and Op may anyway.
-ACCESS = {"delaywheel_operator": {"DAGs": {"can_read"}, "DAG Runs": {"can_read", "can_create"}}}
-TOPIC = r"^[A-Za-z0-9._|%-]{1,127}$"
 
 with DAG(
     dag_id="delaywheel_bulk_enqueue",
@@ -32,7 +29,7 @@ with DAG(
     catchup=False,
     tags=["delaywheel", "spark"],
     doc_md=__doc__,
-    access_control=ACCESS,
+    access_control=OPERATOR_ACCESS,
     params={
         # Optional fields are nullable: the form sends an empty field as null (a plain "string" would be required).
         "input": Param(None, type=["null", "string"], title="Input path or glob",

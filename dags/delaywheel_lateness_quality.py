@@ -14,10 +14,10 @@ from datetime import datetime, timedelta
 
 from airflow.sdk import DAG, Param
 
+from delaywheel.airflow.forms import ISO_8601
 from delaywheel.airflow.spark import spark_job
 
 # What the form accepts before a run is created (the job parses them again).
-ISO_8601 = r"^\d{4}-\d{2}-\d{2}([T ]\d{2}:\d{2}(:\d{2}(\.\d+)?)?)?(Z|[+-]\d{2}(:?\d{2})?)?$"
 P99_LIMITS = r"^\s*((default|wheel|direct|\d+)=)?\d+(\.\d*)?(\s*,\s*((default|wheel|direct|\d+)=)?\d+(\.\d*)?)*\s*$"
 
 with DAG(

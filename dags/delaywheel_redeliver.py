@@ -21,15 +21,8 @@ from datetime import datetime
 
 from airflow.sdk import DAG, Param
 
+from delaywheel.airflow.forms import COLUMN, ISO_8601, OPERATOR_ACCESS, TABLE, TOPIC
 from delaywheel.airflow.spark import spark_job
-
-# What the form accepts before a run is created (the job checks everything again).
-ISO_8601 = r"^\d{4}-\d{2}-\d{2}([T ]\d{2}:\d{2}(:\d{2}(\.\d+)?)?)?(Z|[+-]\d{2}(:?\d{2})?)?$"
-TOPIC = r"^[A-Za-z0-9._|%-]{1,127}$"
-TABLE = r"^[A-Za-z_][A-Za-z0-9_$]*(\.[A-Za-z_][A-Za-z0-9_$]*)?$"
-COLUMN = r"^[A-Za-z_][A-Za-z0-9_$]*$"
-# DAG-level permissions (FAB auth manager): this role may see and trigger this DAG; Admin and Op may anyway.
-ACCESS = {"delaywheel_operator": {"DAGs": {"can_read"}, "DAG Runs": {"can_read", "can_create"}}}
 
 with DAG(
     dag_id="delaywheel_redeliver",
@@ -39,7 +32,7 @@ with DAG(
     max_active_runs=1,
     tags=["delaywheel", "spark"],
     doc_md=__doc__,
-    access_control=ACCESS,
+    access_control=OPERATOR_ACCESS,
     params={
         "mode": Param("catch-up", type="string", enum=["catch-up", "replay", "reconcile"]),
         "batch": Param(50000, type="integer", minimum=1, description="catch-up: messages per delivery pass"),
