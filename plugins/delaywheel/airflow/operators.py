@@ -31,8 +31,8 @@ import psycopg
 from airflow.sdk import Asset, AssetAlias, AssetWatcher, BaseOperator, Context
 from airflow.sdk.module_loading import import_string
 
-from delaywheel import Message, runner
-from delaywheel.consume import Abandon
+from delaywheel import Message, Store, runner
+from delaywheel.consume import SAFETY_WAKE_S, Abandon
 from delaywheel.db import connect
 from delaywheel.levels import TopicSpan, add_spans, event_extra
 from delaywheel.topics import Message as DeliveredMessage
@@ -218,6 +218,8 @@ class ConsumeOperator(BaseOperator):
         consumer of (group, topic) is running (templated): a successor that failed at start-up leaves no gap while
         Airflow retries it. 0: stop at the lease end whatever happens.
     :param max_messages: the batch size and prefetch bound (templated).
+    :param until_idle: stop once a safety wake (`consume.SAFETY_WAKE_S`, 1 s) passes with nothing delivered
+        (templated; as the deliver lanes' `until_idle`): a drain-and-stop run handles what is delivered now and ends.
     :param delaywheel_conn_id: the Airflow connection of the store (templated).
 
     Hand-over: only the holder of the group's lock on a topic handles (`topics.GROUP_LOCK`, held from the pull of a
@@ -227,12 +229,16 @@ class ConsumeOperator(BaseOperator):
     "presence" advisory lock on (group, topic) for its lifetime, which the grace above looks for. SIGTERM
     (`on_kill`) stops the same way: the handler finishes its batch, the batch is acked, the task returns.
 
+    During `execute`, `self.store` is the consumer's `Store`: a ``handle`` override may run its own transaction on
+    ``self.store.conn`` (the session holding the group lock, idle between the pull and the ack), so that a business
+    write costs no second connection.
+
     Returns ``{"handled", "acked", "retried", "reconnects", ...}``: messages handed to the handler, messages
     covered by committed acks, sent to the retry ladder, lost connections made again.
     """
 
     template_fields: tuple[str, ...] = ("topic", "group", "apply_function_kwargs", "lease_seconds",
-                                        "handover_grace_seconds", "max_messages", "delaywheel_conn_id")
+                                        "handover_grace_seconds", "max_messages", "until_idle", "delaywheel_conn_id")
     template_fields_renderers = {"apply_function_kwargs": "py"}
     ui_color = "#fdf1dc"
 
@@ -249,6 +255,7 @@ class ConsumeOperator(BaseOperator):
         align_lease_to_run: bool = True,
         min_lease_seconds: float = 10.0,
         max_messages: int | str = 100,
+        until_idle: bool | str = False,
         delaywheel_conn_id: str = DelayWheelHook.default_conn_name,
         **kwargs: Any,
     ) -> None:
@@ -265,7 +272,9 @@ class ConsumeOperator(BaseOperator):
         self.align_lease_to_run = align_lease_to_run
         self.min_lease_seconds = min_lease_seconds
         self.max_messages = max_messages
+        self.until_idle = until_idle
         self.delaywheel_conn_id = delaywheel_conn_id
+        self.store: Store | None = None
         self._stop: threading.Event | None = None
         self._killed = False
         self._lease_ended = False
@@ -304,21 +313,24 @@ class ConsumeOperator(BaseOperator):
             handled += len(messages)
             return self.handle(messages, context)
 
+        idle_s = SAFETY_WAKE_S if _truthy(self.until_idle) else None
         with DelayWheelHook(self.delaywheel_conn_id).get_store() as store, \
                 connect(store.url, autocommit=True) as presence:
+            self.store = store
             presence.execute(f"SELECT pg_advisory_lock_shared({CONSUMER_PRESENCE_LOCK}, {_PRESENCE_KEY})",
                              (self.group, self.topic))
             watchdog = threading.Thread(target=self._watch, args=(presence, lease, grace, stop, handed_over),
                                         name="delaywheel-consumer-lease", daemon=True)
-            self.log.info("consuming %s as group %s for a lease of %.1fs (grace %.1fs)", self.topic, self.group,
-                          lease, grace)
+            self.log.info("consuming %s as group %s for a lease of %.1fs (grace %.1fs%s)", self.topic, self.group,
+                          lease, grace, ", until idle" if idle_s else "")
             watchdog.start()
             try:
                 totals = store.consume(self.topic, self.group, handler, max_messages=int(self.max_messages),
-                                       stop=stop)
+                                       stop=stop, idle_s=idle_s)
             finally:
                 stop.set()
                 watchdog.join()
+                self.store = None
         result = {
             "topic": self.topic, "group": self.group, "lease_seconds": lease,
             "stopped_early": self._killed, "stopped_by": "kill" if self._killed else "lease" if self._lease_ended else totals.stopped_by,
