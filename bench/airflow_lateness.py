@@ -223,8 +223,10 @@ def fresh_metadata_db(server: str) -> None:
 
 
 @contextmanager
-def standalone(store_url: str, lease: float | None) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
-    """`scripts/airflow.sh standalone` on a free port, a fresh metadata database and the given store."""
+def standalone(store_url: str, lease: float | None,
+               extra_env: dict[str, str] | None = None) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """`scripts/airflow.sh standalone` on a free port, a fresh metadata database and the given store (and
+    `extra_env`, e.g. another DAG folder)."""
     server = server_url()
     fresh_metadata_db(server)
     port = free_port()
@@ -241,6 +243,7 @@ def standalone(store_url: str, lease: float | None) -> Iterator[tuple[subprocess
     }
     if lease:
         env["AIRFLOW__DELAYWHEEL__DELIVER_LEASE_SECONDS"] = str(lease)
+    env.update(extra_env or {})
     OUT.mkdir(parents=True, exist_ok=True)
     logfile = (OUT / "airflow-standalone.log").open("wb")
     proc = subprocess.Popen([str(ROOT / "scripts" / "airflow.sh"), "standalone"], env=env, stdout=logfile,

@@ -31,7 +31,7 @@ PY="$ROOT/.venv/bin/python"
 export AIRFLOW_HOME="${DELAYWHEEL_AIRFLOW_HOME:-$ROOT/.delaywheel/airflow}"
 AIRFLOW_DB="${DELAYWHEEL_AIRFLOW_DB:-airflow}"
 export AIRFLOW_CONFIG="$ROOT/airflow.cfg"
-export AIRFLOW__CORE__DAGS_FOLDER="$ROOT/dags"
+export AIRFLOW__CORE__DAGS_FOLDER="${AIRFLOW__CORE__DAGS_FOLDER:-$ROOT/dags}"  # a bench may give its own folder
 export AIRFLOW__CORE__PLUGINS_FOLDER="$ROOT/plugins"
 export DELAYWHEEL_HOME="$ROOT"
 mkdir -p "$AIRFLOW_HOME"

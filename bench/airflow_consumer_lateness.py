@@ -1,0 +1,235 @@
+"""Consumer-observed lateness through the Airflow long-running consumer (issue 19, item 3), lease hand-overs included.
+
+A live Airflow (`scripts/airflow.sh standalone`: API server, scheduler with the LocalExecutor, triggerer, DAG
+processor) on its own metadata database, with a DAG folder of two DAGs: `delaywheel_deliver` (the project's, its
+lanes' leases as configured) and `bench_consumer_lease`, a copy of `delaywheel_consumer_lease_template` with a short
+lease (a run every `--interval` s, each task consuming until `--interval + --overlap` s after its run's scheduled
+time), so that several hand-overs fall inside the load. Its handler (`apply_function_batch`) appends, per message,
+(message_id, received, due, delivered_at) to a file per task process, `received` being `time.time()` when the
+batch reached the handler (the database's clock on this machine). A producer sends a steady `--rate` (1,000)
+messages/s with delays uniform in 1-10 s (timing-wheel timers; bench.consumer_lateness's producer).
+
+Reported, against the issue's targets (p50 <= 50 ms, p99 <= 250 ms, max <= 1 s; 0 early, duplicates, missing):
+received - due per message, beside the baseline of the same run, the delivery-only lateness of the same messages
+(delivered_at - due), as ratios; the hand-overs seen in the records (the task handling changes) with their gaps
+(last message of the old task to the first of the new) and the lateness of the messages the new task handled in
+its first 2 s; Airflow's start latency of the consumer tasks and their failed tries.
+
+Run: `python -m bench.airflow_consumer_lateness --minutes 10` (about 16 minutes; `--minutes 2` for a trial).
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import shutil
+import sys
+import time
+from datetime import UTC, datetime
+from itertools import pairwise
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psycopg
+
+from delaywheel import load_settings
+
+from .airflow_lateness import ROOT, standalone, wait_running
+from .common import Check, drop_database, fresh_database, log, print_section
+from .consumer_lateness import TOPIC, percentiles, produce
+
+DB = "delaywheel_bench_airflow_consumer"
+DAG_ID = "bench_consumer_lease"
+GROUP = "bench-airflow"
+WORK = ROOT / ".delaywheel" / "bench" / "airflow_consumer"
+AFTER_HANDOVER_S = 2.0
+
+# The consumer DAG: delaywheel_consumer_lease_template with the bench's topic, group, lease and a recording handler.
+DAG_TEXT = '''"""Bench copy of delaywheel_consumer_lease_template (bench/airflow_consumer_lateness.py writes it)."""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import datetime, timedelta
+from typing import IO, Any
+
+from airflow.sdk import DAG
+
+from delaywheel.airflow.operators import ConsumeOperator
+
+RECORDS = {records!r}
+_out: IO[str] | None = None
+
+
+def record(messages: list[Any]) -> None:
+    """(message_id, received, due, delivered_at) per message, to this task process's own file."""
+    global _out
+    now = time.time()
+    if _out is None:
+        _out = open(os.path.join(RECORDS, f"consumer-{{os.getpid()}}.tsv"), "a")
+    _out.write("".join(f"{{m.message_id}}\\t{{now:.6f}}\\t{{m.deliver_at.timestamp():.6f}}\\t"
+                       f"{{m.delivered_at.timestamp():.6f}}\\n" for m in messages))
+    _out.flush()
+
+
+with DAG(dag_id={dag_id!r}, schedule=timedelta(seconds={interval}), max_active_runs=2, is_paused_upon_creation=False,
+         start_date=datetime(2025, 1, 1), catchup=False,
+         default_args={{"retries": 2, "retry_delay": timedelta(seconds=5)}}):
+    ConsumeOperator(task_id="consume", topic={topic!r}, group={group!r}, apply_function_batch=record,
+                    lease_seconds={lease}, handover_grace_seconds={overlap}, max_messages=500)
+'''
+
+
+def dag_folder(records: Path, interval: float, overlap: float) -> Path:
+    """A DAG folder with the project's deliver DAG and the bench consumer DAG."""
+    folder = WORK / "dags"
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    shutil.copy(ROOT / "dags" / "delaywheel_deliver.py", folder)
+    (folder / f"{DAG_ID}.py").write_text(DAG_TEXT.format(records=str(records), dag_id=DAG_ID, interval=interval,
+                                                         topic=TOPIC, group=GROUP, lease=interval + overlap,
+                                                         overlap=overlap))
+    return folder
+
+
+def wait_consumer(metadata_url: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with psycopg.connect(metadata_url) as conn:
+            row = conn.execute("SELECT count(*) FROM task_instance WHERE dag_id = %s AND state = 'running'",
+                               (DAG_ID,)).fetchone()
+        if row and row[0]:
+            return
+        time.sleep(2.0)
+    raise TimeoutError(f"no {DAG_ID} task running after {timeout:.0f} s")
+
+
+def read_records(records: Path) -> list[tuple[int, float, float, float, int]]:
+    """(message_id, received, due, delivered_at, task file index) of every handled message."""
+    rows = []
+    for index, path in enumerate(sorted(records.glob("consumer-*.tsv"))):
+        for line in path.read_text().splitlines():
+            mid, received, due, delivered = line.split("\t")
+            rows.append((int(mid), float(received), float(due), float(delivered), index))
+    return rows
+
+
+def handovers(rows: list[tuple[int, float, float, float, int]]) -> list[tuple[float, float, int]]:
+    """(moment the new task handled its first batch, gap since the old task's last, new task) per hand-over."""
+    seq = sorted((r[1], r[4]) for r in rows)
+    return [(t, t - t0, task) for (t0, a), (t, task) in pairwise(seq) if task != a]
+
+
+def task_figures(metadata_url: str, since: datetime) -> dict[str, Any]:
+    with psycopg.connect(metadata_url) as conn:
+        rows = conn.execute("SELECT queued_dttm, start_date FROM task_instance WHERE dag_id = %s"
+                            " AND start_date >= %s", (DAG_ID, since)).fetchall()
+        failed = conn.execute("SELECT (SELECT count(*) FROM task_instance_history WHERE dag_id = %(d)s"
+                              " AND state = 'failed') + (SELECT count(*) FROM task_instance WHERE dag_id = %(d)s"
+                              " AND state = 'failed')", {"d": DAG_ID}).fetchone()
+    starts = sorted((s - q).total_seconds() for q, s in rows if q is not None)
+    return {"tasks": len(rows), "start_p50": float(np.median(starts)) if starts else float("nan"),
+            "start_max": max(starts, default=float("nan")), "failed": failed[0] if failed else 0}
+
+
+def run(args: argparse.Namespace) -> tuple[list[Check], list[str]]:
+    url = fresh_database(DB)
+    records = WORK / "records"
+    shutil.rmtree(records, ignore_errors=True)
+    records.mkdir(parents=True)
+    folder = dag_folder(records, args.interval, args.overlap)
+    seconds = args.minutes * 60
+    lanes = load_settings().max_level + 1
+    ctx = mp.get_context("spawn")
+    with standalone(url, None, {"AIRFLOW__CORE__DAGS_FOLDER": str(folder)}) as (proc, metadata_url):
+        wait_running(metadata_url, lanes, proc, timeout=900)
+        wait_consumer(metadata_url, timeout=300)
+        log(f"all {lanes} deliver tasks and a {DAG_ID} task running; settling 10 s")
+        time.sleep(10)
+        since = datetime.now(UTC)
+        load_before = Path("/proc/loadavg").read_text().strip()
+        produced_rx, produced_tx = ctx.Pipe(duplex=False)
+        producer = ctx.Process(target=produce, args=(url, args.rate, seconds, args.seed, produced_tx))
+        log(f"producing {args.rate}/s for {seconds:.0f} s (consumer lease {args.interval + args.overlap:g} s, "
+            f"a run every {args.interval:g} s)")
+        producer.start()
+        ids: list[int] = produced_rx.recv()
+        producer.join()
+        log(f"sent {len(ids):,}; waiting for the last to fall due and be handled")
+        deadline = time.monotonic() + 60
+        while len({r[0] for r in read_records(records)}) < len(ids) and time.monotonic() < deadline:
+            time.sleep(1.0)
+        time.sleep(3.0)  # anything extra (a duplicate) would show up now
+        load_after = Path("/proc/loadavg").read_text().strip()
+        tasks = task_figures(metadata_url, since)
+    rows = read_records(records)
+    got = np.array([r[0] for r in rows], dtype=np.int64)
+    received, due, delivered = (np.array([r[i] for r in rows]) for i in (1, 2, 3))
+    unique, first = np.unique(got, return_index=True)
+    lateness_ms = (received[first] - due[first]) * 1000
+    delivery_ms = (delivered[first] - due[first]) * 1000
+    early = int((lateness_ms < 0).sum())
+    duplicates = len(got) - len(unique)
+    missing = len(set(ids) - set(unique.tolist()))
+    p50, p99, worst = percentiles(lateness_ms)
+    d50, d99, dworst = percentiles(delivery_ms)
+    moments = handovers(rows)
+    by_task = np.array([r[4] for r in rows])
+    near = np.zeros(len(rows), dtype=bool)
+    for t, _gap, task in moments:
+        near |= (received >= t) & (received < t + AFTER_HANDOVER_S) & (by_task == task)
+    near_ms = (received[near] - due[near]) * 1000
+    h50, h99, hworst = percentiles(near_ms)
+    gaps = sorted(g * 1000 for _, g, _ in moments)
+    ok_counts = early == 0 and duplicates == 0 and missing == 0
+    checks = [
+        Check("consumer lateness p50 (ms) vs delivery-only p50", p50, d50, "<= 50 ms", p50 <= 50),
+        Check("consumer lateness p99 (ms) vs delivery-only p99", p99, d99, "<= 250 ms", p99 <= 250),
+        Check("consumer lateness max (ms) vs delivery-only max", worst, dworst, "<= 1000 ms", worst <= 1000),
+        Check("early + duplicates + missing (messages)", early + duplicates + missing, len(ids), "0", ok_counts),
+    ]
+    handoff = lateness_ms - delivery_ms
+    notes = [
+        f"{len(ids):,} sent at {args.rate}/s over {args.minutes:g} min, delays uniform 1-10 s (timing wheel); "
+        f"Airflow standalone (LocalExecutor) running `delaywheel_deliver` ({lanes} lane tasks, leases as configured) "
+        f"and `{DAG_ID}` (ConsumeOperator, batches of up to 500, a run every {args.interval:g} s, lease "
+        f"{args.interval + args.overlap:g} s, grace {args.overlap:g} s)",
+        f"consumer lateness (received - due): p50 {p50:.1f} ms, p99 {p99:.1f} ms, max {worst:.1f} ms; "
+        f"early {early}, duplicates {duplicates}, missing {missing}",
+        f"delivery-only lateness (delivered_at - due), same messages: p50 {d50:.1f} ms, p99 {d99:.1f} ms, "
+        f"max {dworst:.1f} ms",
+        f"what the consumer adds (received - delivered_at): p50 {np.percentile(handoff, 50):.1f} ms, "
+        f"p99 {np.percentile(handoff, 99):.1f} ms, max {handoff.max():.1f} ms" if len(handoff) else "nothing received",
+        f"hand-overs seen in the records: {len(moments)}; gap (old task's last message to the new one's first) "
+        + (f"p50 {np.median(gaps):.0f} ms, max {max(gaps):.0f} ms" if gaps else "-")
+        + f"; lateness of the {len(near_ms):,} messages the new task handled in its first {AFTER_HANDOVER_S:g} s: "
+        f"p50 {h50:.1f} ms, p99 {h99:.1f} ms, max {hworst:.1f} ms",
+        f"consumer tasks started in the window: {tasks['tasks']} (queued -> running p50 {tasks['start_p50']:.2f} s, "
+        f"max {tasks['start_max']:.2f} s); failed tries {tasks['failed']}",
+        f"/proc/loadavg before the load {load_before}, after {load_after} (2 cores shared)"
+        + (f"; {args.note}" if args.note else ""),
+    ]
+    drop_database(DB)
+    return checks, notes
+
+
+def main(argv: list[str] | None = None) -> list[Check]:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--minutes", type=float, default=10.0, help="producing time (the issue: 10)")
+    parser.add_argument("--rate", type=int, default=1000, help="messages per second")
+    parser.add_argument("--interval", type=float, default=60.0, help="a consumer run (lease) starts this often (s)")
+    parser.add_argument("--overlap", type=float, default=20.0, help="each lease lasts this much longer (s)")
+    parser.add_argument("--seed", type=int, default=19)
+    parser.add_argument("--note", default="", help="a note for the results (e.g. the background load)")
+    args, _ = parser.parse_known_args(argv)
+    started = datetime.now(UTC)
+    checks, notes = run(args)
+    print_section("Airflow long-running consumer (issue 19, item 3)", checks, notes, started,
+                  "python -m bench.airflow_consumer_lateness " + " ".join(argv if argv is not None else sys.argv[1:]))
+    return checks
+
+
+if __name__ == "__main__":
+    sys.exit(0 if all(c.passed for c in main()) else 1)
