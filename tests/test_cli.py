@@ -96,6 +96,13 @@ def test_cli_never_shows_a_traceback_for_bad_input(db_url: str, server_url: str,
         (["deliver", "--duration", "soon"], {}, "--duration"),
         (["deliver", "--progress-every", "-1"], {}, "--progress-every"),
         (["pull", "--topic", "t", "--group", "g", "--max", "0"], {}, "must be at least 1"),
+        (["shop"], {}, "required"),
+        (["shop", "sweep", "--batch", "0"], {}, "must be at least 1"),
+        (["shop", "customers", "--every", "soon"], {}, "--every"),
+        (["shop", "sweep"], {"DELAYWHEEL_DATABASE_URL": make_conninfo(server_url, dbname="dwtest_no_such_db")},
+         "does not exist"),
+        (["shop", "customers"], {"DELAYWHEEL_DATABASE_URL": make_conninfo(server_url, dbname=unmigrated)},
+         "delaywheel migrate"),
         (["stats"], {"DELAYWHEEL_DATABASE_URL": make_conninfo(server_url, dbname="dwtest_no_such_db")},
          "does not exist"),
         (["stats"], {"DELAYWHEEL_DATABASE_URL": make_conninfo(server_url, dbname=unmigrated)}, "delaywheel migrate"),
@@ -185,3 +192,22 @@ def test_deliver_says_when_it_is_ready_and_counts_busy_passes(db_url: str) -> No
     assert result["busy_passes"] > 0 and result["busy_passes"] <= result["passes"]
     assert f"{result['busy_passes']} busy" in err.strip().splitlines()[-1]
 
+
+
+def test_shop_parts_say_ready_and_stop_on_sigterm(db_url: str) -> None:
+    """`delaywheel shop sweep` and `shop customers` (make demo's continuous parts) print a ready line on stderr and
+    stop on SIGTERM with exit 0 and their totals."""
+    env = {**os.environ, "DELAYWHEEL_DATABASE_URL": db_url}
+    for role, field in (("sweep", "stopped_by"), ("customers", "payments")):
+        part = subprocess.Popen([sys.executable, "-m", "delaywheel.cli", "shop", role, "--json"], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            assert part.stderr is not None
+            assert part.stderr.readline() == f"delaywheel shop {role}: ready\n"
+            part.send_signal(signal.SIGTERM)
+            out, err = part.communicate(timeout=30)
+        finally:
+            if part.poll() is None:
+                part.kill()
+        assert part.returncode == 0, err
+        assert field in json.loads(out)

@@ -80,12 +80,12 @@ def test_redelivered_batch_changes_nothing(store: Store, t0) -> None:
     store.deliver_due(now=t0 + TIMEOUT)
     batch = store.pull(orders.TOPIC, orders.GROUP, 100)
     assert len(batch) == 50
-    assert orders.apply_timeouts(store.conn, batch, now=t0 + TIMEOUT) == (50, 0)
+    assert orders.apply_timeouts(store.conn, batch.messages, now=t0 + TIMEOUT) == (50, 0)
     snapshot = store.conn.execute("SELECT on_hand, reserved, sold FROM shop.products WHERE sku = 'sku-001'").fetchone()
     # "crash": no ack, so the same batch comes back
     again = store.pull(orders.TOPIC, orders.GROUP, 100)
     assert [m.message_id for m in again.messages] == [m.message_id for m in batch.messages]
-    assert orders.apply_timeouts(store.conn, again, now=t0 + TIMEOUT) == (0, 50)
+    assert orders.apply_timeouts(store.conn, again.messages, now=t0 + TIMEOUT) == (0, 50)
     assert store.conn.execute("SELECT on_hand, reserved, sold FROM shop.products WHERE sku = 'sku-001'").fetchone() == snapshot
     assert snapshot == (1000, 0, 0)
     store.ack(again)
@@ -198,3 +198,23 @@ def test_customers_take_all_their_order_locks_in_one_ascending_pass(db_url: str,
             sweep.execute("SELECT 1 FROM shop.orders WHERE order_id = 2 FOR NO KEY UPDATE")
         worker.join(30)
     assert outcome == [{"payments": 1, "accepted": 1, "customer_cancels": 1}]
+
+
+def test_a_missed_lateness_contract_names_the_figure(store: Store, t0, tmp_path) -> None:
+    """The demo prints verify()'s failures on stderr and exits 1: each names the figure, its value and the limit."""
+    plans = [orders.OrderPlan(i, "c", [("sku-001", 1)], "abandon", None) for i in range(1, 102)]
+    for round_, (late_s, straggler_s, expected) in enumerate((
+            (1.5, 1.5, "CONTRACT FAILED: cancellation lateness p99 1.50 s > 1 s"),
+            (0.5, 4.0, "CONTRACT FAILED: cancellation lateness max 4.00 s > 3 s"))):
+        start = t0 + timedelta(hours=round_)  # the wheel's cursor only moves forward
+        orders.reset(store, stock_per_sku=1000)
+        orders.place_orders(store, plans[:100], TIMEOUT, now=start)
+        orders.place_orders(store, plans[100:], TIMEOUT, now=start + timedelta(seconds=10))
+        store.deliver_due(now=start + TIMEOUT)
+        orders.sweep(store, now=start + TIMEOUT + timedelta(seconds=late_s))  # 100 cancellations late_s late
+        store.deliver_due(now=start + timedelta(seconds=10) + TIMEOUT)
+        orders.sweep(store, now=start + timedelta(seconds=10 + straggler_s) + TIMEOUT)  # and one straggler_s late
+        verdict = verify(store, tmp_path / str(round_), since=start)
+        assert not verdict.success
+        assert verdict.failures == [expected], verdict.text
+        assert verdict.summary["cancellation_lateness_max_ms"] == straggler_s * 1000

@@ -330,6 +330,34 @@ def cmd_retire(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_shop(args: argparse.Namespace) -> int:
+    """The order-timeout story's continuous parts, one process each (as `make demo` runs them): `sweep` (the
+    waiting consumer that cancels unpaid orders at their deadline) and `customers` (the simulated customers).
+    Each says on stderr when it is ready; SIGTERM / SIGINT stop it after the batch or tick in hand (exit 0)."""
+    from . import orders
+
+    stop = threading.Event()
+    previous = _stop_on_signals(stop)
+
+    def ready() -> None:
+        print(f"delaywheel shop {args.role}: ready", file=sys.stderr, flush=True)
+
+    try:
+        with Store() as store:
+            if args.role == "sweep":
+                totals, stopped_by = orders.run_sweep(store, stop=stop, max_messages=args.batch, ready=ready)
+                result: dict[str, Any] = {"batches": totals.batches, "messages": totals.messages,
+                                          "cancelled": totals.cancelled, "already_processed": totals.duplicates,
+                                          "stopped_by": stopped_by}
+            else:
+                result = orders.run_customers(store, stop=stop, every_s=args.every, ready=ready)
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+    _print(result, args.json)
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
@@ -417,6 +445,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("retire", help="drop drained partitions (maintenance)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_retire)
+
+    p = sub.add_parser("shop", help="the order-timeout story's continuous parts, one process each (make demo runs them)")
+    roles = p.add_subparsers(dest="role", required=True)
+    r = roles.add_parser("sweep", help="cancel unpaid orders as their timeouts are delivered (a waiting consumer)")
+    r.add_argument("--batch", type=_positive, default=1000, help="timeouts per transaction (default 1000)")
+    r.add_argument("--json", action="store_true")
+    r = roles.add_parser("customers", help="simulated customers: pay or cancel as their plans fall due")
+    r.add_argument("--every", type=_seconds, default=0.1, metavar="SECONDS", help="tick (default 0.1)")
+    r.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_shop)
 
     p = sub.add_parser("demo", help="the order-timeout story end to end (the README's first command)")
     p.add_argument("--orders", type=_positive, default=100_000, help="how many orders to place (default 100000)")

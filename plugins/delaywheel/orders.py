@@ -8,13 +8,17 @@ Stock is conserved: initial = on_hand + reserved + sold (placing reserves, payin
 from __future__ import annotations
 
 import random
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 import psycopg
 
 from .store import Store
-from .topics import Batch
+from .topics import Message as Delivered
 from .validation import Message
 
 TOPIC = "shop.order-timeout"
@@ -240,11 +244,11 @@ class SweepTotals:
     per_batch: list[int] = field(default_factory=list)
 
 
-def apply_timeouts(conn: psycopg.Connection, batch: Batch, *, now: datetime | None = None) -> tuple[int, int]:
-    """One set-based transaction for a delivered batch: cancel the orders still unpaid and release their
-    stock; paid or already cancelled orders stay as they are; a message seen before changes nothing.
+def apply_timeouts(conn: psycopg.Connection, messages: Sequence[Delivered], *, now: datetime | None = None) -> tuple[int, int]:
+    """One set-based transaction for a delivered batch's messages: cancel the orders still unpaid and release
+    their stock; paid or already cancelled orders stay as they are; a message seen before changes nothing.
     Returns (orders cancelled, messages already processed)."""
-    timers = [(m.idempotency_id, order_of(m.key)) for m in batch.messages if order_of(m.key) is not None]
+    timers = [(m.idempotency_id, order_of(m.key)) for m in messages if order_of(m.key) is not None]
     message_ids = [m for m, _ in timers]
     order_ids = [o for _, o in timers]
     with conn.transaction():
@@ -279,10 +283,53 @@ def sweep(store: Store, *, max_messages: int = 5000, group: str = GROUP, now: da
         batch = store.pull(TOPIC, group, max_messages)
         if not batch.messages:
             return totals
-        cancelled, duplicates = apply_timeouts(store.conn, batch, now=now)
+        cancelled, duplicates = apply_timeouts(store.conn, batch.messages, now=now)
         store.ack(batch)
         totals.batches += 1
         totals.messages += len(batch)
         totals.cancelled += cancelled
         totals.duplicates += duplicates
         totals.per_batch.append(len(batch))
+
+
+def run_sweep(store: Store, *, stop: threading.Event, max_messages: int = 1000,
+              ready: Callable[[], None] | None = None) -> tuple[SweepTotals, str]:
+    """The continuous sweep (`delaywheel shop sweep`): the waiting consumer of the order timeouts, asleep until
+    the topic's delivery notification (consume.py), one `apply_timeouts` transaction per batch, acked after it
+    commits. Runs until `stop`; the batch in hand is applied and acked first. `ready` is called once connected:
+    a timer delivered before the consumer LISTENs is found by its first pull. Returns the totals and what
+    stopped it."""
+    from .consume import consume
+
+    totals = SweepTotals()
+
+    def handler(messages: list[Delivered]) -> None:
+        cancelled, duplicates = apply_timeouts(store.conn, messages)
+        totals.batches += 1
+        totals.messages += len(messages)
+        totals.cancelled += cancelled
+        totals.duplicates += duplicates
+        totals.per_batch.append(len(messages))
+
+    store.conn  # noqa: B018  # connect (and fail on a wrong URL) before saying ready
+    if ready is not None:
+        ready()
+    consumed = consume(store, TOPIC, GROUP, handler, max_messages=max_messages, stop=stop)
+    return totals, consumed.stopped_by
+
+
+def run_customers(store: Store, *, stop: threading.Event, every_s: float = 0.1, duration_s: float | None = None,
+                  ready: Callable[[], None] | None = None) -> dict[str, int]:
+    """The simulated customers (`delaywheel shop customers`, the `shop_customers` DAG): every `every_s`, carry out
+    the planned actions that have fallen due, until `stop` (or `duration_s`). A tick in progress finishes first.
+    Plans are timed from each order's placement (place_orders), so a slow tick delays a payment's processing,
+    never the time the customer paid (`_settle_in_time`)."""
+    totals: Counter[str] = Counter(payments=0, accepted=0, customer_cancels=0)
+    until = None if duration_s is None else time.monotonic() + duration_s
+    store.conn  # noqa: B018
+    if ready is not None:
+        ready()
+    while not stop.is_set() and (until is None or time.monotonic() < until):
+        totals.update(act_customers(store))
+        stop.wait(every_s)
+    return dict(totals)
