@@ -31,9 +31,8 @@ from psycopg import sql
 from delaywheel import Message, Store, runner
 from delaywheel import cancel as cancel_module
 from delaywheel import wheel as wheel_module
-from delaywheel.cancel import find, mark, settle
+from delaywheel.cancel import find, key_params, mark_and_settle
 from delaywheel.db import LOOKUP_PLAN
-from delaywheel.keyblooms import probe
 from delaywheel.pending import pending
 
 from .common import body, chunks, drop_database, fresh_database, log
@@ -88,7 +87,7 @@ def latency(store: Store, other: psycopg.Connection, per_lane: int) -> list[str]
     lines = []
     for lane, sample in SAMPLES.items():
         keys = [k for (k,) in other.execute(sample, (2 * per_lane,))]  # type: ignore[arg-type]
-        new, old, steps = [], [], {"find": [], "mark": [], "settle": []}  # type: ignore[var-annotation]
+        new, old, steps = [], [], {"find": [], "mark and settle": []}  # type: ignore[var-annotation]
         for i, key in enumerate(keys):
             started = time.perf_counter()
             if i % 2:
@@ -100,14 +99,11 @@ def latency(store: Store, other: psycopg.Connection, per_lane: int) -> list[str]
             if outcome != ["cancelled"]:
                 raise RuntimeError(f"cancel {key}: {outcome}")
         for key in [k for (k,) in other.execute(sample, (per_lane,))]:  # type: ignore[arg-type]
-            h1, h2 = probe(key)
-            params = {"v": key, "h1": h1, "h2": h2}
+            params = key_params(key)
             t = [time.perf_counter()]
             found = find(store.conn, "key", params)
             t.append(time.perf_counter())
-            marked = mark(store.conn, store._cache, found, "bench")
-            t.append(time.perf_counter())
-            settle(store.conn, "key", params, found, marked)
+            mark_and_settle(store.conn, store._cache, "key", params, found, "bench")
             t.append(time.perf_counter())
             for name, a, b in zip(steps, t, t[1:], strict=False):
                 steps[name].append(1000 * (b - a))
@@ -118,26 +114,33 @@ def latency(store: Store, other: psycopg.Connection, per_lane: int) -> list[str]
     return lines
 
 
-def explain(store: Store, other: psycopg.Connection) -> list[str]:
+def explain(store: Store, other: psycopg.Connection, verbose: bool = False) -> list[str]:
     (key,) = other.execute(SAMPLES["near"], (1,)).fetchone()  # type: ignore[misc]
-    h1, h2 = probe(key)
-    segments = "CASE WHEN delaywheel.bloom_may_hold(s.key_bloom, $2, $3) THEN s.keys @> ARRAY[$1::text] END"
-    query = f"SELECT p.id, p.deliver_at, p.key, p.lane, p.level, p.xid::text FROM ({pending(segments, 'q.key = $1')}) p"
+    params = key_params(key)
+    first, segments, rows = cancel_module._LOOKUP["key"]  # the library's lookup, its parameters numbered for PREPARE
+    query = f"{first} SELECT p.id, p.deliver_at, p.key, p.lane, p.level, p.xid::text FROM ({pending(segments, rows)}) p"
+    for i, name in enumerate(params, 1):
+        query = query.replace(f"%({name})s", f"${i}")
+    execute = sql.SQL("EXECUTE look({})").format(sql.SQL(", ").join(sql.Literal(v) for v in params.values()))
     lines = []
     with psycopg.connect(store.url, autocommit=True) as conn:
-        conn.execute("PREPARE look(text, int8, int8) AS " + query)
+        conn.execute("PREPARE look(text, int8, int8, int[]) AS " + query)
         for mode in ("force_custom_plan", "force_generic_plan"):
             timings = []
             for _ in range(7):
                 with conn.transaction():
                     conn.execute(f"SELECT {LOOKUP_PLAN}, set_config('plan_cache_mode', %s, true)", (mode,))
-                    plan = conn.execute(sql.SQL("EXPLAIN (ANALYZE, SUMMARY, FORMAT JSON) EXECUTE look({}, {}, {})").format(
-                        sql.Literal(key), sql.Literal(h1), sql.Literal(h2))).fetchone()[0][0]  # type: ignore[index]
+                    plan = conn.execute(sql.SQL("EXPLAIN (ANALYZE, SUMMARY, FORMAT JSON) {}").format(execute)).fetchone()[0][0]  # type: ignore[index]
                 timings.append((plan.get("Planning Time", 0.0), plan["Execution Time"]))
             plan_ms = statistics.median(p for p, _ in timings)
             exec_ms = statistics.median(e for _, e in timings)
             lines.append(f"- EXPLAIN (ANALYZE, SUMMARY) of the lookup by key, {mode} (median of 7): planning "
                          f"{plan_ms:.2f} ms, execution {exec_ms:.2f} ms")
+            if mode == "force_generic_plan" and verbose:
+                with conn.transaction():
+                    conn.execute(f"SELECT {LOOKUP_PLAN}, set_config('plan_cache_mode', %s, true)", (mode,))
+                    text = conn.execute(sql.SQL("EXPLAIN (ANALYZE, COSTS OFF) {}").format(execute)).fetchall()
+                log("\n".join(r[0] for r in text))
         partitions = conn.execute("SELECT count(*) FROM delaywheel.partitions WHERE parent = 'wheel'").fetchone()[0]  # type: ignore[index]
         far = conn.execute("SELECT count(*) FROM delaywheel.wheel_far_segments").fetchone()[0]  # type: ignore[index]
         lines.append(f"- near wheel: {partitions} hourly partitions; far blocks: {far:,} segments")
@@ -250,6 +253,7 @@ def main() -> None:
     parser.add_argument("--cancels", type=int, default=700)
     parser.add_argument("--threads", type=int, default=4, help="cancelling threads")
     parser.add_argument("--skip-latency", action="store_true")
+    parser.add_argument("--plan", action="store_true", help="print the lookup's generic plan (EXPLAIN ANALYZE)")
     parser.add_argument("--skip-race", action="store_true")
     parser.add_argument("--control", action="store_true", help="a run whose cancels race no pass (same load)")
     parser.add_argument("--before", action="store_true", help="a third race run with the code before (990e562)")
@@ -269,7 +273,7 @@ def main() -> None:
                 fill(store, n, args.batch)
                 other.execute("ANALYZE")
                 log(f"   {time.perf_counter() - t:.0f} s")
-                lines += explain(store, other)
+                lines += explain(store, other, args.plan)
                 lines += latency(store, other, args.per_lane)
                 lines.insert(0, f"- pending: {n:,} timers (10M x {args.scale}), due 1 min - 30 days ahead")
                 for line in lines:

@@ -144,3 +144,87 @@ def test_cli_keys_from_table(store: Store, db_url: str, t0: datetime, monkeypatc
     assert "not a column of public.paid_orders" in capsys.readouterr().err
     assert main(["cancel", "--keys-from-table", "public.paid_orders"]) == 2
     assert "needs --keys-from-column" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_cancel_by_key_finds_exactly_the_pending_messages(store: Store, db_url: str, t0: datetime, seed: int) -> None:
+    """A property, over random placements: keys spread over the levels, the near wheel, far segments with a key filter
+    (a send of thousands: summaries in several groups, sql/020), far segments without one (single sends, a small
+    send), a bulk chunk (`bulk.write_chunk`, the Spark path); some delivered, some cancelled before. cancel(key=…)
+    answers cancelled for exactly the pending ones, already_delivered / already_cancelled for the rest, and
+    not_found for a key nobody used; again after a roll moved far days into the near wheel."""
+    import random
+
+    import psycopg
+    import pyarrow as pa
+
+    from delaywheel import bulk
+    from delaywheel.partitions import PartitionCache
+
+    rng = random.Random(seed)
+    before, after = [f"a{seed}-{i}" for i in range(30)], [f"b{seed}-{i}" for i in range(30)]
+    sent: dict[int, tuple[str, datetime]] = {}  # id -> (key, due)
+
+    def some_key(i: int) -> str:
+        return rng.choice(before + after) if rng.random() < 0.08 else f"filler-{seed}-{i}"  # most keys unique
+
+    def days(lo: float, hi: float) -> timedelta:
+        return timedelta(days=rng.uniform(lo, hi))
+
+    far = [Message("orders", {"i": i}, key=some_key(i), delay=days(4, 30)) for i in range(3000)]
+    far_small = [Message("orders", {"i": i}, key=rng.choice(before + after), delay=days(4, 30)) for i in range(10)]
+    near = [Message("orders", {"i": i}, key=some_key(i), delay=days(0.01, 2.9)) for i in range(300)]
+    levels = [Message("orders", {"i": i}, key=rng.choice(before + after), delay_level=rng.randint(1, 5))
+              for i in range(40)]
+    for batch in (far, far_small, near, levels):
+        for m, mid in zip(batch, store.send_many(batch, now=t0), strict=True):
+            sent[mid] = (str(m.key), t0 + (m.delay or timedelta(0)) if m.delay else t0)
+    for i in range(15):  # single sends: far segments of one, without a filter
+        key, delay = rng.choice(before + after), days(4, 30)
+        sent[store.send("orders", {"single": i}, key=key, delay=delay, now=t0)] = (key, t0 + delay)
+    pooled = iter(rng.sample(before + after, 50))  # a bulk input claims each key once: no key twice
+    chunk = pa.RecordBatch.from_pylist([
+        {"key": next(pooled) if i % 40 == 0 else f"bulk-{seed}-{i}", "body": f"b{i}",
+         "delay_ms": int(days(4, 30).total_seconds() * 1000), bulk.FILE_COLUMN: "in.csv", bulk.ROW_COLUMN: i + 1}
+        for i in range(2000)])
+    mapping = bulk.ColumnMap.parse("", "orders", "text").with_defaults(["key", "body", "delay_ms"])
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        assert bulk.write_chunk(conn, store.settings, PartitionCache(), chunk, mapping, "in.csv", now=t0).enqueued == 2000
+    for mid, key, due in store.conn.execute(
+            "SELECT id, key, deliver_at FROM delaywheel.wheel_far WHERE id <> ALL(%s)",
+            (list(sent),)):
+        sent[mid] = (key, due)
+    summaries = store.conn.execute("SELECT count(DISTINCT slot), max(slot) FROM delaywheel.far_key_summaries").fetchone()
+    assert summaries is not None and summaries[1] >= 4  # the big sends' far keys are cut into several groups
+
+    delivered = {mid for (mid,) in store.conn.execute("SELECT message_id FROM delaywheel.topic_messages")}
+    store.deliver_level(1, now=at(t0, 3600))  # level 1 (1 s) delivered
+    delivered = {mid for (mid,) in store.conn.execute("SELECT message_id FROM delaywheel.topic_messages")} - delivered
+    cancelled_before = {mid for mid in rng.sample(sorted(sent), 40)}
+    for mid in cancelled_before:
+        assert [r.outcome for r in store.cancel(message_id=mid)] in (["cancelled"], ["already_delivered"])
+    cancelled_before -= delivered
+
+    def check(keys: list[str], delivered: set[int], cancelled: set[int], passed: datetime) -> None:
+        """A cancelled message the cursor has passed (due by `passed`) is neither pending nor delivered: not named."""
+        for key in keys:
+            expected = {(mid, "already_delivered" if mid in delivered else
+                         "already_cancelled" if mid in cancelled else "cancelled")
+                        for mid, (k, due) in sent.items() if k == key and not (mid in cancelled and due <= passed)}
+            got = {(r.message_id, r.outcome) for r in store.cancel(key=key)}
+            assert got == (expected or {(None, "not_found")}), key
+            cancelled |= {mid for mid, outcome in got if outcome == "cancelled"}
+
+    check([*before, f"nobody-{seed}"], delivered, cancelled_before, t0)
+    # the roll: far days within the near window move into the near wheel; what falls due by then is delivered
+    later = t0 + timedelta(days=8)
+    store.deliver_due(now=later)
+    delivered = {mid for (mid,) in store.conn.execute("SELECT message_id FROM delaywheel.topic_messages")}
+    assert all(due <= later for mid, (_, due) in sent.items() if mid in delivered)
+    assert store.conn.execute("SELECT count(*) FROM delaywheel.wheel_far WHERE deliver_at < %s",
+                              (later + store.settings.wheel_near_window,)).fetchone() == (0,)
+    check(after, delivered, cancelled_before, later)
+    # a later send deletes the summaries whose far days were all rolled
+    store.send_many([Message("orders", {"i": i}, key=f"late-{i}", delay=days(20, 30)) for i in range(100)], now=later)
+    assert store.conn.execute("SELECT count(*) FROM delaywheel.far_key_summaries f, delaywheel.wheel_state s"
+                              " WHERE f.last_block < s.near_until").fetchone() == (0,)

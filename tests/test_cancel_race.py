@@ -15,7 +15,7 @@ import psycopg
 import pytest
 
 from delaywheel import Store, levels
-from delaywheel.cancel import CancelResult, find, mark, settle
+from delaywheel.cancel import CancelResult, find, key_params, mark, settle
 from delaywheel.validation import Message
 from delaywheel.wheel import WHEEL_LOCK
 from tests.conftest import deliveries
@@ -141,18 +141,12 @@ def test_cancel_after_the_pass_committed(store: Store, other: Store, t0: datetim
     """Found pending, but the pass commits before the cancellation is inserted: the cursors no longer show it
     pending, nothing is inserted, and the answer is already_delivered."""
     mid = timer(store, t0, "k", "wheel")
-    found = find(store.conn, "key", {"v": "k", **_hashes("k")})
+    found = find(store.conn, "key", key_params("k"))
     assert deliver(other, "wheel", t0 + NOW).delivered == 1
     marked = mark(store.conn, store._cache, found, "race")
     assert marked == set()
     assert outcomes(settle(store.conn, "key", {"v": "k"}, found, marked)) == [(mid, "already_delivered")]
     assert store.conn.execute("SELECT count(*) FROM delaywheel.cancellations").fetchone() == (0,)
-
-
-def _hashes(key: str) -> dict[str, int]:
-    from delaywheel.keyblooms import probe
-    h1, h2 = probe(key)
-    return {"h1": h1, "h2": h2}
 
 
 def test_two_cancels_of_one_message(store: Store, other: Store, t0: datetime) -> None:

@@ -22,7 +22,7 @@ from psycopg import errors
 
 from .columns import DIRECT, EPOCH, LEVEL, TIMESTAMP, US, WHEEL, Columns, micros
 from .config import Settings
-from .keyblooms import segment_blooms
+from .keyblooms import MIN_MESSAGES, far_filters, segment_blooms
 from .partitions import DAY, WIDTH, PartitionCache, floor_to
 from .producer import NOTIFY_CHANNEL, SEGMENT_MAX, TOPIC_CHANNEL
 
@@ -67,7 +67,8 @@ def _write_levels(
     copy_arrow(conn, "level_segments", pa.RecordBatch.from_pydict({
         "level": c.level[starts], "requested_level": c.requested_level[starts],
         "reconsume_times": c.reconsume_times[starts], "deliver_at": _timestamps(c.due[starts]),
-        "enqueued_at": _timestamps(np.full(len(starts), micros(clock))), **_segment_columns(ids, c, starts, counts),
+        "enqueued_at": _timestamps(np.full(len(starts), micros(clock))),
+        **_segment_columns(ids, c, starts, counts, segment_blooms(c.key, counts)),
     }))
     _notify(conn, int(c.due.min()))
 
@@ -87,7 +88,8 @@ def _segments(ids: np.ndarray, c: Columns, *keys: np.ndarray) -> tuple[np.ndarra
     return ids, c, starts, np.diff(np.append(starts, n))
 
 
-def _segment_columns(ids: np.ndarray, c: Columns, starts: np.ndarray, counts: np.ndarray) -> dict[str, pa.Array]:
+def _segment_columns(ids: np.ndarray, c: Columns, starts: np.ndarray, counts: np.ndarray,
+                     blooms: pa.Array) -> dict[str, pa.Array]:
     """The columns every segment table has: its id range and count, its messages as lists, its keys' filter."""
     offsets = pa.array(np.append(starts, len(ids)).astype(np.int32))
     return {
@@ -95,7 +97,7 @@ def _segment_columns(ids: np.ndarray, c: Columns, starts: np.ndarray, counts: np
         "ids": pa.ListArray.from_arrays(offsets, pa.array(ids)), "keys": pa.ListArray.from_arrays(offsets, c.key),
         "bodies": pa.ListArray.from_arrays(offsets, c.body), "topics": _spread(c.topic, starts, counts),
         "tags": _spread(c.tags, starts, counts), "properties": _spread(c.properties, starts, counts),
-        "is_json": _spread(c.is_json, starts, counts), "key_bloom": segment_blooms(c.key, starts, counts),
+        "is_json": _spread(c.is_json, starts, counts), "key_bloom": blooms,
     }
 
 
@@ -147,20 +149,46 @@ def _write_wheel(
             "deliver_at": _timestamps(near.due), "enqueued_at": _timestamps(np.full(split, enqueued)),
         }), meanwhile=far if split < len(ids) else None)  # far segments built while the server stores near rows
     if split < len(ids):
-        _copy_wheel_part(conn, cache, "wheel_far_segments", *far())
+        due, segments, summary = far()
+        _copy_wheel_part(conn, cache, "wheel_far_segments", due, segments)
+        if summary:
+            conn.execute(_SUMMARIZE, summary)
     _notify(conn, int(c.due.min()))
 
 
-def _far_segments(ids: np.ndarray, c: Columns, day_of: np.ndarray, enqueued: int) -> tuple[np.ndarray, pa.RecordBatch]:
-    """(due times, segment rows) of far timers: one segment per far day, in input order within it."""
+# A send's far-key summaries (sql/020), and out with summaries whose far days were all rolled into the near wheel
+# (a few at a time, skipping those another producer is deleting).
+_SUMMARIZE = """
+WITH rolled AS (
+    DELETE FROM delaywheel.far_key_summaries WHERE ctid = ANY(ARRAY(
+        SELECT ctid FROM delaywheel.far_key_summaries
+        WHERE last_block < (SELECT near_until FROM delaywheel.wheel_state)
+        LIMIT 1000 FOR UPDATE SKIP LOCKED)))
+INSERT INTO delaywheel.far_key_summaries (slot, id_lo, id_hi, last_block, bloom)
+SELECT t.slot, %(lo)s, %(hi)s, %(last)s, t.bloom FROM unnest(%(slots)s::int[], %(blooms)s::bytea[]) AS t(slot, bloom)
+"""
+
+
+def _far_segments(ids: np.ndarray, c: Columns, day_of: np.ndarray,
+                  enqueued: int) -> tuple[np.ndarray, pa.RecordBatch, dict[str, object] | None]:
+    """(due times, segment rows, summary rows' parameters or None) of far timers: one segment per far day, in input
+    order within it; the summaries cover the segments with a key filter."""
     ids, c, starts, counts = _segments(ids, c, day_of)
     day = DAY // US
+    blocks = c.due[starts] // day * day
+    blooms, slots, filters = far_filters(c.key, counts)
+    summary = None
+    if slots:
+        summarized = counts >= MIN_MESSAGES
+        covered = ids[np.repeat(summarized, counts)]
+        summary = {"slots": slots, "blooms": filters, "lo": int(covered.min()), "hi": int(covered.max()),
+                   "last": EPOCH + timedelta(microseconds=int(blocks[summarized].max()))}
     return c.due, pa.RecordBatch.from_pydict({
-        "block": _timestamps(c.due[starts] // day * day), "enqueued_at": _timestamps(np.full(len(starts), enqueued)),
+        "block": _timestamps(blocks), "enqueued_at": _timestamps(np.full(len(starts), enqueued)),
         "deliver_ats": pa.ListArray.from_arrays(pa.array(np.append(starts, len(ids)).astype(np.int32)),
                                                 _timestamps(c.due, UTC_WALL_TIME)),
-        **_segment_columns(ids, c, starts, counts),
-    })
+        **_segment_columns(ids, c, starts, counts, blooms),
+    }), summary
 
 
 def _copy_wheel_part(conn: psycopg.Connection, cache: PartitionCache, table: str, due: np.ndarray, batch: pa.RecordBatch,

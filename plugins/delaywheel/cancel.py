@@ -19,10 +19,10 @@ import psycopg
 from psycopg import sql
 
 from .db import LOOKUP_PLAN
-from .keyblooms import probe
+from .keyblooms import probe, slots
 from .levels import LEVEL_LOCK
 from .partitions import PartitionCache
-from .pending import PENDING, STILL_PENDING, pending
+from .pending import PENDING, SEGMENT_PENDING, STILL_PENDING, pending
 from .predicate import CANCEL_COLUMNS, UnsafeSQL, catalog_table, check_column, check_expression
 from .wheel import WHEEL_LOCK
 
@@ -46,22 +46,42 @@ def _lock_all_lanes(conn: psycopg.Connection) -> None:
         conn.execute("SELECT pg_advisory_xact_lock(%s, %s)", (LEVEL_LOCK, level))
 
 
-def _lock_level_lanes(conn: psycopg.Connection, segments: str, params: dict[str, object]) -> None:
+def _lock_level_lanes(conn: psycopg.Connection, how: str, params: dict[str, object]) -> None:
     """The wheel and every level with a segment that may hold the message (a superset is harmless)."""
     conn.execute("SELECT pg_advisory_xact_lock(%s, %s)", WHEEL_LOCK)
+    first, segments, _ = _LOOKUP[how]
     levels = conn.execute(
-        f"SELECT DISTINCT level FROM delaywheel.level_segments s WHERE {segments} ORDER BY 1", params  # type: ignore[arg-type]
+        f"{first} SELECT DISTINCT level FROM delaywheel.level_segments s WHERE {segments} ORDER BY 1", params  # type: ignore[arg-type]
     ).fetchall()
     for (level,) in levels:
         conn.execute("SELECT pg_advisory_xact_lock(%s, %s)", (LEVEL_LOCK, level))
 
 
-# Finding one message: the segments that may hold it (by their id ranges; by key, the pending segments whose key
-# filter lets it through: segments carry no key index, see keyblooms.py), then the message itself. The filter is
-# tested first (CASE fixes the order: the planner would run the cheaper-looking `@>`, reading every segment's keys).
-_LOOKUP = {
-    "id": ("int8range(s.id_first, s.id_last, '[]') @> %(v)s::bigint", "q.id = %(v)s"),
-    "key": ("CASE WHEN delaywheel.bloom_may_hold(s.key_bloom, %(h1)s, %(h2)s) THEN s.keys @> ARRAY[%(v)s::text] END",
+# Finding one message: the segments that may hold it, by their id ranges (GiST), then the message itself. By id,
+# the range holds the id. By key, segments carry no key index (a per-message entry is what they avoid, sql/011):
+# `candidates` are the id ranges of the far sends whose summary filter of the key's group lets the key through
+# (sql/020: about one filter per send, where testing every far segment's filter took 9-11 ms with 10 million
+# pending), of the far segments too small for a filter that hold the key (their partial GIN index), and of the
+# pending level segments whose filter lets it through (levels hold few segments: a send writes one per level). In
+# those ranges a segment's own filter is tested before its keys are read (CASE fixes the order: the planner would
+# run the cheaper-looking `@>` first, reading every segment's keys).
+_MAY_HOLD_KEY = "CASE WHEN delaywheel.bloom_may_hold(s.key_bloom, %(h1)s, %(h2)s) THEN s.keys @> ARRAY[%(v)s::text] END"
+_KEY_CANDIDATES = f"""
+WITH candidates AS MATERIALIZED (
+    SELECT range_agg(m.r) AS ranges FROM (
+        SELECT int8range(f.id_lo, f.id_hi, '[]') FROM delaywheel.far_key_summaries f
+        WHERE f.slot = ANY(%(slots)s::int[]) AND delaywheel.bloom_may_hold(f.bloom, %(h1)s, %(h2)s)
+        UNION ALL
+        SELECT int8range(s.id_first, s.id_last, '[]') FROM delaywheel.wheel_far_segments s
+        WHERE s.key_bloom IS NULL AND s.keys @> ARRAY[%(v)s::text]
+        UNION ALL
+        SELECT int8range(s.id_first, s.id_last, '[]') FROM delaywheel.level_segments s
+        LEFT JOIN delaywheel.level_checkpoint c ON c.level = s.level
+        WHERE {SEGMENT_PENDING} AND {_MAY_HOLD_KEY}) AS m(r))
+"""
+_LOOKUP = {  # how -> (WITH clause, condition on segments s, condition on messages q)
+    "id": ("", "int8range(s.id_first, s.id_last, '[]') @> %(v)s::bigint", "q.id = %(v)s"),
+    "key": (_KEY_CANDIDATES, f"int8range(s.id_first, s.id_last, '[]') && (SELECT ranges FROM candidates) AND {_MAY_HOLD_KEY}",
             "q.key = %(v)s"),
 }
 
@@ -79,16 +99,17 @@ def cancel(
     """
     if (message_id is None) == (key is None):
         raise ValueError("cancel needs exactly one of message_id or key")
-    params: dict[str, object] = {"v": message_id}
-    if key is not None:
-        h1, h2 = probe(key)
-        params = {"v": key, "h1": h1, "h2": h2}
+    params: dict[str, object] = key_params(key) if key is not None else {"v": message_id}
     how = "id" if message_id is not None else "key"
     if not _commits_each_statement(conn):
         return _cancel_locked(conn, cache, how, params, reason)
-    found = find(conn, how, params)
-    marked = mark(conn, cache, found, reason)
-    return settle(conn, how, params, found, marked)
+    return mark_and_settle(conn, cache, how, params, find(conn, how, params), reason)
+
+
+def key_params(key: str) -> dict[str, object]:
+    """The parameters of the lookup by key (_LOOKUP): the key, its filter hashes, its summary slots."""
+    h1, h2 = probe(key)
+    return {"v": key, "h1": h1, "h2": h2, "slots": slots(h2)}
 
 
 def _commits_each_statement(conn: psycopg.Connection) -> bool:
@@ -106,11 +127,11 @@ def find(conn: psycopg.Connection, how: str, params: dict[str, object]) -> list[
     connection: planning the lookup over the near wheel's ~94 hourly partitions and the far blocks cost more than
     running it (`bench/RESULTS.md`, cancel), and a generic plan loses nothing, since no partition is pruned by id or
     key."""
-    segments, rows = _LOOKUP[how]
+    first, segments, rows = _LOOKUP[how]
     with conn.pipeline():  # one round trip; outside a transaction, one implicit transaction for both statements
         conn.execute(f"SELECT {LOOKUP_PLAN}, set_config('plan_cache_mode', 'force_generic_plan', true)")
         cur = conn.execute(
-            f"SELECT p.id, p.deliver_at, p.key, p.lane, p.level, p.xid::text FROM ({pending(segments, rows)}) p",  # type: ignore[arg-type]
+            f"{first} SELECT p.id, p.deliver_at, p.key, p.lane, p.level, p.xid::text FROM ({pending(segments, rows)}) p",  # type: ignore[arg-type]
             params, prepare=True,
         )
     return cur.fetchall()  # type: ignore[return-value]
@@ -136,8 +157,11 @@ def mark(conn: psycopg.Connection, cache: PartitionCache, found: Sequence[Found]
         return set()
     cache.ensure(conn, "cancellations", [row[1] for row in found])
     # Outside a transaction the statement is its own (one round trip); a partition `ensure` created is committed.
-    cur = conn.execute(_MARK, {"reason": reason, **_columns(found)}, prepare=True)  # type: ignore[arg-type]
-    return {mid for (mid,) in cur.fetchall()}
+    return {mid for (mid,) in _mark(conn, found, reason).fetchall()}
+
+
+def _mark(conn: psycopg.Connection, found: Sequence[Found], reason: str) -> psycopg.Cursor:  # type: ignore[type-arg]
+    return conn.execute(_MARK, {"reason": reason, **_columns(found)}, prepare=True)  # type: ignore[arg-type]
 
 
 def _columns(found: Sequence[Sequence[object]]) -> dict[str, list[object]]:
@@ -163,21 +187,45 @@ def await_passes(conn: psycopg.Connection, locks: Sequence[tuple[int, int]]) -> 
         conn.execute(f"SELECT {release} FROM (SELECT {take} OFFSET 0) waited", keys + keys)
 
 
+def mark_and_settle(conn: psycopg.Connection, cache: PartitionCache, how: str, params: dict[str, object],
+                    found: Sequence[Found], reason: str) -> list[CancelResult]:
+    """`mark`, then `settle`, outside a transaction, in one round trip: the insert, then a Sync, which commits it
+    before the wait starts (the server runs what it is sent in order)."""
+    if found:
+        cache.ensure(conn, "cancellations", [row[1] for row in found])
+    with conn.pipeline() as pipeline:
+        marking = _mark(conn, found, reason) if found else None
+        pipeline.sync()
+        delivered = _settling(conn, how, params, found)
+    return _outcomes(how, params, found, {mid for (mid,) in marking.fetchall()} if marking else set(), delivered)
+
+
 def settle(conn: psycopg.Connection, how: str, params: dict[str, object], found: Sequence[Found],
            marked: set[int]) -> list[CancelResult]:
     """The true outcome of each message found, once every pass that may have read it without its cancellation has
     ended (await_passes), and the messages with the id or key delivered earlier."""
-    column = "message_id" if how == "id" else "key"
-    # One round trip, in one implicit transaction: the wait, then (a statement of its own, so a snapshot taken after
-    # the wait) the search of the topics, by B-tree on message_id or by the BRIN bloom summaries on key (LOOKUP_PLAN).
     with conn.pipeline():
-        await_passes(conn, lane_locks(found))
-        conn.execute(f"SELECT {LOOKUP_PLAN}")
-        cur = conn.execute(
-            f"SELECT DISTINCT message_id FROM delaywheel.topic_messages WHERE {column} = %(v)s AND origin <> 'replay'",  # type: ignore[arg-type]
-            params,
-        )
-    delivered = {mid for (mid,) in cur.fetchall()}
+        delivered = _settling(conn, how, params, found)
+    return _outcomes(how, params, found, marked, delivered)
+
+
+def _settling(conn: psycopg.Connection, how: str, params: dict[str, object],
+              found: Sequence[Found]) -> psycopg.Cursor:  # type: ignore[type-arg]
+    """In a pipeline, one implicit transaction: the wait, then (a statement of its own, so a snapshot taken after
+    the wait) the search of the topics, by B-tree on message_id or by the BRIN bloom summaries on key (LOOKUP_PLAN).
+    Returns the cursor of the ids delivered."""
+    column = "message_id" if how == "id" else "key"
+    await_passes(conn, lane_locks(found))
+    conn.execute(f"SELECT {LOOKUP_PLAN}")
+    return conn.execute(
+        f"SELECT DISTINCT message_id FROM delaywheel.topic_messages WHERE {column} = %(v)s AND origin <> 'replay'",  # type: ignore[arg-type]
+        params,
+    )
+
+
+def _outcomes(how: str, params: dict[str, object], found: Sequence[Found], marked: set[int],
+              delivering: psycopg.Cursor) -> list[CancelResult]:  # type: ignore[type-arg]
+    delivered = {mid for (mid,) in delivering.fetchall()}
     results = [CancelResult(mid, "already_delivered" if mid in delivered else
                             "cancelled" if mid in marked else "already_cancelled") for mid, *_ in found]
     seen = {mid for mid, *_ in found}
@@ -191,12 +239,12 @@ def _cancel_locked(conn: psycopg.Connection, cache: PartitionCache, how: str, pa
                    reason: str) -> list[CancelResult]:
     """Inside a caller's transaction: the lanes' locks, held until the caller ends it (deliverers of those lanes
     wait for that, or report busy)."""
-    segments, rows = _LOOKUP[how]
+    first, segments, rows = _LOOKUP[how]
     with conn.transaction():
         conn.execute(f"SELECT {LOOKUP_PLAN}")
-        _lock_level_lanes(conn, segments, params)
+        _lock_level_lanes(conn, how, params)
         found = conn.execute(
-            f"SELECT p.id, p.deliver_at, p.key, p.lane, p.level, p.xid::text FROM ({pending(segments, rows)}) p",  # type: ignore[arg-type]
+            f"{first} SELECT p.id, p.deliver_at, p.key, p.lane, p.level, p.xid::text FROM ({pending(segments, rows)}) p",  # type: ignore[arg-type]
             params,
         ).fetchall()
         marked = mark(conn, cache, found, reason)

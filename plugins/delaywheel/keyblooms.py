@@ -6,6 +6,11 @@ two hash steps per key; a lookup reads each pending segment's filter (kept in th
 of the segments it lets through, about 1 % of those that do not hold the key. The hashes are computed here, for
 the keys of a batch at once and for a looked-up key alike, and passed to SQL (`delaywheel.bloom_may_hold`),
 which only tests bits: one definition of the hash, so the two sides cannot disagree.
+
+Far segments are tested a level up first (sql/020): a send's far keys, whose ~27 segments (one per far day) each
+have a filter, are also cut by the key's *group* (the top bits of h2) into `buckets` groups, and each group's filter
+is a summary row. A looked-up key's group in every possible bucket count names the one summary row per send that
+may hold it (`slots`), so a cancel tests about one filter per send instead of one per far segment.
 """
 
 from __future__ import annotations
@@ -21,6 +26,11 @@ HASHES = 4  # must match delaywheel.bloom_may_hold (sql/011)
 MIN_BYTES = 8
 MIN_MESSAGES = 16
 _FNV_OFFSET, _FNV_PRIME, _MASK32 = 2166136261, 16777619, 0xFFFFFFFF
+# Summaries (sql/020): a send's far keys in `buckets` groups, a power of two up to 2**GROUP_BITS, so that a group
+# holds up to about GROUP_KEYS keys (a filter of ~1.3 KB, kept in its row). A key's group is the top log2(buckets)
+# bits of h2, and its row's slot is buckets + group: every (buckets, group) pair has a slot of its own.
+GROUP_BITS = 10
+GROUP_KEYS = 1024
 
 
 def key_hashes(keys: pa.Array) -> tuple[np.ndarray, np.ndarray]:
@@ -67,27 +77,73 @@ def probe(key: str) -> tuple[int, int]:
     return h1, h2 | 1
 
 
-def segment_blooms(keys: pa.Array, starts: np.ndarray, counts: np.ndarray) -> pa.Array:
-    """One filter per segment (bytes, a multiple of 8 bits): bit (h1 + i * h2) mod m for i < HASHES, numbered
-    as PostgreSQL's get_bit numbers them (byte by byte, least significant bit first). A segment of fewer than
-    MIN_MESSAGES gets none (NULL): its few keys are read as cheaply, and a single send skips the work."""
+def slots(h2: int) -> list[int]:
+    """The summary slots that may hold a key with this h2: its group under every bucket count."""
+    return [(1 << b) + (h2 >> (32 - b) if b else 0) for b in range(GROUP_BITS + 1)]
+
+
+def _filters(h1: np.ndarray, h2: np.ndarray, group: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """One filter per group with keys (hashes h1, h2; `group` of each key; `counts` of keys per group, 0: none):
+    bits (h1 + i * h2) mod m for i < HASHES, numbered as PostgreSQL's get_bit numbers them (byte by byte, least
+    significant bit first). Returns the byte offsets of the filters (len(counts) + 1) and their packed bytes."""
+    import numpy as np
+
+    sizes = np.where(counts > 0, np.maximum(MIN_BYTES, -(-counts * BITS_PER_KEY // 8)), 0)
+    offsets = np.concatenate(([0], np.cumsum(sizes)))
+    bits = np.zeros(int(offsets[-1]) * 8, bool)
+    m = (sizes * 8).astype(np.uint64)[group]
+    base = (offsets[:-1] * 8)[group]
+    for i in range(HASHES):
+        bits[base + ((h1 + np.uint64(i) * h2) % m).astype(np.int64)] = True
+    return offsets, np.packbits(bits, bitorder="little")
+
+
+def _hashed(keys: pa.Array, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(filtered per segment, segment of each hashed key, h1, h2) for the keys of the segments that get a filter
+    (MIN_MESSAGES or more), null keys left out."""
     import numpy as np
     import pyarrow as pa
 
     filtered = counts >= MIN_MESSAGES
-    if not filtered.any():
-        return pa.nulls(len(starts), pa.binary())
     present = keys.is_valid().to_numpy(zero_copy_only=False) & np.repeat(filtered, counts)
-    segment = np.repeat(np.arange(len(starts)), counts)[present]
+    segment = np.repeat(np.arange(len(counts)), counts)[present]
     h1, h2 = key_hashes(keys.filter(pa.array(present))) if present.any() else (np.zeros(0, np.uint64),) * 2
-    sizes = np.where(filtered, np.maximum(MIN_BYTES, -(-np.bincount(segment, minlength=len(starts)) * BITS_PER_KEY // 8)), 0)
-    offsets = np.concatenate(([0], np.cumsum(sizes)))
-    bits = np.zeros(int(offsets[-1]) * 8, bool)
-    m = (sizes * 8).astype(np.uint64)[segment]
-    base = (offsets[:-1] * 8)[segment]
-    for i in range(HASHES):
-        bits[base + ((h1 + np.uint64(i) * h2) % m).astype(np.int64)] = True
-    packed = np.packbits(bits, bitorder="little")
+    return filtered, segment, h1, h2
+
+
+def segment_blooms(keys: pa.Array, counts: np.ndarray) -> pa.Array:
+    """One filter per segment (`counts` keys each, in order; bytes, a multiple of 8 bits). A segment of fewer than MIN_MESSAGES gets none
+    (NULL): its few keys are read as cheaply, and a single send skips the work."""
+    return _segment_blooms(*_hashed(keys, counts))
+
+
+def far_filters(keys: pa.Array, counts: np.ndarray) -> tuple[pa.Array, list[int], list[bytes]]:
+    """A send's far segments: their filters (`segment_blooms`), and the (slot, filter) of each summary row
+    (sql/020), of the keys of the segments that have a filter; no rows when none has one (segments without a
+    filter are found by their keys). The keys are hashed once for both."""
+    import numpy as np
+
+    filtered, segment, h1, h2 = _hashed(keys, counts)
+    blooms = _segment_blooms(filtered, segment, h1, h2)
+    if not len(h1):
+        return blooms, [], []
+    bucket_bits = min(GROUP_BITS, int(np.ceil(np.log2(len(h1) / GROUP_KEYS)))) if len(h1) > GROUP_KEYS else 0
+    group = (h2 >> np.uint64(32 - bucket_bits)).astype(np.int64) if bucket_bits else np.zeros(len(h1), np.int64)
+    found = np.bincount(group, minlength=1 << bucket_bits)
+    offsets, packed = _filters(h1, h2, group, found)
+    rows = np.flatnonzero(found)
+    return blooms, [int((1 << bucket_bits) + g) for g in rows], [packed[offsets[g]:offsets[g + 1]].tobytes() for g in rows]
+
+
+def _segment_blooms(filtered: np.ndarray, segment: np.ndarray, h1: np.ndarray, h2: np.ndarray) -> pa.Array:
+    import numpy as np
+    import pyarrow as pa
+
+    if not filtered.any():
+        return pa.nulls(len(filtered), pa.binary())
+    # a filtered segment without a key still gets the smallest filter (all zero): it holds no key
+    found = np.where(filtered, np.maximum(np.bincount(segment, minlength=len(filtered)), 1), 0)
+    offsets, packed = _filters(h1, h2, segment, found)
     validity = None if filtered.all() else pa.py_buffer(np.packbits(filtered, bitorder="little"))
-    return pa.Array.from_buffers(pa.binary(), len(starts), [validity, pa.py_buffer(offsets.astype(np.int32)),
-                                                            pa.py_buffer(packed)])
+    return pa.Array.from_buffers(pa.binary(), len(filtered), [validity, pa.py_buffer(offsets.astype(np.int32)),
+                                                              pa.py_buffer(packed)])
