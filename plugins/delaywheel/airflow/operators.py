@@ -20,6 +20,7 @@ Nothing here touches the database, Spark or GX before `execute`: DAG parsing sta
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Collection
@@ -190,6 +191,8 @@ class AdvanceWheelOperator(_LeaseOperator):
 
 
 CONSUMER_PRESENCE_LOCK = 0x64770050  # shared advisory lock class held by every live lease consumer; key: (group, topic)
+CONSUMER_TURN_LOCK = 0x64770051  # exclusive: held by the lease consumer of (group, topic) that is consuming; same key
+TURN_WAIT_S = 0.2  # a lease consumer waiting for its turn looks at its stop event this often
 _PRESENCE_KEY = "hashtext(jsonb_build_array(%s::text, %s::text)::text)"
 
 
@@ -225,8 +228,12 @@ class ConsumeOperator(BaseOperator):
     Hand-over: only the holder of the group's lock on a topic handles (`topics.GROUP_LOCK`, held from the pull of a
     batch to the commit of its ack); a second consumer of the group is a standby that tries the lock every 0.25 s.
     So during the overlap of two runs nothing is handled twice, and when the old task stops (its batch in hand
-    acked, its lock released) the new one takes over within about 0.25 s. Every lease consumer also holds a shared
-    "presence" advisory lock on (group, topic) for its lifetime, which the grace above looks for. SIGTERM
+    acked, its lock released) the new one takes over. A lease consumer waits for its turn before it consumes at all
+    (an exclusive advisory lock on (group, topic), `CONSUMER_TURN_LOCK`, held while it consumes): the server grants
+    it the moment the old task lets go, so the new one pulls within milliseconds, not at its next look as a busy
+    standby (0.25 s). The turn is only a wake-up; the group lock is what keeps a batch from two consumers. Every
+    lease consumer also holds a shared "presence" advisory lock on (group, topic) for its lifetime, which the
+    grace above looks for. SIGTERM
     (`on_kill`) stops the same way: the handler finishes its batch, the batch is acked, the task returns.
 
     During `execute`, `self.store` is the consumer's `Store`: a ``handle`` override may run its own transaction on
@@ -325,9 +332,15 @@ class ConsumeOperator(BaseOperator):
                           lease, grace, ", until idle" if idle_s else "")
             watchdog.start()
             try:
+                store.conn  # noqa: B018  # connected before the turn: a hand-over costs no connection set-up
+                if idle_s is None:  # a drain-and-stop run does not queue behind a lease: it ends if it is not its turn
+                    self._wait_turn(presence, stop)
                 totals = store.consume(self.topic, self.group, handler, max_messages=int(self.max_messages),
                                        stop=stop, idle_s=idle_s)
             finally:
+                with contextlib.suppress(psycopg.Error):  # the successor waiting for its turn gets it now
+                    presence.execute(f"SELECT pg_advisory_unlock({CONSUMER_TURN_LOCK}, {_PRESENCE_KEY})",
+                                     (self.group, self.topic))
                 stop.set()
                 watchdog.join()
                 self.store = None
@@ -341,6 +354,24 @@ class ConsumeOperator(BaseOperator):
         }
         self.log.info("consumed: %s", result)
         return result
+
+    def _wait_turn(self, presence: psycopg.Connection, stop: threading.Event) -> None:
+        """Block until this task holds the turn of (group, topic) or `stop` is set. The lock is waited for in
+        slices of TURN_WAIT_S (lock_timeout), so a stop is seen that soon; a lost connection goes on to consume
+        (the group lock still decides who handles)."""
+        presence.execute(f"SET lock_timeout = '{int(TURN_WAIT_S * 1000)}ms'")
+        waited = time.monotonic()
+        while not stop.is_set():
+            try:
+                presence.execute(f"SELECT pg_advisory_lock({CONSUMER_TURN_LOCK}, {_PRESENCE_KEY})",
+                                 (self.group, self.topic))
+            except psycopg.errors.LockNotAvailable:
+                continue
+            except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
+                self.log.warning("cannot wait for the turn (%s); consuming as a standby of the group lock", exc)
+                return
+            self.log.info("took the turn of %s / %s after %.2fs", self.group, self.topic, time.monotonic() - waited)
+            return
 
     def _watch(self, presence: Any, lease: float, grace: float, stop: threading.Event,
                handed_over: threading.Event) -> None:
