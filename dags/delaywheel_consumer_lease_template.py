@@ -16,7 +16,8 @@ How the lease hands over (as the deliver lanes do, `delaywheel_deliver`):
   already running, as a standby, when the old one lets go.
 - Only the holder of the group's lock on the topic handles messages (a session advisory lock held from the
   pull of a batch to the commit of its ack): during the overlap nothing is handled twice. At its lease end the
-  old task finishes the batch in hand, acks it and releases the lock; the standby takes over within ~0.25 s.
+  old task finishes the batch in hand, acks it and releases the lock; the standby, waiting for its turn (an
+  advisory lock the old task releases then), pulls within milliseconds.
 - Past its lease, a task keeps the group (up to `handover_grace_seconds`) until the next run's task is
   running, so a successor that failed at start-up leaves no gap while Airflow retries it.
 - SIGTERM (marking the task failed, a scheduler stopping it) ends the task the same way: batch acked, lock

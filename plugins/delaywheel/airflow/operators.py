@@ -233,8 +233,8 @@ class ConsumeOperator(BaseOperator):
     it the moment the old task lets go, so the new one pulls within milliseconds, not at its next look as a busy
     standby (0.25 s). The turn is only a wake-up; the group lock is what keeps a batch from two consumers. Every
     lease consumer also holds a shared "presence" advisory lock on (group, topic) for its lifetime, which the
-    grace above looks for. SIGTERM
-    (`on_kill`) stops the same way: the handler finishes its batch, the batch is acked, the task returns.
+    grace above looks for. SIGTERM (`on_kill`) stops the same way: the handler finishes its batch, the batch is
+    acked, the task returns.
 
     During `execute`, `self.store` is the consumer's `Store`: a ``handle`` override may run its own transaction on
     ``self.store.conn`` (the session holding the group lock, idle between the pull and the ack), so that a business
