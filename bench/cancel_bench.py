@@ -7,15 +7,23 @@
    (ANALYZE, SUMMARY) of the lookup, planned per call and as a generic prepared plan.
 2. Delivery lateness on the real clock: timers at `--rate` msg/s (delays 1-10 s) delivered by the library's loop
    (runner.run, wheel lane), `--seconds` long, without cancels and then with `--cancels` cancels/s by key of timers
-   due within the next second or just due (racing the passes), from several threads. Reported: lateness p50/p99/max
-   of the delivered timers, passes and busy passes, cancel latency, and exactly-once checks (no message delivered
-   twice; none both delivered and answered cancelled; every already_delivered answer true).
+   due within the next second or just due (racing the passes), from several processes with a connection each (threads
+   of one interpreter reached only 141-332 cancels/s). Reported: lateness p50/p99/max of the delivered timers, passes
+   and busy passes, cancel latency, exactly-once checks (no message delivered twice; none both delivered and answered
+   cancelled; every already_delivered answer true), and where the CPU went: the machine's busy share and runnable
+   tasks, and the cores used by the deliverer and producer, the cancel processes and each one's backend.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
+import multiprocessing
+import os
+import queue
 import random
+import resource
 import statistics
 import subprocess
 import sys
@@ -23,6 +31,7 @@ import threading
 import time
 import types
 from datetime import UTC, datetime, timedelta
+from multiprocessing.queues import Queue
 from pathlib import Path
 
 import psycopg
@@ -76,7 +85,7 @@ def _before() -> types.ModuleType:
 
 
 BEFORE = "990e562"
-CURRENT = (cancel_module.cancel, wheel_module.take_lane)
+CURRENT = wheel_module.take_lane
 
 
 def old_cancel(store: Store, key: str) -> list:  # type: ignore[type-arg]
@@ -147,23 +156,100 @@ def explain(store: Store, other: psycopg.Connection, verbose: bool = False) -> l
     return lines
 
 
-def race(url: str, seconds: float, rate: int, cancels: int, threads: int, window: tuple[float, float] = (-0.3, 1.0),
-         label: str = "run") -> dict[str, object]:
-    """One real-clock run; `cancels` = 0 is the baseline. Cancels pick timers due within `window` seconds of now."""
-    stop = threading.Event()
-    sent: dict[str, tuple[int, float]] = {}  # key -> (id, due as epoch seconds)
-    lock = threading.Lock()
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a local process (a PostgreSQL backend of the embedded cluster, say)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class MachineLoad:
+    """The whole machine's CPU use over a run, sampled from /proc/stat every 0.5 s: busy share of all cores, and
+    runnable tasks (/proc/loadavg's fourth field)."""
+
+    def __init__(self) -> None:
+        self.busy: list[float] = []
+        self.runnable: list[int] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    @staticmethod
+    def _times() -> tuple[int, int]:
+        values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        return sum(values), values[3] + values[4]  # total, idle + iowait
+
+    def _sample(self) -> None:
+        total, idle = self._times()
+        while not self._stop.wait(0.5):
+            t, i = self._times()
+            self.busy.append(1 - (i - idle) / max(t - total, 1))
+            total, idle = t, i
+            self.runnable.append(int(Path("/proc/loadavg").read_text().split()[3].split("/")[0]))
+
+    def __enter__(self) -> MachineLoad:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def cancel_worker(url: str, seconds: float, per_worker: float, window: tuple[float, float], seed: int,
+                  inbox: Queue, outbox: Queue, before: bool) -> None:  # type: ignore[type-arg]
+    """One cancelling process with its own connection: cancels by key, at `per_worker` a second, timers due within
+    `window` seconds of now, each key once, from the keys the producer hands it; reports its answers, latencies
+    and CPU seconds (its own and its backend's)."""
+    rng = random.Random(seed)
+    recent: collections.deque[tuple[str, float]] = collections.deque(maxlen=20_000)
     answers: list[tuple[int | None, str]] = []
     cancel_ms: list[float] = []
+    with Store(url) as own:
+        cancel = _before().cancel if before else cancel_module.cancel
+        backend = own.conn.info.backend_pid
+        done, started = 0, time.monotonic()
+        while time.monotonic() - started < seconds:
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    recent.extend(inbox.get_nowait())
+            now = time.time()
+            near = [(k, due) for k, due in recent if window[0] < due - now < window[1]]
+            for key, due in rng.sample(near, min(len(near), 20)):
+                recent.remove((key, due))
+                t = time.perf_counter()
+                results = cancel(own.conn, own._cache, key=key, reason="bench")
+                cancel_ms.append(1000 * (time.perf_counter() - t))
+                answers.extend((r.message_id, r.outcome) for r in results)
+                done += 1
+                time.sleep(max(0.0, started + done / per_worker - time.monotonic()))
+            if not near:
+                time.sleep(0.01)
+        outbox.put((answers, cancel_ms, time.process_time(), cpu_seconds(backend)))
+
+
+def race(url: str, seconds: float, rate: int, cancels: int, workers: int, window: tuple[float, float] = (-0.3, 1.0),
+         label: str = "run", before: bool = False, summarize_every: float | None = None) -> dict[str, object]:
+    """One real-clock run; `cancels` = 0 is the baseline. The deliverer (runner.run on the wheel) and the producer
+    are threads of this process; the cancels come from `workers` processes (spawned), each handed its share of the
+    keys sent, picking timers due within `window` seconds of now. With `summarize_every`, a thread also brings the
+    BRIN summaries up to date that often (store.summarize; the deliverer does it every minute): a cancel's search of
+    the topics by key reads every row delivered since the last summary."""
+    stop = threading.Event()
+    sent: dict[str, tuple[int, float]] = {}  # key -> (id, due as epoch seconds)
     errors: list[BaseException] = []
     topic = f"{TOPIC}.{label}"
     totals: list[runner.RunTotals] = []
+    backends: dict[str, float] = {}  # CPU seconds of the deliverer's and the producer's backends
     ready = threading.Event()
+    spawn = multiprocessing.get_context("spawn")
+    inboxes = [spawn.Queue() for _ in range(workers if cancels else 0)]
+    outbox = spawn.Queue()
 
     def deliver() -> None:
         try:
             with Store(url) as own:
+                pid = own.conn.info.backend_pid
                 totals.append(runner.run(own, [None], seconds + 12, stop=stop, ready=ready.set))
+                backends["deliverer"] = cpu_seconds(pid)
         except BaseException as exc:
             errors.append(exc)
 
@@ -179,50 +265,51 @@ def race(url: str, seconds: float, rate: int, cancels: int, threads: int, window
                     keys = [f"{topic}-{n + j}" for j in range(size)]
                     ids = own.send_many([Message(topic, body(n + j), key=k, delay=timedelta(seconds=d))
                                          for j, (k, d) in enumerate(zip(keys, delays, strict=True))])
-                    with lock:
-                        for k, i, d in zip(keys, ids, delays, strict=True):
-                            sent[k] = (i, clock + d)
+                    for k, i, d in zip(keys, ids, delays, strict=True):
+                        sent[k] = (i, clock + d)
+                    for w, inbox in enumerate(inboxes):
+                        inbox.put([(k, clock + d) for j, (k, d) in enumerate(zip(keys, delays, strict=True))
+                                   if (n + j) % len(inboxes) == w])
                     n += size
                     time.sleep(max(0.0, started + (n / rate) - time.monotonic()))
+                backends["producer"] = cpu_seconds(own.conn.info.backend_pid)
         except BaseException as exc:
             errors.append(exc)
 
-    def cancel_loop(seed: int) -> None:
-        rng = random.Random(seed)
-        per_thread = cancels / threads
-        try:
-            with Store(url) as own:
-                done, started = 0, time.monotonic()
-                while time.monotonic() - started < seconds:
-                    now = time.time()
-                    with lock:
-                        near = [k for k, (_, due) in list(sent.items())[-12 * rate:] if window[0] < due - now < window[1]]
-                    for key in rng.sample(near, min(len(near), 20)):
-                        t = time.perf_counter()
-                        results = own.cancel(key=key)
-                        cancel_ms.append(1000 * (time.perf_counter() - t))
-                        answers.extend((r.message_id, r.outcome) for r in results)
-                        done += 1
-                        time.sleep(max(0.0, started + done / per_thread - time.monotonic()))
-                    if not near:
-                        time.sleep(0.01)
-        except BaseException as exc:
-            errors.append(exc)
+    def summarize() -> None:
+        with Store(url) as own:
+            while not stop.wait(summarize_every):
+                own.summarize()
 
-    workers = [threading.Thread(target=deliver)]
-    workers[0].start()
+    if summarize_every:
+        threading.Thread(target=summarize, daemon=True).start()
+    procs = [spawn.Process(target=cancel_worker, args=(url, seconds, cancels / len(inboxes), window, 10 + w, inbox,
+                                                       outbox, before)) for w, inbox in enumerate(inboxes)]
+    for p in procs:
+        p.start()
+    deliverer = threading.Thread(target=deliver)
+    deliverer.start()
     ready.wait(30)
-    workers += [threading.Thread(target=produce)]
-    workers += [threading.Thread(target=cancel_loop, args=(10 + i,)) for i in range(threads if cancels else 0)]
-    for w in workers[1:]:
-        w.start()
-    for w in workers[1:]:
-        w.join()
+    producer = threading.Thread(target=produce)
+    cpu_before = resource.getrusage(resource.RUSAGE_SELF)
+    with MachineLoad() as load:
+        producer.start()
+        reports = [outbox.get(timeout=seconds + 120) for _ in procs]
+        producer.join()
+    cpu_after = resource.getrusage(resource.RUSAGE_SELF)
+    for p in procs:
+        p.join()
     time.sleep(11)  # the last timers fall due
     stop.set()
-    workers[0].join()
+    deliverer.join()
     if errors:
         raise errors[0]
+    answers = [a for r in reports for a in r[0]]
+    cancel_ms = [ms for r in reports for ms in r[1]]
+    cpu = {"this process (deliverer, producer)": (cpu_after.ru_utime + cpu_after.ru_stime)
+           - (cpu_before.ru_utime + cpu_before.ru_stime),
+           "cancel processes": sum(r[2] for r in reports), "their backends": sum(r[3] for r in reports),
+           **{f"{name}'s backend": value for name, value in backends.items()}}
     with psycopg.connect(url) as conn:
         rows = conn.execute("SELECT message_id, extract(epoch FROM delivered_at - deliver_at) * 1000"
                             " FROM delaywheel.topic_messages WHERE topic = %s", (topic,)).fetchall()
@@ -237,6 +324,9 @@ def race(url: str, seconds: float, rate: int, cancels: int, threads: int, window
         "both": len(said_cancelled & set(delivered)), "false_delivered": len(said_delivered - set(delivered)),
         "p50": pct(late, 0.5), "p99": pct(late, 0.99), "max": max(late, default=float("nan")),
         "passes": totals[0].passes, "busy": totals[0].busy_passes, "cancels": len(cancel_ms),
+        "machine_busy": statistics.mean(load.busy) if load.busy else float("nan"),
+        "runnable": statistics.mean(load.runnable) if load.runnable else float("nan"),
+        "cpu": {name: value / seconds for name, value in cpu.items()},  # cores used on average
         "cancel_rate": len(cancel_ms) / seconds, "cancelled": len({m for m, o in answers if o == "cancelled"}),
         "already_delivered": len(said_delivered),
         "cancel_p50": pct(cancel_ms, 0.5), "cancel_p99": pct(cancel_ms, 0.99),
@@ -251,7 +341,8 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=60)
     parser.add_argument("--rate", type=int, default=1000)
     parser.add_argument("--cancels", type=int, default=700)
-    parser.add_argument("--threads", type=int, default=4, help="cancelling threads")
+    parser.add_argument("--workers", type=int, default=4, help="cancelling processes, a connection each")
+    parser.add_argument("--summarize-every", type=float, help="seconds between BRIN summaries during a race run")
     parser.add_argument("--skip-latency", action="store_true")
     parser.add_argument("--plan", action="store_true", help="print the lookup's generic plan (EXPLAIN ANALYZE)")
     parser.add_argument("--skip-race", action="store_true")
@@ -284,14 +375,17 @@ def main() -> None:
                 log(f"2. race: {args.rate} msg/s, {cancels} cancels/s, {args.seconds:.0f} s, {before}")
                 control = before == "control"
                 before = before is True
-                if before:  # the cancel of 990e562 (lanes' locks, waiting) and its deliverer (try the lock, else busy)
-                    cancel_module.cancel, wheel_module.take_lane = _OLD.cancel, lambda conn, lock: False
+                if before:  # the deliverer of 990e562 (try the lock, else busy); its cancel runs in the workers
+                    wheel_module.take_lane = lambda conn, lock: False
                 try:
-                    r = race(url, args.seconds, args.rate, cancels, args.threads, (5.0, 10.0) if control else (-0.3, 1.0),
-                             f"run{len(lines)}")
+                    r = race(url, args.seconds, args.rate, cancels, args.workers, (5.0, 10.0) if control else (-0.3, 1.0),
+                             f"run{len(lines)}", before, args.summarize_every)
                 finally:
-                    cancel_module.cancel, wheel_module.take_lane = CURRENT
+                    wheel_module.take_lane = CURRENT
+                if not cancels:
+                    baseline = r
                 line = (f"- {'code before (990e562): ' if before else ''}"
+                        f"{f'BRIN summaries every {args.summarize_every:g} s: ' if args.summarize_every else ''}"
                         f"{'control (cancels of timers due 5-10 s ahead, racing no pass): ' if control else ''}"
                         f"{args.rate} msg/s, {cancels} cancels/s asked ({r['cancel_rate']:.0f}/s done, "
                         f"{r['cancels']} calls, p50 {r['cancel_p50']:.2f} ms, p99 {r['cancel_p99']:.2f} ms): "
@@ -300,7 +394,11 @@ def main() -> None:
                         f"p99 {r['p99']:.1f} ms, max {r['max']:.1f} ms; passes {r['passes']}, busy {r['busy']}; "
                         f"duplicates {r['duplicates']}, missing {r['missing']}, early {r['early']}, "
                         f"delivered and answered cancelled {r['both']}, already_delivered not delivered "
-                        f"{r['false_delivered']}")
+                        f"{r['false_delivered']}; machine busy {100 * r['machine_busy']:.0f} % of 2 cores, "  # type: ignore[operator]
+                        f"{r['runnable']:.1f} runnable tasks on average; cores used: "
+                        + ", ".join(f"{name} {cores:.2f}" for name, cores in r["cpu"].items())  # type: ignore[attr-defined]
+                        + (f"; lateness p99 {r['p99'] / baseline['p99']:.2f} x the run without cancels"  # type: ignore[operator]
+                           if cancels else ""))
                 log(line)
                 lines.append(line)
     finally:

@@ -216,10 +216,10 @@ def _settling(conn: psycopg.Connection, how: str, params: dict[str, object],
     Returns the cursor of the ids delivered."""
     column = "message_id" if how == "id" else "key"
     await_passes(conn, lane_locks(found))
-    conn.execute(f"SELECT {LOOKUP_PLAN}")
-    return conn.execute(
+    conn.execute(f"SELECT {LOOKUP_PLAN}, set_config('plan_cache_mode', 'force_generic_plan', true)")
+    return conn.execute(  # planned once per connection, as `find`
         f"SELECT DISTINCT message_id FROM delaywheel.topic_messages WHERE {column} = %(v)s AND origin <> 'replay'",  # type: ignore[arg-type]
-        params,
+        {"v": params["v"]}, prepare=True,
     )
 
 
