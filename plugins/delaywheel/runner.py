@@ -305,8 +305,7 @@ def _sleep_or_notified(
 
 
 # Every level's head in one statement (pending.LEVEL_HEAD per level), as epoch seconds. Not the wheel's: its pass
-# returns its head, and WHEEL_HEAD reads `wheel_state`, the one row every wheel pass updates (which costs a scan of
-# its dead versions while an old transaction anywhere in the cluster keeps them from being pruned: RESULTS.md).
+# returns its head (a separate WHEEL_HEAD would read the cursor again, for nothing).
 _HEADS = (
     "SELECT ARRAY(SELECT extract(epoch FROM (" + LEVEL_HEAD.replace("%(level)s", "l.level") + "))::float8"
     " FROM unnest(%(levels)s::int[]) WITH ORDINALITY l(level, n) ORDER BY l.n)"

@@ -1,10 +1,14 @@
 """The timing wheel: any due time up to `wheel_max_delay`, delivered no sooner than its exact time.
 
-Cursor rule (TimerCheckpoint, in `wheel_state`): every row with (deliver_at, id) <= cursor and
+Cursor rule (TimerCheckpoint, the newest entry of `wheel_cursor`): every row with (deliver_at, id) <= cursor and
 xid < horizon_xid is delivered or cancelled. A pass first delivers *stragglers* — rows for times the
 cursor already passed, whose transactions committed after the last pass — then the due range after
-the cursor, reading only rows below the commit horizon (xmin), then sets horizon_xid = xmin.
+the cursor, reading only rows below the commit horizon (xmin), then appends the next entry with horizon_xid = xmin.
 Rows moved by the roll get the roller's xid, so they are stragglers or ahead of the cursor: never lost.
+
+The cursor is appended, never updated (sql/021): an updated row keeps one dead version per pass while any
+transaction in the cluster is old, and every read of it walked them all. The newest entry is the first in the
+primary key read backwards, so the pass's one read of it costs the same few buffers however old that transaction.
 """
 
 from __future__ import annotations
@@ -23,6 +27,13 @@ from .setaside import POISON, record
 
 WHEEL_LOCK = (0x64770020, 0)
 MAX_ID = 2**63 - 1
+# The cursor as the last pass left it (sql/021: the first entry of the primary key read backwards).
+CURSOR = ("SELECT pass, cursor_at, cursor_id, horizon_xid::text, delivered FROM delaywheel.wheel_cursor"
+          " ORDER BY pass DESC LIMIT 1")
+# The pass that appends entry n, n a multiple of TRIM_EVERY, deletes entries [n - 2 * TRIM_EVERY, n - TRIM_EVERY):
+# every block once, the newest never, and by a bounded range (one open at its low end would walk every entry an old
+# transaction still keeps on disk). The log holds 1,000-2,000 entries, and more only while such a transaction lasts.
+TRIM_EVERY = 1000
 
 _MOVE = """
 INSERT INTO delaywheel.topic_messages
@@ -109,16 +120,17 @@ def _set_aside_far(conn: psycopg.Connection, settings: Settings, cache: Partitio
 def _roll(conn: psycopg.Connection, settings: Settings, cache: PartitionCache, now: datetime | None, only: str) -> int:
     moved = 0
     clock, near_until = conn.execute(  # type: ignore[misc]
-        "SELECT coalesce(%s::timestamptz, clock_timestamp()), near_until FROM delaywheel.wheel_state", (now,)
+        "SELECT coalesce(%s::timestamptz, clock_timestamp()), near_until FROM delaywheel.wheel_roll", (now,)
     ).fetchone()
     target = _roll_target(clock, settings)
     if near_until >= target:  # nothing to roll (the common case): skip the locking transaction below
         return 0
     with conn.transaction():
         locked = conn.execute("SELECT pg_try_advisory_xact_lock(%s, %s)", WHEEL_LOCK).fetchone()
-        # a producer still in its transaction (it holds wheel_state FOR KEY SHARE, or a far block): roll next pass
+        # a producer still in its transaction (it holds wheel_roll's row FOR KEY SHARE, through wheel_state, or a
+        # far block): roll next pass
         conn.execute("SET LOCAL lock_timeout = '5s'")
-        state = conn.execute("SELECT near_until FROM delaywheel.wheel_state FOR UPDATE").fetchone()
+        state = conn.execute("SELECT near_until FROM delaywheel.wheel_roll FOR UPDATE").fetchone()
         if not locked or not locked[0] or state is None or state[0] >= target:
             return 0
         # Creating and dropping partitions takes ACCESS EXCLUSIVE on the parents: take it first, in the order
@@ -139,7 +151,7 @@ def _roll(conn: psycopg.Connection, settings: Settings, cache: PartitionCache, n
             moved += cur.rowcount
             conn.execute("SELECT delaywheel.drop_partition('wheel_far_segments', %s)", (lo,))
             cache.forget("wheel_far_segments", lo)
-        conn.execute("UPDATE delaywheel.wheel_state SET near_until = %s", (target,))
+        conn.execute("UPDATE delaywheel.wheel_roll SET near_until = %s", (target,))
     return moved
 
 
@@ -174,9 +186,9 @@ def _set_aside_due(conn: psycopg.Connection, cache: PartitionCache, now: datetim
         ).fetchone()
         assert row is not None
         _, xmin, clock = row
-        state = conn.execute("SELECT cursor_at, cursor_id, horizon_xid::text FROM delaywheel.wheel_state").fetchone()
+        state = conn.execute(CURSOR).fetchone()
         assert state is not None
-        cursor_at, cursor_id, horizon = state
+        _, cursor_at, cursor_id, horizon, _ = state
         params = {"now": clock, "xmin": str(max(int(xmin), int(horizon))), "horizon": horizon, "cursor_at": cursor_at,
                   "cursor_id": cursor_id, "limit": limit}
         bad = conn.execute(_UNDELIVERABLE.format(rows=_STRAGGLERS), params).fetchall()  # type: ignore[arg-type]
@@ -199,12 +211,12 @@ def _advance(conn: psycopg.Connection, cache: PartitionCache, now: datetime | No
                 return PassResult(0, 0, None, busy=True)
             xmin, clock = conn.execute(  # type: ignore[misc]
                 f"SELECT {COMMIT_HORIZON}::text, coalesce(%s::timestamptz, clock_timestamp())", (now,)).fetchone()
-        state = conn.execute(
-            # NO KEY UPDATE: must not wait for producers, which hold the row FOR KEY SHARE until they commit
-            "SELECT cursor_at, cursor_id, horizon_xid::text FROM delaywheel.wheel_state FOR NO KEY UPDATE"
-        ).fetchone()
+        # Read once, after the lock: the previous holder's entry is visible to this statement's snapshot. Nothing
+        # locks it (producers lock wheel_roll's row, not the cursor): the entry this pass appends is keyed by the
+        # one read here, so a second pass that read the same entry could not commit.
+        state = conn.execute(CURSOR).fetchone()
         assert state is not None
-        cursor_at, cursor_id, horizon = state
+        entry, cursor_at, cursor_id, horizon, total = state
         # The horizon only moves forward. Every xid below the stored horizon had ended when it was taken, so
         # the larger of the two is still a valid horizon; taking a smaller one (the commit horizon can dip, see
         # db.COMMIT_HORIZON) would make rows already delivered by the due step look like stragglers again.
@@ -235,16 +247,19 @@ def _advance(conn: psycopg.Connection, cache: PartitionCache, now: datetime | No
         new_at, new_id = (last_at, last_id) if full else (clock, MAX_ID)
         delivered = stragglers + moved
         conn.execute(
-            "UPDATE delaywheel.wheel_state SET cursor_at = %s, cursor_id = %s, horizon_xid = %s::xid8,"
-            " delivered = delivered + %s, updated_at = clock_timestamp()",
-            (new_at, new_id, xmin, delivered),
+            "INSERT INTO delaywheel.wheel_cursor (pass, cursor_at, cursor_id, horizon_xid, delivered)"
+            " VALUES (%s, %s, %s, %s::xid8, %s)",
+            (entry + 1, new_at, new_id, xmin, total + delivered),
         )
+        if (entry + 1) % TRIM_EVERY == 0:
+            conn.execute("DELETE FROM delaywheel.wheel_cursor WHERE pass >= %s AND pass < %s",
+                         (entry + 1 - 2 * TRIM_EVERY, entry + 1 - TRIM_EVERY))
         head = (clock,) if full else conn.execute(  # full: more is due now, the caller looks again at once
             """
             SELECT least(
                 (SELECT deliver_at FROM delaywheel.wheel WHERE deliver_at >= %(at)s AND (deliver_at, id) > (%(at)s, %(id)s)
                   ORDER BY deliver_at, id LIMIT 1),
-                (SELECT near_until FROM delaywheel.wheel_state WHERE EXISTS (SELECT FROM delaywheel.wheel_far_segments)),  -- see pending.WHEEL_HEAD
+                (SELECT near_until FROM delaywheel.wheel_roll WHERE EXISTS (SELECT FROM delaywheel.wheel_far_segments)),  -- see pending.WHEEL_HEAD
                 (SELECT %(clock)s::timestamptz WHERE (  -- stragglers: see pending.WHEEL_HEAD
                     SELECT xid FROM delaywheel.wheel WHERE xid >= %(xmin)s::xid8 AND deliver_at <= %(at)s
                     ORDER BY xid LIMIT 1) IS NOT NULL))
