@@ -44,9 +44,9 @@ FROM (SELECT w.singleton, w.near_until,
              (SELECT c FROM delaywheel.wheel_cursor c ORDER BY c.pass DESC LIMIT 1) AS c
       FROM delaywheel.wheel_roll w) r;
 
--- The runtime appends entries, reads them, and deletes old ones (wheel.TRIM_EVERY); it never rewrites one. This is
--- the one table it deletes rows from (sql/017): an entry deleted is one no pass reads again, and the runtime could
--- already move the cursor anywhere by appending, as it could by updating the old row. The view is read, and
+-- The runtime appends entries, reads them, and deletes old ones (wheel.TRIM_EVERY); it never rewrites one. Unlike
+-- the queues (sql/017: nothing is deleted row by row), it deletes here: an entry deleted is one no pass reads again,
+-- and the runtime could already move the cursor anywhere by appending, as it could by updating the old row. The view is read, and
 -- row-locked (FOR KEY SHARE needs UPDATE on it), by the runtime; rows go nowhere through it.
 REVOKE ALL ON delaywheel.wheel_cursor FROM delaywheel_runtime;
 GRANT SELECT, INSERT, DELETE ON delaywheel.wheel_cursor TO delaywheel_runtime;
