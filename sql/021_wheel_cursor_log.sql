@@ -1,4 +1,4 @@
--- The wheel's cursor as an insert-only log (issue 19, item 2; DESIGN.md "The wheel's cursor").
+-- The wheel's cursor as an insert-only log (issue 19, item 2; DESIGN.md, "The cursor is a log, not a row").
 --
 -- Every wheel pass used to UPDATE the single row of `wheel_state`, and read it 4-5 times. Dead versions of a row
 -- can only be pruned once no snapshot can see them, and every snapshot's xmin is the oldest xid running anywhere in
@@ -46,8 +46,8 @@ FROM (SELECT w.singleton, w.near_until,
 
 -- The runtime appends entries, reads them, and deletes old ones (wheel.TRIM_EVERY); it never rewrites one. Unlike
 -- the queues (sql/017: nothing is deleted row by row), it deletes here: an entry deleted is one no pass reads again,
--- and the runtime could already move the cursor anywhere by appending, as it could by updating the old row. The view is read, and
--- row-locked (FOR KEY SHARE needs UPDATE on it), by the runtime; rows go nowhere through it.
+-- and the runtime could already move the cursor anywhere by appending, as it could by updating the old row. The
+-- view is read, and row-locked (FOR KEY SHARE needs UPDATE on it), by the runtime; rows go nowhere through it.
 REVOKE ALL ON delaywheel.wheel_cursor FROM delaywheel_runtime;
 GRANT SELECT, INSERT, DELETE ON delaywheel.wheel_cursor TO delaywheel_runtime;
 REVOKE ALL ON delaywheel.wheel_state FROM delaywheel_runtime;
