@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from datetime import datetime, timedelta
 
 import pytest
@@ -135,3 +136,39 @@ def test_a_hand_written_body_that_does_not_decode_reaches_the_consumer_as_bytes(
                                                                 (last, {"n": 2})]
     assert store.ack(batch).acked == 3
     assert len(store.pull("orders", "billing", 10)) == 0
+
+
+def test_a_batch_takes_the_topic_first_then_the_retry_topic_and_its_ack_moves_both(store: Store, t0: datetime) -> None:
+    """One read serves both sources: the topic's messages first, the group's retries after them while there is
+    room. An ack covers each source by the common move (the offset where the last ack left it) or, for a source the
+    group never acked, by the general path; the group's counts add up either way."""
+    failing = store.send_many([Message("orders", {"n": i}) for i in range(2)], now=t0)
+    assert store.ack(store.pull("orders", "g"), failed=set(failing)) == AckResult(acked=2, retried=2)
+    store.deliver_due(now=at(t0, 3600))  # the two retries reach %RETRY%g
+    fresh = store.send_many([Message("orders", {"n": i}) for i in range(3)], now=at(t0, 3600))
+    batch = store.pull("orders", "g", 4)
+    assert [m.source_topic for m in batch.messages] == ["orders"] * 3 + [retry_topic("g")]
+    assert [m.message_id for m in batch.messages[:3]] == fresh
+    assert batch.messages[3].idempotency_id == failing[0] and batch.messages[3].topic == "orders"
+    assert store.ack(batch) == AckResult(acked=4)
+    (last,) = store.pull("orders", "g", 4).messages
+    assert last.idempotency_id == failing[1]
+    assert store.ack(store.pull("orders", "g", 4)) == AckResult(acked=1)
+    assert len(store.pull("orders", "g", 4)) == 0
+    counts = store.conn.execute("SELECT topic, acked FROM delaywheel.consumer_offsets WHERE grp = 'g' ORDER BY topic")
+    assert counts.fetchall() == [(retry_topic("g"), 2), ("orders", 5)]
+
+
+def test_a_pulled_message_carries_what_was_sent(store: Store, t0: datetime) -> None:
+    """Every field as sent: a JSON body decoded, a bytes body as is, properties ({} without), key and tags, times."""
+    ids = [store.send("orders", {"a": [1, "ü"]}, key="k1", tags="t1", properties={"region": "eu"}, now=t0),
+           store.send("orders", b"\x00raw", now=t0)]
+    first, second = store.pull("orders", "g").messages
+    assert [m.message_id for m in (first, second)] == ids
+    assert (first.topic, first.body, first.key, first.tags, first.properties, first.reconsume_times) == (
+        "orders", {"a": [1, "ü"]}, "k1", "t1", {"region": "eu"}, 0)
+    assert (second.body, second.key, second.tags, second.properties) == (b"\x00raw", None, None, {})
+    assert first.deliver_at == t0 and first.delivered_at >= t0 and first.source_topic == "orders"
+    assert first.idempotency_id == ids[0]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        first.body = None  # type: ignore[misc]
