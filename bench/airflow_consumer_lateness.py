@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import os
 import shutil
 import sys
+import threading
 import time
 from datetime import UTC, datetime
 from itertools import pairwise
@@ -35,7 +37,7 @@ import psycopg
 
 from delaywheel import load_settings
 
-from .airflow_lateness import ROOT, standalone, wait_running
+from .airflow_lateness import CLK_TCK, METADATA_DB, ROOT, standalone, wait_running
 from .common import Check, drop_database, fresh_database, log, print_section
 from .consumer_lateness import TOPIC, percentiles, produce
 
@@ -122,6 +124,74 @@ def handovers(rows: list[tuple[int, float, float, float, int]]) -> list[tuple[fl
     return [(t, t - t0, task) for (t0, a), (t, task) in pairwise(seq) if task != a]
 
 
+class MachineCpu:
+    """CPU seconds of every process on the machine over the load window (sampled every 2 s, so a process that exits
+    loses at most its last 2 s), by what it is: this bench's consumer task, its deliver lane tasks (task processes
+    are titled `airflow worker -- <task instance id>`), task supervisors, Airflow services, PostgreSQL backends of
+    the store and of Airflow's metadata, and everything else on the machine (other work sharing the 2 cores)."""
+
+    def __init__(self, store_db: str) -> None:
+        self.store_db = store_db
+        self.first: dict[int, int] = {}
+        self.last: dict[int, int] = {}
+        self.title: dict[int, str] = {}
+        self.seconds = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def __enter__(self) -> MachineCpu:
+        self._sample(initial=True)
+        self.seconds = -time.monotonic()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+        self.seconds += time.monotonic()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(2.0):
+            self._sample()
+
+    def _sample(self, initial: bool = False) -> None:
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+                title = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            pid, ticks = int(entry), int(fields[11]) + int(fields[12])
+            if pid not in self.first:
+                self.first[pid] = ticks if initial else 0
+                self.title[pid] = title
+            self.last[pid] = ticks
+
+    def shares(self, consumer_tis: set[str]) -> dict[str, float]:
+        """Share of one core per kind over the window."""
+        totals: dict[str, float] = {}
+        for pid, last in self.last.items():
+            title = self.title[pid]
+            if title.startswith("airflow worker -- "):
+                kind = "consumer task" if title.split()[-1] in consumer_tis else "deliver lane tasks"
+            elif title.startswith("airflow supervisor"):
+                kind = "task supervisors"
+            elif title.startswith("postgres: "):
+                kind = ("PostgreSQL, store" if f" {self.store_db} " in title else
+                        "PostgreSQL, Airflow metadata" if f" {METADATA_DB} " in title else "PostgreSQL, other")
+            elif "airflow" in title:
+                kind = "Airflow services"
+            elif f"{Path(sys.executable).name} -m bench.airflow_consumer_lateness" in title or "multiprocessing" in title:
+                kind = "this bench (producer)"
+            else:
+                kind = "everything else"
+            totals[kind] = totals.get(kind, 0.0) + (last - self.first[pid]) / CLK_TCK
+        return {k: v / self.seconds for k, v in sorted(totals.items(), key=lambda kv: -kv[1])}
+
+
 def task_figures(metadata_url: str, since: datetime) -> dict[str, Any]:
     with psycopg.connect(metadata_url) as conn:
         rows = conn.execute("SELECT queued_dttm, start_date FROM task_instance WHERE dag_id = %s"
@@ -129,8 +199,9 @@ def task_figures(metadata_url: str, since: datetime) -> dict[str, Any]:
         failed = conn.execute("SELECT (SELECT count(*) FROM task_instance_history WHERE dag_id = %(d)s"
                               " AND state = 'failed') + (SELECT count(*) FROM task_instance WHERE dag_id = %(d)s"
                               " AND state = 'failed')", {"d": DAG_ID}).fetchone()
+        tis = {str(r[0]) for r in conn.execute("SELECT id FROM task_instance WHERE dag_id = %s", (DAG_ID,))}
     starts = sorted((s - q).total_seconds() for q, s in rows if q is not None)
-    return {"tasks": len(rows), "start_p50": float(np.median(starts)) if starts else float("nan"),
+    return {"tasks": len(rows), "ids": tis, "start_p50": float(np.median(starts)) if starts else float("nan"),
             "start_max": max(starts, default=float("nan")), "failed": failed[0] if failed else 0}
 
 
@@ -154,9 +225,10 @@ def run(args: argparse.Namespace) -> tuple[list[Check], list[str]]:
         producer = ctx.Process(target=produce, args=(url, args.rate, seconds, args.seed, produced_tx))
         log(f"producing {args.rate}/s for {seconds:.0f} s (consumer lease {args.interval + args.overlap:g} s, "
             f"a run every {args.interval:g} s)")
-        producer.start()
-        ids: list[int] = produced_rx.recv()
-        producer.join()
+        with MachineCpu(DB) as cpu:
+            producer.start()
+            ids: list[int] = produced_rx.recv()
+            producer.join()
         log(f"sent {len(ids):,}; waiting for the last to fall due and be handled")
         deadline = time.monotonic() + 60
         while len({r[0] for r in read_records(records)}) < len(ids) and time.monotonic() < deadline:
@@ -164,6 +236,7 @@ def run(args: argparse.Namespace) -> tuple[list[Check], list[str]]:
         time.sleep(3.0)  # anything extra (a duplicate) would show up now
         load_after = Path("/proc/loadavg").read_text().strip()
         tasks = task_figures(metadata_url, since)
+    shares = cpu.shares(tasks["ids"])
     rows = read_records(records)
     got = np.array([r[0] for r in rows], dtype=np.int64)
     received, due, delivered = (np.array([r[i] for r in rows]) for i in (1, 2, 3))
@@ -208,6 +281,8 @@ def run(args: argparse.Namespace) -> tuple[list[Check], list[str]]:
         f"p50 {h50:.1f} ms, p99 {h99:.1f} ms, max {hworst:.1f} ms",
         f"consumer tasks started in the window: {tasks['tasks']} (queued -> running p50 {tasks['start_p50']:.2f} s, "
         f"max {tasks['start_max']:.2f} s); failed tries {tasks['failed']}",
+        "CPU over the load window (share of one core; 2 cores = 200 %): "
+        + ", ".join(f"{k} {v:.0%}" for k, v in shares.items()),
         f"/proc/loadavg before the load {load_before}, after {load_after} (2 cores shared)"
         + (f"; {args.note}" if args.note else ""),
     ]
