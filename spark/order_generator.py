@@ -16,7 +16,10 @@ from delaywheel import orders
 from delaywheel.config import parse_duration
 from delaywheel.store import Store
 
-CHUNK = 2000  # orders per transaction
+# Orders per transaction. Small, because a transaction holds back the store's commit horizon (DESIGN.md) for as long
+# as it runs: a delivered timeout becomes readable to the sweep only once every older transaction has ended, and
+# at 2,000 orders a chunk the demo's cancellations reached p99 0.76 s (their timers: p99 43 ms after due).
+CHUNK = 250
 
 
 def place_range(db_url: str, first_id: int, count: int, timeout: timedelta, seed: int) -> int:
@@ -34,7 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--orders", type=int, default=100_000)
     parser.add_argument("--timeout", default="30m", help="order payment timeout (30m in production, seconds in demos)")
     parser.add_argument("--period", default="30s", help="spread the orders over this long")
-    parser.add_argument("--waves", type=int, default=6)
+    # orders arrive through the period, not in a few bursts: with 6 waves 5 s apart and the demo's 20 s timeout,
+    # each burst of deadlines fell due exactly while the next burst was being placed
+    parser.add_argument("--waves", type=int, default=30)
     parser.add_argument("--first-id", type=int, default=1)
     parser.add_argument("--partitions", type=int, default=4)
     parser.add_argument("--seed", type=int, default=7)
