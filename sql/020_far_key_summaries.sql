@@ -4,8 +4,8 @@
 --
 -- A send writes one far segment per far day, so its far keys are spread over ~27 segments. Here a send also writes
 -- *summaries*: its far keys (those of its segments with a filter, sql/011) cut by a hash of the key into `buckets`
--- groups (a power of two, ~512-1,024 keys each, so that a summary's filter stays in its row), one row per group
--- with that group's Bloom filter, the send's id range and its last far day. A cancel by key tests only the rows of
+-- groups (a power of two, ~256-512 keys each, so that a summary's filter, 20 bits a key, stays in its row), one row
+-- per group with that group's Bloom filter, the send's id range and its last far day. A cancel by key tests only the rows of
 -- the key's group in each bucket count (`slot` = buckets + group: one B-tree range per count), ~one row per send,
 -- and reads the far segments of the few sends that pass through the id ranges' GiST index (keyblooms.py).
 -- Segments without a filter (fewer than 16 messages: a single send, sql/019) are found by their keys instead, in a

@@ -27,10 +27,13 @@ MIN_BYTES = 8
 MIN_MESSAGES = 16
 _FNV_OFFSET, _FNV_PRIME, _MASK32 = 2166136261, 16777619, 0xFFFFFFFF
 # Summaries (sql/020): a send's far keys in `buckets` groups, a power of two up to 2**GROUP_BITS, so that a group
-# holds up to about GROUP_KEYS keys (a filter of ~1.3 KB, kept in its row). A key's group is the top log2(buckets)
-# bits of h2, and its row's slot is buckets + group: every (buckets, group) pair has a slot of its own.
+# holds up to about GROUP_KEYS keys, with SUMMARY_BITS_PER_KEY bits a key (a filter of up to ~1.3 KB, kept in its
+# row; about 0.1 % false positives with HASHES probes: a lookup tests one summary per send, and each false positive
+# costs a probe of every far day's id-range index). A key's group is the top log2(buckets) bits of h2, and its
+# row's slot is buckets + group: every (buckets, group) pair has a slot of its own.
 GROUP_BITS = 10
-GROUP_KEYS = 1024
+GROUP_KEYS = 512
+SUMMARY_BITS_PER_KEY = 20
 
 
 def key_hashes(keys: pa.Array) -> tuple[np.ndarray, np.ndarray]:
@@ -82,13 +85,14 @@ def slots(h2: int) -> list[int]:
     return [(1 << b) + (h2 >> (32 - b) if b else 0) for b in range(GROUP_BITS + 1)]
 
 
-def _filters(h1: np.ndarray, h2: np.ndarray, group: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _filters(h1: np.ndarray, h2: np.ndarray, group: np.ndarray, counts: np.ndarray,
+             bits_per_key: int = BITS_PER_KEY) -> tuple[np.ndarray, np.ndarray]:
     """One filter per group with keys (hashes h1, h2; `group` of each key; `counts` of keys per group, 0: none):
     bits (h1 + i * h2) mod m for i < HASHES, numbered as PostgreSQL's get_bit numbers them (byte by byte, least
     significant bit first). Returns the byte offsets of the filters (len(counts) + 1) and their packed bytes."""
     import numpy as np
 
-    sizes = np.where(counts > 0, np.maximum(MIN_BYTES, -(-counts * BITS_PER_KEY // 8)), 0)
+    sizes = np.where(counts > 0, np.maximum(MIN_BYTES, -(-counts * bits_per_key // 8)), 0)
     offsets = np.concatenate(([0], np.cumsum(sizes)))
     bits = np.zeros(int(offsets[-1]) * 8, bool)
     m = (sizes * 8).astype(np.uint64)[group]
@@ -130,7 +134,7 @@ def far_filters(keys: pa.Array, counts: np.ndarray) -> tuple[pa.Array, list[int]
     bucket_bits = min(GROUP_BITS, int(np.ceil(np.log2(len(h1) / GROUP_KEYS)))) if len(h1) > GROUP_KEYS else 0
     group = (h2 >> np.uint64(32 - bucket_bits)).astype(np.int64) if bucket_bits else np.zeros(len(h1), np.int64)
     found = np.bincount(group, minlength=1 << bucket_bits)
-    offsets, packed = _filters(h1, h2, group, found)
+    offsets, packed = _filters(h1, h2, group, found, SUMMARY_BITS_PER_KEY)
     rows = np.flatnonzero(found)
     return blooms, [int((1 << bucket_bits) + g) for g in rows], [packed[offsets[g]:offsets[g + 1]].tobytes() for g in rows]
 
