@@ -228,3 +228,24 @@ def test_cancel_by_key_finds_exactly_the_pending_messages(store: Store, db_url: 
     store.send_many([Message("orders", {"i": i}, key=f"late-{i}", delay=days(20, 30)) for i in range(100)], now=later)
     assert store.conn.execute("SELECT count(*) FROM delaywheel.far_key_summaries f, delaywheel.wheel_state s"
                               " WHERE f.last_block < s.near_until").fetchone() == (0,)
+
+
+@pytest.mark.parametrize("count", [16, 600, 5000, 70_000])
+def test_a_key_is_looked_up_in_the_summary_its_send_wrote(count: int) -> None:
+    """keyblooms: the slot and filter a send writes for each of its far keys (far_filters, numpy) are among the slots
+    a lookup of that key tests (slots, plain Python), and that filter lets the key through (bloom_may_hold's bits)."""
+    import numpy as np
+    import pyarrow as pa
+
+    from delaywheel.keyblooms import HASHES, far_filters, probe, slots
+
+    keys = [f"order-{i * 7919 % 1_000_003}" for i in range(count)]
+    _, written, filters = far_filters(pa.array(keys), np.array([count]))
+    assert len(written) == len(set(written)) and len(written) >= count // 512
+    by_slot = dict(zip(written, filters, strict=True))
+    for key in keys[:: max(1, count // 300)]:
+        h1, h2 = probe(key)
+        (slot,) = set(slots(h2)) & set(by_slot)  # exactly one of the slots looked up was written
+        bloom = by_slot[slot]
+        m = 8 * len(bloom)
+        assert all(bloom[(h1 + i * h2) % m // 8] >> ((h1 + i * h2) % m % 8) & 1 for i in range(HASHES))
