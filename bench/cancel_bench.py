@@ -198,7 +198,7 @@ def cancel_worker(url: str, seconds: float, per_worker: float, window: tuple[flo
                   inbox: Queue, outbox: Queue, before: bool) -> None:  # type: ignore[type-arg]
     """One cancelling process with its own connection: cancels by key, at `per_worker` a second, timers due within
     `window` seconds of now, each key once, from the keys the producer hands it; reports its answers, latencies
-    and CPU seconds (its own and its backend's)."""
+    and CPU seconds over its run (its own and its backend's)."""
     rng = random.Random(seed)
     recent: collections.deque[tuple[str, float]] = collections.deque(maxlen=20_000)
     answers: list[tuple[int | None, str]] = []
@@ -206,6 +206,7 @@ def cancel_worker(url: str, seconds: float, per_worker: float, window: tuple[flo
     with Store(url) as own:
         cancel = _before().cancel if before else cancel_module.cancel
         backend = own.conn.info.backend_pid
+        cpu_start, backend_start = time.process_time(), cpu_seconds(backend)
         done, started = 0, time.monotonic()
         while time.monotonic() - started < seconds:
             with contextlib.suppress(queue.Empty):
@@ -223,7 +224,7 @@ def cancel_worker(url: str, seconds: float, per_worker: float, window: tuple[flo
                 time.sleep(max(0.0, started + done / per_worker - time.monotonic()))
             if not near:
                 time.sleep(0.01)
-        outbox.put((answers, cancel_ms, time.process_time(), cpu_seconds(backend)))
+        outbox.put((answers, cancel_ms, time.process_time() - cpu_start, cpu_seconds(backend) - backend_start))
 
 
 def race(url: str, seconds: float, rate: int, cancels: int, workers: int, window: tuple[float, float] = (-0.3, 1.0),
@@ -238,8 +239,9 @@ def race(url: str, seconds: float, rate: int, cancels: int, workers: int, window
     errors: list[BaseException] = []
     topic = f"{TOPIC}.{label}"
     totals: list[runner.RunTotals] = []
-    backends: dict[str, float] = {}  # CPU seconds of the deliverer's and the producer's backends
-    ready = threading.Event()
+    backends: dict[str, int] = {}  # backend pids of the deliverer and the producer
+    backend_cpu: dict[str, float] = {}
+    ready, producing = threading.Event(), threading.Event()
     spawn = multiprocessing.get_context("spawn")
     inboxes = [spawn.Queue() for _ in range(workers if cancels else 0)]
     outbox = spawn.Queue()
@@ -247,9 +249,8 @@ def race(url: str, seconds: float, rate: int, cancels: int, workers: int, window
     def deliver() -> None:
         try:
             with Store(url) as own:
-                pid = own.conn.info.backend_pid
+                backends["deliverer"] = own.conn.info.backend_pid
                 totals.append(runner.run(own, [None], seconds + 12, stop=stop, ready=ready.set))
-                backends["deliverer"] = cpu_seconds(pid)
         except BaseException as exc:
             errors.append(exc)
 
@@ -257,6 +258,8 @@ def race(url: str, seconds: float, rate: int, cancels: int, workers: int, window
         rng = random.Random(1)
         try:
             with Store(url) as own:
+                backends["producer"] = own.conn.info.backend_pid
+                producing.set()
                 n, tick, started = 0, 0.02, time.monotonic()
                 while time.monotonic() - started < seconds:
                     size = int(rate * tick)
@@ -272,7 +275,7 @@ def race(url: str, seconds: float, rate: int, cancels: int, workers: int, window
                                    if (n + j) % len(inboxes) == w])
                     n += size
                     time.sleep(max(0.0, started + (n / rate) - time.monotonic()))
-                backends["producer"] = cpu_seconds(own.conn.info.backend_pid)
+                backend_cpu.update({name: cpu_seconds(pid) - backend_cpu[name] for name, pid in backends.items()})
         except BaseException as exc:
             errors.append(exc)
 
@@ -294,6 +297,8 @@ def race(url: str, seconds: float, rate: int, cancels: int, workers: int, window
     cpu_before = resource.getrusage(resource.RUSAGE_SELF)
     with MachineLoad() as load:
         producer.start()
+        producing.wait(30)
+        backend_cpu.update({name: cpu_seconds(pid) for name, pid in backends.items()})
         reports = [outbox.get(timeout=seconds + 120) for _ in procs]
         producer.join()
     cpu_after = resource.getrusage(resource.RUSAGE_SELF)
@@ -309,7 +314,7 @@ def race(url: str, seconds: float, rate: int, cancels: int, workers: int, window
     cpu = {"this process (deliverer, producer)": (cpu_after.ru_utime + cpu_after.ru_stime)
            - (cpu_before.ru_utime + cpu_before.ru_stime),
            "cancel processes": sum(r[2] for r in reports), "their backends": sum(r[3] for r in reports),
-           **{f"{name}'s backend": value for name, value in backends.items()}}
+           **{f"{name}'s backend": value for name, value in backend_cpu.items()}}
     with psycopg.connect(url) as conn:
         rows = conn.execute("SELECT message_id, extract(epoch FROM delivered_at - deliver_at) * 1000"
                             " FROM delaywheel.topic_messages WHERE topic = %s", (topic,)).fetchall()
