@@ -170,13 +170,15 @@ class MachineCpu:
                 self.title[pid] = title
             self.last[pid] = ticks
 
-    def shares(self, consumer_tis: set[str]) -> dict[str, float]:
-        """Share of one core per kind over the window."""
+    def shares(self, tasks: dict[str, str]) -> dict[str, float]:
+        """Share of one core per kind over the window; `tasks`: task instance id -> task id."""
         totals: dict[str, float] = {}
         for pid, last in self.last.items():
             title = self.title[pid]
             if title.startswith("airflow worker -- "):
-                kind = "consumer task" if title.split()[-1] in consumer_tis else "deliver lane tasks"
+                task = tasks.get(title.split()[-1], "")
+                kind = ("consumer tasks" if task == "consume" else "wheel lane task" if task == "advance_wheel"
+                        else "level lane tasks" if task.startswith("deliver_level_") else "other tasks")
             elif title.startswith("airflow supervisor"):
                 kind = "task supervisors"
             elif title.startswith("postgres: "):
@@ -199,7 +201,7 @@ def task_figures(metadata_url: str, since: datetime) -> dict[str, Any]:
         failed = conn.execute("SELECT (SELECT count(*) FROM task_instance_history WHERE dag_id = %(d)s"
                               " AND state = 'failed') + (SELECT count(*) FROM task_instance WHERE dag_id = %(d)s"
                               " AND state = 'failed')", {"d": DAG_ID}).fetchone()
-        tis = {str(r[0]) for r in conn.execute("SELECT id FROM task_instance WHERE dag_id = %s", (DAG_ID,))}
+        tis = {str(r[0]): r[1] for r in conn.execute("SELECT id, task_id FROM task_instance")}
     starts = sorted((s - q).total_seconds() for q, s in rows if q is not None)
     return {"tasks": len(rows), "ids": tis, "start_p50": float(np.median(starts)) if starts else float("nan"),
             "start_max": max(starts, default=float("nan")), "failed": failed[0] if failed else 0}
