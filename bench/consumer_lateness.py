@@ -62,9 +62,27 @@ def consume(url: str, stop: Any, count: Any, out: Any) -> None:
         seen.extend((m.message_id, now, m.deliver_at.timestamp(), m.delivered_at.timestamp()) for m in messages)
         count.value = len(seen)
 
+    before = schedstat("self")
     with Store(url) as store:
         totals = store.consume(TOPIC, GROUP, handler, max_messages=500, stop=stop)
-    out.send((seen, vars(totals)))
+    out.send((seen, vars(totals), delta(before, schedstat("self"))))
+
+
+def schedstat(pid: str) -> tuple[int, int, int]:
+    """A process's (ns on a CPU, ns waiting for one while runnable, timeslices) so far (/proc/PID/schedstat)."""
+    with open(f"/proc/{pid}/schedstat") as f:
+        run_ns, wait_ns, slices = (int(v) for v in f.read().split())
+    return run_ns, wait_ns, slices
+
+
+def delta(before: tuple[int, int, int], after: tuple[int, int, int]) -> tuple[int, int, int]:
+    return after[0] - before[0], after[1] - before[1], after[2] - before[2]
+
+
+def cpu_note(name: str, stat: tuple[int, int, int]) -> str:
+    run_ns, wait_ns, slices = stat
+    return (f"{name}: {run_ns / 1e9:.1f} s on a CPU, {wait_ns / 1e9:.1f} s runnable but waiting for one,"
+            f" {slices:,} timeslices (mean wait {wait_ns / max(slices, 1) / 1e6:.2f} ms)")
 
 
 def percentiles(values: np.ndarray) -> tuple[float, float, float]:
@@ -87,6 +105,7 @@ def run(args: argparse.Namespace) -> tuple[list[Check], list[str]]:
     consumer = ctx.Process(target=consume, args=(url, stop, count, consumed_tx))
     producer = ctx.Process(target=produce, args=(url, args.rate, seconds, args.seed, produced_tx))
     load_before = os.getloadavg()
+    deliverer_before = schedstat(str(deliverer.pid))
     try:
         consumer.start()
         time.sleep(3.0)  # the consumer and the deliverer are up and waiting
@@ -100,7 +119,8 @@ def run(args: argparse.Namespace) -> tuple[list[Check], list[str]]:
             time.sleep(0.2)
         time.sleep(2.0)  # anything extra (a duplicate) would show up now
         stop.set()
-        seen, totals = consumed_rx.recv()
+        seen, totals, consumer_cpu = consumed_rx.recv()
+        deliverer_cpu = delta(deliverer_before, schedstat(str(deliverer.pid)))
         consumer.join(30)
     finally:
         stop.set()
@@ -138,8 +158,10 @@ def run(args: argparse.Namespace) -> tuple[list[Check], list[str]]:
         f"what the consumer adds (received - delivered_at): p50 {np.percentile(handoff, 50):.1f} ms,"
         f" p99 {np.percentile(handoff, 99):.1f} ms" if len(handoff) else "nothing received",
         f"consumer: {totals['batches']:,} batches, {totals['notified_wakes']:,} woken by NOTIFY,"
-        f" {totals['safety_wakes']} safety wakes, {totals['empty_pulls']:,} empty pulls, {totals['busy']} busy,"
+        f" {totals['safety_wakes']} safety wakes, {totals['empty_pulls']:,} empty pulls"
+        f" ({totals['repulls']:,} looks again after a notified pull found nothing readable), {totals['busy']} busy,"
         f" {totals['reconnects']} reconnects",
+        cpu_note("consumer process", consumer_cpu) + "; " + cpu_note("deliverer process", deliverer_cpu),
         f"load average before {load_before[0]:.1f}, after {load_after[0]:.1f} (2 cores shared)"
         + (f"; {args.note}" if args.note else ""),
     ]

@@ -279,3 +279,21 @@ def test_a_notified_delivery_still_above_the_horizon_is_pulled_again_soon(db_url
     thread.join(20)  # the holder ended (rolled back): the next look finds it
     assert got == [mid]
     assert out["totals"].safety_wakes == 0 and out["totals"].empty_pulls >= 2
+
+
+def test_after_a_batch_with_nothing_behind_it_the_consumer_waits_for_the_next_notification(
+    db_url: str, store: Store
+) -> None:
+    """The pull that acks a batch finds nothing past the offset (`Batch.behind` false): the consumer sleeps until a
+    notification or its safety wake, instead of looking again every few milliseconds."""
+    store.send("t", {"n": 1})
+    with Store(db_url) as own:
+        totals = own.consume("t", "g", lambda ms: None, duration_s=1.5, safety_wake_s=30)
+    assert totals.messages == 1 and totals.repulls == 0 and totals.empty_pulls == 1
+    batch = store.pull("t", "g")
+    assert len(batch) == 0 and not batch.behind
+    with psycopg.connect(db_url) as holder:  # rows past the offset that no read can take yet: behind
+        holder.execute("SELECT pg_current_xact_id()")
+        store.send("t", {"n": 2})
+        held_back = store.pull("t", "g")
+        assert len(held_back) == 0 and held_back.behind

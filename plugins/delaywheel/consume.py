@@ -4,8 +4,9 @@ Deliveries `pg_notify` the topic's name on `TOPIC_CHANNEL` at commit (levels.TOP
 messages sent without delay). A consumer LISTENs on a connection of its own and pulls when its topic (or its
 group's retry topic) is named, or after `safety_wake_s` without a word: a notification can be lost (a reconnect)
 or forged, so it only ever says "look now". Rows become readable once below the commit horizon (DESIGN.md), which
-may lag the notification by a producer transaction still open: a pull woken by a notification that finds nothing
-looks again after 2, 5, 10, 20 ... ms rather than waiting for the safety wake.
+may lag the notification by a producer transaction still open: a pull that finds nothing readable while rows past
+the group's offset exist (`Batch.behind`) looks again after 2, 5, 10, 20 ... ms (then every 200 ms while they stay
+unreadable); one that finds nothing past the offset waits for the next notification or the safety wake.
 
 Per batch, the ack of the batch just handled and the pull of the next are one transaction of four round trips
 (`topics.ack_and_pull`: BEGIN; the offset's move with the pull's plan settings; one read of the topic and the retry
@@ -63,6 +64,7 @@ class ConsumeTotals:
     notified_wakes: int = 0  # pulls a notification asked for
     safety_wakes: int = 0  # pulls after a wait that no notification ended
     empty_pulls: int = 0
+    repulls: int = 0  # waits of REPULL_S: a pull found rows past the offset, none readable yet (commit horizon)
     busy: int = 0  # pulls that found the group's topic held by another consumer
     reconnects: int = 0
     stopped_by: str = ""  # "stop", "limit", "duration", "idle" or "abandon"
@@ -97,8 +99,7 @@ class Consumer:
         when the caller asks for the next one (with the pull of that one) or when the loop ends."""
         done: Batch | None = None
         self.failed: set[int] = set()
-        repull = iter(())  # type: Iterator[float]
-        notified = False
+        repull = iter(REPULL_S)
         retry_in = backoff_delays()
         self._ensure_listener()  # the first connections fail loudly: a wrong URL is not an outage
         self.store.conn  # noqa: B018
@@ -110,8 +111,7 @@ class Consumer:
                 room = self.max_messages if self.limit is None else min(self.max_messages, self.limit - handed)
                 try:
                     self._ensure_listener()
-                    if self._drain():  # notifications up to here are answered by this pull, if readable yet
-                        repull, notified = iter(REPULL_S), True
+                    self._drain()  # notifications up to here are answered by this pull
                     result, batch, self._held = topics.ack_and_pull(
                         self.store.conn, self.store.settings, self.store._cache, done, self.failed, self.topic,
                         self.group, room, self._held)
@@ -127,7 +127,6 @@ class Consumer:
                     done = None
                 self.failed = set()
                 if batch.messages:
-                    # (`notified` stays: a delivery announced before this pull may still be above the horizon)
                     self._last_message = time.monotonic()
                     yield batch
                     done = batch
@@ -135,15 +134,13 @@ class Consumer:
                 self.totals.empty_pulls += 1
                 if self.topic not in self._held:  # another consumer of the group has it: a standby looks now and then
                     self.totals.busy += 1
-                    notified = False
                     self.stop.wait(BUSY_RETRY_S)
                     continue
-                if notified:  # a delivery was announced but is not readable yet (commit horizon): look again soon
-                    wait = next(repull, None)
-                    if wait is None:
-                        notified, wait = False, self.safety_wake_s
-                else:
-                    wait = self.safety_wake_s
+                if batch.behind:  # committed past the offset, not readable yet (commit horizon): look again soon
+                    wait = next(repull, REPULL_S[-1])
+                    self.totals.repulls += 1
+                else:  # nothing past the offset: the next delivery's notification (or the safety wake) ends the wait
+                    repull, wait = iter(REPULL_S), self.safety_wake_s
                 try:
                     woke = self._wait(wait)
                 except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
@@ -152,11 +149,8 @@ class Consumer:
                     self._lost(exc)
                     continue
                 if woke:
-                    if not notified:
-                        repull = iter(REPULL_S)
-                    notified = True
                     self.totals.notified_wakes += 1
-                elif not notified:
+                elif not batch.behind:
                     self.totals.safety_wakes += 1
                     self._release()  # idle for a while: another consumer of the group may take over
         except Abandon:
@@ -206,10 +200,12 @@ class Consumer:
                 raise
             self._listener = conn
 
-    def _drain(self) -> bool:
-        """Take the notifications received so far; True if one named our topic or retry topic."""
+    def _drain(self) -> None:
+        """Drop the notifications received so far: the pull that follows answers them (a delivery they announce that
+        it cannot read yet shows as `Batch.behind`)."""
         assert self._listener is not None
-        return any(notice.payload in self._names for notice in list(self._listener.notifies(timeout=0)))
+        for _ in self._listener.notifies(timeout=0):
+            pass
 
     def _wait(self, seconds: float) -> bool:
         """Sleep up to `seconds` (less near a deadline or idle limit); True if a notification named our topic or

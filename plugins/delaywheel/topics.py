@@ -69,6 +69,9 @@ class Batch:
     messages: list[Message]
     cursors: dict[str, tuple[str, int]] = field(default_factory=dict)  # topic -> (xid, offset) of its last message
     positions: list[tuple[int, int]] = field(default_factory=list)  # each message's (xid, queue_offset) in its topic
+    # Rows past the group's offset existed when it was read: with no messages, rows not readable yet (committed above
+    # the commit horizon, or committed just after the read): the waiting consumer looks again within milliseconds.
+    behind: bool = False
 
     def __len__(self) -> int:
         return len(self.messages)
@@ -115,23 +118,30 @@ def _body(data: bytes, is_json: bool, message_id: int) -> Any:
         return data
 
 
+# The group's offset in one source (`{i}`: the source's index), as a row to compare (xid, queue_offset) with.
+_OFFSET = """(
+          coalesce((SELECT cursor_xid FROM delaywheel.consumer_offsets WHERE grp = %(group)s AND topic = %(s{i})s), '0'),
+          coalesce((SELECT cursor_offset FROM delaywheel.consumer_offsets WHERE grp = %(group)s AND topic = %(s{i})s), 0))"""
 # One source's next messages after the group's offset, below the commit horizon (`h`, read once for every source).
 # The columns are Delivered's fields in order, then what the batch keeps: the source's index (`src`), the position.
 _SOURCE = """(
     SELECT coalesce(t.properties->>'ORIGIN_TOPIC', t.topic), t.queue_offset, t.message_id, t.key, t.tags,
            t.properties, t.body, t.reconsume_times, t.deliver_at, t.delivered_at, t.topic,
-           t.is_json, {i} AS src, t.xid::text::bigint
+           t.is_json, {i} AS src, t.xid::text::bigint AS position
     FROM delaywheel.topic_messages t
-    WHERE t.topic = %(s{i})s
-      AND (t.xid, t.queue_offset) > (
-          coalesce((SELECT cursor_xid FROM delaywheel.consumer_offsets WHERE grp = %(group)s AND topic = %(s{i})s), '0'),
-          coalesce((SELECT cursor_offset FROM delaywheel.consumer_offsets WHERE grp = %(group)s AND topic = %(s{i})s), 0))
+    WHERE t.topic = %(s{i})s AND (t.xid, t.queue_offset) > """ + _OFFSET + """
       AND t.xid < (SELECT x FROM h)
     ORDER BY t.xid, t.queue_offset
     LIMIT %(limit)s
 )"""
+# Is there any row past the group's offset in the source, readable or not (what `Batch.behind` reports)?
+_PAST = """EXISTS (SELECT 1 FROM delaywheel.topic_messages t WHERE t.topic = %(s{i})s
+                  AND (t.xid, t.queue_offset) > """ + _OFFSET + ")"
+# Every source's rows, ordered by source then position, each with `behind`; no rows: one row of NULLs with it.
 _READS = {n: "WITH h AS MATERIALIZED (SELECT " + COMMIT_HORIZON + " AS x)\n"
-             + "\nUNION ALL\n".join(_SOURCE.format(i=i) for i in range(n)) for n in (1, 2)}
+             + "SELECT r.*, e.behind FROM (SELECT " + " OR ".join(_PAST.format(i=i) for i in range(n))
+             + " AS behind) e\nLEFT JOIN LATERAL (" + "\nUNION ALL\n".join(_SOURCE.format(i=i) for i in range(n))
+             + ") r ON true\nORDER BY r.src, r.position, r.queue_offset" for n in (1, 2)}
 _FIELDS = tuple(f.name for f in fields(Delivered))
 
 
@@ -163,6 +173,7 @@ def _batch(group: str, sources: tuple[str, ...], rows: list[tuple[Any, ...]], ma
             batch.positions.append((r[n + 2], r[1]))
         if taken:
             batch.cursors[source] = (str(taken[-1][n + 2]), taken[-1][1])
+    batch.behind = bool(rows) and bool(rows[0][n + 3])
     return batch
 
 
