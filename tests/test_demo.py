@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import json
 import os
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 from psycopg.conninfo import make_conninfo
 
-from delaywheel import Store
+from delaywheel import Store, orders
 from delaywheel.demo import DemoFailed, Parts, run_demo
 
 
@@ -59,6 +60,12 @@ def test_demo_end_to_end(airflow_db: dict[str, str], db_url: str, tmp_path, caps
         delivered = store.conn.execute(
             "SELECT count(*) FROM delaywheel.topic_messages WHERE topic = 'shop.order-timeout'").fetchone()[0]
         assert delivered == processed
+        # each order's deadline and customer plan count from its own placement, whenever Spark placed it
+        offsets = store.conn.execute("SELECT o.order_id, c.act_at - o.placed_at, o.deadline - o.placed_at"
+                                     " FROM shop.orders o JOIN shop.customer_plan c USING (order_id)").fetchall()
+    planned = {p.order_id: p.act_after for p in orders.plan_orders(1, 2000, timedelta(seconds=6))}
+    assert {order_id: act for order_id, act, _ in offsets} == planned
+    assert {deadline for _, _, deadline in offsets} == {timedelta(seconds=6)}
     assert "passed" in (tmp_path / "report.html").read_text()
 
 
