@@ -99,7 +99,7 @@ class Consumer:
         when the caller asks for the next one (with the pull of that one) or when the loop ends."""
         done: Batch | None = None
         self.failed: set[int] = set()
-        repull = iter(REPULL_S)
+        looks = 0  # empty pulls in a row that found rows behind (above the commit horizon)
         retry_in = backoff_delays()
         self._ensure_listener()  # the first connections fail loudly: a wrong URL is not an outage
         self.store.conn  # noqa: B018
@@ -127,6 +127,7 @@ class Consumer:
                     done = None
                 self.failed = set()
                 if batch.messages:
+                    looks = 0
                     self._last_message = time.monotonic()
                     yield batch
                     done = batch
@@ -137,10 +138,11 @@ class Consumer:
                     self.stop.wait(BUSY_RETRY_S)
                     continue
                 if batch.behind:  # committed past the offset, not readable yet (commit horizon): look again soon
-                    wait = next(repull, REPULL_S[-1])
+                    wait = REPULL_S[min(looks, len(REPULL_S) - 1)]
+                    looks += 1
                     self.totals.repulls += 1
                 else:  # nothing past the offset: the next delivery's notification (or the safety wake) ends the wait
-                    repull, wait = iter(REPULL_S), self.safety_wake_s
+                    looks, wait = 0, self.safety_wake_s
                 try:
                     woke = self._wait(wait)
                 except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
