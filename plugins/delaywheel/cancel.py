@@ -203,7 +203,8 @@ def mark_and_settle(conn: psycopg.Connection, cache: PartitionCache, how: str, p
 def settle(conn: psycopg.Connection, how: str, params: dict[str, object], found: Sequence[Found],
            marked: set[int]) -> list[CancelResult]:
     """The true outcome of each message found, once every pass that may have read it without its cancellation has
-    ended (await_passes), and the messages with the id or key delivered earlier."""
+    ended (await_passes), and the messages with the id or key delivered earlier: `mark_and_settle`'s second half on
+    its own, for a caller that commits the cancellations itself (tests hold a pass open between the two)."""
     with conn.pipeline():
         delivered = _settling(conn, how, params, found)
     return _outcomes(how, params, found, marked, delivered)
