@@ -36,6 +36,7 @@ import numpy as np
 import psycopg
 
 from delaywheel import load_settings
+from delaywheel.local_airflow import as_url
 
 from .airflow_lateness import CLK_TCK, METADATA_DB, ROOT, standalone, wait_running
 from .common import Check, drop_database, fresh_database, log, print_section
@@ -216,7 +217,9 @@ def run(args: argparse.Namespace) -> tuple[list[Check], list[str]]:
     seconds = args.minutes * 60
     lanes = load_settings().max_level + 1
     ctx = mp.get_context("spawn")
-    with standalone(url, None, {"AIRFLOW__CORE__DAGS_FOLDER": str(folder)}) as (proc, metadata_url):
+    # DELAYWHEEL_DATABASE_URL: scripts/airflow.sh migrates the bench's store, not the default one
+    env = {"AIRFLOW__CORE__DAGS_FOLDER": str(folder), "DELAYWHEEL_DATABASE_URL": as_url(url)}
+    with standalone(url, None, env) as (proc, metadata_url):
         wait_running(metadata_url, lanes, proc, timeout=900)
         wait_consumer(metadata_url, timeout=300)
         log(f"all {lanes} deliver tasks and a {DAG_ID} task running; settling 10 s")
