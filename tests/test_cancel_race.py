@@ -95,7 +95,9 @@ def test_pass_in_flight_when_the_cancel_runs(store: Store, other: Store, t0: dat
     with other.conn.transaction() as tx:
         assert deliver(other, lane, t0 + NOW).delivered == 1  # a savepoint: the lane's lock stays held
         cancelling = Background(lambda: store.cancel(message_id=mid))
-        assert cancelling.blocked()  # waiting for the pass (await_passes), its cancellation committed
+        # waiting for the pass: here already in find, for the partitions this first pass created (a relation lock
+        # held to its end); with the partitions in place, in await_passes with its cancellation committed (below)
+        assert cancelling.blocked()
         if pass_ends == "rollback":
             raise psycopg.Rollback(tx)
     if pass_ends == "commit":
@@ -106,6 +108,19 @@ def test_pass_in_flight_when_the_cancel_runs(store: Store, other: Store, t0: dat
         assert outcomes(cancelling.result()) == [(mid, "cancelled")]
         assert deliver(other, lane, t0 + NOW).delivered == 0
         assert delivered_ids(store) == []
+
+
+def test_the_cancellation_is_committed_before_the_cancel_waits(store: Store, db_url: str, t0: datetime) -> None:
+    """The insert and the wait go in one pipeline, a Sync between them: while the cancel waits for the lane's lock
+    (held here as a pass holds it), its cancellation is already committed, so a pass starting now skips the message."""
+    mid = timer(store, t0, "k", "wheel")
+    with psycopg.connect(db_url, autocommit=True) as lane, psycopg.connect(db_url) as third:
+        lane.execute("SELECT pg_advisory_lock(%s, %s)", WHEEL_LOCK)
+        cancelling = Background(lambda: store.cancel(key="k"))
+        assert cancelling.blocked()
+        assert third.execute("SELECT count(*) FROM delaywheel.cancellations WHERE message_id = %s", (mid,)).fetchone() == (1,)
+        lane.execute("SELECT pg_advisory_unlock(%s, %s)", WHEEL_LOCK)
+        assert outcomes(cancelling.result()) == [(mid, "cancelled")]
 
 
 @pytest.mark.parametrize("lane", ["wheel", "level"])
