@@ -100,6 +100,6 @@ def test_maintenance(dags: dict[str, Any], db_url: str) -> None:
     _, states, values = run_dag(dags["delaywheel_maintenance"])
     assert set(states.values()) == {"success"}
     tables = {row["table"] for row in values["table_sizes"]}
-    assert {"level_segments", "wheel_far_segments", "topic_messages", "level_checkpoint", "wheel_state"} <= tables
+    assert {"level_segments", "wheel_far_segments", "topic_messages", "level_checkpoint", "wheel_cursor"} <= tables
     assert isinstance(values["vacuum"], list) and isinstance(values["retire"], list)
     assert values["summarize"] >= 0
