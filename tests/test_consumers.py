@@ -151,12 +151,18 @@ def test_a_batch_takes_the_topic_first_then_the_retry_topic_and_its_ack_moves_bo
     assert [m.message_id for m in batch.messages[:3]] == fresh
     assert batch.messages[3].idempotency_id == failing[0] and batch.messages[3].topic == "orders"
     assert store.ack(batch) == AckResult(acked=4)
-    (last,) = store.pull("orders", "g", 4).messages
-    assert last.idempotency_id == failing[1]
-    assert store.ack(store.pull("orders", "g", 4)) == AckResult(acked=1)
+    last = store.pull("orders", "g", 4)
+    assert [m.idempotency_id for m in last.messages] == [failing[1]]
+    assert store.ack(last, failed={last.messages[0].message_id}) == AckResult(acked=1, retried=1)
+    newest = store.send("orders", {"n": 9}, now=at(t0, 7200))
+    store.deliver_due(now=at(t0, 7200))  # its second retry
+    both = store.pull("orders", "g", 4)  # one of each source, both offsets moved by the common ack
+    assert [(m.message_id if m.source_topic == "orders" else m.idempotency_id) for m in both.messages] == [
+        newest, failing[1]]
+    assert store.ack(both) == AckResult(acked=2)
     assert len(store.pull("orders", "g", 4)) == 0
     counts = store.conn.execute("SELECT topic, acked FROM delaywheel.consumer_offsets WHERE grp = 'g' ORDER BY topic")
-    assert counts.fetchall() == [(retry_topic("g"), 2), ("orders", 5)]
+    assert counts.fetchall() == [(retry_topic("g"), 3), ("orders", 6)]
 
 
 def test_a_pulled_message_carries_what_was_sent(store: Store, t0: datetime) -> None:
