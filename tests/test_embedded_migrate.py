@@ -211,7 +211,7 @@ def test_pending_messages_survive_the_move_to_segments(empty_db: str, sql_copy: 
         conn.execute("INSERT INTO delaywheel.level_checkpoint (level, cursor_xid, cursor_id)"
                      " SELECT 2, xid, id FROM delaywheel.level_queue WHERE id = %s", (level_ids[0],))
     put_back()
-    assert migrate(empty_db, sql_copy) == sorted(p.name for p in sql_copy.glob("01[1-9]_*.sql"))
+    assert migrate(empty_db, sql_copy) == sorted(p.name for p in sql_copy.glob("*.sql") if p.name > "011")  # every migration after 010
 
     with Store(empty_db, Settings()) as store:
         assert store.conn.execute("SELECT count(*) FROM delaywheel.level_queue").fetchone() == (5,)
