@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from datetime import timedelta
 
 import psycopg
 import pytest
@@ -139,3 +140,20 @@ def test_idle_levels_are_not_passed_while_the_wheel_is_busy(db_url: str, store: 
     (late,) = [d for d in deliveries(store, "idle")]
     assert late[2] >= late[1]  # never early
     assert (late[2] - late[1]).total_seconds() < 2.5  # woken by its announcement, not the 5-s safety wake
+
+
+def test_a_lane_hears_only_its_own_announcements(db_url: str, store: Store) -> None:
+    """A deliverer of level 3 wakes for level 3's new due times and for a producer that does not say the lane, not
+    for the wheel's or another level's: under Airflow each lane is a task, and 18 level tasks used to wake for
+    every batch of wheel timers."""
+    with runner._Listener(db_url, [3]) as listener:
+        store.send("lanes", {"n": 1}, delay=timedelta(seconds=30))  # the wheel (send_one, sql/022)
+        store.send_many([Message("lanes", {"n": 2}, delay_level=4), Message("lanes", {"n": 3}, delay=timedelta(seconds=40))])
+        assert list(listener.conn.notifies(timeout=0.5)) == []
+        store.send("lanes", {"n": 4}, delay_level=3)
+        store.send_many([Message("lanes", {"n": 5}, delay_level=3), Message("lanes", {"n": 6}, delay_level=5)])
+        with psycopg.connect(db_url, autocommit=True) as other:
+            other.execute("SELECT pg_notify(%s, %s)", (NOTIFY_CHANNEL, "1.5"))
+        heard = [(n.channel, n.payload) for n in listener.conn.notifies(timeout=0.5)]
+    assert [channel for channel, _ in heard] == ["delaywheel_enqueue_3", "delaywheel_enqueue_3", NOTIFY_CHANNEL]
+    assert all(runner.due_hint(payload) is not None for _, payload in heard)

@@ -11,6 +11,7 @@ import hypothesis
 import pytest
 
 from delaywheel import Settings, Store
+from delaywheel.runner import listen_channels
 from delaywheel.validation import InvalidMessage, Message
 from tests.conftest import at, deliveries, fresh_database, table_counts
 from tests.test_columns import batches
@@ -225,9 +226,9 @@ def test_a_single_send_stores_and_delivers_what_send_many_does(db_url: str, twin
     stores = Store(db_url), Store(twin_url)
     listeners = [psycopg.connect(u, autocommit=True) for u in (db_url, twin_url)]
     try:
-        for listener in listeners:
-            listener.execute("LISTEN delaywheel_enqueue")
-            listener.execute("LISTEN delaywheel_topic")
+        for listener in listeners:  # every lane's announcements, and the channel of producers that do not say one
+            for channel in [*listen_channels([*range(1, 19), None]), "delaywheel_topic"]:
+                listener.execute(f'LISTEN "{channel}"')
         single, batch = stores
         for m in ONE_BY_ONE:
             assert single.send(m.topic, m.body, delay_level=m.delay_level, delay=m.delay, deliver_at=m.deliver_at,
@@ -235,8 +236,12 @@ def test_a_single_send_stores_and_delivers_what_send_many_does(db_url: str, twin
                 == batch.send_many([m], now=t0)[0]
         assert _stored(single) == _stored(batch)
         assert all(_stored(single).values())  # every lane was written
-        assert [(n.channel, n.payload) for n in _drain(listeners[0])] == \
-            [(n.channel, n.payload) for n in _drain(listeners[1])]
+        announced = [(n.channel, n.payload) for n in _drain(listeners[0])]
+        assert announced == [(n.channel, n.payload) for n in _drain(listeners[1])]
+        # each on its lane's channel (sql/022 and producer.lane_channel agree), none on the any-lane one
+        assert {channel for channel, _ in announced} >= {"delaywheel_enqueue_wheel", "delaywheel_topic"}
+        assert any(channel.removeprefix("delaywheel_enqueue_").isdigit() for channel, _ in announced)
+        assert "delaywheel_enqueue" not in {channel for channel, _ in announced}
         for store in stores:  # the same passes over the same rows
             store.prepare(now=at(t0, 10 * 86400))  # rolls the far block into the near wheel
             store.deliver_due(now=at(t0, 11 * 86400))

@@ -24,7 +24,7 @@ from .columns import DIRECT, EPOCH, LEVEL, TIMESTAMP, US, WHEEL, Columns, micros
 from .config import Settings
 from .keyblooms import MIN_MESSAGES, far_filters, segment_blooms
 from .partitions import DAY, WIDTH, PartitionCache, floor_to
-from .producer import NOTIFY_CHANNEL, SEGMENT_MAX, TOPIC_CHANNEL
+from .producer import SEGMENT_MAX, TOPIC_CHANNEL, lane_channel
 
 SLICE_BYTES = 1 << 20  # COPY data per write: the server stores a slice while the next one is encoded
 UTC_WALL_TIME = pa.timestamp("us")  # far blocks' due times: `timestamp`, read AT TIME ZONE 'UTC' (sql/012)
@@ -70,7 +70,7 @@ def _write_levels(
         "enqueued_at": _timestamps(np.full(len(starts), micros(clock))),
         **_segment_columns(ids, c, starts, counts, segment_blooms(c.key, counts)),
     }))
-    _notify(conn, int(c.due.min()))
+    _notify(conn, {int(level): int(c.due[c.level == level].min()) for level in np.unique(c.level)})
 
 
 def _segments(ids: np.ndarray, c: Columns, *keys: np.ndarray) -> tuple[np.ndarray, Columns, np.ndarray, np.ndarray]:
@@ -153,7 +153,7 @@ def _write_wheel(
         _copy_wheel_part(conn, cache, "wheel_far_segments", due, segments)
         if summary:
             conn.execute(_SUMMARIZE, summary)
-    _notify(conn, int(c.due.min()))
+    _notify(conn, {None: int(c.due.min())})
 
 
 # A send's far-key summaries (sql/020), and out with summaries whose far days were all rolled into the near wheel
@@ -244,9 +244,11 @@ def copy_arrow(conn: psycopg.Connection, table: str, batch: pa.RecordBatch,
             meanwhile()
 
 
-def _notify(conn: psycopg.Connection, due: int) -> None:
-    """Tell sleeping deliverers the earliest new due time (sent at COMMIT), so they can wake sooner."""
-    conn.execute("SELECT pg_notify(%s, %s)", (NOTIFY_CHANNEL, str(due / 1e6)))
+def _notify(conn: psycopg.Connection, earliest: dict[int | None, int]) -> None:
+    """Tell each lane's sleeping deliverers its earliest new due time (µs; sent at COMMIT), so they can wake sooner;
+    the other lanes' deliverers sleep on (producer.lane_channel)."""
+    conn.execute("SELECT pg_notify(c, d) FROM unnest(%s::text[], %s::text[]) AS n(c, d)",
+                 ([lane_channel(lane) for lane in earliest], [str(due / 1e6) for due in earliest.values()]))
 
 
 def _notify_topics(conn: psycopg.Connection, topics: Iterable[str]) -> None:

@@ -24,10 +24,18 @@ from .config import Settings
 from .partitions import PartitionCache
 from .validation import Message, prepare
 
-NOTIFY_CHANNEL = "delaywheel_enqueue"
+NOTIFY_CHANNEL = "delaywheel_enqueue"  # a new due time on a lane not said; every deliverer listens (lane_channel)
 TOPIC_CHANNEL = "delaywheel_topic"  # payload: a topic that got messages (readable once the writer commits)
 ID_BLOCK = 65536  # ids per nextval (sql/011): a call numbers its messages within the blocks it takes
 SEGMENT_MAX = 1000  # messages per level segment (sql/011): a pass reads whole segments, so not too many
+
+
+def lane_channel(level: int | None) -> str:
+    """The channel a producer announces a lane's new due times on (payload: the due time, epoch seconds): `level`'s,
+    or the timing wheel's for None. A deliverer listens to its own lanes' channels (and to NOTIFY_CHANNEL), so a lane
+    no longer wakes for every other lane's sends: the Airflow deliver DAG's 18 level tasks each woke for every batch
+    of wheel timers (sql/022 says what that cost). send_one (sql/022) spells the same names."""
+    return f"{NOTIFY_CHANNEL}_{'wheel' if level is None else level}"
 
 
 @contextlib.contextmanager

@@ -14,17 +14,18 @@ import math
 import random
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import psycopg
+from psycopg import sql
 
 from . import partitions
 from .db import connect
 from .levels import TopicSpan, add_spans
 from .pending import LEVEL_HEAD
-from .producer import NOTIFY_CHANNEL
+from .producer import NOTIFY_CHANNEL, lane_channel
 from .store import Store
 
 Lane = int | None  # a level number, or None for the wheel
@@ -213,7 +214,8 @@ class _Listener:
     def _open(self) -> None:
         conn = connect(self.url, autocommit=True)
         try:
-            conn.execute(f"LISTEN {NOTIFY_CHANNEL}")  # type: ignore[arg-type]
+            for channel in listen_channels(self.lanes):
+                conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
             for lane in self.lanes:  # released with the connection, so a crashed runner is never counted
                 conn.execute("SELECT pg_advisory_lock_shared(%s, %s)", (PRESENCE_LOCK, _lane_key(lane)))
         except BaseException:
@@ -346,6 +348,12 @@ class _Clock:
             self.offset = db - (before + after) / 2
             self.measured = time.monotonic()
         return time.time() + self.offset
+
+
+def listen_channels(lanes: Iterable[Lane]) -> list[str]:
+    """What a deliverer of `lanes` listens to: their own announcements (producer.lane_channel) and those of a
+    producer that does not say the lane."""
+    return [NOTIFY_CHANNEL, *(lane_channel(lane) for lane in lanes)]
 
 
 def due_hint(payload: str) -> float | None:

@@ -19,10 +19,11 @@ from typing import Any
 
 import psycopg
 from airflow.triggers.base import BaseEventTrigger, BaseTrigger, TriggerEvent
+from psycopg import sql
 
 from delaywheel.levels import event_extra
-from delaywheel.producer import NOTIFY_CHANNEL, TOPIC_CHANNEL
-from delaywheel.runner import DueHints, backoff_delays, connection_lost
+from delaywheel.producer import TOPIC_CHANNEL
+from delaywheel.runner import DueHints, backoff_delays, connection_lost, listen_channels
 from delaywheel.topics import announce_new
 
 from .hooks import DelayWheelHook, next_due_async
@@ -70,7 +71,8 @@ class DueMessagesTrigger(BaseTrigger):
         while True:
             try:
                 async with await hook.aconnect() as conn:
-                    await conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
+                    for channel in listen_channels([self.level]):  # this lane's announcements only
+                        await conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
                     while True:
                         head, clock = await next_due_async(conn, self.level, self.now_offset_s)
                         retry_in = backoff_delays()
