@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import sys
 
-from . import consumer_lateness, stats_bench, store_bench, wheel_bench
+from . import consumer_drain, consumer_lateness, stats_bench, store_bench, wheel_bench
 from .common import log
 
 
 def main() -> int:
     checks = []
-    for module in (store_bench, wheel_bench, stats_bench, consumer_lateness):
+    for module in (store_bench, wheel_bench, stats_bench, consumer_lateness, consumer_drain):
         log(f"running {module.__name__}")
         checks += module.main()
     missed = [c.name for c in checks if not c.passed]
