@@ -6,7 +6,7 @@
   as they fall due; paying cancels the order's timer.
 - `shop_reconcile` (every 10 minutes): the Spark reconcile mode compares pending orders with pending
   timers: creates a timer for a pending order that has none, cancels the timers of orders no longer pending.
-The sweep that applies delivered timeouts is `shop_order_sweep`, scheduled on the topic's Asset.
+The sweep that applies delivered timeouts is `shop_order_sweep`, a long-running lease consumer (ConsumeOperator).
 """
 
 from __future__ import annotations
