@@ -16,11 +16,11 @@ demo: setup       ## the main job on the embedded default (README's first comman
 	$(PY) -m delaywheel.cli demo $(DEMO_ARGS)
 
 test: setup-test  ## the test suite (README's second command)
-	$(PY) -m ruff check plugins dags spark tests bench
+	$(PY) -m ruff check plugins examples dags tests bench
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 lint:
-	$(PY) -m ruff check plugins dags spark tests bench
+	$(PY) -m ruff check plugins examples dags tests bench
 	$(PY) -m mypy
 
 airflow: setup    ## Airflow on the embedded PostgreSQL, UI on http://127.0.0.1:8080 (README, "Airflow")

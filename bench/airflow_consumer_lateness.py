@@ -36,7 +36,7 @@ import numpy as np
 import psycopg
 
 from delaywheel import load_settings
-from delaywheel.local_airflow import as_url
+from delaywheel.dev.local_airflow import as_url
 
 from .airflow_lateness import CLK_TCK, METADATA_DB, ROOT, standalone, wait_running
 from .common import Check, drop_database, fresh_database, log, print_section

@@ -39,11 +39,11 @@ import psycopg
 from psycopg.conninfo import make_conninfo
 
 from delaywheel import Message, Store, load_settings
-from delaywheel.local_airflow import as_url
+from delaywheel.dev.local_airflow import as_url
 
 from .common import fresh_database, log, server_url
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / ".delaywheel" / "bench"
 METADATA_DB = "airflow_bench"
 DAG_ID = "delaywheel_deliver"

@@ -37,11 +37,12 @@ from pathlib import Path
 import psycopg
 from psycopg import sql
 
-from delaywheel import Message, Store, runner
-from delaywheel import cancel as cancel_module
-from delaywheel import wheel as wheel_module
-from delaywheel.cancel import find, key_params, mark_and_settle
+from delaywheel import Message, Store
 from delaywheel.db import LOOKUP_PLAN
+from delaywheel.deliver import runner
+from delaywheel.deliver import wheel as wheel_module
+from delaywheel.ops import cancel as cancel_module
+from delaywheel.ops.cancel import find, key_params, mark_and_settle
 from delaywheel.pending import pending
 
 from .common import body, chunks, drop_database, fresh_database, log
@@ -76,7 +77,7 @@ def _before() -> types.ModuleType:
     """The cancel module as it was before issue 19's change (commit 990e562: the lanes' locks, the lookup planned
     per call), loaded beside the current one, for an interleaved comparison on the same store."""
     source = subprocess.run(["git", "show", f"{BEFORE}:plugins/delaywheel/cancel.py"], check=True, capture_output=True,
-                            text=True, cwd=Path(__file__).resolve().parents[1]).stdout
+                            text=True, cwd=Path(__file__).resolve().parents[2]).stdout
     module = types.ModuleType("delaywheel._cancel_before")
     module.__package__ = "delaywheel"
     sys.modules[module.__name__] = module  # dataclasses look their module up

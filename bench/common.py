@@ -13,9 +13,9 @@ from datetime import datetime
 import psycopg
 from psycopg.conninfo import make_conninfo
 
-from delaywheel import embedded
 from delaywheel.config import load_settings
 from delaywheel.db import database_url
+from delaywheel.dev import embedded
 from delaywheel.migrate import migrate
 
 BENCH_DB = "delaywheel_bench"

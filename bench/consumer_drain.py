@@ -41,7 +41,7 @@ from typing import Any
 import psycopg
 
 from delaywheel import Message, Store
-from delaywheel.local_airflow import as_url
+from delaywheel.dev.local_airflow import as_url
 
 from .common import Check, at_least, body, chunks, drop_database, fresh_database, log, print_section, scaled
 

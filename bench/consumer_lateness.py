@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from delaywheel import Message, Store
-from delaywheel.local_airflow import as_url
+from delaywheel.dev.local_airflow import as_url
 
 from .common import Check, drop_database, fresh_database, log, print_section
 

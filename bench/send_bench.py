@@ -5,7 +5,7 @@
    call by call so both see the same load: each on its own (autocommit: the statement is the transaction), and
    inside a caller's transaction (BEGIN, the send or INSERT, COMMIT: the web application's case, the order row's
    transaction). The target is p50 within 2 x the INSERT's. For reference, the batch path with one message
-   (`send_many([m])`: six round trips and Arrow arrays, what `send` was before sql/019) is timed in the same run.
+   (`send_many([m])`: six round trips and Arrow arrays, what `send` was before migrations/019) is timed in the same run.
 2. CLI start: wall and CPU time of `delaywheel --help` and of a `delaywheel send`, median of several runs; with
    `--before REV`, the same for the code at a git revision (e.g. the commit before this change), run from an export.
 
@@ -33,7 +33,7 @@ from delaywheel import Message, Store
 
 DB = "delaywheel_bench_send"
 TOPIC = "bench.orders"
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RAW_TABLE = """CREATE TABLE raw_timers (id bigserial PRIMARY KEY, topic text NOT NULL, key text, tags text,
     properties jsonb, body bytea NOT NULL, is_json boolean NOT NULL, deliver_at timestamptz NOT NULL,
     enqueued_at timestamptz NOT NULL DEFAULT clock_timestamp())"""

@@ -13,8 +13,10 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from tempfile import mkdtemp
 
-from delaywheel import Store, orders
-from delaywheel.demo import run_demo
+from delaywheel_shop import orders
+from delaywheel_shop.demo import run_demo
+
+from delaywheel import Store
 
 from .common import Check, chunks, fresh_database, log, print_section, scaled
 

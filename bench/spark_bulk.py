@@ -31,7 +31,7 @@ import pyarrow.parquet as pq
 
 from .common import Check, at_least, body, drop_database, fresh_database, log, parse_args, print_section, scaled
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "spark"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "plugins" / "delaywheel" / "spark"))
 import bulk_enqueue  # a spark/ script, imported by module name like the tests do
 import sparkjob
 
@@ -151,7 +151,7 @@ def main() -> list[Check]:
         f"ours with --parquet-reader spark (Spark's reader, not the row groups read by pyarrow): {spark_reader:.1f} s "
         f"({count / spark_reader:,.0f} rows/s, {spark_reader / ours:.2f} x the time of ours)",
         "ours validates every row with the library's rules, claims (source, key) for idempotency and COPYs level "
-        "segments (sql/011); the baselines write 4 columns into an unindexed plain table",
+        "segments (migrations/011); the baselines write 4 columns into an unindexed plain table",
         f"Spark local[*] on {spark.sparkContext.defaultParallelism} cores; all rows in every table counted afterwards",
         warmed,
     ], started_at, f"python -m bench.spark_bulk --scale {args.scale}")

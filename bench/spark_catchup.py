@@ -23,7 +23,7 @@ from delaywheel import Message, Settings, Store
 from .common import Check, at_least, body, chunks, fresh_database, log, parse_args, print_section, scaled
 from .store_bench import RAW_MOVE
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "spark"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "plugins" / "delaywheel" / "spark"))
 import redeliver  # a spark/ script, imported by module name like the tests do
 import sparkjob
 

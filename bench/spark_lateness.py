@@ -20,7 +20,7 @@ from delaywheel.partitions import HOUR, PartitionCache
 
 from .common import Check, fresh_database, log, parse_args, print_section, scaled, smaller
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "spark"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "plugins" / "delaywheel" / "spark"))
 import lateness_quality  # a spark/ script, imported by module name like the tests do
 import sparkjob
 
@@ -30,7 +30,7 @@ W0 = datetime(2031, 2, 1, tzinfo=UTC)
 WINDOW = timedelta(minutes=15)
 BUDGET_S = 120.0
 
-# level segments as send_many writes them: 1,000 messages of one level and due time each (sql/011)
+# level segments as send_many writes them: 1,000 messages of one level and due time each (migrations/011)
 QUEUE = """
 INSERT INTO delaywheel.level_segments (id_first, id_last, level, requested_level, reconsume_times, deliver_at,
                                        enqueued_at, n, ids, topics, keys, tags, properties, bodies, is_json)

@@ -21,11 +21,11 @@ from datetime import UTC, datetime, timedelta
 from psycopg.conninfo import make_conninfo
 
 from delaywheel import Store
-from delaywheel import stats as stats_module
 from delaywheel.db import connect
 from delaywheel.migrate import migrate
+from delaywheel.ops import stats as stats_module
 from delaywheel.pending import PENDING
-from delaywheel.validation import Message
+from delaywheel.produce.validation import Message
 
 from .common import Check, body, chunks, log, print_section, server_url
 

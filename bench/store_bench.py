@@ -24,7 +24,7 @@ from datetime import UTC, datetime, timedelta
 import psycopg
 
 from delaywheel import Message, Store
-from delaywheel.producer import SEGMENT_MAX
+from delaywheel.produce.producer import SEGMENT_MAX
 
 from .common import (
     Check,
@@ -46,7 +46,7 @@ TOPIC = "bench.orders"
 EMPTY_DB = "delaywheel_bench_empty"
 T0 = datetime(2031, 1, 1, tzinfo=UTC)  # injected clock origin: an empty hour partition
 # The baseline's rows: every field a level message carries, one row per message (what the level queue stored
-# before sql/011), written by binary COPY with psycopg's write_row, as a hand-written loader would.
+# before migrations/011), written by binary COPY with psycopg's write_row, as a hand-written loader would.
 COLUMNS = ("id", "level", "requested_level", "topic", "key", "tags", "properties", "body", "is_json",
            "reconsume_times", "deliver_at", "enqueued_at")
 TYPES = ["int8", "int2", "int4", "text", "text", "text", "jsonb", "bytea", "bool", "int4", "timestamptz", "timestamptz"]
@@ -65,7 +65,7 @@ def _messages(start: int, levels: list[int], prefix: str) -> list[Message]:
 def send_vs_copy(store: Store, raw: psycopg.Connection, count: int, batch: int, at: datetime) -> dict[str, float]:
     """Rates for the same rows (levels 2-17 at random, a key, tags and a ~90-byte body): ours, a raw COPY into a
     plain table, and into a plain table with a per-message FIFO index (level, xid, id), the level queue's layout
-    before segments (sql/011)."""
+    before segments (migrations/011)."""
     tables = {"raw": "raw_plain", "raw + FIFO index": "raw_fifo"}
     for table in tables.values():
         raw.execute(RAW_TABLE.format(name=table))
@@ -237,7 +237,7 @@ def main() -> list[Check]:
         log("   " + ", ".join(f"{side} {rate:,.0f} msg/s" for side, rate in rates.items()))
         notes.append(f"send_many batches of {args.batch:,} (levels 2-17 at random: segments of up to {SEGMENT_MAX} "
                      f"per level); per message: ours {1e6 / ours:.2f} µs, raw COPY {1e6 / base:.2f} µs, raw COPY into "
-                     f"a table with a per-message FIFO index (the level queue before sql/011) {1e6 / indexed:.2f} µs "
+                     f"a table with a per-message FIFO index (the level queue before migrations/011) {1e6 / indexed:.2f} µs "
                      f"({indexed:,.0f} msg/s, same run, interleaved)")
         log(f"delivery vs raw move: backlog of {n_backlog} due level-1 messages")
         ours, base, waits = deliver_vs_move(store, raw, n_backlog, args.batch, T0 + timedelta(minutes=10))

@@ -26,11 +26,11 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from delaywheel import Store
-from delaywheel.local_airflow import as_url
+from delaywheel.dev.local_airflow import as_url
 
 from .common import fresh_database, log
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DB = "delaywheel_bench_trigger"
 
 

@@ -4,7 +4,7 @@
    plain table, interleaved batch by batch, after one untimed batch each (the store's first creates its
    partitions, as the raw table was created before timing).
 2. Burst on the real clock: 500k messages due in the same second, scheduled ahead, delivered by the advance
-   loop (`delaywheel.runner.run`); lateness from topic_messages; the same rows then moved raw in batches.
+   loop (`delaywheel.deliver.runner.run`); lateness from topic_messages; the same rows then moved raw in batches.
 3. Delivery rate on an (almost) empty store, injected clock.
 4. 10M pending (due 4 h - 30 days ahead) in the wheel and in the naive design (bench/naive.py).
 5. With 10M pending: enqueue, ours vs naive vs an empty store in a second database, interleaved (flat enqueue
@@ -26,9 +26,10 @@ from datetime import UTC, datetime, timedelta
 
 import psycopg
 
-from delaywheel import Message, Store, runner
+from delaywheel import Message, Store
+from delaywheel.deliver import runner
 from delaywheel.partitions import HOUR, floor_to
-from delaywheel.producer import SEGMENT_MAX
+from delaywheel.produce.producer import SEGMENT_MAX
 
 from . import naive
 from .common import (
@@ -228,7 +229,7 @@ def cycle(store: Store, other: psycopg.Connection, count: int, batch: int, hour:
 
 def cancel_latency(store: Store, other: psycopg.Connection, count: int) -> dict[str, tuple[float, float]]:
     """Single cancels by key of pending backdrop timers: near ones (B-tree on key) and far ones (far-block segments,
-    sql/012); (p50, max) in ms for each."""
+    migrations/012); (p50, max) in ms for each."""
     figures = {}
     samples = {"near": "SELECT key FROM delaywheel.wheel w WHERE key LIKE 'backdrop-%%' AND NOT EXISTS"
                        " (SELECT FROM delaywheel.cancellations c WHERE c.message_id = w.id) ORDER BY random() LIMIT %s",
@@ -375,8 +376,8 @@ def main() -> list[Check]:
             f"{mib(after['ours_queue'])}, naive {mib(after['naive_queue'])}; topic tables after: ours "
             f"{mib(after['ours_topic'])}, naive {mib(after['naive_topic'])}",
             f"indexes: wheel (deliver_at, id), xid, id, key; far blocks: one row per send call and far day (up to "
-            f"{SEGMENT_MAX} timers, sql/012) with a GiST index on its id range and a Bloom filter of its keys in the row; naive queue: primary key and deliver_at only (no key index, so no cancel by key); topic "
-            "tables: ours 2 B-trees and a BRIN bloom on key (sql/009), naive 1",
+            f"{SEGMENT_MAX} timers, migrations/012) with a GiST index on its id range and a Bloom filter of its keys in the row; naive queue: primary key and deliver_at only (no key index, so no cancel by key); topic "
+            "tables: ours 2 B-trees and a BRIN bloom on key (migrations/009), naive 1",
             f"single cancel by key with {n_pending:,} pending (20 each), right after the bulk deliveries above: near timer "
             f"p50 {cancels['near'][0]:.1f} ms, max {cancels['near'][1]:.1f} ms; far timer p50 {cancels['far'][0]:.1f} ms, "
             f"max {cancels['far'][1]:.1f} ms. After `store.summarize()` (the delivery loop's, every minute; it added "

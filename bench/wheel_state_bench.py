@@ -1,8 +1,8 @@
-"""Wheel pass cost under an old transaction (issue 19, item 2): before and after sql/021's cursor log.
+"""Wheel pass cost under an old transaction (issue 19, item 2): before and after migrations/021's cursor log.
 
 Each run passes the wheel N times back to back on the real clock, on a fresh store, with a trickle of timers falling
 due (10 messages due 1 ms ahead every 100 passes), and times every pass. It is run four times: the wheel code at
-BEFORE (loaded with `git show`, on a store migrated without sql/021, as bench/cancel_bench.py loads old cancel code)
+BEFORE (loaded with `git show`, on a store migrated without migrations/021, as bench/cancel_bench.py loads old cancel code)
 and the current code, each without and with a session left `idle in transaction`. By default (--old-in store) that
 session holds a REPEATABLE READ snapshot in the store's database and no xid (a report or an application that read and
 went idle): it holds no delivery back, but neither the passes nor autovacuum may remove what was deleted or updated
@@ -38,7 +38,7 @@ BEFORE = "a0c5a2a"  # main when issue 19's item 2 work on the cursor started
 CURSOR_LOG = "021_"  # the migration the code before does not know
 DB = "delaywheel_bench_cursor"
 WINDOW = 1000  # passes in each percentile window
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _wheel_before() -> types.ModuleType:

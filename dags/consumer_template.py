@@ -31,7 +31,7 @@ from airflow.sdk import DAG, Param, task
 
 from delaywheel.airflow.hooks import DelayWheelHook
 from delaywheel.airflow.operators import topic_asset
-from delaywheel.topics import Message
+from delaywheel.consume.topics import Message
 
 TOPIC = "orders"  # the topic to consume
 GROUP = "orders-template"  # this consumer's group: each group gets every message; give each consumer its own

@@ -36,7 +36,7 @@ from datetime import datetime, timedelta
 from airflow.sdk import DAG, Param
 
 from delaywheel.airflow.operators import ConsumeOperator
-from delaywheel.topics import Message
+from delaywheel.consume.topics import Message
 
 TOPIC = "orders"  # the topic to consume
 GROUP = "orders-lease-template"  # this consumer's group: each group gets every message; give each consumer its own

@@ -28,10 +28,10 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from airflow.sdk import DAG, Context, Param
+from delaywheel_shop import orders
 
-from delaywheel import orders
 from delaywheel.airflow.operators import ConsumeOperator
-from delaywheel.topics import Message as DeliveredMessage
+from delaywheel.consume.topics import Message as DeliveredMessage
 
 INTERVAL_S = 300  # a run (a lease) starts this often
 OVERLAP_S = 60  # ... and lasts this much longer, so that the next run's task is running when it lets go

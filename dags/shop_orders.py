@@ -13,15 +13,17 @@ from __future__ import annotations
 
 import threading
 from datetime import datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 from airflow.sdk import DAG, Param, task
+from delaywheel_shop import orders
 
-from delaywheel import orders
 from delaywheel.airflow.hooks import DelayWheelHook
 from delaywheel.airflow.spark import spark_job
 
 START = datetime(2025, 1, 1)
+ORDER_GENERATOR = Path(orders.__file__).with_name("order_generator.py")  # the shop's Spark job
 DURATION = r"^\d+(ms|s|m|h|d)$"  # the level table's notation (config.parse_duration), checked in the form
 
 with DAG(
@@ -39,7 +41,7 @@ with DAG(
         "first_id": Param(1, type="integer", minimum=1, description="First order id (ids must be new)."),
     },
 ):
-    spark_job("place_orders", "order_generator", [
+    spark_job("place_orders", ORDER_GENERATOR, [
         "--orders", "{{ params.orders }}", "--timeout", "{{ params.timeout }}", "--period", "{{ params.period }}",
         "--first-id", "{{ params.first_id }}",
     ])

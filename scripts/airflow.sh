@@ -49,7 +49,8 @@ import psycopg
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from sqlalchemy.engine import URL
-from delaywheel import embedded, load_settings
+from delaywheel import load_settings
+from delaywheel.dev import embedded
 from delaywheel.db import database_url
 
 settings = load_settings()
@@ -82,10 +83,10 @@ fi
 UI="${AIRFLOW__API__BASE_URL:-http://127.0.0.1:8080}"
 
 # Secrets every Airflow process must share, generated once per AIRFLOW_HOME (files of mode 0600, kept out of
-# airflow.cfg and git; delaywheel.local_airflow.SECRETS says what each is for): the Fernet key, the JWT secret
+# airflow.cfg and git; delaywheel.dev.local_airflow.SECRETS says what each is for): the Fernet key, the JWT secret
 # (the scheduler signs task tokens the API server checks) and [api] secret_key (the API server signs its requests
 # for a running task's log to the scheduler's log server). A variable already set wins.
-SECRETS="$("$PY" -m delaywheel.local_airflow secrets "$AIRFLOW_HOME")"
+SECRETS="$("$PY" -m delaywheel.dev.local_airflow secrets "$AIRFLOW_HOME")"
 while read -r line; do
   name="${line%%=*}"  # (not IFS='=' read: that drops a Fernet key's trailing '=')
   [[ -n "${!name:-}" ]] || export "$line"

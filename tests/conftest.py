@@ -15,9 +15,11 @@ import psycopg
 import pytest
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from delaywheel import Settings, Store, embedded, runner
+from delaywheel import Settings, Store
 from delaywheel.db import database_url
-from delaywheel.local_airflow import as_url, configure
+from delaywheel.deliver import runner
+from delaywheel.dev import embedded
+from delaywheel.dev.local_airflow import as_url, configure
 from delaywheel.migrate import migrate
 
 TEMPLATE = "delaywheel_test_template"

@@ -17,7 +17,7 @@ from psycopg.conninfo import make_conninfo
 
 from delaywheel import Store
 from delaywheel.cli import main
-from delaywheel.levels import LEVEL_LOCK
+from delaywheel.deliver.levels import LEVEL_LOCK
 
 
 def _json(capsys: pytest.CaptureFixture[str]) -> object:

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import yaml
 
-from delaywheel import embedded
 from delaywheel.config import parse_levels
+from delaywheel.dev import embedded
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())

@@ -7,7 +7,7 @@ import threading
 import time
 
 from delaywheel import Store
-from delaywheel.validation import Message
+from delaywheel.produce.validation import Message
 
 LANES: list[int | None] = [1, 2, None]  # two levels and the wheel
 

@@ -13,7 +13,7 @@ from datetime import datetime, timedelta
 import psycopg
 
 from delaywheel import Store
-from delaywheel.validation import Message
+from delaywheel.produce.validation import Message
 
 # Delivers (real clock) until `expected` messages of the topic are in it. deliver_due() skips a lane that
 # is busy (the killed process's transaction may still be rolling back), so it loops rather than stopping.

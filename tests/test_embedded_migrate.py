@@ -20,7 +20,9 @@ import pyarrow as pa
 import pytest
 from psycopg.types.json import Jsonb
 
-from delaywheel import Settings, Store, bulk, embedded
+from delaywheel import Settings, Store
+from delaywheel.batch import bulk
+from delaywheel.dev import embedded
 from delaywheel.migrate import SQL_DIR, MigrationError, available, current_version, migrate
 from delaywheel.partitions import PartitionCache
 from tests.conftest import dbname
@@ -187,7 +189,7 @@ def _hold_back_after(version: int, sql_copy: Path, tmp_path: Path) -> Callable[[
 
 def test_pending_messages_survive_the_move_to_segments(empty_db: str, sql_copy: Path, tmp_path: Path) -> None:
     """A store at version 10 with pending level and far-wheel messages (one level message already delivered),
-    migrated to segments (sql/011, sql/012): every pending message is delivered once, with its fields intact, and
+    migrated to segments (migrations/011, migrations/012): every pending message is delivered once, with its fields intact, and
     the one behind the level checkpoint is not delivered again; new ids start above the old ones."""
     put_back = _hold_back_after(10, sql_copy, tmp_path)
     migrate(empty_db, sql_copy)
@@ -236,7 +238,7 @@ def test_pending_messages_survive_the_move_to_segments(empty_db: str, sql_copy: 
 
 
 def test_bulk_claims_survive_the_move_to_source_ids(empty_db: str, sql_copy: Path, tmp_path: Path) -> None:
-    """Claims written at version 13 (keyed by the source's text) still stop a re-run after sql/014 keys them by a
+    """Claims written at version 13 (keyed by the source's text) still stop a re-run after migrations/014 keys them by a
     source id: the same keys are skipped, new ones enqueued, and the claims still read by source text."""
     put_back = _hold_back_after(13, sql_copy, tmp_path)
     migrate(empty_db, sql_copy)

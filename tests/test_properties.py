@@ -1,5 +1,5 @@
 """Property-based: random mixes of levels, wheel times (near, far, across many rolls), cancels and bulk
-cancels, rows made undeliverable with SQL (set aside, sql/016), and random clock advances. One database per test;
+cancels, rows made undeliverable with SQL (set aside, migrations/016), and random clock advances. One database per test;
 each example uses its own topic and a clock that only moves forward, so examples do not disturb each other."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from delaywheel import Settings, Store
-from delaywheel.validation import Message
+from delaywheel.produce.validation import Message
 from tests.conftest import deliveries
 
 SEND = st.one_of(

@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 
 from delaywheel import Store
-from delaywheel.keyblooms import probe
 from delaywheel.pending import WHEEL_HEAD
-from delaywheel.validation import Message
+from delaywheel.produce.keyblooms import probe
+from delaywheel.produce.validation import Message
 
 BACKLOG = 20_000  # per partition: large enough that, without statistics, "bitmap scan, then sort" looks cheaper
 
@@ -71,7 +71,7 @@ def test_a_pull_reads_its_batch(store: Store, t0: datetime) -> None:
 
 
 def test_a_far_block_is_searched_by_its_segments(store: Store, t0: datetime) -> None:
-    """Far blocks hold segments (sql/012): a cancel by id reads the one segment whose id range holds it; the
+    """Far blocks hold segments (migrations/012): a cancel by id reads the one segment whose id range holds it; the
     wheel's head with only far rows is `near_until`."""
     store.advance_wheel(now=t0)  # the first roll sets near_until
     far = t0 + timedelta(days=20)
@@ -91,7 +91,7 @@ def test_a_far_block_is_searched_by_its_segments(store: Store, t0: datetime) -> 
 
 
 def test_a_level_queue_is_searched_by_its_segments(store: Store, t0: datetime) -> None:
-    """A cancel by id reads the level segment whose id range holds the message (sql/011), not the queue."""
+    """A cancel by id reads the level segment whose id range holds the message (migrations/011), not the queue."""
     ids = store.send_many([Message("orders", b"x" * 100, delay_level=18, key=f"order-{i}") for i in range(BACKLOG)],
                           now=t0)
     before = rows_read(store, "level_segments_p%")
@@ -105,7 +105,7 @@ def test_a_level_queue_is_searched_by_its_segments(store: Store, t0: datetime) -
 
 
 def test_a_cancel_by_key_finds_a_delivered_message_by_page_summaries(store: Store, t0: datetime) -> None:
-    """Cancel by key reports delivered messages too: topics carry bloom summaries on key (sql/009), so that
+    """Cancel by key reports delivered messages too: topics carry bloom summaries on key (migrations/009), so that
     search reads a range or two, not every delivered message within retention."""
     store.send_many([Message("orders", b"x" * 100, key=f"order-{i}") for i in range(BACKLOG)], now=t0)  # delivered
     # autosummarize (autovacuum) may or may not have summarized the full ranges yet; the last, partly filled range
@@ -152,7 +152,7 @@ def test_stats_reads_segments_and_index_ranges_without_jit(store: Store, t0: dat
     the session asks for JIT on every statement). Its counts read segments (`n`) and index ranges: a level backlog
     of 20,000 is 20 segment rows; of 41,000 timers it reads the next hour's 1,000 one by one and takes the 40,000
     due in 5 h from the statistics, with the exact budget set below them."""
-    from delaywheel import stats
+    from delaywheel.ops import stats
 
     assert store.conn.execute("SHOW jit").fetchone() == ("off",)  # db.connect's session options
     store.send_many([Message("orders", b"x", delay_level=18) for _ in range(BACKLOG)], now=t0)

@@ -18,7 +18,9 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from delaywheel import Message, Store, embedded, runner
+from delaywheel import Message, Store
+from delaywheel.deliver import runner
+from delaywheel.dev import embedded
 from delaywheel.migrate import migrate
 
 pytestmark = pytest.mark.timeout(120)
@@ -154,7 +156,7 @@ def test_the_triggers_reconnect_after_a_restart(own_cluster: embedded.Cluster, a
     import asyncio
 
     from delaywheel.airflow.triggers import DueMessagesTrigger, TopicMessagesTrigger
-    from delaywheel.local_airflow import as_url
+    from delaywheel.dev.local_airflow import as_url
 
     monkeypatch.setenv("AIRFLOW_CONN_DELAYWHEEL_DEFAULT", as_url(own_cluster.url()))
     topic = "resilience.trigger"

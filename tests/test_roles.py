@@ -15,9 +15,10 @@ import pytest
 from psycopg import errors
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from delaywheel import Settings, Store, embedded
+from delaywheel import Settings, Store
+from delaywheel.dev import embedded
 from delaywheel.migrate import OWNER_ROLE, RUNTIME_ROLE, SQL_DIR, MigrationError, available, migrate, owner_url
-from delaywheel.validation import Message
+from delaywheel.produce.validation import Message
 
 T0 = datetime(2030, 1, 1, tzinfo=UTC)
 
@@ -182,7 +183,7 @@ def test_other_databases_transactions_do_not_hold_the_runtime_back(role_db: tupl
 def test_migrate_hands_a_store_of_a_single_role_to_the_owner(server_url: str, roles: None) -> None:
     """A store migrated before the roles existed belongs to the role that migrated it. Its owner's login cannot
     take it over (MigrationError says what to do); a superuser's migrate hands everything to delaywheel_owner and
-    applies sql/017, after which the runtime role works."""
+    applies migrations/017, after which the runtime role works."""
     name = f"dwroles_{uuid.uuid4().hex[:12]}"
     admin = make_conninfo(server_url, dbname=name)
     with psycopg.connect(server_url, autocommit=True) as conn:
@@ -249,7 +250,7 @@ def test_migrate_as_the_runtime_role_changes_nothing(role_db: tuple[str, str], s
 
 
 def test_what_later_migrations_create_is_granted_to_the_runtime(role_db: tuple[str, str], tmp_path: Path) -> None:
-    """Default privileges (sql/017): a table and a function a later migration adds are the runtime's to use as the
+    """Default privileges (migrations/017): a table and a function a later migration adds are the runtime's to use as the
     others (rows in, out and updated; no DELETE), with no GRANT in the migration."""
     owner, runtime = role_db
     sql_copy = tmp_path / "sql"
@@ -272,7 +273,7 @@ def test_what_later_migrations_create_is_granted_to_the_runtime(role_db: tuple[s
 def test_airflow_metadata_keeps_its_own_role() -> None:
     """The embedded runtime login may create nothing, so Airflow's metadata (the demo, `configure`) goes to the
     cluster's superuser there; with any other store URL, to that URL's role, as before."""
-    from delaywheel.local_airflow import metadata_server
+    from delaywheel.dev.local_airflow import metadata_server
 
     cluster = embedded.default_cluster()
     assert conninfo_to_dict(metadata_server(cluster.url()))["user"] == "postgres"

@@ -1,11 +1,11 @@
 """delaywheel: delayed messages on PostgreSQL (RocketMQ's delay levels and timing wheel)."""
 
-from .cancel import CancelResult
-from .config import ConfigError, Settings, load_settings, parse_levels
-from .levels import PassResult
-from .store import Store
-from .topics import AckResult, Batch, Delivered
-from .validation import InvalidMessage, Message
+from delaywheel.config import ConfigError, Settings, load_settings, parse_levels
+from delaywheel.consume.topics import AckResult, Batch, Delivered
+from delaywheel.deliver.levels import PassResult
+from delaywheel.ops.cancel import CancelResult
+from delaywheel.produce.validation import InvalidMessage, Message
+from delaywheel.store import Store
 
 __all__ = ["AckResult", "Batch", "CancelResult", "ConfigError", "Delivered", "InvalidMessage", "Message", "PassResult",
            "Settings", "Store", "load_settings", "parse_levels"]

@@ -14,13 +14,14 @@ from typing import Any
 
 import psycopg
 
-from . import embedded, runner
-from .cancel import KeysFrom
-from .config import ConfigError, load_settings, parse_duration
-from .db import database_url
-from .migrate import MigrationError, migrate
-from .store import Store
-from .validation import InvalidMessage
+from delaywheel.config import ConfigError, load_settings, parse_duration
+from delaywheel.db import database_url
+from delaywheel.deliver import runner
+from delaywheel.dev import embedded
+from delaywheel.migrate import MigrationError, migrate
+from delaywheel.ops.cancel import KeysFrom
+from delaywheel.produce.validation import InvalidMessage
+from delaywheel.store import Store
 
 
 def _duration(text: str) -> timedelta:
@@ -198,7 +199,7 @@ def _message_row(m: Any) -> dict[str, Any]:
 def cmd_consume(args: argparse.Namespace) -> int:
     """Wait for the topic's messages, write each (a JSON object per line with --json) and ack a batch once it is
     written and flushed. SIGTERM / SIGINT stop after the batch in hand; a closed pipe stops without acking it."""
-    from .consume import Abandon
+    from delaywheel.consume.consumer import Abandon
 
     stop = threading.Event()
     previous = _stop_on_signals(stop)
@@ -281,7 +282,7 @@ def _keys_from(args: argparse.Namespace) -> KeysFrom | None:
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
-    from .stats import as_json  # the web API's JSON form too: numbers as numbers, times as ISO 8601
+    from delaywheel.ops.stats import as_json  # the web API's JSON form too: numbers as numbers, times as ISO 8601
 
     with Store() as store:
         data = store.stats()
@@ -334,7 +335,7 @@ def cmd_shop(args: argparse.Namespace) -> int:
     """The order-timeout story's continuous parts, one process each (as `make demo` runs them): `sweep` (the
     waiting consumer that cancels unpaid orders at their deadline) and `customers` (the simulated customers).
     Each says on stderr when it is ready; SIGTERM / SIGINT stop it after the batch or tick in hand (exit 0)."""
-    from . import orders
+    from delaywheel_shop import orders
 
     stop = threading.Event()
     previous = _stop_on_signals(stop)
@@ -359,7 +360,7 @@ def cmd_shop(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
+    from delaywheel_shop.demo import run_demo
 
     return run_demo(args.orders, timeout=args.timeout, period=args.period, json_output=args.json)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from . import embedded
-from .config import Settings, load_settings
+from delaywheel.config import Settings, load_settings
+from delaywheel.dev import embedded
 
 # The commit horizon (DESIGN.md §5), an SQL expression of type xid8: every transaction below it that could
 # have written to *this* database has ended, so a cursor may pass rows below it. Unlike
@@ -31,7 +31,7 @@ COMMIT_HORIZON = """(
 QUEUE_PLAN = "set_config('enable_sort', 'off', true), set_config('jit', 'off', true)"
 
 # Planner settings for finding one message by id or key (cancel). Far blocks carry BRIN summaries, not B-trees
-# (sql/008), and the planner prices a BRIN scan by the column's physical correlation: none for random keys, none
+# (migrations/008), and the planner prices a BRIN scan by the column's physical correlation: none for random keys, none
 # at all before ANALYZE. It would read whole blocks sequentially; with that priced out it reads the page ranges
 # whose summaries may match. JIT goes for the same reason as above.
 LOOKUP_PLAN = "set_config('enable_seqscan', 'off', true), set_config('jit', 'off', true)"

@@ -19,13 +19,11 @@ import psycopg
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from .config import PROJECT_ROOT
-
-SQL_DIR = PROJECT_ROOT / "sql"
+SQL_DIR = Path(__file__).resolve().with_name("migrations")
 _NAME = re.compile(r"^(\d{3})_[a-z0-9_]+\.sql$")
 _LOCK_KEY = 0x64770001  # advisory lock: one migrator at a time
 OWNER_ROLE = "delaywheel_owner"  # owns the schema, runs the migrations
-RUNTIME_ROLE = "delaywheel_runtime"  # sends, delivers, consumes, cancels; no DDL but through sql/017's functions
+RUNTIME_ROLE = "delaywheel_runtime"  # sends, delivers, consumes, cancels; no DDL but through migrations/017's functions
 GROUP_ROLES = (OWNER_ROLE, RUNTIME_ROLE)
 
 
@@ -59,7 +57,7 @@ def available(sql_dir: Path = SQL_DIR) -> list[Migration]:
 def ensure_roles(conn: psycopg.Connection) -> None:
     """Create the group roles if they are missing and this session may (a superuser, or CREATEROLE); as a superuser
     also give the owner CREATE on this database (it creates the schemas). Idempotent; without the right to, it
-    leaves all as it is, and sql/017 says what a superuser must do."""
+    leaves all as it is, and migrations/017 says what a superuser must do."""
     row = conn.execute("SELECT rolsuper, rolcreaterole FROM pg_roles WHERE rolname = current_user").fetchone()
     superuser, createrole = row if row else (False, False)
     existing = {r[0] for r in conn.execute("SELECT rolname FROM pg_roles WHERE rolname = ANY(%s)", (list(GROUP_ROLES),))}
@@ -73,7 +71,7 @@ def ensure_roles(conn: psycopg.Connection) -> None:
         conn.execute(sql.SQL("GRANT CREATE ON DATABASE {} TO {}").format(sql.Identifier(database), sql.Identifier(OWNER_ROLE)))
 
 
-# Every object in the store's schemas not yet the owner's (a database migrated before sql/017, by a single role):
+# Every object in the store's schemas not yet the owner's (a database migrated before migrations/017, by a single role):
 # schemas, then relations (a sequence owned by a column follows its table), then functions.
 _ADOPT = """
 DO $$
@@ -151,8 +149,8 @@ def owner_url(url: str) -> str:
     """The URL migrations connect with for `url`: the configured owner's when `url` is the store's configured
     runtime URL (`DELAYWHEEL_DATABASE_URL` with `DELAYWHEEL_OWNER_URL` set), the embedded cluster's owner login
     when it is an embedded cluster's runtime login; otherwise `url` itself (one URL configured: as before)."""
-    from . import embedded
-    from .config import load_settings
+    from delaywheel.config import load_settings
+    from delaywheel.dev import embedded
 
     settings = load_settings()
     if settings.database_url and settings.owner_url and url == settings.database_url:

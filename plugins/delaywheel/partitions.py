@@ -9,7 +9,7 @@ from datetime import UTC, datetime, timedelta
 import psycopg
 from psycopg import errors
 
-from .pending import SEGMENT_PENDING, WHEEL_PENDING
+from delaywheel.pending import SEGMENT_PENDING, WHEEL_PENDING
 
 HOUR = timedelta(hours=1)
 DAY = timedelta(days=1)
@@ -84,7 +84,7 @@ class Retired:
 
 
 def _try_lock(conn: psycopg.Connection, parent: str, lo: datetime) -> bool:
-    """ACCESS EXCLUSIVE on a partition, NOWAIT; through sql/017's function, as the runtime role owns no table."""
+    """ACCESS EXCLUSIVE on a partition, NOWAIT; through migrations/017's function, as the runtime role owns no table."""
     try:
         with conn.transaction():
             row = conn.execute("SELECT delaywheel.lock_partition(%s, %s, true)", (parent, lo)).fetchone()
@@ -131,7 +131,7 @@ def retire(conn: psycopg.Connection, now: datetime, retention: timedelta, cache:
                 if row and row[0]:
                     continue
             count = conn.execute(f"SELECT count(*) FROM delaywheel.{name}").fetchone()  # type: ignore[arg-type]
-            conn.execute("SELECT delaywheel.drop_partition(%s, %s)", (parent, lo))  # sql/017: the owner drops it
+            conn.execute("SELECT delaywheel.drop_partition(%s, %s)", (parent, lo))  # migrations/017: the owner drops it
         if cache:
             cache.forget(parent, lo)
         dropped.append(Retired(parent, name, int(count[0]) if count else 0))
@@ -151,7 +151,7 @@ def _oldest_pending_due(conn: psycopg.Connection) -> datetime | None:
 
 
 SUMMARIZE_LOCK = 0x64770060  # session advisory lock: one summarizer at a time
-# Every partition's BRIN index (far blocks, level queues, topics: sql/008-010); not the parents' (relkind 'I').
+# Every partition's BRIN index (far blocks, level queues, topics: migrations/008-010); not the parents' (relkind 'I').
 _BRIN_INDEXES = """
     SELECT c.oid::regclass::text FROM pg_class c
     JOIN pg_am a ON a.oid = c.relam AND a.amname = 'brin'

@@ -47,7 +47,7 @@ STILL_PENDING = """
 # When the head of one lane falls due, read without writing anything (sensors and triggers only look).
 # A level is FIFO with one delay, so its head is the first message after its checkpoint (its segment's due time); the wheel's next due
 # time is the first row after its cursor, or "now" while stragglers wait, or, with only far blocks pending,
-# `near_until`: every far row is due at or after it, and far blocks have no index in due order (sql/008),
+# `near_until`: every far row is due at or after it, and far blocks have no index in due order (migrations/008),
 # so a waiter wakes when the far blocks start, never after their first row is due. (A near_until already
 # past means the roll is overdue: the head is then in the past, and the next pass rolls.)
 # Cursors are read in subqueries, and stragglers found as the first row in xid order rather than by EXISTS

@@ -11,16 +11,20 @@ from typing import TYPE_CHECKING, Any
 import psycopg
 from psycopg import errors
 
-from . import cancel as cancelling
-from . import levels, partitions, producer, stats, topics, wheel
-from .config import Settings, load_settings
-from .db import connect, database_url
-from .levels import PassResult
-from .migrate import migrate
-from .validation import Message
+from delaywheel import partitions
+from delaywheel.config import Settings, load_settings
+from delaywheel.consume import topics
+from delaywheel.db import connect, database_url
+from delaywheel.deliver import levels, wheel
+from delaywheel.deliver.levels import PassResult
+from delaywheel.migrate import migrate
+from delaywheel.ops import cancel as cancelling
+from delaywheel.ops import stats
+from delaywheel.produce import producer
+from delaywheel.produce.validation import Message
 
 if TYPE_CHECKING:
-    from .consume import ConsumeTotals
+    from delaywheel.consume.consumer import ConsumeTotals
 
 
 class Store:
@@ -132,7 +136,7 @@ class Store:
         acking each after it (consume.py): returns `consume.ConsumeTotals`. `handler` returns None or the ids that
         failed (to the retry ladder); it raises to retry the whole batch. Runs until `stop` is set, `limit`
         messages were handled, `duration_s` passed, or nothing came for `idle_s`."""
-        from . import consume
+        from delaywheel.consume import consumer as consume
 
         return consume.consume(self, topic, group, handler, **_consumer_options(
             max_messages, stop, limit, duration_s, idle_s, safety_wake_s))
@@ -141,7 +145,7 @@ class Store:
                  limit: int | None = None, duration_s: float | None = None, idle_s: float | None = None,
                  safety_wake_s: float | None = None) -> Iterator[topics.Message]:
         """`consume` as an iterator of messages: a message is acked once the loop asks for the next one (or ends)."""
-        from . import consume
+        from delaywheel.consume import consumer as consume
 
         return consume.messages(self, topic, group, **_consumer_options(
             max_messages, stop, limit, duration_s, idle_s, safety_wake_s))

@@ -16,7 +16,7 @@ from psycopg.conninfo import conninfo_to_dict
 
 from delaywheel import Store
 from delaywheel.airflow.web.charts import hourly
-from delaywheel.stats import as_json
+from delaywheel.ops.stats import as_json
 
 pytestmark = pytest.mark.airflow
 
@@ -137,7 +137,7 @@ def test_json_api_and_cli_give_numbers_of_the_same_types(client: Any, plugin_sto
                                                           capsys: pytest.CaptureFixture[str]) -> None:
     """`delaywheel stats --json` gave `extract()`'s numerics as strings where the web API gave numbers."""
     from delaywheel.cli import main
-    from tests.test_stats import number_paths
+    from tests.ops.test_stats import number_paths
 
     seed(plugin_store)
     served = client.get("/delaywheel/api/stats", headers={"Authorization": f"Bearer {token(client, 'vera')}"}).json()

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-SPARK_DIR = Path(__file__).resolve().parents[2] / "spark"
+SPARK_DIR = Path(__file__).resolve().parents[2] / "plugins" / "delaywheel" / "spark"
 sys.path.insert(0, str(SPARK_DIR))
 os.environ.setdefault("DELAYWHEEL_SHUFFLE_PARTITIONS", "2")
 

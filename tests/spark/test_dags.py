@@ -123,7 +123,7 @@ def test_lateness_dag_passes_then_fails_on_a_broken_contract(dags: dict[str, Any
 
 
 def test_shop_place_orders_then_reconcile_dags(dags: dict[str, Any], store: Store) -> None:
-    from delaywheel import orders
+    from delaywheel_shop import orders
 
     orders.reset(store, stock_per_sku=1000)
     assert _state(dags["shop_place_orders"], orders=120, timeout="30m", period="1s", first_id=1) == "success"

@@ -6,8 +6,9 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 
 import redeliver
+from delaywheel_shop import orders
 
-from delaywheel import Store, orders
+from delaywheel import Store
 
 TIMEOUT = timedelta(minutes=30)
 

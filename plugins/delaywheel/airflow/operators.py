@@ -1,7 +1,7 @@
 """Operators: deliver a level or advance the wheel for a lease, enqueue, cancel.
 
 `DeliverLevelOperator` / `AdvanceWheelOperator` stay alive for `lease_seconds` and run
-`delaywheel.runner.run` on their lane: deliver what is due, sleep exactly until the next due time
+`delaywheel.deliver.runner.run` on their lane: deliver what is due, sleep exactly until the next due time
 (waking on a producer's NOTIFY), repeat. A task start costs Airflow about a second, so one task per
 due time could never give sub-second lateness; a lease amortises that start over many deliveries.
 Each pass is one transaction that moves the messages and the checkpoint together, and the runner stops
@@ -32,11 +32,12 @@ import psycopg
 from airflow.sdk import Asset, AssetAlias, AssetWatcher, BaseOperator, Context
 from airflow.sdk.module_loading import import_string
 
-from delaywheel import Message, Store, runner
-from delaywheel.consume import SAFETY_WAKE_S, Abandon
+from delaywheel import Message, Store
+from delaywheel.consume.consumer import SAFETY_WAKE_S, Abandon
+from delaywheel.consume.topics import Message as DeliveredMessage
 from delaywheel.db import connect
-from delaywheel.levels import TopicSpan, add_spans, event_extra
-from delaywheel.topics import Message as DeliveredMessage
+from delaywheel.deliver import runner
+from delaywheel.deliver.levels import TopicSpan, add_spans, event_extra
 
 from .hooks import DelayWheelHook
 from .triggers import TopicMessagesTrigger
@@ -205,7 +206,7 @@ class ConsumeOperator(BaseOperator):
     :param apply_function_batch: a callable, or its dotted import path (``"my_pkg.handlers.handle"``), called as
         ``fn(messages, **apply_function_kwargs)`` with each batch (a list of ``delaywheel.Delivered``); it
         returns None (all handled) or the ``message_id``s that failed, which go to the retry ladder. An exception
-        retries the whole batch; ``delaywheel.consume.Abandon`` stops without acking it.
+        retries the whole batch; ``delaywheel.consume.consumer.Abandon`` stops without acking it.
     :param apply_function: the same, called once per message as ``fn(message, **apply_function_kwargs)``; a message
         whose call raises goes to the retry ladder, the others are acked.
 

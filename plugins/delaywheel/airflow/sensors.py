@@ -13,7 +13,7 @@ from typing import Any
 import psycopg
 from airflow.sdk import BaseSensorOperator, Context, PokeReturnValue
 
-from delaywheel.runner import connection_lost
+from delaywheel.deliver.runner import connection_lost
 
 from .hooks import DelayWheelHook
 from .triggers import DueMessagesTrigger, lane_label

@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
 from airflow.sdk import BaseHook
 
-from delaywheel.config import PROJECT_ROOT
-
-SPARK_DIR = PROJECT_ROOT / "spark"
+# The job scripts ship inside the package (delaywheel/spark), so an installed delaywheel can submit them.
+SPARK_DIR = Path(__file__).resolve().parents[1] / "spark"
 LOG4J2 = SPARK_DIR / "log4j2.properties"
 JDBC_JAR = os.environ.get("DELAYWHEEL_JDBC_JAR", "/usr/share/java/postgresql.jar")
 DB_URL = "{{ conn.delaywheel_default.get_uri() }}"
@@ -43,8 +43,10 @@ class DelaywheelSparkSubmitOperator(SparkSubmitOperator):
         super().execute(context)
 
 
-def spark_job(task_id: str, job: str, args: list[str], **kwargs: Any) -> SparkSubmitOperator:
-    """`spark-submit spark/<job>.py --db-url <store> <args…>` on the `spark_default` connection.
+def spark_job(task_id: str, job: str | Path, args: list[str], **kwargs: Any) -> SparkSubmitOperator:
+    """`spark-submit delaywheel/spark/<job>.py --db-url <store> <args…>` on the `spark_default` connection; `job`
+    may instead be the path of an application's own job file (the shop's order generator), which can import
+    `sparkjob` like the library's jobs.
 
     Executors need the delaywheel library: with `local[*]` they use this interpreter (PYSPARK_PYTHON); on a
     cluster, install delaywheel into the cluster's Python and set DELAYWHEEL_SPARK_PYTHON to it."""
@@ -52,10 +54,10 @@ def spark_job(task_id: str, job: str, args: list[str], **kwargs: Any) -> SparkSu
     return DelaywheelSparkSubmitOperator(
         task_id=task_id,
         conn_id="spark_default",
-        application=str(SPARK_DIR / f"{job}.py"),
+        application=str(job if isinstance(job, Path) else SPARK_DIR / f"{job}.py"),
         py_files=str(SPARK_DIR / "sparkjob.py"),
         jars=JDBC_JAR,
-        name=f"delaywheel-{job}",
+        name=f"delaywheel-{Path(job).stem}",
         application_args=["--db-url", DB_URL, "--requested-by", REQUESTED_BY, *args],
         env_vars={"PYSPARK_PYTHON": python, "PYSPARK_DRIVER_PYTHON": python, "TZ": "UTC"},
         conf={"spark.driver.extraJavaOptions": f"-Dlog4j2.configurationFile=file:{LOG4J2}", **kwargs.pop("conf", {})},

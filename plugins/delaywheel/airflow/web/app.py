@@ -20,7 +20,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Resp
 from fastapi.templating import Jinja2Templates
 
 from delaywheel import Store
-from delaywheel.stats import as_json
+from delaywheel.ops.stats import as_json
 
 from .charts import bar_chart, hourly
 

@@ -1,0 +1,1 @@
+"""The order-timeout shop: an example application built on delaywheel (`make demo`)."""

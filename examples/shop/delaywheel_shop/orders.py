@@ -1,0 +1,335 @@
+"""The order-timeout story: an order not paid within its timeout is cancelled and its stock released.
+
+Everything here is set-based (one transaction per chunk or batch, no per-row round trips) and is the
+single implementation used by the demo, the Spark order generator, the sweep DAG and the tests.
+Stock is conserved: initial = on_hand + reserved + sold (placing reserves, paying sells, cancelling releases).
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+import psycopg
+
+from delaywheel.consume.topics import Message as Delivered
+from delaywheel.produce.validation import Message
+from delaywheel.store import Store
+
+TOPIC = "shop.order-timeout"
+GROUP = "shop-sweeper"
+SKUS = 50
+
+
+def timer_key(order_id: int) -> str:
+    return f"order-{order_id}"
+
+
+def order_of(key: str | None) -> int | None:
+    """The order a timer is for (its key), or None for a message that is not an order timer."""
+    if key and key.startswith("order-") and key[6:].isdigit():
+        return int(key[6:])
+    return None
+
+
+@dataclass(frozen=True)
+class Mix:
+    """How simulated customers behave (fractions of orders)."""
+
+    pay_on_time: float = 0.75
+    pay_late: float = 0.08
+    customer_cancel: float = 0.05
+    # the rest abandon their cart and never pay
+
+
+@dataclass(frozen=True)
+class OrderPlan:
+    order_id: int
+    customer: str
+    lines: list[tuple[str, int]]
+    action: str  # pay | cancel | abandon
+    act_after: timedelta | None  # after placing; a late payment comes after the deadline
+
+
+def plan_orders(first_id: int, count: int, timeout: timedelta, mix: Mix = Mix(), seed: int = 7) -> list[OrderPlan]:
+    """Deterministic plans: the same ids and seed always give the same orders and behaviour."""
+    plans = []
+    for order_id in range(first_id, first_id + count):
+        rng = random.Random(seed * 1_000_003 + order_id)
+        lines = {f"sku-{rng.randrange(SKUS):03d}": rng.randint(1, 3) for _ in range(rng.randint(1, 3))}
+        draw = rng.random()
+        if draw < mix.pay_on_time:
+            action, after = "pay", timeout * rng.uniform(0.05, 0.9)
+        elif draw < mix.pay_on_time + mix.pay_late:
+            action, after = "pay", timeout * rng.uniform(1.3, 1.8)
+        elif draw < mix.pay_on_time + mix.pay_late + mix.customer_cancel:
+            action, after = "cancel", timeout * rng.uniform(0.05, 0.8)
+        else:
+            action, after = "abandon", None
+        plans.append(OrderPlan(order_id, f"customer-{rng.randrange(10_000)}", sorted(lines.items()), action, after))
+    return plans
+
+
+def reset(store: Store, stock_per_sku: int) -> None:
+    """Empty the demo's business tables, cancel timers left by an earlier run, restock every product."""
+    conn = store.conn
+    with conn.transaction():
+        store.cancel_matching(where=f"p.topic = '{TOPIC}'", reason="demo reset")
+        conn.execute("TRUNCATE shop.processed_messages, shop.customer_plan, shop.payments, shop.order_lines, shop.orders, shop.products")
+        conn.execute(
+            "INSERT INTO shop.products (sku, initial_stock, on_hand)"
+            " SELECT format('sku-%%s', lpad(n::text, 3, '0')), %(s)s, %(s)s FROM generate_series(0, %(k)s - 1) n",
+            {"s": stock_per_sku, "k": SKUS},
+        )
+
+
+def place_orders(store: Store, plans: list[OrderPlan], timeout: timedelta, *, now: datetime | None = None) -> int:
+    """Place orders and enqueue each one's timeout message in the same transaction."""
+    if not plans:
+        return 0
+    conn = store.conn
+    with conn.transaction():
+        placed = now or store.clock()
+        deadline = placed + timeout
+        ids = [p.order_id for p in plans]
+        conn.execute(
+            "INSERT INTO shop.orders (order_id, customer, placed_at, deadline)"
+            " SELECT unnest(%s::bigint[]), unnest(%s::text[]), %s, %s",
+            (ids, [p.customer for p in plans], placed, deadline),
+        )
+        line_orders, line_skus, line_qty = [], [], []
+        for p in plans:
+            for sku, qty in p.lines:
+                line_orders.append(p.order_id)
+                line_skus.append(sku)
+                line_qty.append(qty)
+        conn.execute(
+            "INSERT INTO shop.order_lines (order_id, sku, qty) SELECT unnest(%s::bigint[]), unnest(%s::text[]), unnest(%s::int[])",
+            (line_orders, line_skus, line_qty),
+        )
+        _lock_stock(conn, ids)
+        conn.execute(
+            """UPDATE shop.products p SET on_hand = p.on_hand - l.qty, reserved = p.reserved + l.qty
+               FROM (SELECT sku, sum(qty) AS qty FROM shop.order_lines WHERE order_id = ANY(%s::bigint[]) GROUP BY sku) l
+               WHERE p.sku = l.sku""",
+            (ids,),
+        )
+        conn.execute(
+            "INSERT INTO shop.customer_plan (order_id, action, act_at)"
+            " SELECT unnest(%s::bigint[]), unnest(%s::text[]), %s::timestamptz + unnest(%s::interval[])",
+            (ids, [p.action for p in plans], placed, [p.act_after for p in plans]),
+        )
+        message_ids = store.send_many(
+            [Message(TOPIC, {"order_id": p.order_id}, deliver_at=deadline, key=timer_key(p.order_id)) for p in plans],
+            now=placed,
+        )
+        conn.execute(
+            "UPDATE shop.orders o SET timeout_message_id = m.mid FROM unnest(%s::bigint[], %s::bigint[]) AS m(oid, mid)"
+            " WHERE o.order_id = m.oid",
+            (ids, message_ids),
+        )
+    return len(plans)
+
+
+# Lock order, so that the sweep, the customers and the order generator never deadlock one another: every
+# transaction takes the orders it may change first, then their products, each in ascending order (the ORDER BY
+# below, whatever order the ids come in), before it updates any of them: an UPDATE ... FROM locks rows in
+# whatever order its join yields them. The locks are the ones those UPDATEs take (FOR NO KEY UPDATE): FOR UPDATE
+# would also wait on the key-share locks that inserting order lines takes on their products, unordered.
+
+def _lock_orders(conn: psycopg.Connection, order_ids: list[int]) -> None:
+    conn.execute("SELECT 1 FROM shop.orders WHERE order_id = ANY(%s::bigint[]) ORDER BY order_id FOR NO KEY UPDATE", (order_ids,))
+
+
+def _lock_stock(conn: psycopg.Connection, order_ids: list[int]) -> None:
+    conn.execute(
+        "SELECT 1 FROM shop.products WHERE sku IN (SELECT sku FROM shop.order_lines WHERE order_id = ANY(%s::bigint[]))"
+        " ORDER BY sku FOR NO KEY UPDATE", (order_ids,))
+
+
+def _release(conn: psycopg.Connection, order_ids: list[int], sell: bool) -> None:
+    """Move the orders' reserved stock to sold (paid) or back on hand (cancelled)."""
+    target = "sold" if sell else "on_hand"
+    _lock_stock(conn, order_ids)
+    conn.execute(
+        f"""UPDATE shop.products p SET reserved = p.reserved - l.qty, {target} = p.{target} + l.qty
+            FROM (SELECT sku, sum(qty) AS qty FROM shop.order_lines WHERE order_id = ANY(%s::bigint[]) GROUP BY sku) l
+            WHERE p.sku = l.sku""",  # type: ignore[arg-type]
+        (order_ids,),
+    )
+
+
+def _settle_in_time(conn: psycopg.Connection, requests: list[tuple[int, datetime]], status: str, stamp: str) -> list[int]:
+    """Move the orders still pending whose deadline had not passed when the customer asked (the request's
+    own time, not when it is processed) to `status`, stamping `stamp` with that time; returns their ids."""
+    _lock_orders(conn, [o for o, _ in requests])
+    return [r[0] for r in conn.execute(
+        f"""UPDATE shop.orders o SET status = %s, {stamp} = r.at
+            FROM unnest(%s::bigint[], %s::timestamptz[]) AS r(id, at)
+            WHERE o.order_id = r.id AND o.status = 'pending' AND r.at < o.deadline RETURNING o.order_id""",  # type: ignore[arg-type]
+        (status, [o for o, _ in requests], [t for _, t in requests])).fetchall()]
+
+
+def pay(store: Store, payments: list[tuple[int, datetime]], *, cancel_timers: bool = True) -> list[int]:
+    """Payments (order id, time paid) arrive: accepted for orders still pending whose deadline had not
+    passed when the customer paid (their timers are cancelled); refused otherwise (a refund), so the
+    outcome never depends on how late the sweep runs. Returns the ids accepted."""
+    conn = store.conn
+    with conn.transaction():
+        accepted = _settle_in_time(conn, payments, "paid", "paid_at")
+        conn.execute(
+            "INSERT INTO shop.payments (order_id, paid_at, accepted)"
+            " SELECT p.id, p.at, p.id = ANY(%s::bigint[]) FROM unnest(%s::bigint[], %s::timestamptz[]) AS p(id, at)",
+            (accepted, [o for o, _ in payments], [t for _, t in payments]))
+        _release(conn, accepted, sell=True)
+    if cancel_timers:
+        _cancel_timers(store, accepted, "order paid")
+    return accepted
+
+
+def _cancel_timers(store: Store, order_ids: list[int], reason: str) -> None:
+    """Cancel the orders' timers after their transaction committed: cancelling holds the wheel's lock,
+    which must not wait on business transactions. Not atomic with the payment, and need not be: a
+    timer that still fires finds the order settled and changes nothing."""
+    if order_ids:
+        store.cancel_matching(keys=[timer_key(o) for o in order_ids], reason=reason)
+
+
+def customer_cancel(store: Store, cancels: list[tuple[int, datetime]], *, cancel_timers: bool = True) -> list[int]:
+    """Cancellations (order id, time asked) arrive: honoured for orders still pending whose deadline had
+    not passed when the customer asked, like payments, so a slow front end never turns a timeout into a
+    customer cancellation. Returns the ids cancelled."""
+    conn = store.conn
+    with conn.transaction():
+        cancelled = _settle_in_time(conn, cancels, "cancelled_customer", "cancelled_at")
+        _release(conn, cancelled, sell=False)
+    if cancel_timers:
+        _cancel_timers(store, cancelled, "cancelled by customer")
+    return cancelled
+
+
+def act_customers(store: Store, *, now: datetime | None = None) -> dict[str, int]:
+    """Carry out every planned customer action that has fallen due (the simulation's clock tick)."""
+    conn = store.conn
+    with conn.transaction():
+        when = now or store.clock()
+        due = conn.execute(
+            "UPDATE shop.customer_plan SET done = true WHERE order_id IN ("
+            " SELECT order_id FROM shop.customer_plan WHERE NOT done AND act_at <= %s FOR UPDATE SKIP LOCKED)"
+            " RETURNING order_id, action, act_at", (when,)).fetchall()
+        # payments and cancellations settle in one transaction: take all their locks at once, in order
+        asked = [o for o, _, _ in due]
+        _lock_orders(conn, asked)
+        _lock_stock(conn, asked)
+        payers = [(o, at) for o, a, at in due if a == "pay"]
+        cancellers = [(o, at) for o, a, at in due if a == "cancel"]
+        paid = pay(store, payers, cancel_timers=False) if payers else []
+        cancelled = customer_cancel(store, cancellers, cancel_timers=False) if cancellers else []
+    _cancel_timers(store, paid, "order paid")
+    _cancel_timers(store, cancelled, "cancelled by customer")
+    return {"payments": len(payers), "accepted": len(paid), "customer_cancels": len(cancelled)}
+
+
+@dataclass
+class SweepTotals:
+    batches: int = 0
+    messages: int = 0
+    cancelled: int = 0
+    duplicates: int = 0
+    per_batch: list[int] = field(default_factory=list)
+
+
+def apply_timeouts(conn: psycopg.Connection, messages: Sequence[Delivered], *, now: datetime | None = None) -> tuple[int, int]:
+    """One set-based transaction for a delivered batch's messages: cancel the orders still unpaid and release
+    their stock; paid or already cancelled orders stay as they are; a message seen before changes nothing.
+    Returns (orders cancelled, messages already processed)."""
+    timers = [(m.idempotency_id, order_of(m.key)) for m in messages if order_of(m.key) is not None]
+    message_ids = [m for m, _ in timers]
+    order_ids = [o for _, o in timers]
+    with conn.transaction():
+        fresh = conn.execute(
+            "SELECT m, o FROM unnest(%s::bigint[], %s::bigint[]) AS t(m, o)"
+            " WHERE NOT EXISTS (SELECT 1 FROM shop.processed_messages p WHERE p.message_id = t.m)",
+            (message_ids, order_ids),
+        ).fetchall()
+        touched = sorted({o for _, o in fresh})
+        _lock_orders(conn, touched)
+        # a timer cancels its order only once the order's own deadline has passed: a stray or early
+        # message (a replay, a timer created by reconcile, another run's) never cancels too soon
+        cancelled = [r[0] for r in conn.execute(
+            """UPDATE shop.orders SET status = 'cancelled_timeout', cancelled_at = coalesce(%(now)s, clock_timestamp())
+               WHERE order_id = ANY(%(ids)s::bigint[]) AND status = 'pending' AND deadline <= coalesce(%(now)s, clock_timestamp())
+               RETURNING order_id""",
+            {"now": now, "ids": touched}).fetchall()]
+        _release(conn, cancelled, sell=False)
+        conn.execute(
+            "INSERT INTO shop.processed_messages (message_id, order_id, cancelled)"
+            " SELECT m, o, o = ANY(%s::bigint[]) FROM unnest(%s::bigint[], %s::bigint[]) AS t(m, o)",
+            (cancelled, [m for m, _ in fresh], [o for _, o in fresh]),
+        )
+    return len(cancelled), len(message_ids) - len(fresh)
+
+
+def sweep(store: Store, *, max_messages: int = 5000, group: str = GROUP, now: datetime | None = None) -> SweepTotals:
+    """Pull and apply every delivered timeout batch; each group offset advances only after its
+    batch's transaction committed (a crash in between redelivers the batch, harmlessly)."""
+    totals = SweepTotals()
+    while True:
+        batch = store.pull(TOPIC, group, max_messages)
+        if not batch.messages:
+            return totals
+        cancelled, duplicates = apply_timeouts(store.conn, batch.messages, now=now)
+        store.ack(batch)
+        totals.batches += 1
+        totals.messages += len(batch)
+        totals.cancelled += cancelled
+        totals.duplicates += duplicates
+        totals.per_batch.append(len(batch))
+
+
+def run_sweep(store: Store, *, stop: threading.Event, max_messages: int = 1000,
+              ready: Callable[[], None] | None = None) -> tuple[SweepTotals, str]:
+    """The continuous sweep (`delaywheel shop sweep`): the waiting consumer of the order timeouts, asleep until
+    the topic's delivery notification (consume.py), one `apply_timeouts` transaction per batch, acked after it
+    commits. Runs until `stop`; the batch in hand is applied and acked first. `ready` is called once connected:
+    a timer delivered before the consumer LISTENs is found by its first pull. Returns the totals and what
+    stopped it."""
+    from delaywheel.consume.consumer import consume
+
+    totals = SweepTotals()
+
+    def handler(messages: list[Delivered]) -> None:
+        cancelled, duplicates = apply_timeouts(store.conn, messages)
+        totals.batches += 1
+        totals.messages += len(messages)
+        totals.cancelled += cancelled
+        totals.duplicates += duplicates
+        totals.per_batch.append(len(messages))
+
+    store.conn  # noqa: B018  # connect (and fail on a wrong URL) before saying ready
+    if ready is not None:
+        ready()
+    consumed = consume(store, TOPIC, GROUP, handler, max_messages=max_messages, stop=stop)
+    return totals, consumed.stopped_by
+
+
+def run_customers(store: Store, *, stop: threading.Event, every_s: float = 0.1, duration_s: float | None = None,
+                  ready: Callable[[], None] | None = None) -> dict[str, int]:
+    """The simulated customers (`delaywheel shop customers`, the `shop_customers` DAG): every `every_s`, carry out
+    the planned actions that have fallen due, until `stop` (or `duration_s`). A tick in progress finishes first.
+    Plans are timed from each order's placement (place_orders), so a slow tick delays a payment's processing,
+    never the time the customer paid (`_settle_in_time`)."""
+    totals: Counter[str] = Counter(payments=0, accepted=0, customer_cancels=0)
+    until = None if duration_s is None else time.monotonic() + duration_s
+    store.conn  # noqa: B018
+    if ready is not None:
+        ready()
+    while not stop.is_set() and (until is None or time.monotonic() < until):
+        totals.update(act_customers(store))
+        stop.wait(every_s)
+    return dict(totals)

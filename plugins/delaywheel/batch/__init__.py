@@ -1,0 +1,1 @@
+"""Bulk work the Spark jobs drive: bulk enqueue from files, catch-up, replay and reconcile."""

@@ -1,0 +1,314 @@
+"""A consumer that waits: sleep on the topic's delivery notification, pull a batch, handle it, ack it.
+
+Deliveries `pg_notify` the topic's name on `TOPIC_CHANNEL` at commit (levels.TOPIC_SUMMARY, and the producer for
+messages sent without delay). A consumer LISTENs on a connection of its own and pulls when its topic (or its
+group's retry topic) is named, or after `safety_wake_s` without a word: a notification can be lost (a reconnect)
+or forged, so it only ever says "look now". Rows become readable once below the commit horizon (DESIGN.md), which
+may lag the notification by a producer transaction still open: a pull that finds nothing readable while rows past
+the group's offset exist (`Batch.behind`) looks again after 2, 5, 10, 20 ... ms (then every 200 ms while they stay
+unreadable); one that finds nothing past the offset waits for the next notification or the safety wake.
+
+Per batch, the ack of the batch just handled and the pull of the next are one transaction of four round trips
+(`topics.ack_and_pull`: BEGIN; the offset's move with the pull's plan settings; one read of the topic and the retry
+topic, in binary; COMMIT). At most `max_messages` are in hand at a time (the prefetch bound). Two consumers of one group never handle the
+same batch: a consumer holds the group's lock on a source topic (`topics.GROUP_LOCK`, a session advisory lock)
+from the pull of a batch to the commit of its ack, and keeps it while messages keep coming (a topic is one ordered
+queue per group: a second consumer adds no parallelism, only a standby); it lets go after a safety wake with
+nothing to do, and a standby consumer takes over then. Delivery to the
+handler is at least once: a batch whose ack did not commit (a crash, a kill, a lost connection) is handled again,
+by this consumer or another; deduplicate on `Message.idempotency_id`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Collection, Generator, Iterator
+from dataclasses import dataclass
+
+import psycopg
+
+from delaywheel.consume import topics
+from delaywheel.consume.topics import Batch
+from delaywheel.consume.topics import Message as DeliveredMessage
+from delaywheel.db import connect
+from delaywheel.deliver.runner import backoff_delays, connection_lost
+from delaywheel.produce.producer import TOPIC_CHANNEL
+from delaywheel.store import Store
+
+SAFETY_WAKE_S = 1.0  # with no notification, look anyway this often (what a lost notification costs at most)
+BUSY_RETRY_S = 0.25  # another consumer of the group holds the topic: try again this soon (or when notified)
+REPULL_S = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2)  # notified, yet nothing readable (horizon): look again after
+
+log = logging.getLogger(__name__)
+
+# What a handler returns: None (every message handled) or the ids of the messages that failed (to the retry ladder).
+Handler = Callable[[list[DeliveredMessage]], Collection[int] | None]
+
+
+class Abandon(Exception):
+    """Raise from a handler to stop consuming without acking the batch in hand: it is handled again by the next
+    consumer of the group (the CLI raises it when its output pipe is closed). Any other exception from a handler
+    sends the whole batch to the retry ladder and consuming goes on."""
+
+
+@dataclass
+class ConsumeTotals:
+    messages: int = 0  # handed to the handler (or yielded) and acked
+    batches: int = 0
+    retried: int = 0  # sent to the retry ladder (or the dead-letter topic) by their acks
+    already_acked: int = 0  # in batches another consumer of the group had acked past
+    handler_errors: int = 0  # batches whose handler raised (all their messages retried)
+    notified_wakes: int = 0  # pulls a notification asked for
+    safety_wakes: int = 0  # pulls after a wait that no notification ended
+    empty_pulls: int = 0
+    repulls: int = 0  # waits of REPULL_S: a pull found rows past the offset, none readable yet (commit horizon)
+    busy: int = 0  # pulls that found the group's topic held by another consumer
+    reconnects: int = 0
+    stopped_by: str = ""  # "stop", "limit", "duration", "idle" or "abandon"
+
+
+class Consumer:
+    """One consumer of `group` on `topic`: the waiting, pulling and acking behind `consume` and `messages`."""
+
+    def __init__(self, store: Store, topic: str, group: str, *, max_messages: int = 100,
+                 stop: threading.Event | None = None, limit: int | None = None, duration_s: float | None = None,
+                 idle_s: float | None = None, safety_wake_s: float = SAFETY_WAKE_S) -> None:
+        if max_messages < 1:
+            raise ValueError("max_messages must be at least 1")
+        self.store = store
+        self.topic = topic
+        self.group = group
+        self.max_messages = max_messages
+        self.stop = stop or threading.Event()
+        self.limit = limit
+        self.deadline = None if duration_s is None else time.monotonic() + duration_s
+        self.idle_s = idle_s
+        self.safety_wake_s = safety_wake_s
+        self.totals = ConsumeTotals()
+        self._names = {topic, topics.retry_topic(group)}
+        self._listener: psycopg.Connection | None = None
+        self._held: frozenset[str] = frozenset()  # sources whose group lock the store's session holds
+        self._last_message = time.monotonic()
+
+    # -- the loop ---------------------------------------------------------------------------------------------
+    def batches(self) -> Generator[Batch, None, None]:
+        """Yield batches; after each, the caller sets `self.failed` (ids to retry) or raises. A batch is acked
+        when the caller asks for the next one (with the pull of that one) or when the loop ends."""
+        done: Batch | None = None
+        self.failed: set[int] = set()
+        looks = 0  # empty pulls in a row that found rows behind (above the commit horizon)
+        retry_in = backoff_delays()
+        self._ensure_listener()  # the first connections fail loudly: a wrong URL is not an outage
+        self.store.conn  # noqa: B018
+        try:
+            while True:
+                handed = self.totals.messages + (len(done) if done is not None else 0)
+                if self._should_stop(handed):
+                    break
+                room = self.max_messages if self.limit is None else min(self.max_messages, self.limit - handed)
+                try:
+                    self._ensure_listener()
+                    self._drain()  # notifications up to here are answered by this pull
+                    result, batch, self._held = topics.ack_and_pull(
+                        self.store.conn, self.store.settings, self.store._cache, done, self.failed, self.topic,
+                        self.group, room, self._held)
+                    retry_in = backoff_delays()
+                except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
+                    if not connection_lost(exc):
+                        raise
+                    self._lost(exc)
+                    self.stop.wait(next(retry_in))
+                    continue  # `done` is acked after reconnecting (acks are idempotent)
+                if done is not None:
+                    self._count(done, result)
+                    done = None
+                self.failed = set()
+                if batch.messages:
+                    looks = 0
+                    self._last_message = time.monotonic()
+                    yield batch
+                    done = batch
+                    continue
+                self.totals.empty_pulls += 1
+                if self.topic not in self._held:  # another consumer of the group has it: a standby looks now and then
+                    self.totals.busy += 1
+                    self.stop.wait(BUSY_RETRY_S)
+                    continue
+                if batch.behind:  # committed past the offset, not readable yet (commit horizon): look again soon
+                    wait = REPULL_S[min(looks, len(REPULL_S) - 1)]
+                    looks += 1
+                    self.totals.repulls += 1
+                else:  # nothing past the offset: the next delivery's notification (or the safety wake) ends the wait
+                    looks, wait = 0, self.safety_wake_s
+                try:
+                    woke = self._wait(wait)
+                except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
+                    if not connection_lost(exc):
+                        raise
+                    self._lost(exc)
+                    continue
+                if woke:
+                    self.totals.notified_wakes += 1
+                elif not batch.behind:
+                    self.totals.safety_wakes += 1
+                    self._release()  # idle for a while: another consumer of the group may take over
+        except Abandon:
+            done = None  # handled again by the next consumer
+            self.totals.stopped_by = "abandon"
+        finally:
+            try:
+                if done is not None:
+                    self._count(done, self.store.ack(done, self.failed))
+                self._release()
+            except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
+                if not connection_lost(exc):
+                    raise
+                log.warning("delaywheel consumer: the last batch's ack was cut (%s); it will be handled again",
+                            str(exc).strip())
+            finally:
+                self._close_listener()
+
+    def _should_stop(self, handed: int) -> bool:
+        now = time.monotonic()
+        if self.stop.is_set():
+            self.totals.stopped_by = "stop"
+        elif self.limit is not None and handed >= self.limit:
+            self.totals.stopped_by = "limit"
+        elif self.deadline is not None and now >= self.deadline:
+            self.totals.stopped_by = "duration"
+        elif self.idle_s is not None and now - self._last_message >= self.idle_s:
+            self.totals.stopped_by = "idle"
+        else:
+            return False
+        return True
+
+    def _count(self, batch: Batch, result: topics.AckResult) -> None:
+        self.totals.batches += 1
+        self.totals.messages += len(batch.messages)
+        self.totals.retried += result.retried
+        self.totals.already_acked += result.already_acked
+
+    # -- waiting ----------------------------------------------------------------------------------------------
+    def _ensure_listener(self) -> None:
+        if self._listener is None or self._listener.closed:
+            conn = connect(self.store.url, autocommit=True)
+            try:
+                conn.execute(f"LISTEN {TOPIC_CHANNEL}")  # type: ignore[arg-type]
+            except BaseException:
+                conn.close()
+                raise
+            self._listener = conn
+
+    def _drain(self) -> None:
+        """Drop the notifications received so far: the pull that follows answers them (a delivery they announce that
+        it cannot read yet shows as `Batch.behind`)."""
+        assert self._listener is not None
+        for _ in self._listener.notifies(timeout=0):
+            pass
+
+    def _wait(self, seconds: float) -> bool:
+        """Sleep up to `seconds` (less near a deadline or idle limit); True if a notification named our topic or
+        retry topic. Any other payload (another topic, a forged one) is ignored."""
+        end = time.monotonic() + seconds
+        if self.deadline is not None:
+            end = min(end, self.deadline)
+        if self.idle_s is not None:
+            end = min(end, self._last_message + self.idle_s)
+        self._ensure_listener()
+        assert self._listener is not None
+        while not self.stop.is_set():
+            remaining = end - time.monotonic()
+            if remaining <= 0:
+                return False
+            # short slices, so that a stop (SIGTERM) is seen within 0.1 s
+            for notice in self._listener.notifies(timeout=min(remaining, 0.1), stop_after=1):
+                if notice.payload in self._names:
+                    return True
+        return False
+
+    # -- connections and locks --------------------------------------------------------------------------------
+    def _release(self) -> None:
+        if self._held:
+            with contextlib.suppress(psycopg.OperationalError, psycopg.InterfaceError):
+                topics.release_group_locks(self.store.conn, self.group, self._held)
+            self._held = frozenset()
+
+    def _lost(self, exc: BaseException) -> None:
+        self.totals.reconnects += 1
+        log.warning("delaywheel consumer: lost the database connection (%s); reconnecting", str(exc).strip())
+        self.store.close()  # its next call opens a fresh connection; the group locks went with the old one
+        self._held = frozenset()
+        self._close_listener()  # notifications sent meanwhile are lost: the next round pulls at once
+
+    def _close_listener(self) -> None:
+        if self._listener is not None:
+            with contextlib.suppress(psycopg.Error):
+                self._listener.close()
+            self._listener = None
+
+
+def consume(store: Store, topic: str, group: str, handler: Handler, **options: object) -> ConsumeTotals:
+    """Handle `topic`'s messages for `group` until stopped (`stop`, `limit` messages, `duration_s`, `idle_s`):
+    see the module docstring. `handler(messages)` returns None, or the ids of the messages that failed, which go to
+    the retry ladder (then the dead-letter topic) with the batch's ack; an exception sends the whole batch there
+    (Abandon: acks nothing and stops). Returns what was done."""
+    consumer = Consumer(store, topic, group, **options)  # type: ignore[arg-type]
+    batches = consumer.batches()
+    for batch in batches:
+        try:
+            failed = handler(batch.messages)
+        except Abandon:
+            _abandon(batches)
+            break
+        except Exception:
+            log.exception("delaywheel consumer: the handler failed on a batch of %d; retrying it", len(batch))
+            consumer.totals.handler_errors += 1
+            failed = [m.message_id for m in batch.messages]
+        consumer.failed = set(failed or ())
+    return consumer.totals
+
+
+def messages(store: Store, topic: str, group: str, **options: object) -> Iterator[DeliveredMessage]:
+    """The iterator form: yields messages one by one. A message counts as handled when the loop asks for the
+    next one; a batch is acked once all of it has been handled (with the pull of the next). Leaving the loop
+    early (break, an exception) acks the messages handled so far and not the one in hand, which comes again."""
+    consumer = Consumer(store, topic, group, **options)  # type: ignore[arg-type]
+    batches = consumer.batches()
+    batch: Batch | None = None
+    handed = 0
+    try:
+        for batch in batches:
+            for message in batch.messages:
+                handed += 1
+                yield message
+            handed = 0
+    except GeneratorExit:
+        pass
+    finally:
+        if batch is not None and handed > 0:
+            # left inside a batch: ack the messages before the one in hand, then end without acking the batch
+            with contextlib.suppress(psycopg.Error):
+                part = _prefix(batch, handed - 1)
+                if part.messages:
+                    store.ack(part)
+                    consumer.totals.messages += len(part.messages)
+            _abandon(batches)
+        else:
+            batches.close()
+
+
+def _abandon(batches: Generator[Batch, None, None]) -> None:
+    """End `Consumer.batches` without acking the batch in hand."""
+    with contextlib.suppress(StopIteration):
+        batches.throw(Abandon())
+
+
+def _prefix(batch: Batch, n: int) -> Batch:
+    """The first `n` messages of `batch` as a batch of their own (cursors at the last of each source)."""
+    part = Batch(batch.group, batch.messages[:n], positions=batch.positions[:n])
+    for m, (xid, offset) in zip(part.messages, part.positions, strict=True):
+        part.cursors[m.source_topic] = (str(xid), offset)
+    return part

@@ -1,0 +1,275 @@
+"""Per-level delivery (RocketMQ 4.x's DeliverDelayedMessageTimerTask, one level per call).
+
+A pass runs in one transaction: it takes the level's advisory lock (a second deliverer of the same
+level waits up to LANE_WAIT for it, then gets `busy`; cancels never hold it for long, see cancel.py), reads the head of the level's queue in (xid, id) order below
+the commit horizon, moves the due prefix into the topics and advances the checkpoint. A crash before
+COMMIT leaves queue, topics and checkpoint as they were; after COMMIT, all three have moved.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+import psycopg
+from psycopg import errors
+
+from delaywheel.db import COMMIT_HORIZON, QUEUE_PLAN
+from delaywheel.deliver.setaside import POISON, record
+from delaywheel.partitions import PartitionCache
+from delaywheel.pending import LEVEL_HEAD
+from delaywheel.produce.producer import TOPIC_CHANNEL
+
+LEVEL_LOCK = 0x64770010  # advisory lock class for levels (second key: the level)
+
+# How long a pass that finds its lane's lock taken waits for it before it reports `busy`. A cancel takes the lock
+# shared and lets it go in the same statement (cancel.await_passes: waiting for the pass in flight), but PostgreSQL
+# grants a waiting request when the holder releases, before the waiter's process runs: on a busy machine the cancel
+# then holds it until it is scheduled, which took over 20 ms on two shared cores (2 busy passes in ~4,000). While a
+# pass waits, later cancels queue behind it (no shared request is granted past a waiting exclusive one), so a stream
+# of them cannot starve it. Another deliverer of the lane holds the lock for a whole pass: this one then waits for
+# that pass and runs its own, or reports busy after this long.
+LANE_WAIT = "250ms"
+
+
+def take_lane(conn: psycopg.Connection, lock: tuple[int, int]) -> bool:
+    """After `pg_try_advisory_xact_lock(lock)` failed in the caller's transaction: wait up to LANE_WAIT for it (in a
+    savepoint, so a timeout leaves the transaction usable); True once held."""
+    before = conn.execute("SELECT current_setting('lock_timeout')").fetchone()[0]  # type: ignore[index]
+    try:
+        with conn.transaction():
+            conn.execute("SELECT set_config('lock_timeout', %s, true)", (LANE_WAIT,))
+            conn.execute("SELECT pg_advisory_xact_lock(%s, %s)", lock)
+    except errors.LockNotAvailable:
+        return False
+    conn.execute("SELECT set_config('lock_timeout', %s, true)", (before,))  # as it was, for the rest of the pass
+    return True
+
+
+@dataclass(frozen=True)
+class TopicSpan:
+    """What delivery wrote into one topic: consumers read in (xid, queue_offset) order, so `first` and `last`
+    bound the batch exactly (the Airflow operators put them in the topic's Asset event)."""
+
+    count: int
+    first: tuple[str, int]  # (xid, queue_offset) of the first message written
+    last: tuple[str, int]
+
+    def merge(self, other: TopicSpan) -> TopicSpan:
+        """Both spans as one, whichever was written first (spans of different lanes interleave)."""
+        return TopicSpan(self.count + other.count, min(self.first, other.first, key=_position),
+                         max(self.last, other.last, key=_position))
+
+    def fields(self) -> dict[str, Any]:
+        """The span as an Asset event's extra carries it: size and first/last (xid, queue_offset)."""
+        return {"count": self.count, "first_xid": self.first[0], "first_offset": self.first[1],
+                "last_xid": self.last[0], "last_offset": self.last[1]}
+
+
+def event_extra(topic: str, lane: str, span: TopicSpan) -> dict[str, Any]:
+    """A topic Asset event's extra (deliver tasks, the topic watcher): the topic, who wrote or announced the
+    batch, and the batch's span."""
+    return {"topic": topic, "lane": lane, **span.fields()}
+
+
+def add_spans(into: dict[str, TopicSpan], spans: dict[str, TopicSpan]) -> None:
+    """Merge per-topic spans into `into` (a run's, a lane's, or several lanes' totals)."""
+    for topic, span in spans.items():
+        into[topic] = into[topic].merge(span) if topic in into else span
+
+
+def _position(at: tuple[str, int]) -> tuple[int, int]:
+    """A (xid, queue_offset) position in read order: xids compare as numbers ("10" after "9")."""
+    return int(at[0]), at[1]
+
+
+# Per topic, what the `moved` CTE (RETURNING topic, queue_offset, xid) wrote: {topic: [count, xid, first, last]}.
+# It also NOTIFYs each topic to the topic watchers (sent at COMMIT, when the rows become readable), so every
+# statement that reports what it wrote into topics tells them too; PostgreSQL keeps the volatile column.
+TOPIC_SUMMARY = """
+    SELECT coalesce(jsonb_object_agg(topic, jsonb_build_array(n, x, lo, hi)), '{}'::jsonb)
+    FROM (SELECT topic, count(*) AS n, min(xid::text) AS x, min(queue_offset) AS lo, max(queue_offset) AS hi,
+                 pg_notify('""" + TOPIC_CHANNEL + """', topic) AS notified
+          FROM moved GROUP BY topic) s
+"""
+
+
+def topic_spans(summary: dict[str, list]) -> dict[str, TopicSpan]:
+    """TOPIC_SUMMARY's value as spans (one pass is one transaction: one xid per topic)."""
+    return {t: TopicSpan(int(n), (x, int(lo)), (x, int(hi))) for t, (n, x, lo, hi) in summary.items()}
+
+
+@dataclass(frozen=True)
+class PassResult:
+    """What one delivery pass did, and when the caller should look again."""
+
+    delivered: int
+    skipped_cancelled: int
+    next_due: datetime | None  # head of the queue after this pass; None when it is empty
+    busy: bool = False  # another deliverer holds this level
+    more: bool = False  # the batch limit stopped the pass while due messages remained
+    topics: dict[str, TopicSpan] = field(default_factory=dict)  # what this pass wrote, per topic
+
+    def combine(self, other: PassResult) -> PassResult:
+        """Two lanes' passes as one lane's (the last level also serves levels removed from the table)."""
+        dues = [d for d in (self.next_due, other.next_due) if d is not None]
+        spans = dict(self.topics)
+        add_spans(spans, other.topics)
+        return PassResult(self.delivered + other.delivered, self.skipped_cancelled + other.skipped_cancelled,
+                          min(dues, default=None), self.busy or other.busy, self.more or other.more, spans)
+
+
+# A level's queue in (xid, id) order: its segments in (xid, id_last) order, each one's messages in id order
+# (migrations/011). Sorting is priced out for the pass (QUEUE_PLAN), so the planner walks the FIFO index, unnests one
+# segment at a time and stops at the LIMIT: a pass reads its batch plus at most one partly passed segment.
+# `s` is the segment, `m` one of its messages; what a pass reads is this plus its select list.
+_BATCH_AFTER_CURSOR = """
+        FROM delaywheel.level_segments s,
+             unnest(s.ids, delaywheel.spread(s.topics, s.n), s.keys, delaywheel.spread(s.tags, s.n),
+                    delaywheel.spread(s.properties, s.n), s.bodies, delaywheel.spread(s.is_json, s.n))
+                 AS m(id, topic, key, tags, properties, body, is_json)
+        WHERE s.level = %(level)s AND (s.xid, s.id_last) > (%(cxid)s::xid8, %(cid)s) AND s.xid < %(xmin)s::xid8
+          AND (s.xid, m.id) > (%(cxid)s::xid8, %(cid)s)
+        ORDER BY s.xid, s.id_last, m.id
+        LIMIT %(limit)s
+"""
+_DELIVER = """
+WITH batch AS (
+    SELECT q.*, bool_and(q.deliver_at <= %(now)s) OVER (ORDER BY q.xid, q.id_last, q.id) AS due
+    FROM (
+        SELECT s.xid, s.id_last, m.id, s.level, m.topic, m.key, m.tags, m.properties::jsonb, m.body, m.is_json,
+               s.reconsume_times, s.deliver_at
+""" + _BATCH_AFTER_CURSOR + """    ) q
+),
+due AS (SELECT * FROM batch WHERE due),
+moved AS (
+    INSERT INTO delaywheel.topic_messages
+        (topic, message_id, origin, level, key, tags, properties, body, is_json, reconsume_times,
+         deliver_at, delivered_at)
+    SELECT topic, id, 'level', level, key, tags, properties, body, is_json, reconsume_times,
+           deliver_at, coalesce(%(injected)s::timestamptz, clock_timestamp())
+    FROM due d
+    WHERE NOT EXISTS (SELECT 1 FROM delaywheel.cancellations c WHERE c.message_id = d.id AND c.due_at = d.deliver_at)
+    ORDER BY xid, id_last, id
+    RETURNING topic, queue_offset, xid
+)
+SELECT (SELECT count(*) FROM moved),
+       (SELECT count(*) FROM due),
+       (SELECT count(*) FROM batch),
+       (SELECT ARRAY[xid::text, id::text] FROM due ORDER BY xid DESC, id_last DESC, id DESC LIMIT 1),
+       (""" + TOPIC_SUMMARY + """)
+"""
+
+
+# After a pass failed on a row it cannot deliver (setaside.py): the same pass, except that a message set aside has
+# no properties to cast (its cast is what failed; it is cancelled, so it is passed over like any cancelled message).
+_DELIVER_SETTING_ASIDE = _DELIVER.replace(
+    "m.properties::jsonb,",
+    "CASE WHEN EXISTS (SELECT 1 FROM delaywheel.set_aside x WHERE x.message_id = m.id) THEN NULL"
+    " ELSE m.properties::jsonb END AS properties,")
+assert _DELIVER_SETTING_ASIDE != _DELIVER
+
+# The rows a pass would read (its batch, due or not: the batch casts every row it reads) that cannot be delivered.
+_UNDELIVERABLE = """
+SELECT b.id, 'level', b.level, b.topic, b.key, b.deliver_at, u.reason, u.detail, b.tags, b.properties, b.body,
+       b.is_json, b.reconsume_times
+FROM (
+    SELECT s.level, s.reconsume_times, s.deliver_at, m.*
+""" + _BATCH_AFTER_CURSOR + """) b, LATERAL delaywheel.undeliverable(b.topic, b.body, b.is_json, b.properties) u
+WHERE u.reason IS NOT NULL
+"""
+
+
+def levels_above(conn: psycopg.Connection, level: int) -> list[int]:
+    """Levels above `level` that still hold rows: what is left when the level table is shortened while
+    messages are pending. One index probe per level found (a loose index scan), so it costs nothing
+    when there are none."""
+    rows = conn.execute(
+        """WITH RECURSIVE l(level) AS (
+               (SELECT level FROM delaywheel.level_segments WHERE level > %(l)s ORDER BY level LIMIT 1)
+               UNION ALL
+               SELECT (SELECT q.level FROM delaywheel.level_segments q WHERE q.level > l.level ORDER BY q.level LIMIT 1)
+               FROM l WHERE l.level IS NOT NULL)
+           SELECT level FROM l WHERE level IS NOT NULL""",
+        {"l": level},
+    ).fetchall()
+    return [int(r[0]) for r in rows]
+
+
+def deliver_level(
+    conn: psycopg.Connection,
+    cache: PartitionCache,
+    level: int,
+    *,
+    now: datetime | None = None,
+    limit: int = 5000,
+) -> PassResult:
+    """Deliver the due head of one level's queue; see the module docstring for the guarantees. A row the pass
+    cannot deliver is set aside (setaside.py) and the pass runs again: the level never stops on it."""
+    statement = _DELIVER
+    for _ in range(3):  # more rows may turn up in the next try's batch (a newer horizon)
+        try:
+            return _deliver_level(conn, cache, level, now, limit, statement)
+        except POISON:
+            if not set_aside(conn, cache, level, limit):
+                raise  # nothing the store can name: the lane stops, as before, rather than skip a row
+            statement = _DELIVER_SETTING_ASIDE
+    return _deliver_level(conn, cache, level, now, limit, statement)
+
+
+def set_aside(conn: psycopg.Connection, cache: PartitionCache, level: int, limit: int) -> int:
+    """Set aside the rows of the level's next batch that cannot be delivered (own transaction, under the level's
+    lock); returns how many there are, those set aside before included (their cast still fails the fast pass)."""
+    with conn.transaction():
+        row = conn.execute(  # planned as the pass is (QUEUE_PLAN): the FIFO index, not a sort of the queue
+            f"SELECT pg_advisory_xact_lock(%s, %s), {COMMIT_HORIZON}::text, {QUEUE_PLAN}", (LEVEL_LOCK, level)
+        ).fetchone()
+        assert row is not None
+        cursor = conn.execute(
+            "SELECT cursor_xid::text, cursor_id FROM delaywheel.level_checkpoint WHERE level = %s", (level,)
+        ).fetchone() or ("0", 0)
+        bad = conn.execute(
+            _UNDELIVERABLE,
+            {"level": level, "cxid": cursor[0], "cid": cursor[1], "xmin": row[1], "limit": limit},
+        ).fetchall()
+        return record(conn, cache, bad)
+
+
+def _deliver_level(
+    conn: psycopg.Connection, cache: PartitionCache, level: int, now: datetime | None, limit: int, statement: str,
+) -> PassResult:
+    with conn.transaction():
+        row = conn.execute(
+            f"SELECT pg_try_advisory_xact_lock(%s, %s), {COMMIT_HORIZON}::text,"
+            f" coalesce(%s::timestamptz, clock_timestamp()), {QUEUE_PLAN}",
+            (LEVEL_LOCK, level, now),
+        ).fetchone()
+        assert row is not None
+        locked, xmin, clock, *_ = row
+        if not locked:
+            if not take_lane(conn, (LEVEL_LOCK, level)):
+                return PassResult(0, 0, None, busy=True)
+            xmin, clock = conn.execute(  # type: ignore[misc]
+                f"SELECT {COMMIT_HORIZON}::text, coalesce(%s::timestamptz, clock_timestamp())", (now,)).fetchone()
+        cache.ensure(conn, "topic_messages", [clock])
+        conn.execute(
+            "INSERT INTO delaywheel.level_checkpoint (level) VALUES (%s) ON CONFLICT DO NOTHING", (level,)
+        )
+        cursor = conn.execute(
+            "SELECT cursor_xid::text, cursor_id FROM delaywheel.level_checkpoint WHERE level = %s", (level,)
+        ).fetchone()
+        assert cursor is not None
+        moved, due, scanned, last, summary = conn.execute(  # type: ignore[misc]
+            statement,  # type: ignore[arg-type]
+            {"now": clock, "injected": now, "level": level, "cxid": cursor[0], "cid": cursor[1], "xmin": xmin, "limit": limit},
+        ).fetchone()
+        if last is not None:
+            conn.execute(
+                "UPDATE delaywheel.level_checkpoint SET cursor_xid = %s::xid8, cursor_id = %s,"
+                " delivered = delivered + %s, updated_at = clock_timestamp() WHERE level = %s",
+                (last[0], int(last[1]), moved, level),
+            )
+        head = conn.execute(LEVEL_HEAD, {"level": level}).fetchone()  # after the checkpoint just written
+    return PassResult(moved, due - moved, head[0] if head else None, more=scanned == limit and due == scanned,
+                      topics=topic_spans(summary))

@@ -1,0 +1,385 @@
+"""The delivery loop: RocketMQ's countdown, shared by the CLI, the Airflow operators and the demo.
+
+Each lane (a level, or the wheel; `None` stands for the wheel) is passed until drained, then the loop
+sleeps exactly until the earliest next due time, waking early when a producer NOTIFYs a new message.
+A pass is one transaction, so stopping between passes (deadline, SIGTERM) loses and duplicates nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+import logging
+import math
+import random
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from delaywheel import partitions
+from delaywheel.db import connect
+from delaywheel.deliver.levels import TopicSpan, add_spans
+from delaywheel.pending import LEVEL_HEAD
+from delaywheel.produce.producer import NOTIFY_CHANNEL, lane_channel
+from delaywheel.store import Store
+
+Lane = int | None  # a level number, or None for the wheel
+BUSY_RETRY_S = 0.02  # another deliverer or a canceller holds the lane: look again soon
+CLOCK_EVERY_S = 60.0  # measure the database clock's offset from ours this often
+PREPARE_EVERY_S = 600.0  # partitions are created hours ahead; refresh them this often
+SUMMARIZE_EVERY_S = 60.0  # BRIN summaries autovacuum dropped (partitions.summarize): a cancel stays fast
+SAFETY_WAKE_S = 5.0  # without a known next due time, look anyway this often (a missed NOTIFY costs this much)
+HANDOVER_POLL_S = 0.5  # past the duration, waiting for a successor: look for one this often
+PRESENCE_LOCK = 0x64770030  # advisory lock class held (shared) by every live runner of a lane; second key: lane
+RECONNECT_FIRST_S = 0.2  # after a lost connection, the first retry comes this soon; later ones back off ...
+RECONNECT_MAX_S = 5.0  # ... doubling up to this
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunTotals:
+    delivered: int = 0
+    skipped_cancelled: int = 0
+    passes: int = 0
+    busy_passes: int = 0
+    reconnects: int = 0  # connections lost (a server restart) and made again
+    per_lane: dict[str, int] = field(default_factory=dict)
+    per_topic: dict[str, TopicSpan] = field(default_factory=dict)  # what this run wrote, per topic
+
+
+def lane_name(lane: Lane) -> str:
+    return "wheel" if lane is None else f"level {lane}"
+
+
+def run(
+    store: Store,
+    lanes: Sequence[Lane],
+    duration_s: float,
+    *,
+    stop: threading.Event | None = None,
+    progress: Callable[[RunTotals], None] | None = None,
+    progress_every_s: float = 10.0,
+    until_idle: bool = False,
+    handover_grace_s: float = 0.0,
+    ready: Callable[[], None] | None = None,
+) -> RunTotals:
+    """Deliver on `lanes` for `duration_s` seconds (or until `stop` is set, or, with `until_idle`,
+    until nothing is pending on them).
+
+    With `handover_grace_s`, the run hands its lanes over only to a live successor: past `duration_s`
+    it keeps delivering, for up to `handover_grace_s` more, until every lane has another runner. A
+    successor that failed to start (a task killed at start-up on a busy machine) then leaves no lane
+    unserved while Airflow retries it. `ready` is called once the loop listens for producers' notifications and
+    holds its lanes' presence locks, before the first pass."""
+    stop = stop or threading.Event()
+    totals = RunTotals()
+    deadline = time.monotonic() + duration_s
+    next_report = time.monotonic() + progress_every_s
+    next_prepare = time.monotonic()
+    hints = DueHints()
+    retry_in = backoff_delays()  # waits before reconnecting; starts over once a round succeeds
+    # When each lane is next due (database epoch seconds; None: empty as last seen; -inf: look now). A round passes
+    # only the lanes due by now: an idle level costs nothing while the wheel is busy (it used to cost a transaction
+    # per level per round). Every lane is looked at once at start, after a reconnect and every SAFETY_WAKE_S.
+    due: dict[Lane, float | None] = dict.fromkeys(lanes, -math.inf)
+    announced: list[float] = []  # due times producers announced and not yet looked at (a heap)
+    look_all_at = time.monotonic() + SAFETY_WAKE_S
+    clock = _Clock(store)
+    with _summarizing(store.url), _Listener(store.url, lanes) as listener:
+        if ready:
+            ready()
+        while not stop.is_set():
+            try:
+                listener.ensure(stop, deadline + handover_grace_s)
+                if stop.is_set() or not _keep_going(listener.conn, lanes, deadline, handover_grace_s):
+                    break
+                if time.monotonic() >= next_prepare:
+                    store.prepare()
+                    next_prepare = time.monotonic() + PREPARE_EVERY_S
+                now = clock.now()
+                if time.monotonic() >= look_all_at:  # the safety wake: every lane, whatever we believe
+                    due = dict.fromkeys(lanes, -math.inf)
+                    look_all_at = time.monotonic() + SAFETY_WAKE_S
+                elif announced and announced[0] <= now:
+                    # A producer announced a message due by now, on a lane we cannot tell: read every lane's head
+                    # in one query rather than pass every lane.
+                    due.update(_heads(store.conn, lanes))
+                while announced and announced[0] <= now:
+                    heapq.heappop(announced)
+                busy = False
+                for lane in lanes:
+                    if stop.is_set():  # SIGTERM between lanes: the round ends here, every pass so far committed
+                        break
+                    lane_due = due[lane]
+                    if lane_due is None or lane_due > now:
+                        continue
+                    while True:
+                        result = store.advance_wheel() if lane is None else store.deliver_level(lane)
+                        totals.passes += 1
+                        totals.delivered += result.delivered
+                        totals.skipped_cancelled += result.skipped_cancelled
+                        if result.delivered:
+                            totals.per_lane[lane_name(lane)] = totals.per_lane.get(lane_name(lane), 0) + result.delivered
+                            add_spans(totals.per_topic, result.topics)
+                        totals.busy_passes += result.busy
+                        if not result.more or stop.is_set():
+                            break
+                    if result.busy:  # another deliverer or a canceller holds the lane: look again soon
+                        busy = True
+                        due[lane] = clock.now() + BUSY_RETRY_S
+                    else:
+                        due[lane] = None if result.next_due is None else result.next_due.timestamp()
+                if progress and time.monotonic() >= next_report:
+                    progress(totals)
+                    next_report = time.monotonic() + progress_every_s
+                known = [d for d in due.values() if d is not None] + announced[:1]
+                if until_idle and not known and not busy:
+                    break
+                now = clock.now()
+                wait = min([look_all_at - time.monotonic(), *(max(0.0, d - now) for d in known)])
+                past = time.monotonic() >= deadline
+                wait = min(wait, HANDOVER_POLL_S if past else deadline - time.monotonic())
+                if wait > 0:
+                    # Every announcement is kept (its lane may be idle now); only one due before the wake cuts it short.
+                    _sleep_or_notified(listener.conn, wait, stop, now + wait, hints, announced)
+                retry_in = backoff_delays()
+            except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
+                if not connection_lost(exc):
+                    raise
+                # The pass in flight was one transaction: cut by the lost connection, it did not happen (or, if
+                # its COMMIT reached the server, it did, checkpoint included). Either way the next pass resumes
+                # from the checkpoint. Notifications sent meanwhile are lost: the next round passes every lane.
+                totals.reconnects += 1
+                log.warning("delaywheel: lost the database connection (%s); reconnecting", str(exc).strip())
+                store.close()  # the store's next call opens a fresh connection
+                listener.lost()
+                next_prepare = time.monotonic()
+                due = dict.fromkeys(lanes, -math.inf)
+                clock.reset()
+                stop.wait(next(retry_in))
+    if progress:
+        progress(totals)
+    return totals
+
+
+# SQLSTATEs after which the session is gone: the server shut down, crashed or is starting up / shutting down.
+_GONE = {"57P01", "57P02", "57P03", "57P05"}
+
+
+def connection_lost(exc: BaseException) -> bool:
+    """Is `exc` the loss of the connection (the server restarted, crashed or is unreachable), as opposed to
+    an error of the statement (a lock not available, a query cancelled), which must not be hidden?"""
+    if not isinstance(exc, (psycopg.OperationalError, psycopg.InterfaceError)):
+        return False
+    state = getattr(exc, "sqlstate", None)
+    return state is None or state.startswith("08") or state in _GONE
+
+
+def backoff_delays(first_s: float = RECONNECT_FIRST_S, most_s: float = RECONNECT_MAX_S) -> Iterator[float]:
+    """Waits between reconnect attempts: doubling from `first_s` up to `most_s`, with up to 25 % jitter
+    so that many loops cut by one restart do not all knock at the same instant."""
+    delay = first_s
+    while True:
+        yield delay * (1 + random.random() / 4)
+        delay = min(delay * 2, most_s)
+
+
+class _Listener:
+    """The loop's LISTENing connection, which also holds the lanes' presence locks. After a lost connection
+    (`lost`), `ensure` reconnects with backoff and re-issues the LISTEN and the locks."""
+
+    def __init__(self, url: str, lanes: Sequence[Lane]) -> None:
+        self.url = url
+        self.lanes = lanes
+        self._conn: psycopg.Connection | None = None
+
+    def __enter__(self) -> _Listener:
+        self._open()  # the first connection fails loudly: a wrong URL is not an outage
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.lost()
+
+    @property
+    def conn(self) -> psycopg.Connection:
+        assert self._conn is not None
+        return self._conn
+
+    def _open(self) -> None:
+        conn = connect(self.url, autocommit=True)
+        try:
+            for channel in listen_channels(self.lanes):
+                conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
+            for lane in self.lanes:  # released with the connection, so a crashed runner is never counted
+                conn.execute("SELECT pg_advisory_lock_shared(%s, %s)", (PRESENCE_LOCK, _lane_key(lane)))
+        except BaseException:
+            conn.close()
+            raise
+        self._conn = conn
+
+    def lost(self) -> None:
+        if self._conn is not None:
+            with contextlib.suppress(psycopg.Error):
+                self._conn.close()
+            self._conn = None
+
+    def ensure(self, stop: threading.Event, give_up_at: float) -> None:
+        """Reconnect if the connection was lost, trying with backoff until the server answers. Past
+        `give_up_at` (the run's end) the last error is raised: the run could not do its work."""
+        if self._conn is not None:
+            return
+        for delay in backoff_delays():
+            try:
+                self._open()
+                log.warning("delaywheel: reconnected")
+                return
+            except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
+                if not connection_lost(exc) or time.monotonic() + delay >= give_up_at:
+                    raise
+                log.info("delaywheel: database not reachable yet (%s); next try in %.1fs", str(exc).strip(), delay)
+            if stop.wait(delay):
+                return
+
+
+@contextlib.contextmanager
+def _summarizing(url: str) -> Iterator[None]:
+    """partitions.summarize every SUMMARIZE_EVERY_S while the run lasts, on a thread with its own connection: after
+    a burst it may summarize thousands of ranges (a second or more), which would otherwise hold up the passes."""
+    finished = threading.Event()
+
+    def loop() -> None:
+        while not finished.wait(SUMMARIZE_EVERY_S):
+            with contextlib.suppress(psycopg.Error), connect(url, autocommit=True) as conn:
+                partitions.summarize(conn)
+
+    thread = threading.Thread(target=loop, name="delaywheel-summarize", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        finished.set()
+        thread.join()
+
+
+def _lane_key(lane: Lane) -> int:
+    return 0 if lane is None else lane
+
+
+def _keep_going(listener: psycopg.Connection, lanes: Sequence[Lane], deadline: float, grace_s: float) -> bool:
+    now = time.monotonic()
+    if now < deadline:
+        return True
+    if now >= deadline + grace_s:
+        return False
+    row = listener.execute(
+        """SELECT count(DISTINCT objid) FROM pg_locks
+           WHERE locktype = 'advisory' AND granted AND pid <> pg_backend_pid() AND classid::bigint = %s AND objsubid = 2
+             AND objid::bigint = ANY(%s::bigint[]) AND database = (SELECT oid FROM pg_database WHERE datname = current_database())""",
+        (PRESENCE_LOCK, [_lane_key(lane) for lane in lanes]),
+    ).fetchone()
+    return (row[0] if row else 0) < len(set(lanes))
+
+
+def _sleep_or_notified(
+    listener: psycopg.Connection, seconds: float, stop: threading.Event, earliest: float, hints: DueHints,
+    announced: list[float] | None = None,
+) -> None:
+    """Sleep, but return as soon as a producer announces a message due before `earliest` (epoch seconds). Every
+    announced due time is pushed onto the heap `announced`."""
+    end = time.monotonic() + seconds
+    while not stop.is_set():
+        remaining = end - time.monotonic()
+        if remaining <= 0:
+            return
+        for notice in listener.notifies(timeout=min(remaining, 0.5), stop_after=1):
+            due = hints.parse(notice.payload)
+            if due is not None:
+                if announced is not None:
+                    heapq.heappush(announced, due)
+                if due < earliest:
+                    return
+
+
+# Every level's head in one statement (pending.LEVEL_HEAD per level), as epoch seconds. Not the wheel's: its pass
+# returns its head (a separate WHEEL_HEAD would read the cursor again, for nothing).
+_HEADS = (
+    "SELECT ARRAY(SELECT extract(epoch FROM (" + LEVEL_HEAD.replace("%(level)s", "l.level") + "))::float8"
+    " FROM unnest(%(levels)s::int[]) WITH ORDINALITY l(level, n) ORDER BY l.n)"
+)
+
+
+def _heads(conn: psycopg.Connection, lanes: Sequence[Lane]) -> dict[Lane, float | None]:
+    """Each lane's head after an announcement fell due: the levels' read in one query; the wheel is passed
+    (the announced message may be the wheel's, and its pass is what reads its head)."""
+    levels = [lane for lane in lanes if lane is not None]
+    heads: dict[Lane, float | None] = {}
+    if levels:
+        row = conn.execute(_HEADS, {"levels": levels}).fetchone()  # type: ignore[arg-type]
+        assert row is not None
+        heads.update(zip(levels, row[0], strict=True))
+    if None in lanes:
+        heads[None] = -math.inf
+    return heads
+
+
+class _Clock:
+    """The database's clock read locally: its offset from this machine's clock, measured once a minute (a round
+    used to spend a round trip on `clock_timestamp()` just to compute its sleep)."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.offset: float | None = None
+        self.measured = 0.0
+
+    def reset(self) -> None:
+        self.offset = None
+
+    def now(self) -> float:
+        if self.offset is None or time.monotonic() - self.measured > CLOCK_EVERY_S:
+            before = time.time()
+            db = self.store.clock().timestamp()
+            after = time.time()
+            self.offset = db - (before + after) / 2
+            self.measured = time.monotonic()
+        return time.time() + self.offset
+
+
+def listen_channels(lanes: Iterable[Lane]) -> list[str]:
+    """What a deliverer of `lanes` listens to: their own announcements (producer.lane_channel) and those of a
+    producer that does not say the lane."""
+    return [NOTIFY_CHANNEL, *(lane_channel(lane) for lane in lanes)]
+
+
+def due_hint(payload: str) -> float | None:
+    """The due time (epoch seconds) a producer's NOTIFY on `NOTIFY_CHANNEL` announces, or None if the payload
+    is not one. Anyone who may connect can NOTIFY any text, so a payload is only a hint to look sooner."""
+    try:
+        value = float(payload)
+    except (TypeError, ValueError):
+        return None
+    return value if math.isfinite(value) else None
+
+
+class DueHints:
+    """Parses the announcements one waiter (a delivery loop, a trigger) receives. A payload that is not a due
+    time is ignored (the waiter looks at its next poll anyway) and logged once per waiter, then only counted:
+    a flood of bad NOTIFYs neither stops a loop nor fills its log."""
+
+    def __init__(self, logger: Any = None) -> None:  # a logging.Logger, or Airflow's structlog logger
+        self.logger = logger or log
+        self.ignored = 0
+
+    def parse(self, payload: str) -> float | None:
+        due = due_hint(payload)
+        if due is None:
+            self.ignored += 1
+            if self.ignored == 1:
+                self.logger.warning("ignoring a NOTIFY on %s that is not a due time: %r (further ones are not logged)",
+                                    NOTIFY_CHANNEL, payload[:100])
+        return due

@@ -1,0 +1,305 @@
+"""A project-local PostgreSQL cluster, used whenever no database URL is configured.
+
+PostgreSQL refuses to run as root; CI runs as root, so as root the cluster is owned by and run as
+the `postgres` system user (created by Debian's packages) through `runuser`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import hashlib
+import os
+import pwd
+import shutil
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psycopg
+from psycopg import sql
+
+from delaywheel.config import PROJECT_ROOT
+
+DATABASES = ("delaywheel", "airflow")
+# Login roles of the embedded cluster (README, "Roles"): members of the group roles migrations/017 grants to. The cluster
+# authenticates local connections by `trust` (loopback only, a development cluster): the roles bound what the
+# store's SQL may do, not who may connect.
+OWNER_LOGIN = "delaywheel_migrator"
+RUNTIME_LOGIN = "delaywheel_app"
+INSTALL_HINT = (
+    "no PostgreSQL server binaries found. Install them (Debian/Ubuntu: `apt-get install postgresql`; "
+    "then `make setup` again), or set DELAYWHEEL_PG_BIN to the folder holding initdb and pg_ctl, "
+    "or set DELAYWHEEL_DATABASE_URL to an existing PostgreSQL 14+ server."
+)
+
+
+# Settings the embedded cluster changes from PostgreSQL's defaults, each for a reason (and `shared_buffers`,
+# sized to the machine at start: `server_options`):
+SERVER_OPTIONS = {
+    "listen_addresses": "127.0.0.1",  # loopback only
+    "max_connections": "300",  # Airflow's services + tests + Spark executors share this cluster
+    "max_wal_size": "8GB",  # bulk COPY without checkpoint storms
+    "checkpoint_timeout": "15min",
+}
+
+
+def server_options(cluster: Cluster, bindir: Path) -> dict[str, str]:
+    """SERVER_OPTIONS plus two chosen at start, not at import (DAGs import this module):
+    `shared_buffers`, a quarter of the memory this machine (or its container) may use, PostgreSQL's usual
+    advice, between 128 MB and 8 GB, so the indexes of millions of pending messages stay cached; and
+    `wal_compression`. After each checkpoint the first change to a page logs the whole page; with millions
+    pending, the near wheel's index pages are many, and compressing their images with pglz (`on`) made enqueue
+    20 % slower than on an empty store for the first ~600,000 messages after every checkpoint. lz4 does the
+    same for a few percent (bench/RESULTS.md, timing wheel). A server built without lz4 keeps pglz."""
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    limit = Path("/sys/fs/cgroup/memory.max")
+    text = limit.read_text().strip() if limit.exists() else ""
+    if text.isdigit():
+        memory = min(memory, int(text))
+    probe = _run_as_owner([str(bindir / "postgres"), "-D", str(cluster.data_dir), "-C", "wal_compression",
+                           "-c", "wal_compression=lz4"])
+    return {**SERVER_OPTIONS, "shared_buffers": f"{max(128, min(8192, memory // 4 // 2**20))}MB",
+            "wal_compression": "lz4" if probe.returncode == 0 else "on"}
+
+
+class EmbeddedError(RuntimeError):
+    """The embedded cluster cannot be found, created or started; the message says what to do."""
+
+
+@dataclass(frozen=True)
+class Cluster:
+    root: Path
+    port: int
+
+    @property
+    def data_dir(self) -> Path:
+        return self.root / "data"
+
+    @property
+    def socket_dir(self) -> Path:
+        return self.root / "run"
+
+    @property
+    def log_file(self) -> Path:
+        return self.root / "postgresql.log"
+
+    def url(self, database: str = "delaywheel") -> str:
+        """The store's runtime login (`delaywheel_app`, a member of `delaywheel_runtime`): what the store uses."""
+        return self._url(RUNTIME_LOGIN, database)
+
+    def owner_url(self, database: str = "delaywheel") -> str:
+        """The owner's login (`delaywheel_migrator`, a member of `delaywheel_owner`): what `migrate` uses."""
+        return self._url(OWNER_LOGIN, database)
+
+    def admin_url(self, database: str = "postgres") -> str:
+        """The cluster's superuser: creating databases and roles (the tests, the benchmarks), Airflow's metadata."""
+        return self._url("postgres", database)
+
+    def _url(self, user: str, database: str) -> str:
+        return f"postgresql://{user}@127.0.0.1:{self.port}/{database}"
+
+
+DEFAULT_PORT = 54329
+
+
+def default_cluster() -> Cluster:
+    """The project's cluster: in `.delaywheel/pg`, or, when running as root in a folder the `postgres`
+    user cannot reach (e.g. under /root), in /var/tmp keyed by the project path. Its port is the first
+    free one from 54329, remembered in the cluster folder so later runs find it again."""
+    if "DELAYWHEEL_PG_DIR" in os.environ:
+        root = Path(os.environ["DELAYWHEEL_PG_DIR"])
+    elif os.geteuid() == 0 and not _reachable_by_others(PROJECT_ROOT):
+        digest = hashlib.sha256(str(PROJECT_ROOT).encode()).hexdigest()[:10]
+        root = Path("/var/tmp") / f"delaywheel-pg-{digest}"
+    else:
+        root = PROJECT_ROOT / ".delaywheel" / "pg"
+    if "DELAYWHEEL_PG_PORT" in os.environ:
+        return Cluster(root=root, port=int(os.environ["DELAYWHEEL_PG_PORT"]))
+    pid_file, port_file = root / "data" / "postmaster.pid", root / "port"
+    if pid_file.exists():  # a running (or crashed) server: its port is line 4
+        lines = pid_file.read_text().splitlines()
+        if len(lines) > 3 and lines[3].strip().isdigit():
+            return Cluster(root=root, port=int(lines[3]))
+    if port_file.exists():
+        return Cluster(root=root, port=int(port_file.read_text()))
+    return Cluster(root=root, port=_free_port(DEFAULT_PORT))
+
+
+def _reachable_by_others(path: Path) -> bool:
+    return all(os.stat(p).st_mode & 0o001 for p in [path, *path.parents])
+
+
+def _free_port(start: int) -> int:
+    for port in range(start, start + 100):
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", port)) != 0:
+                return port
+    raise EmbeddedError(f"no free port in {start}..{start + 99}; set DELAYWHEEL_PG_PORT")
+
+
+def find_bindir() -> Path:
+    """The newest PostgreSQL server binaries on this machine."""
+    candidates = []
+    if os.environ.get("DELAYWHEEL_PG_BIN"):
+        candidates.append(Path(os.environ["DELAYWHEEL_PG_BIN"]))
+    candidates += [Path(p) for p in sorted(glob.glob("/usr/lib/postgresql/*/bin"), key=_major, reverse=True)]
+    if pg_ctl := shutil.which("pg_ctl"):
+        candidates.append(Path(pg_ctl).resolve().parent)
+    for candidate in candidates:
+        if (candidate / "initdb").exists() and (candidate / "pg_ctl").exists() and (candidate / "postgres").exists():
+            return candidate
+    raise EmbeddedError(INSTALL_HINT)
+
+
+def _major(path: str) -> int:
+    try:
+        return int(Path(path).parent.name)
+    except ValueError:
+        return 0
+
+
+def _run_as_owner(cmd: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
+    if os.geteuid() == 0:
+        try:
+            pwd.getpwnam("postgres")
+        except KeyError:
+            raise EmbeddedError(
+                "running as root, and PostgreSQL refuses to run as root: create a `postgres` user "
+                "(`apt-get install postgresql` does) or run as a normal user."
+            ) from None
+        cmd = ["runuser", "-u", "postgres", "--", *cmd]
+    return subprocess.run(cmd, text=True, capture_output=True, **kwargs)  # type: ignore[call-overload]
+
+
+def _prepare_dirs(cluster: Cluster) -> None:
+    cluster.socket_dir.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() == 0:
+        pw = pwd.getpwnam("postgres")
+        for path in (cluster.root, cluster.socket_dir, *([cluster.data_dir] if cluster.data_dir.exists() else [])):
+            os.chown(path, pw.pw_uid, pw.pw_gid)
+        probe = _run_as_owner(["test", "-w", str(cluster.root)])
+        if probe.returncode != 0:
+            raise EmbeddedError(
+                f"the postgres user cannot reach {cluster.root} (a parent folder is not readable by others); "
+                "set DELAYWHEEL_PG_DIR to a folder it can use, e.g. /var/tmp/delaywheel-pg"
+            )
+
+
+def status(cluster: Cluster | None = None) -> str:
+    """'running', 'stopped' or 'absent'."""
+    cluster = cluster or default_cluster()
+    if not (cluster.data_dir / "PG_VERSION").exists():
+        return "absent"
+    result = _run_as_owner([str(find_bindir() / "pg_ctl"), "status", "-D", str(cluster.data_dir)])
+    return "running" if result.returncode == 0 else "stopped"
+
+
+def start(cluster: Cluster | None = None) -> Cluster:
+    """Create the cluster if needed, start it if stopped, create the databases; safe to call again."""
+    cluster = cluster or default_cluster()
+    bindir = find_bindir()
+    cluster.root.mkdir(parents=True, exist_ok=True)
+    (cluster.root / "port").write_text(str(cluster.port))
+    _prepare_dirs(cluster)
+    if not (cluster.data_dir / "PG_VERSION").exists():
+        result = _run_as_owner(
+            [str(bindir / "initdb"), "-D", str(cluster.data_dir), "-U", "postgres", "-A", "trust", "-E", "UTF8",
+             "--no-instructions"]
+        )
+        if result.returncode != 0:
+            raise EmbeddedError(f"initdb failed:\n{result.stderr.strip()}")
+    if status(cluster) != "running":
+        options = " ".join(f"-c {k}={v}" for k, v in server_options(cluster, bindir).items())
+        options += f" -p {cluster.port} -k {cluster.socket_dir}"
+        result = _run_as_owner(
+            [str(bindir / "pg_ctl"), "start", "-w", "-t", "60", "-D", str(cluster.data_dir),
+             "-l", str(cluster.log_file), "-o", options]
+        )
+        if result.returncode != 0:
+            tail = cluster.log_file.read_text()[-2000:] if cluster.log_file.exists() else ""
+            raise EmbeddedError(f"PostgreSQL did not start (port {cluster.port} in use?):\n{result.stderr}\n{tail}")
+    _create_databases(cluster)
+    return cluster
+
+
+def _create_databases(cluster: Cluster) -> None:
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            conn = psycopg.connect(cluster.admin_url("postgres"), autocommit=True)
+            break
+        except psycopg.OperationalError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+    with conn:
+        existing = {row[0] for row in conn.execute("SELECT datname FROM pg_database")}
+        for name in DATABASES:
+            if name not in existing:
+                conn.execute(f'CREATE DATABASE "{name}"')
+        create_roles(conn, databases=("delaywheel",))
+    # A store migrated before the roles existed belongs to `postgres`: hand it to the owner, whose login migrates
+    # (once per process and cluster: every Store without a URL comes through here).
+    if (cluster.root, cluster.port) in _ADOPTED:
+        return
+    from delaywheel.migrate import adopt
+
+    with psycopg.connect(cluster.admin_url("delaywheel"), autocommit=True) as conn:
+        conn.execute("SET lock_timeout = '5s'")
+        with contextlib.suppress(psycopg.errors.LockNotAvailable):  # busy: `migrate` says so if it matters
+            adopt(conn)
+            _ADOPTED.add((cluster.root, cluster.port))
+
+
+_ADOPTED: set[tuple[Path, int]] = set()
+
+
+def create_roles(conn: psycopg.Connection, *, databases: tuple[str, ...] = (),
+                 owner_login: str = OWNER_LOGIN, runtime_login: str = RUNTIME_LOGIN) -> None:
+    """The store's roles (README, "Roles"), idempotently, as a superuser: the group roles `delaywheel_owner` and
+    `delaywheel_runtime` (NOLOGIN; what migrations/017 grants to), a login for each (no password: the embedded cluster
+    trusts loopback), the owner's CREATE on `databases` (it creates the schemas), and nothing for the runtime beyond
+    its group: no superuser, no CREATEDB or CREATEROLE, no file or
+    program access (pg_read_server_files, pg_write_server_files, pg_execute_server_program)."""
+    from delaywheel.migrate import OWNER_ROLE, RUNTIME_ROLE
+
+    # one read of what is there, so a start with everything in place changes nothing and costs one query
+    wanted = ((OWNER_ROLE, owner_login), (RUNTIME_ROLE, runtime_login))
+    names = [name for pair in wanted for name in pair]
+    powers = ("pg_read_server_files", "pg_write_server_files", "pg_execute_server_program")
+    attributes = {r[0]: r[1] for r in conn.execute(
+        "SELECT rolname, rolsuper OR rolcreatedb OR rolcreaterole OR rolreplication OR rolbypassrls FROM pg_roles"
+        " WHERE rolname = ANY(%s)", (names,))}
+    memberships = {(r[0], r[1]) for r in conn.execute(
+        "SELECT m.rolname, g.rolname FROM pg_auth_members a JOIN pg_roles m ON m.oid = a.member"
+        " JOIN pg_roles g ON g.oid = a.roleid WHERE m.rolname = ANY(%s)", (names,))}
+    for role, login in wanted:
+        for name, options in ((role, "NOLOGIN"), (login, "LOGIN INHERIT")):
+            if name not in attributes:
+                with contextlib.suppress(psycopg.errors.DuplicateObject):  # another process, just now
+                    conn.execute(sql.SQL("CREATE ROLE {} " + options).format(sql.Identifier(name)))
+            elif attributes[name]:
+                conn.execute(sql.SQL("ALTER ROLE {} NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION NOBYPASSRLS")
+                             .format(sql.Identifier(name)))
+        if (login, role) not in memberships:
+            conn.execute(sql.SQL("GRANT {} TO {}").format(sql.Identifier(role), sql.Identifier(login)))
+        for power in powers:
+            for name in (role, login):
+                if (name, power) in memberships:
+                    conn.execute(sql.SQL("REVOKE {} FROM {}").format(sql.Identifier(power), sql.Identifier(name)))
+    for database in databases:
+        conn.execute(sql.SQL("GRANT CREATE, CONNECT ON DATABASE {} TO {}").format(
+            sql.Identifier(database), sql.Identifier(OWNER_ROLE)))
+
+
+def stop(cluster: Cluster | None = None) -> str:
+    cluster = cluster or default_cluster()
+    if status(cluster) != "running":
+        return "already stopped"
+    result = _run_as_owner([str(find_bindir() / "pg_ctl"), "stop", "-w", "-m", "fast", "-D", str(cluster.data_dir)])
+    if result.returncode != 0:
+        raise EmbeddedError(f"pg_ctl stop failed: {result.stderr.strip()}")
+    return "stopped"

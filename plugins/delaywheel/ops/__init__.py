@@ -1,0 +1,1 @@
+"""Operating the store: cancel, figures (stats), lateness quality, caller-supplied predicates, progress."""

@@ -1,0 +1,410 @@
+"""Cancel pending messages by id, by key, or in bulk: by a key list, a checked predicate, or keys from another table.
+
+A cancellation is a row in `cancellations` that deliverers anti-join; the message itself stays until
+its partition is retired. A cancel holds no lane lock while deliverers run: it commits its cancellations,
+then waits for the passes of those lanes already running (the only ones that may have read the message
+without its cancellation) and reads what they did. A message is delivered or cancelled, never both, and
+the caller is told which: a delivery wins (DESIGN.md, "Cancellation").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Literal
+
+import psycopg
+from psycopg import sql
+
+from delaywheel.db import LOOKUP_PLAN
+from delaywheel.deliver.levels import LEVEL_LOCK
+from delaywheel.deliver.wheel import WHEEL_LOCK
+from delaywheel.ops.predicate import CANCEL_COLUMNS, UnsafeSQL, catalog_table, check_column, check_expression
+from delaywheel.partitions import PartitionCache
+from delaywheel.pending import PENDING, SEGMENT_PENDING, STILL_PENDING, pending
+from delaywheel.produce.keyblooms import probe, slots
+
+MATCH_TIMEOUT = timedelta(minutes=5)  # the default of Settings.match_timeout
+
+Outcome = Literal["cancelled", "already_cancelled", "already_delivered", "not_found"]
+
+@dataclass(frozen=True)
+class CancelResult:
+    message_id: int | None
+    outcome: Outcome
+
+
+def _lock_all_lanes(conn: psycopg.Connection) -> None:
+    """Wheel first, then levels in ascending order: one order for every canceller, so no deadlock."""
+    conn.execute("SELECT pg_advisory_xact_lock(%s, %s)", WHEEL_LOCK)
+    levels = conn.execute(
+        "SELECT generate_series(1, coalesce((SELECT max(level) FROM delaywheel.level_segments), 0))"
+    ).fetchall()
+    for (level,) in levels:
+        conn.execute("SELECT pg_advisory_xact_lock(%s, %s)", (LEVEL_LOCK, level))
+
+
+def _lock_level_lanes(conn: psycopg.Connection, how: str, params: dict[str, object]) -> None:
+    """The wheel and every level with a segment that may hold the message (a superset is harmless)."""
+    conn.execute("SELECT pg_advisory_xact_lock(%s, %s)", WHEEL_LOCK)
+    first, segments, _ = _LOOKUP[how]
+    levels = conn.execute(
+        f"{first} SELECT DISTINCT level FROM delaywheel.level_segments s WHERE {segments} ORDER BY 1", params  # type: ignore[arg-type]
+    ).fetchall()
+    for (level,) in levels:
+        conn.execute("SELECT pg_advisory_xact_lock(%s, %s)", (LEVEL_LOCK, level))
+
+
+# Finding one message: the segments that may hold it, by their id ranges (GiST), then the message itself. By id,
+# the range holds the id. By key, segments carry no key index (a per-message entry is what they avoid, migrations/011):
+# `candidates` are the id ranges of the far sends whose summary filter of the key's group lets the key through
+# (migrations/020: about one filter per send, where testing every far segment's filter took 9-11 ms with 10 million
+# pending), of the far segments too small for a filter that hold the key (their partial GIN index), and of the
+# pending level segments whose filter lets it through (levels hold few segments: a send writes one per level). In
+# those ranges a segment's own filter is tested before its keys are read (CASE fixes the order: the planner would
+# run the cheaper-looking `@>` first, reading every segment's keys).
+_MAY_HOLD_KEY = "CASE WHEN delaywheel.bloom_may_hold(s.key_bloom, %(h1)s, %(h2)s) THEN s.keys @> ARRAY[%(v)s::text] END"
+_KEY_CANDIDATES = f"""
+WITH candidates AS MATERIALIZED (
+    SELECT range_agg(m.r) AS ranges FROM (
+        SELECT int8range(f.id_lo, f.id_hi, '[]') FROM delaywheel.far_key_summaries f
+        WHERE f.slot = ANY(%(slots)s::int[]) AND delaywheel.bloom_may_hold(f.bloom, %(h1)s, %(h2)s)
+        UNION ALL
+        SELECT int8range(s.id_first, s.id_last, '[]') FROM delaywheel.wheel_far_segments s
+        WHERE s.key_bloom IS NULL AND s.keys @> ARRAY[%(v)s::text]
+        UNION ALL
+        SELECT int8range(s.id_first, s.id_last, '[]') FROM delaywheel.level_segments s
+        LEFT JOIN delaywheel.level_checkpoint c ON c.level = s.level
+        WHERE {SEGMENT_PENDING} AND {_MAY_HOLD_KEY}) AS m(r))
+"""
+_LOOKUP = {  # how -> (WITH clause, condition on segments s, condition on messages q)
+    "id": ("", "int8range(s.id_first, s.id_last, '[]') @> %(v)s::bigint", "q.id = %(v)s"),
+    "key": (_KEY_CANDIDATES, f"int8range(s.id_first, s.id_last, '[]') && (SELECT ranges FROM candidates) AND {_MAY_HOLD_KEY}",
+            "q.key = %(v)s"),
+}
+
+
+def cancel(
+    conn: psycopg.Connection, cache: PartitionCache, *, message_id: int | None = None, key: str | None = None, reason: str = "cancelled"
+) -> list[CancelResult]:
+    """Cancel one message by id, or every message with a key; one result per message found.
+
+    No lane lock is held while deliverers run (DESIGN.md, "Cancellation"): the cancellations are committed first,
+    then the cancel waits for a pass of each found message's lane that may have read the message before that
+    commit, and reads what happened. A delivery wins: the answer is `already_delivered` whenever the message reached
+    its topic, and `cancelled` only when no pass can deliver it any more. Inside a transaction the caller holds
+    (nothing can be committed before the caller's commit), the lanes' locks are taken as before and held until then.
+    """
+    if (message_id is None) == (key is None):
+        raise ValueError("cancel needs exactly one of message_id or key")
+    params: dict[str, object] = key_params(key) if key is not None else {"v": message_id}
+    how = "id" if message_id is not None else "key"
+    if not _commits_each_statement(conn):
+        return _cancel_locked(conn, cache, how, params, reason)
+    return mark_and_settle(conn, cache, how, params, find(conn, how, params), reason)
+
+
+def key_params(key: str) -> dict[str, object]:
+    """The parameters of the lookup by key (_LOOKUP): the key, its filter hashes, its summary slots."""
+    h1, h2 = probe(key)
+    return {"v": key, "h1": h1, "h2": h2, "slots": slots(h2)}
+
+
+def _commits_each_statement(conn: psycopg.Connection) -> bool:
+    """Autocommit and outside a transaction (the Store's connection): a cancellation can be committed before the
+    cancel waits for the passes in flight. Otherwise it cannot, and the cancel takes the lanes' locks instead."""
+    return conn.autocommit and conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+
+
+# Found pending messages: (id, deliver_at, key, lane, level, xid as text), STILL_PENDING's columns.
+Found = tuple[int, datetime, str | None, str, int | None, str]
+
+
+def find(conn: psycopg.Connection, how: str, params: dict[str, object]) -> list[Found]:
+    """The pending messages with the id or key (read only, no lane lock). One prepared statement, planned once per
+    connection: planning the lookup over the near wheel's ~94 hourly partitions and the far blocks cost more than
+    running it (`bench/RESULTS.md`, cancel), and a generic plan loses nothing, since no partition is pruned by id or
+    key."""
+    first, segments, rows = _LOOKUP[how]
+    with conn.pipeline():  # one round trip; outside a transaction, one implicit transaction for both statements
+        conn.execute(f"SELECT {LOOKUP_PLAN}, set_config('plan_cache_mode', 'force_generic_plan', true)")
+        cur = conn.execute(
+            f"{first} SELECT p.id, p.deliver_at, p.key, p.lane, p.level, p.xid::text FROM ({pending(segments, rows)}) p",  # type: ignore[arg-type]
+            params, prepare=True,
+        )
+    return cur.fetchall()  # type: ignore[return-value]
+
+
+# The cancellations of messages found, for those the cursors still show pending; one per message (migrations/018: a
+# concurrent cancel of the same message is waited for, and then this one inserts nothing).
+_MARK = f"""
+INSERT INTO delaywheel.cancellations (message_id, due_at, key, reason)
+SELECT t.id, t.deliver_at, t.key, %(reason)s
+FROM unnest(%(ids)s::bigint[], %(dues)s::timestamptz[], %(keys)s::text[], %(lanes)s::text[],
+            %(levels)s::smallint[], %(xids)s::xid8[]) AS t(id, deliver_at, key, lane, level, xid)
+WHERE {STILL_PENDING}
+ON CONFLICT (message_id, due_at) DO NOTHING
+RETURNING message_id
+"""
+
+
+def mark(conn: psycopg.Connection, cache: PartitionCache, found: Sequence[Found], reason: str) -> set[int]:
+    """Insert the cancellations of `found` in one statement (in the caller's transaction if it holds one, else
+    committed on return); returns the ids it cancelled now."""
+    if not found:
+        return set()
+    cache.ensure(conn, "cancellations", [row[1] for row in found])
+    # Outside a transaction the statement is its own (one round trip); a partition `ensure` created is committed.
+    return {mid for (mid,) in _mark(conn, found, reason).fetchall()}
+
+
+def _mark(conn: psycopg.Connection, found: Sequence[Found], reason: str) -> psycopg.Cursor:  # type: ignore[type-arg]
+    return conn.execute(_MARK, {"reason": reason, **_columns(found)}, prepare=True)  # type: ignore[arg-type]
+
+
+def _columns(found: Sequence[Sequence[object]]) -> dict[str, list[object]]:
+    return {name: [row[i] for row in found] for i, name in enumerate(("ids", "dues", "keys", "lanes", "levels", "xids"))}
+
+
+def lane_locks(found: Sequence[Sequence[object]]) -> list[tuple[int, int]]:
+    """The advisory locks held by delivery passes of the lanes of `found` (rows with lane and level at 3 and 4)."""
+    return sorted({WHEEL_LOCK if row[3] == "wheel" else (LEVEL_LOCK, int(row[4])) for row in found})  # type: ignore[call-overload]
+
+
+def await_passes(conn: psycopg.Connection, locks: Sequence[tuple[int, int]]) -> None:
+    """Wait for the delivery passes of these lanes that are running now (call it after the cancellations committed:
+    a pass that starts later reads them). Shared, so cancels never wait for each other, and held for no time at all:
+    session locks, each released in the statement that waited for it (the inner query takes them, the outer one lets
+    them go), so a deliverer seldom finds one and then waits only that instant (levels.take_lane) rather than report
+    busy. Under a transaction's lock such a wait would have lasted to the end of that transaction: in the pipeline of
+    `settle`, through the search of the topics."""
+    if locks:
+        keys = [k for lock in locks for k in lock]
+        take = ", ".join(["pg_advisory_lock_shared(%s, %s)"] * len(locks))
+        release = ", ".join(["pg_advisory_unlock_shared(%s, %s)"] * len(locks))
+        conn.execute(f"SELECT {release} FROM (SELECT {take} OFFSET 0) waited", keys + keys)
+
+
+def mark_and_settle(conn: psycopg.Connection, cache: PartitionCache, how: str, params: dict[str, object],
+                    found: Sequence[Found], reason: str) -> list[CancelResult]:
+    """`mark`, then `settle`, outside a transaction, in one round trip: the insert, then a Sync, which commits it
+    before the wait starts (the server runs what it is sent in order)."""
+    if found:
+        cache.ensure(conn, "cancellations", [row[1] for row in found])
+    with conn.pipeline() as pipeline:
+        marking = _mark(conn, found, reason) if found else None
+        pipeline.sync()
+        delivered = _settling(conn, how, params, found)
+    return _outcomes(how, params, found, {mid for (mid,) in marking.fetchall()} if marking else set(), delivered)
+
+
+def settle(conn: psycopg.Connection, how: str, params: dict[str, object], found: Sequence[Found],
+           marked: set[int]) -> list[CancelResult]:
+    """The true outcome of each message found, once every pass that may have read it without its cancellation has
+    ended (await_passes), and the messages with the id or key delivered earlier: `mark_and_settle`'s second half on
+    its own, for a caller that commits the cancellations itself (tests hold a pass open between the two)."""
+    with conn.pipeline():
+        delivered = _settling(conn, how, params, found)
+    return _outcomes(how, params, found, marked, delivered)
+
+
+def _settling(conn: psycopg.Connection, how: str, params: dict[str, object],
+              found: Sequence[Found]) -> psycopg.Cursor:  # type: ignore[type-arg]
+    """In a pipeline, one implicit transaction: the wait, then (a statement of its own, so a snapshot taken after
+    the wait) the search of the topics, by B-tree on message_id or by the BRIN bloom summaries on key (LOOKUP_PLAN).
+    Returns the cursor of the ids delivered."""
+    column = "message_id" if how == "id" else "key"
+    await_passes(conn, lane_locks(found))
+    conn.execute(f"SELECT {LOOKUP_PLAN}, set_config('plan_cache_mode', 'force_generic_plan', true)")
+    return conn.execute(  # planned once per connection, as `find`
+        f"SELECT DISTINCT message_id FROM delaywheel.topic_messages WHERE {column} = %(v)s AND origin <> 'replay'",  # type: ignore[arg-type]
+        {"v": params["v"]}, prepare=True,
+    )
+
+
+def _outcomes(how: str, params: dict[str, object], found: Sequence[Found], marked: set[int],
+              delivering: psycopg.Cursor) -> list[CancelResult]:  # type: ignore[type-arg]
+    delivered = {mid for (mid,) in delivering.fetchall()}
+    results = [CancelResult(mid, "already_delivered" if mid in delivered else
+                            "cancelled" if mid in marked else "already_cancelled") for mid, *_ in found]
+    seen = {mid for mid, *_ in found}
+    results += [CancelResult(mid, "already_delivered") for mid in sorted(delivered - seen)]
+    if not results:
+        results.append(CancelResult(params["v"] if how == "id" else None, "not_found"))  # type: ignore[arg-type]
+    return results
+
+
+def _cancel_locked(conn: psycopg.Connection, cache: PartitionCache, how: str, params: dict[str, object],
+                   reason: str) -> list[CancelResult]:
+    """Inside a caller's transaction: the lanes' locks, held until the caller ends it (deliverers of those lanes
+    wait for that, or report busy)."""
+    first, segments, rows = _LOOKUP[how]
+    with conn.transaction():
+        conn.execute(f"SELECT {LOOKUP_PLAN}")
+        _lock_level_lanes(conn, how, params)
+        found = conn.execute(
+            f"{first} SELECT p.id, p.deliver_at, p.key, p.lane, p.level, p.xid::text FROM ({pending(segments, rows)}) p",  # type: ignore[arg-type]
+            params,
+        ).fetchall()
+        marked = mark(conn, cache, found, reason)
+        column = "message_id" if how == "id" else "key"
+        delivered = {mid for (mid,) in conn.execute(
+            f"SELECT DISTINCT message_id FROM delaywheel.topic_messages WHERE {column} = %(v)s AND origin <> 'replay'",  # type: ignore[arg-type]
+            params,
+        ).fetchall()}
+    results = [CancelResult(mid, "cancelled" if mid in marked else "already_cancelled") for mid, *_ in found]
+    seen = {mid for mid, *_ in found}
+    results += [CancelResult(mid, "already_delivered") for mid in sorted(delivered - seen)]
+    if not results:
+        results.append(CancelResult(params["v"] if how == "id" else None, "not_found"))  # type: ignore[arg-type]
+    return results
+
+
+@dataclass(frozen=True)
+class Match:
+    """A condition on the pending rows `p`, composed by library code only: identifiers through
+    `psycopg.sql.Identifier`, values as `%(name)s` parameters in `params`. Callers never build one from text."""
+
+    sql: sql.Composable
+    params: Mapping[str, object] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class KeysFrom:
+    """The keys of another table's rows, as the structured replacement of a subquery in `where`:
+    `KeysFrom("shop.orders", "id", prefix="order-", filters={"status": "paid"})` matches pending messages whose key
+    is `'order-' || id` for an order with status 'paid'. `filters` are `column = value` (a list or tuple: `IN`, None:
+    `IS NULL`), all ANDed. The table and columns are looked up in the catalog and quoted; every value is bound."""
+
+    table: str
+    column: str
+    prefix: str = ""
+    suffix: str = ""
+    filters: Mapping[str, object] = field(default_factory=dict)
+
+    def match(self, conn: psycopg.Connection, name: str = "kf") -> Match:
+        schema, table, columns = catalog_table(conn, self.table)
+        label = f"{schema}.{table}"
+        column = check_column(self.column, columns, label)
+        params: dict[str, object] = {f"{name}_prefix": self.prefix, f"{name}_suffix": self.suffix}
+        conditions: list[sql.Composable] = []
+        for i, (col, value) in enumerate(sorted(self.filters.items())):
+            ident = sql.SQL("b.{}").format(sql.Identifier(check_column(col, columns, label, what="filter column")))
+            if value is None:
+                conditions.append(sql.SQL("{} IS NULL").format(ident))
+            elif isinstance(value, list | tuple | set | frozenset):
+                values = list(value)
+                if not values:
+                    raise UnsafeSQL(f"filter {col!r} has an empty list of values")
+                names = [f"{name}_{i}_{j}" for j in range(len(values))]
+                params.update(zip(names, values, strict=True))
+                conditions.append(sql.SQL("{} IN ({})").format(ident, sql.SQL(", ").join(map(sql.Placeholder, names))))
+            else:
+                params[f"{name}_{i}"] = value
+                conditions.append(sql.SQL("{} = {}").format(ident, sql.Placeholder(f"{name}_{i}")))
+        query = sql.SQL("p.key IN (SELECT {prefix} || b.{column}::text || {suffix} FROM {schema}.{table} b WHERE {where})"
+                        ).format(prefix=sql.Placeholder(f"{name}_prefix"), suffix=sql.Placeholder(f"{name}_suffix"),
+                                 column=sql.Identifier(column), schema=sql.Identifier(schema), table=sql.Identifier(table),
+                                 where=sql.SQL(" AND ").join(conditions) if conditions else sql.SQL("true"))
+        return Match(query, params)
+
+
+def where_match(where: str) -> Match:
+    """A caller's predicate over the pending rows, checked (`predicate.check_expression`) and rendered from its
+    parse tree; the text itself never reaches the server."""
+    try:
+        checked = check_expression(where, CANCEL_COLUMNS, qualifier="p", what="--where predicate")
+    except UnsafeSQL as exc:
+        hint = " (to match keys from another table, use keys_from / --keys-from-table)" if "subquery" in str(exc) else ""
+        raise UnsafeSQL(f"{exc}{hint}") from None
+    return Match(sql.SQL(checked.replace("%", "%%")))
+
+
+def matching(conn: psycopg.Connection, *, keys: list[str] | None = None, where: str | None = None,
+             keys_from: KeysFrom | None = None, match: Match | None = None) -> Match:
+    """Every condition given, ANDed: a key list, a checked predicate, keys from another table, a library Match."""
+    parts: list[Match] = []
+    if keys is not None:
+        parts.append(Match(sql.SQL("p.key = ANY(%(keys)s)"), {"keys": [str(k) for k in keys]}))
+    if where is not None:
+        parts.append(where_match(where))
+    if keys_from is not None:
+        parts.append(keys_from.match(conn))
+    if match is not None:
+        parts.append(match)
+    if not parts:
+        raise ValueError("bulk cancel needs keys, where, keys_from or a match")
+    return Match(sql.SQL(" AND ").join(sql.SQL("({})").format(m.sql) for m in parts),
+                 {k: v for m in parts for k, v in m.params.items()})
+
+
+@contextmanager
+def read_only(conn: psycopg.Connection, timeout: timedelta | None) -> Iterator[None]:
+    """A READ ONLY transaction with a statement timeout for reads shaped by a caller. Inside a transaction the
+    caller owns, a savepoint with the timeout only (read-only cannot be undone before the caller's commit)."""
+    ms = f"{int((timeout or MATCH_TIMEOUT).total_seconds() * 1000)}ms"
+    if conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE:
+        with conn.transaction():
+            conn.execute("SET TRANSACTION READ ONLY")
+            conn.execute("SELECT pg_catalog.set_config('statement_timeout', %s, true)", (ms,))
+            yield
+        return
+    before = conn.execute("SELECT pg_catalog.current_setting('statement_timeout')").fetchone()[0]  # type: ignore[index]
+    try:
+        with conn.transaction():
+            conn.execute("SELECT pg_catalog.set_config('statement_timeout', %s, true)", (ms,))
+            yield
+    finally:
+        if not conn.broken and conn.info.transaction_status == psycopg.pq.TransactionStatus.INTRANS:
+            conn.execute("SELECT pg_catalog.set_config('statement_timeout', %s, true)", (before,))
+
+
+_FIND = sql.SQL("SELECT {columns} FROM ({pending}) p WHERE ({match})"
+                " AND NOT EXISTS (SELECT 1 FROM delaywheel.cancellations c WHERE c.message_id = p.id)")
+
+
+def count_matching(conn: psycopg.Connection, *, keys: list[str] | None = None, where: str | None = None,
+                   keys_from: KeysFrom | None = None, match: Match | None = None, timeout: timedelta | None = None) -> int:
+    """How many pending, not yet cancelled messages a bulk cancel would hit (for the CLI's guard); read-only."""
+    m = matching(conn, keys=keys, where=where, keys_from=keys_from, match=match)
+    with read_only(conn, timeout):
+        row = conn.execute(_FIND.format(columns=sql.SQL("count(*)"), pending=sql.SQL(PENDING), match=m.sql),
+                           m.params).fetchone()
+    return int(row[0]) if row else 0
+
+
+def cancel_matching(
+    conn: psycopg.Connection, cache: PartitionCache, *, keys: list[str] | None = None, where: str | None = None,
+    keys_from: KeysFrom | None = None, match: Match | None = None, reason: str = "bulk cancel",
+    timeout: timedelta | None = None,
+) -> int:
+    """Cancel, in one set-based statement, every pending message that meets every condition given: its key is in
+    `keys`; it satisfies `where`, one expression over (id, deliver_at, key, topic, tags, properties, lane, level)
+    checked by `predicate.check_expression` (no subqueries, no functions outside a pure whitelist: `UnsafeSQL`
+    otherwise); its key comes from `keys_from` (another table's rows, e.g. the paid orders)."""
+    m = matching(conn, keys=keys, where=where, keys_from=keys_from, match=match)
+    # Find the matching rows first, read-only: the scan can take a while (a large set, fresh tables without
+    # statistics). Then each row found is checked again against the cursors and the cancellations only, so one
+    # delivered or cancelled meanwhile is left alone.
+    with read_only(conn, timeout):
+        found = conn.execute(_FIND.format(columns=sql.SQL("p.id, p.deliver_at, p.key, p.lane, p.level, p.xid::text"),
+                                          pending=sql.SQL(PENDING), match=m.sql), m.params).fetchall()
+    if not found:
+        return 0
+    if not _commits_each_statement(conn):  # in the caller's transaction: lock as cancel does
+        with conn.transaction():
+            _lock_all_lanes(conn)
+            return len(mark(conn, cache, found, reason))
+    # As a single cancel (see `cancel`): commit the cancellations without the lanes' locks, wait for the passes that
+    # may have read them before, and leave out what those delivered.
+    marked = mark(conn, cache, found, reason)
+    if not marked:
+        return 0
+    await_passes(conn, lane_locks([row for row in found if row[0] in marked]))
+    row = conn.execute(
+        "SELECT count(DISTINCT message_id) FROM delaywheel.topic_messages"
+        " WHERE message_id = ANY(%s::bigint[]) AND origin <> 'replay'", (sorted(marked),),
+    ).fetchone()
+    return len(marked) - (int(row[0]) if row else 0)

@@ -1,0 +1,1 @@
+"""Sending: one message in one statement, many through COPY; the rules a message must meet."""

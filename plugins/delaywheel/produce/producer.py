@@ -1,0 +1,167 @@
+"""Sending: validate every message first, then write it all in one transaction, or none of it.
+
+Due times are computed from one reading of the database clock per call, so a batch is consistent
+and every worker shares the same clock (DESIGN.md §5). A batch (`send_many`) travels as columns (`columns.Columns`)
+into Arrow record batches written by binary COPY (`arrow_copy`). A single message (`send_one`, what `Store.send`
+calls) is one statement: the client applies the rules (`validation.prepare`) and `delaywheel.send_one` (migrations/019)
+reads the clock, takes the id and writes the row send_many would write. Nothing here imports pyarrow, numpy or
+pgpq until a batch is sent, so a single send and the CLI's other commands start without them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+from collections.abc import Iterable, Iterator, Sequence
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import psycopg
+from psycopg import errors, pq
+
+from delaywheel.config import Settings
+from delaywheel.partitions import PartitionCache
+from delaywheel.produce.validation import Message, prepare
+
+NOTIFY_CHANNEL = "delaywheel_enqueue"  # a new due time on a lane not said; every deliverer listens (lane_channel)
+TOPIC_CHANNEL = "delaywheel_topic"  # payload: a topic that got messages (readable once the writer commits)
+ID_BLOCK = 65536  # ids per nextval (migrations/011): a call numbers its messages within the blocks it takes
+SEGMENT_MAX = 1000  # messages per level segment (migrations/011): a pass reads whole segments, so not too many
+
+
+def lane_channel(level: int | None) -> str:
+    """The channel a producer announces a lane's new due times on (payload: the due time, epoch seconds): `level`'s,
+    or the timing wheel's for None. A deliverer listens to its own lanes' channels (and to NOTIFY_CHANNEL), so a lane
+    no longer wakes for every other lane's sends: the Airflow deliver DAG's 18 level tasks each woke for every batch
+    of wheel timers (migrations/022 says what that cost). send_one (migrations/022) spells the same names."""
+    return f"{NOTIFY_CHANNEL}_{'wheel' if level is None else level}"
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector for one batch. A batch allocates a few objects per message
+    (records, rows, due times), none of them in a cycle, yet each allocation threshold rescans the growing
+    batch: that was a quarter of send_many's time at 20,000 messages (12.7 -> 9.7 µs per message)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def clock_and_ids(conn: psycopg.Connection, count: int, now: datetime | None) -> tuple[datetime, list[int]]:
+    """The clock for this call and `count` new message ids, ascending (from ceil(count / ID_BLOCK) blocks)."""
+    row = conn.execute(
+        "SELECT coalesce(%s::timestamptz, clock_timestamp()),"
+        " ARRAY(SELECT nextval('delaywheel.message_id_seq') FROM generate_series(1, %s))",
+        (now, -(-count // ID_BLOCK)),
+    ).fetchone()
+    assert row is not None
+    ids: list[int] = []
+    for block in row[1]:
+        ids.extend(range(block, block + min(ID_BLOCK, count - len(ids))))
+    return row[0], ids
+
+
+def send_many(
+    conn: psycopg.Connection,
+    settings: Settings,
+    cache: PartitionCache,
+    messages: Iterable[Message],
+    *,
+    now: datetime | None = None,
+    reconsume_times: Sequence[int] | None = None,
+) -> list[int]:
+    """Write all messages or none; returns their ids in input order."""
+    return _send(conn, settings, cache, messages, now, reconsume_times, internal=False)
+
+
+def send_for_store(
+    conn: psycopg.Connection, settings: Settings, cache: PartitionCache, messages: Iterable[Message],
+    reconsume_times: Sequence[int],
+) -> list[int]:
+    """The store's own sends (the retry ladder, `topics._reconsume_later`): the same rules, except that reserved
+    topics (%RETRY%, %DLQ%) and properties (ORIGIN_*, REPLAY_*) are allowed. Not for producers."""
+    return _send(conn, settings, cache, messages, None, reconsume_times, internal=True)
+
+
+def _send(
+    conn: psycopg.Connection, settings: Settings, cache: PartitionCache, messages: Iterable[Message],
+    now: datetime | None, reconsume_times: Sequence[int] | None, *, internal: bool,
+) -> list[int]:
+    batch = list(messages)
+    if not batch:
+        return []
+    from delaywheel.produce.arrow_copy import write_columns  # Arrow, numpy and pgpq: only once a batch is sent
+    from delaywheel.produce.columns import prepare_columns
+
+    with collector_paused(), conn.transaction():
+        clock, ids = clock_and_ids(conn, len(batch), now)
+        columns = prepare_columns(batch, clock, settings, reconsume_times, internal=internal)
+        write_columns(conn, settings, cache, ids, columns, clock)
+    return ids
+
+
+# A fixed instant to apply the rules against when the database's clock decides: every rule but an absolute due
+# time's bounds (too_far, too_old) gives the same verdict at any instant, and a delay or level places the message
+# at an offset from the clock, which is all send_one needs.
+_REFERENCE = datetime(2000, 1, 1, tzinfo=UTC)
+_US = timedelta(microseconds=1)
+_SEND_ONE_ARGS = ("(%s::text, %s::bytea, %s::boolean, %s::text, %s::text, %s::text, %s::text, %s::smallint, %s::integer,"
+                  " %s::integer, %s::bigint, %s::timestamptz, %s::timestamptz, %s::bigint, %s::bigint, %s::bigint)")
+SEND_ONE = "SELECT message_id, clock, NULL, NULL FROM delaywheel.send_one" + _SEND_ONE_ARGS
+# In the caller's transaction: the same, as a subtransaction that returns its error rather than raising it (migrations/019)
+SEND_ONE_SAVEPOINT = ("SELECT message_id, clock, error_state, error_message FROM delaywheel.send_one_savepoint"
+                      + _SEND_ONE_ARGS)
+
+
+def send_one(
+    conn: psycopg.Connection, settings: Settings, cache: PartitionCache, message: Message, *,
+    now: datetime | None = None,
+) -> int:
+    """Send one message in one statement (`delaywheel.send_one`, migrations/019); returns its id. The same rules, verdicts
+    and stored rows as `send_many([message])`. Outside a transaction the statement is its own; inside one the
+    caller opened on `conn` it runs as a savepoint, which the server takes and releases within the statement
+    (`send_one_savepoint`): an error rolls back the send alone and is raised here as its SQLSTATE's psycopg error
+    (its message; no further diagnostics), and the caller's transaction goes on."""
+    deliver_at = message.deliver_at
+    absolute = (now is None and message.delay_level is None and message.delay is None
+                and isinstance(deliver_at, datetime) and deliver_at.utcoffset() is not None)
+    probe = now if now is not None else deliver_at if absolute else _REFERENCE
+    assert probe is not None
+    prepared = prepare(message, probe, settings)  # raises InvalidMessage: nothing sent
+    placement = prepared.placement
+    params: tuple[Any, ...] = (
+        prepared.topic, prepared.body, prepared.is_json, prepared.key, prepared.tags,
+        json.dumps(prepared.properties) if prepared.properties else None,  # as columns.py writes them
+        "at" if absolute else placement.lane, placement.level or 0, placement.requested_level or 0,
+        prepared.reconsume_times, None if absolute else (placement.deliver_at - probe) // _US,
+        deliver_at if absolute else None, now, settings.wheel_max_delay // _US, settings.past_tolerance // _US,
+        settings.wheel_near_window // _US,
+    )
+    if conn.info.transaction_status == pq.TransactionStatus.IDLE:
+        try:
+            row = conn.execute(SEND_ONE, params).fetchone()
+        except (errors.UndefinedFunction, errors.InvalidSchemaName):  # a store not migrated to migrations/019 (or at all):
+            return send_many(conn, settings, cache, [message], now=now)[0]  # the batch path, or what is missing
+    else:
+        row = conn.execute(SEND_ONE_SAVEPOINT, params).fetchone()
+    assert row is not None
+    message_id, clock, error_state, error_message = row
+    if error_state is not None:  # rolled back to the function's own savepoint: the caller's transaction goes on
+        raise _error(error_state, error_message)
+    if message_id is None:  # an absolute due time out of bounds at the database's clock: name the rule it breaks
+        prepare(message, clock, settings)
+        return send_many(conn, settings, cache, [message], now=clock)[0]  # (the rules would have raised)
+    return int(message_id)
+
+
+def _error(sqlstate: str, message: str) -> psycopg.Error:
+    """The psycopg exception a statement failing with this SQLSTATE raises (DatabaseError for one psycopg lacks)."""
+    try:
+        return errors.lookup(sqlstate)(message)  # type: ignore[no-any-return]
+    except KeyError:
+        return psycopg.DatabaseError(f"{message} (SQLSTATE {sqlstate})")

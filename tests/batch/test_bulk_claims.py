@@ -1,0 +1,63 @@
+"""Idempotency claims of the bulk writer (`bulk.write_chunk`, what every Spark partition calls), without Spark.
+
+A chunk claims its keys by COPY and falls back to claiming row by row when one is taken: a re-run, a key repeated
+within the input, a concurrent writer holding the same key. Each case must enqueue every key exactly once.
+"""
+
+from __future__ import annotations
+
+import threading
+from datetime import datetime
+
+import psycopg
+import pyarrow as pa
+
+from delaywheel import Store
+from delaywheel.batch import bulk
+from delaywheel.partitions import PartitionCache
+
+MAPPING = bulk.ColumnMap.parse("", "orders", "text").with_defaults(["key", "body", "delay_level"])
+
+
+def rows(keys: range | list[int], file: str = "orders.csv") -> pa.RecordBatch:
+    return pa.RecordBatch.from_pylist([{"key": f"order-{k}", "body": f"cancel {k}", "delay_level": 3,
+                                        bulk.FILE_COLUMN: file, bulk.ROW_COLUMN: n + 1} for n, k in enumerate(keys)])
+
+
+def queued_keys(store: Store) -> list[str]:
+    return [k for (k,) in store.conn.execute("SELECT key FROM delaywheel.level_queue ORDER BY key")]
+
+
+def write(url: str, store: Store, chunk: pa.RecordBatch, t0: datetime) -> bulk.Counts:
+    with psycopg.connect(url, autocommit=True) as conn:
+        return bulk.write_chunk(conn, store.settings, PartitionCache(), chunk, MAPPING, "orders.csv", now=t0)
+
+
+def test_a_rerun_and_a_repeated_key_are_claimed_once(store: Store, db_url: str, t0: datetime) -> None:
+    first = write(db_url, store, rows(range(100)), t0)
+    assert (first.enqueued, first.skipped) == (100, 0)
+    again = write(db_url, store, rows(range(50, 150)), t0)  # half of it enqueued already
+    assert (again.enqueued, again.skipped) == (50, 50)
+    repeated = write(db_url, store, rows([200, 201, 200, 202, 201]), t0)  # the input names a key twice
+    assert (repeated.enqueued, repeated.skipped) == (3, 2)
+    assert queued_keys(store) == sorted(f"order-{k}" for k in [*range(150), 200, 201, 202])
+    claims = store.conn.execute("SELECT count(*), count(DISTINCT message_id) FROM delaywheel.idempotency").fetchone()
+    assert claims == (153, 153)
+
+
+def test_a_concurrent_writer_of_the_same_keys_waits_and_skips_them(store: Store, db_url: str, t0: datetime) -> None:
+    """Writer A claims keys 0-99 and has not committed; writer B, with keys 50-149, waits on A's claims, then finds
+    50-99 taken: each key is enqueued once, by whichever writer committed its claim."""
+    results: dict[str, bulk.Counts] = {}
+    with psycopg.connect(db_url, autocommit=True) as a, a.transaction():
+        results["a"] = bulk.write_chunk(a, store.settings, PartitionCache(), rows(range(100)), MAPPING, "orders.csv",
+                                        now=t0)
+        b = threading.Thread(target=lambda: results.__setitem__("b", write(db_url, store, rows(range(50, 150)), t0)))
+        b.start()
+        b.join(timeout=2)
+        assert b.is_alive()  # blocked on A's uncommitted claims
+    b.join(timeout=30)
+    assert not b.is_alive()
+    assert (results["a"].enqueued, results["a"].skipped) == (100, 0)
+    assert (results["b"].enqueued, results["b"].skipped) == (50, 50)
+    assert queued_keys(store) == sorted(f"order-{k}" for k in range(150))

@@ -1,0 +1,300 @@
+"""The waiting consumer (`Store.consume`, `Store.messages`, `delaywheel consume`): behaviour, not timing.
+
+Bounds on waits are wide (CI is loaded); what is checked is which messages a consumer handles, in what order,
+how often, and that none is handled before it is due."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from delaywheel import Message, Store
+from delaywheel.cli import main
+from delaywheel.consume import consumer as consume
+from delaywheel.consume.topics import retry_topic
+from delaywheel.produce.producer import TOPIC_CHANNEL
+from tests.conftest import ROOT, deliveries, delivering
+
+
+def test_the_consumer_gets_exactly_the_delivered_messages_in_order_and_none_early(db_url: str, store: Store) -> None:
+    stop = threading.Event()
+    deliverer = delivering(db_url, stop)
+    seen: list[tuple[int, float, float]] = []  # (message_id, handled at, due at) in handling order
+    try:
+        ids = store.send_many([Message("t", {"n": i}, delay=timedelta(milliseconds=300 + 37 * i)) for i in range(40)])
+        ids += store.send_many([Message("t", {"n": i}, delay_level=1) for i in range(20)])  # a level too
+        ids += store.send_many([Message("other", {"n": i}) for i in range(5)])  # another topic: not ours
+
+        def handler(messages: list) -> None:
+            now = time.time()
+            seen.extend((m.message_id, now, m.deliver_at.timestamp()) for m in messages)
+
+        with Store(db_url) as own:
+            totals = own.consume("t", "g", handler, max_messages=7, limit=60, duration_s=60)
+    finally:
+        stop.set()
+        deliverer.join(30)
+    delivered = [d[0] for d in deliveries(store, "t")]  # in the topic's (xid, queue_offset) order
+    assert [s[0] for s in seen] == delivered and sorted(delivered) == sorted(ids[:60])
+    assert all(handled >= due for _, handled, due in seen), "a message was handled before it was due"
+    assert totals.messages == 60 and totals.stopped_by == "limit" and totals.retried == 0
+    with Store(db_url) as own:
+        assert len(own.pull("t", "g")) == 0  # all acked
+
+
+def test_failures_and_handler_errors_go_to_the_retry_ladder(db_url: str, store: Store) -> None:
+    ids = store.send_many([Message("t", {"n": i}) for i in range(6)])
+    calls: list[list[int]] = []
+
+    def handler(messages: list) -> list[int]:
+        calls.append([m.message_id for m in messages])
+        if len(calls) == 1:
+            return [messages[0].message_id]  # one failure
+        raise RuntimeError("the handler broke")  # the whole batch
+
+    totals = store.consume("t", "g", handler, max_messages=3, limit=6, duration_s=30)
+    assert calls == [ids[:3], ids[3:]]
+    assert (totals.messages, totals.retried, totals.handler_errors) == (6, 4, 1)
+    retries = store.conn.execute(
+        "SELECT properties->>'ORIGIN_MESSAGE_ID' FROM delaywheel.level_queue WHERE topic = %s ORDER BY id",
+        (retry_topic("g"),)).fetchall()
+    assert sorted(int(r[0]) for r in retries) == sorted([ids[0], *ids[3:]])
+
+
+def test_the_iterator_acks_what_the_loop_has_moved_past(db_url: str, store: Store) -> None:
+    ids = store.send_many([Message("t", {"n": i}) for i in range(10)])
+    got: list[int] = []
+    for m in store.messages("t", "g", max_messages=4, duration_s=30):
+        if len(got) == 6:
+            break  # the 7th message is in hand, not handled
+        got.append(m.message_id)
+    assert got == ids[:6]
+    assert [m.message_id for m in store.pull("t", "g", 10).messages] == ids[6:]  # the rest comes again
+    assert [m.message_id for m in store.messages("t", "g", limit=4, duration_s=30)] == ids[6:]
+    assert len(store.pull("t", "g")) == 0
+
+
+_KILLED_CONSUMER = """
+import os, signal, sys
+from delaywheel import Store
+out = open(sys.argv[2], "a")
+def handler(messages):
+    out.write(" ".join(str(m.message_id) for m in messages) + "\\n")
+    out.flush()
+    os.kill(os.getpid(), signal.SIGKILL)  # handled, not acked
+with Store(sys.argv[1]) as store:
+    store.consume("t", "g", handler, max_messages=5, duration_s=30)
+"""
+
+
+def test_a_consumer_killed_between_handler_and_ack_leaves_the_batch_to_the_next(
+    db_url: str, store: Store, tmp_path: Path
+) -> None:
+    ids = store.send_many([Message("t", {"n": i}) for i in range(8)])
+    log = tmp_path / "handled"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "plugins"), str(ROOT)])}
+    done = subprocess.run([sys.executable, "-c", _KILLED_CONSUMER, db_url, str(log)], env=env, timeout=60)
+    assert done.returncode == -signal.SIGKILL
+    assert log.read_text().split() == [str(i) for i in ids[:5]]
+    again: list[int] = []
+    store.consume("t", "g", lambda ms: again.extend(m.message_id for m in ms), limit=8, duration_s=30)
+    assert again == ids  # the killed consumer's batch first, at least once
+
+
+def test_a_lost_notification_or_a_bad_payload_still_delivers_by_the_safety_wake(
+    db_url: str, store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The consumer never hears its topic's notification (it listens on another channel, where it gets junk
+    payloads only): it still finds the message within its safety wake."""
+    monkeypatch.setattr(consume, "TOPIC_CHANNEL", "delaywheel_nobody")
+    got: list[int] = []
+    out: dict[str, consume.ConsumeTotals] = {}
+
+    def loop() -> None:
+        with Store(db_url) as own:
+            out["totals"] = own.consume("t", "g", lambda ms: got.extend(m.message_id for m in ms), limit=1,
+                                        duration_s=30, safety_wake_s=0.5)
+
+    thread = threading.Thread(target=loop)
+    thread.start()
+    time.sleep(0.8)
+    with psycopg.connect(db_url, autocommit=True) as other:
+        for payload in ("", "not a topic", "t" * 5000, "\x01"):
+            other.execute("SELECT pg_notify(%s, %s)", ("delaywheel_nobody", payload))
+    mid = store.send("t", {"n": 1})
+    thread.join(30)
+    assert got == [mid]
+    assert out["totals"].notified_wakes == 0 and out["totals"].safety_wakes >= 1
+
+
+def test_a_notification_wakes_the_consumer_long_before_its_safety_wake(db_url: str, store: Store) -> None:
+    out: dict[str, consume.ConsumeTotals] = {}
+
+    def loop() -> None:
+        with Store(db_url) as own:
+            out["totals"] = own.consume("t", "g", lambda ms: None, limit=1, duration_s=60, safety_wake_s=30)
+
+    thread = threading.Thread(target=loop)
+    thread.start()
+    time.sleep(0.8)
+    with psycopg.connect(db_url, autocommit=True) as other:  # junk on the real channel is ignored
+        other.execute("SELECT pg_notify(%s, %s)", (TOPIC_CHANNEL, "not-our-topic"))
+    store.send("t", {"n": 1})
+    thread.join(20)
+    assert not thread.is_alive(), "the consumer slept through the notification"
+    assert out["totals"].notified_wakes >= 1 and out["totals"].safety_wakes == 0
+
+
+def test_two_consumers_of_one_group_never_handle_the_same_batch(db_url: str, store: Store) -> None:
+    """Each consumer holds the group's lock on the topic from pull to ack; the other finds it busy. Between
+    them they handle every message once, and never at the same time."""
+    ids = store.send_many([Message("t", {"n": i}) for i in range(60)])
+    handled: dict[str, list[int]] = {"a": [], "b": []}
+    inside: list[str] = []
+    overlaps: list[tuple[str, str]] = []
+    lock = threading.Lock()
+
+    def consumer(name: str) -> None:
+        def handler(messages: list) -> None:
+            with lock:
+                if inside:
+                    overlaps.append((inside[0], name))
+                inside.append(name)
+            time.sleep(0.05)  # long enough for the other consumer to try
+            handled[name].extend(m.message_id for m in messages)
+            with lock:
+                inside.remove(name)
+
+        with Store(db_url) as own:
+            own.consume("t", "g", handler, max_messages=5, idle_s=2.0, duration_s=60)
+
+    threads = [threading.Thread(target=consumer, args=(n,)) for n in handled]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(90)
+    assert overlaps == []
+    both = handled["a"] + handled["b"]
+    assert sorted(both) == ids and len(set(both)) == len(both)  # every message once
+    for name in handled:
+        assert handled[name] == sorted(handled[name])  # each in offset order
+
+
+def test_cli_consume_json_prints_messages_and_acks(
+    db_url: str, store: Store, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("DELAYWHEEL_DATABASE_URL", db_url)
+    ids = store.send_many([Message("t", {"n": i}, key=f"k{i}") for i in range(3)])
+    assert main(["consume", "--topic", "t", "--group", "g", "--json", "--count", "3", "--duration", "30s"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = [json.loads(line) for line in lines]
+    assert [r["message_id"] for r in rows] == ids and [r["body"] for r in rows] == [{"n": i} for i in range(3)]
+    assert rows[0]["key"] == "k0" and rows[0]["idempotency_id"] == ids[0]
+    assert len(store.pull("t", "g")) == 0  # acked
+    assert main(["consume", "--topic", "t", "--group", "g", "--idle", "500ms"]) == 0  # nothing more: idle stop
+    with pytest.raises(SystemExit) as exited:
+        main(["consume", "--topic", "t", "--group", "g", "--count", "0"])  # not a count (argparse)
+    assert exited.value.code == 2
+
+
+def test_cli_consume_errors_are_one_line_exit_2(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("DELAYWHEEL_DATABASE_URL", "postgresql://nobody@127.0.0.1:1/none")
+    assert main(["consume", "--topic", "t", "--group", "g", "--duration", "1s"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("delaywheel: database error:") and len(err.strip().splitlines()) == 1
+
+
+def test_the_consumer_rides_out_a_lost_connection(db_url: str, store: Store) -> None:
+    """Its connections are terminated (as by a server restart) while it waits: it reconnects, LISTENs again and
+    still gets the next message, once."""
+    got: list[int] = []
+    out: dict[str, consume.ConsumeTotals] = {}
+
+    def loop() -> None:
+        with Store(db_url) as own:
+            out["totals"] = own.consume("t", "g", lambda ms: got.extend(m.message_id for m in ms), limit=2,
+                                        duration_s=60, safety_wake_s=0.5)
+
+    first = store.send("t", {"n": 1})
+    thread = threading.Thread(target=loop)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not got and time.monotonic() < deadline:
+        time.sleep(0.05)
+    store.conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                       " WHERE datname = current_database() AND pid <> pg_backend_pid()")
+    time.sleep(0.5)
+    second = store.send("t", {"n": 2})
+    thread.join(60)
+    assert not thread.is_alive()
+    assert got == [first, second] and out["totals"].reconnects >= 1
+
+
+def test_cli_consume_stops_cleanly_on_sigterm(db_url: str, store: Store) -> None:
+    ids = store.send_many([Message("t", {"n": i}) for i in range(2)])
+    env = {**os.environ, "DELAYWHEEL_DATABASE_URL": db_url,
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "plugins"), str(ROOT)])}
+    proc = subprocess.Popen([sys.executable, "-m", "delaywheel.cli", "consume", "--topic", "t", "--group", "g", "--json"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    lines = [proc.stdout.readline(), proc.stdout.readline()]  # written and flushed before the ack
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert [json.loads(line)["message_id"] for line in lines] == ids and out == ""
+    assert "stopped by a signal" in err and "Traceback" not in err
+    assert len(store.pull("t", "g")) == 0  # acked before it stopped
+
+
+def test_a_notified_delivery_still_above_the_horizon_is_pulled_again_soon(db_url: str, store: Store) -> None:
+    """A transaction that began writing before a delivery committed holds the delivery back (commit horizon): the
+    consumer's notified pull finds nothing, and it looks again within milliseconds, not at its safety wake."""
+    got: list[int] = []
+    out: dict[str, consume.ConsumeTotals] = {}
+
+    def loop() -> None:
+        with Store(db_url) as own:
+            out["totals"] = own.consume("t", "g", lambda ms: got.extend(m.message_id for m in ms), limit=1,
+                                        duration_s=60, safety_wake_s=30)
+
+    thread = threading.Thread(target=loop)
+    thread.start()
+    time.sleep(0.8)  # waiting on LISTEN by now
+    with psycopg.connect(db_url) as holder:  # an open transaction with an xid, older than the delivery
+        holder.execute("SELECT pg_current_xact_id()")
+        mid = store.send("t", {"n": 1})  # in the topic at commit, NOTIFY sent; not readable yet
+        time.sleep(0.15)
+        assert got == []
+    thread.join(20)  # the holder ended (rolled back): the next look finds it
+    assert got == [mid]
+    assert out["totals"].safety_wakes == 0 and out["totals"].empty_pulls >= 2
+
+
+def test_after_a_batch_with_nothing_behind_it_the_consumer_waits_for_the_next_notification(
+    db_url: str, store: Store
+) -> None:
+    """The pull that acks a batch finds nothing past the offset (`Batch.behind` false): the consumer sleeps until a
+    notification or its safety wake, instead of looking again every few milliseconds."""
+    store.send("t", {"n": 1})
+    with Store(db_url) as own:
+        totals = own.consume("t", "g", lambda ms: None, duration_s=1.5, safety_wake_s=30)
+    assert totals.messages == 1 and totals.repulls == 0 and totals.empty_pulls == 1
+    batch = store.pull("t", "g")
+    assert len(batch) == 0 and not batch.behind
+    with psycopg.connect(db_url) as holder:  # rows past the offset that no read can take yet: behind
+        holder.execute("SELECT pg_current_xact_id()")
+        store.send("t", {"n": 2})
+        held_back = store.pull("t", "g")
+        assert len(held_back) == 0 and held_back.behind

@@ -1,0 +1,98 @@
+"""The wheel's cursor under an old transaction (issue 19, item 2; migrations/021): every pass appends an entry instead of
+updating one row, so reading the cursor costs the same few buffers after thousands of passes while a transaction
+keeps every entry on disk; the log is trimmed by the passes; the runtime may append and trim, never rewrite."""
+
+from __future__ import annotations
+
+import json
+import re
+from datetime import timedelta
+
+import psycopg
+import pytest
+from psycopg import errors
+
+from delaywheel import Store
+from delaywheel.deliver.wheel import CURSOR, TRIM_EVERY
+from delaywheel.migrate import RUNTIME_ROLE
+from delaywheel.produce.validation import Message
+from tests.conftest import deliveries
+
+PASSES = 2 * TRIM_EVERY + 300  # two trims, and entries past the last one
+# The newest entry through the primary key read backwards: the index's root and rightmost leaf, one heap page.
+CURSOR_BUFFERS = 3
+# The view under the old name: wheel_roll's one page, and each of its five cursor columns read as CURSOR is.
+STATE_BUFFERS = 1 + 5 * CURSOR_BUFFERS
+
+
+def buffers(conn: psycopg.Connection, query: str) -> int:
+    """Shared buffers (hit or read) one execution of `query` touched."""
+    row = conn.execute(f"EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {query}").fetchone()  # type: ignore[arg-type]
+    assert row is not None
+    plan = (row[0] if isinstance(row[0], list) else json.loads(row[0]))[0]["Plan"]
+    return int(plan["Shared Hit Blocks"]) + int(plan["Shared Read Blocks"])
+
+
+def test_the_cursor_read_stays_bounded_under_an_old_transaction(db_url: str) -> None:
+    """A REPEATABLE READ transaction stays open in the store's database (a report, a dump) while the wheel passes
+    PASSES times on the real clock, some passes delivering. It has no xid, so it holds no delivery back
+    (db.COMMIT_HORIZON), but nothing deleted or updated after its snapshot can be removed; an xid anywhere in the
+    cluster (Airflow's metadata) does the same to every pass's own pruning. Before migrations/021 the cursor row then held
+    one dead version per pass, and each read walked them all."""
+    with Store(db_url) as store, psycopg.connect(db_url) as old:
+        old.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        seen = old.execute("SELECT cursor_at, cursor_id FROM delaywheel.wheel_state").fetchone()
+        first = store.conn.execute(CURSOR).fetchone()
+        assert first is not None and first[0] == 0  # the entry migrations/021 copied from the old row
+        sent = []
+        for i in range(PASSES):
+            if i % 100 == 0:  # due at once: one of the next passes delivers it
+                sent += store.send_many([Message("cursor.test", b"x", delay=timedelta(milliseconds=1))])
+            store.advance_wheel()
+        after = store.conn.execute(CURSOR).fetchone()
+        assert after is not None and after[0] == PASSES
+        live = store.conn.execute("SELECT min(pass), count(*) FROM delaywheel.wheel_cursor").fetchone()
+        assert live == (TRIM_EVERY, PASSES - TRIM_EVERY + 1)  # a block trimmed by the passes themselves
+
+        # the reads a pass and the cursor's readers make touch the same few buffers as on a fresh store
+        assert buffers(store.conn, CURSOR) <= CURSOR_BUFFERS
+        assert buffers(store.conn, "SELECT * FROM delaywheel.wheel_state") <= STATE_BUFFERS
+        assert buffers(store.conn, "SELECT near_until FROM delaywheel.wheel_roll") == 1
+
+        # ... although the trimmed entries are all still on disk (VACUUM may not remove one of them), and the old
+        # snapshot still reads the cursor it read
+        assert old.execute("SELECT cursor_at, cursor_id FROM delaywheel.wheel_state").fetchone() == seen
+        notices: list[str] = []
+        store.conn.add_notice_handler(lambda diag: notices.append(diag.message_primary or ""))
+        store.conn.execute("VACUUM (VERBOSE) delaywheel.wheel_cursor")
+        kept = [int(m.group(1)) for m in map(re.compile(r"(\d+) are dead but not yet removable").search, notices) if m]
+        assert kept and kept[0] >= TRIM_EVERY
+        old.rollback()
+
+        assert sorted(m for m, *_ in deliveries(store, "cursor.test")) == sorted(sent)  # once each
+
+
+def test_a_second_pass_from_the_same_cursor_cannot_commit(db_url: str) -> None:
+    """The entry a pass appends is keyed by the one it read: a pass that read a cursor another pass has since
+    moved (which the wheel's lock prevents) fails on the key, so it cannot deliver what the other delivered."""
+    with Store(db_url) as store, psycopg.connect(db_url) as racer:
+        entry = racer.execute(CURSOR).fetchone()
+        assert entry is not None
+        store.advance_wheel()
+        with pytest.raises(errors.UniqueViolation):
+            racer.execute("INSERT INTO delaywheel.wheel_cursor (pass, cursor_at, cursor_id, horizon_xid, delivered)"
+                          " VALUES (%s, %s, %s, %s::xid8, %s)", (entry[0] + 1, *entry[1:]))
+
+
+def test_the_runtime_appends_and_trims_but_never_rewrites(db_url: str) -> None:
+    """Least privilege (migrations/017, migrations/021): the runtime appends entries and deletes old ones; it may not rewrite one
+    or empty the log wholesale, and it row-locks the roll's row through the view as producers do."""
+    with Store(db_url) as store:
+        store.advance_wheel()
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute(f"SET ROLE {RUNTIME_ROLE}")
+        for statement in ("UPDATE delaywheel.wheel_cursor SET cursor_id = 0", "TRUNCATE delaywheel.wheel_cursor"):
+            with pytest.raises(errors.InsufficientPrivilege):
+                conn.execute(statement)  # type: ignore[arg-type]
+        assert conn.execute("DELETE FROM delaywheel.wheel_cursor WHERE pass >= 0 AND pass < 1").rowcount == 1
+        assert conn.execute("SELECT near_until FROM delaywheel.wheel_state FOR KEY SHARE").fetchone() is not None

@@ -1,0 +1,200 @@
+"""`scripts/airflow.sh` as a user runs it: real services, a real deliver run, then Ctrl-C.
+
+The script runs with its own AIRFLOW_HOME, metadata database, store database and ports (its environment
+overrides), in a session of its own as a terminal would start it, and in a working directory of its own: every
+process it starts inherits that directory (Airflow's services rename themselves, which overwrites what
+/proc/<pid>/environ shows, so the environment cannot mark them). While `delaywheel_deliver`'s lane tasks are
+running, SIGINT goes to the script's whole process group, as Ctrl-C does. Then: the script exits within a bound,
+none of its processes remains (by working directory and by the services' sessions), the lane tasks ended in
+success (stopped by on_kill while the API server was still up, not failed or up_for_retry on `Connection
+refused`), and every service shared the secrets generated into AIRFLOW_HOME: a running task's log is served by
+the scheduler's log server to the API server ([api] secret_key), and task tokens signed by the scheduler pass
+the API server ([api_auth] jwt_secret)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+from psycopg import sql
+from psycopg.conninfo import make_conninfo
+
+from delaywheel.dev.local_airflow import SECRETS, as_url
+
+pytestmark = pytest.mark.airflow
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "airflow.sh"
+LANES = {"deliver_level_1", "deliver_level_2", "advance_wheel"}  # DELAYWHEEL_LEVELS="1s 5s": two levels + the wheel
+STARTED_WITHIN_S = 150  # script start -> lane tasks running (about 25 s alone here; 2 busy cores are slower)
+STOPPED_WITHIN_S = 60  # SIGINT -> the script has exited (about 12 s here)
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def processes() -> dict[int, tuple[str, int, str]]:
+    """pid -> (working directory, session id, command line) of every process this user can see."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cwd = os.readlink(entry / "cwd")
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:  # gone, or not ours to read
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state ppid pgrp session ...
+        if fields[0] == "Z":
+            continue
+        found[int(entry.name)] = (cwd, int(fields[3]), cmdline)
+    return found
+
+
+def ours(run_dir: Path, sessions: set[int]) -> dict[int, str]:
+    return {pid: cmd for pid, (cwd, sid, cmd) in processes().items()
+            if (cwd == str(run_dir) or sid in sessions) and pid != os.getpid()}
+
+
+def environ(pid: int) -> dict[str, str]:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
+
+
+def get(url: str, token: str | None = None, data: dict | None = None) -> str:
+    request = urllib.request.Request(url, data=json.dumps(data).encode() if data else None)
+    request.add_header("Content-Type", "application/json")
+    if token:
+        request.add_header("Authorization", f"Bearer {token}")
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return response.read().decode()
+
+
+@pytest.fixture
+def metadata_db(server_url: str) -> Iterator[str]:
+    name = f"airflow_sh_{uuid.uuid4().hex[:10]}"
+    yield name
+    with psycopg.connect(server_url, autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+
+
+def test_ctrl_c_stops_every_service_in_order_leaving_nothing_and_tasks_succeed(
+        tmp_path: Path, server_url: str, db_url: str, metadata_db: str) -> None:
+    home, run_dir = tmp_path / "airflow", tmp_path / "run"
+    run_dir.mkdir()
+    api_port, worker_log_port, trigger_log_port = free_ports(3)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW")}  # nothing of the tests' own Airflow
+    env |= {
+        "DELAYWHEEL_DATABASE_URL": as_url(db_url),
+        "DELAYWHEEL_AIRFLOW_HOME": str(home),
+        "DELAYWHEEL_AIRFLOW_DB": metadata_db,
+        "AIRFLOW__API__PORT": str(api_port),
+        "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(worker_log_port),
+        "AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT": str(trigger_log_port),
+        "DELAYWHEEL_LEVELS": "1s 5s",
+    }
+    base = f"http://127.0.0.1:{api_port}"
+    output = tmp_path / "airflow.sh.log"
+    meta = make_conninfo(server_url, dbname=metadata_db)
+    sessions: set[int] = set()
+    with output.open("wb") as out:
+        script = subprocess.Popen([str(SCRIPT)], cwd=run_dir, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                  start_new_session=True)  # a terminal's job: Ctrl-C signals this group
+    try:
+        started = time.monotonic()
+        running: dict[str, str] = {}
+        while set(running) != LANES:
+            assert script.poll() is None, output.read_text()[-5000:]
+            assert time.monotonic() - started < STARTED_WITHIN_S, (running, output.read_text()[-5000:])
+            time.sleep(2)
+            try:
+                with psycopg.connect(meta, connect_timeout=5) as conn:
+                    running = dict(conn.execute(
+                        "SELECT task_id, run_id FROM task_instance WHERE dag_id = 'delaywheel_deliver'"
+                        " AND state = 'running' AND task_id = ANY(%s)", (list(LANES),)).fetchall())
+            except psycopg.Error:  # not migrated yet
+                pass
+
+        # The services, each in a session of its own, all sharing the generated secrets.
+        procs = processes()
+        services = {pid: cmd for pid, (cwd, sid, cmd) in procs.items() if cwd == str(run_dir) and sid == pid}
+        for name in ("api_server", "scheduler", "triggerer", "dag-processor"):
+            assert any(name in cmd for cmd in services.values()), (name, services)
+        sessions = set(services)
+        files = {name: (home / name).read_text().strip() for name in SECRETS}
+        for name, (_, _, shortest) in SECRETS.items():
+            assert (home / name).stat().st_mode & 0o777 == 0o600, name
+            assert len(files[name].encode()) >= max(shortest, 44), name  # a Fernet key is 44
+        checked = set()
+        for pid, cmd in services.items():
+            seen = environ(pid)
+            if "AIRFLOW_HOME" not in seen:  # renamed itself over its environment (the API server): checked below
+                continue
+            for name, (variable, _, _) in SECRETS.items():
+                assert seen.get(variable) == files[name], (cmd, variable)
+            checked.add(cmd)
+        assert len(checked) >= 3, (checked, services)
+
+        # A running task's log, served by the scheduler's log server to the API server: both sign and check the
+        # request with [api] secret_key. (Before, each process made its own: "Signature verification failed".)
+        password = json.loads((home / "simple_auth_manager_passwords.json.generated").read_text())["admin"]
+        token = json.loads(get(f"{base}/auth/token", data={"username": "admin", "password": password}))
+        task_id = "deliver_level_1"
+        log = get(f"{base}/api/v2/dags/delaywheel_deliver/dagRuns/{running[task_id]}/taskInstances/{task_id}"
+                  f"/logs/1", token["access_token"])
+        assert "secret_key" not in log and "Could not read served logs" not in log, log[-3000:]
+        assert f":{worker_log_port}/log/" in log, log[-3000:]  # the served log is among the sources
+
+        # Ctrl-C: SIGINT to the terminal's foreground group, the script's. The services are not in it.
+        os.killpg(script.pid, signal.SIGINT)
+        stopping = time.monotonic()
+        script.wait(timeout=STOPPED_WITHIN_S + 30)
+        took = time.monotonic() - stopping
+        text = output.read_text()
+        assert took < STOPPED_WITHIN_S, (took, text[-5000:])
+        assert ours(run_dir, sessions) == {}  # nothing left: no worker, task, log server or service
+
+        with psycopg.connect(meta) as conn:
+            states = dict(conn.execute(
+                "SELECT task_id, state FROM task_instance WHERE dag_id = 'delaywheel_deliver' AND run_id = %s",
+                (running[task_id],)).fetchall())
+            retried = conn.execute(
+                "SELECT dag_id, task_id, state FROM task_instance WHERE try_number > 1"
+                " OR state IN ('failed', 'up_for_retry')").fetchall()
+        assert {t: states[t] for t in LANES} == dict.fromkeys(LANES, "success"), states
+        assert retried == [], retried
+        assert "Connection refused" not in text
+        assert script.returncode == 130, text[-5000:]
+        assert "scripts/airflow.sh: stopped" in text
+        assert "Exiting gracefully upon receiving signal 15" in text  # TERM, in order, not killed
+        assert "scripts/airflow.sh: killing" not in text, text[-5000:]
+    finally:
+        if script.poll() is None:
+            os.killpg(script.pid, signal.SIGKILL)
+            script.wait()
+        for pid in ours(run_dir, sessions):  # a failed run must not leave services behind either
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)

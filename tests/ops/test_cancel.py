@@ -1,0 +1,251 @@
+"""Cancel by id, by key, in bulk by keys, by a checked predicate and by keys from a table; the CLI's guard; cancelled
+is never delivered. Attacks through `where` are in test_caller_sql.py."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+
+import pytest
+
+from delaywheel import Store
+from delaywheel.cli import main
+from delaywheel.ops.cancel import KeysFrom
+from delaywheel.ops.predicate import UnsafeSQL
+from delaywheel.produce.validation import Message
+from tests.conftest import at, deliveries
+
+
+def test_cancel_by_id_and_key(store: Store, t0: datetime) -> None:
+    a = store.send("orders", b"a", delay_level=2, key="k-a", now=t0)
+    b = store.send("orders", b"b", delay=timedelta(minutes=5), key="k-b", now=t0)
+    c = store.send("orders", b"c", delay=timedelta(days=100), key="k-b", now=t0)
+    keep = store.send("orders", b"keep", delay_level=2, now=t0)
+    assert [(r.message_id, r.outcome) for r in store.cancel(message_id=a)] == [(a, "cancelled")]
+    assert [(r.message_id, r.outcome) for r in store.cancel(message_id=a)] == [(a, "already_cancelled")]
+    assert sorted((r.message_id, r.outcome) for r in store.cancel(key="k-b")) == [(b, "cancelled"), (c, "cancelled")]
+    store.deliver_due(now=t0 + timedelta(days=101))
+    assert [r[0] for r in deliveries(store)] == [keep]
+    result = store.deliver_level(2, now=at(t0, 5))
+    assert result.delivered == 0
+
+
+def test_cancel_after_delivery_and_not_found(store: Store, t0: datetime) -> None:
+    mid = store.send("orders", b"x", delay_level=1, key="done", now=t0)
+    store.deliver_level(1, now=at(t0, 1))
+    assert [(r.message_id, r.outcome) for r in store.cancel(message_id=mid)] == [(mid, "already_delivered")]
+    assert [r.outcome for r in store.cancel(key="done")] == ["already_delivered"]
+    assert [(r.message_id, r.outcome) for r in store.cancel(message_id=10**9)] == [(10**9, "not_found")]
+    assert [r.outcome for r in store.cancel(key="nobody")] == ["not_found"]
+    with pytest.raises(ValueError):
+        store.cancel()
+
+
+def test_skipped_cancelled_is_counted(store: Store, t0: datetime) -> None:
+    ids = store.send_many([Message("orders", {"i": i}, delay_level=1) for i in range(4)], now=t0)
+    store.cancel(message_id=ids[1])
+    result = store.deliver_level(1, now=at(t0, 1))
+    assert (result.delivered, result.skipped_cancelled) == (3, 1)
+
+
+def test_bulk_cancel_by_keys(store: Store, t0: datetime) -> None:
+    msgs = [Message("orders", {"i": i}, key=f"order-{i}", delay=timedelta(minutes=30)) for i in range(10)]
+    msgs += [Message("orders", {"i": i}, key=f"order-{i}", delay_level=4) for i in range(10, 14)]
+    ids = store.send_many(msgs, now=t0)
+    keys = ["order-1", "order-3", "order-11", "order-99"]
+    assert store.count_matching(keys=keys) == 3
+    assert store.cancel_matching(keys=keys) == 3
+    assert store.count_matching(keys=keys) == 0
+    assert store.cancel_matching(keys=keys) == 0  # idempotent
+    store.deliver_due(now=at(t0, 3600))
+    assert sorted(r[0] for r in deliveries(store)) == sorted(ids[i] for i in range(14) if i not in (1, 3, 11))
+
+
+def test_bulk_cancel_by_keys_from_a_user_table(store: Store, t0: datetime) -> None:
+    store.conn.execute("CREATE TABLE public.shop_orders (id int PRIMARY KEY, paid boolean NOT NULL)")
+    store.conn.execute("INSERT INTO public.shop_orders SELECT g, g % 3 = 0 FROM generate_series(1, 30) g")
+    msgs = [Message("timeouts", {"order": i}, key=str(i), delay=timedelta(minutes=30)) for i in range(1, 21)]
+    msgs += [Message("timeouts", {"order": i}, key=str(i), delay=timedelta(days=40)) for i in range(21, 31)]
+    ids = dict(zip(range(1, 31), store.send_many(msgs, now=t0), strict=True))
+    paid = KeysFrom("public.shop_orders", "id", filters={"paid": True})  # was: key IN (SELECT id::text ... WHERE paid)
+    assert store.count_matching(keys_from=paid) == 10
+    assert store.cancel_matching(keys_from=paid, reason="paid") == 10
+    reasons = store.conn.execute("SELECT DISTINCT reason FROM delaywheel.cancellations").fetchall()
+    assert reasons == [("paid",)]
+    assert store.cancel_matching(where="topic = 'timeouts' AND deliver_at > '2031-01-01'::timestamptz") == 0
+    store.deliver_due(now=t0 + timedelta(days=41))
+    assert sorted(r[0] for r in deliveries(store)) == sorted(v for k, v in ids.items() if k % 3)
+
+
+def test_keys_from_with_prefix_lists_and_a_checked_where(store: Store, t0: datetime) -> None:
+    store.conn.execute("CREATE SCHEMA biz")
+    store.conn.execute("CREATE TABLE biz.orders (id int PRIMARY KEY, status text, region text)")
+    store.conn.execute("INSERT INTO biz.orders VALUES (1, 'paid', 'eu'), (2, 'paid', 'us'), (3, 'open', 'eu'),"
+                       " (4, 'void', 'eu'), (5, NULL, 'eu')")
+    store.send_many([Message(topic, {"i": i}, key=f"order-{i}", delay=timedelta(hours=1))
+                     for i in range(1, 6) for topic in ("timeouts", "reminders")], now=t0)
+    paid_eu = KeysFrom("biz.orders", "id", prefix="order-", filters={"status": "paid", "region": "eu"})
+    assert store.count_matching(keys_from=paid_eu) == 2
+    assert store.count_matching(keys_from=KeysFrom("biz.orders", "id", prefix="order-",
+                                                   filters={"status": ["paid", "void"]})) == 6
+    assert store.count_matching(keys_from=KeysFrom("biz.orders", "id", prefix="order-", filters={"status": None})) == 2
+    assert store.cancel_matching(keys_from=paid_eu, where="topic = 'timeouts'") == 1
+    with pytest.raises(UnsafeSQL, match="does not exist"):
+        store.count_matching(keys_from=KeysFrom("biz.nothing", "id"))
+    with pytest.raises(UnsafeSQL, match=r"not a column of biz\.orders"):
+        store.count_matching(keys_from=KeysFrom("biz.orders", "xmin"))
+    with pytest.raises(UnsafeSQL, match="not a plain identifier"):
+        store.count_matching(keys_from=KeysFrom("biz.orders", "id", filters={"status; DROP TABLE x": "a"}))
+    with pytest.raises(UnsafeSQL, match="plain identifier"):
+        store.count_matching(keys_from=KeysFrom('biz.orders"; DROP TABLE biz.orders; --', "id"))
+    with pytest.raises(UnsafeSQL, match="system table"):
+        store.count_matching(keys_from=KeysFrom("pg_catalog.pg_authid", "rolpassword"))
+    # a hostile value is a value: bound, never SQL
+    assert store.count_matching(keys_from=KeysFrom("biz.orders", "id", prefix="'); DROP TABLE biz.orders; --",
+                                                   filters={"status": "x' OR '1'='1"})) == 0
+    assert store.conn.execute("SELECT count(*) FROM biz.orders").fetchone() == (5,)
+
+
+def test_cli_bulk_cancel_needs_yes(store: Store, db_url: str, t0: datetime, monkeypatch: pytest.MonkeyPatch,
+                                   capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("DELAYWHEEL_DATABASE_URL", db_url)
+    store.send_many([Message("orders", {"i": i}, key=f"k{i}", delay=timedelta(hours=1)) for i in range(6)], now=t0)
+    where = "key IN ('k1', 'k2', 'k5')"
+    assert main(["cancel", "--where", where]) == 0  # counted, as asked
+    assert "3 pending message(s) match" in capsys.readouterr().out
+    assert store.count_matching(where=where) == 3  # nothing cancelled without --yes
+    assert main(["cancel", "--where", where, "--yes", "--json"]) == 0
+    assert '"cancelled": 3' in capsys.readouterr().out
+    assert store.count_matching(where=where) == 0
+    assert main(["cancel", "--where", where, "--yes"]) == 1  # already cancelled: nothing done
+    assert main(["cancel", "--where", "key = 'none'"]) == 1  # nothing matches
+
+
+def test_bulk_cancel_rejects_bad_sql_and_writes_nothing(store: Store, t0: datetime) -> None:
+    store.send("orders", b"x", delay=timedelta(hours=1), key="a", now=t0)
+    with pytest.raises(UnsafeSQL, match="not valid SQL"):
+        store.cancel_matching(where="key = = 'a'")
+    assert store.conn.execute("SELECT count(*) FROM delaywheel.cancellations").fetchone() == (0,)
+
+
+def test_cli_keys_from_table(store: Store, db_url: str, t0: datetime, monkeypatch: pytest.MonkeyPatch,
+                             capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("DELAYWHEEL_DATABASE_URL", db_url)
+    store.conn.execute("CREATE TABLE public.paid_orders (id int PRIMARY KEY, status text)")
+    store.conn.execute("INSERT INTO public.paid_orders VALUES (1, 'paid'), (2, 'paid'), (3, 'open'), (4, 'void')")
+    store.send_many([Message("orders", {"i": i}, key=f"order-{i}", delay=timedelta(hours=1)) for i in range(6)],
+                    now=t0)
+    argv = ["cancel", "--keys-from-table", "public.paid_orders", "--keys-from-column", "id",
+            "--keys-from-prefix", "order-", "--keys-from-filter", "status=paid", "--keys-from-filter", "status=void"]
+    assert main(argv) == 0
+    assert "3 pending message(s) match" in capsys.readouterr().out
+    assert main([*argv, "--yes", "--json"]) == 0
+    assert '"cancelled": 3' in capsys.readouterr().out
+    assert main(["cancel", "--keys-from-table", "public.paid_orders", "--keys-from-column", "nope"]) == 2
+    assert "not a column of public.paid_orders" in capsys.readouterr().err
+    assert main(["cancel", "--keys-from-table", "public.paid_orders"]) == 2
+    assert "needs --keys-from-column" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_cancel_by_key_finds_exactly_the_pending_messages(store: Store, db_url: str, t0: datetime, seed: int) -> None:
+    """A property, over random placements: keys spread over the levels, the near wheel, far segments with a key filter
+    (a send of thousands: summaries in several groups, migrations/020), far segments without one (single sends, a small
+    send), a bulk chunk (`bulk.write_chunk`, the Spark path); some delivered, some cancelled before. cancel(key=…)
+    answers cancelled for exactly the pending ones, already_delivered / already_cancelled for the rest, and
+    not_found for a key nobody used; again after a roll moved far days into the near wheel."""
+    import random
+
+    import psycopg
+    import pyarrow as pa
+
+    from delaywheel.batch import bulk
+    from delaywheel.partitions import PartitionCache
+
+    rng = random.Random(seed)
+    before, after = [f"a{seed}-{i}" for i in range(30)], [f"b{seed}-{i}" for i in range(30)]
+    sent: dict[int, tuple[str, datetime]] = {}  # id -> (key, due)
+
+    def some_key(i: int) -> str:
+        return rng.choice(before + after) if rng.random() < 0.08 else f"filler-{seed}-{i}"  # most keys unique
+
+    def days(lo: float, hi: float) -> timedelta:
+        return timedelta(days=rng.uniform(lo, hi))
+
+    far = [Message("orders", {"i": i}, key=some_key(i), delay=days(4, 30)) for i in range(3000)]
+    far_small = [Message("orders", {"i": i}, key=rng.choice(before + after), delay=days(4, 30)) for i in range(10)]
+    near = [Message("orders", {"i": i}, key=some_key(i), delay=days(0.01, 2.9)) for i in range(300)]
+    levels = [Message("orders", {"i": i}, key=rng.choice(before + after), delay_level=rng.randint(1, 5))
+              for i in range(40)]
+    for batch in (far, far_small, near, levels):
+        for m, mid in zip(batch, store.send_many(batch, now=t0), strict=True):
+            sent[mid] = (str(m.key), t0 + (m.delay or timedelta(0)) if m.delay else t0)
+    for i in range(15):  # single sends: far segments of one, without a filter
+        key, delay = rng.choice(before + after), days(4, 30)
+        sent[store.send("orders", {"single": i}, key=key, delay=delay, now=t0)] = (key, t0 + delay)
+    pooled = iter(rng.sample(before + after, 50))  # a bulk input claims each key once: no key twice
+    chunk = pa.RecordBatch.from_pylist([
+        {"key": next(pooled) if i % 40 == 0 else f"bulk-{seed}-{i}", "body": f"b{i}",
+         "delay_ms": int(days(4, 30).total_seconds() * 1000), bulk.FILE_COLUMN: "in.csv", bulk.ROW_COLUMN: i + 1}
+        for i in range(2000)])
+    mapping = bulk.ColumnMap.parse("", "orders", "text").with_defaults(["key", "body", "delay_ms"])
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        assert bulk.write_chunk(conn, store.settings, PartitionCache(), chunk, mapping, "in.csv", now=t0).enqueued == 2000
+    for mid, key, due in store.conn.execute(
+            "SELECT id, key, deliver_at FROM delaywheel.wheel_far WHERE id <> ALL(%s)",
+            (list(sent),)):
+        sent[mid] = (key, due)
+    summaries = store.conn.execute("SELECT count(DISTINCT slot), max(slot) FROM delaywheel.far_key_summaries").fetchone()
+    assert summaries is not None and summaries[1] >= 4  # the big sends' far keys are cut into several groups
+
+    delivered = {mid for (mid,) in store.conn.execute("SELECT message_id FROM delaywheel.topic_messages")}
+    store.deliver_level(1, now=at(t0, 3600))  # level 1 (1 s) delivered
+    delivered = {mid for (mid,) in store.conn.execute("SELECT message_id FROM delaywheel.topic_messages")} - delivered
+    cancelled_before = {mid for mid in rng.sample(sorted(sent), 40)}
+    for mid in cancelled_before:
+        assert [r.outcome for r in store.cancel(message_id=mid)] in (["cancelled"], ["already_delivered"])
+    cancelled_before -= delivered
+
+    def check(keys: list[str], delivered: set[int], cancelled: set[int], passed: datetime) -> None:
+        """A cancelled message the cursor has passed (due by `passed`) is neither pending nor delivered: not named."""
+        for key in keys:
+            expected = {(mid, "already_delivered" if mid in delivered else
+                         "already_cancelled" if mid in cancelled else "cancelled")
+                        for mid, (k, due) in sent.items() if k == key and not (mid in cancelled and due <= passed)}
+            got = {(r.message_id, r.outcome) for r in store.cancel(key=key)}
+            assert got == (expected or {(None, "not_found")}), key
+            cancelled |= {mid for mid, outcome in got if outcome == "cancelled"}
+
+    check([*before, f"nobody-{seed}"], delivered, cancelled_before, t0)
+    # the roll: far days within the near window move into the near wheel; what falls due by then is delivered
+    later = t0 + timedelta(days=8)
+    store.deliver_due(now=later)
+    delivered = {mid for (mid,) in store.conn.execute("SELECT message_id FROM delaywheel.topic_messages")}
+    assert all(due <= later for mid, (_, due) in sent.items() if mid in delivered)
+    assert store.conn.execute("SELECT count(*) FROM delaywheel.wheel_far WHERE deliver_at < %s",
+                              (later + store.settings.wheel_near_window,)).fetchone() == (0,)
+    check(after, delivered, cancelled_before, later)
+    # a later send deletes the summaries whose far days were all rolled
+    store.send_many([Message("orders", {"i": i}, key=f"late-{i}", delay=days(20, 30)) for i in range(100)], now=later)
+    assert store.conn.execute("SELECT count(*) FROM delaywheel.far_key_summaries f, delaywheel.wheel_state s"
+                              " WHERE f.last_block < s.near_until").fetchone() == (0,)
+
+
+@pytest.mark.parametrize("count", [16, 600, 5000, 70_000])
+def test_a_key_is_looked_up_in_the_summary_its_send_wrote(count: int) -> None:
+    """keyblooms: the slot and filter a send writes for each of its far keys (far_filters, numpy) are among the slots
+    a lookup of that key tests (slots, plain Python), and that filter lets the key through (bloom_may_hold's bits)."""
+    import numpy as np
+    import pyarrow as pa
+
+    from delaywheel.produce.keyblooms import HASHES, far_filters, probe, slots
+
+    keys = [f"order-{i * 7919 % 1_000_003}" for i in range(count)]
+    _, written, filters = far_filters(pa.array(keys), np.array([count]))
+    assert len(written) == len(set(written)) and len(written) >= count // 512
+    by_slot = dict(zip(written, filters, strict=True))
+    for key in keys[:: max(1, count // 300)]:
+        h1, h2 = probe(key)
+        (slot,) = set(slots(h2)) & set(by_slot)  # exactly one of the slots looked up was written
+        bloom = by_slot[slot]
+        m = 8 * len(bloom)
+        assert all(bloom[(h1 + i * h2) % m // 8] >> ((h1 + i * h2) % m % 8) & 1 for i in range(HASHES))

@@ -1,0 +1,311 @@
+"""Cancels hold no lane lock while deliverers run (DESIGN.md, "Cancellation"): each interleaving of a cancel and a
+delivery pass, held open on their own connections, gives the true answer and never both; a stream of cancels beside
+a delivery loop starves no pass and keeps delivery exactly once."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Callable
+from datetime import datetime, timedelta
+from typing import Any
+
+import psycopg
+import pytest
+
+from delaywheel import Store
+from delaywheel.deliver import levels
+from delaywheel.deliver.wheel import WHEEL_LOCK
+from delaywheel.ops.cancel import CancelResult, find, key_params, mark, settle
+from delaywheel.produce.validation import Message
+from tests.conftest import deliveries
+
+NOW = timedelta(seconds=30)  # the passes' injected clock, after t0: every timer below is due
+
+
+class Background:
+    """`fn()` on a thread; `blocked()` says it has not returned yet, `result()` joins it."""
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self.value: Any = None
+        self.error: BaseException | None = None
+
+        def run() -> None:
+            try:
+                self.value = fn()
+            except BaseException as exc:
+                self.error = exc
+
+        self.thread = threading.Thread(target=run)
+        self.thread.start()
+
+    def blocked(self, seconds: float = 0.3) -> bool:
+        self.thread.join(seconds)
+        return self.thread.is_alive()
+
+    def result(self) -> Any:
+        self.thread.join(10)
+        assert not self.thread.is_alive()
+        if self.error:
+            raise self.error
+        return self.value
+
+
+def outcomes(results: list[CancelResult]) -> list[tuple[int | None, str]]:
+    return [(r.message_id, r.outcome) for r in results]
+
+
+def timer(store: Store, t0: datetime, key: str, lane: str) -> int:
+    # The cancellations' partition exists beforehand: a transaction that creates one holds its parent's lock until
+    # it ends, and the held-open transactions below are about rows, not DDL.
+    store._cache.ensure(store.conn, "cancellations", [t0])
+    if lane == "wheel":
+        return store.send("race", b"x", delay=timedelta(seconds=5), key=key, now=t0)
+    return store.send("race", b"x", delay_level=1, key=key, now=t0)
+
+
+def deliver(store: Store, lane: str, now: datetime):  # type: ignore[no-untyped-def]
+    return store.advance_wheel(now=now) if lane == "wheel" else store.deliver_level(1, now=now)
+
+
+def delivered_ids(store: Store) -> list[int]:
+    return [r[0] for r in deliveries(store, "race")]
+
+
+@pytest.fixture
+def other(db_url: str) -> Store:
+    with Store(db_url) as s:
+        yield s  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("lane", ["wheel", "level"])
+def test_cancel_committed_before_the_pass_reads(store: Store, other: Store, t0: datetime, lane: str) -> None:
+    mid = timer(store, t0, "k", lane)
+    assert outcomes(store.cancel(key="k")) == [(mid, "cancelled")]
+    assert deliver(other, lane, t0 + NOW).delivered == 0
+    assert delivered_ids(store) == []
+
+
+@pytest.mark.parametrize("lane", ["wheel", "level"])
+@pytest.mark.parametrize("pass_ends", ["commit", "rollback"])
+def test_pass_in_flight_when_the_cancel_runs(store: Store, other: Store, t0: datetime, lane: str, pass_ends: str) -> None:
+    """The pass has read and written the message, uncommitted: the cancel's row commits, then the cancel waits for the
+    pass; committed, the message was delivered; rolled back, it stays cancelled and no later pass delivers it."""
+    mid = timer(store, t0, "k", lane)
+    with other.conn.transaction() as tx:
+        assert deliver(other, lane, t0 + NOW).delivered == 1  # a savepoint: the lane's lock stays held
+        cancelling = Background(lambda: store.cancel(message_id=mid))
+        # waiting for the pass: here already in find, for the partitions this first pass created (a relation lock
+        # held to its end); with the partitions in place, in await_passes with its cancellation committed (below)
+        assert cancelling.blocked()
+        if pass_ends == "rollback":
+            raise psycopg.Rollback(tx)
+    if pass_ends == "commit":
+        assert outcomes(cancelling.result()) == [(mid, "already_delivered")]
+        assert delivered_ids(store) == [mid]
+        assert outcomes(store.cancel(key="k")) == [(mid, "already_delivered")]
+    else:
+        assert outcomes(cancelling.result()) == [(mid, "cancelled")]
+        assert deliver(other, lane, t0 + NOW).delivered == 0
+        assert delivered_ids(store) == []
+
+
+def test_the_cancellation_is_committed_before_the_cancel_waits(store: Store, db_url: str, t0: datetime) -> None:
+    """The insert and the wait go in one pipeline, a Sync between them: while the cancel waits for the lane's lock
+    (held here as a pass holds it), its cancellation is already committed, so a pass starting now skips the message."""
+    mid = timer(store, t0, "k", "wheel")
+    with psycopg.connect(db_url, autocommit=True) as lane, psycopg.connect(db_url) as third:
+        lane.execute("SELECT pg_advisory_lock(%s, %s)", WHEEL_LOCK)
+        cancelling = Background(lambda: store.cancel(key="k"))
+        assert cancelling.blocked()
+        assert third.execute("SELECT count(*) FROM delaywheel.cancellations WHERE message_id = %s", (mid,)).fetchone() == (1,)
+        lane.execute("SELECT pg_advisory_unlock(%s, %s)", WHEEL_LOCK)
+        assert outcomes(cancelling.result()) == [(mid, "cancelled")]
+
+
+@pytest.mark.parametrize("lane", ["wheel", "level"])
+@pytest.mark.parametrize("pass_commits", ["before_cancel_commits", "after_cancel_commits"])
+def test_cancel_row_uncommitted_when_the_pass_reads(store: Store, other: Store, t0: datetime, lane: str,
+                                                     pass_commits: str) -> None:
+    """The cancel has inserted its row, uncommitted, when the pass reads: the pass cannot see it and delivers. The
+    cancel then must say already_delivered, whichever of the two commits first."""
+    mid = timer(store, t0, "k", lane)
+    params = {"v": mid}
+    found = find(store.conn, "id", params)
+    with store.conn.transaction():
+        marked = mark(store.conn, store._cache, found, "race")
+        assert marked == {mid}
+        if pass_commits == "before_cancel_commits":
+            assert deliver(other, lane, t0 + NOW).delivered == 1
+        else:
+            pass_tx = other.conn.transaction()
+            pass_tx.__enter__()
+            assert deliver(other, lane, t0 + NOW).delivered == 1
+    # the cancellation is committed now
+    if pass_commits == "before_cancel_commits":
+        assert outcomes(settle(store.conn, "id", params, found, marked)) == [(mid, "already_delivered")]
+    else:
+        settling = Background(lambda: settle(store.conn, "id", params, found, marked))
+        assert settling.blocked()
+        pass_tx.__exit__(None, None, None)
+        assert outcomes(settling.result()) == [(mid, "already_delivered")]
+    assert delivered_ids(store) == [mid]
+
+
+def test_cancel_after_the_pass_committed(store: Store, other: Store, t0: datetime) -> None:
+    """Found pending, but the pass commits before the cancellation is inserted: the cursors no longer show it
+    pending, nothing is inserted, and the answer is already_delivered."""
+    mid = timer(store, t0, "k", "wheel")
+    found = find(store.conn, "key", key_params("k"))
+    assert deliver(other, "wheel", t0 + NOW).delivered == 1
+    marked = mark(store.conn, store._cache, found, "race")
+    assert marked == set()
+    assert outcomes(settle(store.conn, "key", {"v": "k"}, found, marked)) == [(mid, "already_delivered")]
+    assert store.conn.execute("SELECT count(*) FROM delaywheel.cancellations").fetchone() == (0,)
+
+
+def test_two_cancels_of_one_message(store: Store, other: Store, t0: datetime) -> None:
+    """The second waits at the unique index for the first to commit: one cancelled, one already_cancelled."""
+    mid = timer(store, t0, "k", "wheel")
+    found = find(store.conn, "id", {"v": mid})
+    with store.conn.transaction():
+        marked = mark(store.conn, store._cache, found, "first")
+        second = Background(lambda: other.cancel(message_id=mid))
+        assert second.blocked()
+    assert outcomes(settle(store.conn, "id", {"v": mid}, found, marked)) == [(mid, "cancelled")]
+    assert outcomes(second.result()) == [(mid, "already_cancelled")]
+    assert store.conn.execute("SELECT count(*) FROM delaywheel.cancellations").fetchone() == (1,)
+    assert deliver(store, "wheel", t0 + NOW).delivered == 0
+
+
+def test_a_pass_waits_out_a_cancels_shared_hold(db_url: str, store: Store, t0: datetime) -> None:
+    """A lane held shared (a cancel in await_passes) makes a pass wait, not report busy; held longer than
+    levels.LANE_WAIT (another deliverer), the pass reports busy as before."""
+    mid = timer(store, t0, "k", "wheel")
+    with psycopg.connect(db_url) as holder:
+        holder.execute("SELECT pg_advisory_xact_lock_shared(%s, %s)", WHEEL_LOCK)
+        passing = Background(lambda: store.advance_wheel(now=t0 + NOW))
+        time.sleep(0.005)
+        holder.rollback()
+        result = passing.result()
+        assert (result.busy, result.delivered) == (False, 1)
+        holder.execute("SELECT pg_advisory_xact_lock_shared(%s, %s)", WHEEL_LOCK)
+        assert store.advance_wheel(now=t0 + NOW).busy
+        holder.rollback()
+    assert delivered_ids(store) == [mid]
+
+
+def test_a_waiting_pass_goes_before_later_cancels(db_url: str, store: Store, t0: datetime,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """PostgreSQL grants no shared request past a waiting exclusive one: cancels arriving while a pass waits queue
+    behind it, so a stream of them cannot starve the pass."""
+    monkeypatch.setattr(levels, "LANE_WAIT", "5s")
+    timer(store, t0, "k", "wheel")
+    with psycopg.connect(db_url) as first, psycopg.connect(db_url, autocommit=True) as later:
+        first.execute("SELECT pg_advisory_xact_lock_shared(%s, %s)", WHEEL_LOCK)
+        passing = Background(lambda: store.advance_wheel(now=t0 + NOW))
+        assert passing.blocked(0.3)
+        cancel_wait = Background(lambda: later.execute("SELECT pg_advisory_xact_lock_shared(%s, %s)", WHEEL_LOCK))
+        assert cancel_wait.blocked(0.3)  # behind the waiting pass, although only a shared lock is held
+        first.rollback()
+        assert passing.result().delivered == 1
+        cancel_wait.result()
+
+
+def test_cancel_stream_beside_delivery_loops(db_url: str, store: Store) -> None:
+    """Real clock: producers send timers due within ~1 s (wheel and level 1), two threads cancel keys at random
+    (many at their due time, racing the passes), one deliverer per lane. No pass is busy; every message is delivered
+    exactly once unless a cancel said cancelled or already_cancelled, and then never; every already_delivered is
+    true."""
+    store.prepare()
+    keys: dict[str, int] = {}
+    lock = threading.Lock()
+    stop = threading.Event()
+    stop_delivering = threading.Event()
+    errors: list[BaseException] = []
+    answers: list[CancelResult] = []
+    busy = {"passes": 0, "busy": 0}
+
+    def produce(seed: int) -> None:
+        rng = random.Random(seed)
+        try:
+            with Store(db_url) as own:
+                n = 0
+                while not stop.is_set():
+                    batch = [f"p{seed}-{n + i}" for i in range(rng.randint(1, 10))]
+                    n += len(batch)
+                    ids = own.send_many([Message("race", b"x", key=k, delay_level=1) if rng.random() < 0.3 else
+                                         Message("race", b"x", key=k, delay=timedelta(seconds=rng.uniform(0.05, 1)))
+                                         for k in batch])
+                    with lock:
+                        keys.update(zip(batch, ids, strict=True))
+                    time.sleep(0.01)
+        except BaseException as exc:
+            errors.append(exc)
+
+    def cancel_loop(seed: int) -> None:
+        rng = random.Random(seed)
+        try:
+            with Store(db_url) as own:
+                while not stop.is_set():
+                    with lock:
+                        pool = list(keys)
+                    if not pool:
+                        time.sleep(0.005)
+                        continue
+                    key = rng.choice(pool[-300:])  # recent: pending, due now, or just delivered
+                    answers.extend(own.cancel(key=key) if rng.random() < 0.7 else own.cancel(message_id=keys[key]))
+        except BaseException as exc:
+            errors.append(exc)
+
+    def deliver_loop(lane: int | None) -> None:
+        try:
+            with Store(db_url) as own:
+                while not stop_delivering.is_set():
+                    result = own.advance_wheel(limit=50) if lane is None else own.deliver_level(lane, limit=50)
+                    with lock:
+                        busy["passes"] += 1
+                        busy["busy"] += result.busy
+                    if not result.more and not result.delivered:
+                        time.sleep(0.005)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=produce, args=(s,)) for s in range(2)]
+    threads += [threading.Thread(target=cancel_loop, args=(10 + s,)) for s in range(2)]
+    threads += [threading.Thread(target=deliver_loop, args=(lane,)) for lane in (1, None)]
+    for t in threads:
+        t.start()
+    time.sleep(4)
+    stop.set()
+    time.sleep(2.5)  # past the longest delay (level 1 = 1 s)
+    stop_delivering.set()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    store.deliver_due()
+    counts = dict(store.conn.execute(
+        "SELECT message_id, count(*) FROM delaywheel.topic_messages WHERE topic = 'race' GROUP BY 1").fetchall())
+    assert set(counts.values()) <= {1}
+    said_cancelled = {a.message_id for a in answers if a.outcome in ("cancelled", "already_cancelled")}
+    said_delivered = {a.message_id for a in answers if a.outcome == "already_delivered"}
+    assert not said_cancelled & set(counts), "delivered and reported cancelled"
+    assert said_delivered <= set(counts)
+    assert set(counts) | said_cancelled == set(keys.values())
+    assert busy["busy"] == 0, busy
+    assert len({a.message_id for a in answers if a.outcome == "cancelled"}) > 20
+    assert len(said_delivered) > 20
+    print(f"passes {busy['passes']}, busy {busy['busy']}, answers {len(answers)},"
+          f" cancelled {len(said_cancelled)}, already_delivered {len(said_delivered)}")
+
+
+def test_a_cancel_in_the_callers_transaction_holds_the_lanes(store: Store, other: Store, t0: datetime) -> None:
+    """Nothing can be committed before the caller's commit, so the cancel takes the lanes' locks as before: a pass of
+    that lane reports busy until then, and skips the message after."""
+    mid = timer(store, t0, "k", "wheel")
+    with store.conn.transaction():
+        assert outcomes(store.cancel(key="k")) == [(mid, "cancelled")]
+        assert other.advance_wheel(now=t0 + NOW).busy
+    assert other.advance_wheel(now=t0 + NOW).delivered == 0
+    assert delivered_ids(store) == []
