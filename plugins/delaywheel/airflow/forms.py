@@ -3,7 +3,7 @@ trigger the DAGs that change data. The jobs check everything again; these only s
 
 from __future__ import annotations
 
-from ..validation import TOPIC_PATTERN
+from delaywheel.produce.validation import TOPIC_PATTERN
 
 ISO_8601 = r"^\d{4}-\d{2}-\d{2}([T ]\d{2}:\d{2}(:\d{2}(\.\d+)?)?)?(Z|[+-]\d{2}(:?\d{2})?)?$"
 TOPIC = f"^{TOPIC_PATTERN.pattern}$"  # the producer's own rule (a form field holds no newline for `$` to let by)
