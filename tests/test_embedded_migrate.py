@@ -21,7 +21,7 @@ import pytest
 from psycopg.types.json import Jsonb
 
 from delaywheel import Settings, Store
-from delaywheel.batch import bulk
+from delaywheel.batch import bulk, input_rows
 from delaywheel.dev import embedded
 from delaywheel.migrate import SQL_DIR, MigrationError, available, current_version, migrate
 from delaywheel.partitions import PartitionCache
@@ -247,8 +247,8 @@ def test_bulk_claims_survive_the_move_to_source_ids(empty_db: str, sql_copy: Pat
                      " SELECT s, 'k' || i, i FROM unnest(ARRAY['a.csv', 'b.csv']) s, generate_series(1, 3) i")
     put_back()
     migrate(empty_db, sql_copy)
-    mapping = bulk.ColumnMap.parse("", "orders", "text").with_defaults(["key", "body"])
-    chunk = pa.RecordBatch.from_pylist([{"key": f"k{i}", "body": "x", bulk.FILE_COLUMN: "a.csv", bulk.ROW_COLUMN: i}
+    mapping = input_rows.ColumnMap.parse("", "orders", "text").with_defaults(["key", "body"])
+    chunk = pa.RecordBatch.from_pylist([{"key": f"k{i}", "body": "x", input_rows.FILE_COLUMN: "a.csv", input_rows.ROW_COLUMN: i}
                                         for i in range(1, 6)])
     with psycopg.connect(empty_db, autocommit=True) as conn:
         counts = bulk.write_chunk(conn, Settings(), PartitionCache(), chunk, mapping, "a.csv")

@@ -2,10 +2,10 @@
 
 from delaywheel.config import ConfigError, Settings, load_settings, parse_levels
 from delaywheel.consume.topics import AckResult, Batch, Delivered
-from delaywheel.deliver.levels import PassResult
 from delaywheel.ops.cancel import CancelResult
 from delaywheel.produce.validation import InvalidMessage, Message
 from delaywheel.store import Store
+from delaywheel.types import PassResult
 
 __all__ = ["AckResult", "Batch", "CancelResult", "ConfigError", "Delivered", "InvalidMessage", "Message", "PassResult",
            "Settings", "Store", "load_settings", "parse_levels"]

@@ -16,12 +16,12 @@ from delaywheel.config import Settings, load_settings
 from delaywheel.consume import topics
 from delaywheel.db import connect, database_url
 from delaywheel.deliver import levels, wheel
-from delaywheel.deliver.levels import PassResult
 from delaywheel.migrate import migrate
 from delaywheel.ops import cancel as cancelling
 from delaywheel.ops import stats
 from delaywheel.produce import producer
 from delaywheel.produce.validation import Message
+from delaywheel.types import PassResult
 
 if TYPE_CHECKING:
     from delaywheel.consume.consumer import ConsumeTotals

@@ -13,15 +13,15 @@ import psycopg
 import pyarrow as pa
 
 from delaywheel import Store
-from delaywheel.batch import bulk
+from delaywheel.batch import bulk, input_rows
 from delaywheel.partitions import PartitionCache
 
-MAPPING = bulk.ColumnMap.parse("", "orders", "text").with_defaults(["key", "body", "delay_level"])
+MAPPING = input_rows.ColumnMap.parse("", "orders", "text").with_defaults(["key", "body", "delay_level"])
 
 
 def rows(keys: range | list[int], file: str = "orders.csv") -> pa.RecordBatch:
     return pa.RecordBatch.from_pylist([{"key": f"order-{k}", "body": f"cancel {k}", "delay_level": 3,
-                                        bulk.FILE_COLUMN: file, bulk.ROW_COLUMN: n + 1} for n, k in enumerate(keys)])
+                                        input_rows.FILE_COLUMN: file, input_rows.ROW_COLUMN: n + 1} for n, k in enumerate(keys)])
 
 
 def queued_keys(store: Store) -> list[str]:

@@ -1,4 +1,4 @@
-"""The bulk writer's column path (`bulk.arrow_columns`) against its row path (`to_message` and the rules, one by one).
+"""The bulk writer's column path (`input_rows.arrow_columns`) against its row path (`to_message` and the rules, one by one).
 
 A Spark partition hands the writer Arrow batches. A regular chunk is checked and converted column by column; any
 other goes row by row, where each bad row is quarantined with its reason. The column path may decline any chunk,
@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from delaywheel import Settings
-from delaywheel.batch import bulk
+from delaywheel.batch import bulk, input_rows
 from delaywheel.produce.columns import Columns
 
 NOW = datetime(2030, 1, 1, 12, 0, 0, 250_000, tzinfo=UTC)
@@ -78,7 +78,7 @@ DELAYS = ("delay_level", "delay_ms", "deliver_at")
 
 
 @st.composite
-def chunks(draw: st.DrawFn) -> tuple[pa.RecordBatch, bulk.ColumnMap]:
+def chunks(draw: st.DrawFn) -> tuple[pa.RecordBatch, input_rows.ColumnMap]:
     """An input chunk and its mapping: good columns, except that at most one field draws from anything (a second
     bad field would mask the first), and sometimes two delay columns at once."""
     n = draw(st.integers(1, 8))
@@ -95,10 +95,10 @@ def chunks(draw: st.DrawFn) -> tuple[pa.RecordBatch, bulk.ColumnMap]:
             BODIES[body_format] if name == "body" else GOOD.get(name, []))
         kind, values = draw(st.sampled_from(options))
         columns[name] = pa.array([draw(values) for _ in range(n)], kind)
-    columns[bulk.FILE_COLUMN] = pa.array(["in.parquet"] * n)
-    columns[bulk.ROW_COLUMN] = pa.array(range(1, n + 1), pa.int64())
+    columns[input_rows.FILE_COLUMN] = pa.array(["in.parquet"] * n)
+    columns[input_rows.ROW_COLUMN] = pa.array(range(1, n + 1), pa.int64())
     batch = pa.RecordBatch.from_pydict(columns)
-    mapping = bulk.ColumnMap.parse("", "orders", body_format).with_defaults(  # type: ignore[arg-type]
+    mapping = input_rows.ColumnMap.parse("", "orders", body_format).with_defaults(  # type: ignore[arg-type]
         c for c in columns if not c.startswith("_"))
     return batch, mapping
 
@@ -109,10 +109,10 @@ def _as_lists(c: Columns) -> list[list[object]]:
 
 @settings(max_examples=800, deadline=None)
 @given(chunks())
-def test_what_the_column_path_accepts_is_what_the_rows_give(chunk: tuple[pa.RecordBatch, bulk.ColumnMap]) -> None:
+def test_what_the_column_path_accepts_is_what_the_rows_give(chunk: tuple[pa.RecordBatch, input_rows.ColumnMap]) -> None:
     batch, mapping = chunk
-    fast = bulk.arrow_columns(batch, mapping, NOW, SETTINGS)
-    positions, rows, bad = bulk._row_by_row(batch.to_pylist(), mapping, NOW, SETTINGS)
+    fast = input_rows.arrow_columns(batch, mapping, NOW, SETTINGS)
+    positions, rows, bad = input_rows._row_by_row(batch.to_pylist(), mapping, NOW, SETTINGS)
     if fast is not None:
         assert [b.reason for b in bad] == []  # the column path never takes a chunk with a row the rules refuse
         assert positions.tolist() == list(range(batch.num_rows))
@@ -122,7 +122,7 @@ def test_what_the_column_path_accepts_is_what_the_rows_give(chunk: tuple[pa.Reco
 def test_the_usual_chunks_take_the_column_path() -> None:
     """The equivalence above would hold trivially if every chunk declined; the readers' usual chunks must not."""
     n = 1000
-    provenance = {bulk.FILE_COLUMN: pa.array(["in.parquet"] * n), bulk.ROW_COLUMN: pa.array(range(1, n + 1))}
+    provenance = {input_rows.FILE_COLUMN: pa.array(["in.parquet"] * n), input_rows.ROW_COLUMN: pa.array(range(1, n + 1))}
     usual = [
         ({"key": pa.array([f"order-{i}" for i in range(n)]), "body": pa.array(['{"n": 1}'] * n),
           "delay_level": pa.array([1 + i % 18 for i in range(n)], pa.int32())}, "json"),
@@ -134,8 +134,8 @@ def test_the_usual_chunks_take_the_column_path() -> None:
     ]
     for columns, body_format in usual:
         batch = pa.RecordBatch.from_pydict(columns | provenance)
-        mapping = bulk.ColumnMap.parse("", "orders", body_format).with_defaults(columns)  # type: ignore[arg-type]
-        assert bulk.arrow_columns(batch, mapping, NOW, SETTINGS) is not None, columns.keys()
+        mapping = input_rows.ColumnMap.parse("", "orders", body_format).with_defaults(columns)  # type: ignore[arg-type]
+        assert input_rows.arrow_columns(batch, mapping, NOW, SETTINGS) is not None, columns.keys()
 
 
 def test_chunks_regroup_the_batches_rows_in_order() -> None:

@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from delaywheel.batch import row_groups
-from delaywheel.batch.bulk import FILE_COLUMN, ROW_COLUMN
+from delaywheel.batch.input_rows import FILE_COLUMN, ROW_COLUMN
 
 WANTED = pa.schema([("key", pa.string()), ("deliver_at", pa.timestamp("us", "UTC"))])
 

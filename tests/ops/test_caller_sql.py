@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from delaywheel import Settings, Store
-from delaywheel.batch.redeliver import Reconcile
+from delaywheel.batch.reconcile import Reconcile
 from delaywheel.cli import main
 from delaywheel.ops.cancel import read_only
 from delaywheel.ops.inputs import NotAllowed, check_input, check_source

@@ -158,7 +158,7 @@ def test_cancel_by_key_finds_exactly_the_pending_messages(store: Store, db_url: 
     import psycopg
     import pyarrow as pa
 
-    from delaywheel.batch import bulk
+    from delaywheel.batch import bulk, input_rows
     from delaywheel.partitions import PartitionCache
 
     rng = random.Random(seed)
@@ -185,9 +185,9 @@ def test_cancel_by_key_finds_exactly_the_pending_messages(store: Store, db_url: 
     pooled = iter(rng.sample(before + after, 50))  # a bulk input claims each key once: no key twice
     chunk = pa.RecordBatch.from_pylist([
         {"key": next(pooled) if i % 40 == 0 else f"bulk-{seed}-{i}", "body": f"b{i}",
-         "delay_ms": int(days(4, 30).total_seconds() * 1000), bulk.FILE_COLUMN: "in.csv", bulk.ROW_COLUMN: i + 1}
+         "delay_ms": int(days(4, 30).total_seconds() * 1000), input_rows.FILE_COLUMN: "in.csv", input_rows.ROW_COLUMN: i + 1}
         for i in range(2000)])
-    mapping = bulk.ColumnMap.parse("", "orders", "text").with_defaults(["key", "body", "delay_ms"])
+    mapping = input_rows.ColumnMap.parse("", "orders", "text").with_defaults(["key", "body", "delay_ms"])
     with psycopg.connect(db_url, autocommit=True) as conn:
         assert bulk.write_chunk(conn, store.settings, PartitionCache(), chunk, mapping, "in.csv", now=t0).enqueued == 2000
     for mid, key, due in store.conn.execute(

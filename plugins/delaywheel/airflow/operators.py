@@ -37,7 +37,7 @@ from delaywheel.consume.consumer import SAFETY_WAKE_S, Abandon
 from delaywheel.consume.topics import Message as DeliveredMessage
 from delaywheel.db import connect
 from delaywheel.deliver import runner
-from delaywheel.deliver.levels import TopicSpan, add_spans, event_extra
+from delaywheel.types import TopicSpan, add_spans, event_extra
 
 from .hooks import DelayWheelHook
 from .triggers import TopicMessagesTrigger

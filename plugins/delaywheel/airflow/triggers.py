@@ -22,9 +22,9 @@ from airflow.triggers.base import BaseEventTrigger, BaseTrigger, TriggerEvent
 from psycopg import sql
 
 from delaywheel.consume.topics import announce_new
-from delaywheel.deliver.levels import event_extra
 from delaywheel.deliver.runner import DueHints, backoff_delays, connection_lost, listen_channels
 from delaywheel.produce.producer import TOPIC_CHANNEL
+from delaywheel.types import event_extra
 
 from .hooks import DelayWheelHook, next_due_async
 

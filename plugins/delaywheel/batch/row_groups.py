@@ -19,7 +19,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from delaywheel.batch.bulk import FILE_COLUMN, ROW_COLUMN
+from delaywheel.batch.input_rows import FILE_COLUMN, ROW_COLUMN
 
 SCHEMA = "file string, row_group int, first_row long"  # one row per RowGroup, as Spark schedules them
 

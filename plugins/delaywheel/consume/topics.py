@@ -18,10 +18,10 @@ import psycopg
 
 from delaywheel.config import Settings
 from delaywheel.db import COMMIT_HORIZON, QUEUE_PLAN
-from delaywheel.deliver.levels import TopicSpan
 from delaywheel.partitions import PartitionCache
 from delaywheel.produce.producer import send_for_store
 from delaywheel.produce.validation import Message as OutgoingMessage
+from delaywheel.types import TopicSpan
 
 _log = logging.getLogger(__name__)
 

@@ -8,9 +8,7 @@ COMMIT leaves queue, topics and checkpoint as they were; after COMMIT, all three
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
 
 import psycopg
 from psycopg import errors
@@ -20,6 +18,7 @@ from delaywheel.deliver.setaside import POISON, record
 from delaywheel.partitions import PartitionCache
 from delaywheel.pending import LEVEL_HEAD
 from delaywheel.produce.producer import TOPIC_CHANNEL
+from delaywheel.types import PassResult, TopicSpan
 
 LEVEL_LOCK = 0x64770010  # advisory lock class for levels (second key: the level)
 
@@ -47,43 +46,6 @@ def take_lane(conn: psycopg.Connection, lock: tuple[int, int]) -> bool:
     return True
 
 
-@dataclass(frozen=True)
-class TopicSpan:
-    """What delivery wrote into one topic: consumers read in (xid, queue_offset) order, so `first` and `last`
-    bound the batch exactly (the Airflow operators put them in the topic's Asset event)."""
-
-    count: int
-    first: tuple[str, int]  # (xid, queue_offset) of the first message written
-    last: tuple[str, int]
-
-    def merge(self, other: TopicSpan) -> TopicSpan:
-        """Both spans as one, whichever was written first (spans of different lanes interleave)."""
-        return TopicSpan(self.count + other.count, min(self.first, other.first, key=_position),
-                         max(self.last, other.last, key=_position))
-
-    def fields(self) -> dict[str, Any]:
-        """The span as an Asset event's extra carries it: size and first/last (xid, queue_offset)."""
-        return {"count": self.count, "first_xid": self.first[0], "first_offset": self.first[1],
-                "last_xid": self.last[0], "last_offset": self.last[1]}
-
-
-def event_extra(topic: str, lane: str, span: TopicSpan) -> dict[str, Any]:
-    """A topic Asset event's extra (deliver tasks, the topic watcher): the topic, who wrote or announced the
-    batch, and the batch's span."""
-    return {"topic": topic, "lane": lane, **span.fields()}
-
-
-def add_spans(into: dict[str, TopicSpan], spans: dict[str, TopicSpan]) -> None:
-    """Merge per-topic spans into `into` (a run's, a lane's, or several lanes' totals)."""
-    for topic, span in spans.items():
-        into[topic] = into[topic].merge(span) if topic in into else span
-
-
-def _position(at: tuple[str, int]) -> tuple[int, int]:
-    """A (xid, queue_offset) position in read order: xids compare as numbers ("10" after "9")."""
-    return int(at[0]), at[1]
-
-
 # Per topic, what the `moved` CTE (RETURNING topic, queue_offset, xid) wrote: {topic: [count, xid, first, last]}.
 # It also NOTIFYs each topic to the topic watchers (sent at COMMIT, when the rows become readable), so every
 # statement that reports what it wrote into topics tells them too; PostgreSQL keeps the volatile column.
@@ -98,26 +60,6 @@ TOPIC_SUMMARY = """
 def topic_spans(summary: dict[str, list]) -> dict[str, TopicSpan]:
     """TOPIC_SUMMARY's value as spans (one pass is one transaction: one xid per topic)."""
     return {t: TopicSpan(int(n), (x, int(lo)), (x, int(hi))) for t, (n, x, lo, hi) in summary.items()}
-
-
-@dataclass(frozen=True)
-class PassResult:
-    """What one delivery pass did, and when the caller should look again."""
-
-    delivered: int
-    skipped_cancelled: int
-    next_due: datetime | None  # head of the queue after this pass; None when it is empty
-    busy: bool = False  # another deliverer holds this level
-    more: bool = False  # the batch limit stopped the pass while due messages remained
-    topics: dict[str, TopicSpan] = field(default_factory=dict)  # what this pass wrote, per topic
-
-    def combine(self, other: PassResult) -> PassResult:
-        """Two lanes' passes as one lane's (the last level also serves levels removed from the table)."""
-        dues = [d for d in (self.next_due, other.next_due) if d is not None]
-        spans = dict(self.topics)
-        add_spans(spans, other.topics)
-        return PassResult(self.delivered + other.delivered, self.skipped_cancelled + other.skipped_cancelled,
-                          min(dues, default=None), self.busy or other.busy, self.more or other.more, spans)
 
 
 # A level's queue in (xid, id) order: its segments in (xid, id_last) order, each one's messages in id order

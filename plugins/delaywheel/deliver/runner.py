@@ -23,10 +23,10 @@ from psycopg import sql
 
 from delaywheel import partitions
 from delaywheel.db import connect
-from delaywheel.deliver.levels import TopicSpan, add_spans
 from delaywheel.pending import LEVEL_HEAD
 from delaywheel.produce.producer import NOTIFY_CHANNEL, lane_channel
 from delaywheel.store import Store
+from delaywheel.types import TopicSpan, add_spans
 
 Lane = int | None  # a level number, or None for the wheel
 BUSY_RETRY_S = 0.02  # another deliverer or a canceller holds the lane: look again soon

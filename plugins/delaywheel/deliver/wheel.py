@@ -21,9 +21,10 @@ from psycopg import errors
 
 from delaywheel.config import Settings
 from delaywheel.db import COMMIT_HORIZON, QUEUE_PLAN
-from delaywheel.deliver.levels import TOPIC_SUMMARY, PassResult, take_lane, topic_spans
+from delaywheel.deliver.levels import TOPIC_SUMMARY, take_lane, topic_spans
 from delaywheel.deliver.setaside import POISON, record
 from delaywheel.partitions import DAY, HOUR, PartitionCache, floor_to
+from delaywheel.types import PassResult
 
 WHEEL_LOCK = (0x64770020, 0)
 MAX_ID = 2**63 - 1

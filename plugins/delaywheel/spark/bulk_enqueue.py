@@ -4,7 +4,7 @@
         --input 'orders/*.parquet' --map key=order_id,body=payload,delay_level=lvl --topic orders
 
 Each row is checked by the rules of `send` and written by its COPY path, a chunk per transaction in each
-partition (`delaywheel.bulk`); bad rows land in `delaywheel.quarantine` with the reason, the file and the
+partition (`delaywheel.batch.bulk`); bad rows land in `delaywheel.quarantine` with the reason, the file and the
 row number; a re-run of the same input (same --source) enqueues nothing new. The counts are printed at the
 end as one JSON line; each partition prints its counts to stderr every 10 s (the task log in local mode) and shows
 as a task in the Spark UI. Local Parquet files are read by pyarrow in the Python workers, each its share of the
@@ -32,7 +32,7 @@ from pyspark.sql import functions as F
 from pyspark.sql.pandas.types import to_arrow_schema
 from pyspark.sql.types import StringType, StructField, StructType
 
-from delaywheel.batch import bulk, row_groups
+from delaywheel.batch import bulk, input_rows, row_groups
 from delaywheel.config import load_settings
 from delaywheel.ops import inputs, predicate
 
@@ -55,40 +55,40 @@ def read_files(spark: SparkSession, path: str, fmt: str) -> DataFrame:
     Unparsable CSV/JSON records are kept, with their text in `_corrupt_record`."""
     if fmt == "parquet":
         df = spark.read.parquet(path)
-        return df.select("*", F.col("_metadata.file_path").alias(bulk.FILE_COLUMN),
-                         (F.col("_metadata.row_index") + 1).alias(bulk.ROW_COLUMN))
+        return df.select("*", F.col("_metadata.file_path").alias(input_rows.FILE_COLUMN),
+                         (F.col("_metadata.row_index") + 1).alias(input_rows.ROW_COLUMN))
     if fmt == "csv":
         csv = spark.read.option("header", True).option("escape", "\"")  # RFC 4180 quoting: "" inside quotes
         header = csv.csv(path).schema  # every column as text
-        schema = StructType([*header.fields, StructField(bulk.CORRUPT_COLUMN, StringType())])
+        schema = StructType([*header.fields, StructField(input_rows.CORRUPT_COLUMN, StringType())])
         df = (csv.option("mode", "PERMISSIVE").schema(schema)
-              .option("columnNameOfCorruptRecord", bulk.CORRUPT_COLUMN).csv(path))
+              .option("columnNameOfCorruptRecord", input_rows.CORRUPT_COLUMN).csv(path))
     else:
-        df = spark.read.option("mode", "PERMISSIVE").option("columnNameOfCorruptRecord", bulk.CORRUPT_COLUMN).json(path)
+        df = spark.read.option("mode", "PERMISSIVE").option("columnNameOfCorruptRecord", input_rows.CORRUPT_COLUMN).json(path)
     # A file may be split over tasks: order by the split's offset, then by position within the split.
-    df = df.select("*", F.col("_metadata.file_path").alias(bulk.FILE_COLUMN),
+    df = df.select("*", F.col("_metadata.file_path").alias(input_rows.FILE_COLUMN),
                    F.col("_metadata.file_block_start").alias("_block"), F.monotonically_increasing_id().alias("_pos"))
-    order = Window.partitionBy(bulk.FILE_COLUMN).orderBy("_block", "_pos")
-    return df.withColumn(bulk.ROW_COLUMN, F.row_number().over(order)).drop("_block", "_pos")
+    order = Window.partitionBy(input_rows.FILE_COLUMN).orderBy("_block", "_pos")
+    return df.withColumn(input_rows.ROW_COLUMN, F.row_number().over(order)).drop("_block", "_pos")
 
 
 def read_query(spark: SparkSession, url: str, query: str, timeout: timedelta) -> DataFrame:
     """A checked query (`predicate.check_query`: one read-only SELECT), read in a READ ONLY session."""
     df = sparkjob.read_only_sql(spark, url, query, timeout)
     order = Window.orderBy(F.monotonically_increasing_id())
-    return df.select("*", F.lit("query").alias(bulk.FILE_COLUMN), F.row_number().over(order).alias(bulk.ROW_COLUMN))
+    return df.select("*", F.lit("query").alias(input_rows.FILE_COLUMN), F.row_number().over(order).alias(input_rows.ROW_COLUMN))
 
 
-def mapped(df: DataFrame, mapping: bulk.ColumnMap) -> tuple[DataFrame, bulk.ColumnMap]:
+def mapped(df: DataFrame, mapping: input_rows.ColumnMap) -> tuple[DataFrame, input_rows.ColumnMap]:
     """Only the columns the mapping uses (plus provenance) travel to the writers."""
     mapping = mapping.with_defaults(c for c in df.columns if not c.startswith("_"))
-    keep = [*mapping.input_columns, bulk.FILE_COLUMN, bulk.ROW_COLUMN]
-    if bulk.CORRUPT_COLUMN in df.columns:
-        keep.append(bulk.CORRUPT_COLUMN)
+    keep = [*mapping.input_columns, input_rows.FILE_COLUMN, input_rows.ROW_COLUMN]
+    if input_rows.CORRUPT_COLUMN in df.columns:
+        keep.append(input_rows.CORRUPT_COLUMN)
     return df.select(*keep), mapping
 
 
-def row_group_tasks(spark: SparkSession, df: DataFrame, mapping: bulk.ColumnMap, writers: int, batch_rows: int
+def row_group_tasks(spark: SparkSession, df: DataFrame, mapping: input_rows.ColumnMap, writers: int, batch_rows: int
                     ) -> tuple[DataFrame, Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]] | None:
     """A Parquet input as its row groups over `writers` partitions and the reader that turns them into rows in the
     workers (`delaywheel.row_groups`); None when Spark's reader should read it: files `row_groups.plan` leaves to
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> bulk.Counts:
     fmt = input_format(args.input, args.format) if args.input else "query"
     df = (read_files(spark, args.input, fmt) if args.input
           else read_query(spark, source_url or url, str(query), settings.match_timeout))
-    df, mapping = mapped(df, bulk.ColumnMap.parse(args.map, args.topic, args.body_format))
+    df, mapping = mapped(df, input_rows.ColumnMap.parse(args.map, args.topic, args.body_format))
     writers = args.partitions or spark.sparkContext.defaultParallelism
     by_row_group = (row_group_tasks(spark, df, mapping, writers, args.chunk)
                     if fmt == "parquet" and args.parquet_reader == "auto" else None)

@@ -11,7 +11,7 @@ Reconcile's table and columns are looked up in the catalog and quoted, and its p
 that table's columns, checked by `delaywheel.predicate` (no subqueries, only pure functions): the business rows are
 read in a READ ONLY JDBC session with a statement timeout.
 
-Each mode spreads library calls over partitions (`delaywheel.redeliver`): catch-up runs the deliverers' own
+Each mode spreads library calls over partitions (`delaywheel.batch.catchup`, `.replay`, `.reconcile`): catch-up runs the deliverers' own
 passes, one partition per level and one for the wheel; replay one partition per hour of the range; reconcile
 joins the business keys with the pending timers and writes the missing ones with the bulk writer.
 Each prints one JSON line with its figures.
@@ -29,7 +29,9 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from delaywheel import Store
-from delaywheel.batch import bulk, redeliver
+from delaywheel.batch import bulk, catchup, input_rows
+from delaywheel.batch.reconcile import Reconcile, record_reconcile
+from delaywheel.batch.replay import ReplayRequest, finish_replay, replay_slice, start_replay
 from delaywheel.config import Settings, load_settings
 from delaywheel.db import connect
 
@@ -37,32 +39,32 @@ SAMPLE = 20
 
 
 def catch_up(spark: SparkSession, url: str, settings: Settings, now: datetime | None, limit: int) -> dict[str, Any]:
-    lanes = redeliver.lanes(settings)
+    lanes = catchup.lanes(settings)
     results = (spark.sparkContext.parallelize(lanes, len(lanes))
-               .map(lambda lane: redeliver.catch_up_lane(url, settings, lane, now=now, limit=limit)).collect())
+               .map(lambda lane: catchup.catch_up_lane(url, settings, lane, now=now, limit=limit)).collect())
     return {"mode": "catch-up", "delivered": sum(r.delivered for r in results),
             "skipped_cancelled": sum(r.skipped_cancelled for r in results),
             "lanes": {("wheel" if r.level is None else str(r.level)): r.delivered for r in results if r.delivered}}
 
 
-def replay(spark: SparkSession, url: str, request: redeliver.ReplayRequest, requested_by: str) -> dict[str, Any]:
+def replay(spark: SparkSession, url: str, request: ReplayRequest, requested_by: str) -> dict[str, Any]:
     with connect(url, autocommit=True) as conn:
-        replay_id = redeliver.start_replay(conn, request, requested_by)
+        replay_id = start_replay(conn, request, requested_by)
     slices = request.slices()
     counts = (spark.sparkContext.parallelize(slices, len(slices))
-              .map(lambda s: redeliver.replay_slice(url, replay_id, request, *s)).collect())
+              .map(lambda s: replay_slice(url, replay_id, request, *s)).collect())
     replayed, skipped = sum(c[0] for c in counts), sum(c[1] for c in counts)
     with connect(url, autocommit=True) as conn:
-        redeliver.finish_replay(conn, replay_id, replayed, skipped)
+        finish_replay(conn, replay_id, replayed, skipped)
     return {"mode": "replay", "replay_id": replay_id, "replayed": replayed, "skipped_already_replayed": skipped}
 
 
-def missing_timers(needed: DataFrame, pending: DataFrame, job: redeliver.Reconcile) -> DataFrame:
+def missing_timers(needed: DataFrame, pending: DataFrame, job: Reconcile) -> DataFrame:
     """Business rows with no pending timer, as bulk-writer input rows (key, due time or delay, body)."""
     rows = needed.where(~F.col("delivered")).join(pending, "key", "left_anti")
     body = F.to_json(F.struct(F.col("key"), F.lit(job.table).alias("table"), F.lit("reconcile").alias("origin")))
-    columns = [F.col("key"), body.alias("body"), F.lit(job.table).alias(bulk.FILE_COLUMN),
-               F.monotonically_increasing_id().alias(bulk.ROW_COLUMN)]
+    columns = [F.col("key"), body.alias("body"), F.lit(job.table).alias(input_rows.FILE_COLUMN),
+               F.monotonically_increasing_id().alias(input_rows.ROW_COLUMN)]
     if job.due_column:
         columns.append(F.col("deliver_at"))
     else:
@@ -70,7 +72,7 @@ def missing_timers(needed: DataFrame, pending: DataFrame, job: redeliver.Reconci
     return rows.select(*columns)
 
 
-def reconcile(spark: SparkSession, url: str, settings: Settings, job: redeliver.Reconcile, requested_by: str,
+def reconcile(spark: SparkSession, url: str, settings: Settings, job: Reconcile, requested_by: str,
               now: datetime | None) -> dict[str, Any]:
     with connect(url, autocommit=True) as conn:  # names checked against the catalog, the predicate over its columns
         needed_sql, pending_sql = job.needed_sql(conn), job.pending_sql(conn)
@@ -82,13 +84,13 @@ def reconcile(spark: SparkSession, url: str, settings: Settings, job: redeliver.
     sample = {"missing": [r.key for r in missing.limit(SAMPLE).collect()],
               "stale": [r.key for r in stale.limit(SAMPLE).collect()]}
     run_source = f"reconcile:{job.table}:{datetime.now().isoformat()}"  # dedup within this run only
-    mapping = bulk.ColumnMap.parse("", job.topic).with_defaults(c for c in missing.columns if not c.startswith("_"))
+    mapping = input_rows.ColumnMap.parse("", job.topic).with_defaults(c for c in missing.columns if not c.startswith("_"))
     created = (sparkjob.write_rows(missing, url, settings, mapping, run_source, now=now, job="reconcile: missing timers")
                if missing_count else bulk.Counts())
     with Store(url, settings) as store:
         cancelled = (store.cancel_matching(match=job.stale_match(store.conn), reason=f"reconcile {job.table}")
                      if stale_count else 0)
-        run_id = redeliver.record_reconcile(store.conn, job, requested_by, missing=missing_count, stale=stale_count,
+        run_id = record_reconcile(store.conn, job, requested_by, missing=missing_count, stale=stale_count,
                                             created=created.enqueued, cancelled=cancelled, sample=sample)
     return {"mode": "reconcile", "run_id": run_id, "missing": missing_count, "created": created.enqueued,
             "rejected": created.rejected, "stale": stale_count, "cancelled": cancelled, "sample": sample}
@@ -127,7 +129,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.mode == "reconcile":
         delay = timedelta(seconds=args.delay_seconds) if args.delay_seconds is not None else None
         try:
-            job = redeliver.Reconcile(args.table, args.key_column, args.predicate, args.topic, args.due_column, delay)
+            job = Reconcile(args.table, args.key_column, args.predicate, args.topic, args.due_column, delay)
             with connect(url, autocommit=True) as conn:
                 job.resolve(conn)  # every name and the predicate checked before Spark starts
         except ValueError as exc:  # UnsafeSQL and InvalidMessage among them: a clear error, not a traceback
@@ -137,7 +139,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.mode == "catch-up":
         report = catch_up(spark, url, settings, args.now, args.batch)
     elif args.mode == "replay":
-        request = redeliver.ReplayRequest(args.due_from, args.due_until, args.source_topic, args.target_topic)
+        request = ReplayRequest(args.due_from, args.due_until, args.source_topic, args.target_topic)
         report = replay(spark, url, request, args.requested_by)
     else:
         assert job is not None
