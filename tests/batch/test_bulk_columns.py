@@ -112,7 +112,7 @@ def _as_lists(c: Columns) -> list[list[object]]:
 def test_what_the_column_path_accepts_is_what_the_rows_give(chunk: tuple[pa.RecordBatch, input_rows.ColumnMap]) -> None:
     batch, mapping = chunk
     fast = input_rows.arrow_columns(batch, mapping, NOW, SETTINGS)
-    positions, rows, bad = input_rows._row_by_row(batch.to_pylist(), mapping, NOW, SETTINGS)
+    positions, rows, bad = input_rows.row_by_row(batch.to_pylist(), mapping, NOW, SETTINGS)
     if fast is not None:
         assert [b.reason for b in bad] == []  # the column path never takes a chunk with a row the rules refuse
         assert positions.tolist() == list(range(batch.num_rows))

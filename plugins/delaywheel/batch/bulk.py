@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from psycopg import errors
 
-from delaywheel.batch.input_rows import FILE_COLUMN, ROW_COLUMN, ColumnMap, _Bad, _row_by_row, arrow_columns
+from delaywheel.batch.input_rows import FILE_COLUMN, ROW_COLUMN, ColumnMap, Rejected, arrow_columns, row_by_row
 from delaywheel.config import Settings
 from delaywheel.partitions import PartitionCache
 from delaywheel.produce.arrow_copy import copy_arrow, write_columns
@@ -98,9 +98,9 @@ def write_chunk(
         clock, ids = clock_and_ids(conn, rows.num_rows, now)
         columns = arrow_columns(rows, mapping, clock, settings)
         if columns is not None:
-            positions, bad = np.arange(rows.num_rows), list[_Bad]()
+            positions, bad = np.arange(rows.num_rows), list[Rejected]()
         else:
-            positions, columns, bad = _row_by_row(rows.to_pylist(), mapping, clock, settings)
+            positions, columns, bad = row_by_row(rows.to_pylist(), mapping, clock, settings)
         kept = np.asarray(ids, np.int64)[positions]
         fresh = np.zeros(0, bool)
         if columns is not None:
@@ -161,7 +161,7 @@ def _source_id(conn: psycopg.Connection, source: str) -> int:
     raise RuntimeError(f"claims source {source!r} could not be registered")
 
 
-def _quarantine(conn: psycopg.Connection, source: str, bad: list[_Bad]) -> None:
+def _quarantine(conn: psycopg.Connection, source: str, bad: list[Rejected]) -> None:
     if not bad:
         return
     conn.execute(

@@ -3,7 +3,7 @@
 A chunk of input rows arrives as an Arrow batch and a column mapping (`ColumnMap`) says which column feeds which
 message field. A regular chunk is checked by `send`'s rules column by column and converted as a whole
 (`arrow_columns`); any other is turned into one `Message` per row and checked by the same rules
-(`validation.prepare`, by `columns.prepare_columns`), each bad row kept with the rule it breaks (`_row_by_row`).
+(`validation.prepare`, by `columns.prepare_columns`), each bad row kept with the rule it breaks (`row_by_row`).
 Writing them is `bulk`'s. Nothing here imports Spark or touches the database.
 """
 
@@ -267,7 +267,10 @@ def _raw(row: Mapping[str, Any]) -> str:
 
 
 @dataclass(frozen=True)
-class _Bad:
+class Rejected:
+    """A row the rules refused, as `bulk` writes it into `delaywheel.quarantine`: where it came from, the rule's
+    reason code and sentence, and the row itself (JSON, without the provenance columns)."""
+
     source_file: str
     row_number: int
     reason: str
@@ -275,18 +278,18 @@ class _Bad:
     raw: str
 
 
-def _row_by_row(
+def row_by_row(
     rows: list[dict[str, Any]], mapping: ColumnMap, clock: datetime, settings: Settings,
-) -> tuple[np.ndarray, Columns | None, list[_Bad]]:
+) -> tuple[np.ndarray, Columns | None, list[Rejected]]:
     """(positions of the good rows, their columns, the bad rows with their reasons); columns None if none is good."""
-    bad: list[_Bad] = []
+    bad: list[Rejected] = []
     messages, positions = [], []
     for position, row in enumerate(rows):
         try:
             messages.append(to_message(row, mapping))
             positions.append(position)
         except InvalidMessage as exc:
-            bad.append(_bad(row, exc))
+            bad.append(_rejected(row, exc))
     try:
         columns = prepare_columns(messages, clock, settings) if messages else None
     except InvalidMessage:  # some row breaks a rule: sort the rows out one by one, then check the rest at once
@@ -296,11 +299,11 @@ def _row_by_row(
                 prepare(message, clock, settings)
                 kept.append((message, position))
             except InvalidMessage as exc:
-                bad.append(_bad(rows[position], exc))
+                bad.append(_rejected(rows[position], exc))
         messages, positions = [m for m, _ in kept], [p for _, p in kept]
         columns = prepare_columns(messages, clock, settings) if messages else None
     return np.asarray(positions, np.int64), columns, bad
 
 
-def _bad(row: Mapping[str, Any], exc: InvalidMessage) -> _Bad:
-    return _Bad(str(row[FILE_COLUMN]), int(row[ROW_COLUMN]), exc.reason, str(exc), _raw(row))
+def _rejected(row: Mapping[str, Any], exc: InvalidMessage) -> Rejected:
+    return Rejected(str(row[FILE_COLUMN]), int(row[ROW_COLUMN]), exc.reason, str(exc), _raw(row))
