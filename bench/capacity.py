@@ -1,0 +1,616 @@
+"""Capacity at 1/100 scale (issue 21, item 4): what a pending timer and a delivered message cost, measured, and what
+that makes of 1 billion pending timers and 100,000 msg/s.
+
+In a database of its own (`delaywheel_bench_capacity`, dropped at the end), on the project's cluster:
+
+0. Baselines of the same payload: a plain table filled by binary COPY (bytes, WAL and CPU per row), a batched move
+   (DELETE ... RETURNING into INSERT, batches of the store's size) out of a copy of it with a primary key, and
+   single-row INSERTs next to single `send` calls.
+1. `10M x scale` timers pending, sent by send_many in batches of `--batch` on the real clock: near-wheel timers
+   (due 1 h - 3 d, one row each in `wheel`), far timers (due 4 - 34 d, segments in `wheel_far_segments` plus
+   `far_key_summaries`) and level-queue timers (levels 17-18 at random, segments in `level_segments`). Per kind: the
+   tables' size delta (heap, indexes, TOAST, and after the first VACUUM its visibility and free-space maps) and rows
+   per timer; WAL bytes (pg_current_wal_lsn) and CPU (this process; the store's backends; every process of the
+   cluster) per message; the first VACUUM (ANALYZE) of the filled tables and a second one, timed. The same for a
+   smaller fill sent in calls of 100 messages, as small producers send.
+2. Steady state on the real clock, with the 10M still pending: `--rate` msg/s (1,000 = 1/100 of 100,000) for
+   `--seconds`, half to the wheel (delays 1-10 s), half to levels 1-3, delivered by the library's loop on all 19
+   lanes and read by one consumer; WAL and CPU per second and per message. (Before step 3: its injected clock moves
+   the wheel's cursor a day ahead.)
+3. The roll: far day blocks promoted into the near wheel by `prepare(now=…)` with the clock a day and two days ahead,
+   timed per row. The wheel lane waits for it (the roll holds the wheel's lock).
+4. Delivery (injected clock): the near timers due within the next day by wheel passes, every level by level passes;
+   bytes per delivered message in `topic_messages`, WAL and CPU per message; VACUUM and VACUUM (FREEZE) of the topic
+   partitions that hold them.
+
+Then the extrapolation to 1 billion pending and 100,000 msg/s. WAL and "cluster" CPU are the cluster's, so other
+work on it adds to them (the run records pg_stat_wal's full-page images and the idle WAL rate before it starts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import re
+import resource
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+from delaywheel import Message, Store
+from delaywheel.deliver import runner
+from delaywheel.dev.embedded import find_bindir
+
+from .common import BENCH_DB, body, chunks, copy_rows, drop_database, fresh_database, log, mib, scaled, table_bytes
+
+DB = f"{BENCH_DB}_capacity"
+TOPIC = "cap_orders"
+GROUP = "cap_consumer"
+HOUR, DAY = timedelta(hours=1), timedelta(days=1)
+BILLION = 1_000_000_000
+TARGET_RATE = 100_000
+LANES = 19  # 18 levels + the wheel: one advisory lock each, one pass at a time per lane
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+# The tables each kind of pending timer lives in, and those a delivered message lands in.
+KINDS = {
+    "near": ("delaywheel.wheel",),
+    "far": ("delaywheel.wheel_far_segments", "delaywheel.far_key_summaries"),
+    "level": ("delaywheel.level_segments",),
+}
+TOPIC_TABLES = ("delaywheel.topic_messages",)
+# Baseline: the near wheel's payload columns in a plain table, written by a hand-written loader.
+RAW_COLUMNS = ("id", "topic", "key", "tags", "properties", "body", "is_json", "deliver_at", "enqueued_at")
+RAW_TYPES = ["int8", "text", "text", "text", "jsonb", "bytea", "bool", "timestamptz", "timestamptz"]
+RAW_TABLE = """CREATE TABLE {name} (id bigint, topic text, key text, tags text, properties jsonb, body bytea,
+    is_json boolean, deliver_at timestamptz, enqueued_at timestamptz)"""
+RAW_MOVE = """WITH m AS (DELETE FROM raw_src WHERE id IN (SELECT id FROM raw_src ORDER BY id LIMIT %s) RETURNING *)
+    INSERT INTO raw_dst SELECT * FROM m"""
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--scale", type=float, default=1.0, help="multiply every count (1.0: 10M pending)")
+    parser.add_argument("--batch", type=int, default=20_000, help="messages per send_many call of the big fill")
+    parser.add_argument("--rate", type=int, default=1000, help="steady state: messages per second")
+    parser.add_argument("--seconds", type=float, default=60.0, help="steady state: measured seconds")
+    parser.add_argument("--cores-per-store", type=int, default=16, help="extrapolation: cores of one store's server")
+    parser.add_argument("--json", type=Path, help="also write the figures to this file")
+    return parser.parse_args()
+
+
+# --- meters ---------------------------------------------------------------------------------------------------------
+
+def _proc_cpu(pid: int) -> float | None:
+    """utime + stime of a process in seconds, or None once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def _children(parent: int) -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1]) == parent:
+                    pids.append(int(entry))
+            except (FileNotFoundError, ProcessLookupError, IndexError):
+                continue
+    return pids
+
+
+@dataclass
+class Sample:
+    at: float
+    wal_lsn: str
+    wal_fpi: int
+    client_cpu: float
+    backends: dict[int, float]  # the store's database's backends
+    cluster: dict[int, float]  # every process of the cluster
+
+
+@dataclass
+class Usage:
+    """What one measured step cost."""
+
+    seconds: float
+    wal_bytes: int
+    wal_fpi: int
+    client_cpu: float
+    server_cpu: float  # the store's backends
+    cluster_cpu: float  # every process of the cluster (includes others' work on it, autovacuum, checkpoints)
+    own_wal_bytes: int | None = None  # this database's share of wal_bytes (pg_waldump), where measured
+
+    def per(self, count: int) -> dict[str, float]:
+        """Per message: WAL bytes, and CPU µs of this process, the store's backends and the cluster."""
+        n = max(count, 1)
+        return {"wal_bytes": self.wal_bytes / n, "client_cpu_us": 1e6 * self.client_cpu / n,
+                "server_cpu_us": 1e6 * self.server_cpu / n, "cluster_cpu_us": 1e6 * self.cluster_cpu / n,
+                "wal_fpi_per_1000": 1000 * self.wal_fpi / n,
+                **({"own_wal_bytes": self.own_wal_bytes / n} if self.own_wal_bytes is not None else {})}
+
+
+class Meter:
+    """Samples WAL position, this process's CPU, and the CPU of the cluster's processes from /proc (the benchmark
+    runs on the server's machine: the embedded cluster or a local one)."""
+
+    def __init__(self, conn: psycopg.Connection) -> None:
+        self.conn = conn
+        row = conn.execute("SELECT pg_backend_pid(), current_setting('data_directory'),"
+                           " (SELECT oid FROM pg_database WHERE datname = current_database())").fetchone()
+        assert row is not None
+        stat = Path(f"/proc/{row[0]}/stat").read_text().rsplit(")", 1)[1].split()
+        self.postmaster = int(stat[1])
+        self.wal_dir, self.database_oid = Path(row[1]) / "pg_wal", int(row[2])
+
+    def own_wal(self, a: Sample, b: Sample) -> int | None:
+        """The WAL bytes between two samples that belong to this database: records of its relations, and every
+        record of a transaction that wrote one (its commit). Read with pg_waldump, so other databases' work on the
+        cluster (Airflow's, other tests') is left out; None if pg_waldump cannot read the WAL."""
+        waldump = find_bindir() / "pg_waldump"
+        if not waldump.exists() and not (found := shutil.which("pg_waldump")):
+            return None
+        waldump = waldump if waldump.exists() else Path(found)  # type: ignore[arg-type]
+        dump = subprocess.run([str(waldump), "--path", str(self.wal_dir), "--start", a.wal_lsn, "--end", b.wal_lsn],
+                              capture_output=True, text=True)
+        if dump.returncode != 0:
+            log(f"pg_waldump: {dump.stderr.strip()[:300]}")
+            return None
+        ours = f" {self.database_oid}/"
+        records: list[tuple[int, int, bool]] = []
+        for line in dump.stdout.splitlines():
+            match = _RECORD.search(line)
+            if match:
+                records.append((int(match.group(2)), int(match.group(1)), f"rel 1663{ours}" in line))
+        xids = {tx for tx, _, mine in records if mine and tx}
+        return sum(total for tx, total, mine in records if mine or (tx and tx in xids))
+
+    def sample(self) -> Sample:
+        lsn, fpi = self.conn.execute("SELECT pg_current_wal_lsn()::text, (SELECT wal_fpi FROM pg_stat_wal)").fetchone()  # type: ignore[misc]
+        pids = [p for (p,) in self.conn.execute("SELECT pid FROM pg_stat_activity WHERE datname = current_database()")]
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        backends = {p: c for p in pids if (c := _proc_cpu(p)) is not None}
+        cluster = {p: c for p in [self.postmaster, *_children(self.postmaster)] if (c := _proc_cpu(p)) is not None}
+        return Sample(time.perf_counter(), lsn, int(fpi), usage.ru_utime + usage.ru_stime, backends, cluster)
+
+    def usage(self, a: Sample, b: Sample, *, own: bool = False) -> Usage:
+        """What was used between two samples; with `own`, also this database's share of the WAL (pg_waldump: for
+        steps whose WAL is small beside what the rest of the cluster writes meanwhile)."""
+        row = self.conn.execute("SELECT pg_wal_lsn_diff(%s::pg_lsn, %s::pg_lsn)", (b.wal_lsn, a.wal_lsn)).fetchone()
+        assert row is not None
+        return Usage(b.at - a.at, int(row[0]), b.wal_fpi - a.wal_fpi, b.client_cpu - a.client_cpu,
+                     _cpu_delta(a.backends, b.backends), _cpu_delta(a.cluster, b.cluster),
+                     self.own_wal(a, b) if own else None)
+
+    @contextmanager
+    def retained(self, keep: bool = True) -> Iterator[None]:
+        """Keep the cluster's WAL from now on until the block ends (a physical replication slot), so that pg_waldump
+        can still read it: the cluster recycles segments within seconds while other work writes. Nothing if not
+        `keep`."""
+        if not keep:
+            yield
+            return
+        slot = f"cap_wal_{os.getpid()}"
+        self.conn.execute("SELECT pg_create_physical_replication_slot(%s, true)", (slot,))
+        try:
+            yield
+        finally:
+            self.conn.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
+
+    @contextmanager
+    def measure(self, into: list[Usage], *, own: bool = False) -> Iterator[None]:
+        with self.retained(own):
+            start = self.sample()
+            yield
+            into.append(self.usage(start, self.sample(), own=own))
+
+
+_RECORD = re.compile(r"len \(rec/tot\):\s*\d+/\s*(\d+), tx:\s*(\d+)")
+
+
+def _cpu_delta(before: dict[int, float], after: dict[int, float]) -> float:
+    """CPU used between two samples by the processes of the second (a process started in between counts from 0;
+    one that ended in between is lost, so measured steps end before their connections close)."""
+    return sum(c - before.get(p, 0.0) for p, c in after.items())
+
+
+def sizes(conn: psycopg.Connection, tables: tuple[str, ...]) -> int:
+    """Heap + indexes + TOAST + maps, summed over partitions (bench.common.table_bytes) and tables."""
+    return sum(table_bytes(conn, t) for t in tables)
+
+
+def rows(conn: psycopg.Connection, tables: tuple[str, ...]) -> int:
+    return sum(conn.execute(f"SELECT count(*) FROM {t}").fetchone()[0] for t in tables)  # type: ignore[index,arg-type]
+
+
+def vacuum(conn: psycopg.Connection, tables: tuple[str, ...], options: str = "ANALYZE") -> float:
+    started = time.perf_counter()
+    for table in tables:
+        conn.execute(f"VACUUM ({options}) {table}")  # type: ignore[arg-type]
+    return time.perf_counter() - started
+
+
+# --- the steps ------------------------------------------------------------------------------------------------------
+
+@dataclass
+class Figures:
+    """Everything measured, per message where it says so; `extrapolated` is derived from it."""
+
+    scale: float
+    pending: dict[str, dict[str, float]] = field(default_factory=dict)
+    small_batches: dict[str, dict[str, float]] = field(default_factory=dict)
+    baseline: dict[str, dict[str, float]] = field(default_factory=dict)
+    single: dict[str, dict[str, float]] = field(default_factory=dict)
+    roll: dict[str, float] = field(default_factory=dict)
+    delivery: dict[str, dict[str, float]] = field(default_factory=dict)
+    topic: dict[str, float] = field(default_factory=dict)
+    steady: dict[str, float] = field(default_factory=dict)
+    environment: dict[str, Any] = field(default_factory=dict)
+    extrapolated: dict[str, Any] = field(default_factory=dict)
+
+
+def _timers(kind: str, rng: random.Random, start: int, size: int, real0: datetime, prefix: str) -> list[Message]:
+    if kind == "level":  # levels 17-18 (1 h, 2 h): none falls due while the run's steady step delivers on the real clock
+        return [Message(TOPIC, body(start + j), delay_level=rng.randint(17, 18), key=f"{prefix}-{start + j}",
+                        tags="created") for j in range(size)]
+    lo, hi = (HOUR, 3 * DAY) if kind == "near" else (4 * DAY, 34 * DAY)
+    return [Message(TOPIC, body(start + j), deliver_at=real0 + lo + rng.random() * (hi - lo), key=f"{prefix}-{start + j}",
+                    tags="created") for j in range(size)]
+
+
+def fill(store: Store, meter: Meter, kind: str, count: int, batch: int, real0: datetime, prefix: str) -> dict[str, float]:
+    """`count` pending timers of `kind` sent in calls of `batch`: per timer, bytes, rows, WAL and CPU, and the
+    first and second VACUUM of the kind's tables."""
+    conn, tables, rng = meter.conn, KINDS[kind], random.Random(f"{kind}-{batch}")
+    conn.execute("CHECKPOINT")  # every step starts from a checkpoint: its full-page images are counted alike
+    bytes0, rows0 = sizes(conn, tables), rows(conn, tables)
+    usage: list[Usage] = []
+    with meter.measure(usage, own=count <= 500_000):
+        for start, size in chunks(count, batch):
+            store.send_many(_timers(kind, rng, start, size, real0, prefix))
+    rate = count / usage[0].seconds
+    bytes_unvacuumed = sizes(conn, tables) - bytes0
+    first = vacuum(conn, tables)
+    second = vacuum(conn, tables)
+    grown, added = sizes(conn, tables) - bytes0, rows(conn, tables) - rows0
+    return {"count": count, "batch": batch, "send_rate": rate, "bytes": grown / count,
+            "bytes_before_vacuum": bytes_unvacuumed / count, "rows": added / count,
+            "first_vacuum_us": 1e6 * first / count, "second_vacuum_us": 1e6 * second / count,
+            **usage[0].per(count)}
+
+
+def baselines(store: Store, meter: Meter, count: int, real0: datetime) -> dict[str, dict[str, float]]:
+    """The plain table by COPY, and the batched move out of a copy of it with a primary key."""
+    conn = meter.conn
+    conn.execute("CREATE SCHEMA cap_raw")
+    conn.execute(RAW_TABLE.format(name="cap_raw.plain"))
+    conn.execute("CHECKPOINT")
+    usage: list[Usage] = []
+    with meter.measure(usage):
+        for start, size in chunks(count, 20_000):
+            with conn.transaction():
+                copy_rows(conn, "cap_raw.plain", RAW_COLUMNS, RAW_TYPES,
+                          ((10**12 + start + j, TOPIC, f"raw-{start + j}", "created", None, body(start + j), False,
+                            real0 + DAY, real0) for j in range(size)))
+    vacuum(conn, ("cap_raw.plain",))
+    copied = {"rate": count / usage[0].seconds, "bytes": sizes(conn, ("cap_raw.plain",)) / count, **usage[0].per(count)}
+    conn.execute("SET search_path = cap_raw")
+    conn.execute(RAW_TABLE.format(name="raw_src"))
+    conn.execute("INSERT INTO raw_src SELECT * FROM plain")
+    conn.execute("ALTER TABLE raw_src ADD PRIMARY KEY (id)")
+    conn.execute(RAW_TABLE.format(name="raw_dst"))
+    conn.execute("VACUUM (ANALYZE) raw_src")
+    conn.execute("CHECKPOINT")
+    usage = []
+    with meter.measure(usage):
+        while conn.execute(RAW_MOVE, (store.settings.batch_size,)).rowcount:
+            pass
+    moved = {"rate": count / usage[0].seconds, "bytes": sizes(conn, ("raw_dst",)) / count, **usage[0].per(count)}
+    conn.execute("RESET search_path")
+    conn.execute("DROP SCHEMA cap_raw CASCADE")
+    return {"copy": copied, "move": moved}
+
+
+def single_sends(store: Store, meter: Meter, count: int) -> dict[str, dict[str, float]]:
+    """`count` single `send` calls (delay level 3, each its own transaction) and as many single-row INSERTs."""
+    conn = meter.conn
+    conn.execute(RAW_TABLE.format(name="cap_single"))
+    insert = f"INSERT INTO cap_single ({', '.join(RAW_COLUMNS)}) VALUES ({', '.join(['%s'] * len(RAW_COLUMNS))})"
+    figures = {}
+    for side in ("send", "insert"):
+        conn.execute("CHECKPOINT")
+        usage: list[Usage] = []
+        with meter.measure(usage, own=True):
+            for i in range(count):
+                if side == "send":
+                    store.send(TOPIC, body(i), delay_level=3, key=f"single-{i}", tags="created")
+                else:
+                    now = datetime.now(UTC)
+                    store.conn.execute(insert, (i, TOPIC, f"single-{i}", "created", None, body(i), False,  # type: ignore[arg-type]
+                                                now + timedelta(seconds=10), now))
+        figures[side] = {"rate": count / usage[0].seconds, **usage[0].per(count)}
+    conn.execute("DROP TABLE cap_single")
+    return figures
+
+
+def roll(store: Store, meter: Meter, real0: datetime) -> dict[str, float]:
+    """Promote the far day blocks entering the near window with the clock one day, then two days ahead."""
+    conn = meter.conn
+    far = "SELECT coalesce(sum(n), 0) FROM delaywheel.wheel_far_segments"
+    conn.execute("CHECKPOINT")
+    moved, seconds, wal, blocks = 0, 0.0, 0, 0
+    for days in (1, 2):
+        before = conn.execute(far).fetchone()[0]  # type: ignore[index]
+        parts = conn.execute("SELECT count(*) FROM delaywheel.partitions WHERE parent = 'wheel_far_segments'").fetchone()[0]  # type: ignore[index]
+        usage: list[Usage] = []
+        with meter.measure(usage):
+            store.prepare(now=real0 + days * DAY)
+        moved += before - conn.execute(far).fetchone()[0]  # type: ignore[index]
+        blocks += parts - conn.execute(  # type: ignore[index]
+            "SELECT count(*) FROM delaywheel.partitions WHERE parent = 'wheel_far_segments'").fetchone()[0]
+        seconds += usage[0].seconds
+        wal += usage[0].wal_bytes
+    return {"rows": moved, "blocks": blocks, "seconds": seconds, "us_per_row": 1e6 * seconds / max(moved, 1),
+            "wal_bytes_per_row": wal / max(moved, 1)}
+
+
+def deliver(store: Store, meter: Meter, real0: datetime) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
+    """Deliver the near timers due within a day (wheel passes) and every level (level passes), injected clock."""
+    conn = meter.conn
+    topic_before = sizes(conn, TOPIC_TABLES)
+    figures = {}
+    for lane in ("wheel", "levels"):
+        conn.execute("CHECKPOINT")
+        delivered, passes = 0, 0
+        usage: list[Usage] = []
+        before = sizes(conn, TOPIC_TABLES)
+        with meter.measure(usage):
+            if lane == "wheel":
+                while True:
+                    result = store.advance_wheel(now=real0 + DAY)
+                    delivered, passes = delivered + result.delivered, passes + 1
+                    if not result.more:
+                        break
+            else:
+                for level in range(1, store.settings.max_level + 1):
+                    while True:
+                        result = store.deliver_level(level, now=real0 + 3 * HOUR)
+                        delivered, passes = delivered + result.delivered, passes + 1
+                        if not result.more:
+                            break
+        figures[lane] = {"delivered": delivered, "passes": passes, "rate": delivered / usage[0].seconds,
+                         "topic_bytes_before_vacuum": (sizes(conn, TOPIC_TABLES) - before) / max(delivered, 1),
+                         **usage[0].per(delivered)}
+    total = sum(int(f["delivered"]) for f in figures.values())
+    first = vacuum(conn, TOPIC_TABLES)
+    second = vacuum(conn, TOPIC_TABLES)
+    freeze = vacuum(conn, TOPIC_TABLES, "FREEZE")
+    topic = {"delivered": total, "bytes": (sizes(conn, TOPIC_TABLES) - topic_before) / max(total, 1),
+             "first_vacuum_us": 1e6 * first / total, "second_vacuum_us": 1e6 * second / total,
+             "freeze_us": 1e6 * freeze / total}
+    return figures, topic
+
+
+def steady(url: str, meter: Meter, rate: int, seconds: float) -> dict[str, float]:
+    """`rate` msg/s on the real clock for `seconds` (after 10 s of warm-up), in calls of rate/10 every 100 ms: half
+    with a 1-10 s delay (wheel), half at levels 1-3; delivered by runner.run on every lane, read by one consumer."""
+    stop = threading.Event()
+    consumed = [0]
+
+    def handle(messages: list[Any]) -> None:
+        consumed[0] += len(messages)
+
+    with meter.retained():  # from before the first sample until pg_waldump has read the step's WAL
+        with Store(url) as producer, Store(url) as deliverer, Store(url) as reader:
+            lanes: list[int | None] = [None, *range(1, producer.settings.max_level + 1)]
+            threads = [
+                threading.Thread(target=runner.run, args=(deliverer, lanes, seconds + 60), kwargs={"stop": stop}, daemon=True),
+                threading.Thread(target=reader.consume, args=(TOPIC, GROUP, handle),
+                                 kwargs={"stop": stop, "max_messages": 500}, daemon=True),
+            ]
+            for t in threads:
+                t.start()
+            rng, per_call, sent = random.Random(5), max(1, rate // 10), 0
+            count_sql = "SELECT count(*) FROM delaywheel.topic_messages WHERE topic = %s"
+            next_at, warm_until, sample, delivered0, consumed0, sent0 = time.monotonic(), time.monotonic() + 10, None, 0, 0, 0
+            end = warm_until + seconds
+            while time.monotonic() < end:
+                if sample is None and time.monotonic() >= warm_until:
+                    delivered0 = meter.conn.execute(count_sql, (TOPIC,)).fetchone()[0]  # type: ignore[index]
+                    sample, consumed0, sent0 = meter.sample(), consumed[0], sent
+                producer.send_many([
+                    Message(TOPIC, body(sent + j), delay=timedelta(seconds=rng.uniform(1, 10)), key=f"steady-{sent + j}")
+                    if j % 2 else Message(TOPIC, body(sent + j), delay_level=rng.randint(1, 3), key=f"steady-{sent + j}")
+                    for j in range(per_call)])
+                sent += per_call
+                next_at += 0.1
+                time.sleep(max(0.0, next_at - time.monotonic()))
+            assert sample is not None
+            end_sample = meter.sample()  # before the threads' connections close
+            delivered = meter.conn.execute(count_sql, (TOPIC,)).fetchone()[0] - delivered0  # type: ignore[index]
+            done = consumed[0] - consumed0
+            stop.set()
+            for t in threads:
+                t.join(timeout=30)
+        usage = meter.usage(sample, end_sample, own=True)
+    n = sent - sent0
+    return {"seconds": usage.seconds, "sent": n, "delivered": delivered, "consumed": done,
+            "wal_bytes_per_s": usage.wal_bytes / usage.seconds, "wal_bytes_per_message": usage.wal_bytes / max(n, 1),
+            "wal_fpi_per_s": usage.wal_fpi / usage.seconds,
+            "own_wal_bytes_per_s": (usage.own_wal_bytes or 0) / usage.seconds,
+            "own_wal_bytes_per_message": (usage.own_wal_bytes or 0) / max(n, 1),
+            "client_cores": usage.client_cpu / usage.seconds, "server_cores": usage.server_cpu / usage.seconds,
+            "cluster_cores": usage.cluster_cpu / usage.seconds,
+            "cpu_s_per_1000_sent_and_delivered": 1000 * (usage.client_cpu + usage.server_cpu) / max(n, 1)}
+
+
+def idle_wal(meter: Meter, seconds: float = 10.0) -> float:
+    """The cluster's WAL rate with this benchmark idle (others' work, checkpoints): bytes/s."""
+    a = meter.sample()
+    time.sleep(seconds)
+    return meter.usage(a, meter.sample()).wal_bytes / seconds
+
+
+# --- extrapolation --------------------------------------------------------------------------------------------------
+
+def extrapolate(f: Figures, cores_per_store: int) -> dict[str, Any]:
+    """1 billion pending and 100,000 msg/s from the per-message figures (linear: every figure measured here is per
+    row or per segment, and partitions keep each step's cost flat, bench/RESULTS.md "flat cost")."""
+    out: dict[str, Any] = {}
+    # Storage of 1B pending timers: each kind alone, and a 30-day horizon's mix (near window 3 of 30 days).
+    for kind, p in f.pending.items():
+        out[f"storage_1B_{kind}_GiB"] = p["bytes"] * BILLION / 2**30
+    mix = {"near": 0.1, "far": 0.9}
+    out["storage_1B_mix_GiB"] = sum(f.pending[k]["bytes"] * share for k, share in mix.items()) * BILLION / 2**30
+    if "far" in f.small_batches:
+        out["storage_1B_far_small_batches_GiB"] = f.small_batches["far"]["bytes"] * BILLION / 2**30
+    out["storage_1B_baseline_plain_table_GiB"] = f.baseline["copy"]["bytes"] * BILLION / 2**30
+    # Filling: what sending 1B costs at the big fill's rate (one producer connection, this machine).
+    out["send_1B_hours_one_connection"] = {k: BILLION / p["send_rate"] / 3600 for k, p in f.pending.items()}
+    # Vacuum: the first VACUUM of the tables after the fill, per row; the roll once a day.
+    out["first_vacuum_1B_hours"] = {k: p["first_vacuum_us"] * BILLION / 1e6 / 3600 for k, p in f.pending.items()}
+    far_per_day = BILLION * mix["far"] / 30
+    out["roll_far_rows_per_day_30d_horizon"] = far_per_day
+    out["roll_seconds_per_day_30d_horizon"] = f.roll["us_per_row"] * far_per_day / 1e6
+    # 100,000 msg/s: steady state scaled by 100,000 / rate (every message sent, delivered and consumed).
+    s = f.steady
+    factor = TARGET_RATE / (s["sent"] / s["seconds"])
+    wal_per_s = s["own_wal_bytes_per_s"] or s["wal_bytes_per_s"]  # this database's, when pg_waldump could tell
+    out["wal_per_day_TiB_steady"] = wal_per_s * factor * 86400 / 2**40
+    out["wal_per_day_TiB_cluster_steady"] = s["wal_bytes_per_s"] * factor * 86400 / 2**40
+    out["wal_per_day_TiB_bulk"] = (f.pending["near"]["wal_bytes"] + f.delivery["wheel"]["wal_bytes"]) * TARGET_RATE * 86400 / 2**40
+    out["wal_MB_per_s_steady"] = wal_per_s * factor / 1e6
+    out["cores_server_steady"] = s["server_cores"] * factor
+    out["cores_client_steady"] = s["client_cores"] * factor
+    out["cores_total_steady"] = (s["server_cores"] + s["client_cores"]) * factor
+    # Big calls (20,000 a send, 5,000 a pass): near-wheel send + wheel delivery, client and server.
+    bulk_us = sum(x[k] for x in (f.pending["near"], f.delivery["wheel"]) for k in ("client_cpu_us", "server_cpu_us"))
+    out["cores_total_bulk"] = bulk_us * TARGET_RATE / 1e6
+    out["topic_storage_per_day_GiB"] = f.topic["bytes"] * TARGET_RATE * 86400 / 2**30
+    # Single-lane limits: one pass at a time per lane, so a lane's bulk rate here is its ceiling; the wheel is one lane.
+    wheel_rate, level_rate = f.delivery["wheel"]["rate"], f.delivery["levels"]["rate"]
+    headroom = 0.5  # run at half a ceiling: the other half catches up after an outage while traffic goes on
+    server_s_per_msg = s["server_cores"] / (s["sent"] / s["seconds"])
+    out["lane_ceiling_wheel_msg_s"] = wheel_rate
+    out["lane_ceiling_level_msg_s"] = level_rate
+    out["store_ceiling_wheel_traffic_msg_s"] = wheel_rate * headroom
+    out["store_ceiling_level_traffic_msg_s"] = (LANES - 1) * level_rate * headroom
+    out["store_ceiling_by_cores_msg_s"] = cores_per_store * headroom / server_s_per_msg
+    out["stores_if_all_timers_in_wheel"] = math.ceil(TARGET_RATE / min(out["store_ceiling_wheel_traffic_msg_s"],
+                                                                       out["store_ceiling_by_cores_msg_s"]))
+    out["stores_by_cores"] = math.ceil(TARGET_RATE / out["store_ceiling_by_cores_msg_s"])
+    out["stores"] = max(out["stores_if_all_timers_in_wheel"], out["stores_by_cores"])
+    # Catch-up after an hour without deliverers, traffic going on, every timer in the wheel lane: one store alone,
+    # and each of the planned stores (its share of the traffic).
+    for label, n in (("one_store", 1), ("planned_stores", out["stores"])):
+        spare = wheel_rate - TARGET_RATE / n
+        out[f"catch_up_1h_outage_{label}_hours"] = TARGET_RATE / n * 3600 / spare / 3600 if spare > 0 else math.inf
+    out["cores_per_store_assumed"] = cores_per_store
+    out["headroom"] = headroom
+    return out
+
+
+def report(f: Figures) -> None:
+    print("\n### Capacity (issue 21, item 4)\n")
+    print(f"scale {f.scale} (1.0: 10,000,000 pending), {f.environment}\n")
+    print("| pending timer | count | batch | bytes/timer | rows/timer | WAL B/timer | client µs | server µs | send msg/s "
+          "| 1st VACUUM µs/timer | 2nd VACUUM µs/timer |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for label, group in (("", f.pending), (" (small calls)", f.small_batches)):
+        for kind, p in group.items():
+            print(f"| {kind}{label} | {p['count']:,.0f} | {p['batch']:,.0f} | {p['bytes']:,.0f} | {p['rows']:.4f} | "
+                  f"{p['wal_bytes']:,.0f} | {p['client_cpu_us']:.2f} | {p['server_cpu_us']:.2f} | {p['send_rate']:,.0f} | "
+                  f"{p['first_vacuum_us']:.3f} | {p['second_vacuum_us']:.3f} |")
+    b = f.baseline
+    print(f"| baseline: plain table, COPY | | 20,000 | {b['copy']['bytes']:,.0f} | 1 | {b['copy']['wal_bytes']:,.0f} | "
+          f"{b['copy']['client_cpu_us']:.2f} | {b['copy']['server_cpu_us']:.2f} | {b['copy']['rate']:,.0f} | | |")
+    print("\n| delivered | count | msg/s | topic bytes/msg | WAL B/msg | client µs | server µs |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for lane, d in f.delivery.items():
+        print(f"| {lane} | {d['delivered']:,.0f} | {d['rate']:,.0f} | {d['topic_bytes_before_vacuum']:,.0f} | "
+              f"{d['wal_bytes']:,.0f} | {d['client_cpu_us']:.2f} | {d['server_cpu_us']:.2f} |")
+    m = b["move"]
+    print(f"| baseline: batched move | | {m['rate']:,.0f} | {m['bytes']:,.0f} | {m['wal_bytes']:,.0f} | "
+          f"{m['client_cpu_us']:.2f} | {m['server_cpu_us']:.2f} |")
+    print("\nRatios (ours / baseline, same run):")
+    print(f"- near-wheel timer bytes / plain row: {f.pending['near']['bytes'] / b['copy']['bytes']:.2f}; far: "
+          f"{f.pending['far']['bytes'] / b['copy']['bytes']:.2f}; level: {f.pending['level']['bytes'] / b['copy']['bytes']:.2f}")
+    print(f"- WAL per near send / plain COPY row: {f.pending['near']['wal_bytes'] / b['copy']['wal_bytes']:.2f}; far: "
+          f"{f.pending['far']['wal_bytes'] / b['copy']['wal_bytes']:.2f}; level: "
+          f"{f.pending['level']['wal_bytes'] / b['copy']['wal_bytes']:.2f}")
+    print(f"- WAL per wheel delivery / raw move: {f.delivery['wheel']['wal_bytes'] / m['wal_bytes']:.2f}; level: "
+          f"{f.delivery['levels']['wal_bytes'] / m['wal_bytes']:.2f}")
+    s1, s2 = f.single["send"], f.single["insert"]
+    w1, w2 = s1.get("own_wal_bytes", s1["wal_bytes"]), s2.get("own_wal_bytes", s2["wal_bytes"])
+    print(f"- single send / single-row INSERT: WAL {w1 / w2:.2f} ({w1:,.0f} / {w2:,.0f} B), server CPU {s1['server_cpu_us'] / s2['server_cpu_us']:.2f} "
+          f"({s1['server_cpu_us']:.0f} / {s2['server_cpu_us']:.0f} µs), rate {s1['rate']:,.0f} / {s2['rate']:,.0f} /s")
+    print(f"\nRoll: {f.roll}\nTopic: {f.topic}\nSteady: {f.steady}\n")
+    print("Extrapolated to 1 billion pending and 100,000 msg/s:")
+    for k, v in f.extrapolated.items():
+        print(f"- {k}: {v if not isinstance(v, float) else f'{v:,.2f}'}")
+    print(flush=True)
+
+
+def main() -> Figures:
+    args = parse_args()
+    n_near, n_far, n_level = scaled(3_000_000, args.scale), scaled(5_000_000, args.scale), scaled(2_000_000, args.scale)
+    n_small, n_base, n_single = scaled(200_000, args.scale), scaled(1_000_000, args.scale), scaled(10_000, args.scale, 1000)
+    f = Figures(scale=args.scale)
+    url = fresh_database(DB)
+    try:
+        with Store(url) as store, psycopg.connect(url, autocommit=True) as conn:
+            meter = Meter(conn)
+            store.prepare()
+            real0 = store.clock()
+            f.environment = {"loadavg_before": Path("/proc/loadavg").read_text().split()[:3], "cpus": os.cpu_count(),
+                             "idle_wal_bytes_per_s": idle_wal(meter),
+                             "server": conn.execute("SHOW server_version").fetchone()[0]}  # type: ignore[index]
+            log(f"baselines: {n_base} rows by COPY and a batched move; {n_single} single sends and INSERTs")
+            f.baseline = baselines(store, meter, n_base, real0)
+            f.single = single_sends(store, meter, n_single)
+            for kind, count in (("near", n_near), ("far", n_far), ("level", n_level)):
+                log(f"pending {kind}: {count} timers in calls of {args.batch}")
+                f.pending[kind] = fill(store, meter, kind, count, args.batch, real0, kind)
+                log(f"   {f.pending[kind]['bytes']:,.0f} B/timer, {f.pending[kind]['send_rate']:,.0f} msg/s")
+            for kind in ("near", "far", "level"):
+                log(f"pending {kind}, small calls: {n_small} timers in calls of 100")
+                f.small_batches[kind] = fill(store, meter, kind, n_small // (5 if kind == "near" else 1), 100, real0,
+                                             f"small-{kind}")
+            log(f"steady: {args.rate} msg/s for {args.seconds:.0f} s on the real clock")
+            f.steady = steady(url, meter, args.rate, args.seconds)
+            log(f"   {f.steady}")
+            log("roll: the clock one and two days ahead")
+            f.roll = roll(store, meter, real0)
+            log(f"   {f.roll['rows']:,.0f} rows in {f.roll['seconds']:.1f} s")
+            log("delivery: the wheel's next day and every level, injected clock")
+            f.delivery, f.topic = deliver(store, meter, real0)
+            f.environment["loadavg_after"] = Path("/proc/loadavg").read_text().split()[:3]
+            f.environment["database_bytes"] = conn.execute("SELECT pg_database_size(current_database())").fetchone()[0]  # type: ignore[index]
+    finally:
+        drop_database(DB)
+    f.extrapolated = extrapolate(f, args.cores_per_store)
+    report(f)
+    if args.json:
+        args.json.write_text(json.dumps(asdict(f), indent=1, default=str) + "\n")
+    log(f"database size at the end: {mib(f.environment.get('database_bytes', 0))}")
+    return f
+
+
+if __name__ == "__main__":
+    main()
+    sys.exit(0)
