@@ -7,11 +7,16 @@ NOTIFY wake-up, which has to beat a long poll interval to pass.
 from __future__ import annotations
 
 import asyncio
+import uuid
+from collections.abc import Iterator
 from datetime import timedelta
 
+import psycopg
 import pytest
+from psycopg.conninfo import make_conninfo
 
 from delaywheel import Store
+from delaywheel.dev.local_airflow import as_url
 
 pytestmark = pytest.mark.airflow
 
@@ -80,7 +85,8 @@ def test_wheel_trigger_wakes_on_a_sooner_message(store_connection: str, store: S
     due_at = store.conn.execute(
         "SELECT deliver_at FROM delaywheel.wheel WHERE id = %(id)s UNION ALL SELECT deliver_at FROM delaywheel.wheel_far"
         " WHERE id = %(id)s", {"id": soon}).fetchone()[0]
-    assert event.payload == {"lane": "wheel", "due_at": due_at.isoformat(), "checked_at": event.payload["checked_at"]}
+    assert event.payload == {"status": "success", "lane": "wheel", "due_at": due_at.isoformat(),
+                             "checked_at": event.payload["checked_at"]}
     assert event.payload["checked_at"] >= event.payload["due_at"]
 
 
@@ -111,6 +117,46 @@ def test_a_bad_notify_payload_is_ignored_by_the_trigger(store_connection: str, s
     assert event.payload["lane"] == "wheel"
     logged = capsys.readouterr()
     assert (logged.out + logged.err).count("ignoring a NOTIFY") == 1  # the trigger's log (structlog): once
+
+
+@pytest.fixture
+def schemaless_connection(airflow_db: dict[str, str], server_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """An Airflow connection (`no_store`) to an empty database: reachable, but without the store's schema."""
+    name = f"dwtest_empty_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(server_url, autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {name}")
+    monkeypatch.setenv("AIRFLOW_CONN_NO_STORE", as_url(make_conninfo(server_url, dbname=name)))
+    yield "no_store"
+    with psycopg.connect(server_url, autocommit=True) as conn:
+        conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+def test_a_failed_wait_is_an_error_event_that_fails_the_sensor(store_connection: str, store: Store,
+                                                               schemaless_connection: str) -> None:
+    """A wait that fails on anything but a lost connection ends the trigger with a "status": "error" event carrying
+    the cause, and the deferred sensor, resumed with it, fails with that message; a "success" event resumes it with
+    the same XCom value a poke gives (the status dropped)."""
+    from airflow.sdk.exceptions import AirflowException
+
+    from delaywheel.airflow.sensors import DueMessagesSensor
+    from delaywheel.airflow.triggers import DueMessagesTrigger
+
+    sensor = DueMessagesSensor(task_id="wait_level_1", level=1)
+    for conn_id, cause in ((schemaless_connection, "UndefinedTable"), ("no_such_connection", "no_such_connection")):
+        event = first_event(DueMessagesTrigger(level=1, delaywheel_conn_id=conn_id, poll_interval=0.2), 10.0)
+        assert event is not None, conn_id  # ends at once: it does not wait out the poll, nor retry
+        assert event.payload["status"] == "error" and event.payload["lane"] == "level 1"
+        assert cause in event.payload["message"]
+        with pytest.raises(AirflowException, match=f"wait_level_1: waiting for a due message failed: level 1: .*{cause}"):
+            sensor.execute_complete({}, event.payload)
+    with pytest.raises(AirflowException, match="no event"):
+        sensor.execute_complete({}, None)
+
+    store.send("orders", "now", delay=timedelta(milliseconds=1))
+    event = first_event(DueMessagesTrigger(poll_interval=0.2), 10.0)
+    assert event is not None and event.payload["status"] == "success"
+    assert sensor.execute_complete({}, event.payload) == {
+        key: event.payload[key] for key in ("lane", "due_at", "checked_at")}
 
 
 def test_a_poke_that_cannot_reach_the_database_is_not_yet(airflow_db: dict[str, str],

@@ -30,7 +30,11 @@ def head_query(level: int | None) -> tuple[str, dict[str, Any]]:
 
 
 class DelayWheelHook(PostgresHook):
-    """The delaywheel store on an Airflow Postgres connection; `get_store()` is the Python API."""
+    """The delaywheel store on an Airflow Postgres connection; `get_store()` is the Python API.
+
+    :param delaywheel_conn_id: the Airflow connection of the store, an ordinary Postgres connection (default
+        ``delaywheel_default``). Other keyword arguments are `PostgresHook`'s.
+    """
 
     conn_name_attr = "delaywheel_conn_id"
     default_conn_name = "delaywheel_default"

@@ -12,6 +12,7 @@ from typing import Any
 
 import psycopg
 from airflow.sdk import BaseSensorOperator, Context, PokeReturnValue
+from airflow.sdk.exceptions import AirflowException
 
 from delaywheel.deliver.runner import connection_lost
 
@@ -22,7 +23,22 @@ from .triggers import DueMessagesTrigger, lane_label
 class DueMessagesSensor(BaseSensorOperator):
     """Wait until `level` (1..N) has a due message, or with `wheel=True` until the wheel has one.
 
-    The XCom value is `{"lane", "due_at", "checked_at"}` of the message that made the lane due.
+    :param level: the delay level (1..N) to wait on (templated; rendered text is read as an integer).
+        Exactly one of `level` and `wheel`.
+    :param wheel: True to wait on the timing wheel instead of a level (default False; not templated).
+    :param delaywheel_conn_id: the Airflow connection of the store (templated; default ``delaywheel_default``).
+    :param deferrable: wait in the triggerer (`DueMessagesTrigger`) without holding a worker slot (default True);
+        False pokes (every ``poke_interval``, or with ``mode="reschedule"``) for deployments without a triggerer.
+    :param trigger_poll_interval: the trigger's `poll_interval`: the longest wait, in seconds, before it looks
+        again without a notification (default 5.0; not templated).
+    :param now_offset_s: seconds added to the database clock the lane is compared with (default 0.0; not
+        templated): tests make a future message due without waiting; production leaves it at 0.
+
+    Other arguments (``timeout``, ``poke_interval``, ``mode``, ``soft_fail``...) are `BaseSensorOperator`'s.
+
+    The XCom value is `{"lane", "due_at", "checked_at"}` of the message that made the lane due, whether a poke or
+    the trigger found it. A trigger event whose ``status`` is not "success" fails the task with the event's
+    message (`execute_complete`).
     """
 
     template_fields = ("level", "delaywheel_conn_id")
@@ -81,6 +97,11 @@ class DueMessagesSensor(BaseSensorOperator):
         )
         return None
 
-    def execute_complete(self, context: Context, event: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    def execute_complete(self, context: Context, event: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Resumed by the trigger's event: a "success" gives the XCom value (the event without its status, the
+        same as a poke's); anything else fails the task with the event's message."""
+        if event is None or event.get("status") != "success":
+            message = event.get("message", event) if event else "no event"
+            raise AirflowException(f"{self.task_id}: waiting for a due message failed: {message}")
         self.log.info("due: %s", event)
-        return event
+        return {key: value for key, value in event.items() if key != "status"}

@@ -36,8 +36,21 @@ def lane_label(level: int | None) -> str:
 class DueMessagesTrigger(BaseTrigger):
     """Fires once `level`'s head (or, with `level=None`, the wheel's next message) is due.
 
-    `now_offset_s` shifts the database clock the trigger compares with, so tests can make a future
-    message due without waiting; production leaves it at 0 (all workers share the database's clock).
+    Its arguments are `DueMessagesSensor`'s, already rendered (a trigger renders no templates):
+
+    :param level: the delay level (1..N) to wait on; None (the default) waits on the timing wheel.
+    :param delaywheel_conn_id: the Airflow connection of the store (default ``delaywheel_default``).
+    :param poll_interval: the longest wait, in seconds, before looking again without a notification
+        (default 5.0): a NOTIFY can be missed across a reconnect.
+    :param now_offset_s: seconds added to the database clock the trigger compares with (default 0.0), so tests
+        can make a future message due without waiting; production leaves it at 0 (all workers share the
+        database's clock).
+
+    One event, then the trigger ends. ``{"status": "success", "lane", "due_at", "checked_at"}`` when the lane has
+    a due message; ``{"status": "error", "lane", "message"}`` when the wait failed on anything but a lost
+    connection (which it rides out): an unknown connection id, a database without the store's schema, a denied
+    read. `DueMessagesSensor.execute_complete` fails the task with that message, as Airflow's providers do,
+    rather than leaving the triggerer's traceback as the task's only account of it.
     """
 
     def __init__(
@@ -65,6 +78,17 @@ class DueMessagesTrigger(BaseTrigger):
         )
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
+        lane = lane_label(self.level)
+        try:
+            due = await self._wait_due()
+        except Exception as exc:  # a lost connection never gets here: _wait_due reconnects
+            self.log.exception("%s: waiting for a due message failed", lane)
+            yield TriggerEvent({"status": "error", "lane": lane, "message": f"{lane}: {type(exc).__name__}: {exc}"})
+            return
+        yield TriggerEvent({"status": "success", **due})
+
+    async def _wait_due(self) -> dict[str, str]:
+        """Wait until the lane has a due message; its `lane`, `due_at` and the clock it was `checked_at`."""
         hook = DelayWheelHook(self.delaywheel_conn_id)
         hints = DueHints(self.log)
         retry_in = backoff_delays()
@@ -77,9 +101,8 @@ class DueMessagesTrigger(BaseTrigger):
                         head, clock = await next_due_async(conn, self.level, self.now_offset_s)
                         retry_in = backoff_delays()
                         if head is not None and head <= clock:
-                            yield TriggerEvent({"lane": lane_label(self.level), "due_at": head.isoformat(),
-                                                "checked_at": clock.isoformat()})
-                            return
+                            return {"lane": lane_label(self.level), "due_at": head.isoformat(),
+                                    "checked_at": clock.isoformat()}
                         wait = self.poll_interval if head is None else min(self.poll_interval,
                                                                            (head - clock).total_seconds())
                         self.log.debug("%s: next due %s, waiting up to %.3fs", lane_label(self.level), head, wait)
@@ -130,7 +153,16 @@ class TopicMessagesTrigger(BaseEventTrigger):
 
     It looks when a write into the topic commits (every writer NOTIFYs `TOPIC_CHANNEL` with the topic), and
     every `poll_interval` regardless: a notification can be missed (a reconnect, one arriving during a look),
-    or name rows still above the commit horizon."""
+    or name rows still above the commit horizon.
+
+    :param topic: the topic whose new messages are announced (``topic_asset`` passes the Asset's topic).
+    :param delaywheel_conn_id: the Airflow connection of the store (default ``delaywheel_default``).
+    :param poll_interval: seconds between looks when no notification comes (default 1.0).
+
+    Its events carry no ``status``, unlike `DueMessagesTrigger`'s: no task resumes on them (no
+    ``execute_complete`` to check one); Airflow records each as an Asset event whose extra holds the payload
+    (``event_extra``: topic, count, first/last position) and starts the consumers scheduled on it, so an "error"
+    event would start them for nothing. A failure other than a lost connection raises, in the triggerer's log."""
 
     def __init__(self, topic: str, delaywheel_conn_id: str = DelayWheelHook.default_conn_name,
                  poll_interval: float = 1.0) -> None:
