@@ -17,7 +17,7 @@ from psycopg.conninfo import make_conninfo
 
 from delaywheel import Store
 from delaywheel.cli import main
-from delaywheel.deliver.levels import LEVEL_LOCK
+from delaywheel.locks import LEVEL_LOCK
 
 
 def _json(capsys: pytest.CaptureFixture[str]) -> object:

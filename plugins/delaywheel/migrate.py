@@ -19,9 +19,10 @@ import psycopg
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
+from delaywheel.locks import MIGRATE_LOCK
+
 SQL_DIR = Path(__file__).resolve().with_name("migrations")
 _NAME = re.compile(r"^(\d{3})_[a-z0-9_]+\.sql$")
-_LOCK_KEY = 0x64770001  # advisory lock: one migrator at a time
 OWNER_ROLE = "delaywheel_owner"  # owns the schema, runs the migrations
 RUNTIME_ROLE = "delaywheel_runtime"  # sends, delivers, consumes, cancels; no DDL but through migrations/017's functions
 GROUP_ROLES = (OWNER_ROLE, RUNTIME_ROLE)
@@ -171,7 +172,7 @@ def migrate(url: str, sql_dir: Path = SQL_DIR) -> list[str]:
     migrations = available(sql_dir)
     applied_now: list[str] = []
     with psycopg.connect(owner_url(url), autocommit=True) as conn:
-        conn.execute("SELECT pg_advisory_lock(%s)", (_LOCK_KEY,))
+        conn.execute("SELECT pg_advisory_lock(%s)", (MIGRATE_LOCK,))
         try:
             ensure_roles(conn)
             as_owner = act_as_owner(conn)
@@ -209,7 +210,7 @@ def migrate(url: str, sql_dir: Path = SQL_DIR) -> list[str]:
                 applied_now.append(migration.path.name)
         finally:
             conn.execute("RESET ROLE")
-            conn.execute("SELECT pg_advisory_unlock(%s)", (_LOCK_KEY,))
+            conn.execute("SELECT pg_advisory_unlock(%s)", (MIGRATE_LOCK,))
     return applied_now
 
 

@@ -9,6 +9,7 @@ from datetime import UTC, datetime, timedelta
 import psycopg
 from psycopg import errors
 
+from delaywheel.locks import SUMMARIZE_LOCK
 from delaywheel.pending import SEGMENT_PENDING, WHEEL_PENDING
 
 HOUR = timedelta(hours=1)
@@ -150,7 +151,6 @@ def _oldest_pending_due(conn: psycopg.Connection) -> datetime | None:
     return row[0] if row else None
 
 
-SUMMARIZE_LOCK = 0x64770060  # session advisory lock: one summarizer at a time
 # Every partition's BRIN index (far blocks, level queues, topics: migrations/008-010); not the parents' (relkind 'I').
 _BRIN_INDEXES = """
     SELECT c.oid::regclass::text FROM pg_class c

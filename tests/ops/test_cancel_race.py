@@ -16,7 +16,7 @@ import pytest
 
 from delaywheel import Store
 from delaywheel.deliver import levels
-from delaywheel.deliver.wheel import WHEEL_LOCK
+from delaywheel.locks import WHEEL_LOCK
 from delaywheel.ops.cancel import CancelResult, find, key_params, mark, settle
 from delaywheel.produce.validation import Message
 from tests.conftest import deliveries

@@ -37,6 +37,7 @@ from delaywheel.consume.consumer import SAFETY_WAKE_S, Abandon
 from delaywheel.consume.topics import Message as DeliveredMessage
 from delaywheel.db import connect
 from delaywheel.deliver import runner
+from delaywheel.locks import CONSUMER_PRESENCE_LOCK, CONSUMER_TURN_LOCK, GROUP_TOPIC_KEY
 from delaywheel.types import TopicSpan, add_spans, event_extra
 
 from .hooks import DelayWheelHook
@@ -191,10 +192,7 @@ class AdvanceWheelOperator(_LeaseOperator):
         return None
 
 
-CONSUMER_PRESENCE_LOCK = 0x64770050  # shared advisory lock class held by every live lease consumer; key: (group, topic)
-CONSUMER_TURN_LOCK = 0x64770051  # exclusive: held by the lease consumer of (group, topic) that is consuming; same key
 TURN_WAIT_S = 0.2  # a lease consumer waiting for its turn looks at its stop event this often
-_PRESENCE_KEY = "hashtext(jsonb_build_array(%s::text, %s::text)::text)"
 
 
 class ConsumeOperator(BaseOperator):
@@ -325,7 +323,7 @@ class ConsumeOperator(BaseOperator):
         with DelayWheelHook(self.delaywheel_conn_id).get_store() as store, \
                 connect(store.url, autocommit=True) as presence:
             self.store = store
-            presence.execute(f"SELECT pg_advisory_lock_shared({CONSUMER_PRESENCE_LOCK}, {_PRESENCE_KEY})",
+            presence.execute(f"SELECT pg_advisory_lock_shared({CONSUMER_PRESENCE_LOCK}, {GROUP_TOPIC_KEY})",
                              (self.group, self.topic))
             watchdog = threading.Thread(target=self._watch, args=(presence, lease, grace, stop, handed_over),
                                         name="delaywheel-consumer-lease", daemon=True)
@@ -340,7 +338,7 @@ class ConsumeOperator(BaseOperator):
                                        stop=stop, idle_s=idle_s)
             finally:
                 with contextlib.suppress(psycopg.Error):  # the successor waiting for its turn gets it now
-                    presence.execute(f"SELECT pg_advisory_unlock({CONSUMER_TURN_LOCK}, {_PRESENCE_KEY})",
+                    presence.execute(f"SELECT pg_advisory_unlock({CONSUMER_TURN_LOCK}, {GROUP_TOPIC_KEY})",
                                      (self.group, self.topic))
                 stop.set()
                 watchdog.join()
@@ -364,7 +362,7 @@ class ConsumeOperator(BaseOperator):
         waited = time.monotonic()
         while not stop.is_set():
             try:
-                presence.execute(f"SELECT pg_advisory_lock({CONSUMER_TURN_LOCK}, {_PRESENCE_KEY})",
+                presence.execute(f"SELECT pg_advisory_lock({CONSUMER_TURN_LOCK}, {GROUP_TOPIC_KEY})",
                                  (self.group, self.topic))
             except psycopg.errors.LockNotAvailable:
                 continue
@@ -385,7 +383,7 @@ class ConsumeOperator(BaseOperator):
                 row = presence.execute(
                     f"""SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted AND objsubid = 2
                           AND pid <> pg_backend_pid() AND classid::bigint = {CONSUMER_PRESENCE_LOCK}
-                          AND objid = ({_PRESENCE_KEY})::oid
+                          AND objid = ({GROUP_TOPIC_KEY})::oid
                           AND database = (SELECT oid FROM pg_database WHERE datname = current_database())""",
                     (self.group, self.topic)).fetchone()
             except psycopg.Error as exc:  # cannot tell: hand over as without a grace

@@ -13,11 +13,9 @@ from datetime import datetime
 import psycopg
 
 from delaywheel.deliver.levels import TOPIC_SUMMARY
+from delaywheel.locks import REPLAY_LOCK
 from delaywheel.partitions import HOUR, PartitionCache, floor_to
 from delaywheel.produce.validation import check_topic
-
-REPLAY_LOCK = 0x64770050  # advisory lock class for replays (second key: the replayed hour)
-
 
 _REPLAY = """
 INSERT INTO delaywheel.topic_messages

@@ -18,6 +18,7 @@ import psycopg
 
 from delaywheel.config import Settings
 from delaywheel.db import COMMIT_HORIZON, QUEUE_PLAN
+from delaywheel.locks import GROUP_LOCK, GROUP_TOPIC_KEY
 from delaywheel.partitions import PartitionCache
 from delaywheel.produce.producer import send_for_store
 from delaywheel.produce.validation import Message as OutgoingMessage
@@ -236,13 +237,6 @@ def _move(conn: psycopg.Connection, batch: Batch | None, extra: str = "", params
     return set(row[0]), row
 
 
-# Advisory lock class of a consumer group's hold on one source topic (second key: a hash of group and topic). A
-# `consume` loop holds it (session level) from the pull of a batch to the commit of its ack, so two consumers of one
-# group never handle the same batch. Keys of different (group, topic) pairs may collide: they then take turns.
-GROUP_LOCK = 0x64770040
-_GROUP_KEY = "hashtext(jsonb_build_array(%s::text, %s::text)::text)"
-
-
 def ack_and_pull(
     conn: psycopg.Connection,
     settings: Settings,
@@ -267,7 +261,7 @@ def ack_and_pull(
     failed = _checked_failures(done, failed) if done is not None else set()
     sources = (topic, retry_topic(group))
     wanted = [s for s in sources if s not in held]
-    tries = "".join(f", pg_try_advisory_lock({GROUP_LOCK}, {_GROUP_KEY})" for _ in wanted)
+    tries = "".join(f", pg_try_advisory_lock({GROUP_LOCK}, {GROUP_TOPIC_KEY})" for _ in wanted)
     params = [v for s in wanted for v in (group, s)]
     with conn.transaction():
         moved, row = _move(conn, done, f", {_READ_PLAN}{tries}", params)
@@ -282,7 +276,7 @@ def ack_and_pull(
 def release_group_locks(conn: psycopg.Connection, group: str, sources: frozenset[str] | set[str]) -> None:
     """Release the group locks `ack_and_pull` took on this session (call after its transaction committed)."""
     if sources:
-        unlocks = ", ".join(f"pg_advisory_unlock({GROUP_LOCK}, {_GROUP_KEY})" for _ in sources)
+        unlocks = ", ".join(f"pg_advisory_unlock({GROUP_LOCK}, {GROUP_TOPIC_KEY})" for _ in sources)
         conn.execute(f"SELECT {unlocks}", [v for s in sorted(sources) for v in (group, s)])  # type: ignore[arg-type]
 
 

@@ -15,12 +15,11 @@ from psycopg import errors
 
 from delaywheel.db import COMMIT_HORIZON, QUEUE_PLAN
 from delaywheel.deliver.setaside import POISON, record
+from delaywheel.locks import LEVEL_LOCK
 from delaywheel.partitions import PartitionCache
 from delaywheel.pending import LEVEL_HEAD
 from delaywheel.produce.producer import TOPIC_CHANNEL
 from delaywheel.types import PassResult, TopicSpan
-
-LEVEL_LOCK = 0x64770010  # advisory lock class for levels (second key: the level)
 
 # How long a pass that finds its lane's lock taken waits for it before it reports `busy`. A cancel takes the lock
 # shared and lets it go in the same statement (cancel.await_passes: waiting for the pass in flight), but PostgreSQL

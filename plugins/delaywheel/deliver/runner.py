@@ -23,6 +23,7 @@ from psycopg import sql
 
 from delaywheel import partitions
 from delaywheel.db import connect
+from delaywheel.locks import LANE_PRESENCE_LOCK, lane_key
 from delaywheel.pending import LEVEL_HEAD
 from delaywheel.produce.producer import NOTIFY_CHANNEL, lane_channel
 from delaywheel.store import Store
@@ -35,7 +36,6 @@ PREPARE_EVERY_S = 600.0  # partitions are created hours ahead; refresh them this
 SUMMARIZE_EVERY_S = 60.0  # BRIN summaries autovacuum dropped (partitions.summarize): a cancel stays fast
 SAFETY_WAKE_S = 5.0  # without a known next due time, look anyway this often (a missed NOTIFY costs this much)
 HANDOVER_POLL_S = 0.5  # past the duration, waiting for a successor: look for one this often
-PRESENCE_LOCK = 0x64770030  # advisory lock class held (shared) by every live runner of a lane; second key: lane
 RECONNECT_FIRST_S = 0.2  # after a lost connection, the first retry comes this soon; later ones back off ...
 RECONNECT_MAX_S = 5.0  # ... doubling up to this
 
@@ -217,7 +217,7 @@ class _Listener:
             for channel in listen_channels(self.lanes):
                 conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
             for lane in self.lanes:  # released with the connection, so a crashed runner is never counted
-                conn.execute("SELECT pg_advisory_lock_shared(%s, %s)", (PRESENCE_LOCK, _lane_key(lane)))
+                conn.execute("SELECT pg_advisory_lock_shared(%s, %s)", (LANE_PRESENCE_LOCK, lane_key(lane)))
         except BaseException:
             conn.close()
             raise
@@ -267,10 +267,6 @@ def _summarizing(url: str) -> Iterator[None]:
         thread.join()
 
 
-def _lane_key(lane: Lane) -> int:
-    return 0 if lane is None else lane
-
-
 def _keep_going(listener: psycopg.Connection, lanes: Sequence[Lane], deadline: float, grace_s: float) -> bool:
     now = time.monotonic()
     if now < deadline:
@@ -281,7 +277,7 @@ def _keep_going(listener: psycopg.Connection, lanes: Sequence[Lane], deadline: f
         """SELECT count(DISTINCT objid) FROM pg_locks
            WHERE locktype = 'advisory' AND granted AND pid <> pg_backend_pid() AND classid::bigint = %s AND objsubid = 2
              AND objid::bigint = ANY(%s::bigint[]) AND database = (SELECT oid FROM pg_database WHERE datname = current_database())""",
-        (PRESENCE_LOCK, [_lane_key(lane) for lane in lanes]),
+        (LANE_PRESENCE_LOCK, [lane_key(lane) for lane in lanes]),
     ).fetchone()
     return (row[0] if row else 0) < len(set(lanes))
 

@@ -23,10 +23,10 @@ from delaywheel.config import Settings
 from delaywheel.db import COMMIT_HORIZON, QUEUE_PLAN
 from delaywheel.deliver.levels import TOPIC_SUMMARY, take_lane, topic_spans
 from delaywheel.deliver.setaside import POISON, record
+from delaywheel.locks import WHEEL_LOCK
 from delaywheel.partitions import DAY, HOUR, PartitionCache, floor_to
 from delaywheel.types import PassResult
 
-WHEEL_LOCK = (0x64770020, 0)
 MAX_ID = 2**63 - 1
 # The cursor as the last pass left it (migrations/021: the first entry of the primary key read backwards).
 CURSOR = ("SELECT pass, cursor_at, cursor_id, horizon_xid::text, delivered FROM delaywheel.wheel_cursor"

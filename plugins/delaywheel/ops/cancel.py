@@ -19,8 +19,7 @@ import psycopg
 from psycopg import sql
 
 from delaywheel.db import LOOKUP_PLAN
-from delaywheel.deliver.levels import LEVEL_LOCK
-from delaywheel.deliver.wheel import WHEEL_LOCK
+from delaywheel.locks import LEVEL_LOCK, WHEEL_LOCK
 from delaywheel.ops.predicate import CANCEL_COLUMNS, UnsafeSQL, catalog_table, check_column, check_expression
 from delaywheel.partitions import PartitionCache
 from delaywheel.pending import PENDING, SEGMENT_PENDING, STILL_PENDING, pending

@@ -1,0 +1,66 @@
+"""Every PostgreSQL advisory lock delaywheel takes, in one place, so that no two uses share an id.
+
+Advisory locks have two key spaces that never meet: one bigint key (`pg_advisory_lock(key)`, pg_locks' objsubid 1)
+and two int4 keys (`pg_advisory_lock(class, key)`, objsubid 2). Each id below is `0x6477_00NN` ("dw"): the key of a
+one-key lock, or the class (first key) of a two-key lock, whose second key says which lane, group or hour. Two
+users of one class would wait on each other whenever their second keys met, and a count of a class's holders in
+pg_locks (`runner._keep_going`, the lease consumer's watchdog) would count the other's: keep them distinct
+(tests/test_locks.py checks it). Nothing here imports more than the standard library.
+"""
+
+from __future__ import annotations
+
+# One migrator at a time (`migrate.migrate`, a session lock around the whole run): two would both find a
+# migration pending and apply it twice. One key.
+MIGRATE_LOCK = 0x64770001
+
+# A level's lane; second key: the level. Exclusive, for one transaction, by the level's delivery pass
+# (`levels.deliver_level`; a second deliverer of the level waits LANE_WAIT for it, then reports busy) and by the
+# setting aside of its undeliverable rows (`levels.set_aside`), so two passes never move the same prefix; shared by a
+# cancel waiting for the passes in flight (`cancel.await_passes`), or held by a cancel inside a caller's
+# transaction until that ends (`cancel._lock_level_lanes`, `_lock_all_lanes`), so a cancelled message is never
+# delivered after the cancel returns.
+LEVEL_LOCK = 0x64770010
+
+# The timing wheel's lane, as (class, key): the same for the wheel as LEVEL_LOCK for a level. Exclusive by the
+# wheel's pass and roll (`wheel.advance_wheel`, `wheel._roll`, `wheel._set_aside_far`); shared or held by cancels as
+# for a level (wheel first, then levels ascending: one order for every canceller, so no deadlock).
+WHEEL_LOCK = (0x64770020, 0)
+
+# A delivery loop's presence on a lane; second key: `lane_key(lane)`. Shared, for the whole run, by every live
+# `runner.run` on its listening connection (released with it, so a crashed runner is never counted); a runner
+# past its lease counts the other holders to hand its lanes over only to a live successor (`runner._keep_going`).
+LANE_PRESENCE_LOCK = 0x64770030
+
+# A consumer group's hold on one source topic; second key: `GROUP_TOPIC_KEY`. Exclusive, session level, by a
+# `consume` loop from the pull of a batch to the commit of its ack (`topics.ack_and_pull`, `release_group_locks`),
+# so two consumers of one group never handle the same batch. Keys of different (group, topic) pairs may collide:
+# they then take turns.
+GROUP_LOCK = 0x64770040
+
+# A lease consumer's presence on (group, topic); second key: `GROUP_TOPIC_KEY`. Shared, for the task's run, by every
+# live Airflow lease consumer (`airflow.operators.ConsumeOperator`); its watchdog counts the other holders to know a
+# successor is running before it stops at its lease end.
+CONSUMER_PRESENCE_LOCK = 0x64770050
+
+# A lease consumer's turn on (group, topic); same second key. Exclusive, by the lease consumer that is consuming:
+# its successor queues on it and the server grants it the instant the predecessor lets go.
+CONSUMER_TURN_LOCK = 0x64770051
+
+# One BRIN summarizer at a time (`partitions.summarize`, a session lock tried, never waited for): every lane's
+# delivery loop calls it every minute, and one is enough. One key.
+SUMMARIZE_LOCK = 0x64770060
+
+# A replayed hour; second key: the hour (hours since the epoch). Exclusive, for the transaction, by the replay of
+# a slice (`batch.replay.replay_slice`), so two replays of one hour cannot both pass the NOT EXISTS dedup. (It had
+# CONSUMER_PRESENCE_LOCK's class, 0x64770050, until issue 20: an hour number equal to a (group, topic) hash would
+# have made a replay wait for a consumer's lease and counted as a live lease consumer.)
+REPLAY_LOCK = 0x64770070
+
+# The second key of the (group, topic) locks, as SQL over two text parameters (group, then topic).
+GROUP_TOPIC_KEY = "hashtext(jsonb_build_array(%s::text, %s::text)::text)"
+
+
+def lane_key(lane: int | None) -> int:
+    """LANE_PRESENCE_LOCK's second key for a lane: the level, or 0 for the wheel (levels start at 1)."""
+    return 0 if lane is None else lane
