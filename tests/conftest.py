@@ -13,14 +13,13 @@ from pathlib import Path
 
 import psycopg
 import pytest
+from delaywheel_shop import schema as shop_schema
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from delaywheel import Settings, Store
-from delaywheel.db import database_url
 from delaywheel.deliver import runner
 from delaywheel.dev import embedded
 from delaywheel.dev.local_airflow import as_url, configure
-from delaywheel.migrate import migrate
 
 TEMPLATE = "delaywheel_test_template"
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,8 +36,7 @@ def server_url() -> str:
     embedded cluster's superuser (its default URL is the runtime role's, which may create nothing)."""
     if os.environ.get("DELAYWHEEL_DATABASE_URL"):
         return _with_db(os.environ["DELAYWHEEL_DATABASE_URL"], "postgres")
-    database_url(Settings())  # starts the embedded cluster (idempotent)
-    return embedded.default_cluster().admin_url("postgres")
+    return embedded.start().admin_url("postgres")  # (started if need be, idempotently)
 
 
 @pytest.fixture(scope="session")
@@ -65,7 +63,7 @@ def template_db(server_url: str) -> Iterator[str]:
     with psycopg.connect(server_url, autocommit=True) as conn:
         conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
         conn.execute(f"CREATE DATABASE {name}")
-    migrate(_with_db(server_url, name))
+    shop_schema.migrate(_with_db(server_url, name))  # the store's line and the shop example's (tests/shop, Spark's)
     yield name
     with psycopg.connect(server_url, autocommit=True) as conn:
         conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")

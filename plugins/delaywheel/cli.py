@@ -15,7 +15,6 @@ from typing import Any
 import psycopg
 
 from delaywheel.config import ConfigError, load_settings, parse_duration
-from delaywheel.db import database_url
 from delaywheel.deliver import runner
 from delaywheel.dev import embedded
 from delaywheel.migrate import MigrationError, migrate
@@ -82,6 +81,20 @@ def _print(data: Any, as_json: bool) -> None:
         print(data)
 
 
+def _store_url() -> str:
+    """The configured database URL; with none, the embedded cluster's (started if need be), said on stderr."""
+    settings = load_settings()
+    url = embedded.database_url(settings)
+    if not settings.database_url:
+            print(f"delaywheel: no database URL configured (DELAYWHEEL_DATABASE_URL): using the embedded cluster, {url}",
+              file=sys.stderr, flush=True)
+    return url
+
+
+def _store() -> Store:
+    return Store(_store_url())
+
+
 def cmd_db(args: argparse.Namespace) -> int:
     cluster = embedded.default_cluster()
     if args.action == "start":
@@ -97,8 +110,20 @@ def cmd_db(args: argparse.Namespace) -> int:
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:
-    url = database_url()
+    url = _store_url()
     applied = migrate(url)
+    with Store(url) as store:
+        store.prepare()
+    print("applied: " + ", ".join(applied) if applied else "schema up to date")
+    return 0
+
+
+def cmd_shop_migrate(args: argparse.Namespace) -> int:
+    """The store's migrations, then the shop example's own line (`delaywheel_shop/migrations/`)."""
+    from delaywheel_shop import schema
+
+    url = _store_url()
+    applied = schema.migrate(url)
     with Store(url) as store:
         store.prepare()
     print("applied: " + ", ".join(applied) if applied else "schema up to date")
@@ -111,7 +136,7 @@ def cmd_send(args: argparse.Namespace) -> int:
     except RecursionError:
         raise UsageError("--body is nested too deeply to be a message") from None
     properties = dict(args.property)
-    with Store() as store:
+    with _store() as store:
         message_id = store.send(
             args.topic, body, delay_level=args.level, delay=args.delay_in, deliver_at=args.at,
             key=args.key, tags=args.tags, properties=properties,
@@ -153,7 +178,7 @@ def cmd_deliver(args: argparse.Namespace) -> int:
 
 
 def _deliver(args: argparse.Namespace, stop: threading.Event) -> int:
-    with Store() as store:
+    with _store() as store:
         lanes: list[runner.Lane] = list(args.level) if args.level else list(range(1, store.settings.max_level + 1))
         if args.command == "advance" or (args.command == "deliver" and not args.level and not args.no_wheel):
             lanes = [*lanes, None] if args.command == "deliver" else [None]
@@ -168,7 +193,7 @@ def _deliver(args: argparse.Namespace, stop: threading.Event) -> int:
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
-    with Store() as store:
+    with _store() as store:
         batch = store.pull(args.topic, args.group, args.max)
         acked = store.ack(batch) if args.ack else None
     rows = [{"message_id": m.message_id, "topic": m.topic, "key": m.key, "tags": m.tags,
@@ -220,7 +245,7 @@ def cmd_consume(args: argparse.Namespace) -> int:
             raise Abandon() from None  # the reader went away: nothing acked, the next consumer gets the batch
 
     try:
-        with Store() as store:
+        with _store() as store:
             totals = store.consume(args.topic, args.group, handler, max_messages=args.max, stop=stop,
                                    limit=args.count, idle_s=args.idle.total_seconds() if args.idle else None,
                                    duration_s=args.duration.total_seconds() if args.duration else None)
@@ -238,7 +263,7 @@ def cmd_consume(args: argparse.Namespace) -> int:
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
-    with Store() as store:
+    with _store() as store:
         if args.where is not None or args.keys_from is not None or args.keys_from_table is not None:
             keys = None
             if args.keys_from:
@@ -284,7 +309,7 @@ def _keys_from(args: argparse.Namespace) -> KeysFrom | None:
 def cmd_stats(args: argparse.Namespace) -> int:
     from delaywheel.ops.stats import as_json  # the web API's JSON form too: numbers as numbers, times as ISO 8601
 
-    with Store() as store:
+    with _store() as store:
         data = store.stats()
     if args.json:
         print(json.dumps(as_json(data), indent=2))
@@ -325,7 +350,7 @@ def _num(value: float | None) -> str:
 
 
 def cmd_retire(args: argparse.Namespace) -> int:
-    with Store() as store:
+    with _store() as store:
         dropped = store.retire()
     _print({"dropped": [f"{d.name} ({d.rows} rows)" for d in dropped]}, args.json)
     return 0
@@ -344,7 +369,7 @@ def cmd_shop(args: argparse.Namespace) -> int:
         print(f"delaywheel shop {args.role}: ready", file=sys.stderr, flush=True)
 
     try:
-        with Store() as store:
+        with _store() as store:
             if args.role == "sweep":
                 totals, stopped_by = orders.run_sweep(store, stop=stop, max_messages=args.batch, ready=ready)
                 result: dict[str, Any] = {"batches": totals.batches, "messages": totals.messages,
@@ -373,7 +398,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("action", choices=["start", "stop", "status"])
     p.set_defaults(func=cmd_db)
 
-    p = sub.add_parser("migrate", help="apply the SQL migrations in sql/")
+    p = sub.add_parser("migrate", help="apply the store's SQL migrations (the shop's: `delaywheel shop migrate`)")
     p.set_defaults(func=cmd_migrate)
 
     p = sub.add_parser("send", help="send one message")
@@ -455,6 +480,8 @@ def build_parser() -> argparse.ArgumentParser:
     r = roles.add_parser("customers", help="simulated customers: pay or cancel as their plans fall due")
     r.add_argument("--every", type=_seconds, default=0.1, metavar="SECONDS", help="tick (default 0.1)")
     r.add_argument("--json", action="store_true")
+    r = roles.add_parser("migrate", help="apply the store's migrations, then the shop's own (its schema `shop`)")
+    r.set_defaults(func=cmd_shop_migrate)
     p.set_defaults(func=cmd_shop)
 
     p = sub.add_parser("demo", help="the order-timeout story end to end (the README's first command)")
@@ -478,8 +505,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"delaywheel: error: {_one_line(exc)}", file=sys.stderr)
         return 2
     except psycopg.errors.UndefinedTable as exc:  # (or an unmigrated database)
-        print(f"delaywheel: database error: {_one_line(exc)} (is the schema migrated? `delaywheel migrate`)",
-              file=sys.stderr)
+        print(f"delaywheel: database error: {_one_line(exc)} (is the schema migrated? `delaywheel migrate`;"
+              " the shop's: `delaywheel shop migrate`)", file=sys.stderr)
         return 2
     except psycopg.Error as exc:  # e.g. a --where predicate that is not valid SQL, or an unreachable server
         print(f"delaywheel: database error: {_one_line(exc)}", file=sys.stderr)

@@ -1,12 +1,12 @@
-"""Where the store lives: the configured PostgreSQL, or the embedded cluster when none is configured."""
+"""Where the store lives (the URL given or configured; the embedded cluster is the CLI's choice, not this module's),
+its connections and the SQL settings they share."""
 
 from __future__ import annotations
 
 import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from delaywheel.config import Settings, load_settings
-from delaywheel.dev import embedded
+from delaywheel.config import ConfigError, Settings
 
 # The commit horizon (DESIGN.md §5), an SQL expression of type xid8: every transaction below it that could
 # have written to *this* database has ended, so a cursor may pass rows below it. Unlike
@@ -37,15 +37,19 @@ QUEUE_PLAN = "set_config('enable_sort', 'off', true), set_config('jit', 'off', t
 LOOKUP_PLAN = "set_config('enable_seqscan', 'off', true), set_config('jit', 'off', true)"
 
 
-def database_url(settings: Settings | None = None, *, start_embedded: bool = True) -> str:
-    """The configured URL; without one, the embedded cluster's (started on demand, idempotently)."""
-    settings = settings or load_settings()
-    if settings.database_url:
-        return settings.database_url
-    cluster = embedded.default_cluster()
-    if start_embedded:
-        embedded.start(cluster)
-    return cluster.url("delaywheel")
+NO_DATABASE = (
+    "no database URL: pass one (Store(url)) or configure one (DELAYWHEEL_DATABASE_URL, or database_url in airflow.cfg's"
+    " [delaywheel] section); or use the embedded development cluster: delaywheel.dev.embedded.store() in Python, or"
+    " the `delaywheel` command, which uses it when no URL is configured"
+)
+
+
+def configured_url(settings: Settings) -> str:
+    """The configured database URL. None configured is an error, never a server started on the side: the embedded
+    cluster is an explicit choice (`delaywheel.dev.embedded`)."""
+    if not settings.database_url:
+        raise ConfigError(NO_DATABASE)
+    return settings.database_url
 
 
 # Server settings every store connection starts with (libpq `options`, no privilege needed). JIT off: the store's

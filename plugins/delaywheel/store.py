@@ -14,7 +14,7 @@ from psycopg import errors
 from delaywheel import partitions
 from delaywheel.config import Settings, load_settings
 from delaywheel.consume import topics
-from delaywheel.db import connect, database_url
+from delaywheel.db import configured_url, connect
 from delaywheel.deliver import levels, wheel
 from delaywheel.migrate import migrate
 from delaywheel.ops import cancel as cancelling
@@ -34,11 +34,16 @@ class Store:
     (e.g. to enqueue an order's timeout in the transaction that inserts the order).
     Every call that decides by time takes `now=` so tests can inject the clock; by default the
     database's clock decides.
+
+    `url` is the store's PostgreSQL; without one, the configured one (DELAYWHEEL_DATABASE_URL, airflow.cfg), and
+    with none configured a ConfigError naming the ways to give one. The embedded development cluster is an explicit
+    choice: `delaywheel.dev.embedded.store()` (the `delaywheel` command's default). It is not a `Store.embedded()`
+    here, because the store core imports nothing of `delaywheel.dev` (an import contract checks it).
     """
 
     def __init__(self, url: str | None = None, settings: Settings | None = None, *, apply_migrations: bool = False):
         self.settings = settings or load_settings()
-        self.url = url or database_url(self.settings)
+        self.url = url or configured_url(self.settings)
         if apply_migrations:
             migrate(self.url)
         self._conn: psycopg.Connection | None = None

@@ -44,10 +44,9 @@ from types import FrameType
 from typing import IO, Any
 
 from delaywheel.config import PROJECT_ROOT, parse_duration
-from delaywheel.dev import local_airflow
-from delaywheel.migrate import migrate
+from delaywheel.dev import embedded, local_airflow
 from delaywheel.store import Store
-from delaywheel_shop import orders
+from delaywheel_shop import orders, schema
 
 REPORTS = PROJECT_ROOT / ".delaywheel" / "reports"
 READY_S = 120.0  # a continuous part not ready by then has failed to start
@@ -185,8 +184,8 @@ def _run(n_orders: int, *, timeout: str, period: str, json_output: bool, url: st
     out.mkdir(parents=True, exist_ok=True)
     timeout_td = parse_duration(timeout, "--timeout")
     parse_duration(period, "--period")
-    store = Store(url)
-    applied = migrate(store.url)
+    store = Store(url or embedded.database_url())  # no URL given or configured: the embedded cluster
+    applied = schema.migrate(store.url)
     store.prepare()
     print(f"store: {store.url} (migrations applied now: {', '.join(applied) or 'none needed'})", flush=True)
     print("Airflow: migrating its metadata database (the demo runs its DAGs through `airflow dags test`)", flush=True)

@@ -1,4 +1,5 @@
-"""A project-local PostgreSQL cluster, used whenever no database URL is configured.
+"""A project-local PostgreSQL cluster for development: the `delaywheel` command's database when no database URL is
+configured, and `store()`'s. Never started on the side: the library's `Store` takes a URL (`Store(url)`).
 
 PostgreSQL refuses to run as root; CI runs as root, so as root the cluster is owned by and run as
 the `postgres` system user (created by Debian's packages) through `runuser`.
@@ -21,14 +22,14 @@ from pathlib import Path
 import psycopg
 from psycopg import sql
 
-from delaywheel.config import PROJECT_ROOT
+from delaywheel.config import PROJECT_ROOT, Settings, load_settings
+from delaywheel.migrate import OWNER_LOGIN, OWNER_ROLE, RUNTIME_LOGIN, RUNTIME_ROLE, adopt
+from delaywheel.store import Store
 
 DATABASES = ("delaywheel", "airflow")
-# Login roles of the embedded cluster (README, "Roles"): members of the group roles migrations/017 grants to. The cluster
-# authenticates local connections by `trust` (loopback only, a development cluster): the roles bound what the
-# store's SQL may do, not who may connect.
-OWNER_LOGIN = "delaywheel_migrator"
-RUNTIME_LOGIN = "delaywheel_app"
+# The cluster's login roles are the project's (migrate.OWNER_LOGIN, RUNTIME_LOGIN; README, "Roles"): members of the
+# group roles migrations/017 grants to. The cluster authenticates local connections by `trust` (loopback only, a
+# development cluster): the roles bound what the store's SQL may do, not who may connect.
 INSTALL_HINT = (
     "no PostgreSQL server binaries found. Install them (Debian/Ubuntu: `apt-get install postgresql`; "
     "then `make setup` again), or set DELAYWHEEL_PG_BIN to the folder holding initdb and pg_ctl, "
@@ -242,11 +243,9 @@ def _create_databases(cluster: Cluster) -> None:
                 conn.execute(f'CREATE DATABASE "{name}"')
         create_roles(conn, databases=("delaywheel",))
     # A store migrated before the roles existed belongs to `postgres`: hand it to the owner, whose login migrates
-    # (once per process and cluster: every Store without a URL comes through here).
+    # (once per process and cluster: every command without a configured URL comes through here).
     if (cluster.root, cluster.port) in _ADOPTED:
         return
-    from delaywheel.migrate import adopt
-
     with psycopg.connect(cluster.admin_url("delaywheel"), autocommit=True) as conn:
         conn.execute("SET lock_timeout = '5s'")
         with contextlib.suppress(psycopg.errors.LockNotAvailable):  # busy: `migrate` says so if it matters
@@ -264,8 +263,6 @@ def create_roles(conn: psycopg.Connection, *, databases: tuple[str, ...] = (),
     trusts loopback), the owner's CREATE on `databases` (it creates the schemas), and nothing for the runtime beyond
     its group: no superuser, no CREATEDB or CREATEROLE, no file or
     program access (pg_read_server_files, pg_write_server_files, pg_execute_server_program)."""
-    from delaywheel.migrate import OWNER_ROLE, RUNTIME_ROLE
-
     # one read of what is there, so a start with everything in place changes nothing and costs one query
     wanted = ((OWNER_ROLE, owner_login), (RUNTIME_ROLE, runtime_login))
     names = [name for pair in wanted for name in pair]
@@ -303,3 +300,18 @@ def stop(cluster: Cluster | None = None) -> str:
     if result.returncode != 0:
         raise EmbeddedError(f"pg_ctl stop failed: {result.stderr.strip()}")
     return "stopped"
+
+
+def database_url(settings: Settings | None = None) -> str:
+    """The `delaywheel` command's database: the configured URL; with none configured, the embedded cluster's store
+    database, started first if it is not running (idempotent)."""
+    settings = settings or load_settings()
+    if settings.database_url:
+        return settings.database_url
+    return start().url("delaywheel")
+
+
+def store(settings: Settings | None = None) -> Store:
+    """A Store on the embedded cluster's store database (started first if need be), whatever URL is configured: the
+    explicit choice of the development cluster, in place of a URL. Migrate it first (`delaywheel migrate`)."""
+    return Store(start().url("delaywheel"), settings)

@@ -1,4 +1,6 @@
--- The order-timeout demo's business schema (`shop`), separate from the store's (`delaywheel`).
+-- The order-timeout demo's business schema (`shop`), separate from the store's (`delaywheel`): the first file of the
+-- shop's own migrations line (`delaywheel_shop.schema`). It was the store's migrations/006 until the shop became an
+-- example beside the library; a database that applied it there records this version without running it again.
 -- Stock moves between three buckets and is conserved: initial = on_hand + reserved + sold.
 
 CREATE SCHEMA shop;
@@ -56,3 +58,12 @@ CREATE TABLE shop.processed_messages (
     cancelled     boolean     NOT NULL,
     processed_at  timestamptz NOT NULL DEFAULT clock_timestamp()
 );
+
+-- The tables are the application's own, which the store's runtime role runs (README, "Roles"): the demo resets them
+-- (TRUNCATE) and the sweep updates them. (A database that had the schema from the store's line got these grants from
+-- the store's migrations/017, which granted on `shop` where it existed.)
+GRANT USAGE ON SCHEMA shop TO delaywheel_runtime;
+GRANT SELECT, INSERT, UPDATE, DELETE, TRUNCATE ON ALL TABLES IN SCHEMA shop TO delaywheel_runtime;
+GRANT USAGE, SELECT ON ALL SEQUENCES IN SCHEMA shop TO delaywheel_runtime;
+ALTER DEFAULT PRIVILEGES IN SCHEMA shop GRANT SELECT, INSERT, UPDATE, DELETE, TRUNCATE ON TABLES TO delaywheel_runtime;
+ALTER DEFAULT PRIVILEGES IN SCHEMA shop GRANT USAGE, SELECT ON SEQUENCES TO delaywheel_runtime;
