@@ -22,11 +22,10 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
-import os
 import shutil
 import sys
-import threading
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from itertools import pairwise
 from pathlib import Path
@@ -38,8 +37,8 @@ import psycopg
 from delaywheel import load_settings
 from delaywheel.dev.local_airflow import as_url
 
-from .airflow_lateness import CLK_TCK, METADATA_DB, ROOT, standalone, wait_running
-from .common import Check, drop_database, fresh_database, log, print_section
+from .airflow_lateness import METADATA_DB, ROOT, standalone, wait_running
+from .common import Check, ProcessCpu, drop_database, fresh_database, load_options, log, print_section
 from .consumer_lateness import TOPIC, percentiles, produce
 
 DB = "delaywheel_bench_airflow_consumer"
@@ -125,74 +124,29 @@ def handovers(rows: list[tuple[int, float, float, float, int]]) -> list[tuple[fl
     return [(t, t - t0, task) for (t0, a), (t, task) in pairwise(seq) if task != a]
 
 
-class MachineCpu:
-    """CPU seconds of every process on the machine over the load window (sampled every 2 s, so a process that exits
-    loses at most its last 2 s), by what it is: this bench's consumer task, its deliver lane tasks (task processes
-    are titled `airflow worker -- <task instance id>`), task supervisors, Airflow services, PostgreSQL backends of
-    the store and of Airflow's metadata, and everything else on the machine (other work sharing the 2 cores)."""
+def kind_of(tasks: dict[str, str]) -> Callable[[str], str]:
+    """What a process on the machine is, from its title: this bench's consumer task, its deliver lane tasks (task
+    processes are titled `airflow worker -- <task instance id>`; `tasks`: task instance id -> task id), task
+    supervisors, Airflow services, PostgreSQL backends of the store and of Airflow's metadata, this bench's producer,
+    or everything else on the machine (other work sharing the 2 cores)."""
 
-    def __init__(self, store_db: str) -> None:
-        self.store_db = store_db
-        self.first: dict[int, int] = {}
-        self.last: dict[int, int] = {}
-        self.title: dict[int, str] = {}
-        self.seconds = 0.0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
+    def kind(title: str) -> str:
+        if title.startswith("airflow worker -- "):
+            task = tasks.get(title.split()[-1], "")
+            return ("consumer tasks" if task == "consume" else "wheel lane task" if task == "advance_wheel"
+                    else "level lane tasks" if task.startswith("deliver_level_") else "other tasks")
+        if title.startswith("airflow supervisor"):
+            return "task supervisors"
+        if title.startswith("postgres: "):
+            return ("PostgreSQL, store" if f" {DB} " in title else
+                    "PostgreSQL, Airflow metadata" if f" {METADATA_DB} " in title else "PostgreSQL, other")
+        if "airflow" in title:
+            return "Airflow services"
+        if f"{Path(sys.executable).name} -m bench.airflow_consumer_lateness" in title or "multiprocessing" in title:
+            return "this bench (producer)"
+        return "everything else"
 
-    def __enter__(self) -> MachineCpu:
-        self._sample(initial=True)
-        self.seconds = -time.monotonic()
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self._sample()
-        self.seconds += time.monotonic()
-
-    def _loop(self) -> None:
-        while not self._stop.wait(2.0):
-            self._sample()
-
-    def _sample(self, initial: bool = False) -> None:
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            try:
-                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-                title = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:
-                continue
-            pid, ticks = int(entry), int(fields[11]) + int(fields[12])
-            if pid not in self.first:
-                self.first[pid] = ticks if initial else 0
-                self.title[pid] = title
-            self.last[pid] = ticks
-
-    def shares(self, tasks: dict[str, str]) -> dict[str, float]:
-        """Share of one core per kind over the window; `tasks`: task instance id -> task id."""
-        totals: dict[str, float] = {}
-        for pid, last in self.last.items():
-            title = self.title[pid]
-            if title.startswith("airflow worker -- "):
-                task = tasks.get(title.split()[-1], "")
-                kind = ("consumer tasks" if task == "consume" else "wheel lane task" if task == "advance_wheel"
-                        else "level lane tasks" if task.startswith("deliver_level_") else "other tasks")
-            elif title.startswith("airflow supervisor"):
-                kind = "task supervisors"
-            elif title.startswith("postgres: "):
-                kind = ("PostgreSQL, store" if f" {self.store_db} " in title else
-                        "PostgreSQL, Airflow metadata" if f" {METADATA_DB} " in title else "PostgreSQL, other")
-            elif "airflow" in title:
-                kind = "Airflow services"
-            elif f"{Path(sys.executable).name} -m bench.airflow_consumer_lateness" in title or "multiprocessing" in title:
-                kind = "this bench (producer)"
-            else:
-                kind = "everything else"
-            totals[kind] = totals.get(kind, 0.0) + (last - self.first[pid]) / CLK_TCK
-        return {k: v / self.seconds for k, v in sorted(totals.items(), key=lambda kv: -kv[1])}
+    return kind
 
 
 def task_figures(metadata_url: str, since: datetime) -> dict[str, Any]:
@@ -230,7 +184,7 @@ def run(args: argparse.Namespace) -> tuple[list[Check], list[str]]:
         producer = ctx.Process(target=produce, args=(url, args.rate, seconds, args.seed, produced_tx))
         log(f"producing {args.rate}/s for {seconds:.0f} s (consumer lease {args.interval + args.overlap:g} s, "
             f"a run every {args.interval:g} s)")
-        with MachineCpu(DB) as cpu:
+        with ProcessCpu() as cpu:  # every process on the machine: who else shares the 2 cores shows too
             producer.start()
             ids: list[int] = produced_rx.recv()
             producer.join()
@@ -241,7 +195,7 @@ def run(args: argparse.Namespace) -> tuple[list[Check], list[str]]:
         time.sleep(3.0)  # anything extra (a duplicate) would show up now
         load_after = Path("/proc/loadavg").read_text().strip()
         tasks = task_figures(metadata_url, since)
-    shares = cpu.shares(tasks["ids"])
+    shares = cpu.shares(kind_of(tasks["ids"]))
     rows = read_records(records)
     got = np.array([r[0] for r in rows], dtype=np.int64)
     received, due, delivered = (np.array([r[i] for r in rows]) for i in (1, 2, 3))
@@ -296,13 +250,9 @@ def run(args: argparse.Namespace) -> tuple[list[Check], list[str]]:
 
 
 def main(argv: list[str] | None = None) -> list[Check]:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--minutes", type=float, default=10.0, help="producing time (the issue: 10)")
-    parser.add_argument("--rate", type=int, default=1000, help="messages per second")
+    parser = load_options(argparse.ArgumentParser(description=__doc__), minutes=10.0, seed=19)
     parser.add_argument("--interval", type=float, default=60.0, help="a consumer run (lease) starts this often (s)")
     parser.add_argument("--overlap", type=float, default=20.0, help="each lease lasts this much longer (s)")
-    parser.add_argument("--seed", type=int, default=19)
-    parser.add_argument("--note", default="", help="a note for the results (e.g. the background load)")
     args, _ = parser.parse_known_args(argv)
     started = datetime.now(UTC)
     checks, notes = run(args)

@@ -18,6 +18,7 @@ Run: `python -m bench.airflow_lateness --minutes 10` (use `--minutes 2 --lease 6
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import signal
@@ -41,9 +42,9 @@ from psycopg.conninfo import make_conninfo
 from delaywheel import Message, Store, load_settings
 from delaywheel.dev.local_airflow import as_url
 
-from .common import fresh_database, log, server_url
+from .common import ProcessCpu, fresh_database, load_options, log, server_url
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]  # the checkout: scripts/airflow.sh, dags/, .delaywheel/
 OUT = ROOT / ".delaywheel" / "bench"
 METADATA_DB = "airflow_bench"
 DAG_ID = "delaywheel_deliver"
@@ -51,7 +52,6 @@ TOPICS = ("bench.orders", "bench.payments", "bench.reminders")
 FAR_SHARE, LEVEL_SHARE = 0.03, 0.47  # the rest goes to the wheel at arbitrary times
 DUE_MARGIN_S = 5.0  # every non-far message falls due at least this long before the phase's end
 TICK_S = 0.1
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 TARGETS = {"p50": 0.100, "p99": 1.0, "max": 5.0}
 
 
@@ -252,7 +252,8 @@ def standalone(store_url: str, lease: float | None,
     try:
         yield proc, make_conninfo(server, dbname=METADATA_DB)
     finally:
-        os.killpg(proc.pid, signal.SIGINT)
+        with contextlib.suppress(ProcessLookupError):  # the whole group already exited (a failed start)
+            os.killpg(proc.pid, signal.SIGINT)
         try:
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
@@ -281,88 +282,8 @@ def wait_running(metadata_url: str, lanes: int, proc: subprocess.Popen[bytes], t
     raise TimeoutError(f"only {running}/{lanes} deliver tasks running after {timeout:.0f} s")
 
 
-class CpuSampler:
-    """CPU seconds of each Airflow process (the standalone's process tree), from /proc, while running."""
-
-    def __init__(self, root_pid: int, every_s: float = 2.0) -> None:
-        self.root, self.every = root_pid, every_s
-        self.first: dict[int, int] = {}
-        self.last: dict[int, int] = {}
-        self.kind: dict[int, str] = {}
-        self.title: dict[int, str] = {}
-        self.started = self.stopped = 0.0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-
-    def __enter__(self) -> CpuSampler:
-        self.started = time.monotonic()
-        self._sample(initial=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self._sample()
-        self.stopped = time.monotonic()
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.every):
-            self._sample()
-
-    def _sample(self, initial: bool = False) -> None:
-        for pid, ticks, cmdline in _tree(self.root):
-            if pid not in self.first:
-                self.first[pid] = ticks if initial else 0  # born during the window: all its CPU counts
-                self.kind[pid] = _kind(cmdline)
-                self.title[pid] = cmdline
-            self.last[pid] = ticks
-
-    def census(self) -> str:
-        """Which process titles were counted as which kind (to check the classification)."""
-        seen: dict[str, set[str]] = defaultdict(set)
-        for pid, kind in self.kind.items():
-            seen[kind].add(self.title.get(pid, "?")[:60])
-        return "; ".join(f"{k}: {len(v)} titles, e.g. {sorted(v)[:3]}" for k, v in sorted(seen.items()))
-
-    def by_kind(self) -> dict[str, float]:
-        """CPU seconds per process kind over the window (processes that exited between samples lose < 2 s)."""
-        totals: dict[str, float] = defaultdict(float)
-        for pid, last in self.last.items():
-            totals[self.kind[pid]] += (last - self.first[pid]) / CLK_TCK
-        return dict(totals)
-
-
-def _tree(root: int) -> list[tuple[int, int, str]]:
-    """(pid, utime + stime ticks, cmdline) of `root` and all its descendants."""
-    stats: dict[int, tuple[int, int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            stats[int(entry)] = (int(fields[1]), int(fields[11]) + int(fields[12]))  # ppid, utime + stime
-    members, frontier = {root}, [root]
-    children: dict[int, list[int]] = defaultdict(list)
-    for pid, (ppid, _) in stats.items():
-        children[ppid].append(pid)
-    while frontier:
-        for child in children[frontier.pop()]:
-            if child not in members:
-                members.add(child)
-                frontier.append(child)
-    result = []
-    for pid in members & stats.keys():
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        result.append((pid, stats[pid][1], cmdline))
-    return result
-
-
 def _kind(cmdline: str) -> str:
+    """Which Airflow service a process of the standalone's tree is, from its command line."""
     for kind, needles in (("triggerer", ("triggerer",)), ("dag-processor", ("dag-processor", "dag_processor")),
                           ("api-server", ("api-server", "api_server", "uvicorn")), ("scheduler", ("scheduler",))):
         if any(n in cmdline for n in needles):
@@ -431,14 +352,13 @@ def through_airflow(args: argparse.Namespace) -> Outcome:
         time.sleep(10)
         since = datetime.now(UTC)
         load0 = os.getloadavg()
-        with CpuSampler(proc.pid) as cpu:
+        with ProcessCpu(root=proc.pid) as cpu:
             sent, figures = run_load(url, args)
         load1 = os.getloadavg()
-        log(f"processes by kind: {cpu.census()}")
+        log(f"processes by kind: {cpu.census(_kind)}")
         overhead = task_overhead(metadata_url, since)
         coverage = split_by_coverage(url, metadata_url)
-    window = cpu.stopped - cpu.started
-    shares = {k: v / window for k, v in sorted(cpu.by_kind().items())}
+    shares = cpu.shares(_kind)
     notes = [
         f"lateness of messages due while their lane's deliver task was running: p50 {_ms(coverage['steady_p50'])}, "
         f"p99 {_ms(coverage['steady_p99'])}, max {_ms(coverage['steady_max'])} ({coverage['steady_n']:,} msgs); "
@@ -453,7 +373,7 @@ def through_airflow(args: argparse.Namespace) -> Outcome:
         "Airflow CPU over the load window (share of one core): "
         + ", ".join(f"{k} {v:.0%}" for k, v in shares.items()),
         f"load average (1 min) {load0[0]:.1f} at the start, {load1[0]:.1f} at the end, on {os.cpu_count()} cores "
-        "shared with other work",
+        "shared with other work" + (f"; {args.note}" if args.note else ""),
     ]
     return Outcome("through Airflow", sent, figures, notes)
 
@@ -500,14 +420,12 @@ def report(outcomes: list[Outcome], args: argparse.Namespace, started: datetime,
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--minutes", type=float, default=10.0, help="minutes of steady load through Airflow")
-    parser.add_argument("--rate", type=int, default=1000, help="messages per second")
+    parser = load_options(argparse.ArgumentParser(description=__doc__.split("\n")[0]), minutes=10.0, seed=4,
+                          minutes_help="minutes of steady load through Airflow")
     parser.add_argument("--drain", type=float, default=60.0, help="seconds after the load in which the rest falls due")
     parser.add_argument("--lease", type=float, help="deliver task lease in seconds (default: airflow.cfg's)")
     parser.add_argument("--baseline-minutes", type=float, default=2.0, help="minutes of load for the no-Airflow "
                         "baseline (0 skips it)")
-    parser.add_argument("--seed", type=int, default=4)
     args = parser.parse_args()
     started = datetime.now(UTC)
     outcomes = [baseline(args)] if args.baseline_minutes > 0 else []

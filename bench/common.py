@@ -4,22 +4,26 @@ and the pass/fail table each module prints (markdown, pasted into bench/RESULTS.
 from __future__ import annotations
 
 import argparse
+import os
+import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
+from pathlib import Path
 
 import psycopg
 from psycopg.conninfo import make_conninfo
 
 from delaywheel.config import load_settings
-from delaywheel.db import database_url
 from delaywheel.dev import embedded
 from delaywheel.migrate import migrate
 
 BENCH_DB = "delaywheel_bench"
 BODY_PAD = "x" * 64  # bodies of ~90 bytes: a typical small JSON event
+CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 def parse_args(description: str) -> argparse.Namespace:
@@ -28,6 +32,17 @@ def parse_args(description: str) -> argparse.Namespace:
                         help="multiply every message count (1.0 = the issue's sizes: 1M backlog, 10M pending)")
     parser.add_argument("--batch", type=int, default=20_000, help="messages per send_many / COPY batch")
     return parser.parse_args()
+
+
+def load_options(parser: argparse.ArgumentParser, *, minutes: float, seed: int,
+                 minutes_help: str = "producing time (the issue: 10)") -> argparse.ArgumentParser:
+    """The options of the lateness benches, which all produce a steady load: how long (`--minutes`), how fast
+    (`--rate`), with which random `--seed`, and a `--note` for the results (e.g. the background load)."""
+    parser.add_argument("--minutes", type=float, default=minutes, help=minutes_help)
+    parser.add_argument("--rate", type=int, default=1000, help="messages per second")
+    parser.add_argument("--seed", type=int, default=seed)
+    parser.add_argument("--note", default="", help="a note for the results (e.g. the background load)")
+    return parser
 
 
 def scaled(count: int, scale: float, minimum: int = 1000) -> int:
@@ -45,8 +60,7 @@ def server_url() -> str:
     settings = load_settings()
     if settings.database_url:
         return make_conninfo(settings.database_url, dbname="postgres")
-    database_url(settings)  # starts the embedded cluster (idempotent)
-    return embedded.default_cluster().admin_url("postgres")
+    return embedded.start().admin_url("postgres")  # (started if need be, idempotently)
 
 
 def fresh_database(name: str = BENCH_DB) -> str:
@@ -103,6 +117,96 @@ class Stopwatch:
     @property
     def rate(self) -> float:
         return self.count / self.seconds if self.seconds else 0.0
+
+
+class ProcessCpu:
+    """CPU seconds (utime + stime, from /proc/<pid>/stat) of processes over the `with` block, sampled every
+    `every_s` seconds: a process that exits loses at most its last `every_s`, one born inside the block counts
+    whole. `root`: count that process and its descendants (e.g. an Airflow standalone's tree); None: every process
+    on the machine (to see who else shares the cores). Each process is known by its command line as first seen
+    (`title`), which `kind` functions map to what it is."""
+
+    def __init__(self, root: int | None = None, every_s: float = 2.0) -> None:
+        self.root, self.every = root, every_s
+        self.first: dict[int, int] = {}  # pid -> ticks at its first sample (0 if born during the window)
+        self.last: dict[int, int] = {}
+        self.title: dict[int, str] = {}
+        self.seconds = 0.0  # the window's length
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def __enter__(self) -> ProcessCpu:
+        self.seconds = -time.monotonic()
+        self._sample(initial=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+        self.seconds += time.monotonic()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.every):
+            self._sample()
+
+    def _sample(self, initial: bool = False) -> None:
+        stats = _proc_stats()
+        for pid in stats.keys() if self.root is None else _tree(self.root, stats):
+            if pid not in self.first:
+                try:
+                    title = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                except OSError:  # gone since the stat
+                    continue
+                self.first[pid] = stats[pid][1] if initial else 0
+                self.title[pid] = title
+            self.last[pid] = stats[pid][1]
+
+    def by_kind(self, kind: Callable[[str], str]) -> dict[str, float]:
+        """CPU seconds over the window per kind of process, `kind` naming it from its title."""
+        totals: dict[str, float] = defaultdict(float)
+        for pid, last in self.last.items():
+            totals[kind(self.title[pid])] += (last - self.first[pid]) / CLK_TCK
+        return dict(totals)
+
+    def shares(self, kind: Callable[[str], str]) -> dict[str, float]:
+        """`by_kind` as shares of one core over the window (2 cores: up to 200 %), largest first."""
+        return {k: v / self.seconds for k, v in sorted(self.by_kind(kind).items(), key=lambda kv: -kv[1])}
+
+    def census(self, kind: Callable[[str], str]) -> str:
+        """Which titles were counted as which kind (to check a classification)."""
+        seen: dict[str, set[str]] = defaultdict(set)
+        for title in self.title.values():
+            seen[kind(title)].add(title[:60])
+        return "; ".join(f"{k}: {len(v)} titles, e.g. {sorted(v)[:3]}" for k, v in sorted(seen.items()))
+
+
+def _proc_stats() -> dict[int, tuple[int, int]]:
+    """pid -> (parent pid, utime + stime ticks) of every process now (one read of each /proc/<pid>/stat)."""
+    stats = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            stats[int(entry)] = (int(fields[1]), int(fields[11]) + int(fields[12]))
+    return stats
+
+
+def _tree(root: int, stats: dict[int, tuple[int, int]]) -> set[int]:
+    """`root` and all its descendants among `stats`' processes."""
+    children: dict[int, list[int]] = defaultdict(list)
+    for pid, (ppid, _) in stats.items():
+        children[ppid].append(pid)
+    members, frontier = {root}, [root]
+    while frontier:
+        for child in children[frontier.pop()]:
+            if child not in members:
+                members.add(child)
+                frontier.append(child)
+    return members & stats.keys()
 
 
 def table_bytes(conn: psycopg.Connection, table: str) -> int:

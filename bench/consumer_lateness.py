@@ -27,7 +27,7 @@ import numpy as np
 from delaywheel import Message, Store
 from delaywheel.dev.local_airflow import as_url
 
-from .common import Check, drop_database, fresh_database, log, print_section
+from .common import Check, drop_database, fresh_database, load_options, log, print_section
 
 DB = "delaywheel_bench_consumer"
 TOPIC = "bench.consume"
@@ -170,11 +170,7 @@ def run(args: argparse.Namespace) -> tuple[list[Check], list[str]]:
 
 
 def main(argv: list[str] | None = None) -> list[Check]:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--minutes", type=float, default=3.0, help="producing time (the issue: 10)")
-    parser.add_argument("--rate", type=int, default=1000, help="messages per second")
-    parser.add_argument("--seed", type=int, default=19)
-    parser.add_argument("--note", default="", help="a note for the results (e.g. the background load)")
+    parser = load_options(argparse.ArgumentParser(description=__doc__), minutes=3.0, seed=19)
     args, _ = parser.parse_known_args(argv)  # run_all passes its own arguments (--scale) to every module
     started = datetime.now(UTC)
     checks, notes = run(args)
