@@ -84,8 +84,8 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--scale", type=float, default=1.0, help="multiply every count (1.0: 10M pending)")
     parser.add_argument("--batch", type=int, default=20_000, help="messages per send_many call of the big fill")
-    parser.add_argument("--rate", type=int, default=1000, help="steady state: messages per second")
-    parser.add_argument("--seconds", type=float, default=60.0, help="steady state: measured seconds")
+    parser.add_argument("--rate", type=int, default=1000, help="steady state: messages per second (run at 1x and 4x)")
+    parser.add_argument("--seconds", type=float, default=45.0, help="steady state: measured seconds of each run")
     parser.add_argument("--cores-per-store", type=int, default=16, help="extrapolation: cores of one store's server")
     parser.add_argument("--json", type=Path, help="also write the figures to this file")
     return parser.parse_args()
@@ -166,19 +166,26 @@ class Meter:
         if not waldump.exists() and not (found := shutil.which("pg_waldump")):
             return None
         waldump = waldump if waldump.exists() else Path(found)  # type: ignore[arg-type]
-        dump = subprocess.run([str(waldump), "--path", str(self.wal_dir), "--start", a.wal_lsn, "--end", b.wal_lsn],
-                              capture_output=True, text=True)
+        ours = f"rel 1663/{self.database_oid}/"  # the default tablespace: the store creates no other
+        mine, others, xids = 0, dict[int, int](), set()  # streamed: a big step's WAL is millions of records
+        with subprocess.Popen([str(waldump), "--path", str(self.wal_dir), "--start", a.wal_lsn, "--end", b.wal_lsn],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as dump:
+            assert dump.stdout is not None and dump.stderr is not None
+            for line in dump.stdout:
+                match = _RECORD.search(line)
+                if not match:
+                    continue
+                total, tx = int(match.group(1)), int(match.group(2))
+                if ours in line:
+                    mine += total
+                    xids.add(tx)
+                elif tx:
+                    others[tx] = others.get(tx, 0) + total
+            error = dump.stderr.read()
         if dump.returncode != 0:
-            log(f"pg_waldump: {dump.stderr.strip()[:300]}")
+            log(f"pg_waldump: {error.strip()[:300]}")
             return None
-        ours = f" {self.database_oid}/"
-        records: list[tuple[int, int, bool]] = []
-        for line in dump.stdout.splitlines():
-            match = _RECORD.search(line)
-            if match:
-                records.append((int(match.group(2)), int(match.group(1)), f"rel 1663{ours}" in line))
-        xids = {tx for tx, _, mine in records if mine and tx}
-        return sum(total for tx, total, mine in records if mine or (tx and tx in xids))
+        return mine + sum(others.get(tx, 0) for tx in xids if tx)  # with their commits
 
     def sample(self) -> Sample:
         lsn, fpi = self.conn.execute("SELECT pg_current_wal_lsn()::text, (SELECT wal_fpi FROM pg_stat_wal)").fetchone()  # type: ignore[misc]
@@ -213,7 +220,7 @@ class Meter:
             self.conn.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
 
     @contextmanager
-    def measure(self, into: list[Usage], *, own: bool = False) -> Iterator[None]:
+    def measure(self, into: list[Usage], *, own: bool = True) -> Iterator[None]:
         with self.retained(own):
             start = self.sample()
             yield
@@ -227,6 +234,11 @@ def _cpu_delta(before: dict[int, float], after: dict[int, float]) -> float:
     """CPU used between two samples by the processes of the second (a process started in between counts from 0;
     one that ended in between is lost, so measured steps end before their connections close)."""
     return sum(c - before.get(p, 0.0) for p, c in after.items())
+
+
+def wal(figures: dict[str, float]) -> float:
+    """WAL bytes per message: this database's where pg_waldump could tell, else the cluster's."""
+    return figures.get("own_wal_bytes", figures["wal_bytes"])
 
 
 def sizes(conn: psycopg.Connection, tables: tuple[str, ...]) -> int:
@@ -259,7 +271,7 @@ class Figures:
     roll: dict[str, float] = field(default_factory=dict)
     delivery: dict[str, dict[str, float]] = field(default_factory=dict)
     topic: dict[str, float] = field(default_factory=dict)
-    steady: dict[str, float] = field(default_factory=dict)
+    steady: dict[str, dict[str, float]] = field(default_factory=dict)  # per rate; "marginal": fitted
     environment: dict[str, Any] = field(default_factory=dict)
     extrapolated: dict[str, Any] = field(default_factory=dict)
 
@@ -280,7 +292,7 @@ def fill(store: Store, meter: Meter, kind: str, count: int, batch: int, real0: d
     conn.execute("CHECKPOINT")  # every step starts from a checkpoint: its full-page images are counted alike
     bytes0, rows0 = sizes(conn, tables), rows(conn, tables)
     usage: list[Usage] = []
-    with meter.measure(usage, own=count <= 500_000):
+    with meter.measure(usage):
         for start, size in chunks(count, batch):
             store.send_many(_timers(kind, rng, start, size, real0, prefix))
     rate = count / usage[0].seconds
@@ -335,7 +347,7 @@ def single_sends(store: Store, meter: Meter, count: int) -> dict[str, dict[str, 
     for side in ("send", "insert"):
         conn.execute("CHECKPOINT")
         usage: list[Usage] = []
-        with meter.measure(usage, own=True):
+        with meter.measure(usage):
             for i in range(count):
                 if side == "send":
                     store.send(TOPIC, body(i), delay_level=3, key=f"single-{i}", tags="created")
@@ -353,7 +365,7 @@ def roll(store: Store, meter: Meter, real0: datetime) -> dict[str, float]:
     conn = meter.conn
     far = "SELECT coalesce(sum(n), 0) FROM delaywheel.wheel_far_segments"
     conn.execute("CHECKPOINT")
-    moved, seconds, wal, blocks = 0, 0.0, 0, 0
+    moved, seconds, wal_bytes, blocks = 0, 0.0, 0, 0
     for days in (1, 2):
         before = conn.execute(far).fetchone()[0]  # type: ignore[index]
         parts = conn.execute("SELECT count(*) FROM delaywheel.partitions WHERE parent = 'wheel_far_segments'").fetchone()[0]  # type: ignore[index]
@@ -364,9 +376,9 @@ def roll(store: Store, meter: Meter, real0: datetime) -> dict[str, float]:
         blocks += parts - conn.execute(  # type: ignore[index]
             "SELECT count(*) FROM delaywheel.partitions WHERE parent = 'wheel_far_segments'").fetchone()[0]
         seconds += usage[0].seconds
-        wal += usage[0].wal_bytes
+        wal_bytes += usage[0].own_wal_bytes if usage[0].own_wal_bytes is not None else usage[0].wal_bytes
     return {"rows": moved, "blocks": blocks, "seconds": seconds, "us_per_row": 1e6 * seconds / max(moved, 1),
-            "wal_bytes_per_row": wal / max(moved, 1)}
+            "wal_bytes_per_row": wal_bytes / max(moved, 1)}
 
 
 def deliver(store: Store, meter: Meter, real0: datetime) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
@@ -459,6 +471,19 @@ def steady(url: str, meter: Meter, rate: int, seconds: float) -> dict[str, float
             "cpu_s_per_1000_sent_and_delivered": 1000 * (usage.client_cpu + usage.server_cpu) / max(n, 1)}
 
 
+def marginal(low: dict[str, float], high: dict[str, float]) -> dict[str, float]:
+    """The cost of one more message per second, and the cost at no traffic, from two steady runs (a straight line
+    through both): per-pass and per-call costs shrink per message as batches grow, so scaling one run up would
+    overstate a busy store."""
+    rates = [run["sent"] / run["seconds"] for run in (low, high)]
+    out = {}
+    for name, key in (("wal_bytes", "own_wal_bytes_per_s"), ("server_cpu_s", "server_cores"), ("client_cpu_s", "client_cores")):
+        slope = (high[key] - low[key]) / (rates[1] - rates[0])
+        out[name] = slope
+        out[f"fixed_{'wal_bytes_per_s' if name == 'wal_bytes' else name.replace('_cpu_s', '_cores')}"] = low[key] - slope * rates[0]
+    return out
+
+
 def idle_wal(meter: Meter, seconds: float = 10.0) -> float:
     """The cluster's WAL rate with this benchmark idle (others' work, checkpoints): bytes/s."""
     a = meter.sample()
@@ -487,17 +512,15 @@ def extrapolate(f: Figures, cores_per_store: int) -> dict[str, Any]:
     far_per_day = BILLION * mix["far"] / 30
     out["roll_far_rows_per_day_30d_horizon"] = far_per_day
     out["roll_seconds_per_day_30d_horizon"] = f.roll["us_per_row"] * far_per_day / 1e6
-    # 100,000 msg/s: steady state scaled by 100,000 / rate (every message sent, delivered and consumed).
-    s = f.steady
-    factor = TARGET_RATE / (s["sent"] / s["seconds"])
-    wal_per_s = s["own_wal_bytes_per_s"] or s["wal_bytes_per_s"]  # this database's, when pg_waldump could tell
-    out["wal_per_day_TiB_steady"] = wal_per_s * factor * 86400 / 2**40
-    out["wal_per_day_TiB_cluster_steady"] = s["wal_bytes_per_s"] * factor * 86400 / 2**40
-    out["wal_per_day_TiB_bulk"] = (f.pending["near"]["wal_bytes"] + f.delivery["wheel"]["wal_bytes"]) * TARGET_RATE * 86400 / 2**40
-    out["wal_MB_per_s_steady"] = wal_per_s * factor / 1e6
-    out["cores_server_steady"] = s["server_cores"] * factor
-    out["cores_client_steady"] = s["client_cores"] * factor
-    out["cores_total_steady"] = (s["server_cores"] + s["client_cores"]) * factor
+    # 100,000 msg/s (every message sent, delivered and consumed): the steady runs' fixed cost (idle lanes, waits, the
+    # consumer's polls) plus the marginal cost per message fitted between the two rates, times 100,000.
+    m = f.steady["marginal"]
+    out["wal_per_day_TiB_steady"] = (m["fixed_wal_bytes_per_s"] + m["wal_bytes"] * TARGET_RATE) * 86400 / 2**40
+    out["wal_per_day_TiB_bulk"] = (wal(f.pending["near"]) + wal(f.delivery["wheel"])) * TARGET_RATE * 86400 / 2**40
+    out["wal_MB_per_s_steady"] = (m["fixed_wal_bytes_per_s"] + m["wal_bytes"] * TARGET_RATE) / 1e6
+    out["cores_server_steady"] = m["fixed_server_cores"] + m["server_cpu_s"] * TARGET_RATE
+    out["cores_client_steady"] = m["fixed_client_cores"] + m["client_cpu_s"] * TARGET_RATE
+    out["cores_total_steady"] = out["cores_server_steady"] + out["cores_client_steady"]
     # Big calls (20,000 a send, 5,000 a pass): near-wheel send + wheel delivery, client and server.
     bulk_us = sum(x[k] for x in (f.pending["near"], f.delivery["wheel"]) for k in ("client_cpu_us", "server_cpu_us"))
     out["cores_total_bulk"] = bulk_us * TARGET_RATE / 1e6
@@ -505,7 +528,7 @@ def extrapolate(f: Figures, cores_per_store: int) -> dict[str, Any]:
     # Single-lane limits: one pass at a time per lane, so a lane's bulk rate here is its ceiling; the wheel is one lane.
     wheel_rate, level_rate = f.delivery["wheel"]["rate"], f.delivery["levels"]["rate"]
     headroom = 0.5  # run at half a ceiling: the other half catches up after an outage while traffic goes on
-    server_s_per_msg = s["server_cores"] / (s["sent"] / s["seconds"])
+    server_s_per_msg = m["server_cpu_s"]
     out["lane_ceiling_wheel_msg_s"] = wheel_rate
     out["lane_ceiling_level_msg_s"] = level_rate
     out["store_ceiling_wheel_traffic_msg_s"] = wheel_rate * headroom
@@ -528,35 +551,34 @@ def extrapolate(f: Figures, cores_per_store: int) -> dict[str, Any]:
 def report(f: Figures) -> None:
     print("\n### Capacity (issue 21, item 4)\n")
     print(f"scale {f.scale} (1.0: 10,000,000 pending), {f.environment}\n")
-    print("| pending timer | count | batch | bytes/timer | rows/timer | WAL B/timer | client µs | server µs | send msg/s "
+    print("| pending timer | count | batch | bytes/timer | rows/timer | WAL B/timer (this database) | client µs | server µs | send msg/s "
           "| 1st VACUUM µs/timer | 2nd VACUUM µs/timer |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for label, group in (("", f.pending), (" (small calls)", f.small_batches)):
         for kind, p in group.items():
             print(f"| {kind}{label} | {p['count']:,.0f} | {p['batch']:,.0f} | {p['bytes']:,.0f} | {p['rows']:.4f} | "
-                  f"{p['wal_bytes']:,.0f} | {p['client_cpu_us']:.2f} | {p['server_cpu_us']:.2f} | {p['send_rate']:,.0f} | "
+                  f"{wal(p):,.0f} | {p['client_cpu_us']:.2f} | {p['server_cpu_us']:.2f} | {p['send_rate']:,.0f} | "
                   f"{p['first_vacuum_us']:.3f} | {p['second_vacuum_us']:.3f} |")
     b = f.baseline
-    print(f"| baseline: plain table, COPY | | 20,000 | {b['copy']['bytes']:,.0f} | 1 | {b['copy']['wal_bytes']:,.0f} | "
+    print(f"| baseline: plain table, COPY | | 20,000 | {b['copy']['bytes']:,.0f} | 1 | {wal(b['copy']):,.0f} | "
           f"{b['copy']['client_cpu_us']:.2f} | {b['copy']['server_cpu_us']:.2f} | {b['copy']['rate']:,.0f} | | |")
-    print("\n| delivered | count | msg/s | topic bytes/msg | WAL B/msg | client µs | server µs |")
+    print("\n| delivered | count | msg/s | topic bytes/msg | WAL B/msg (this database) | client µs | server µs |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for lane, d in f.delivery.items():
         print(f"| {lane} | {d['delivered']:,.0f} | {d['rate']:,.0f} | {d['topic_bytes_before_vacuum']:,.0f} | "
-              f"{d['wal_bytes']:,.0f} | {d['client_cpu_us']:.2f} | {d['server_cpu_us']:.2f} |")
+              f"{wal(d):,.0f} | {d['client_cpu_us']:.2f} | {d['server_cpu_us']:.2f} |")
     m = b["move"]
-    print(f"| baseline: batched move | | {m['rate']:,.0f} | {m['bytes']:,.0f} | {m['wal_bytes']:,.0f} | "
+    print(f"| baseline: batched move | | {m['rate']:,.0f} | {m['bytes']:,.0f} | {wal(m):,.0f} | "
           f"{m['client_cpu_us']:.2f} | {m['server_cpu_us']:.2f} |")
     print("\nRatios (ours / baseline, same run):")
     print(f"- near-wheel timer bytes / plain row: {f.pending['near']['bytes'] / b['copy']['bytes']:.2f}; far: "
           f"{f.pending['far']['bytes'] / b['copy']['bytes']:.2f}; level: {f.pending['level']['bytes'] / b['copy']['bytes']:.2f}")
-    print(f"- WAL per near send / plain COPY row: {f.pending['near']['wal_bytes'] / b['copy']['wal_bytes']:.2f}; far: "
-          f"{f.pending['far']['wal_bytes'] / b['copy']['wal_bytes']:.2f}; level: "
-          f"{f.pending['level']['wal_bytes'] / b['copy']['wal_bytes']:.2f}")
-    print(f"- WAL per wheel delivery / raw move: {f.delivery['wheel']['wal_bytes'] / m['wal_bytes']:.2f}; level: "
-          f"{f.delivery['levels']['wal_bytes'] / m['wal_bytes']:.2f}")
+    print(f"- WAL per near send / plain COPY row: {wal(f.pending['near']) / wal(b['copy']):.2f}; far: "
+          f"{wal(f.pending['far']) / wal(b['copy']):.2f}; level: {wal(f.pending['level']) / wal(b['copy']):.2f}")
+    print(f"- WAL per wheel delivery / raw move: {wal(f.delivery['wheel']) / wal(m):.2f}; level: "
+          f"{wal(f.delivery['levels']) / wal(m):.2f}")
     s1, s2 = f.single["send"], f.single["insert"]
-    w1, w2 = s1.get("own_wal_bytes", s1["wal_bytes"]), s2.get("own_wal_bytes", s2["wal_bytes"])
+    w1, w2 = wal(s1), wal(s2)
     print(f"- single send / single-row INSERT: WAL {w1 / w2:.2f} ({w1:,.0f} / {w2:,.0f} B), server CPU {s1['server_cpu_us'] / s2['server_cpu_us']:.2f} "
           f"({s1['server_cpu_us']:.0f} / {s2['server_cpu_us']:.0f} µs), rate {s1['rate']:,.0f} / {s2['rate']:,.0f} /s")
     print(f"\nRoll: {f.roll}\nTopic: {f.topic}\nSteady: {f.steady}\n")
@@ -591,9 +613,11 @@ def main() -> Figures:
                 log(f"pending {kind}, small calls: {n_small} timers in calls of 100")
                 f.small_batches[kind] = fill(store, meter, kind, n_small // (5 if kind == "near" else 1), 100, real0,
                                              f"small-{kind}")
-            log(f"steady: {args.rate} msg/s for {args.seconds:.0f} s on the real clock")
-            f.steady = steady(url, meter, args.rate, args.seconds)
-            log(f"   {f.steady}")
+            for rate in (args.rate, 4 * args.rate):
+                log(f"steady: {rate} msg/s for {args.seconds:.0f} s on the real clock")
+                f.steady[str(rate)] = steady(url, meter, rate, args.seconds)
+                log(f"   {f.steady[str(rate)]}")
+            f.steady["marginal"] = marginal(f.steady[str(args.rate)], f.steady[str(4 * args.rate)])
             log("roll: the clock one and two days ahead")
             f.roll = roll(store, meter, real0)
             log(f"   {f.roll['rows']:,.0f} rows in {f.roll['seconds']:.1f} s")
