@@ -13,11 +13,13 @@ import tempfile
 import uuid
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
+from importlib import resources
 from pathlib import Path
 
 import psycopg
 import pyarrow as pa
 import pytest
+from delaywheel_shop import schema as shop_schema
 from psycopg.types.json import Jsonb
 
 from delaywheel import Settings, Store
@@ -255,3 +257,66 @@ def test_bulk_claims_survive_the_move_to_source_ids(empty_db: str, sql_copy: Pat
         claims = conn.execute("SELECT source, count(*) FROM delaywheel.idempotency GROUP BY 1 ORDER BY 1").fetchall()
     assert (counts.enqueued, counts.skipped) == (2, 3)
     assert claims == [("a.csv", 5), ("b.csv", 3)]
+
+
+def _lines(url: str) -> list[tuple[str, int, str]]:
+    with psycopg.connect(url) as conn:
+        return conn.execute("SELECT line, version, name FROM delaywheel.schema_migrations ORDER BY 1, 2").fetchall()
+
+
+def test_the_store_line_has_no_shop_and_the_shop_brings_its_own(empty_db: str) -> None:
+    """A fresh database: `migrate` creates the store's schema and nothing of the example (no `shop`); the shop's
+    `schema.migrate` adds its own line, recorded apart, each idempotent."""
+    assert migrate(empty_db) == [m.path.name for m in available()]
+    assert "006_shop.sql" not in {m.path.name for m in available()}
+    with psycopg.connect(empty_db) as conn:
+        assert conn.execute("SELECT to_regnamespace('shop')").fetchone() == (None,)
+    assert current_version(empty_db, "shop") == 0
+    assert shop_schema.migrate(empty_db) == ["001_shop.sql"]
+    assert shop_schema.migrate(empty_db) == []
+    assert [(line, v) for line, v, _ in _lines(empty_db)] == [
+        *[("delaywheel", m.version) for m in available()], ("shop", 1)]
+    assert current_version(empty_db) == available()[-1].version
+    assert current_version(empty_db, "shop") == 1
+    with psycopg.connect(empty_db) as conn:
+        assert conn.execute("SELECT to_regclass('shop.orders') IS NOT NULL").fetchone() == (True,)
+
+
+def test_a_store_migrated_when_the_shop_was_its_006_stays_valid(empty_db: str, sql_copy: Path) -> None:
+    """A database migrated before the shop left the store's line: 006_shop.sql recorded in it, and the record
+    keyed by version alone (no `line` column). The store's `migrate` passes over the recorded 006 (no file has that
+    number now) and adds the column; the shop's records its 001 as applied before, without running it, so the
+    shop's rows stay; later runs apply nothing."""
+    (sql_copy / "006_shop.sql").write_bytes((shop_schema.LINE.folder / "001_shop.sql").read_bytes())
+    migrate(empty_db, sql_copy)
+    with psycopg.connect(empty_db, autocommit=True) as conn:  # as the code before lines left it
+        conn.execute("ALTER TABLE delaywheel.schema_migrations DROP CONSTRAINT schema_migrations_pkey,"
+                     " DROP COLUMN line, ADD PRIMARY KEY (version)")
+        conn.execute("INSERT INTO shop.products (sku, initial_stock, on_hand) VALUES ('kept', 5, 5)")
+    assert current_version(empty_db) == available()[-1].version
+    assert migrate(empty_db) == []
+    assert ("delaywheel", 6, "006_shop.sql") in _lines(empty_db)
+    assert shop_schema.migrate(empty_db) == ["001_shop.sql (applied before as 006_shop.sql of line delaywheel)"]
+    assert shop_schema.migrate(empty_db) == []
+    assert _lines(empty_db)[-1] == ("shop", 1, "001_shop.sql")
+    with psycopg.connect(empty_db) as conn:
+        assert conn.execute("SELECT sku FROM shop.products").fetchall() == [("kept",)]
+
+
+def test_each_line_checks_its_own_versions(db_url: str) -> None:
+    """A version newer than the code knows is refused in its own line only; the shop's line is checked as the
+    store's is (a changed applied file)."""
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute("INSERT INTO delaywheel.schema_migrations (line, version, name, checksum)"
+                     " VALUES ('shop', 2, '002_later.sql', 'x')")
+    assert migrate(db_url) == []
+    with pytest.raises(MigrationError, match=r"version 2 \(002_later.sql\) of line shop, newer than this code"):
+        migrate(db_url, shop_schema.LINE)
+
+
+def test_migrations_are_read_as_package_data() -> None:
+    """The folders come from importlib.resources, the package's own: what an installed wheel has too
+    (tests/test_wheel_install.py runs them from one)."""
+    assert str(SQL_DIR) == str(resources.files("delaywheel") / "migrations")
+    assert str(shop_schema.LINE.folder) == str(resources.files("delaywheel_shop") / "migrations")
+    assert [m.path.name for m in available(shop_schema.LINE.folder)] == ["001_shop.sql"]

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import psycopg
 import pytest
+from delaywheel_shop import orders
+from delaywheel_shop import schema as shop_schema
 from psycopg import errors
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
@@ -119,6 +121,28 @@ def test_the_runtime_runs_the_whole_lifecycle(role_db: tuple[str, str]) -> None:
         assert store.conn.execute("SELECT count(*) FROM delaywheel.topic_messages").fetchone() == (0,)
 
 
+def test_the_shop_line_grants_the_runtime_its_own_tables(role_db: tuple[str, str]) -> None:
+    """A fresh store has no `shop` schema, so migrations/017 granted nothing on it; the shop's own line, run by the
+    owner's login, creates it owned by the owner and gives the runtime what the demo and the sweep do there: reset
+    (TRUNCATE), place orders with their timeouts, and settle them."""
+    owner, runtime = role_db
+    with psycopg.connect(runtime) as conn:
+        assert conn.execute("SELECT to_regnamespace('shop')").fetchone() == (None,)
+    assert shop_schema.migrate(owner) == ["001_shop.sql"]
+    timeout = timedelta(seconds=30)
+    with Store(runtime, Settings()) as store:
+        orders.reset(store, stock_per_sku=100)
+        plans = orders.plan_orders(1, 20, timeout)
+        assert orders.place_orders(store, plans, timeout, now=T0) == 20
+        store.deliver_due(now=T0 + 2 * timeout)
+        assert orders.sweep(store, now=T0 + 2 * timeout).messages > 0
+        owners = store.conn.execute(
+            "SELECT DISTINCT relowner::regrole::text FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
+            " WHERE n.nspname = 'shop' UNION SELECT nspowner::regrole::text FROM pg_namespace WHERE nspname = 'shop'"
+        ).fetchall()
+    assert owners == [(OWNER_ROLE,)]
+
+
 @pytest.mark.parametrize(("statement", "error"), [
     ("DROP TABLE delaywheel.topic_messages", errors.InsufficientPrivilege),
     ("CREATE TABLE delaywheel.intruder (x int)", errors.InsufficientPrivilege),
@@ -219,7 +243,7 @@ def test_migrate_connects_as_the_configured_owner(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv("AIRFLOW_CONFIG", "/nonexistent/airflow.cfg")
     cluster = embedded.default_cluster()
     assert conninfo_to_dict(cluster.url())["user"] == embedded.RUNTIME_LOGIN
-    assert owner_url(cluster.url("delaywheel")) == cluster.owner_url("delaywheel")
+    assert conninfo_to_dict(owner_url(cluster.url("delaywheel"))) == conninfo_to_dict(cluster.owner_url("delaywheel"))
     assert conninfo_to_dict(cluster.owner_url())["user"] == embedded.OWNER_LOGIN
     assert owner_url("postgresql://someone@elsewhere/db") == "postgresql://someone@elsewhere/db"
     monkeypatch.setenv("DELAYWHEEL_DATABASE_URL", "postgresql://app@db/store")

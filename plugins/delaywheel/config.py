@@ -13,7 +13,18 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
-PROJECT_ROOT = Path(os.environ.get("DELAYWHEEL_HOME", Path(__file__).resolve().parents[2]))
+
+def _project_root() -> Path:
+    """The folder of the project's own files (the embedded cluster, reports, input folders, airflow.cfg): nothing the
+    library needs to migrate, send, deliver or consume. `DELAYWHEEL_HOME`; else the checkout this module sits in
+    (`plugins/delaywheel/config.py`); else, installed as a package, the working directory, as for any project's."""
+    if os.environ.get("DELAYWHEEL_HOME"):
+        return Path(os.environ["DELAYWHEEL_HOME"])
+    checkout = Path(__file__).resolve().parents[2]
+    return checkout if (checkout / "pyproject.toml").is_file() and (checkout / "plugins").is_dir() else Path.cwd()
+
+
+PROJECT_ROOT = _project_root()
 
 DEFAULT_LEVELS = "1s 5s 10s 30s 1m 2m 3m 4m 5m 6m 7m 8m 9m 10m 20m 30m 1h 2h"
 _UNIT_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
