@@ -59,7 +59,7 @@ def test_cli_round_trip(store: Store, db_url: str, monkeypatch: pytest.MonkeyPat
 
 def test_cli_bad_input_is_exit_2_with_a_message(db_url: str, monkeypatch: pytest.MonkeyPatch,
                                                 capsys: pytest.CaptureFixture[str]) -> None:
-    """Scripts rely on the exit codes (README): bad input is 2 and a message on stderr, never a traceback.
+    """Scripts rely on the exit codes (docs/cli.md): bad input is 2 and a message on stderr, never a traceback.
     (Bulk cancel's guard codes are in test_cancel.py.)"""
     monkeypatch.setenv("DELAYWHEEL_DATABASE_URL", db_url)
     assert main(["cancel", "--where", "key ==== 'x'"]) == 2

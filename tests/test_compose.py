@@ -115,7 +115,7 @@ def test_compose_postgres_runs_with_the_embedded_clusters_settings() -> None:
 
 
 def test_services_run_as_the_runtime_role_and_only_migrate_as_the_owner() -> None:
-    """README, "Roles": every service reaches the store as the runtime login; only airflow-init's `delaywheel
+    """docs/operations.md, "Roles": every service reaches the store as the runtime login; only airflow-init's `delaywheel
     migrate` gets the owner's URL; Airflow's metadata has its own role; the init script creates them all."""
     from psycopg.conninfo import conninfo_to_dict
 

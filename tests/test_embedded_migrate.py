@@ -79,7 +79,7 @@ def test_start_status_stop_are_idempotent(second_cluster: embedded.Cluster) -> N
 
 
 def test_start_creates_the_roles_and_the_store_runs_as_the_runtime(second_cluster: embedded.Cluster) -> None:
-    """`db start` creates the owner and runtime roles (README, "Roles"); the store's URL is the runtime login's, a
+    """`db start` creates the owner and runtime roles (docs/operations.md, "Roles"); the store's URL is the runtime login's, a
     non-superuser, and `migrate` given it runs as the owner's login."""
     embedded.start(second_cluster)
     embedded.start(second_cluster)  # idempotent

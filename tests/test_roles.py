@@ -1,4 +1,4 @@
-"""Least privilege (issue 18, finding 2; README "Roles"): the store runs as a non-superuser runtime role on a database
+"""Least privilege (issue 18, finding 2; docs/operations.md, "Roles"): the store runs as a non-superuser runtime role on a database
 migrated by the owner role, and everything it does, partition maintenance included, works; what it must not do
 fails."""
 

@@ -349,7 +349,7 @@ def test_the_cli_refuses_what_it_refused_to_deliver_before(store: Store, db_url:
 
 
 def test_the_runtime_role_sets_rows_aside(role_db: tuple[str, str]) -> None:  # noqa: F811
-    """Set-aside needs nothing the runtime role lacks (README "Roles"): a level row and a far row, poisoned by the
+    """Set-aside needs nothing the runtime role lacks (docs/operations.md, "Roles"): a level row and a far row, poisoned by the
     owner, are set aside by a runtime store's passes and the roll."""
     owner, runtime = role_db
     t0 = datetime(2030, 1, 1, tzinfo=UTC)

@@ -373,7 +373,7 @@ def test_the_delivered_message_has_its_own_name(store: Store, t0: datetime) -> N
 
 
 def test_an_injected_now_moves_the_wheels_single_cursor(store: Store) -> None:
-    """README, `now=`: advance_wheel(now=…) ahead of the real clock delivers what is due by then and leaves the wheel's
+    """docs/library.md, `now=`: advance_wheel(now=…) ahead of the real clock delivers what is due by then and leaves the wheel's
     one cursor there; passes on the real clock then deliver nothing before that instant."""
     clock = store.clock()
     early = store.send("timers", b"early", delay=1000)
