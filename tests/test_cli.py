@@ -211,3 +211,38 @@ def test_shop_parts_say_ready_and_stop_on_sigterm(db_url: str) -> None:
                 part.kill()
         assert part.returncode == 0, err
         assert field in json.loads(out)
+
+
+def test_shop_migrate_applies_the_shops_own_line(server_url: str, monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """`delaywheel migrate` creates the store's schema and nothing of the shop; `delaywheel shop migrate` brings
+    the store up to date, then applies the shop's own line."""
+    name = f"dwtest_empty_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(server_url, autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {name}")
+    monkeypatch.setenv("DELAYWHEEL_DATABASE_URL", make_conninfo(server_url, dbname=name))
+    try:
+        assert main(["migrate"]) == 0
+        out = capsys.readouterr().out
+        assert out.startswith("applied: 001_store.sql, ") and "shop" not in out
+        assert main(["shop", "migrate"]) == 0
+        assert capsys.readouterr().out == "applied: 001_shop.sql\n"
+        assert main(["shop", "migrate"]) == 0
+        assert capsys.readouterr().out == "schema up to date\n"
+    finally:
+        with psycopg.connect(server_url, autocommit=True) as conn:
+            conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+@pytest.mark.skipif(bool(os.environ.get("DELAYWHEEL_DATABASE_URL")), reason="the tests use a configured server")
+def test_without_a_configured_url_the_cli_uses_the_embedded_cluster_and_says_so(server_url: str) -> None:
+    """No URL configured: the command runs on the embedded cluster (the library's Store would refuse) and says so on
+    stderr. (A read without --ack on the shared cluster's store database changes nothing there.)"""
+    from delaywheel.dev import embedded
+
+    env = {k: v for k, v in os.environ.items() if k not in ("DELAYWHEEL_DATABASE_URL", "AIRFLOW__DELAYWHEEL__DATABASE_URL")}
+    env["AIRFLOW_CONFIG"] = "/nonexistent/airflow.cfg"
+    done = subprocess.run([sys.executable, "-m", "delaywheel.cli", "pull", "--topic", "t", "--group", "g", "--max", "1"],
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert done.stderr.splitlines()[0] == ("delaywheel: no database URL configured (DELAYWHEEL_DATABASE_URL): using the"
+                                           f" embedded cluster, {embedded.default_cluster().url()}"), done.stderr

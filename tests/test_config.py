@@ -3,6 +3,9 @@ and due times fixed at enqueue so a changed table never moves a pending message.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from datetime import datetime, timedelta
 from pathlib import Path
 
@@ -146,3 +149,31 @@ def test_shortening_the_table_leaves_no_message_behind(db_url: str, t0: datetime
         assert [mid for mid, *_ in rows] == sent[3] + sent[4]
         assert [due for _, due, *_ in rows] == [at(t0, 10)] * 3 + [at(t0, 30)] * 3
         assert sorted(row["level"] for row in new.stats(now=at(t0, 31))["levels"]) == [1, 2]
+
+
+def _no_configured_url(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("DELAYWHEEL_DATABASE_URL", "AIRFLOW__DELAYWHEEL__DATABASE_URL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AIRFLOW_CONFIG", "/nonexistent/airflow.cfg")
+
+
+def test_a_store_without_a_url_says_how_to_give_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No URL given or configured: an error naming the ways to give one, the embedded cluster among them, and no
+    server started on the side (the constructor raises before it connects to anything)."""
+    _no_configured_url(monkeypatch)
+    with pytest.raises(ConfigError, match=r"Store\(url\).*DELAYWHEEL_DATABASE_URL.*delaywheel\.dev\.embedded\.store\(\)"):
+        Store()
+    monkeypatch.setenv("DELAYWHEEL_DATABASE_URL", "postgresql://app@db.example/store")
+    assert Store().url == "postgresql://app@db.example/store"  # (a Store connects on first use)
+
+
+def test_the_project_folder_is_delaywheel_home_or_the_checkout(tmp_path: Path) -> None:
+    """PROJECT_ROOT (the embedded cluster, reports, input folders) is DELAYWHEEL_HOME when set, else this checkout;
+    an installed package uses the working directory (tests/test_wheel_install.py)."""
+    probe = "from delaywheel.config import PROJECT_ROOT; print(PROJECT_ROOT)"
+    env = {k: v for k, v in os.environ.items() if k != "DELAYWHEEL_HOME"}
+    checkout = Path(__file__).resolve().parents[1]
+    assert subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True,
+                          cwd=tmp_path).stdout.strip() == str(checkout)
+    assert subprocess.run([sys.executable, "-c", probe], env={**env, "DELAYWHEEL_HOME": str(tmp_path)},
+                          capture_output=True, text=True, check=True).stdout.strip() == str(tmp_path)
