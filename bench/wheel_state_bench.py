@@ -16,7 +16,6 @@ Printed: pass p50/p99 over the first and the last 1,000 passes, and last / first
 from __future__ import annotations
 
 import argparse
-import shutil
 import statistics
 import subprocess
 import sys
@@ -30,7 +29,7 @@ import psycopg
 from psycopg.conninfo import make_conninfo
 
 from delaywheel import Message, Store
-from delaywheel.migrate import SQL_DIR, migrate
+from delaywheel.migrate import available, migrate
 
 from .common import drop_database, log, server_url
 
@@ -38,7 +37,7 @@ BEFORE = "a0c5a2a"  # main when issue 19's item 2 work on the cursor started
 CURSOR_LOG = "021_"  # the migration the code before does not know
 DB = "delaywheel_bench_cursor"
 WINDOW = 1000  # passes in each percentile window
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]  # the checkout (`git show` runs there)
 
 
 def _wheel_before() -> types.ModuleType:
@@ -59,9 +58,9 @@ def _store_db(with_log: bool) -> str:
         conn.execute(f"CREATE DATABASE {DB}")
     url = make_conninfo(server_url(), dbname=DB)
     with tempfile.TemporaryDirectory() as sql_dir:
-        for path in SQL_DIR.glob("*.sql"):
-            if with_log or not path.name.startswith(CURSOR_LOG):
-                shutil.copy(path, sql_dir)
+        for migration in available():  # (package data: read, not copied as files)
+            if with_log or not migration.path.name.startswith(CURSOR_LOG):
+                (Path(sql_dir) / migration.path.name).write_bytes(migration.path.read_bytes())
         migrate(url, Path(sql_dir))
     return url
 
