@@ -40,20 +40,12 @@ from airflow.sdk import DAG, Param, TaskGroup, conf
 
 from delaywheel import load_settings
 from delaywheel.airflow.operators import AdvanceWheelOperator, DeliverLevelOperator, PublishTopicEventsOperator
+from delaywheel.lanes import delay_label
 
 POOL = "delaywheel_deliver"
 LEVELS = load_settings().levels
 INTERVAL_S = conf.getfloat("delaywheel", "deliver_lease_seconds", fallback=300.0)
 OVERLAP_S = conf.getfloat("delaywheel", "deliver_overlap_seconds", fallback=120.0)
-
-
-def _label(delay: timedelta) -> str:
-    """'1s', '2m', '2h', '500ms': the level table's own notation."""
-    ms = int(delay.total_seconds() * 1000)
-    for unit, size in (("d", 86_400_000), ("h", 3_600_000), ("m", 60_000), ("s", 1000)):
-        if ms % size == 0:
-            return f"{ms // size}{unit}"
-    return f"{ms}ms"
 
 
 with DAG(
@@ -86,7 +78,7 @@ with DAG(
     width = len(str(len(LEVELS)))
     lanes: list[DeliverLevelOperator | AdvanceWheelOperator] = []
     for level, delay in enumerate(LEVELS, start=1):
-        name = f"level {level} ({_label(delay)})"
+        name = f"level {level} ({delay_label(delay)})"
         with TaskGroup(f"lane_{level:0{width}d}", group_display_name=name, prefix_group_id=False):
             lanes.append(DeliverLevelOperator(task_id=f"deliver_level_{level}", task_display_name=name, level=level,
                                               **common))

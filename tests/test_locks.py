@@ -49,5 +49,5 @@ def test_partition_locks_take_no_lock_id(server_url: str) -> None:
 
 def test_lane_keys_are_distinct() -> None:
     """LANE_PRESENCE_LOCK's second key: the wheel's (0) is no level's (levels start at 1)."""
-    assert locks.lane_key(None) == 0
-    assert [locks.lane_key(level) for level in range(1, 19)] == list(range(1, 19))
+    assert locks.lane_lock_key(None) == 0
+    assert [locks.lane_lock_key(level) for level in range(1, 19)] == list(range(1, 19))

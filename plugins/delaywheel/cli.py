@@ -17,6 +17,7 @@ import psycopg
 from delaywheel.config import ConfigError, load_settings, parse_duration
 from delaywheel.deliver import runner
 from delaywheel.dev import embedded
+from delaywheel.lanes import Lane, all_lanes, lane_name
 from delaywheel.migrate import MigrationError, migrate
 from delaywheel.ops.cancel import KeysFrom
 from delaywheel.produce.validation import InvalidMessage
@@ -151,8 +152,8 @@ def _progress(totals: runner.RunTotals) -> None:
           file=sys.stderr, flush=True)
 
 
-def _ready(lanes: list[runner.Lane]) -> None:
-    names = ", ".join(runner.lane_name(lane) for lane in lanes)
+def _ready(lanes: list[Lane]) -> None:
+    names = ", ".join(lane_name(lane) for lane in lanes)
     print(f"delaywheel deliver: ready (listening, {len(lanes)} lane(s) held: {names})", file=sys.stderr, flush=True)
 
 
@@ -179,7 +180,7 @@ def cmd_deliver(args: argparse.Namespace) -> int:
 
 def _deliver(args: argparse.Namespace, stop: threading.Event) -> int:
     with _store() as store:
-        lanes: list[runner.Lane] = list(args.level) if args.level else list(range(1, store.settings.max_level + 1))
+        lanes: list[Lane] = list(args.level) if args.level else all_lanes(store.settings, wheel=False)
         if args.command == "advance" or (args.command == "deliver" and not args.level and not args.no_wheel):
             lanes = [*lanes, None] if args.command == "deliver" else [None]
         totals = runner.run(store, lanes, args.duration.total_seconds(), stop=stop, progress=_progress,

@@ -27,7 +27,7 @@ LEVEL_LOCK = 0x64770010
 # for a level (wheel first, then levels ascending: one order for every canceller, so no deadlock).
 WHEEL_LOCK = (0x64770020, 0)
 
-# A delivery loop's presence on a lane; second key: `lane_key(lane)`. Shared, for the whole run, by every live
+# A delivery loop's presence on a lane; second key: `lane_lock_key(lane)`. Shared, for the whole run, by every live
 # `runner.run` on its listening connection (released with it, so a crashed runner is never counted); a runner
 # past its lease counts the other holders to hand its lanes over only to a live successor (`runner._keep_going`).
 LANE_PRESENCE_LOCK = 0x64770030
@@ -61,6 +61,6 @@ REPLAY_LOCK = 0x64770070
 GROUP_TOPIC_KEY = "hashtext(jsonb_build_array(%s::text, %s::text)::text)"
 
 
-def lane_key(lane: int | None) -> int:
+def lane_lock_key(lane: int | None) -> int:
     """LANE_PRESENCE_LOCK's second key for a lane: the level, or 0 for the wheel (levels start at 1)."""
     return 0 if lane is None else lane

@@ -16,6 +16,7 @@ from delaywheel.config import Settings, load_settings
 from delaywheel.consume import topics
 from delaywheel.db import configured_url, connect
 from delaywheel.deliver import levels, wheel
+from delaywheel.lanes import all_lanes
 from delaywheel.migrate import migrate
 from delaywheel.ops import cancel as cancelling
 from delaywheel.ops import stats
@@ -118,8 +119,7 @@ class Store:
     def deliver_due(self, *, now: datetime | None = None) -> int:
         """Deliver everything due now on every level and the wheel (repeating passes until drained)."""
         total = 0
-        lanes: list[int | None] = [*range(1, self.settings.max_level + 1), None]
-        for lane in lanes:
+        for lane in all_lanes(self.settings):
             while True:
                 result = self.advance_wheel(now=now) if lane is None else self.deliver_level(lane, now=now)
                 total += result.delivered

@@ -37,6 +37,7 @@ from delaywheel.consume.consumer import SAFETY_WAKE_S, Abandon
 from delaywheel.consume.topics import Message as DeliveredMessage
 from delaywheel.db import connect
 from delaywheel.deliver import runner
+from delaywheel.lanes import Lane, lane_name
 from delaywheel.locks import CONSUMER_PRESENCE_LOCK, CONSUMER_TURN_LOCK, GROUP_TOPIC_KEY
 from delaywheel.types import TopicSpan, add_spans, event_extra
 
@@ -133,7 +134,7 @@ class _LeaseOperator(BaseOperator):
         self.emit_asset_events = emit_asset_events
         self._stop: threading.Event | None = None
 
-    def lane(self) -> runner.Lane:
+    def lane(self) -> Lane:
         raise NotImplementedError
 
     def lease_left(self, context: Context) -> float:
@@ -147,14 +148,14 @@ class _LeaseOperator(BaseOperator):
         with DelayWheelHook(self.delaywheel_conn_id).get_store() as store:
             if lane is not None and not 1 <= lane <= store.settings.max_level:
                 raise ValueError(f"level {lane} is not configured (1..{store.settings.max_level})")
-            self.log.info("delivering on %s for a lease of %.1fs", runner.lane_name(lane), lease)
+            self.log.info("delivering on %s for a lease of %.1fs", lane_name(lane), lease)
             totals = runner.run(
                 store, [lane], lease, stop=self._stop, until_idle=_truthy(self.until_idle),
                 handover_grace_s=float(self.handover_grace_seconds),
                 progress=lambda t: self.log.info("delivered %d in %d passes (%d busy)", t.delivered, t.passes,
                                                  t.busy_passes),
             )
-        name = runner.lane_name(lane)
+        name = lane_name(lane)
         if self.emit_asset_events:
             for topic, span in sorted(totals.per_topic.items()):
                 context["outlet_events"][TOPICS_ALIAS].add(topic_asset(topic), extra=event_extra(topic, name, span))
@@ -181,14 +182,14 @@ class DeliverLevelOperator(_LeaseOperator):
         super().__init__(**kwargs)
         self.level = level
 
-    def lane(self) -> runner.Lane:
+    def lane(self) -> Lane:
         return int(self.level)
 
 
 class AdvanceWheelOperator(_LeaseOperator):
     """Advance the timing wheel (deliver every due slot, roll far blocks in) for a lease."""
 
-    def lane(self) -> runner.Lane:
+    def lane(self) -> Lane:
         return None
 
 

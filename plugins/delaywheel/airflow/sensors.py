@@ -15,9 +15,10 @@ from airflow.sdk import BaseSensorOperator, Context, PokeReturnValue
 from airflow.sdk.exceptions import AirflowException
 
 from delaywheel.deliver.runner import connection_lost
+from delaywheel.lanes import lane_name
 
 from .hooks import DelayWheelHook
-from .triggers import DueMessagesTrigger, lane_label
+from .triggers import DueMessagesTrigger
 
 
 class DueMessagesSensor(BaseSensorOperator):
@@ -76,14 +77,14 @@ class DueMessagesSensor(BaseSensorOperator):
         except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
             if not connection_lost(exc):
                 raise
-            self.log.warning("%s: database not reachable (%s); looking again later", lane_label(self.lane),
+            self.log.warning("%s: database not reachable (%s); looking again later", lane_name(self.lane),
                              str(exc).strip())
             return PokeReturnValue(is_done=False)
-        self.log.info("%s: head due %s, now %s", lane_label(self.lane), head, clock)
+        self.log.info("%s: head due %s, now %s", lane_name(self.lane), head, clock)
         if head is None or head > clock:
             return PokeReturnValue(is_done=False)
         return PokeReturnValue(is_done=True, xcom_value={
-            "lane": lane_label(self.lane), "due_at": head.isoformat(), "checked_at": clock.isoformat()})
+            "lane": lane_name(self.lane), "due_at": head.isoformat(), "checked_at": clock.isoformat()})
 
     def execute(self, context: Context) -> Any:
         if not self.deferrable:

@@ -23,14 +23,11 @@ from psycopg import sql
 
 from delaywheel.consume.topics import announce_new
 from delaywheel.deliver.runner import DueHints, backoff_delays, connection_lost, listen_channels
+from delaywheel.lanes import lane_name
 from delaywheel.produce.producer import TOPIC_CHANNEL
 from delaywheel.types import event_extra
 
 from .hooks import DelayWheelHook, next_due_async
-
-
-def lane_label(level: int | None) -> str:
-    return "wheel" if level is None else f"level {level}"
 
 
 class DueMessagesTrigger(BaseTrigger):
@@ -78,7 +75,7 @@ class DueMessagesTrigger(BaseTrigger):
         )
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
-        lane = lane_label(self.level)
+        lane = lane_name(self.level)
         try:
             due = await self._wait_due()
         except Exception as exc:  # a lost connection never gets here: _wait_due reconnects
@@ -101,11 +98,11 @@ class DueMessagesTrigger(BaseTrigger):
                         head, clock = await next_due_async(conn, self.level, self.now_offset_s)
                         retry_in = backoff_delays()
                         if head is not None and head <= clock:
-                            return {"lane": lane_label(self.level), "due_at": head.isoformat(),
+                            return {"lane": lane_name(self.level), "due_at": head.isoformat(),
                                     "checked_at": clock.isoformat()}
                         wait = self.poll_interval if head is None else min(self.poll_interval,
                                                                            (head - clock).total_seconds())
-                        self.log.debug("%s: next due %s, waiting up to %.3fs", lane_label(self.level), head, wait)
+                        self.log.debug("%s: next due %s, waiting up to %.3fs", lane_name(self.level), head, wait)
                         await _sleep_or_sooner(conn, wait, _due_before(clock.timestamp() + wait, hints))
             except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
                 await _after_lost_connection(self.log, exc, retry_in)

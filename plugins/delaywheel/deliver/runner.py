@@ -23,13 +23,13 @@ from psycopg import sql
 
 from delaywheel import partitions
 from delaywheel.db import connect
-from delaywheel.locks import LANE_PRESENCE_LOCK, lane_key
+from delaywheel.lanes import Lane, lane_name
+from delaywheel.locks import LANE_PRESENCE_LOCK, lane_lock_key
 from delaywheel.pending import LEVEL_HEAD
 from delaywheel.produce.producer import NOTIFY_CHANNEL, lane_channel
 from delaywheel.store import Store
 from delaywheel.types import TopicSpan, add_spans
 
-Lane = int | None  # a level number, or None for the wheel
 BUSY_RETRY_S = 0.02  # another deliverer or a canceller holds the lane: look again soon
 CLOCK_EVERY_S = 60.0  # measure the database clock's offset from ours this often
 PREPARE_EVERY_S = 600.0  # partitions are created hours ahead; refresh them this often
@@ -51,10 +51,6 @@ class RunTotals:
     reconnects: int = 0  # connections lost (a server restart) and made again
     per_lane: dict[str, int] = field(default_factory=dict)
     per_topic: dict[str, TopicSpan] = field(default_factory=dict)  # what this run wrote, per topic
-
-
-def lane_name(lane: Lane) -> str:
-    return "wheel" if lane is None else f"level {lane}"
 
 
 def run(
@@ -217,7 +213,7 @@ class _Listener:
             for channel in listen_channels(self.lanes):
                 conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
             for lane in self.lanes:  # released with the connection, so a crashed runner is never counted
-                conn.execute("SELECT pg_advisory_lock_shared(%s, %s)", (LANE_PRESENCE_LOCK, lane_key(lane)))
+                conn.execute("SELECT pg_advisory_lock_shared(%s, %s)", (LANE_PRESENCE_LOCK, lane_lock_key(lane)))
         except BaseException:
             conn.close()
             raise
@@ -277,7 +273,7 @@ def _keep_going(listener: psycopg.Connection, lanes: Sequence[Lane], deadline: f
         """SELECT count(DISTINCT objid) FROM pg_locks
            WHERE locktype = 'advisory' AND granted AND pid <> pg_backend_pid() AND classid::bigint = %s AND objsubid = 2
              AND objid::bigint = ANY(%s::bigint[]) AND database = (SELECT oid FROM pg_database WHERE datname = current_database())""",
-        (LANE_PRESENCE_LOCK, [lane_key(lane) for lane in lanes]),
+        (LANE_PRESENCE_LOCK, [lane_lock_key(lane) for lane in lanes]),
     ).fetchone()
     return (row[0] if row else 0) < len(set(lanes))
 

@@ -11,9 +11,10 @@ import json
 import math
 import re
 from datetime import datetime, timedelta
-from typing import Any, Literal, NamedTuple
+from typing import Any, NamedTuple
 
 from delaywheel.config import Settings
+from delaywheel.lanes import LaneKind
 
 TOPIC_PATTERN = re.compile(r"[%|A-Za-z0-9_.-]{1,127}")  # RocketMQ's topic charset, plus '.'; used with fullmatch
 MAX_KEY_CHARS = 1024
@@ -25,9 +26,6 @@ RESERVED_PROPERTIES = frozenset({"ORIGIN_MESSAGE_ID", "ORIGIN_TOPIC", "REPLAY_ID
 RESERVED_TOPIC_PREFIXES = ("%RETRY%", "%DLQ%")  # a consumer group's retry and dead-letter topics (topics.py)
 _ZERO = timedelta(0)
 MAX_REQUESTED_LEVEL = 2**31 - 1  # the stored requested level is an int4; above the table's maximum it is clamped
-
-Lane = Literal["direct", "level", "wheel"]
-
 
 class InvalidMessage(ValueError):
     """A message delaywheel refuses; nothing of the call that raised it was written."""
@@ -56,7 +54,7 @@ class Placement(NamedTuple):
     """Where a valid message goes and when it falls due (fixed here, at enqueue). A NamedTuple: the wheel
     lane builds one per message."""
 
-    lane: Lane
+    lane: LaneKind
     deliver_at: datetime
     level: int | None = None
     requested_level: int | None = None

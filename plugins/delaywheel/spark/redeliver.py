@@ -11,9 +11,10 @@ Reconcile's table and columns are looked up in the catalog and quoted, and its p
 that table's columns, checked by `delaywheel.predicate` (no subqueries, only pure functions): the business rows are
 read in a READ ONLY JDBC session with a statement timeout.
 
-Each mode spreads library calls over partitions (`delaywheel.batch.catchup`, `.replay`, `.reconcile`): catch-up runs the deliverers' own
-passes, one partition per level and one for the wheel; replay one partition per hour of the range; reconcile
-joins the business keys with the pending timers and writes the missing ones with the bulk writer.
+Each mode spreads library calls over partitions (`delaywheel.batch.catchup`, `.replay`, `.reconcile`): catch-up
+runs the deliverers' own passes, one partition per level and one for the wheel; replay one partition per hour of
+the range; reconcile joins the business keys with the pending timers and writes the missing ones with the bulk
+writer (`delaywheel.batch.bulk`).
 Each prints one JSON line with its figures.
 """
 
@@ -34,17 +35,18 @@ from delaywheel.batch.reconcile import Reconcile, record_reconcile
 from delaywheel.batch.replay import ReplayRequest, finish_replay, replay_slice, start_replay
 from delaywheel.config import Settings, load_settings
 from delaywheel.db import connect
+from delaywheel.lanes import all_lanes, lane_key
 
 SAMPLE = 20
 
 
 def catch_up(spark: SparkSession, url: str, settings: Settings, now: datetime | None, limit: int) -> dict[str, Any]:
-    lanes = catchup.lanes(settings)
+    lanes = all_lanes(settings)  # one partition each
     results = (spark.sparkContext.parallelize(lanes, len(lanes))
                .map(lambda lane: catchup.catch_up_lane(url, settings, lane, now=now, limit=limit)).collect())
     return {"mode": "catch-up", "delivered": sum(r.delivered for r in results),
             "skipped_cancelled": sum(r.skipped_cancelled for r in results),
-            "lanes": {("wheel" if r.level is None else str(r.level)): r.delivered for r in results if r.delivered}}
+            "lanes": {lane_key(r.lane): r.delivered for r in results if r.delivered}}
 
 
 def replay(spark: SparkSession, url: str, request: ReplayRequest, requested_by: str) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Resp
 from fastapi.templating import Jinja2Templates
 
 from delaywheel import Store
+from delaywheel.lanes import delay_label
 from delaywheel.ops.stats import as_json
 
 from .charts import bar_chart, hourly
@@ -100,12 +101,8 @@ def fmt_clock(value: datetime | None, now: datetime) -> str:
 
 
 def fmt_delay(seconds: float) -> str:
-    """A level's delay in RocketMQ's own notation (`messageDelayLevel`): 1s, 30s, 2m, 1h."""
-    ms = round(seconds * 1000)
-    for unit, size in (("h", 3_600_000), ("m", 60_000), ("s", 1000)):
-        if ms % size == 0:
-            return f"{ms // size}{unit}"
-    return f"{ms}ms"
+    """A level's delay (seconds, as `Store.stats()` gives it) in the level table's notation: 1s, 30s, 2m, 1h."""
+    return delay_label(timedelta(seconds=seconds))
 
 
 def fmt_ms(seconds: float | None) -> str:
