@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
 import psycopg
-from psycopg import errors
+from psycopg import errors, sql
 
 from delaywheel.locks import SUMMARIZE_LOCK
 from delaywheel.pending import SEGMENT_PENDING, WHEEL_PENDING
@@ -96,14 +96,15 @@ def _try_lock(conn: psycopg.Connection, parent: str, lo: datetime) -> bool:
 
 # A partition may go when nothing in it is pending. These queries run after the partition is locked
 # ACCESS EXCLUSIVE, so no transaction can still be writing into it.
+# ({partition}: the partition's name, quoted.)
 _PENDING = {
-    "level_segments": """
-        SELECT count(*) FROM delaywheel.{name} s
+    "level_segments": (sql.SQL("""
+        SELECT count(*) FROM {partition} s
         LEFT JOIN delaywheel.level_checkpoint c ON c.level = s.level
-        WHERE """ + SEGMENT_PENDING,
-    "wheel": """
-        SELECT count(*) FROM delaywheel.{name} q, delaywheel.wheel_state s
-        WHERE """ + WHEEL_PENDING,
+        WHERE {pending}"""), SEGMENT_PENDING),
+    "wheel": (sql.SQL("""
+        SELECT count(*) FROM {partition} q, delaywheel.wheel_state s
+        WHERE {pending}"""), WHEEL_PENDING),
 }
 
 
@@ -127,11 +128,13 @@ def retire(conn: psycopg.Connection, now: datetime, retention: timedelta, cache:
         with conn.transaction():
             if not _try_lock(conn, parent, lo):
                 continue
+            partition = sql.Identifier("delaywheel", name)
             if parent in _PENDING:
-                row = conn.execute(_PENDING[parent].format(name=name)).fetchone()  # type: ignore[arg-type]
+                query, pending = _PENDING[parent]
+                row = conn.execute(query.format(partition=partition, pending=pending)).fetchone()
                 if row and row[0]:
                     continue
-            count = conn.execute(f"SELECT count(*) FROM delaywheel.{name}").fetchone()  # type: ignore[arg-type]
+            count = conn.execute(sql.SQL("SELECT count(*) FROM {}").format(partition)).fetchone()
             conn.execute("SELECT delaywheel.drop_partition(%s, %s)", (parent, lo))  # migrations/017: the owner drops it
         if cache:
             cache.forget(parent, lo)
@@ -141,13 +144,14 @@ def retire(conn: psycopg.Connection, now: datetime, retention: timedelta, cache:
 
 def _oldest_pending_due(conn: psycopg.Connection) -> datetime | None:
     """The earliest due time of any message not yet delivered (a segment's messages share theirs)."""
-    row = conn.execute(f"""
+    row = conn.execute(sql.SQL("""
         SELECT least(
             (SELECT min(s.deliver_at) FROM delaywheel.level_segments s
-             LEFT JOIN delaywheel.level_checkpoint c ON c.level = s.level WHERE {SEGMENT_PENDING}),
+             LEFT JOIN delaywheel.level_checkpoint c ON c.level = s.level WHERE {segment_pending}),
             (SELECT min(q.deliver_at) FROM delaywheel.wheel q, delaywheel.wheel_state s
-             WHERE {WHEEL_PENDING}),
-            (SELECT min(block) FROM delaywheel.wheel_far_segments))  -- a lower bound: the blocks' days""").fetchone()  # type: ignore[call-overload]
+             WHERE {wheel_pending}),
+            (SELECT min(block) FROM delaywheel.wheel_far_segments))  -- a lower bound: the blocks' days""").format(
+        segment_pending=SEGMENT_PENDING, wheel_pending=WHEEL_PENDING)).fetchone()
     return row[0] if row else None
 
 

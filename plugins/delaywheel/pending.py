@@ -1,50 +1,135 @@
-"""What "pending" and "next due" mean for each lane, as SQL: one definition for cancelling, retiring,
-stats, and the Airflow sensors and triggers (the cursor rules are in levels.py and wheel.py)."""
+"""The store's shared SQL, each written once: a segment's messages, "pending", "cancelled", and when each lane's head
+falls due. Delivery, cancel, retire, stats, quality and the Airflow sensors and triggers all build on these (the
+cursor rules themselves are in deliver/levels.py and deliver/wheel.py).
 
+Fragments are psycopg.sql compositions: every identifier in them (a segment's alias, an array column) is quoted by
+psycopg, every value is a placeholder the caller binds. The few kept as text (LEVEL_HEAD, WHEEL_HEAD) are rendered
+once, here, for the callers that take text.
+"""
+
+from __future__ import annotations
+
+from psycopg import sql
+
+# --- A segment's messages ---------------------------------------------------------------------------------------
+# Level segments (migrations/011) and far blocks (migrations/012) hold one send's messages as parallel arrays, one
+# element per message; topics, tags, properties and is_json hold a single element when every message shares it
+# (read through delaywheel.spread). The message columns, in one order, and the segment's array each comes from:
+_ARRAYS = {  # column -> (array, may be one element for all: spread)
+    "id": ("ids", False),
+    "topic": ("topics", True),
+    "key": ("keys", False),
+    "tags": ("tags", True),
+    "properties": ("properties", True),  # JSON objects as text
+    "body": ("bodies", False),
+    "is_json": ("is_json", True),
+    "due": ("deliver_ats", False),  # far blocks only: UTC `timestamp`, read as `due AT TIME ZONE 'UTC'`
+}
+
+
+def segment_messages(*columns: str, segment: str = "s", alias: str = "m") -> sql.Composed:
+    """`unnest(s.ids, delaywheel.spread(s.topics, s.n), …) AS m(id, topic, …)`: one row per message of the segment
+    row `segment`, with the columns named (always in _ARRAYS' order, whatever order they are asked in).
+
+    A Python builder rather than a SQL function: a set-returning function unnests every array it is given, so a
+    cancel's lookup (ids and keys) would detoast the segment's bodies too, where this unnests only the arrays a
+    statement reads; and the planner sees the `unnest` itself, so the plans that tests/test_query_plans.py checks (the
+    FIFO index walked one segment at a time, stopping at the LIMIT) are the ones written here. The migrations' views
+    (migrations/011 `level_queue`, 012 `wheel_far`) keep their own copies as history."""
+    unknown = [c for c in columns if c not in _ARRAYS]
+    if unknown or not columns:
+        raise ValueError(f"segment columns {unknown or '(none)'}: choose from {list(_ARRAYS)}")
+    s = sql.Identifier(segment)
+    wanted = [c for c in _ARRAYS if c in columns]
+    arrays = []
+    for column in wanted:
+        array, shared = _ARRAYS[column]
+        ref = sql.SQL("{}.{}").format(s, sql.Identifier(array))
+        arrays.append(sql.SQL("delaywheel.spread({}, {}.n)").format(ref, s) if shared else ref)
+    return sql.SQL("unnest({}) AS {}({})").format(
+        sql.SQL(", ").join(arrays), sql.Identifier(alias), sql.SQL(", ").join(map(sql.Identifier, wanted)))
+
+
+# --- Cancelled ------------------------------------------------------------------------------------------------
+def cancelled(row: str, *, id_column: str = "id", due_column: str = "deliver_at") -> sql.Composed:
+    """Has the message `row` (its id and due time) a cancellation? The one definition every reader uses: deliverers
+    skip it, bulk cancel and reconcile leave it out, stats subtract it, quality counts it as settled.
+
+    A cancellation is keyed by (message_id, due_at): the unique index of migrations/018 and the partition key of
+    `cancellations` (by due day, so a lookup reads one day's index). Two definitions were in use, this one and
+    `message_id` alone (bulk cancel, reconcile); they agree on every row the store writes, because a message id is
+    queued once with one due time: ids come from `message_id_seq` for every send (a consumer's retry is a new message
+    with a new id; the roll moves a far message to the near wheel with its due time; replay writes `origin =
+    'replay'` topic rows, never queue rows; catch-up runs the deliverers' own passes), and every cancellation copies
+    its due time from the row it cancels (cancel.mark, setaside.record). They differed only on a row written some
+    other way, one naming the id with another due time: the deliverers delivered that message while bulk cancel counted
+    it as cancelled. Now nothing reads such a row as a cancellation (tests/ops/test_not_cancelled.py)."""
+    r = sql.Identifier(row)
+    return sql.SQL(
+        "EXISTS (SELECT 1 FROM delaywheel.cancellations c WHERE c.message_id = {}.{} AND c.due_at = {}.{})"
+    ).format(r, sql.Identifier(id_column), r, sql.Identifier(due_column))
+
+
+def not_cancelled(row: str, *, id_column: str = "id", due_column: str = "deliver_at") -> sql.Composed:
+    """`NOT cancelled(row)`: the deliverers' anti-join."""
+    return sql.SQL("NOT {}").format(cancelled(row, id_column=id_column, due_column=due_column))
+
+
+# --- Pending --------------------------------------------------------------------------------------------------
 # Pending = not yet passed by its lane's cursor (the cursor rules of levels.py and wheel.py). `pending()` narrows
 # it with a condition on segments `s` (level segments and far blocks: their id-range GiST indexes, say) and one
 # on each message `q` (id, key, topic, tags, properties; in the near wheel by its own indexes).
 # A near-wheel row `q` not yet passed by the wheel cursor `s` (wheel_state): ahead of it, or a straggler.
-WHEEL_PENDING = "((q.deliver_at, q.id) > (s.cursor_at, s.cursor_id) OR q.xid >= s.horizon_xid)"
-_PENDING = """
+WHEEL_PENDING = sql.SQL("((q.deliver_at, q.id) > (s.cursor_at, s.cursor_id) OR q.xid >= s.horizon_xid)")
+# A level segment not yet passed as a whole, for the counts that need no message of it (retire, stats).
+SEGMENT_PENDING = sql.SQL("(c.level IS NULL OR (s.xid, s.id_last) > (c.cursor_xid, c.cursor_id))")
+_PENDING = sql.SQL("""
+    -- level segments past their level's checkpoint, then their messages past it (the checkpoint may sit inside one)
     SELECT q.id, s.deliver_at, q.key, q.topic, q.tags, q.properties::jsonb, 'level' AS lane, s.level, s.xid
     FROM delaywheel.level_segments s
     LEFT JOIN delaywheel.level_checkpoint c ON c.level = s.level
-    CROSS JOIN LATERAL unnest(s.ids, s.keys, delaywheel.spread(s.topics, s.n), delaywheel.spread(s.tags, s.n),
-                              delaywheel.spread(s.properties, s.n)) AS q(id, key, topic, tags, properties)
+    CROSS JOIN LATERAL {level_messages}
     WHERE ({segments}) AND ({rows}) AND (c.level IS NULL OR (
           (s.xid, s.id_last) > (c.cursor_xid, c.cursor_id) AND (s.xid, q.id) > (c.cursor_xid, c.cursor_id)))
     UNION ALL
+    -- the near wheel's rows the wheel cursor has not passed
     SELECT q.id, q.deliver_at, q.key, q.topic, q.tags, q.properties, 'wheel', NULL, q.xid
     FROM delaywheel.wheel q, delaywheel.wheel_state s
     WHERE ({rows}) AND {wheel_pending}
     UNION ALL
+    -- far blocks: not rolled yet, so every message pending
     SELECT q.id, q.due AT TIME ZONE 'UTC', q.key, q.topic, q.tags, q.properties::jsonb, 'wheel', NULL, s.xid
     FROM delaywheel.wheel_far_segments s
-    CROSS JOIN LATERAL unnest(s.ids, s.deliver_ats, s.keys, delaywheel.spread(s.topics, s.n), delaywheel.spread(s.tags, s.n),
-                              delaywheel.spread(s.properties, s.n)) AS q(id, due, key, topic, tags, properties)
+    CROSS JOIN LATERAL {far_messages}
     WHERE ({segments}) AND ({rows})
-"""
+""")
 
 
-def pending(segments: str = "true", rows: str = "true") -> str:
-    return _PENDING.format(segments=segments, rows=rows, wheel_pending=WHEEL_PENDING)
+_TRUE = sql.SQL("true")
+
+
+def pending(segments: sql.Composable = _TRUE, rows: sql.Composable = _TRUE) -> sql.Composed:
+    """Every pending message as (id, deliver_at, key, topic, tags, properties, lane, level, xid), cancelled ones
+    included (a caller that wants them out adds `not_cancelled("p")` on its alias `p`)."""
+    columns = ("id", "topic", "key", "tags", "properties")
+    return _PENDING.format(segments=segments, rows=rows, wheel_pending=WHEEL_PENDING,
+                           level_messages=segment_messages(*columns, alias="q"),
+                           far_messages=segment_messages(*columns, "due", alias="q"))
 
 
 PENDING = pending()
-# A level segment not yet passed as a whole, for the counts that need no message of it (retire, stats).
-SEGMENT_PENDING = "(c.level IS NULL OR (s.xid, s.id_last) > (c.cursor_xid, c.cursor_id))"
 # The same rule for rows already found, checked against the cursors alone (no scan of the queues).
-STILL_PENDING = """
+STILL_PENDING = sql.SQL("""
     CASE WHEN t.lane = 'level' THEN NOT EXISTS (
              SELECT 1 FROM delaywheel.level_checkpoint c
              WHERE c.level = t.level AND (t.xid, t.id) <= (c.cursor_xid, c.cursor_id))
          ELSE EXISTS (
              SELECT 1 FROM delaywheel.wheel_state s
              WHERE (t.deliver_at, t.id) > (s.cursor_at, s.cursor_id) OR t.xid >= s.horizon_xid) END
-"""
+""")
 
-# When the head of one lane falls due, read without writing anything (sensors and triggers only look).
+# --- When a lane's head falls due ------------------------------------------------------------------------------
+# Read without writing anything (sensors and triggers only look; a pass reads its own after moving its cursor).
 # A level is FIFO with one delay, so its head is the first message after its checkpoint (its segment's due time); the wheel's next due
 # time is the first row after its cursor, or "now" while stragglers wait, or, with only far blocks pending,
 # `near_until`: every far row is due at or after it, and far blocks have no index in due order (migrations/008),
@@ -53,24 +138,46 @@ STILL_PENDING = """
 # Cursors are read in subqueries, and stragglers found as the first row in xid order rather than by EXISTS
 # (which drops ORDER BY ... LIMIT): either way the planner walks an index from the cursor, even on a fresh
 # partition without statistics, instead of scanning every delivered row (a sensor polls this every second).
-LEVEL_HEAD = """
+
+
+def level_head(level: sql.Composable) -> sql.Composed:
+    """The due time of level `level`'s head (an expression: a placeholder, or a column of the caller's rows), read
+    from its checkpoint; no row when the level holds nothing pending."""
+    checkpoint = sql.SQL("(SELECT {} FROM delaywheel.level_checkpoint WHERE level = {})")
+    return sql.SQL("""
     SELECT s.deliver_at FROM delaywheel.level_segments s
-    WHERE s.level = %(level)s
-      AND (s.xid, s.id_last) > (coalesce((SELECT cursor_xid FROM delaywheel.level_checkpoint WHERE level = %(level)s), '0'),
-                                coalesce((SELECT cursor_id FROM delaywheel.level_checkpoint WHERE level = %(level)s), 0))
+    WHERE s.level = {level}
+      AND (s.xid, s.id_last) > (coalesce({cursor_xid}, '0'), coalesce({cursor_id}, 0))
     ORDER BY s.xid, s.id_last LIMIT 1
-"""
-WHEEL_HEAD = """
+""").format(level=level, cursor_xid=checkpoint.format(sql.Identifier("cursor_xid"), level),
+            cursor_id=checkpoint.format(sql.Identifier("cursor_id"), level))
+
+
+def wheel_head(cursor_at: sql.Composable, cursor_id: sql.Composable, horizon: sql.Composable,
+               clock: sql.Composable) -> sql.Composed:
+    """The wheel's next due time after the cursor (cursor_at, cursor_id) with stragglers from xid `horizon` on
+    (`clock` while one waits), as one row; each argument an expression (a placeholder, or a read of wheel_state)."""
+    return sql.SQL("""
     SELECT least(
+        -- the first near row after the cursor
         (SELECT w.deliver_at FROM delaywheel.wheel w
-          WHERE w.deliver_at >= (SELECT cursor_at FROM delaywheel.wheel_state)
-            AND (w.deliver_at, w.id) > ((SELECT cursor_at FROM delaywheel.wheel_state),
-                                        (SELECT cursor_id FROM delaywheel.wheel_state))
+          WHERE w.deliver_at >= {at} AND (w.deliver_at, w.id) > ({at}, {id})
           ORDER BY w.deliver_at, w.id LIMIT 1),
-        (SELECT near_until FROM delaywheel.wheel_state WHERE EXISTS (SELECT FROM delaywheel.wheel_far_segments)),
-        (SELECT clock_timestamp() WHERE (
+        -- far blocks pending: when they start
+        (SELECT near_until FROM delaywheel.wheel_roll WHERE EXISTS (SELECT FROM delaywheel.wheel_far_segments)),
+        -- a straggler behind the cursor: due now
+        (SELECT {clock} WHERE (
             SELECT w.xid FROM delaywheel.wheel w
-            WHERE w.xid >= (SELECT horizon_xid FROM delaywheel.wheel_state)
-              AND w.deliver_at <= (SELECT cursor_at FROM delaywheel.wheel_state)
+            WHERE w.xid >= {horizon} AND w.deliver_at <= {at}
             ORDER BY w.xid LIMIT 1) IS NOT NULL))
-"""
+""").format(at=cursor_at, id=cursor_id, horizon=horizon, clock=clock)
+
+
+def _state(column: str) -> sql.Composed:
+    return sql.SQL("(SELECT {} FROM delaywheel.wheel_state)").format(sql.Identifier(column))
+
+
+# As text, for the callers that take text (Airflow hooks and triggers, the runner): parameter `level` for a level.
+LEVEL_HEAD = level_head(sql.Placeholder("level")).as_string()
+WHEEL_HEAD = wheel_head(_state("cursor_at"), _state("cursor_id"), _state("horizon_xid"),
+                        sql.SQL("clock_timestamp()")).as_string()

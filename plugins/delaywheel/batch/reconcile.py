@@ -17,7 +17,7 @@ from psycopg.types.json import Jsonb
 
 from delaywheel.ops.cancel import Match
 from delaywheel.ops.predicate import catalog_table, check_column, check_column_name, check_expression, split_table
-from delaywheel.pending import PENDING
+from delaywheel.pending import PENDING, not_cancelled
 from delaywheel.produce.validation import check_topic
 
 
@@ -96,8 +96,8 @@ class Reconcile:
         """Keys of the pending, not cancelled timers in the topic (the cancel module's idea of pending)."""
         query = sql.SQL(
             "SELECT DISTINCT p.key FROM ({pending}) p WHERE p.topic = %(rc_topic)s AND p.key IS NOT NULL"
-            " AND NOT EXISTS (SELECT 1 FROM delaywheel.cancellations c WHERE c.message_id = p.id)"
-        ).format(pending=sql.SQL(PENDING))
+            " AND {not_cancelled}"
+        ).format(pending=PENDING, not_cancelled=not_cancelled("p"))
         return _inline(conn, query, {"rc_topic": self.topic})
 
     def stale_match(self, conn: psycopg.Connection) -> Match:

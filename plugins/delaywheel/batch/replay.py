@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 import psycopg
+from psycopg import sql
 
 from delaywheel.deliver.levels import TOPIC_SUMMARY
 from delaywheel.locks import REPLAY_LOCK
@@ -32,6 +33,9 @@ WHERE t.origin IN ('level', 'wheel', 'direct')
                   WHERE r.origin = 'replay' AND r.message_id = t.message_id AND r.topic = coalesce(%(target)s, t.topic))
 ORDER BY t.deliver_at, t.message_id
 """
+# The replay, reporting what it wrote (and announcing it to the topic watchers: TOPIC_SUMMARY).
+_REPLAY_REPORTED = sql.SQL("WITH moved AS ({} RETURNING topic, queue_offset, xid) SELECT count(*), ({}) FROM moved").format(
+    sql.SQL(_REPLAY), sql.SQL(TOPIC_SUMMARY)).as_string()
 _ALREADY = """
 SELECT count(*) FROM delaywheel.topic_messages t
 WHERE t.origin IN ('level', 'wheel', 'direct') AND t.deliver_at >= %(lo)s AND t.deliver_at < %(hi)s
@@ -82,10 +86,7 @@ def replay_slice(url: str, replay_id: int, request: ReplayRequest, lo: datetime,
         conn.execute("SELECT pg_advisory_xact_lock(%s, %s)", (REPLAY_LOCK, int(floor_to(lo, HOUR).timestamp() // 3600)))
         clock = conn.execute("SELECT clock_timestamp()").fetchone()[0]  # type: ignore[index]
         PartitionCache().ensure(conn, "topic_messages", [clock])
-        replayed = conn.execute(  # type: ignore[index]
-            f"WITH moved AS ({_REPLAY} RETURNING topic, queue_offset, xid) SELECT count(*), ({TOPIC_SUMMARY}) FROM moved",
-            params,  # type: ignore[arg-type]
-        ).fetchone()[0]
+        replayed = conn.execute(_REPLAY_REPORTED, params).fetchone()[0]  # type: ignore[arg-type, index]
         candidates = conn.execute(_ALREADY, params).fetchone()[0]  # type: ignore[arg-type, index]
     return replayed, candidates - replayed
 

@@ -11,13 +11,13 @@ from __future__ import annotations
 from datetime import datetime
 
 import psycopg
-from psycopg import errors
+from psycopg import errors, sql
 
 from delaywheel.db import COMMIT_HORIZON, QUEUE_PLAN
 from delaywheel.deliver.setaside import POISON, record
 from delaywheel.locks import LEVEL_LOCK
 from delaywheel.partitions import PartitionCache
-from delaywheel.pending import LEVEL_HEAD
+from delaywheel.pending import LEVEL_HEAD, not_cancelled, segment_messages
 from delaywheel.produce.producer import TOPIC_CHANNEL
 from delaywheel.types import PassResult, TopicSpan
 
@@ -48,12 +48,12 @@ def take_lane(conn: psycopg.Connection, lock: tuple[int, int]) -> bool:
 # Per topic, what the `moved` CTE (RETURNING topic, queue_offset, xid) wrote: {topic: [count, xid, first, last]}.
 # It also NOTIFYs each topic to the topic watchers (sent at COMMIT, when the rows become readable), so every
 # statement that reports what it wrote into topics tells them too; PostgreSQL keeps the volatile column.
-TOPIC_SUMMARY = """
-    SELECT coalesce(jsonb_object_agg(topic, jsonb_build_array(n, x, lo, hi)), '{}'::jsonb)
+TOPIC_SUMMARY = sql.SQL("""
+    SELECT coalesce(jsonb_object_agg(topic, jsonb_build_array(n, x, lo, hi)), '{{}}'::jsonb)
     FROM (SELECT topic, count(*) AS n, min(xid::text) AS x, min(queue_offset) AS lo, max(queue_offset) AS hi,
-                 pg_notify('""" + TOPIC_CHANNEL + """', topic) AS notified
+                 pg_notify({channel}, topic) AS notified
           FROM moved GROUP BY topic) s
-"""
+""").format(channel=sql.Literal(TOPIC_CHANNEL)).as_string()
 
 
 def topic_spans(summary: dict[str, list]) -> dict[str, TopicSpan]:
@@ -65,25 +65,30 @@ def topic_spans(summary: dict[str, list]) -> dict[str, TopicSpan]:
 # (migrations/011). Sorting is priced out for the pass (QUEUE_PLAN), so the planner walks the FIFO index, unnests one
 # segment at a time and stops at the LIMIT: a pass reads its batch plus at most one partly passed segment.
 # `s` is the segment, `m` one of its messages; what a pass reads is this plus its select list.
-_BATCH_AFTER_CURSOR = """
-        FROM delaywheel.level_segments s,
-             unnest(s.ids, delaywheel.spread(s.topics, s.n), s.keys, delaywheel.spread(s.tags, s.n),
-                    delaywheel.spread(s.properties, s.n), s.bodies, delaywheel.spread(s.is_json, s.n))
-                 AS m(id, topic, key, tags, properties, body, is_json)
+_BATCH_AFTER_CURSOR = sql.SQL("""
+        FROM delaywheel.level_segments s, {messages}
         WHERE s.level = %(level)s AND (s.xid, s.id_last) > (%(cxid)s::xid8, %(cid)s) AND s.xid < %(xmin)s::xid8
           AND (s.xid, m.id) > (%(cxid)s::xid8, %(cid)s)
         ORDER BY s.xid, s.id_last, m.id
         LIMIT %(limit)s
-"""
-_DELIVER = """
-WITH batch AS (
+""").format(messages=segment_messages("id", "topic", "key", "tags", "properties", "body", "is_json"))
+
+
+def _deliver(properties: sql.Composable) -> str:
+    """The pass's one statement, with `properties` as the expression that reads a message's properties."""
+    return sql.SQL("""
+WITH
+-- the batch after the checkpoint, and whether it is due up to each row (FIFO: the due prefix is what moves)
+batch AS (
     SELECT q.*, bool_and(q.deliver_at <= %(now)s) OVER (ORDER BY q.xid, q.id_last, q.id) AS due
     FROM (
-        SELECT s.xid, s.id_last, m.id, s.level, m.topic, m.key, m.tags, m.properties::jsonb, m.body, m.is_json,
+        SELECT s.xid, s.id_last, m.id, s.level, m.topic, m.key, m.tags, {properties}, m.body, m.is_json,
                s.reconsume_times, s.deliver_at
-""" + _BATCH_AFTER_CURSOR + """    ) q
+{batch}    ) q
 ),
+-- the due prefix: the checkpoint moves past all of it
 due AS (SELECT * FROM batch WHERE due),
+-- into the topics, except the cancelled
 moved AS (
     INSERT INTO delaywheel.topic_messages
         (topic, message_id, origin, level, key, tags, properties, body, is_json, reconsume_times,
@@ -91,7 +96,7 @@ moved AS (
     SELECT topic, id, 'level', level, key, tags, properties, body, is_json, reconsume_times,
            deliver_at, coalesce(%(injected)s::timestamptz, clock_timestamp())
     FROM due d
-    WHERE NOT EXISTS (SELECT 1 FROM delaywheel.cancellations c WHERE c.message_id = d.id AND c.due_at = d.deliver_at)
+    WHERE {not_cancelled}
     ORDER BY xid, id_last, id
     RETURNING topic, queue_offset, xid
 )
@@ -99,27 +104,36 @@ SELECT (SELECT count(*) FROM moved),
        (SELECT count(*) FROM due),
        (SELECT count(*) FROM batch),
        (SELECT ARRAY[xid::text, id::text] FROM due ORDER BY xid DESC, id_last DESC, id DESC LIMIT 1),
-       (""" + TOPIC_SUMMARY + """)
-"""
+       ({topic_summary})
+""").format(properties=properties, batch=_BATCH_AFTER_CURSOR, not_cancelled=not_cancelled("d"),
+            topic_summary=sql.SQL(TOPIC_SUMMARY)).as_string()
 
 
+_DELIVER = _deliver(sql.SQL("m.properties::jsonb"))
 # After a pass failed on a row it cannot deliver (setaside.py): the same pass, except that a message set aside has
 # no properties to cast (its cast is what failed; it is cancelled, so it is passed over like any cancelled message).
-_DELIVER_SETTING_ASIDE = _DELIVER.replace(
-    "m.properties::jsonb,",
+_DELIVER_SETTING_ASIDE = _deliver(sql.SQL(
     "CASE WHEN EXISTS (SELECT 1 FROM delaywheel.set_aside x WHERE x.message_id = m.id) THEN NULL"
-    " ELSE m.properties::jsonb END AS properties,")
-assert _DELIVER_SETTING_ASIDE != _DELIVER
+    " ELSE m.properties::jsonb END AS properties"))
 
 # The rows a pass would read (its batch, due or not: the batch casts every row it reads) that cannot be delivered.
-_UNDELIVERABLE = """
+_UNDELIVERABLE = sql.SQL("""
 SELECT b.id, 'level', b.level, b.topic, b.key, b.deliver_at, u.reason, u.detail, b.tags, b.properties, b.body,
        b.is_json, b.reconsume_times
 FROM (
     SELECT s.level, s.reconsume_times, s.deliver_at, m.*
-""" + _BATCH_AFTER_CURSOR + """) b, LATERAL delaywheel.undeliverable(b.topic, b.body, b.is_json, b.properties) u
+{batch}) b, LATERAL delaywheel.undeliverable(b.topic, b.body, b.is_json, b.properties) u
 WHERE u.reason IS NOT NULL
-"""
+""").format(batch=_BATCH_AFTER_CURSOR).as_string()
+
+# The pass's first statement: the lane's lock (tried; set_aside waits for it), the commit horizon and the clock, and
+# the planner settings for reading the queue in cursor order.
+_TRY_LOCK = sql.SQL("SELECT pg_try_advisory_xact_lock(%s, %s), {horizon}::text, coalesce(%s::timestamptz,"
+                    " clock_timestamp()), {plan}").format(horizon=sql.SQL(COMMIT_HORIZON), plan=sql.SQL(QUEUE_PLAN)).as_string()
+_LOCK = sql.SQL("SELECT pg_advisory_xact_lock(%s, %s), {horizon}::text, {plan}").format(
+    horizon=sql.SQL(COMMIT_HORIZON), plan=sql.SQL(QUEUE_PLAN)).as_string()
+_HORIZON_AND_CLOCK = sql.SQL("SELECT {horizon}::text, coalesce(%s::timestamptz, clock_timestamp())").format(
+    horizon=sql.SQL(COMMIT_HORIZON)).as_string()
 
 
 def levels_above(conn: psycopg.Connection, level: int) -> list[int]:
@@ -164,8 +178,7 @@ def set_aside(conn: psycopg.Connection, cache: PartitionCache, level: int, limit
     lock); returns how many there are, those set aside before included (their cast still fails the fast pass)."""
     with conn.transaction():
         row = conn.execute(  # planned as the pass is (QUEUE_PLAN): the FIFO index, not a sort of the queue
-            f"SELECT pg_advisory_xact_lock(%s, %s), {COMMIT_HORIZON}::text, {QUEUE_PLAN}", (LEVEL_LOCK, level)
-        ).fetchone()
+            _LOCK, (LEVEL_LOCK, level)).fetchone()
         assert row is not None
         cursor = conn.execute(
             "SELECT cursor_xid::text, cursor_id FROM delaywheel.level_checkpoint WHERE level = %s", (level,)
@@ -181,18 +194,13 @@ def _deliver_level(
     conn: psycopg.Connection, cache: PartitionCache, level: int, now: datetime | None, limit: int, statement: str,
 ) -> PassResult:
     with conn.transaction():
-        row = conn.execute(
-            f"SELECT pg_try_advisory_xact_lock(%s, %s), {COMMIT_HORIZON}::text,"
-            f" coalesce(%s::timestamptz, clock_timestamp()), {QUEUE_PLAN}",
-            (LEVEL_LOCK, level, now),
-        ).fetchone()
+        row = conn.execute(_TRY_LOCK, (LEVEL_LOCK, level, now)).fetchone()
         assert row is not None
         locked, xmin, clock, *_ = row
         if not locked:
             if not take_lane(conn, (LEVEL_LOCK, level)):
                 return PassResult(0, 0, None, busy=True)
-            xmin, clock = conn.execute(  # type: ignore[misc]
-                f"SELECT {COMMIT_HORIZON}::text, coalesce(%s::timestamptz, clock_timestamp())", (now,)).fetchone()
+            xmin, clock = conn.execute(_HORIZON_AND_CLOCK, (now,)).fetchone()  # type: ignore[misc]
         cache.ensure(conn, "topic_messages", [clock])
         conn.execute(
             "INSERT INTO delaywheel.level_checkpoint (level) VALUES (%s) ON CONFLICT DO NOTHING", (level,)

@@ -17,7 +17,7 @@ import contextlib
 from datetime import datetime
 
 import psycopg
-from psycopg import errors
+from psycopg import errors, sql
 
 from delaywheel.config import Settings
 from delaywheel.db import COMMIT_HORIZON, QUEUE_PLAN
@@ -25,6 +25,7 @@ from delaywheel.deliver.levels import TOPIC_SUMMARY, take_lane, topic_spans
 from delaywheel.deliver.setaside import POISON, record
 from delaywheel.locks import WHEEL_LOCK
 from delaywheel.partitions import DAY, HOUR, PartitionCache, floor_to
+from delaywheel.pending import not_cancelled, segment_messages, wheel_head
 from delaywheel.types import PassResult
 
 MAX_ID = 2**63 - 1
@@ -36,68 +37,98 @@ CURSOR = ("SELECT pass, cursor_at, cursor_id, horizon_xid::text, delivered FROM 
 # transaction still keeps on disk). The log holds 1,000-2,000 entries, and more only while such a transaction lasts.
 TRIM_EVERY = 1000
 
-_MOVE = """
+# Wheel rows `d` into the topics, except the cancelled. {rows}: the stragglers, or the due batch.
+_MOVE = sql.SQL("""
 INSERT INTO delaywheel.topic_messages
     (topic, message_id, origin, key, tags, properties, body, is_json, deliver_at, delivered_at)
 SELECT topic, id, 'wheel', key, tags, properties, body, is_json, deliver_at,
        coalesce(%(injected)s::timestamptz, clock_timestamp())
 FROM ({rows}) d
-WHERE NOT EXISTS (SELECT 1 FROM delaywheel.cancellations c WHERE c.message_id = d.id AND c.due_at = d.deliver_at)
+WHERE {not_cancelled}
 ORDER BY deliver_at, id
-"""
-_STRAGGLERS = """
+""")
+_STRAGGLERS = sql.SQL("""
     SELECT * FROM delaywheel.wheel
     WHERE xid >= %(horizon)s::xid8 AND xid < %(xmin)s::xid8 AND deliver_at <= %(cursor_at)s
       AND (deliver_at, id) <= (%(cursor_at)s, %(cursor_id)s)
-"""
-_DUE = """
+""")
+_DUE = sql.SQL("""
     SELECT * FROM delaywheel.wheel
     WHERE deliver_at >= %(cursor_at)s AND (deliver_at, id) > (%(cursor_at)s, %(cursor_id)s)
       AND deliver_at <= %(now)s AND xid < %(xmin)s::xid8
     ORDER BY deliver_at, id
     LIMIT %(limit)s
-"""
+""")
+# The pass's two moves, each reporting what it wrote (TOPIC_SUMMARY): the stragglers, then the due batch.
+_MOVE_STRAGGLERS = sql.SQL("""
+WITH
+-- rows behind the cursor whose transactions committed after the last pass, into the topics
+moved AS ({move} RETURNING topic, queue_offset, xid)
+SELECT (SELECT count(*) FROM moved), ({summary})
+""").format(move=_MOVE.format(rows=_STRAGGLERS, not_cancelled=not_cancelled("d")),
+            summary=sql.SQL(TOPIC_SUMMARY)).as_string()
+_MOVE_DUE = sql.SQL("""
+WITH
+-- the due batch after the cursor, in (deliver_at, id) order
+due AS ({due}),
+-- into the topics
+moved AS ({move} RETURNING topic, queue_offset, xid)
+SELECT (SELECT count(*) FROM moved), (SELECT count(*) FROM due),
+       (SELECT deliver_at FROM due ORDER BY deliver_at DESC, id DESC LIMIT 1),
+       (SELECT id FROM due ORDER BY deliver_at DESC, id DESC LIMIT 1), ({summary})
+""").format(due=_DUE, move=_MOVE.format(rows=sql.SQL("SELECT * FROM due"), not_cancelled=not_cancelled("d")),
+            summary=sql.SQL(TOPIC_SUMMARY)).as_string()
+# The head after a pass, from the cursor entry it appended (pending.wheel_head: sensors read it from wheel_state).
+_HEAD_AFTER = wheel_head(sql.Placeholder("at"), sql.Placeholder("id"), sql.SQL("{}::xid8").format(sql.Placeholder("xmin")),
+                         sql.SQL("{}::timestamptz").format(sql.Placeholder("clock"))).as_string()
+# The lane's lock (tried by the pass, waited for by the set-aside step), with the commit horizon and the clock.
+_LOCK = sql.SQL("SELECT {lock}(%s, %s), {horizon}::text, coalesce(%s::timestamptz, clock_timestamp())")
+_TRY_LOCK = _LOCK.format(lock=sql.SQL("pg_try_advisory_xact_lock"), horizon=sql.SQL(COMMIT_HORIZON)).as_string()
+_WAIT_LOCK = _LOCK.format(lock=sql.SQL("pg_advisory_xact_lock"), horizon=sql.SQL(COMMIT_HORIZON)).as_string()
+_HORIZON_AND_CLOCK = sql.SQL("SELECT {horizon}::text, coalesce(%s::timestamptz, clock_timestamp())").format(
+    horizon=sql.SQL(COMMIT_HORIZON)).as_string()
+_QUEUE_PLAN = sql.SQL("SELECT {}").format(sql.SQL(QUEUE_PLAN)).as_string()
+
+_ALL = ("id", "topic", "key", "tags", "properties", "body", "is_json", "due")
 
 
-# A far block's messages into the near wheel (the roll). {name}: the block; {only}: which messages.
-_ROLL = (
-    "INSERT INTO delaywheel.wheel (id, topic, key, tags, properties, body, is_json, deliver_at, enqueued_at)"
-    " SELECT m.id, m.topic, m.key, m.tags, m.properties::jsonb, m.body, m.is_json, m.due AT TIME ZONE 'UTC',"
-    "        s.enqueued_at"
-    " FROM delaywheel.{name} s, unnest(s.ids, delaywheel.spread(s.topics, s.n), s.keys,"
-    "      delaywheel.spread(s.tags, s.n), delaywheel.spread(s.properties, s.n), s.bodies,"
-    "      delaywheel.spread(s.is_json, s.n), s.deliver_ats) AS m(id, topic, key, tags, properties, body, is_json, due)"
-    "{only}"
-)
+def _roll_block(block: str, only: sql.Composable) -> sql.Composed:
+    """A far block's messages (`only` those) into the near wheel (the roll); `block`: its partition's name."""
+    return sql.SQL("""
+INSERT INTO delaywheel.wheel (id, topic, key, tags, properties, body, is_json, deliver_at, enqueued_at)
+SELECT m.id, m.topic, m.key, m.tags, m.properties::jsonb, m.body, m.is_json, m.due AT TIME ZONE 'UTC', s.enqueued_at
+FROM {block} s, {messages}
+{only}
+""").format(block=sql.Identifier("delaywheel", block), messages=segment_messages(*_ALL), only=only)
+
+
 # After a roll failed on a row it cannot deliver: the same, without the rows set aside (setaside.py).
-_NOT_SET_ASIDE = " WHERE NOT EXISTS (SELECT 1 FROM delaywheel.set_aside x WHERE x.message_id = m.id)"
+_NOT_SET_ASIDE = sql.SQL("WHERE NOT EXISTS (SELECT 1 FROM delaywheel.set_aside x WHERE x.message_id = m.id)")
 # The far blocks' messages the roll would move that cannot be delivered.
-_FAR_UNDELIVERABLE = """
+_FAR_UNDELIVERABLE = sql.SQL("""
 SELECT m.id, 'wheel', NULL::smallint, m.topic, m.key, m.due AT TIME ZONE 'UTC', u.reason, u.detail, m.tags,
        m.properties, m.body, m.is_json, 0
-FROM delaywheel.wheel_far_segments s,
-     unnest(s.ids, delaywheel.spread(s.topics, s.n), s.keys, delaywheel.spread(s.tags, s.n),
-            delaywheel.spread(s.properties, s.n), s.bodies, delaywheel.spread(s.is_json, s.n), s.deliver_ats)
-         AS m(id, topic, key, tags, properties, body, is_json, due),
+FROM delaywheel.wheel_far_segments s, {messages},
      LATERAL delaywheel.undeliverable(m.topic, m.body, m.is_json, m.properties) u
 WHERE s.block < %(target)s AND u.reason IS NOT NULL
-"""
+""").format(messages=segment_messages(*_ALL))
 # The rows a wheel pass would read ({rows}: its stragglers, or its due batch) that cannot be delivered and are not
 # cancelled.
-_UNDELIVERABLE = """
+_UNDELIVERABLE = sql.SQL("""
 SELECT d.id, 'wheel', NULL::smallint, d.topic, d.key, d.deliver_at, u.reason, u.detail, d.tags, d.properties::text,
        d.body, d.is_json, 0
 FROM ({rows}) d, LATERAL delaywheel.undeliverable(d.topic, d.body, d.is_json, d.properties::text) u
-WHERE u.reason IS NOT NULL
-  AND NOT EXISTS (SELECT 1 FROM delaywheel.cancellations c WHERE c.message_id = d.id AND c.due_at = d.deliver_at)
-"""
+WHERE u.reason IS NOT NULL AND {not_cancelled}
+""")
+_UNDELIVERABLE_STRAGGLERS = _UNDELIVERABLE.format(rows=_STRAGGLERS, not_cancelled=not_cancelled("d"))
+_UNDELIVERABLE_DUE = _UNDELIVERABLE.format(rows=_DUE, not_cancelled=not_cancelled("d"))
 
 
 def roll(conn: psycopg.Connection, settings: Settings, cache: PartitionCache, now: datetime | None = None) -> int:
     """Move far blocks that entered the near window into the fine wheel; returns rows moved. A row that cannot be
     delivered is set aside (setaside.py) instead of stopping the roll, hence every wheel pass."""
     try:
-        return _roll(conn, settings, cache, now, "")
+        return _roll(conn, settings, cache, now, sql.SQL(""))
     except POISON:
         if not _set_aside_far(conn, settings, cache, now):
             raise  # nothing the store can name: the roll fails, as before, rather than skip a row
@@ -118,7 +149,8 @@ def _set_aside_far(conn: psycopg.Connection, settings: Settings, cache: Partitio
         return record(conn, cache, bad)
 
 
-def _roll(conn: psycopg.Connection, settings: Settings, cache: PartitionCache, now: datetime | None, only: str) -> int:
+def _roll(conn: psycopg.Connection, settings: Settings, cache: PartitionCache, now: datetime | None,
+          only: sql.Composable) -> int:
     moved = 0
     clock, near_until = conn.execute(  # type: ignore[misc]
         "SELECT coalesce(%s::timestamptz, clock_timestamp()), near_until FROM delaywheel.wheel_roll", (now,)
@@ -148,7 +180,7 @@ def _roll(conn: psycopg.Connection, settings: Settings, cache: PartitionCache, n
         for name, lo, hi in blocks:
             conn.execute("SELECT delaywheel.lock_partition('wheel_far_segments', %s)", (lo,))  # migrations/017
             cache.ensure(conn, "wheel", [lo + HOUR * i for i in range(int((hi - lo) / HOUR))])
-            cur = conn.execute(_ROLL.format(name=name, only=only))  # type: ignore[arg-type]
+            cur = conn.execute(_roll_block(name, only))
             moved += cur.rowcount
             conn.execute("SELECT delaywheel.drop_partition('wheel_far_segments', %s)", (lo,))
             cache.forget("wheel_far_segments", lo)
@@ -181,10 +213,7 @@ def _set_aside_due(conn: psycopg.Connection, cache: PartitionCache, now: datetim
     """Set aside the rows the next pass reads that cannot be delivered (own transaction, under the wheel's lock);
     returns how many (not counting those already cancelled, which the pass skips anyway)."""
     with conn.transaction():
-        row = conn.execute(
-            f"SELECT pg_advisory_xact_lock(%s, %s), {COMMIT_HORIZON}::text, coalesce(%s::timestamptz, clock_timestamp())",
-            (*WHEEL_LOCK, now),
-        ).fetchone()
+        row = conn.execute(_WAIT_LOCK, (*WHEEL_LOCK, now)).fetchone()
         assert row is not None
         _, xmin, clock = row
         state = conn.execute(CURSOR).fetchone()
@@ -192,26 +221,21 @@ def _set_aside_due(conn: psycopg.Connection, cache: PartitionCache, now: datetim
         _, cursor_at, cursor_id, horizon, _ = state
         params = {"now": clock, "xmin": str(max(int(xmin), int(horizon))), "horizon": horizon, "cursor_at": cursor_at,
                   "cursor_id": cursor_id, "limit": limit}
-        bad = conn.execute(_UNDELIVERABLE.format(rows=_STRAGGLERS), params).fetchall()  # type: ignore[arg-type]
-        conn.execute(f"SELECT {QUEUE_PLAN}")  # as the pass plans its due batch (after its stragglers)
-        bad += conn.execute(_UNDELIVERABLE.format(rows=_DUE), params).fetchall()  # type: ignore[arg-type]
+        bad = conn.execute(_UNDELIVERABLE_STRAGGLERS, params).fetchall()
+        conn.execute(_QUEUE_PLAN)  # as the pass plans its due batch (after its stragglers)
+        bad += conn.execute(_UNDELIVERABLE_DUE, params).fetchall()
         return record(conn, cache, bad)
 
 
 def _advance(conn: psycopg.Connection, cache: PartitionCache, now: datetime | None, limit: int) -> PassResult:
     with conn.transaction():
-        row = conn.execute(
-            f"SELECT pg_try_advisory_xact_lock(%s, %s), {COMMIT_HORIZON}::text,"
-            " coalesce(%s::timestamptz, clock_timestamp())",
-            (*WHEEL_LOCK, now),
-        ).fetchone()
+        row = conn.execute(_TRY_LOCK, (*WHEEL_LOCK, now)).fetchone()
         assert row is not None
         locked, xmin, clock = row
         if not locked:
             if not take_lane(conn, WHEEL_LOCK):
                 return PassResult(0, 0, None, busy=True)
-            xmin, clock = conn.execute(  # type: ignore[misc]
-                f"SELECT {COMMIT_HORIZON}::text, coalesce(%s::timestamptz, clock_timestamp())", (now,)).fetchone()
+            xmin, clock = conn.execute(_HORIZON_AND_CLOCK, (now,)).fetchone()  # type: ignore[misc]
         # Read once, after the lock: the previous holder's entry is visible to this statement's snapshot. Nothing
         # locks it (producers lock wheel_roll's row, not the cursor): the entry this pass appends is keyed by the
         # one read here, so a second pass that read the same entry could not commit.
@@ -229,21 +253,11 @@ def _advance(conn: psycopg.Connection, cache: PartitionCache, now: datetime | No
             "injected": now, "now": clock, "xmin": xmin, "horizon": horizon, "cursor_at": cursor_at,
             "cursor_id": cursor_id, "limit": limit,
         }
-        stragglers, straggled = conn.execute(  # type: ignore[misc]
-            f"WITH moved AS ({_MOVE.format(rows=_STRAGGLERS)} RETURNING topic, queue_offset, xid)"
-            f" SELECT (SELECT count(*) FROM moved), ({TOPIC_SUMMARY})",
-            params,
-        ).fetchone()
+        stragglers, straggled = conn.execute(_MOVE_STRAGGLERS, params).fetchone()  # type: ignore[misc]
         # After the stragglers: they have no index in due order, and priced-out sorting would make the planner
         # walk the whole due index up to the cursor to avoid sorting them.
-        conn.execute(f"SELECT {QUEUE_PLAN}")
-        moved, due_count, last_at, last_id, summary = conn.execute(  # type: ignore[misc]
-            f"WITH due AS ({_DUE}), moved AS ({_MOVE.format(rows='SELECT * FROM due')} RETURNING topic, queue_offset, xid)"
-            " SELECT (SELECT count(*) FROM moved), (SELECT count(*) FROM due),"
-            " (SELECT deliver_at FROM due ORDER BY deliver_at DESC, id DESC LIMIT 1),"
-            f" (SELECT id FROM due ORDER BY deliver_at DESC, id DESC LIMIT 1), ({TOPIC_SUMMARY})",
-            params,
-        ).fetchone()
+        conn.execute(_QUEUE_PLAN)
+        moved, due_count, last_at, last_id, summary = conn.execute(_MOVE_DUE, params).fetchone()  # type: ignore[misc]
         full = due_count == limit
         new_at, new_id = (last_at, last_id) if full else (clock, MAX_ID)
         delivered = stragglers + moved
@@ -256,16 +270,7 @@ def _advance(conn: psycopg.Connection, cache: PartitionCache, now: datetime | No
             conn.execute("DELETE FROM delaywheel.wheel_cursor WHERE pass >= %s AND pass < %s",
                          (entry + 1 - 2 * TRIM_EVERY, entry + 1 - TRIM_EVERY))
         head = (clock,) if full else conn.execute(  # full: more is due now, the caller looks again at once
-            """
-            SELECT least(
-                (SELECT deliver_at FROM delaywheel.wheel WHERE deliver_at >= %(at)s AND (deliver_at, id) > (%(at)s, %(id)s)
-                  ORDER BY deliver_at, id LIMIT 1),
-                (SELECT near_until FROM delaywheel.wheel_roll WHERE EXISTS (SELECT FROM delaywheel.wheel_far_segments)),  -- see pending.WHEEL_HEAD
-                (SELECT %(clock)s::timestamptz WHERE (  -- stragglers: see pending.WHEEL_HEAD
-                    SELECT xid FROM delaywheel.wheel WHERE xid >= %(xmin)s::xid8 AND deliver_at <= %(at)s
-                    ORDER BY xid LIMIT 1) IS NOT NULL))
-            """,
-            {"at": new_at, "id": new_id, "clock": clock, "xmin": xmin},
+            _HEAD_AFTER, {"at": new_at, "id": new_id, "clock": clock, "xmin": xmin},
         ).fetchone()
     topics = topic_spans(straggled)  # stragglers were written first, in the same transaction
     for topic, span in topic_spans(summary).items():

@@ -22,7 +22,7 @@ from delaywheel.db import LOOKUP_PLAN
 from delaywheel.locks import LEVEL_LOCK, WHEEL_LOCK
 from delaywheel.ops.predicate import CANCEL_COLUMNS, UnsafeSQL, catalog_table, check_column, check_expression
 from delaywheel.partitions import PartitionCache
-from delaywheel.pending import PENDING, SEGMENT_PENDING, STILL_PENDING, pending
+from delaywheel.pending import PENDING, SEGMENT_PENDING, STILL_PENDING, not_cancelled, pending
 from delaywheel.produce.keyblooms import probe, slots
 
 MATCH_TIMEOUT = timedelta(minutes=5)  # the default of Settings.match_timeout
@@ -49,9 +49,8 @@ def _lock_level_lanes(conn: psycopg.Connection, how: str, params: dict[str, obje
     """The wheel and every level with a segment that may hold the message (a superset is harmless)."""
     conn.execute("SELECT pg_advisory_xact_lock(%s, %s)", WHEEL_LOCK)
     first, segments, _ = _LOOKUP[how]
-    levels = conn.execute(
-        f"{first} SELECT DISTINCT level FROM delaywheel.level_segments s WHERE {segments} ORDER BY 1", params  # type: ignore[arg-type]
-    ).fetchall()
+    levels = conn.execute(sql.SQL("{} SELECT DISTINCT level FROM delaywheel.level_segments s WHERE {} ORDER BY 1").format(
+        first, segments), params).fetchall()
     for (level,) in levels:
         conn.execute("SELECT pg_advisory_xact_lock(%s, %s)", (LEVEL_LOCK, level))
 
@@ -64,8 +63,9 @@ def _lock_level_lanes(conn: psycopg.Connection, how: str, params: dict[str, obje
 # pending level segments whose filter lets it through (levels hold few segments: a send writes one per level). In
 # those ranges a segment's own filter is tested before its keys are read (CASE fixes the order: the planner would
 # run the cheaper-looking `@>` first, reading every segment's keys).
-_MAY_HOLD_KEY = "CASE WHEN delaywheel.bloom_may_hold(s.key_bloom, %(h1)s, %(h2)s) THEN s.keys @> ARRAY[%(v)s::text] END"
-_KEY_CANDIDATES = f"""
+_MAY_HOLD_KEY = sql.SQL(
+    "CASE WHEN delaywheel.bloom_may_hold(s.key_bloom, %(h1)s, %(h2)s) THEN s.keys @> ARRAY[%(v)s::text] END")
+_KEY_CANDIDATES = sql.SQL("""
 WITH candidates AS MATERIALIZED (
     SELECT range_agg(m.r) AS ranges FROM (
         SELECT int8range(f.id_lo, f.id_hi, '[]') FROM delaywheel.far_key_summaries f
@@ -76,13 +76,25 @@ WITH candidates AS MATERIALIZED (
         UNION ALL
         SELECT int8range(s.id_first, s.id_last, '[]') FROM delaywheel.level_segments s
         LEFT JOIN delaywheel.level_checkpoint c ON c.level = s.level
-        WHERE {SEGMENT_PENDING} AND {_MAY_HOLD_KEY}) AS m(r))
-"""
-_LOOKUP = {  # how -> (WITH clause, condition on segments s, condition on messages q)
-    "id": ("", "int8range(s.id_first, s.id_last, '[]') @> %(v)s::bigint", "q.id = %(v)s"),
-    "key": (_KEY_CANDIDATES, f"int8range(s.id_first, s.id_last, '[]') && (SELECT ranges FROM candidates) AND {_MAY_HOLD_KEY}",
-            "q.key = %(v)s"),
+        WHERE {segment_pending} AND {may_hold_key}) AS m(r))
+""").format(segment_pending=SEGMENT_PENDING, may_hold_key=_MAY_HOLD_KEY)
+_LOOKUP: dict[str, tuple[sql.Composable, sql.Composable, sql.Composable]] = {
+    # how -> (WITH clause, condition on segments s, condition on messages q)
+    "id": (sql.SQL(""), sql.SQL("int8range(s.id_first, s.id_last, '[]') @> %(v)s::bigint"), sql.SQL("q.id = %(v)s")),
+    "key": (_KEY_CANDIDATES, sql.SQL("int8range(s.id_first, s.id_last, '[]') && (SELECT ranges FROM candidates) AND {}"
+                                     ).format(_MAY_HOLD_KEY), sql.SQL("q.key = %(v)s")),
 }
+# The lookup itself (as text: prepared, and rendered once), and its planner settings (db.LOOKUP_PLAN) with a generic
+# plan for its transaction.
+_FIND_ONE = {how: sql.SQL("{} SELECT p.id, p.deliver_at, p.key, p.lane, p.level, p.xid::text FROM ({}) p").format(
+    first, pending(segments, rows)).as_string() for how, (first, segments, rows) in _LOOKUP.items()}
+_LOOKUP_PLAN = sql.SQL("SELECT {}").format(sql.SQL(LOOKUP_PLAN)).as_string()
+_GENERIC_LOOKUP_PLAN = sql.SQL("SELECT {}, set_config('plan_cache_mode', 'force_generic_plan', true)").format(
+    sql.SQL(LOOKUP_PLAN)).as_string()
+# The messages with the id or key delivered into a topic (cancel reports them), by message_id's B-tree or key's BRIN.
+_DELIVERED = {how: sql.SQL("SELECT DISTINCT message_id FROM delaywheel.topic_messages WHERE {} = %(v)s"
+                           " AND origin <> 'replay'").format(sql.Identifier(column)).as_string()
+              for how, column in (("id", "message_id"), ("key", "key"))}
 
 
 def cancel(
@@ -126,27 +138,23 @@ def find(conn: psycopg.Connection, how: str, params: dict[str, object]) -> list[
     connection: planning the lookup over the near wheel's ~94 hourly partitions and the far blocks cost more than
     running it (`bench/RESULTS.md`, cancel), and a generic plan loses nothing, since no partition is pruned by id or
     key."""
-    first, segments, rows = _LOOKUP[how]
     with conn.pipeline():  # one round trip; outside a transaction, one implicit transaction for both statements
-        conn.execute(f"SELECT {LOOKUP_PLAN}, set_config('plan_cache_mode', 'force_generic_plan', true)")
-        cur = conn.execute(
-            f"{first} SELECT p.id, p.deliver_at, p.key, p.lane, p.level, p.xid::text FROM ({pending(segments, rows)}) p",  # type: ignore[arg-type]
-            params, prepare=True,
-        )
+        conn.execute(_GENERIC_LOOKUP_PLAN)
+        cur = conn.execute(_FIND_ONE[how], params, prepare=True)
     return cur.fetchall()  # type: ignore[return-value]
 
 
 # The cancellations of messages found, for those the cursors still show pending; one per message (migrations/018: a
 # concurrent cancel of the same message is waited for, and then this one inserts nothing).
-_MARK = f"""
+_MARK = sql.SQL("""
 INSERT INTO delaywheel.cancellations (message_id, due_at, key, reason)
 SELECT t.id, t.deliver_at, t.key, %(reason)s
 FROM unnest(%(ids)s::bigint[], %(dues)s::timestamptz[], %(keys)s::text[], %(lanes)s::text[],
             %(levels)s::smallint[], %(xids)s::xid8[]) AS t(id, deliver_at, key, lane, level, xid)
-WHERE {STILL_PENDING}
+WHERE {}
 ON CONFLICT (message_id, due_at) DO NOTHING
 RETURNING message_id
-"""
+""").format(STILL_PENDING).as_string()
 
 
 def mark(conn: psycopg.Connection, cache: PartitionCache, found: Sequence[Found], reason: str) -> set[int]:
@@ -181,9 +189,9 @@ def await_passes(conn: psycopg.Connection, locks: Sequence[tuple[int, int]]) -> 
     `settle`, through the search of the topics."""
     if locks:
         keys = [k for lock in locks for k in lock]
-        take = ", ".join(["pg_advisory_lock_shared(%s, %s)"] * len(locks))
-        release = ", ".join(["pg_advisory_unlock_shared(%s, %s)"] * len(locks))
-        conn.execute(f"SELECT {release} FROM (SELECT {take} OFFSET 0) waited", keys + keys)
+        take = sql.SQL(", ").join([sql.SQL("pg_advisory_lock_shared(%s, %s)")] * len(locks))
+        release = sql.SQL(", ").join([sql.SQL("pg_advisory_unlock_shared(%s, %s)")] * len(locks))
+        conn.execute(sql.SQL("SELECT {} FROM (SELECT {} OFFSET 0) waited").format(release, take), keys + keys)
 
 
 def mark_and_settle(conn: psycopg.Connection, cache: PartitionCache, how: str, params: dict[str, object],
@@ -214,13 +222,9 @@ def _settling(conn: psycopg.Connection, how: str, params: dict[str, object],
     """In a pipeline, one implicit transaction: the wait, then (a statement of its own, so a snapshot taken after
     the wait) the search of the topics, by B-tree on message_id or by the BRIN bloom summaries on key (LOOKUP_PLAN).
     Returns the cursor of the ids delivered."""
-    column = "message_id" if how == "id" else "key"
     await_passes(conn, lane_locks(found))
-    conn.execute(f"SELECT {LOOKUP_PLAN}, set_config('plan_cache_mode', 'force_generic_plan', true)")
-    return conn.execute(  # planned once per connection, as `find`
-        f"SELECT DISTINCT message_id FROM delaywheel.topic_messages WHERE {column} = %(v)s AND origin <> 'replay'",  # type: ignore[arg-type]
-        {"v": params["v"]}, prepare=True,
-    )
+    conn.execute(_GENERIC_LOOKUP_PLAN)
+    return conn.execute(_DELIVERED[how], {"v": params["v"]}, prepare=True)  # planned once per connection, as `find`
 
 
 def _outcomes(how: str, params: dict[str, object], found: Sequence[Found], marked: set[int],
@@ -239,20 +243,12 @@ def _cancel_locked(conn: psycopg.Connection, cache: PartitionCache, how: str, pa
                    reason: str) -> list[CancelResult]:
     """Inside a caller's transaction: the lanes' locks, held until the caller ends it (deliverers of those lanes
     wait for that, or report busy)."""
-    first, segments, rows = _LOOKUP[how]
     with conn.transaction():
-        conn.execute(f"SELECT {LOOKUP_PLAN}")
+        conn.execute(_LOOKUP_PLAN)
         _lock_level_lanes(conn, how, params)
-        found = conn.execute(
-            f"{first} SELECT p.id, p.deliver_at, p.key, p.lane, p.level, p.xid::text FROM ({pending(segments, rows)}) p",  # type: ignore[arg-type]
-            params,
-        ).fetchall()
+        found = conn.execute(_FIND_ONE[how], params).fetchall()
         marked = mark(conn, cache, found, reason)
-        column = "message_id" if how == "id" else "key"
-        delivered = {mid for (mid,) in conn.execute(
-            f"SELECT DISTINCT message_id FROM delaywheel.topic_messages WHERE {column} = %(v)s AND origin <> 'replay'",  # type: ignore[arg-type]
-            params,
-        ).fetchall()}
+        delivered = {mid for (mid,) in conn.execute(_DELIVERED[how], params).fetchall()}
     results = [CancelResult(mid, "cancelled" if mid in marked else "already_cancelled") for mid, *_ in found]
     seen = {mid for mid, *_ in found}
     results += [CancelResult(mid, "already_delivered") for mid in sorted(delivered - seen)]
@@ -360,8 +356,8 @@ def read_only(conn: psycopg.Connection, timeout: timedelta | None) -> Iterator[N
             conn.execute("SELECT pg_catalog.set_config('statement_timeout', %s, true)", (before,))
 
 
-_FIND = sql.SQL("SELECT {columns} FROM ({pending}) p WHERE ({match})"
-                " AND NOT EXISTS (SELECT 1 FROM delaywheel.cancellations c WHERE c.message_id = p.id)")
+# The pending, not cancelled messages `p` that match (pending.cancelled: the deliverers' own test).
+_FIND = sql.SQL("SELECT {columns} FROM ({pending}) p WHERE ({match}) AND {not_cancelled}")
 
 
 def count_matching(conn: psycopg.Connection, *, keys: list[str] | None = None, where: str | None = None,
@@ -369,7 +365,8 @@ def count_matching(conn: psycopg.Connection, *, keys: list[str] | None = None, w
     """How many pending, not yet cancelled messages a bulk cancel would hit (for the CLI's guard); read-only."""
     m = matching(conn, keys=keys, where=where, keys_from=keys_from, match=match)
     with read_only(conn, timeout):
-        row = conn.execute(_FIND.format(columns=sql.SQL("count(*)"), pending=sql.SQL(PENDING), match=m.sql),
+        row = conn.execute(_FIND.format(columns=sql.SQL("count(*)"), pending=PENDING, match=m.sql,
+                                        not_cancelled=not_cancelled("p")),
                            m.params).fetchone()
     return int(row[0]) if row else 0
 
@@ -389,7 +386,8 @@ def cancel_matching(
     # delivered or cancelled meanwhile is left alone.
     with read_only(conn, timeout):
         found = conn.execute(_FIND.format(columns=sql.SQL("p.id, p.deliver_at, p.key, p.lane, p.level, p.xid::text"),
-                                          pending=sql.SQL(PENDING), match=m.sql), m.params).fetchall()
+                                          pending=PENDING, match=m.sql, not_cancelled=not_cancelled("p")),
+                             m.params).fetchall()
     if not found:
         return 0
     if not _commits_each_statement(conn):  # in the caller's transaction: lock as cancel does
