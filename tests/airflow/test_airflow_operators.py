@@ -3,6 +3,8 @@ on_kill (what Airflow's SIGTERM handler calls) ends a lease cleanly, enqueue and
 
 from __future__ import annotations
 
+import inspect
+import re
 import threading
 import time
 from datetime import timedelta
@@ -115,3 +117,54 @@ def test_merged_topic_events_span_every_lane_in_read_order() -> None:
     merged = merge_extras([extra("level 2", 3, ("10", 7), ("10", 9)), extra("wheel", 2, ("9", 8), ("11", 1))])
     assert merged == {"orders": {"topic": "orders", "lanes": ["level 2", "wheel"], "count": 5,
                                  "first_xid": "9", "first_offset": 8, "last_xid": "11", "last_offset": 1}}
+
+
+def documented(cls: type) -> dict[str, str]:
+    """`:param name: text` of `cls` and of its delaywheel bases (the lease operators document their shared
+    arguments once, on `_LeaseOperator`)."""
+    params: dict[str, str] = {}
+    for klass in cls.__mro__:
+        if klass.__module__.startswith("delaywheel.") and klass.__doc__:
+            doc = inspect.cleandoc(klass.__doc__)
+            for name, text in re.findall(r"^:param (\w+):(.*?)(?=^:param |^$|\Z)", doc, re.M | re.S):
+                params.setdefault(name, " ".join(text.split()))
+    return params
+
+
+def arguments(cls: type) -> set[str]:
+    """The named constructor arguments of `cls` and of its delaywheel bases (not Airflow's `**kwargs`)."""
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        if klass.__module__.startswith("delaywheel.") and "__init__" in vars(klass):
+            names |= {p.name for p in inspect.signature(vars(klass)["__init__"]).parameters.values()
+                      if p.name != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+    return names
+
+
+def test_every_argument_is_documented_and_templated_as_documented() -> None:
+    """Each operator, sensor, trigger and hook argument has its `:param:`, and no `:param:` names a gone argument;
+    an operator argument is in `template_fields` exactly when its doc says "templated", and rendering really
+    replaces each of those fields (a name in `template_fields` that is not an attribute would fail here)."""
+    from delaywheel.airflow import hooks, operators, sensors, triggers
+
+    classes = [operators.PublishTopicEventsOperator, operators.DeliverLevelOperator, operators.AdvanceWheelOperator,
+               operators.ConsumeOperator, operators.EnqueueOperator, operators.CancelOperator,
+               sensors.DueMessagesSensor, triggers.DueMessagesTrigger, triggers.TopicMessagesTrigger,
+               hooks.DelayWheelHook]
+    for cls in classes:
+        assert set(documented(cls)) == arguments(cls), cls.__name__
+    instances = [
+        operators.PublishTopicEventsOperator(task_id="publish", lane_task_ids=["a"]),
+        operators.DeliverLevelOperator(task_id="level", level=1), operators.AdvanceWheelOperator(task_id="wheel"),
+        operators.ConsumeOperator(task_id="consume", topic="t", group="g", apply_function=print),
+        operators.EnqueueOperator(task_id="enqueue", topic="t"), operators.CancelOperator(task_id="cancel", key="k"),
+        sensors.DueMessagesSensor(task_id="sensor", level=1),
+    ]
+    for op in instances:
+        docs = documented(type(op))
+        templated = {name for name, text in docs.items() if "templated" in text and "not templated" not in text.lower()}
+        assert templated == set(op.template_fields), type(op).__name__
+        for field in op.template_fields:
+            setattr(op, field, "{{ params.value }}-" + field)
+        op.render_template_fields({"params": {"value": "rendered"}})  # type: ignore[arg-type]
+        assert {f: getattr(op, f) for f in op.template_fields} == {f: f"rendered-{f}" for f in op.template_fields}

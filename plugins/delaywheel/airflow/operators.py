@@ -34,7 +34,7 @@ from airflow.sdk.module_loading import import_string
 
 from delaywheel import Message, Store
 from delaywheel.consume.consumer import SAFETY_WAKE_S, Abandon
-from delaywheel.consume.topics import Message as DeliveredMessage
+from delaywheel.consume.topics import Delivered
 from delaywheel.db import connect
 from delaywheel.deliver import runner
 from delaywheel.lanes import Lane, lane_name
@@ -76,7 +76,14 @@ class PublishTopicEventsOperator(BaseOperator):
     return values), instead of one per task. Only this task touches the topic Assets: when many deliver
     tasks ended at the same moment and each recorded an event for a topic Airflow had not seen before,
     the API server created the same AssetModel concurrently and failed the losers (a unique violation,
-    measured at a lease hand-over in bench/RESULTS.md), although their deliveries had committed."""
+    measured at a lease hand-over in bench/RESULTS.md), although their deliveries had committed.
+
+    :param lane_task_ids: the task ids of the run's deliver tasks whose return values (``{"topics": {...}}``) are
+        merged (not templated).
+
+    By default its ``outlets`` are the ``delaywheel_topics`` alias and its ``trigger_rule`` is ``all_done``: a lane
+    that failed after committing deliveries still has them announced. Returns the merged extra per topic.
+    """
 
     ui_color = "#e8f4fb"
 
@@ -105,6 +112,24 @@ class _LeaseOperator(BaseOperator):
     moment still gets `min_lease_seconds`. Without a DAG run (direct calls), the lease starts now.
     With `handover_grace_seconds`, a task whose lease ended keeps its lane (up to that much longer) until
     another deliverer of the lane is running: a successor killed at start-up leaves no gap while it retries.
+
+    The lease arguments of `DeliverLevelOperator` and `AdvanceWheelOperator`:
+
+    :param lease_seconds: how long the task delivers, in seconds (templated; default 300).
+    :param until_idle: stop, before the lease end, once nothing is pending on the lane (templated; rendered text
+        "true"/"1"/"yes"/"on" is true; default False): a drain-and-stop run.
+    :param handover_grace_seconds: past its lease, keep the lane up to this much longer until another deliverer
+        of it is running (templated; default 0.0: stop at the lease end whatever happens).
+    :param align_lease_to_run: count the lease from the DAG run's scheduled time rather than the task's start
+        (not templated; default True).
+    :param min_lease_seconds: the least a task starting after its run's lease end still delivers for, in seconds
+        (not templated; default 10.0; at most `lease_seconds`).
+    :param delaywheel_conn_id: the Airflow connection of the store (templated; default ``delaywheel_default``).
+    :param emit_asset_events: record one Asset event per topic delivered into, through the ``delaywheel_topics``
+        alias, when the task ends (not templated; default True). The deliver DAG turns it off and records them
+        once per run in `PublishTopicEventsOperator`.
+
+    Returns the lane's totals (``delivered``, ``passes``, ``reconnects``...) and per topic the span delivered.
     """
 
     template_fields: tuple[str, ...] = ("lease_seconds", "until_idle", "handover_grace_seconds", "delaywheel_conn_id")
@@ -174,7 +199,13 @@ class _LeaseOperator(BaseOperator):
 
 
 class DeliverLevelOperator(_LeaseOperator):
-    """Deliver one delay level (RocketMQ's per-level DeliverDelayedMessageTimerTask) for a lease."""
+    """Deliver one delay level (RocketMQ's per-level DeliverDelayedMessageTimerTask) for a lease.
+
+    :param level: the delay level, 1..N of the store's settings (templated; rendered text is read as an integer;
+        a level outside 1..N fails the task before it delivers anything).
+
+    The other arguments are the lease's, documented on `_LeaseOperator`.
+    """
 
     template_fields = (*_LeaseOperator.template_fields, "level")
 
@@ -187,7 +218,10 @@ class DeliverLevelOperator(_LeaseOperator):
 
 
 class AdvanceWheelOperator(_LeaseOperator):
-    """Advance the timing wheel (deliver every due slot, roll far blocks in) for a lease."""
+    """Advance the timing wheel (deliver every due slot, roll far blocks in) for a lease.
+
+    Its arguments are the lease's, documented on `_LeaseOperator`.
+    """
 
     def lane(self) -> Lane:
         return None
@@ -205,25 +239,31 @@ class ConsumeOperator(BaseOperator):
     :param apply_function_batch: a callable, or its dotted import path (``"my_pkg.handlers.handle"``), called as
         ``fn(messages, **apply_function_kwargs)`` with each batch (a list of ``delaywheel.Delivered``); it
         returns None (all handled) or the ``message_id``s that failed, which go to the retry ladder. An exception
-        retries the whole batch; ``delaywheel.consume.consumer.Abandon`` stops without acking it.
+        retries the whole batch; ``delaywheel.consume.consumer.Abandon`` stops without acking it. Not templated; a
+        path is imported when the task starts, so a wrong one fails the task before it takes the group.
     :param apply_function: the same, called once per message as ``fn(message, **apply_function_kwargs)``; a message
-        whose call raises goes to the retry ladder, the others are acked.
+        whose call raises goes to the retry ladder, the others are acked (not templated).
 
     or a subclass overriding ``handle(messages, context)`` (same contract as ``apply_function_batch``).
 
     :param topic: the topic to consume (templated).
     :param group: the consumer group (templated): its offset is the group's, whichever task or run acks it.
-    :param apply_function_kwargs: keyword arguments for the function (templated).
-    :param lease_seconds: how long this task consumes (templated). Counted from the DAG run's scheduled time
-        (`run_after`) with `align_lease_to_run`, as the deliver lanes do, so a run scheduled every N seconds with a
-        lease of N + overlap has its successor running before it lets go; a late task still gets `min_lease_seconds`.
+    :param apply_function_kwargs: keyword arguments for the function (templated, each value rendered; default none).
+    :param lease_seconds: how long this task consumes, in seconds (templated; default 300). Counted from the DAG
+        run's scheduled time (`run_after`) with `align_lease_to_run`, as the deliver lanes do, so a run scheduled every
+        N seconds with a lease of N + overlap has its successor running before it lets go.
     :param handover_grace_seconds: past its lease, keep the group up to this much longer until another lease
-        consumer of (group, topic) is running (templated): a successor that failed at start-up leaves no gap while
-        Airflow retries it. 0: stop at the lease end whatever happens.
-    :param max_messages: the batch size and prefetch bound (templated).
+        consumer of (group, topic) is running (templated; default 0.0): a successor that failed at start-up leaves no
+        gap while Airflow retries it. 0: stop at the lease end whatever happens.
+    :param align_lease_to_run: count the lease from the DAG run's scheduled time rather than the task's start (not
+        templated; default True).
+    :param min_lease_seconds: the least a task starting after its run's lease end still consumes for, in seconds
+        (not templated; default 10.0; at most `lease_seconds`).
+    :param max_messages: the batch size and prefetch bound (templated; default 100).
     :param until_idle: stop once a safety wake (`consume.SAFETY_WAKE_S`, 1 s) passes with nothing delivered
-        (templated; as the deliver lanes' `until_idle`): a drain-and-stop run handles what is delivered now and ends.
-    :param delaywheel_conn_id: the Airflow connection of the store (templated).
+        (templated; as the deliver lanes' `until_idle`; default False): a drain-and-stop run handles what is
+        delivered now and ends, without waiting for its turn behind a lease consumer.
+    :param delaywheel_conn_id: the Airflow connection of the store (templated; default ``delaywheel_default``).
 
     Hand-over: only the holder of the group's lock on a topic handles (`topics.GROUP_LOCK`, held from the pull of a
     batch to the commit of its ack); a second consumer of the group is a standby that tries the lock every 0.25 s.
@@ -287,7 +327,7 @@ class ConsumeOperator(BaseOperator):
         self._lease_ended = False
         self._fn: Callable[..., Any] | None = None
 
-    def handle(self, messages: list[DeliveredMessage], context: Context) -> Collection[int] | None:
+    def handle(self, messages: list[Delivered], context: Context) -> Collection[int] | None:
         """Handle one batch; return None or the ids that failed. Override this, or pass a function."""
         kwargs = dict(self.apply_function_kwargs or {})
         assert self._fn is not None
@@ -315,7 +355,7 @@ class ConsumeOperator(BaseOperator):
         handled = 0
         handed_over = threading.Event()
 
-        def handler(messages: list[DeliveredMessage]) -> Collection[int] | None:
+        def handler(messages: list[Delivered]) -> Collection[int] | None:
             nonlocal handled
             handled += len(messages)
             return self.handle(messages, context)
@@ -408,7 +448,23 @@ class ConsumeOperator(BaseOperator):
 class EnqueueOperator(BaseOperator):
     """Send messages: one (`topic`, `body`, ...) or many (`messages`, dicts with the same keys).
 
-    At most one of `delay_level`, `delay_seconds`, `deliver_at` (ISO 8601 string or datetime) per message.
+    Every argument is templated: rendered text is read as the type named (``"3"`` as a level, ``"3600"`` as
+    seconds, ISO 8601 text as a time); an empty rendering of a delay argument means "not given".
+
+    :param topic: the topic of the one message (templated). Exactly one of `topic` and `messages`.
+    :param body: its body, JSON-serialisable or bytes (templated; default None).
+    :param messages: many messages (templated): a list of dicts with the keys ``topic``, ``body``, ``delay_level``,
+        ``delay_seconds``, ``deliver_at``, ``key``, ``tags``, ``properties``; any other key fails the task. A Jinja
+        string renders to text, so a list built in a template needs the DAG's ``render_template_as_native_obj``.
+    :param delay_level: the delay level, 1..N (templated; default None).
+    :param delay_seconds: a delay in seconds, on the timing wheel (templated; default None).
+    :param deliver_at: a due time, a datetime or ISO 8601 text (templated; default None). At most one of
+        `delay_level`, `delay_seconds` and `deliver_at`; none: delivered at once.
+    :param key: the business key, which cancels by key find (templated; default None).
+    :param tags: a tag string carried with the message (templated; default None).
+    :param properties: string properties carried with the message (templated, each value rendered; default none).
+    :param delaywheel_conn_id: the Airflow connection of the store (templated; default ``delaywheel_default``).
+
     All or nothing: one invalid message fails the task and nothing is written. Returns the message ids.
     """
 
@@ -473,14 +529,20 @@ def _message(item: dict[str, Any]) -> Message:
 
 
 class CancelOperator(BaseOperator):
-    """Cancel pending messages by `message_id`, `key`, `keys` (list) or `where`.
+    """Cancel pending messages by `message_id`, `key`, `keys` (list) or `where`: exactly one of the four.
 
+    :param message_id: one message's id (templated; rendered text is read as an integer).
+    :param key: every pending message with this business key (templated).
+    :param keys: every pending message with one of these keys (templated; a list, or one key as a string).
     :param where: one boolean expression over id, deliver_at, key, topic, tags, properties, lane, level, checked by
-        PostgreSQL's own parser against a whitelist and rendered from its parse tree (`delaywheel.predicate`): no
+        PostgreSQL's own parser against a whitelist and rendered from its parse tree (`delaywheel.ops.predicate`): no
         subquery, no function outside the whitelist, never more than that expression; matching reads READ ONLY.
-        Text that is not such an expression fails the task with `UnsafeSQL` and cancels nothing.
+        Text that is not such an expression fails the task with `UnsafeSQL` and cancels nothing (templated).
+    :param reason: recorded with each cancellation (templated; default "cancelled from Airflow").
+    :param max_matches: guards bulk cancels by `keys` or `where`: if more pending messages match, the task fails
+        and cancels nothing (templated; rendered text is read as an integer; default None: no limit).
+    :param delaywheel_conn_id: the Airflow connection of the store (templated; default ``delaywheel_default``).
 
-    `max_matches` guards bulk cancels: if more pending messages match, the task fails and cancels nothing.
     Returns `{"cancelled": n, "results": [...]}` (results per message for id/key).
     """
 
