@@ -37,7 +37,7 @@ import psycopg
 from delaywheel import load_settings
 from delaywheel.dev.local_airflow import as_url
 
-from .airflow_lateness import METADATA_DB, ROOT, standalone, wait_running
+from .airflow_lateness import METADATA_DB, ROOT, failed_tries, standalone, wait_running
 from .common import Check, ProcessCpu, drop_database, fresh_database, load_options, log, print_section
 from .consumer_lateness import TOPIC, percentiles, produce
 
@@ -96,18 +96,6 @@ def dag_folder(records: Path, interval: float, overlap: float) -> Path:
     return folder
 
 
-def wait_consumer(metadata_url: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with psycopg.connect(metadata_url) as conn:
-            row = conn.execute("SELECT count(*) FROM task_instance WHERE dag_id = %s AND state = 'running'",
-                               (DAG_ID,)).fetchone()
-        if row and row[0]:
-            return
-        time.sleep(2.0)
-    raise TimeoutError(f"no {DAG_ID} task running after {timeout:.0f} s")
-
-
 def read_records(records: Path) -> list[tuple[int, float, float, float, int]]:
     """(message_id, received, due, delivered_at, task file index) of every handled message."""
     rows = []
@@ -153,13 +141,11 @@ def task_figures(metadata_url: str, since: datetime) -> dict[str, Any]:
     with psycopg.connect(metadata_url) as conn:
         rows = conn.execute("SELECT queued_dttm, start_date FROM task_instance WHERE dag_id = %s"
                             " AND start_date >= %s", (DAG_ID, since)).fetchall()
-        failed = conn.execute("SELECT (SELECT count(*) FROM task_instance_history WHERE dag_id = %(d)s"
-                              " AND state = 'failed') + (SELECT count(*) FROM task_instance WHERE dag_id = %(d)s"
-                              " AND state = 'failed')", {"d": DAG_ID}).fetchone()
+        failed = failed_tries(conn, DAG_ID)
         tis = {str(r[0]): r[1] for r in conn.execute("SELECT id, task_id FROM task_instance")}
     starts = sorted((s - q).total_seconds() for q, s in rows if q is not None)
     return {"tasks": len(rows), "ids": tis, "start_p50": float(np.median(starts)) if starts else float("nan"),
-            "start_max": max(starts, default=float("nan")), "failed": failed[0] if failed else 0}
+            "start_max": max(starts, default=float("nan")), "failed": failed}
 
 
 def run(args: argparse.Namespace) -> tuple[list[Check], list[str]]:
@@ -175,7 +161,7 @@ def run(args: argparse.Namespace) -> tuple[list[Check], list[str]]:
     env = {"AIRFLOW__CORE__DAGS_FOLDER": str(folder), "DELAYWHEEL_DATABASE_URL": as_url(url)}
     with standalone(url, None, env) as (proc, metadata_url):
         wait_running(metadata_url, lanes, proc, timeout=900)
-        wait_consumer(metadata_url, timeout=300)
+        wait_running(metadata_url, 1, proc, timeout=300, dag_id=DAG_ID)
         log(f"all {lanes} deliver tasks and a {DAG_ID} task running; settling 10 s")
         time.sleep(10)
         since = datetime.now(UTC)

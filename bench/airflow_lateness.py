@@ -262,8 +262,10 @@ def standalone(store_url: str, lease: float | None,
         log("airflow stopped")
 
 
-def wait_running(metadata_url: str, lanes: int, proc: subprocess.Popen[bytes], timeout: float) -> None:
-    """Until every deliver task of the continuous run is running (the load must not start before)."""
+def wait_running(metadata_url: str, tasks: int, proc: subprocess.Popen[bytes], timeout: float,
+                 dag_id: str = DAG_ID) -> None:
+    """Until `tasks` tasks of `dag_id` (default: every deliver lane of the continuous run) are running: the load
+    must not start before."""
     deadline = time.monotonic() + timeout
     running = 0
     while time.monotonic() < deadline:
@@ -272,14 +274,22 @@ def wait_running(metadata_url: str, lanes: int, proc: subprocess.Popen[bytes], t
         try:
             with psycopg.connect(metadata_url) as conn:
                 row = conn.execute("SELECT count(*) FROM task_instance WHERE dag_id = %s AND state = 'running'",
-                                   (DAG_ID,)).fetchone()
+                                   (dag_id,)).fetchone()
                 running = row[0] if row else 0
         except (psycopg.OperationalError, psycopg.errors.UndefinedTable):  # not up, or not migrated yet
             running = 0
-        if running >= lanes:
+        if running >= tasks:
             return
         time.sleep(3.0)
-    raise TimeoutError(f"only {running}/{lanes} deliver tasks running after {timeout:.0f} s")
+    raise TimeoutError(f"only {running}/{tasks} {dag_id} tasks running after {timeout:.0f} s")
+
+
+def failed_tries(conn: psycopg.Connection, dag_id: str) -> int:
+    """Task tries of `dag_id` that failed: retried ones (in task_instance_history) and current ones."""
+    row = conn.execute("SELECT (SELECT count(*) FROM task_instance_history WHERE dag_id = %(d)s AND state = 'failed')"
+                       " + (SELECT count(*) FROM task_instance WHERE dag_id = %(d)s AND state = 'failed')",
+                       {"d": dag_id}).fetchone()
+    return row[0] if row else 0
 
 
 def _kind(cmdline: str) -> str:
@@ -299,9 +309,7 @@ def task_overhead(metadata_url: str, since: datetime) -> dict[str, Any]:
             SELECT task_id, queued_dttm, start_date, end_date FROM task_instance
             WHERE dag_id = %s AND start_date IS NOT NULL ORDER BY task_id, start_date""", (DAG_ID,)).fetchall()
         runs = conn.execute("SELECT count(*) FROM dag_run WHERE dag_id = %s", (DAG_ID,)).fetchone()
-        failed = conn.execute("SELECT (SELECT count(*) FROM task_instance_history WHERE dag_id = %(d)s AND state = 'failed')"
-                              " + (SELECT count(*) FROM task_instance WHERE dag_id = %(d)s AND state = 'failed')",
-                              {"d": DAG_ID}).fetchone()
+        failed = failed_tries(conn, DAG_ID)
     starts = sorted((s - q).total_seconds() for _, q, s, _ in rows if q is not None and s >= since)
     gaps: list[float] = []
     for (task, _, _, end), (task2, _, start2, _) in pairwise(rows):
@@ -310,7 +318,7 @@ def task_overhead(metadata_url: str, since: datetime) -> dict[str, Any]:
     gaps.sort()
     return {"task_starts": len(starts), "start_p50": _pct(starts, 0.5), "start_max": max(starts, default=None),
             "handovers": len(gaps), "gap_p50": _pct(gaps, 0.5), "gap_max": max(gaps, default=None),
-            "runs": runs[0] if runs else 0, "failed_tries": failed[0] if failed else 0}
+            "runs": runs[0] if runs else 0, "failed_tries": failed}
 
 
 def split_by_coverage(store_url: str, metadata_url: str) -> dict[str, Any]:
