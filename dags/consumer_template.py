@@ -29,9 +29,9 @@ from typing import Any
 
 from airflow.sdk import DAG, Param, task
 
+from delaywheel import Delivered
 from delaywheel.airflow.hooks import DelayWheelHook
 from delaywheel.airflow.operators import topic_asset
-from delaywheel.consume.topics import Message
 
 TOPIC = "orders"  # the topic to consume
 GROUP = "orders-template"  # this consumer's group: each group gets every message; give each consumer its own
@@ -39,7 +39,7 @@ GROUP = "orders-template"  # this consumer's group: each group gets every messag
 log = logging.getLogger(__name__)  # task logs show it
 
 
-def handle(messages: list[Message]) -> set[int]:
+def handle(messages: list[Delivered]) -> set[int]:
     """Process one batch; return the message_ids that failed (they are retried later). Replace this."""
     for message in messages:
         log.info("message %s (key %s, due %s): %r", message.idempotency_id, message.key, message.deliver_at,

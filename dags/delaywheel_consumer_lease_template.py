@@ -35,8 +35,8 @@ from datetime import datetime, timedelta
 
 from airflow.sdk import DAG, Param
 
+from delaywheel import Delivered
 from delaywheel.airflow.operators import ConsumeOperator
-from delaywheel.consume.topics import Message
 
 TOPIC = "orders"  # the topic to consume
 GROUP = "orders-lease-template"  # this consumer's group: each group gets every message; give each consumer its own
@@ -46,7 +46,7 @@ OVERLAP_S = 60  # ... and lasts this much longer, so that the next run's task is
 log = logging.getLogger(__name__)  # task logs show it
 
 
-def handle(messages: list[Message]) -> set[int]:
+def handle(messages: list[Delivered]) -> set[int]:
     """Process one batch; return the message_ids that failed (they are retried later). Replace this."""
     for message in messages:
         log.info("message %s (key %s, due %s): %r", message.idempotency_id, message.key, message.deliver_at,

@@ -31,7 +31,7 @@ from airflow.sdk import DAG, Context, Param
 from delaywheel_shop import orders
 
 from delaywheel.airflow.operators import ConsumeOperator
-from delaywheel.consume.topics import Message as DeliveredMessage
+from delaywheel.consume.topics import Delivered
 
 INTERVAL_S = 300  # a run (a lease) starts this often
 OVERLAP_S = 60  # ... and lasts this much longer, so that the next run's task is running when it lets go
@@ -44,7 +44,7 @@ class OrderTimeoutSweepOperator(ConsumeOperator):
         super().__init__(topic=orders.TOPIC, group=orders.GROUP, **kwargs)
         self._cancelled = self._already_processed = 0
 
-    def handle(self, messages: list[DeliveredMessage], context: Context) -> Collection[int] | None:
+    def handle(self, messages: list[Delivered], context: Context) -> Collection[int] | None:
         assert self.store is not None  # set for the duration of execute()
         cancelled, already = orders.apply_timeouts(self.store.conn, messages)
         self._cancelled += cancelled

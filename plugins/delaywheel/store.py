@@ -134,7 +134,7 @@ class Store:
     def ack(self, batch: topics.Batch, failed: set[int] | None = None) -> topics.AckResult:
         return topics.ack(self.conn, self.settings, self._cache, batch, failed)
 
-    def consume(self, topic: str, group: str, handler: Callable[[list[topics.Message]], Collection[int] | None], *, max_messages: int = 100,
+    def consume(self, topic: str, group: str, handler: Callable[[list[topics.Delivered]], Collection[int] | None], *, max_messages: int = 100,
                 stop: threading.Event | None = None, limit: int | None = None, duration_s: float | None = None,
                 idle_s: float | None = None, safety_wake_s: float | None = None) -> ConsumeTotals:
         """Wait for `topic`'s deliveries and hand them to `handler(messages)` in batches of up to `max_messages`,
@@ -148,7 +148,7 @@ class Store:
 
     def messages(self, topic: str, group: str, *, max_messages: int = 100, stop: threading.Event | None = None,
                  limit: int | None = None, duration_s: float | None = None, idle_s: float | None = None,
-                 safety_wake_s: float | None = None) -> Iterator[topics.Message]:
+                 safety_wake_s: float | None = None) -> Iterator[topics.Delivered]:
         """`consume` as an iterator of messages: a message is acked once the loop asks for the next one (or ends)."""
         from delaywheel.consume import consumer as consume
 

@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from delaywheel import Settings, Store
-from delaywheel.consume.topics import Message as Delivered
+from delaywheel.consume.topics import Delivered
 from delaywheel.partitions import PartitionCache
 from delaywheel.produce.columns import _one_by_one, prepare_columns
 from delaywheel.produce.validation import (

@@ -358,14 +358,13 @@ def test_a_single_send_gives_the_verdict_of_the_rules(db_url: str, batch: list[M
 
 
 def test_the_delivered_message_has_its_own_name(store: Store, t0: datetime) -> None:
-    """A producer hands over a `delaywheel.Message`; a consumer gets `delaywheel.Delivered` (topics.Message, its former
-    name, still works)."""
+    """A producer hands over a `delaywheel.Message`; a consumer gets `delaywheel.Delivered`, another class with
+    its own name."""
     import delaywheel
-    from delaywheel.consume import topics
 
     store.send("orders", {"n": 1}, now=t0)
     (got,) = store.pull("orders", "g").messages
-    assert type(got) is delaywheel.Delivered and topics.Message is delaywheel.Delivered
+    assert type(got) is delaywheel.Delivered
     assert delaywheel.Message is Message and delaywheel.Delivered is not delaywheel.Message
     assert isinstance(store.ack(store.pull("orders", "g")), delaywheel.AckResult)
     assert isinstance(store.deliver_level(1, now=t0), delaywheel.PassResult)

@@ -17,7 +17,7 @@ from datetime import datetime, timedelta
 
 import psycopg
 
-from delaywheel.consume.topics import Message as Delivered
+from delaywheel.consume.topics import Delivered
 from delaywheel.produce.validation import Message
 from delaywheel.store import Store
 

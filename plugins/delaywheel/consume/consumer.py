@@ -16,7 +16,7 @@ from the pull of a batch to the commit of its ack, and keeps it while messages k
 queue per group: a second consumer adds no parallelism, only a standby); it lets go after a safety wake with
 nothing to do, and a standby consumer takes over then. Delivery to the
 handler is at least once: a batch whose ack did not commit (a crash, a kill, a lost connection) is handled again,
-by this consumer or another; deduplicate on `Message.idempotency_id`.
+by this consumer or another; deduplicate on `Delivered.idempotency_id`.
 """
 
 from __future__ import annotations
@@ -31,8 +31,7 @@ from dataclasses import dataclass
 import psycopg
 
 from delaywheel.consume import topics
-from delaywheel.consume.topics import Batch
-from delaywheel.consume.topics import Message as DeliveredMessage
+from delaywheel.consume.topics import Batch, Delivered
 from delaywheel.db import connect
 from delaywheel.deliver.runner import backoff_delays, connection_lost
 from delaywheel.produce.producer import TOPIC_CHANNEL
@@ -45,7 +44,7 @@ REPULL_S = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2)  # notified, yet nothing r
 log = logging.getLogger(__name__)
 
 # What a handler returns: None (every message handled) or the ids of the messages that failed (to the retry ladder).
-Handler = Callable[[list[DeliveredMessage]], Collection[int] | None]
+Handler = Callable[[list[Delivered]], Collection[int] | None]
 
 
 class Abandon(Exception):
@@ -271,7 +270,7 @@ def consume(store: Store, topic: str, group: str, handler: Handler, **options: o
     return consumer.totals
 
 
-def messages(store: Store, topic: str, group: str, **options: object) -> Iterator[DeliveredMessage]:
+def messages(store: Store, topic: str, group: str, **options: object) -> Iterator[Delivered]:
     """The iterator form: yields messages one by one. A message counts as handled when the loop asks for the
     next one; a batch is acked once all of it has been handled (with the pull of the next). Leaving the loop
     early (break, an exception) acks the messages handled so far and not the one in hand, which comes again."""

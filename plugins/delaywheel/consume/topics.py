@@ -2,7 +2,7 @@
 
 Topic rows are read in (xid, queue_offset) order below the commit horizon, like the level queues, so a
 group's offset never passes a delivery that commits late. Delivery to consumers is at-least-once: a
-batch not acked is pulled again; `Message.idempotency_id` is the key consumers deduplicate by.
+batch not acked is pulled again; `Delivered.idempotency_id` is the key consumers deduplicate by.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from delaywheel.db import COMMIT_HORIZON, QUEUE_PLAN
 from delaywheel.locks import GROUP_LOCK, GROUP_TOPIC_KEY
 from delaywheel.partitions import PartitionCache
 from delaywheel.produce.producer import send_for_store
-from delaywheel.produce.validation import Message as OutgoingMessage
+from delaywheel.produce.validation import Message
 from delaywheel.types import TopicSpan
 
 _log = logging.getLogger(__name__)
@@ -33,8 +33,8 @@ FIRST_RETRY_LEVEL = 3  # RocketMQ: retry n is delayed by level 3 + n
 
 @dataclass(frozen=True)
 class Delivered:
-    """A delivered message as a consumer sees it (`delaywheel.Delivered`; `topics.Message` is the same class, under the
-    name it had before: the producer's `delaywheel.Message` is what a producer hands over)."""
+    """A delivered message as a consumer sees it (`delaywheel.Delivered`). What a producer hands over is a
+    `delaywheel.Message` (`validation.Message`): another class, with another name."""
 
     topic: str
     queue_offset: int
@@ -61,13 +61,10 @@ class Delivered:
         return self.message_id
 
 
-Message = Delivered  # the delivered message's former name, kept for code that imports it
-
-
 @dataclass
 class Batch:
     group: str
-    messages: list[Message]
+    messages: list[Delivered]
     cursors: dict[str, tuple[str, int]] = field(default_factory=dict)  # topic -> (xid, offset) of its last message
     positions: list[tuple[int, int]] = field(default_factory=list)  # each message's (xid, queue_offset) in its topic
     # Rows past the group's offset existed when it was read: with no messages, rows not readable yet (committed above
@@ -293,7 +290,7 @@ def _checked_failures(batch: Batch, failed: set[int] | None) -> set[int]:
 def _ack(conn: psycopg.Connection, settings: Settings, cache: PartitionCache, batch: Batch, failed: set[int],
          moved: Collection[str]) -> AckResult:
     """`ack`'s work inside the caller's transaction, after `_move`: `moved` are the sources it moved."""
-    acked: list[Message] = []
+    acked: list[Delivered] = []
     for topic, (xid, offset) in batch.cursors.items():
         if topic in moved:
             acked += [m for m in batch.messages if m.source_topic == topic]
@@ -334,7 +331,7 @@ def _lock_offset(conn: psycopg.Connection, group: str, topic: str) -> tuple[str,
 
 
 def _reconsume_later(
-    conn: psycopg.Connection, settings: Settings, cache: PartitionCache, group: str, messages: list[Message]
+    conn: psycopg.Connection, settings: Settings, cache: PartitionCache, group: str, messages: list[Delivered]
 ) -> None:
     outgoing, times = [], []
     for m in messages:
@@ -344,10 +341,10 @@ def _reconsume_later(
         properties.setdefault("ORIGIN_TOPIC", m.topic)
         properties.setdefault("ORIGIN_MESSAGE_ID", str(m.message_id))
         if times[-1] > settings.max_reconsume_times:
-            outgoing.append(OutgoingMessage(dlq_topic(group), m.body, key=m.key, tags=m.tags, properties=properties))
+            outgoing.append(Message(dlq_topic(group), m.body, key=m.key, tags=m.tags, properties=properties))
         else:
             level = FIRST_RETRY_LEVEL + m.reconsume_times
-            outgoing.append(OutgoingMessage(retry_topic(group), m.body, delay_level=level, key=m.key, tags=m.tags,
+            outgoing.append(Message(retry_topic(group), m.body, delay_level=level, key=m.key, tags=m.tags,
                                             properties=properties))
     send_for_store(conn, settings, cache, outgoing, times)  # the store's own: reserved topics and properties
 

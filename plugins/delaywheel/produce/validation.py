@@ -21,7 +21,7 @@ MAX_KEY_CHARS = 1024
 MAX_TAGS_CHARS = 1024
 MAX_PROPERTIES_BYTES = 32767  # RocketMQ's limit; here the properties as stored: their JSON text (ASCII, \u escapes)
 # Written by the store itself: the retry ladder (ORIGIN_*) and replay (REPLAY_*). A producer setting them would
-# change what consumers deduplicate on (Message.idempotency_id) or where a message seems to come from.
+# change what consumers deduplicate on (Delivered.idempotency_id) or where a message seems to come from.
 RESERVED_PROPERTIES = frozenset({"ORIGIN_MESSAGE_ID", "ORIGIN_TOPIC", "REPLAY_ID", "REPLAY_OF_TOPIC"})
 RESERVED_TOPIC_PREFIXES = ("%RETRY%", "%DLQ%")  # a consumer group's retry and dead-letter topics (topics.py)
 _ZERO = timedelta(0)
