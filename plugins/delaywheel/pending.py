@@ -3,8 +3,8 @@ falls due. Delivery, cancel, retire, stats, quality and the Airflow sensors and 
 cursor rules themselves are in deliver/levels.py and deliver/wheel.py).
 
 Fragments are psycopg.sql compositions: every identifier in them (a segment's alias, an array column) is quoted by
-psycopg, every value is a placeholder the caller binds. The few kept as text (LEVEL_HEAD, WHEEL_HEAD) are rendered
-once, here, for the callers that take text.
+psycopg, every value is a placeholder the caller binds. The few kept as text (PENDING, LEVEL_HEAD, WHEEL_HEAD) are
+rendered once, here, for the callers that take text.
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ def pending(segments: sql.Composable = _TRUE, rows: sql.Composable = _TRUE) -> s
                            far_messages=segment_messages(*columns, "due", alias="q"))
 
 
-PENDING = pending()
+PENDING = pending().as_string()  # as text, for the callers that take text (and benchmarks)
 # The same rule for rows already found, checked against the cursors alone (no scan of the queues).
 STILL_PENDING = sql.SQL("""
     CASE WHEN t.lane = 'level' THEN NOT EXISTS (

@@ -97,7 +97,7 @@ class Reconcile:
         query = sql.SQL(
             "SELECT DISTINCT p.key FROM ({pending}) p WHERE p.topic = %(rc_topic)s AND p.key IS NOT NULL"
             " AND {not_cancelled}"
-        ).format(pending=PENDING, not_cancelled=not_cancelled("p"))
+        ).format(pending=sql.SQL(PENDING), not_cancelled=not_cancelled("p"))
         return _inline(conn, query, {"rc_topic": self.topic})
 
     def stale_match(self, conn: psycopg.Connection) -> Match:

@@ -365,7 +365,7 @@ def count_matching(conn: psycopg.Connection, *, keys: list[str] | None = None, w
     """How many pending, not yet cancelled messages a bulk cancel would hit (for the CLI's guard); read-only."""
     m = matching(conn, keys=keys, where=where, keys_from=keys_from, match=match)
     with read_only(conn, timeout):
-        row = conn.execute(_FIND.format(columns=sql.SQL("count(*)"), pending=PENDING, match=m.sql,
+        row = conn.execute(_FIND.format(columns=sql.SQL("count(*)"), pending=sql.SQL(PENDING), match=m.sql,
                                         not_cancelled=not_cancelled("p")),
                            m.params).fetchone()
     return int(row[0]) if row else 0
@@ -386,7 +386,7 @@ def cancel_matching(
     # delivered or cancelled meanwhile is left alone.
     with read_only(conn, timeout):
         found = conn.execute(_FIND.format(columns=sql.SQL("p.id, p.deliver_at, p.key, p.lane, p.level, p.xid::text"),
-                                          pending=PENDING, match=m.sql, not_cancelled=not_cancelled("p")),
+                                          pending=sql.SQL(PENDING), match=m.sql, not_cancelled=not_cancelled("p")),
                              m.params).fetchall()
     if not found:
         return 0
