@@ -18,7 +18,11 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
+from psycopg import sql
 from psycopg.types.json import Jsonb
+
+from delaywheel.ops.stats import LATENESS_S
+from delaywheel.pending import cancelled, segment_messages
 
 SUITE = "delaywheel_lateness"
 LANES_NOT_LEVELS = ("wheel", "direct")
@@ -26,19 +30,41 @@ LANES_NOT_LEVELS = ("wheel", "direct")
 
 # --- reading a window (PostgreSQL SQL, run through JDBC) ----------------------------------------------
 
-def _ts(t: datetime) -> str:
-    return f"'{t.astimezone(UTC).isoformat()}'::timestamptz"
+def _ts(t: datetime) -> sql.Composable:
+    """A time as a quoted timestamptz literal (psycopg's quoting: the reader takes one text statement, no parameters)."""
+    return sql.Literal(t.astimezone(UTC))
+
+
+# Every non-replay delivery of a message due in [start, end), with its lateness (stats.LATENESS_S) in milliseconds.
+_DELIVERIES = sql.SQL("""
+        SELECT message_id, topic, origin AS lane, coalesce(level, 0)::int AS level, deliver_at,
+               (({lateness}) * 1000)::float8 AS lateness_ms
+        FROM delaywheel.topic_messages
+        WHERE origin <> 'replay' AND deliver_at >= {start} AND deliver_at < {end}
+          AND delivered_at >= {start} - interval '1 day'""")
 
 
 def deliveries_sql(start: datetime, end: datetime) -> str:
     """Every non-replay delivery of a message due in [start, end), with its lateness in milliseconds (computed
     here: the delivery time itself would be one more timestamp per row for JDBC to carry and parse)."""
-    return f"""
-        SELECT message_id, topic, origin AS lane, coalesce(level, 0)::int AS level, deliver_at,
-               (extract(epoch FROM delivered_at - deliver_at) * 1000)::float8 AS lateness_ms
-        FROM delaywheel.topic_messages
-        WHERE origin <> 'replay' AND deliver_at >= {_ts(start)} AND deliver_at < {_ts(end)}
-          AND delivered_at >= {_ts(start)} - interval '1 day'"""
+    return _DELIVERIES.format(lateness=LATENESS_S, start=_ts(start), end=_ts(end)).as_string()
+
+
+# Every queued message due in [start, end) and whether it is cancelled (pending.cancelled): the level segments
+# enqueued since `enqueued_from` (a level row is enqueued at most the longest level's delay before it is due, which
+# prunes partitions), the near wheel, and the far blocks of those days.
+_DUE = sql.SQL("""
+        SELECT d.id AS message_id, d.split, d.lane, d.level, d.topic, d.deliver_at, {cancelled} AS cancelled
+        FROM (SELECT m.id, s.id_first AS split, 'level' AS lane, s.level::int AS level, m.topic, s.deliver_at
+              FROM delaywheel.level_segments s, {level_messages}
+              WHERE {window} AND enqueued_at >= {enqueued_from} AND enqueued_at < {end}
+              UNION ALL
+              SELECT id, id, 'wheel', 0, topic, deliver_at FROM delaywheel.wheel WHERE {window}
+              UNION ALL
+              SELECT m.id, s.id_first, 'wheel', 0, m.topic, m.due AT TIME ZONE 'UTC'
+              FROM delaywheel.wheel_far_segments s, {far_messages}
+              WHERE s.block > {start} - interval '1 day' AND s.block < {end}
+                AND m.due AT TIME ZONE 'UTC' >= {start} AND m.due AT TIME ZONE 'UTC' < {end}) d""")
 
 
 def due_sql(start: datetime, end: datetime, longest_level: timedelta) -> str:
@@ -48,22 +74,10 @@ def due_sql(start: datetime, end: datetime, longest_level: timedelta) -> str:
     Segments are unnested here for the two arrays wanted, not through the views (which unnest bodies and
     keys too), and `split` is the segment's first id: a parallel reader's `split % n = i` then picks whole
     segments before they are unnested, instead of every reader unnesting every segment."""
-    window = f"deliver_at >= {_ts(start)} AND deliver_at < {_ts(end)}"
-    return f"""
-        SELECT d.id AS message_id, d.split, d.lane, d.level, d.topic, d.deliver_at,
-               EXISTS (SELECT 1 FROM delaywheel.cancellations c
-                       WHERE c.message_id = d.id AND c.due_at = d.deliver_at) AS cancelled
-        FROM (SELECT m.id, s.id_first AS split, 'level' AS lane, s.level::int AS level, m.topic, s.deliver_at
-              FROM delaywheel.level_segments s, unnest(s.ids, delaywheel.spread(s.topics, s.n)) AS m(id, topic)
-              WHERE {window} AND enqueued_at >= {_ts(start - longest_level)} AND enqueued_at < {_ts(end)}
-              UNION ALL
-              SELECT id, id, 'wheel', 0, topic, deliver_at FROM delaywheel.wheel WHERE {window}
-              UNION ALL
-              SELECT m.id, s.id_first, 'wheel', 0, m.topic, m.due AT TIME ZONE 'UTC'
-              FROM delaywheel.wheel_far_segments s,
-                   unnest(s.ids, delaywheel.spread(s.topics, s.n), s.deliver_ats) AS m(id, topic, due)
-              WHERE s.block > {_ts(start)} - interval '1 day' AND s.block < {_ts(end)}
-                AND m.due AT TIME ZONE 'UTC' >= {_ts(start)} AND m.due AT TIME ZONE 'UTC' < {_ts(end)}) d"""
+    window = sql.SQL("deliver_at >= {} AND deliver_at < {}").format(_ts(start), _ts(end))
+    return _DUE.format(cancelled=cancelled("d"), level_messages=segment_messages("id", "topic"),
+                       far_messages=segment_messages("id", "topic", "due"), window=window,
+                       enqueued_from=_ts(start - longest_level), start=_ts(start), end=_ts(end)).as_string()
 
 
 # --- aggregating (Spark SQL over the views `deliveries` and `due`) -------------------------------------

@@ -29,9 +29,10 @@ from decimal import Decimal
 from typing import Any
 
 import psycopg
-from psycopg import pq
+from psycopg import pq, sql
 
 from delaywheel.config import Settings
+from delaywheel.pending import level_head, not_cancelled
 
 HISTOGRAM_HOURS = 24
 EXACT_ROWS = 100_000  # near-wheel rows stats counts one by one beyond the next hour (see _near_estimates)
@@ -41,8 +42,16 @@ _INFINITY = datetime.max.replace(tzinfo=UTC)  # the open ends of the time axis
 _EPOCH_DAY = datetime(1970, 1, 2, tzinfo=UTC)  # a cursor before it never moved (wheel_state's default: epoch)
 
 
-def _rows(conn: psycopg.Connection, sql: str, params: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-    cur = conn.execute(sql, params or {})  # type: ignore[arg-type]
+# Lateness of a delivered row: how long after its due time it reached its topic, in seconds (numeric; never below 0
+# for the store's own deliveries, invariant 1). Every PostgreSQL report of lateness reads it through this, and its
+# percentiles through LATENESS_P50_P99 (the quality job's Spark SQL computes approximate ones from it: quality.py).
+LATENESS_S = sql.SQL("extract(epoch FROM delivered_at - deliver_at)")
+# p50 and p99 of LATENESS_S, continuous (interpolated between the two nearest rows), as float8[2]: one sort for both.
+LATENESS_P50_P99 = sql.SQL("percentile_cont(ARRAY[0.5, 0.99]) WITHIN GROUP (ORDER BY ({})::float8)").format(LATENESS_S)
+
+
+def _rows(conn: psycopg.Connection, query: str, params: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    cur = conn.execute(query, params or {})  # type: ignore[arg-type]
     names = [d.name for d in cur.description or []]
     return [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
 
@@ -71,15 +80,17 @@ def collect(conn: psycopg.Connection, settings: Settings, now: datetime | None, 
         }
 
 
+_LATENESS_BY_LANE = sql.SQL("""
+    SELECT origin, level, n, p[1] AS p50, p[2] AS p99
+    FROM (SELECT origin, CASE WHEN origin = 'level' THEN level END AS level, count(*) AS n, {p50_p99} AS p
+          FROM delaywheel.topic_messages
+          WHERE origin IN ('level', 'wheel') AND delivered_at >= %(since)s
+          GROUP BY 1, 2) l""").format(p50_p99=LATENESS_P50_P99).as_string()
+
+
 def _lateness_by_lane(conn: psycopg.Connection, since: datetime) -> dict[tuple[str, int | None], dict[str, Any]]:
     """Lateness of the deliveries since `since`, per level and for the wheel: one pass over the window."""
-    rows = _rows(conn, """
-        SELECT origin, CASE WHEN origin = 'level' THEN level END AS level, count(*) AS n,
-               percentile_cont(0.5) WITHIN GROUP (ORDER BY extract(epoch FROM delivered_at - deliver_at)::float8) AS p50,
-               percentile_cont(0.99) WITHIN GROUP (ORDER BY extract(epoch FROM delivered_at - deliver_at)::float8) AS p99
-        FROM delaywheel.topic_messages
-        WHERE origin IN ('level', 'wheel') AND delivered_at >= %(since)s
-        GROUP BY 1, 2""", {"since": since})
+    rows = _rows(conn, _LATENESS_BY_LANE, {"since": since})
     return {(r["origin"], r["level"]): r for r in rows}
 
 
@@ -88,13 +99,9 @@ def _seconds(later: datetime, earlier: datetime | None) -> float | None:
     return None if earlier is None else max(0.0, (later - earlier).total_seconds())
 
 
-def level_stats(conn: psycopg.Connection, settings: Settings, now: datetime,
-                lateness: dict[tuple[str, int | None], dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per configured level, and per level removed from the table that still holds messages (its delay is
-    None): backlog, checkpoint, head due time, lag (age of the oldest message due and not delivered, 0 when none
-    is), lateness p50/p99 over the window. The backlog counts messages not yet passed by the checkpoint (cancelled
-    ones included: the pass skips them)."""
-    rows = _rows(conn, """
+# Per level: its checkpoint, its backlog (pending segments' n, and the part of the one its checkpoint sits in) and its
+# head (pending.level_head).
+_LEVELS = sql.SQL("""
         SELECT l.level, (%(delays)s::float8[])[l.level] AS delay,
                coalesce(c.cursor_id, 0) AS checkpoint_id, coalesce(c.cursor_xid::text, '0')::bigint AS checkpoint_xid,
                coalesce(c.delivered, 0) AS delivered, c.updated_at AS checkpoint_at,
@@ -102,12 +109,19 @@ def level_stats(conn: psycopg.Connection, settings: Settings, now: datetime,
                                          THEN s.n ELSE (SELECT count(*) FROM unnest(s.ids) i WHERE i > c.cursor_id) END), 0)
                   FROM delaywheel.level_segments s WHERE s.level = l.level
                   AND (s.xid, s.id_last) > (coalesce(c.cursor_xid, '0'), coalesce(c.cursor_id, 0)))::bigint AS backlog,
-               (SELECT s.deliver_at FROM delaywheel.level_segments s
-                WHERE s.level = l.level AND (s.xid, s.id_last) > (coalesce(c.cursor_xid, '0'), coalesce(c.cursor_id, 0))
-                ORDER BY s.xid, s.id_last LIMIT 1) AS head_due
+               ({head}) AS head_due
         FROM generate_series(1, greatest(%(n)s, (SELECT max(level) FROM delaywheel.level_segments))) AS l(level)
         LEFT JOIN delaywheel.level_checkpoint c ON c.level = l.level
-        ORDER BY l.level""", {"n": settings.max_level, "delays": [d.total_seconds() for d in settings.levels]})
+        ORDER BY l.level""").format(head=level_head(sql.SQL("l.level"))).as_string()
+
+
+def level_stats(conn: psycopg.Connection, settings: Settings, now: datetime,
+                lateness: dict[tuple[str, int | None], dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per configured level, and per level removed from the table that still holds messages (its delay is
+    None): backlog, checkpoint, head due time, lag (age of the oldest message due and not delivered, 0 when none
+    is), lateness p50/p99 over the window. The backlog counts messages not yet passed by the checkpoint (cancelled
+    ones included: the pass skips them)."""
+    rows = _rows(conn, _LEVELS, {"n": settings.max_level, "delays": [d.total_seconds() for d in settings.levels]})
     out = []
     for row in rows:
         if row["level"] > settings.max_level and row["backlog"] == 0:
@@ -153,20 +167,22 @@ _NEAR_PARTITIONS = """
 # The queries below find each row's interval (lo, hi] by binary search in the intervals' starts: width_bucket gives
 # the i with lo_i <= x < lo_i+1, so x less one microsecond (timestamptz's resolution) lands in (lo_i, lo_i+1].
 # Rows behind the cursor committed after its pass (xid >= horizon_xid): the next pass delivers them first.
-_STRAGGLERS = """
+_STRAGGLERS = sql.SQL("""
     SELECT width_bucket(w.deliver_at - interval '1 microsecond', %(lo)s::timestamptz[]) AS i, count(*) AS n,
            min(w.deliver_at) AS first
     FROM delaywheel.wheel w
     WHERE w.xid >= %(horizon)s::text::xid8 AND w.deliver_at <= %(cursor_at)s AND (w.deliver_at, w.id) <= (%(cursor_at)s, %(cursor_id)s)
-      AND NOT EXISTS (SELECT 1 FROM delaywheel.cancellations c WHERE c.message_id = w.id AND c.due_at = w.deliver_at)
+      AND {not_cancelled}
     GROUP BY 1
-"""
-_HEAD = """
+""").format(not_cancelled=not_cancelled("w")).as_string()
+# The first near-wheel row ahead of the cursor that is not cancelled (the lag's start; pending.wheel_head, what
+# waiters read, counts a cancelled row too: a pass wakes for it and skips it).
+_HEAD = sql.SQL("""
     SELECT w.deliver_at FROM delaywheel.wheel w
     WHERE w.deliver_at >= %(cursor_at)s AND (w.deliver_at, w.id) > (%(cursor_at)s, %(cursor_id)s)
-      AND NOT EXISTS (SELECT 1 FROM delaywheel.cancellations c WHERE c.message_id = w.id AND c.due_at = w.deliver_at)
+      AND {not_cancelled}
     ORDER BY w.deliver_at, w.id LIMIT 1
-"""
+""").format(not_cancelled=not_cancelled("w")).as_string()
 # Far blocks due wholly after `later`: counted by their segments. Any other block (the roll is overdue) by its rows.
 _FAR = """
     SELECT NULL::int AS i, coalesce(sum(s.n), 0)::bigint AS n, NULL::timestamptz AS first
@@ -339,13 +355,15 @@ def as_json(value: Any) -> Any:
     return str(value)
 
 
+_LATENESS = sql.SQL("""
+    SELECT delivered, early, p[1] AS p50_s, p[2] AS p99_s, max_s
+    FROM (SELECT count(*) AS delivered, count(*) FILTER (WHERE delivered_at < deliver_at) AS early,
+                 {p50_p99} AS p, max({lateness})::float8 AS max_s
+          FROM delaywheel.topic_messages WHERE origin IN ('level', 'wheel') AND delivered_at >= %(since)s) l
+""").format(p50_p99=LATENESS_P50_P99, lateness=LATENESS_S).as_string()
+
+
 def lateness(conn: psycopg.Connection, since: datetime) -> dict[str, Any]:
     """Lateness of every delivery since a time, in seconds (the demo's and the benchmarks' figure)."""
-    return _rows(conn, """
-        SELECT count(*) AS delivered,
-               count(*) FILTER (WHERE delivered_at < deliver_at) AS early,
-               percentile_cont(0.5) WITHIN GROUP (ORDER BY extract(epoch FROM delivered_at - deliver_at)::float8) AS p50_s,
-               percentile_cont(0.99) WITHIN GROUP (ORDER BY extract(epoch FROM delivered_at - deliver_at)::float8) AS p99_s,
-               max(extract(epoch FROM delivered_at - deliver_at))::float8 AS max_s
-        FROM delaywheel.topic_messages WHERE origin IN ('level', 'wheel') AND delivered_at >= %(since)s
-    """, {"since": since})[0]
+    return _rows(conn, _LATENESS, {"since": since})[0]
+
