@@ -1,0 +1,340 @@
+"""`delaywheel_deliver` on the CeleryExecutor: two Celery workers, lease hand-overs under load, a worker killed.
+
+Redis (Debian's `redis-server`) on a loopback port of its own, and the Airflow services through
+`scripts/airflow.sh` on a metadata database, AIRFLOW_HOME and ports of their own (as the Airflow script test
+does): API server, DAG processor, scheduler on the CeleryExecutor, and two `airflow celery worker`s (distinct
+Celery hostnames, queue `default`, concurrency `CONCURRENCY`). The DAG folder holds the deliver DAG alone, with
+two delay levels (1 s, 5 s) and the wheel, so three lanes and a pool of 2 x 3 slots; a run every `LEASE_S` and
+an overlap of `OVERLAP_S`.
+
+While a steady load is sent to all three lanes, the test waits for the first run's lanes, then for the second
+run's to be alone (the first one's handed over), kills the worker running most of them (SIGKILL to its whole
+session: the worker, its pool, its task processes, as a lost machine), and goes on until the fourth run holds
+every lane and the third has let go: three hand-overs, one of them after the kill, carried by the survivor.
+Then: every message sent is delivered exactly once and none early, both workers ran lane tasks, and no lane was
+unserved longer than `DEAD_WORKER_GRACE_S` (docs/celery.md: the scheduler's heartbeat timeout, its detection
+interval, the DAG's retry delay and a task start), measured as each lane's largest lateness. Lateness figures are
+printed (`-s`) and recorded in docs/celery.md.
+
+Needs `redis-server` and apache-airflow-providers-celery (installed for the tests only: docs/celery.md).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import sql
+from psycopg.conninfo import make_conninfo
+
+from delaywheel import Message, Settings, Store
+from delaywheel.config import parse_levels
+from delaywheel.dev.local_airflow import as_url
+from tests.airflow.celery_env import LOOPBACK, ROOT, CeleryAirflow, free_ports, pss_mib
+
+pytestmark = [
+    pytest.mark.airflow,
+    pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server (docs/celery.md)"),
+    pytest.mark.timeout(720),
+]
+
+DAG_ID = "delaywheel_deliver"
+LEVELS = "1s 5s"
+LANES = ["deliver_level_1", "deliver_level_2", "advance_wheel"]
+LEASE_S, OVERLAP_S = 60, 20  # [delaywheel] deliver_lease_seconds / deliver_overlap_seconds
+WORKERS = ("worker1", "worker2")
+# Each worker alone must hold a whole hand-over (2 runs x 3 lanes = the pool's 6 slots): the survivor does.
+CONCURRENCY = 2 * len(LANES)
+HEARTBEAT_TIMEOUT_S, DETECTION_S, RETRY_DELAY_S = 20, 5, 5  # [scheduler] ...; the DAG's retry_delay
+TASK_START_S = 30  # queued -> running on a busy 2-core machine (measured 2-10 s)
+DEAD_WORKER_GRACE_S = HEARTBEAT_TIMEOUT_S + DETECTION_S + RETRY_DELAY_S + TASK_START_S
+STEADY_MAX_S = 10.0  # away from the kill, lateness stays small: the hand-overs overlap (measured < 1.5 s)
+RATE = 20  # messages/s, a third per lane
+STARTED_WITHIN_S = 240  # services start -> the first run's lanes running (about 60 s here)
+
+
+@dataclass
+class Try:
+    run: str
+    run_after: datetime
+    task: str
+    try_number: int
+    state: str | None
+    start: datetime | None
+    end: datetime | None
+
+
+@dataclass
+class Load:
+    """Sends RATE messages/s on its own thread until stopped: level 1, level 2 and wheel delays in turn."""
+
+    url: str
+    settings: Settings
+    ids: list[int] = field(default_factory=list)
+    error: BaseException | None = None
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    def start(self) -> threading.Thread:
+        thread = threading.Thread(target=self._run, daemon=True)
+        thread.start()
+        return thread
+
+    def _run(self) -> None:
+        rng = random.Random(21)
+        try:
+            with Store(self.url, self.settings) as store:
+                seq, started = 0, time.monotonic()
+                while not self.stop.wait(0.1):
+                    target = int((time.monotonic() - started) * RATE)
+                    batch = [self._message(n, rng) for n in range(seq, target)]
+                    if batch:
+                        self.ids += store.send_many(batch)
+                    seq = target
+        except BaseException as exc:  # reported by the test, not lost on the thread
+            self.error = exc
+
+    @staticmethod
+    def _message(n: int, rng: random.Random) -> Message:
+        if n % 3 == 2:  # the wheel: arbitrary due times, off the levels' delays
+            return Message("celery.test", {"n": n}, delay=timedelta(seconds=rng.uniform(1.5, 9.5)))
+        return Message("celery.test", {"n": n}, delay_level=n % 3 + 1)
+
+
+@pytest.fixture
+def metadata_db(server_url: str) -> Iterator[str]:
+    name = f"airflow_celery_{uuid.uuid4().hex[:10]}"
+    yield name
+    with psycopg.connect(server_url, autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[CeleryAirflow]:
+    services = CeleryAirflow(tmp_path / "run", {})
+    services.run_dir.mkdir()
+    try:
+        yield services
+    finally:
+        services.close()
+
+
+def tries(meta: str) -> list[Try]:
+    """Every try of every lane task (earlier tries from task_instance_history), by run order."""
+    with psycopg.connect(meta) as conn:
+        rows = conn.execute(
+            """SELECT t.run_id, r.run_after, t.task_id, t.try_number, t.state, t.start_date, t.end_date
+               FROM (SELECT dag_id, run_id, task_id, try_number, state, start_date, end_date FROM task_instance
+                     UNION ALL
+                     SELECT dag_id, run_id, task_id, try_number, state, start_date, end_date
+                     FROM task_instance_history) t
+               JOIN dag_run r USING (dag_id, run_id)
+               WHERE t.dag_id = %s AND t.task_id = ANY(%s)
+               ORDER BY r.run_after, t.task_id, t.try_number""", (DAG_ID, LANES)).fetchall()
+    return [Try(*row) for row in rows]
+
+
+def runs_of(all_tries: list[Try]) -> list[str]:
+    seen: dict[str, None] = {}
+    for t in all_tries:
+        seen.setdefault(t.run)
+    return list(seen)
+
+
+def holding(all_tries: list[Try], run: str) -> set[str]:
+    return {t.task for t in all_tries if t.run == run and t.state == "running"}
+
+
+def released(all_tries: list[Try], run: str) -> bool:
+    """Every lane task of the run has started and none is running or waiting to run again."""
+    mine = [t for t in all_tries if t.run == run]
+    return {t.task for t in mine} == set(LANES) and all(t.start and t.state in ("success", "failed") for t in mine
+                                                        if t.try_number == max(u.try_number for u in mine
+                                                                               if u.task == t.task))
+
+
+LANE = "CASE origin WHEN 'wheel' THEN 'wheel' ELSE 'level ' || level END"
+
+
+def lateness(db_url: str, away_from: tuple[datetime, datetime] | None = None) -> dict[str, dict[str, Any]]:
+    """Lateness per lane and overall ('all'), in seconds; with `away_from`, of messages due outside that window."""
+    window = ("AND deliver_at NOT BETWEEN %s AND %s", away_from) if away_from else ("", ())
+    with psycopg.connect(db_url) as conn:
+        rows = conn.execute(
+            f"""SELECT coalesce({LANE}, 'all'), count(*), count(*) FILTER (WHERE delivered_at < deliver_at),
+                       percentile_cont(0.5) WITHIN GROUP (ORDER BY extract(epoch FROM delivered_at - deliver_at)),
+                       percentile_cont(0.99) WITHIN GROUP (ORDER BY extract(epoch FROM delivered_at - deliver_at)),
+                       max(extract(epoch FROM delivered_at - deliver_at))
+                FROM delaywheel.topic_messages WHERE origin IN ('level', 'wheel') {window[0]}
+                GROUP BY ROLLUP ({LANE})""", window[1]).fetchall()
+    return {r[0]: {"n": r[1], "early": r[2], "p50": round(float(r[3]), 3), "p99": round(float(r[4]), 3),
+                   "max": round(float(r[5]), 3)} for r in rows}
+
+
+def served_again(db_url: str, lane: str, after: datetime) -> float:
+    """Seconds from `after` to the lane's first delivery after it."""
+    with psycopg.connect(db_url) as conn:
+        row = conn.execute(f"SELECT extract(epoch FROM min(delivered_at) - %s) FROM delaywheel.topic_messages"
+                           f" WHERE {LANE} = %s AND delivered_at > %s", (after, lane, after)).fetchone()
+    assert row and row[0] is not None, lane
+    return round(float(row[0]), 1)
+
+
+def memory(cluster: CeleryAirflow, worker: str, task_pids: set[int]) -> dict[str, float]:
+    """A worker's PSS (MiB): in all, and per running task (the task process and the pool process supervising it)."""
+    parents = cluster.tree(worker)
+    tasks = [pid for pid in parents if pid in task_pids]
+    busy = tasks + [parents[pid] for pid in tasks]
+    return {"tasks": len(tasks), "total_mib": round(pss_mib(list(parents))),
+            "per_task_mib": round(pss_mib(busy) / len(tasks)) if tasks else 0.0}
+
+
+def test_two_celery_workers_hand_over_under_load_and_survive_a_killed_worker(
+        tmp_path: Path, server_url: str, db_url: str, metadata_db: str, cluster: CeleryAirflow) -> None:
+    pytest.importorskip("airflow.providers.celery", reason="needs apache-airflow-providers-celery (docs/celery.md)")
+    began = time.monotonic()
+    dags = tmp_path / "dags"  # the deliver DAG alone: nothing else parsed or scheduled beside it
+    dags.mkdir()
+    shutil.copy(ROOT / "dags" / "delaywheel_deliver.py", dags)
+    broker = cluster.start_redis()
+    (api_port,) = free_ports(1)
+    cluster.env = {k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW")} | {
+        "DELAYWHEEL_DATABASE_URL": as_url(db_url),
+        "DELAYWHEEL_AIRFLOW_HOME": str(tmp_path / "airflow"),
+        "DELAYWHEEL_AIRFLOW_DB": metadata_db,
+        "DELAYWHEEL_LEVELS": LEVELS,
+        "AIRFLOW__API__PORT": str(api_port),
+        "AIRFLOW__CORE__DAGS_FOLDER": str(dags),
+        "AIRFLOW__DELAYWHEEL__DELIVER_LEASE_SECONDS": str(LEASE_S),
+        "AIRFLOW__DELAYWHEEL__DELIVER_OVERLAP_SECONDS": str(OVERLAP_S),
+        "AIRFLOW__CORE__EXECUTOR": "CeleryExecutor",
+        "AIRFLOW__CELERY__BROKER_URL": broker,
+        "AIRFLOW__CELERY__WORKER_CONCURRENCY": str(CONCURRENCY),
+        "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT": str(HEARTBEAT_TIMEOUT_S),
+        "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT_DETECTION_INTERVAL": str(DETECTION_S),
+    }
+    meta = make_conninfo(server_url, dbname=metadata_db)
+    cluster.run("db", "migrate")
+    cluster.run("pools", "set", "delaywheel_deliver", str(2 * len(LANES)), "two runs' lanes during a hand-over")
+    cluster.start("api-server", "api-server")
+    cluster.start("dag-processor", "dag-processor")
+    cluster.start("scheduler", "scheduler")
+    for name in WORKERS:  # no log server: it would listen on every interface ([logging] has no host for it)
+        cluster.start(name, "celery", "worker", "--celery-hostname", name, "--queues", "default", "--skip-serve-logs")
+
+    worker_of: dict[tuple[str, str, int], str] = {}  # (run, task, try) -> the worker its process ran on
+    task_pids: set[int] = set()  # of the lane tasks running at the last look
+
+    def look() -> list[Try]:
+        for name, proc in cluster.services.items():
+            assert proc.poll() is None or name == killed, f"{name} exited: {cluster.log(name)}"
+        with psycopg.connect(meta) as conn:
+            running = conn.execute(
+                "SELECT run_id, task_id, try_number, pid FROM task_instance WHERE dag_id = %s AND state = 'running'"
+                " AND task_id = ANY(%s) AND pid IS NOT NULL", (DAG_ID, LANES)).fetchall()
+        task_pids.clear()
+        for run, task, try_number, pid in running:
+            task_pids.add(pid)
+            if (owner := cluster.owner(pid)) is not None:
+                worker_of.setdefault((run, task, try_number), owner)
+        return tries(meta)
+
+    def wait_for(what: str, done: Any, within: float) -> list[Try]:
+        deadline = time.monotonic() + within
+        while True:
+            try:
+                now = look()
+            except psycopg.errors.UndefinedTable:  # not migrated yet
+                now = []
+            if done(now):
+                return now
+            assert load.error is None, load.error
+            assert time.monotonic() < deadline, (what, now, {n: cluster.log(n, 1500) for n in cluster.services})
+            time.sleep(1.0)
+
+    killed = ""
+    load = Load(db_url, Settings(levels=parse_levels(LEVELS)))
+    wait_for("the first run's lanes running",
+             lambda ts: bool(ts) and holding(ts, runs_of(ts)[0]) == set(LANES), STARTED_WITHIN_S)
+    started_after = time.monotonic() - began
+    listening = cluster.listening()
+    assert listening and all(address.split(":")[0] in LOOPBACK for address in listening), listening
+    sender = load.start()
+    try:
+        # The second run alone on every lane (the first handed over), then kill the worker holding most of it.
+        def second_alone(ts: list[Try]) -> bool:
+            runs = runs_of(ts)
+            return len(runs) >= 2 and holding(ts, runs[1]) == set(LANES) and released(ts, runs[0])
+
+        now = wait_for("the first hand-over", second_alone, LEASE_S + 3 * OVERLAP_S + TASK_START_S)
+        run2 = runs_of(now)[1]
+        time.sleep(3.0)
+        look()
+        on = {w: sorted(t for (r, t, _), o in worker_of.items() if r == run2 and o == w) for w in WORKERS}
+        killed = max(WORKERS, key=lambda w: len(on[w]))
+        survivor = next(w for w in WORKERS if w != killed)
+        assert on[killed], ("no lane task of the second run found on a worker", worker_of)
+        sizes = {w: memory(cluster, w, task_pids) for w in WORKERS}
+        before_kill = {w: sum(1 for o in worker_of.values() if o == w) for w in WORKERS}
+        kill_at = datetime.now(UTC)
+        cluster.kill(killed)
+
+        # Two more hand-overs, carried by the survivor: the fourth run on every lane, the third let go.
+        def fourth_took_over(ts: list[Try]) -> bool:
+            runs = runs_of(ts)
+            return len(runs) >= 4 and holding(ts, runs[3]) == set(LANES) and released(ts, runs[2])
+
+        wait_for("three hand-overs", fourth_took_over, 2 * LEASE_S + 3 * OVERLAP_S + DEAD_WORKER_GRACE_S)
+    finally:
+        load.stop.set()
+        sender.join(timeout=30)
+    assert load.error is None, load.error
+    sent = set(load.ids)
+    with psycopg.connect(db_url) as conn:  # drain: the last sends fall due within 10 s
+        deadline = time.monotonic() + 60
+        while (conn.execute("SELECT count(DISTINCT message_id) FROM delaywheel.topic_messages").fetchone() or [0]
+               )[0] < len(sent) and time.monotonic() < deadline:
+            time.sleep(1.0)
+        delivered = [r[0] for r in conn.execute("SELECT message_id FROM delaywheel.topic_messages").fetchall()]
+    final = look()
+    runs = runs_of(final)
+    figures = lateness(db_url)
+    away = lateness(db_url, (kill_at, kill_at + timedelta(seconds=DEAD_WORKER_GRACE_S)))
+    lane_of = {"deliver_level_1": "level 1", "deliver_level_2": "level 2", "advance_wheel": "wheel"}
+
+    def started(run: str, task: str, try_number: int) -> float | None:
+        when = next((t.start for t in final if (t.run, t.task, t.try_number) == (run, task, try_number)), None)
+        return round((when - kill_at).total_seconds(), 1) if when else None
+
+    recovery = {task: {"served_again_s": served_again(db_url, lane_of[task], kill_at),
+                       "retry_started_s": started(run2, task, 2), "next_run_started_s": started(runs[2], task, 1)}
+                for task in on[killed]}
+    report = {
+        "started_s": round(started_after), "total_s": round(time.monotonic() - began), "sent": len(sent),
+        "runs": len(runs), "killed": killed, "killed_lanes": on[killed], "recovery_after_kill": recovery,
+        "lane_tasks_per_worker_before_kill": before_kill,
+        "lane_tasks_per_worker": {w: sum(1 for o in worker_of.values() if o == w) for w in WORKERS},
+        "memory_before_kill": sizes,
+        "not_successful_tries": sorted((t.task, t.try_number, t.state) for t in final
+                                       if t.state not in ("success", "running")),
+        "lateness_s": figures, "lateness_away_from_kill_s": away["all"],
+    }
+    print(f"\ncelery deliver run: {report}")
+
+    assert len(delivered) == len(set(delivered)), "a message was delivered twice"
+    assert sent <= set(delivered), f"{len(sent - set(delivered))} messages never delivered"
+    assert set(figures) == {"all", "level 1", "level 2", "wheel"} and figures["all"]["early"] == 0, figures
+    assert any(o == survivor and r not in runs[:2] for (r, _, _), o in worker_of.items()), worker_of
+    for lane, f in figures.items():  # no lane unserved longer than a dead worker's grace
+        assert f["max"] <= DEAD_WORKER_GRACE_S, (lane, report)
+    assert away["all"]["max"] <= STEADY_MAX_S, report  # the hand-overs themselves cost nothing
