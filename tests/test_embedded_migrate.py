@@ -320,3 +320,18 @@ def test_migrations_are_read_as_package_data() -> None:
     assert str(SQL_DIR) == str(resources.files("delaywheel") / "migrations")
     assert str(shop_schema.LINE.folder) == str(resources.files("delaywheel_shop") / "migrations")
     assert [m.path.name for m in available(shop_schema.LINE.folder)] == ["001_shop.sql"]
+
+
+def test_the_embedded_cluster_is_an_explicit_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`embedded.store()` is a Store on the embedded cluster's store database as its runtime login, whatever URL is
+    configured; `embedded.database_url()` (the CLI's) is the configured URL when there is one, else that database's."""
+    monkeypatch.setenv("DELAYWHEEL_DATABASE_URL", "postgresql://app@db.example/store")
+    cluster = embedded.default_cluster()
+    assert embedded.database_url() == "postgresql://app@db.example/store"
+    with embedded.store() as store:
+        assert store.url == cluster.url("delaywheel")
+        assert store.conn.execute("SELECT current_user").fetchone() == (embedded.RUNTIME_LOGIN,)
+    monkeypatch.delenv("DELAYWHEEL_DATABASE_URL")
+    monkeypatch.delenv("AIRFLOW__DELAYWHEEL__DATABASE_URL", raising=False)
+    monkeypatch.setenv("AIRFLOW_CONFIG", "/nonexistent/airflow.cfg")
+    assert embedded.database_url() == cluster.url("delaywheel")
