@@ -31,8 +31,12 @@ BUILD = ["setuptools>=68"]  # pyproject.toml's build-system.requires
 
 
 def _pip(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "pip", "--disable-pip-version-check", *args], capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "pip", "--disable-pip-version-check", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def _wheelhouse() -> Path:
@@ -56,8 +60,9 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     ignore = shutil.ignore_patterns("__pycache__", "*.egg-info")
     shutil.copytree(ROOT / "plugins", source / "plugins", ignore=ignore)
     shutil.copytree(ROOT / "examples" / "shop", source / "examples" / "shop", ignore=ignore)
-    built = _pip("wheel", "--no-deps", "--no-index", "--find-links", str(wheelhouse), "-w", str(work / "dist"),
-                 str(source))
+    built = _pip(
+        "wheel", "--no-deps", "--no-index", "--find-links", str(wheelhouse), "-w", str(work / "dist"), str(source)
+    )
     assert built.returncode == 0, built.stderr[-3000:]
     (wheel,) = (work / "dist").glob("delaywheel-*.whl")
     venv = work / "venv"
@@ -78,36 +83,61 @@ def empty_store(server_url: str) -> Iterator[tuple[str, str]]:
         embedded.create_roles(conn)
         conn.execute(f"CREATE DATABASE {name}")
         conn.execute(f"GRANT CREATE ON DATABASE {name} TO {OWNER_ROLE}")
-    yield (make_conninfo(server_url, dbname=name, user=embedded.OWNER_LOGIN),
-           make_conninfo(server_url, dbname=name, user=embedded.RUNTIME_LOGIN))
+    yield (
+        make_conninfo(server_url, dbname=name, user=embedded.OWNER_LOGIN),
+        make_conninfo(server_url, dbname=name, user=embedded.RUNTIME_LOGIN),
+    )
     with psycopg.connect(server_url, autocommit=True) as conn:
         conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
 
 
-def test_the_installed_wheel_migrates_sends_delivers_and_pulls(installed: Path, empty_store: tuple[str, str],
-                                                               tmp_path: Path) -> None:
+def test_the_installed_wheel_migrates_sends_delivers_and_pulls(
+    installed: Path, empty_store: tuple[str, str], tmp_path: Path
+) -> None:
     owner, runtime = empty_store
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    env = {"PATH": f"{installed}:/usr/bin:/bin", "HOME": str(tmp_path), "LANG": "C.UTF-8",
-           "DELAYWHEEL_DATABASE_URL": runtime, "DELAYWHEEL_OWNER_URL": owner,
-           "AIRFLOW_CONFIG": str(elsewhere / "airflow.cfg")}  # (none there)
+    env = {
+        "PATH": f"{installed}:/usr/bin:/bin",
+        "HOME": str(tmp_path),
+        "LANG": "C.UTF-8",
+        "DELAYWHEEL_DATABASE_URL": runtime,
+        "DELAYWHEEL_OWNER_URL": owner,
+        "AIRFLOW_CONFIG": str(elsewhere / "airflow.cfg"),
+    }  # (none there)
 
     def run(*argv: str) -> str:
         done = subprocess.run(argv, cwd=elsewhere, env=env, capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, f"{argv} -> {done.returncode}\n{done.stdout}\n{done.stderr}"
         return done.stdout
 
-    where = run("python", "-c", "import delaywheel, delaywheel_shop.schema, delaywheel.config as c, sys;"
-                " print(delaywheel.__file__, c.PROJECT_ROOT, sys.path, sep='\\n')").splitlines()
+    where = run(
+        "python",
+        "-c",
+        "import delaywheel, delaywheel_shop.schema, delaywheel.config as c, sys;"
+        " print(delaywheel.__file__, c.PROJECT_ROOT, sys.path, sep='\\n')",
+    ).splitlines()
     assert where[0].startswith(str(installed.parent / "lib")), where
     assert where[1] == str(elsewhere)  # an installed package's project folder: the working directory
     assert str(ROOT) not in where[2], where
 
     applied = run("delaywheel", "migrate")
     assert applied.startswith("applied: 001_store.sql, ") and "shop" not in applied, applied
-    sent = json.loads(run("delaywheel", "send", "--topic", "wheel.check", "--body", '{"n": 1}', "--level", "1",
-                          "--key", "k1", "--json"))
+    sent = json.loads(
+        run(
+            "delaywheel",
+            "send",
+            "--topic",
+            "wheel.check",
+            "--body",
+            '{"n": 1}',
+            "--level",
+            "1",
+            "--key",
+            "k1",
+            "--json",
+        )
+    )
     delivered = json.loads(run("delaywheel", "deliver", "--duration", "60s", "--until-idle", "--json"))
     assert delivered["delivered"] == 1, delivered
     pulled = json.loads(run("delaywheel", "pull", "--topic", "wheel.check", "--group", "g", "--ack", "--json"))
@@ -116,4 +146,6 @@ def test_the_installed_wheel_migrates_sends_delivers_and_pulls(installed: Path, 
     assert run("delaywheel", "shop", "migrate") == "applied: 001_shop.sql\n"  # the example's line ships too
     with psycopg.connect(runtime) as conn:
         assert conn.execute("SELECT current_user, to_regclass('shop.orders') IS NOT NULL").fetchone() == (
-            embedded.RUNTIME_LOGIN, True)
+            embedded.RUNTIME_LOGIN,
+            True,
+        )

@@ -133,8 +133,14 @@ def load_settings() -> Settings:
                 values[name] = int(raw)
             except ValueError:
                 raise ConfigError(f"{name}: {raw!r} is not an integer") from None
-    for name in ("wheel_precision", "wheel_near_window", "wheel_max_delay", "past_tolerance", "topic_retention",
-                 "match_timeout"):
+    for name in (
+        "wheel_precision",
+        "wheel_near_window",
+        "wheel_max_delay",
+        "past_tolerance",
+        "topic_retention",
+        "match_timeout",
+    ):
         if (raw := _raw(name, cfg)) is not None:
             values[name] = parse_duration(raw, name)
     for name in ("allowed_sources", "input_roots"):  # comma-separated lists

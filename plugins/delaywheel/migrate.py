@@ -91,7 +91,9 @@ def ensure_roles(conn: psycopg.Connection) -> None:
     leaves all as it is, and migrations/017 says what a superuser must do."""
     row = conn.execute("SELECT rolsuper, rolcreaterole FROM pg_roles WHERE rolname = current_user").fetchone()
     superuser, createrole = row if row else (False, False)
-    existing = {r[0] for r in conn.execute("SELECT rolname FROM pg_roles WHERE rolname = ANY(%s)", (list(GROUP_ROLES),))}
+    existing = {
+        r[0] for r in conn.execute("SELECT rolname FROM pg_roles WHERE rolname = ANY(%s)", (list(GROUP_ROLES),))
+    }
     if superuser or createrole:
         for role in GROUP_ROLES:
             if role not in existing:
@@ -99,7 +101,9 @@ def ensure_roles(conn: psycopg.Connection) -> None:
                     conn.execute(sql.SQL("CREATE ROLE {} NOLOGIN").format(sql.Identifier(role)))
     if superuser:
         database = conn.execute("SELECT current_database()").fetchone()[0]  # type: ignore[index]
-        conn.execute(sql.SQL("GRANT CREATE ON DATABASE {} TO {}").format(sql.Identifier(database), sql.Identifier(OWNER_ROLE)))
+        conn.execute(
+            sql.SQL("GRANT CREATE ON DATABASE {} TO {}").format(sql.Identifier(database), sql.Identifier(OWNER_ROLE))
+        )
 
 
 # What of `schemas` is not yet the owner's (a database migrated before migrations/017, by a single role), as the
@@ -130,7 +134,9 @@ def act_as_owner(conn: psycopg.Connection, schemas: tuple[str, ...] = STORE.sche
     did before the roles existed."""
     row = conn.execute(
         "SELECT to_regrole(%(owner)s) IS NOT NULL AND pg_has_role(current_user, %(owner)s, 'MEMBER'),"
-        " current_user = %(owner)s", {"owner": OWNER_ROLE}).fetchone()
+        " current_user = %(owner)s",
+        {"owner": OWNER_ROLE},
+    ).fetchone()
     may, already = row if row else (False, False)
     if not may or already:
         return bool(already)
@@ -152,7 +158,7 @@ def adopt(conn: psycopg.Connection, schemas: tuple[str, ...] = STORE.schemas) ->
     except psycopg.errors.InsufficientPrivilege as exc:
         raise MigrationError(
             f"objects of the store's schemas belong to another role, and this one may not give them to {OWNER_ROLE}"
-            f" ({exc}); run `delaywheel migrate` once as a superuser or as their owner (README, \"Roles\")"
+            f' ({exc}); run `delaywheel migrate` once as a superuser or as their owner (README, "Roles")'
         ) from exc
 
 
@@ -163,7 +169,7 @@ def _as_the_owner_only() -> Iterator[None]:
         yield
     except psycopg.errors.InsufficientPrivilege as exc:
         raise MigrationError(
-            f"{exc}: migrations run as {OWNER_ROLE} (README, \"Roles\"); give `migrate` the owner's URL"
+            f'{exc}: migrations run as {OWNER_ROLE} (README, "Roles"); give `migrate` the owner\'s URL'
             " (DELAYWHEEL_OWNER_URL), or run it as a member of that role or a superuser"
         ) from exc
 
@@ -219,9 +225,11 @@ def migrate(url: str, line: Line | Traversable = STORE) -> list[str]:
                 with _as_the_owner_only():
                     conn.execute("CREATE SCHEMA IF NOT EXISTS delaywheel")
                     conn.execute(_TRACKING if not exists else _ADD_LINES)
-            recorded = {(r[0], r[1]): (r[2], r[3]) for r in conn.execute(
-                "SELECT line, version, name, checksum FROM delaywheel.schema_migrations")}
-            done = {version: entry for (name, version), entry in recorded.items() if name == line.name}
+            recorded = {
+                (r[0], r[1]): (r[2], r[3])
+                for r in conn.execute("SELECT line, version, name, checksum FROM delaywheel.schema_migrations")
+            }
+            done = {version: entry for (of_line, version), entry in recorded.items() if of_line == line.name}
             newest_known = max((m.version for m in migrations), default=0)
             if done and max(done) > newest_known:
                 raise MigrationError(
@@ -238,8 +246,11 @@ def migrate(url: str, line: Line | Traversable = STORE) -> list[str]:
                 if not as_owner:  # the roles may have come with the last file (they are cluster-wide)
                     as_owner = act_as_owner(conn, line.schemas)
                 before = line.moved.get(migration.version)
-                was = (f"{recorded[before][0]} of line {before[0]}"  # applied there: record it here, not run it
-                       if before is not None and before in recorded else None)
+                was = (
+                    f"{recorded[before][0]} of line {before[0]}"  # applied there: record it here, not run it
+                    if before is not None and before in recorded
+                    else None
+                )
                 with _as_the_owner_only(), conn.transaction():
                     if was is None:
                         conn.execute(migration.path.read_text())  # type: ignore[arg-type]
@@ -248,7 +259,9 @@ def migrate(url: str, line: Line | Traversable = STORE) -> list[str]:
                         " VALUES (%s, %s, %s, %s)",
                         (line.name, migration.version, migration.path.name, migration.checksum),
                     )
-                applied_now.append(migration.path.name if was is None else f"{migration.path.name} (applied before as {was})")
+                applied_now.append(
+                    migration.path.name if was is None else f"{migration.path.name} (applied before as {was})"
+                )
         finally:
             conn.execute("RESET ROLE")
             conn.execute("SELECT pg_advisory_unlock(%s)", (MIGRATE_LOCK,))
@@ -261,6 +274,9 @@ def current_version(url: str, line: str = STORE.name) -> int:
         exists, has_lines = conn.execute(_TRACKING_STATE).fetchone() or (False, False)
         if not exists or (not has_lines and line != STORE.name):  # (a record from before lines: the store's only)
             return 0
-        row = conn.execute("SELECT coalesce(max(version), 0) FROM delaywheel.schema_migrations"
-                           + (" WHERE line = %s" if has_lines else ""), (line,) if has_lines else None).fetchone()
+        row = conn.execute(
+            "SELECT coalesce(max(version), 0) FROM delaywheel.schema_migrations"
+            + (" WHERE line = %s" if has_lines else ""),
+            (line,) if has_lines else None,
+        ).fetchone()
         return int(row[0]) if row else 0

@@ -11,8 +11,9 @@ from importlib import resources
 
 from delaywheel import migrate as migrations
 
-LINE = migrations.Line("shop", resources.files("delaywheel_shop") / "migrations", schemas=("shop",),
-                       moved={1: (migrations.STORE.name, 6)})
+LINE = migrations.Line(
+    "shop", resources.files("delaywheel_shop") / "migrations", schemas=("shop",), moved={1: (migrations.STORE.name, 6)}
+)
 
 
 def migrate(url: str) -> list[str]:
