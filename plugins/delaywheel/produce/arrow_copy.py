@@ -21,6 +21,7 @@ import pyarrow.compute as pc
 from psycopg import errors
 
 from delaywheel.config import Settings
+from delaywheel.lanes import Lane
 from delaywheel.partitions import DAY, WIDTH, PartitionCache, floor_to
 from delaywheel.produce.columns import DIRECT, EPOCH, LEVEL, TIMESTAMP, US, WHEEL, Columns, micros
 from delaywheel.produce.keyblooms import MIN_MESSAGES, far_filters, segment_blooms
@@ -244,7 +245,7 @@ def copy_arrow(conn: psycopg.Connection, table: str, batch: pa.RecordBatch,
             meanwhile()
 
 
-def _notify(conn: psycopg.Connection, earliest: dict[int | None, int]) -> None:
+def _notify(conn: psycopg.Connection, earliest: dict[Lane, int]) -> None:
     """Tell each lane's sleeping deliverers its earliest new due time (µs; sent at COMMIT), so they can wake sooner;
     the other lanes' deliverers sleep on (producer.lane_channel)."""
     conn.execute("SELECT pg_notify(c, d) FROM unnest(%s::text[], %s::text[]) AS n(c, d)",
