@@ -21,13 +21,11 @@ from delaywheel.db import COMMIT_HORIZON, QUEUE_PLAN
 from delaywheel.locks import GROUP_LOCK, GROUP_TOPIC_KEY
 from delaywheel.partitions import PartitionCache
 from delaywheel.produce.producer import send_for_store
-from delaywheel.produce.validation import Message
+from delaywheel.produce.validation import DLQ_PREFIX, RETRY_PREFIX, Message
 from delaywheel.types import TopicSpan
 
 _log = logging.getLogger(__name__)
 
-RETRY_PREFIX = "%RETRY%"
-DLQ_PREFIX = "%DLQ%"
 FIRST_RETRY_LEVEL = 3  # RocketMQ: retry n is delayed by level 3 + n
 
 

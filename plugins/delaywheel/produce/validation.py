@@ -23,7 +23,9 @@ MAX_PROPERTIES_BYTES = 32767  # RocketMQ's limit; here the properties as stored:
 # Written by the store itself: the retry ladder (ORIGIN_*) and replay (REPLAY_*). A producer setting them would
 # change what consumers deduplicate on (Delivered.idempotency_id) or where a message seems to come from.
 RESERVED_PROPERTIES = frozenset({"ORIGIN_MESSAGE_ID", "ORIGIN_TOPIC", "REPLAY_ID", "REPLAY_OF_TOPIC"})
-RESERVED_TOPIC_PREFIXES = ("%RETRY%", "%DLQ%")  # a consumer group's retry and dead-letter topics (topics.py)
+RETRY_PREFIX = "%RETRY%"  # + a consumer group: the group's retry topic (topics.retry_topic)
+DLQ_PREFIX = "%DLQ%"  # + a consumer group: its dead-letter topic (topics.dlq_topic)
+RESERVED_TOPIC_PREFIXES = (RETRY_PREFIX, DLQ_PREFIX)  # written by the store's retry ladder only
 _ZERO = timedelta(0)
 MAX_REQUESTED_LEVEL = 2**31 - 1  # the stored requested level is an int4; above the table's maximum it is clamped
 
