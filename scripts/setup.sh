@@ -43,9 +43,10 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$sum" ]; then
   want=$(grep '^pyspark==' requirements.lock | cut -d= -f3)
   have=$(.venv/bin/python -c 'import pyspark; print(pyspark.__version__)')
   [ "$want" = "$have" ] || { echo "setup: pyspark is $have, the lock says $want" >&2; exit 1; }
-  # The editable build leaves plugins/delaywheel.egg-info behind; Airflow puts plugins/ on sys.path, would
-  # read that copy's entry point too and report the delaywheel plugin as a duplicate import error.
-  rm -rf plugins/delaywheel.egg-info
+  # The editable build leaves a delaywheel.egg-info behind (in plugins/, or in the checkout's root when the package
+  # has two source folders); Airflow puts plugins/ on sys.path and a process started in the checkout has it on
+  # sys.path too: either would read that copy's entry point as well and report the delaywheel plugin as a duplicate.
+  rm -rf plugins/delaywheel.egg-info delaywheel.egg-info examples/shop/delaywheel.egg-info
   echo "$sum" > "$stamp"
 fi
 echo "setup: done (.venv ready; PostgreSQL, Java and JDBC driver present)"
