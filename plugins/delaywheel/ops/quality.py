@@ -12,6 +12,7 @@ import base64
 import html
 import io
 import json
+import math
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -106,6 +107,15 @@ class Thresholds:
     default_ms: float = 5000.0
     per_lane: dict[str, float] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        """Lane keys and numbers only: `levels_sql` writes them into Spark SQL text (no psycopg there, and the job
+        runs one text statement), so anything else is refused here rather than quoted there."""
+        for name, value in [("default", self.default_ms), *self.per_lane.items()]:
+            if not (name == "default" or name.isdigit() or name in LANES_NOT_LEVELS):
+                raise ValueError(f"p99 threshold lane {name!r}: use a level number, wheel or direct")
+            if not (isinstance(value, int | float) and math.isfinite(value)):
+                raise ValueError(f"p99 threshold for {name!r}: {value!r} is not a finite number of milliseconds")
+
     @classmethod
     def parse(cls, text: str) -> Thresholds:
         """'5000' or 'default=5000,1=1500,wheel=2000' (milliseconds)."""
@@ -122,11 +132,11 @@ class Thresholds:
 
     def levels_sql(self) -> str:
         """Per-lane summary of `deliveries` with the threshold each lane is held to."""
-        pairs = ", ".join(f"'{k}', {v}D" for k, v in self.per_lane.items())
+        pairs = ", ".join(f"'{k}', {float(v)}D" for k, v in self.per_lane.items())  # checked in __post_init__
         lookup = f"element_at(map({pairs}), lane_key)" if pairs else "CAST(NULL AS DOUBLE)"
         return f"""
             SELECT lane_key, deliveries, p[0] AS p50_ms, p[1] AS p99_ms, max_ms,
-                   coalesce({lookup}, {self.default_ms}D) AS threshold_ms
+                   coalesce({lookup}, {float(self.default_ms)}D) AS threshold_ms
             FROM (SELECT CASE WHEN lane = 'level' THEN CAST(level AS STRING) ELSE lane END AS lane_key,
                          count(*) AS deliveries, percentile_approx(lateness_ms, array(0.5, 0.99), 10000) AS p,
                          max(lateness_ms) AS max_ms
