@@ -13,7 +13,7 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from delaywheel.config import parse_levels
+from delaywheel.config import parse_duration, parse_levels
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
@@ -102,7 +102,7 @@ def test_both_workers_are_distinct_and_each_holds_a_whole_hand_over() -> None:
     assert service("airflow-scheduler")["depends_on"]["redis"]["condition"] == "service_healthy"
 
 
-def test_a_dead_worker_is_noticed_before_a_lease_ends_and_no_running_lane_is_redelivered() -> None:
+def test_a_dead_worker_is_noticed_before_a_lease_ends_and_a_running_lane_is_neither_redelivered_nor_cut() -> None:
     scheduler = env("airflow-scheduler")
     lease = CFG.getfloat("delaywheel", "deliver_lease_seconds")
     overlap = CFG.getfloat("delaywheel", "deliver_overlap_seconds")
@@ -110,8 +110,11 @@ def test_a_dead_worker_is_noticed_before_a_lease_ends_and_no_running_lane_is_red
     # longer than a live task's own tolerance of failed heartbeats (one every [workers] min_heartbeat_interval,
     # 5 s by default), shorter than a lease
     assert CFG.getint("workers", "max_failed_heartbeats") * 5 < timeout < lease
-    # a deliver task runs up to its lease, the overlap and the hand-over grace (another overlap)
+    # a deliver task runs up to its lease, the overlap and the hand-over grace (another overlap): Redis must not
+    # hand it to a second worker meanwhile, and a worker stopping (warm shutdown) waits that long for its tasks
     assert int(scheduler["AIRFLOW__CELERY_BROKER_TRANSPORT_OPTIONS__VISIBILITY_TIMEOUT"]) > lease + 2 * overlap
+    for name in WORKERS:
+        assert parse_duration(service(name)["stop_grace_period"], name).total_seconds() > lease + 2 * overlap
 
 
 def test_redis_is_healthy_private_and_keeps_nothing() -> None:
