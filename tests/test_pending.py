@@ -16,7 +16,8 @@ from tests.conftest import at
 def test_a_segment_unnests_the_arrays_asked_for_in_one_order() -> None:
     assert segment_messages("key", "id").as_string() == 'unnest("s"."ids", "s"."keys") AS "m"("id", "key")'
     assert segment_messages("topic", "due", segment="f", alias="q").as_string() == (
-        'unnest(delaywheel.spread("f"."topics", "f".n), "f"."deliver_ats") AS "q"("topic", "due")')
+        'unnest(delaywheel.spread("f"."topics", "f".n), "f"."deliver_ats") AS "q"("topic", "due")'
+    )
     for wrong in ((), ("id", "bodies")):
         with pytest.raises(ValueError):
             segment_messages(*wrong)

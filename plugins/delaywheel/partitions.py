@@ -98,17 +98,25 @@ def _try_lock(conn: psycopg.Connection, parent: str, lo: datetime) -> bool:
 # ACCESS EXCLUSIVE, so no transaction can still be writing into it.
 # ({partition}: the partition's name, quoted.)
 _PENDING = {
-    "level_segments": (sql.SQL("""
+    "level_segments": (
+        sql.SQL("""
         SELECT count(*) FROM {partition} s
         LEFT JOIN delaywheel.level_checkpoint c ON c.level = s.level
-        WHERE {pending}"""), SEGMENT_PENDING),
-    "wheel": (sql.SQL("""
+        WHERE {pending}"""),
+        SEGMENT_PENDING,
+    ),
+    "wheel": (
+        sql.SQL("""
         SELECT count(*) FROM {partition} q, delaywheel.wheel_state s
-        WHERE {pending}"""), WHEEL_PENDING),
+        WHERE {pending}"""),
+        WHEEL_PENDING,
+    ),
 }
 
 
-def retire(conn: psycopg.Connection, now: datetime, retention: timedelta, cache: PartitionCache | None = None) -> list[Retired]:
+def retire(
+    conn: psycopg.Connection, now: datetime, retention: timedelta, cache: PartitionCache | None = None
+) -> list[Retired]:
     """Drop drained partitions; returns what was dropped. Busy partitions are left for the next run."""
     dropped: list[Retired] = []
     candidates = conn.execute(
@@ -123,7 +131,9 @@ def retire(conn: psycopg.Connection, now: datetime, retention: timedelta, cache:
             continue
         if parent == "topic_messages" and hi > now - retention:
             continue
-        if parent == "cancellations" and (hi > now - HOUR or (oldest_pending_due is not None and hi > oldest_pending_due)):
+        if parent == "cancellations" and (
+            hi > now - HOUR or (oldest_pending_due is not None and hi > oldest_pending_due)
+        ):
             continue  # a cancellation must outlive every message due in its range
         with conn.transaction():
             if not _try_lock(conn, parent, lo):
@@ -144,14 +154,17 @@ def retire(conn: psycopg.Connection, now: datetime, retention: timedelta, cache:
 
 def _oldest_pending_due(conn: psycopg.Connection) -> datetime | None:
     """The earliest due time of any message not yet delivered (a segment's messages share theirs)."""
-    row = conn.execute(sql.SQL("""
+    row = conn.execute(
+        sql.SQL("""
         SELECT least(
             (SELECT min(s.deliver_at) FROM delaywheel.level_segments s
              LEFT JOIN delaywheel.level_checkpoint c ON c.level = s.level WHERE {segment_pending}),
             (SELECT min(q.deliver_at) FROM delaywheel.wheel q, delaywheel.wheel_state s
              WHERE {wheel_pending}),
             (SELECT min(block) FROM delaywheel.wheel_far_segments))  -- a lower bound: the blocks' days""").format(
-        segment_pending=SEGMENT_PENDING, wheel_pending=WHEEL_PENDING)).fetchone()
+            segment_pending=SEGMENT_PENDING, wheel_pending=WHEEL_PENDING
+        )
+    ).fetchone()
     return row[0] if row else None
 
 
@@ -189,4 +202,3 @@ def summarize(conn: psycopg.Connection) -> int:
     finally:
         conn.execute("SELECT pg_advisory_unlock(%s)", (SUMMARIZE_LOCK,))
     return added
-

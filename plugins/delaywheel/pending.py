@@ -47,7 +47,8 @@ def segment_messages(*columns: str, segment: str = "s", alias: str = "m") -> sql
         ref = sql.SQL("{}.{}").format(s, sql.Identifier(array))
         arrays.append(sql.SQL("delaywheel.spread({}, {}.n)").format(ref, s) if shared else ref)
     return sql.SQL("unnest({}) AS {}({})").format(
-        sql.SQL(", ").join(arrays), sql.Identifier(alias), sql.SQL(", ").join(map(sql.Identifier, wanted)))
+        sql.SQL(", ").join(arrays), sql.Identifier(alias), sql.SQL(", ").join(map(sql.Identifier, wanted))
+    )
 
 
 # --- Cancelled ------------------------------------------------------------------------------------------------
@@ -112,9 +113,13 @@ def pending(segments: sql.Composable = _TRUE, rows: sql.Composable = _TRUE) -> s
     """Every pending message as (id, deliver_at, key, topic, tags, properties, lane, level, xid), cancelled ones
     included (a caller that wants them out adds `not_cancelled("p")` on its alias `p`)."""
     columns = ("id", "topic", "key", "tags", "properties")
-    return _PENDING.format(segments=segments, rows=rows, wheel_pending=WHEEL_PENDING,
-                           level_messages=segment_messages(*columns, alias="q"),
-                           far_messages=segment_messages(*columns, "due", alias="q"))
+    return _PENDING.format(
+        segments=segments,
+        rows=rows,
+        wheel_pending=WHEEL_PENDING,
+        level_messages=segment_messages(*columns, alias="q"),
+        far_messages=segment_messages(*columns, "due", alias="q"),
+    )
 
 
 PENDING = pending().as_string()  # as text, for the callers that take text (and benchmarks)
@@ -149,12 +154,16 @@ def level_head(level: sql.Composable) -> sql.Composed:
     WHERE s.level = {level}
       AND (s.xid, s.id_last) > (coalesce({cursor_xid}, '0'), coalesce({cursor_id}, 0))
     ORDER BY s.xid, s.id_last LIMIT 1
-""").format(level=level, cursor_xid=checkpoint.format(sql.Identifier("cursor_xid"), level),
-            cursor_id=checkpoint.format(sql.Identifier("cursor_id"), level))
+""").format(
+        level=level,
+        cursor_xid=checkpoint.format(sql.Identifier("cursor_xid"), level),
+        cursor_id=checkpoint.format(sql.Identifier("cursor_id"), level),
+    )
 
 
-def wheel_head(cursor_at: sql.Composable, cursor_id: sql.Composable, horizon: sql.Composable,
-               clock: sql.Composable) -> sql.Composed:
+def wheel_head(
+    cursor_at: sql.Composable, cursor_id: sql.Composable, horizon: sql.Composable, clock: sql.Composable
+) -> sql.Composed:
     """The wheel's next due time after the cursor (cursor_at, cursor_id) with stragglers from xid `horizon` on
     (`clock` while one waits), as one row; each argument an expression (a placeholder, or a read of wheel_state)."""
     return sql.SQL("""
@@ -179,5 +188,6 @@ def _state(column: str) -> sql.Composed:
 
 # As text, for the callers that take text (Airflow hooks and triggers, the runner): parameter `level` for a level.
 LEVEL_HEAD = level_head(sql.Placeholder("level")).as_string()
-WHEEL_HEAD = wheel_head(_state("cursor_at"), _state("cursor_id"), _state("horizon_xid"),
-                        sql.SQL("clock_timestamp()")).as_string()
+WHEEL_HEAD = wheel_head(
+    _state("cursor_at"), _state("cursor_id"), _state("horizon_xid"), sql.SQL("clock_timestamp()")
+).as_string()

@@ -34,8 +34,10 @@ def test_every_reader_agrees_on_what_is_cancelled(store: Store, t0: datetime) ->
     cache = PartitionCache()
     for mid, at in due.items():
         cache.ensure(store.conn, "cancellations", [at + timedelta(hours=1)])
-        store.conn.execute("INSERT INTO delaywheel.cancellations (message_id, due_at, reason) VALUES (%s, %s, 'other')",
-                           (mid, at + timedelta(hours=1)))
+        store.conn.execute(
+            "INSERT INTO delaywheel.cancellations (message_id, due_at, reason) VALUES (%s, %s, 'other')",
+            (mid, at + timedelta(hours=1)),
+        )
 
     # It cancels none of them, for any reader.
     assert store.count_matching(keys=KEYS) == 3
