@@ -121,7 +121,7 @@ class Sample:
     wal_lsn: str
     wal_fpi: int
     client_cpu: float
-    backends: dict[int, float]  # the store's database's backends
+    backends: dict[int, float]  # the client backends connected to the store's database
     cluster: dict[int, float]  # every process of the cluster
 
 
@@ -190,7 +190,8 @@ class Meter:
 
     def sample(self) -> Sample:
         lsn, fpi = self.conn.execute("SELECT pg_current_wal_lsn()::text, (SELECT wal_fpi FROM pg_stat_wal)").fetchone()  # type: ignore[misc]
-        pids = [p for (p,) in self.conn.execute("SELECT pid FROM pg_stat_activity WHERE datname = current_database()")]
+        pids = [p for (p,) in self.conn.execute(  # autovacuum's workers are left out: VACUUM is timed on its own
+            "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND backend_type = 'client backend'")]
         usage = resource.getrusage(resource.RUSAGE_SELF)
         backends = {p: c for p in pids if (c := _proc_cpu(p)) is not None}
         cluster = {p: c for p in [self.postmaster, *_children(self.postmaster)] if (c := _proc_cpu(p)) is not None}
