@@ -48,9 +48,10 @@ def spark_job(task_id: str, job: str | Path, args: list[str], **kwargs: Any) -> 
     may instead be the path of an application's own job file (the shop's order generator), which can import
     `sparkjob` like the library's jobs.
 
-    Executors need the delaywheel library: with `local[*]` they use this interpreter (PYSPARK_PYTHON); on a
-    cluster, install delaywheel into the cluster's Python and set DELAYWHEEL_SPARK_PYTHON to it."""
-    python = os.environ.get("DELAYWHEEL_SPARK_PYTHON", sys.executable)
+    The driver runs this interpreter, which has the library. The job itself picks the executors' Python
+    (`sparkjob.executor_python`: DELAYWHEEL_SPARK_PYTHON from this worker's environment, else this interpreter's
+    path, which must then exist on every Spark worker) and ships the library to a cluster's executors
+    (docs/spark-cluster.md)."""
     return DelaywheelSparkSubmitOperator(
         task_id=task_id,
         conn_id="spark_default",
@@ -59,7 +60,7 @@ def spark_job(task_id: str, job: str | Path, args: list[str], **kwargs: Any) -> 
         jars=JDBC_JAR,
         name=f"delaywheel-{Path(job).stem}",
         application_args=["--db-url", DB_URL, "--requested-by", REQUESTED_BY, *args],
-        env_vars={"PYSPARK_PYTHON": python, "PYSPARK_DRIVER_PYTHON": python, "TZ": "UTC"},
+        env_vars={"PYSPARK_DRIVER_PYTHON": sys.executable, "TZ": "UTC"},
         conf={"spark.driver.extraJavaOptions": f"-Dlog4j2.configurationFile=file:{LOG4J2}", **kwargs.pop("conf", {})},
         **kwargs,
     )

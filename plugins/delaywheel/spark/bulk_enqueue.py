@@ -25,8 +25,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import astuple
 from datetime import timedelta
 
+import sparkjob  # first: it runs the driver under the library's Python (sparkjob._run_driver_under_library_python)
+
+# isort: split
 import pyarrow as pa
-import sparkjob
 from pyspark.sql import DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 from pyspark.sql.pandas.types import to_arrow_schema

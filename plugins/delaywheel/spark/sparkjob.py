@@ -1,30 +1,73 @@
 """What every delaywheel Spark job shares: the session, the database URL, JDBC reads, arguments.
 
-The jobs are scripts (`spark-submit spark/<job>.py`), so this sits beside them and is imported as a
-top-level module; code that runs on executors lives in the `delaywheel` library instead, which every
-executor can import.
+The jobs are scripts (`spark-submit delaywheel/spark/<job>.py`), so this sits beside them and is imported as a
+top-level module, first: before any other third-party import it makes sure the driver runs under a Python that has
+the library (`_run_driver_under_library_python`). Code that runs on executors lives in the `delaywheel` library,
+which `session` ships to a cluster's executors with this module (`library_zip`).
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
+import functools
+import importlib.util
 import os
+import shutil
 import sys
+import tempfile
+import zipfile
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-import pyarrow as pa
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
-from pyspark import TaskContext
-from pyspark.sql import DataFrame, SparkSession
+# What a job's driver imports besides pyspark (which spark-submit puts on PYTHONPATH for any interpreter).
+_DRIVER_NEEDS = ("pyarrow", "psycopg", "delaywheel")
+_REEXEC_MARK = "DELAYWHEEL_SPARK_DRIVER_REEXEC"
 
-from delaywheel.batch import bulk
-from delaywheel.config import Settings
-from delaywheel.db import connect
-from delaywheel.ops.predicate import read_only_session
-from delaywheel.ops.progress import Progress
-from delaywheel.partitions import PartitionCache
+
+def _installation_python() -> str | None:
+    """The interpreter of the Python installation (a venv, or the system's) that spark-submit belongs to: the pip
+    `pyspark` is <prefix>/lib/pythonX.Y/site-packages/pyspark, which spark-submit exports as SPARK_HOME. None for a
+    Spark distribution unpacked elsewhere."""
+    home = Path(os.environ.get("SPARK_HOME", "/"))
+    if home.name != "pyspark" or home.parent.name != "site-packages" or len(home.parents) < 4:
+        return None
+    python = home.parents[3] / "bin" / home.parents[1].name
+    return str(python) if python.is_file() else None
+
+
+def _run_driver_under_library_python() -> None:
+    """spark-submit starts a Python driver with PYSPARK_DRIVER_PYTHON, else PYSPARK_PYTHON, else `python3` from
+    PATH: with neither set and another Python first on PATH, the job died with `No module named 'pyarrow'`. If this
+    interpreter lacks what the job imports, become the job again (same process, arguments and environment, so the
+    py4j gateway's port and secret too) under the Python of spark-submit's own installation, which has the library
+    when delaywheel was installed beside pyspark. Once at most; otherwise the import error stands, and
+    PYSPARK_DRIVER_PYTHON is the remedy (docs/spark-cluster.md)."""
+    if os.environ.get(_REEXEC_MARK) or all(importlib.util.find_spec(name) for name in _DRIVER_NEEDS):
+        return
+    python = _installation_python()
+    if python is None or os.path.abspath(python) == os.path.abspath(sys.executable):
+        return
+    os.environ[_REEXEC_MARK] = python
+    os.execv(python, [python, *sys.argv])
+
+
+_run_driver_under_library_python()
+
+# The imports below need the library's Python, which the call above has made sure of.
+import pyarrow as pa  # noqa: E402
+from psycopg.conninfo import conninfo_to_dict, make_conninfo  # noqa: E402
+from pyspark import TaskContext  # noqa: E402
+from pyspark.sql import DataFrame, SparkSession  # noqa: E402
+
+import delaywheel  # noqa: E402
+from delaywheel.batch import bulk  # noqa: E402
+from delaywheel.config import Settings  # noqa: E402
+from delaywheel.db import connect  # noqa: E402
+from delaywheel.ops.predicate import read_only_session  # noqa: E402
+from delaywheel.ops.progress import Progress  # noqa: E402
+from delaywheel.partitions import PartitionCache  # noqa: E402
 
 JDBC_JAR = os.environ.get("DELAYWHEEL_JDBC_JAR", "/usr/share/java/postgresql.jar")  # Debian libpostgresql-jdbc-java
 COUNTS = "kind string, reason string, n long"
@@ -35,13 +78,42 @@ LOG4J2_OPTION = f"-Dlog4j2.configurationFile=file:{LOG4J2}"
 _LIBPQ_EXTRAS = {"sslmode", "sslrootcert", "sslcert", "sslkey", "connect_timeout", "options", "application_name"}
 
 
+def executor_python() -> str:
+    """The Python the executors run: DELAYWHEEL_SPARK_PYTHON (a cluster's interpreter that has delaywheel's pinned
+    dependencies), else PYSPARK_PYTHON as given, else this driver's own interpreter, which must then exist at the same
+    path on every worker (a loopback cluster; one image for the driver and the workers, as in docker-compose.yml)."""
+    return os.environ.get("DELAYWHEEL_SPARK_PYTHON") or os.environ.get("PYSPARK_PYTHON") or sys.executable
+
+
+@functools.cache
+def library_zip() -> Path:
+    """The delaywheel package this driver imports, and this module at the top level as the jobs import it, as one
+    zip for the executors' sys.path: a cluster's Python then needs only the library's dependencies, and runs the
+    driver's exact code. Built once per driver, in a temporary folder removed when the driver exits."""
+    package = Path(delaywheel.__file__).parent
+    folder = Path(tempfile.mkdtemp(prefix="delaywheel-spark-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    path = folder / "delaywheel.zip"
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as archive:
+        for file in sorted(package.rglob("*")):
+            if file.is_file() and "__pycache__" not in file.parts:
+                archive.write(file, Path("delaywheel") / file.relative_to(package))
+        archive.write(__file__, "sparkjob.py")
+    return path
+
+
 def session(app: str) -> SparkSession:
     """The job's session. The master comes from spark-submit (the Airflow `spark_default` connection);
     run directly, it is local[*]. Times are UTC end to end.
 
+    Executors run `executor_python()` (PYSPARK_PYTHON, which the SparkContext reads when it starts: without it they
+    ran `python3` from the worker's PATH, which need not have the library); on a cluster they also get the library
+    itself (`library_zip`). Local executors run this interpreter, which imports the library as the driver does.
+
     Run directly (not by spark-submit, which `delaywheel.airflow.spark` configures the same way), the JVM it
     starts logs at WARN unless DELAYWHEEL_SPARK_LOG_LEVEL asks for more (LOG4J2), and in local mode the driver
     and its UI listen on 127.0.0.1 only (Spark binds its UI to SPARK_LOCAL_IP, else to every interface)."""
+    os.environ["PYSPARK_PYTHON"] = executor_python()
     builder = (
         SparkSession.builder.appName(app)
         .config("spark.jars", JDBC_JAR)
@@ -54,10 +126,10 @@ def session(app: str) -> SparkSession:
         builder = builder.master(master).config("spark.driver.extraJavaOptions", LOG4J2_OPTION)
         if master.startswith("local"):
             os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")  # read when the JVM starts, at getOrCreate
-        # Python workers run `python3` from PATH unless told otherwise: without the project's venv on PATH
-        # they would miss the delaywheel library. Use this interpreter (PYSPARK_PYTHON still wins).
-        os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    return builder.getOrCreate()
+    spark = builder.getOrCreate()
+    if not str(spark.sparkContext.master).startswith("local"):
+        spark.sparkContext.addPyFile(str(library_zip()))
+    return spark
 
 
 def db_url(raw: str) -> str:
