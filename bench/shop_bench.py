@@ -13,7 +13,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from tempfile import mkdtemp
 
-from delaywheel_shop import orders
+from delaywheel_shop import orders, schema
 from delaywheel_shop.demo import run_demo
 
 from delaywheel import Store
@@ -32,6 +32,7 @@ def main(argv: list[str] | None = None) -> list[Check]:
     started = datetime.now(UTC)
     n = scaled(1_000_000, args.scale)
     url = fresh_database("delaywheel_bench_shop")
+    schema.migrate(url)  # the shop's own migrations line on top of the store's
     notes: list[str] = []
     with Store(url) as store:
         t0 = store.clock().replace(microsecond=0)

@@ -97,6 +97,7 @@ if [[ $# -gt 0 && "$1" != "standalone" ]]; then
 fi
 
 "$PY" -m delaywheel.cli migrate                      # the store's schema and the next hours' partitions
+"$PY" -m delaywheel.cli shop migrate                 # the example shop's own line (its DAGs need it)
 airflow db migrate                                   # Airflow's metadata schema, in database `airflow`
 SLOTS="$("$PY" -c 'from delaywheel import load_settings; print(2 * (load_settings().max_level + 1))')"
 airflow pools set delaywheel_deliver "$SLOTS" "delaywheel_deliver: per level and wheel, two runs during a hand-over" >/dev/null
