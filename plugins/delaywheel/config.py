@@ -63,6 +63,60 @@ def parse_duration(text: str, setting: str) -> timedelta:
         raise ConfigError(f"{setting}: duration {text!r} is too large") from None
 
 
+# Several stores (docs/stores.md). A store's name becomes part of Airflow connection ids and DAG ids
+# (`delaywheel_<name>`), so it is a lower-case identifier. Entries are `NAME=URL`, separated by commas; a comma splits
+# only where the next entry begins, because a libpq URL may list several hosts with commas (`postgresql://h1,h2/db`).
+STORE_NAME = re.compile(r"[a-z][a-z0-9_]{0,39}")
+_STORE_ENTRY = re.compile(r",\s*(?=[a-z][a-z0-9_]*\s*=\s*postgres(?:ql)?://)")
+# A route: `TOPIC=STORE`, or `TOPIC=OLD>NEW` while a topic moves (new sends go to NEW; consumers still read OLD).
+# Neither '=' nor '>' nor ',' may appear in a topic (validation.TOPIC_PATTERN), so the split is unambiguous.
+_ROUTE_TOPIC = re.compile(r"[%|A-Za-z0-9_.-]{1,127}")
+
+
+def parse_stores(text: str) -> tuple[tuple[str, str], ...]:
+    """`a=postgresql://…,b=postgresql://…` as ((name, url), …) in the order given. Refused, with the reason: an entry
+    that is not NAME=URL, a name that is not a lower-case identifier, a URL that is not a postgresql:// one (a
+    key=value conninfo could not be told apart from the next entry), a name given twice."""
+    stores: dict[str, str] = {}
+    for position, entry in enumerate(_STORE_ENTRY.split(text.strip()), start=1):
+        name, sep, url = (part.strip() for part in entry.partition("="))
+        if not sep or not name or not url:
+            raise ConfigError(f"stores: entry {position} ({entry.strip()[:40]!r}) is not NAME=postgresql://…")
+        if not STORE_NAME.fullmatch(name):
+            raise ConfigError(f"stores: entry {position}: name {name[:40]!r} is not a lower-case identifier"
+                              " (a-z, then a-z 0-9 _, at most 40 characters)")
+        if not url.startswith(("postgresql://", "postgres://")):
+            raise ConfigError(f"stores: store {name!r}: its URL must start with postgresql:// (key=value conninfo"
+                              " strings cannot be listed here)")
+        if name in stores:
+            raise ConfigError(f"stores: store {name!r} is named twice")
+        stores[name] = url
+    return tuple(stores.items())
+
+
+def parse_routes(text: str) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """`orders=b,audit=a>c` as ((topic, stores), …): a topic's stores are its current one last and, while it moves,
+    the ones it moves from before it (routing.py). Refused, with the reason: an entry that is not TOPIC=STORE, a
+    malformed topic or store name, a topic given twice, a store named twice in one route. Whether the stores are
+    configured is checked where both settings meet (routing.Stores)."""
+    routes: dict[str, tuple[str, ...]] = {}
+    for position, entry in enumerate((e.strip() for e in text.split(",")), start=1):
+        if not entry:
+            continue
+        topic, sep, target = (part.strip() for part in entry.partition("="))
+        if not sep or not _ROUTE_TOPIC.fullmatch(topic):
+            raise ConfigError(f"routes: entry {position} ({entry[:60]!r}) is not TOPIC=STORE with a well-formed topic")
+        names = tuple(name.strip() for name in target.split(">"))
+        if not all(STORE_NAME.fullmatch(name) for name in names):
+            raise ConfigError(f"routes: topic {topic!r}: {target[:60]!r} is not STORE or OLD>NEW (store names)")
+        if len(set(names)) != len(names):
+            raise ConfigError(f"routes: topic {topic!r}: {target!r} names a store twice")
+        if topic in routes:
+            raise ConfigError(f"routes: topic {topic!r} is routed twice")
+        routes[topic] = names
+    return tuple(routes.items())
+
+
 @dataclass(frozen=True)
 class Settings:
     """Everything tunable; `load_settings()` builds it, tests build it directly."""
@@ -84,6 +138,10 @@ class Settings:
     match_timeout: timedelta = timedelta(minutes=5)
     allowed_sources: tuple[str, ...] = ()
     input_roots: tuple[str, ...] = (str(PROJECT_ROOT / "data"), str(PROJECT_ROOT / ".delaywheel" / "input"))
+    # Several stores (docs/stores.md): (name, url) pairs, empty for one store (database_url); and the routing table,
+    # (topic, stores) pairs that win over the hash (routing.py).
+    stores: tuple[tuple[str, str], ...] = ()
+    routes: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     def __post_init__(self) -> None:
         if not timedelta(milliseconds=100) <= self.wheel_precision <= timedelta(minutes=1):
@@ -143,7 +201,23 @@ def load_settings() -> Settings:
     ):
         if (raw := _raw(name, cfg)) is not None:
             values[name] = parse_duration(raw, name)
+    if (raw := _raw("stores", cfg)) is not None:
+        values["stores"] = parse_stores(raw)
+    if (raw := _raw("routes", cfg)) is not None:  # the table itself, or `@PATH`: a file of it, one or more a line
+        values["routes"] = parse_routes(_routes_text(raw))
     for name in ("allowed_sources", "input_roots"):  # comma-separated lists
         if (raw := _raw(name, cfg)) is not None:
             values[name] = tuple(item.strip() for item in raw.split(",") if item.strip())
     return Settings(**values)  # type: ignore[arg-type]
+
+
+def _routes_text(raw: str) -> str:
+    """The routing table's text: `raw`, or with `@PATH` the file's lines (a long table is kept in a file; `#` starts
+    a comment) joined as entries."""
+    if not raw.startswith("@"):
+        return raw
+    try:
+        lines = Path(raw[1:]).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"routes: cannot read {raw[1:]!r}: {exc}") from None
+    return ",".join(line.partition("#")[0] for line in lines)
