@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import configparser
+import json
 import os
 import re
 import subprocess
@@ -18,12 +19,13 @@ ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 SERVICES = COMPOSE["services"]
 AIRFLOW = ["airflow-apiserver", "airflow-scheduler", "airflow-dag-processor", "airflow-triggerer"]
+SPARK_WORKERS = ["spark-worker-1", "spark-worker-2"]
 ENV = SERVICES["airflow-scheduler"]["environment"]
 SCRIPT = (ROOT / "scripts" / "airflow.sh").read_text()
 
 
 def test_every_service_of_the_platform_is_there_with_a_health_check() -> None:
-    assert {"postgres", "airflow-init", *AIRFLOW, "spark-master", "spark-worker"} <= set(SERVICES)
+    assert {"postgres", "airflow-init", *AIRFLOW, "spark-master", *SPARK_WORKERS} <= set(SERVICES)
     for name, service in SERVICES.items():
         if name != "airflow-init":
             assert "healthcheck" in service, f"{name} has no health check"
@@ -38,7 +40,7 @@ def test_mounted_project_paths_exist() -> None:
             if source.startswith("."):
                 assert (ROOT / source).exists(), f"{name} mounts {source}, which does not exist"
     mounted = {v.split(":")[0] for v in SERVICES["airflow-scheduler"]["volumes"]}
-    assert {"./airflow.cfg", "./dags", "./plugins", "./spark", "./sql"} <= mounted
+    assert {"./airflow.cfg", "./dags", "./plugins", "./examples"} <= mounted
 
 
 def test_connections_the_dags_use_are_defined() -> None:
@@ -78,7 +80,7 @@ def test_image_runs_the_locked_environment() -> None:
     assert "requirements.lock" in dockerfile
     images = {s.get("image") for s in SERVICES.values()}
     assert "postgres:16" in images
-    for name in [*AIRFLOW, "spark-master", "spark-worker", "airflow-init"]:
+    for name in [*AIRFLOW, "spark-master", *SPARK_WORKERS, "airflow-init"]:
         assert SERVICES[name]["image"] == SERVICES["airflow-scheduler"]["image"], name
 
 
@@ -149,3 +151,42 @@ def test_services_run_as_the_runtime_role_and_only_migrate_as_the_owner() -> Non
     for url in (owner, ENV["DELAYWHEEL_DATABASE_URL"], ENV["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"]):
         params = conninfo_to_dict(url.replace("postgresql+psycopg2://", "postgresql://"))
         assert f"CREATE ROLE {params['user']} LOGIN PASSWORD '{params['password']}'" in init
+
+
+def test_two_spark_workers_share_the_input_volume_with_the_driver_and_reports_are_writable() -> None:
+    """Every Spark worker joins the master with a work folder uid 50000 may write (pyspark's default is inside
+    root's site-packages). Bulk enqueue's executors read input files at the path the driver gives them, so the input
+    volume is mounted at the default input root in the containers that run Airflow's tasks (the Spark driver) and on
+    every worker; lateness reports go to a volume at the default report folder. Both are folders the image makes for
+    uid 50000, which a new named volume takes over."""
+    workers = {name: s for name, s in SERVICES.items() if "deploy.worker.Worker" in s.get("command", "")}
+    assert sorted(workers) == SPARK_WORKERS
+    master = SERVICES["spark-master"]["command"].split()
+    master_url = f"spark://{master[master.index('--host') + 1]}:{master[master.index('--port') + 1]}"
+    for name, service in workers.items():
+        command = service["command"].split()
+        assert command[command.index("org.apache.spark.deploy.worker.Worker") + 1] == master_url, name
+        assert command[command.index("--work-dir") + 1].startswith("/tmp/"), name
+        assert service["depends_on"]["spark-master"]["condition"] == "service_healthy", name
+    # the default input roots and report folder where the containers run (DELAYWHEEL_HOME, the mounted airflow.cfg)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DELAYWHEEL_", "AIRFLOW__DELAYWHEEL__"))}
+    env |= {"DELAYWHEEL_HOME": ENV["DELAYWHEEL_HOME"], "AIRFLOW_CONFIG": str(ROOT / "airflow.cfg"),
+            "PYTHONPATH": str(ROOT / "plugins" / "delaywheel" / "spark")}
+    code = ("import json, lateness_quality; from delaywheel.config import load_settings; "
+            "print(json.dumps([load_settings().input_roots, str(lateness_quality.DEFAULT_REPORTS)]))")
+    roots, reports = json.loads(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                                               check=True).stdout)
+    # LocalExecutor runs tasks in the scheduler, CeleryExecutor in its workers
+    drivers = [name for name, s in SERVICES.items()
+               if s.get("command", "").startswith(("airflow scheduler", "airflow celery worker"))]
+    assert "airflow-scheduler" in drivers
+    assert {"delaywheel-input", "delaywheel-reports"} <= set(COMPOSE["volumes"])
+    for name in [*drivers, *workers]:
+        mounts = dict(v.split(":")[:2] for v in SERVICES[name]["volumes"])
+        assert mounts.get("delaywheel-input") == roots[0], f"{name}: no input volume at the input root {roots[0]}"
+        if name in drivers:
+            assert mounts.get("delaywheel-reports") == reports, name
+    dockerfile = (ROOT / SERVICES["airflow-scheduler"]["build"]["dockerfile"]).read_text()
+    assert "useradd --create-home --uid 50000 airflow" in dockerfile and dockerfile.rstrip().endswith("USER airflow")
+    assert f"mkdir -p {roots[0]} {reports}" in dockerfile
+    assert f"chown -R airflow {roots[0]} {Path(reports).parent}" in dockerfile
