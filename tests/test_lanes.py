@@ -25,4 +25,7 @@ def test_a_delay_label_is_what_the_level_table_reads_back() -> None:
     text = DEFAULT_LEVELS + " 500ms 1500ms 90s 36h 3d"
     assert " ".join(delay_label(d) for d in parse_levels(text)) == text
     assert [delay_label(d) for d in (timedelta(seconds=60), timedelta(hours=24), timedelta(milliseconds=1))] == [
-        "1m", "1d", "1ms"]
+        "1m",
+        "1d",
+        "1ms",
+    ]

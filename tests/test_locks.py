@@ -32,8 +32,11 @@ def test_every_lock_has_its_own_id() -> None:
 def test_no_module_writes_a_lock_id_of_its_own() -> None:
     """A lock id written anywhere but locks.py would escape the test above (0x6477 is every id's prefix; the SQL
     migrations take no delaywheel advisory lock but hashtext-keyed partition locks)."""
-    elsewhere = [str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*") if p.suffix in (".py", ".sql")
-                 and p.name != "locks.py" and "0x6477" in p.read_text().lower()]
+    elsewhere = [
+        str(p.relative_to(PACKAGE))
+        for p in PACKAGE.rglob("*")
+        if p.suffix in (".py", ".sql") and p.name != "locks.py" and "0x6477" in p.read_text().lower()
+    ]
     assert elsewhere == []
 
 
@@ -42,8 +45,9 @@ def test_partition_locks_take_no_lock_id(server_url: str) -> None:
     parent)`, migrations/001 and 017) share the one-key space with MIGRATE_LOCK and SUMMARIZE_LOCK: none of the
     partitioned tables' keys is one of theirs."""
     with psycopg.connect(server_url) as conn:
-        keys = conn.execute("SELECT hashtext('delaywheel.partition.' || p)::bigint FROM unnest(%s::text[]) p",
-                            (sorted(WIDTH),)).fetchall()
+        keys = conn.execute(
+            "SELECT hashtext('delaywheel.partition.' || p)::bigint FROM unnest(%s::text[]) p", (sorted(WIDTH),)
+        ).fetchall()
     assert not {k for (k,) in keys} & {locks.MIGRATE_LOCK, locks.SUMMARIZE_LOCK}
 
 

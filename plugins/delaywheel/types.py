@@ -21,13 +21,21 @@ class TopicSpan:
 
     def merge(self, other: TopicSpan) -> TopicSpan:
         """Both spans as one, whichever was written first (spans of different lanes interleave)."""
-        return TopicSpan(self.count + other.count, min(self.first, other.first, key=_position),
-                         max(self.last, other.last, key=_position))
+        return TopicSpan(
+            self.count + other.count,
+            min(self.first, other.first, key=_position),
+            max(self.last, other.last, key=_position),
+        )
 
     def fields(self) -> dict[str, Any]:
         """The span as an Asset event's extra carries it: size and first/last (xid, queue_offset)."""
-        return {"count": self.count, "first_xid": self.first[0], "first_offset": self.first[1],
-                "last_xid": self.last[0], "last_offset": self.last[1]}
+        return {
+            "count": self.count,
+            "first_xid": self.first[0],
+            "first_offset": self.first[1],
+            "last_xid": self.last[0],
+            "last_offset": self.last[1],
+        }
 
 
 def event_extra(topic: str, lane: str, span: TopicSpan) -> dict[str, Any]:
@@ -63,5 +71,11 @@ class PassResult:
         dues = [d for d in (self.next_due, other.next_due) if d is not None]
         spans = dict(self.topics)
         add_spans(spans, other.topics)
-        return PassResult(self.delivered + other.delivered, self.skipped_cancelled + other.skipped_cancelled,
-                          min(dues, default=None), self.busy or other.busy, self.more or other.more, spans)
+        return PassResult(
+            self.delivered + other.delivered,
+            self.skipped_cancelled + other.skipped_cancelled,
+            min(dues, default=None),
+            self.busy or other.busy,
+            self.more or other.more,
+            spans,
+        )

@@ -104,12 +104,21 @@ def write_chunk(
         kept = np.asarray(ids, np.int64)[positions]
         fresh = np.zeros(0, bool)
         if columns is not None:
-            keys = columns.key if not columns.key.null_count else pc.coalesce(
-                columns.key, _provenance(rows).take(pa.array(positions)))
+            keys = (
+                columns.key
+                if not columns.key.null_count
+                else pc.coalesce(columns.key, _provenance(rows).take(pa.array(positions)))
+            )
             fresh = _claim(conn, source, kept, keys)
             if fresh.any():
-                write_columns(conn, settings, cache, kept[fresh],
-                              columns if fresh.all() else columns.take(np.flatnonzero(fresh)), clock)
+                write_columns(
+                    conn,
+                    settings,
+                    cache,
+                    kept[fresh],
+                    columns if fresh.all() else columns.take(np.flatnonzero(fresh)),
+                    clock,
+                )
         _quarantine(conn, source, bad)
     counts.enqueued = int(fresh.sum())
     counts.skipped = len(positions) - counts.enqueued
@@ -120,8 +129,9 @@ def write_chunk(
 
 def _provenance(rows: pa.RecordBatch) -> pa.Array:
     """'file#row' for each row: the idempotency key of a row without a key."""
-    return pc.binary_join_element_wise(rows.column(FILE_COLUMN).cast(pa.string()),
-                                       rows.column(ROW_COLUMN).cast(pa.string()), "#")
+    return pc.binary_join_element_wise(
+        rows.column(FILE_COLUMN).cast(pa.string()), rows.column(ROW_COLUMN).cast(pa.string()), "#"
+    )
 
 
 def _claim(conn: psycopg.Connection, source: str, ids: np.ndarray, keys: pa.Array) -> np.ndarray:
@@ -134,8 +144,13 @@ def _claim(conn: psycopg.Connection, source: str, ids: np.ndarray, keys: pa.Arra
     source_id = _source_id(conn, source)
     try:
         with conn.transaction():
-            copy_arrow(conn, "bulk_claims", pa.RecordBatch.from_pydict({
-                "source_id": pa.repeat(pa.scalar(source_id, pa.int32()), len(ids)), "key": keys, "message_id": ids}))
+            copy_arrow(
+                conn,
+                "bulk_claims",
+                pa.RecordBatch.from_pydict(
+                    {"source_id": pa.repeat(pa.scalar(source_id, pa.int32()), len(ids)), "key": keys, "message_id": ids}
+                ),
+            )
         return np.ones(len(ids), bool)
     except errors.UniqueViolation:
         pass  # the savepoint rolled the COPY back
@@ -153,9 +168,13 @@ def _source_id(conn: psycopg.Connection, source: str) -> int:
     tries an insert nor spends an identity value. A source another writer registers concurrently is waited for by
     ON CONFLICT, which then returns nothing: the next lookup, a new statement, sees it."""
     for _ in range(3):
-        row = (conn.execute("SELECT id FROM delaywheel.bulk_sources WHERE source = %s", (source,)).fetchone()
-               or conn.execute("INSERT INTO delaywheel.bulk_sources (source) VALUES (%s)"
-                               " ON CONFLICT (source) DO NOTHING RETURNING id", (source,)).fetchone())
+        row = (
+            conn.execute("SELECT id FROM delaywheel.bulk_sources WHERE source = %s", (source,)).fetchone()
+            or conn.execute(
+                "INSERT INTO delaywheel.bulk_sources (source) VALUES (%s) ON CONFLICT (source) DO NOTHING RETURNING id",
+                (source,),
+            ).fetchone()
+        )
         if row is not None:
             return int(row[0])
     raise RuntimeError(f"claims source {source!r} could not be registered")
@@ -168,7 +187,12 @@ def _quarantine(conn: psycopg.Connection, source: str, bad: list[Rejected]) -> N
         "INSERT INTO delaywheel.quarantine (source, source_file, row_number, reason, detail, raw)"
         " SELECT %s, * FROM unnest(%s::text[], %s::int8[], %s::text[], %s::text[], %s::text[])"
         " ON CONFLICT DO NOTHING",
-        (source, [b.source_file for b in bad], [b.row_number for b in bad], [b.reason for b in bad],
-         [b.detail for b in bad], [b.raw for b in bad]),
+        (
+            source,
+            [b.source_file for b in bad],
+            [b.row_number for b in bad],
+            [b.reason for b in bad],
+            [b.detail for b in bad],
+            [b.raw for b in bad],
+        ),
     )
-

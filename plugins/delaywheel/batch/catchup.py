@@ -29,16 +29,20 @@ class LaneResult:
     passes: int
 
 
-def catch_up_lane(url: str, settings: Settings, lane: Lane, *, now: datetime | None = None,
-                  limit: int = 50_000) -> LaneResult:
+def catch_up_lane(
+    url: str, settings: Settings, lane: Lane, *, now: datetime | None = None, limit: int = 50_000
+) -> LaneResult:
     """Drain one lane with the deliverers' own passes until nothing due is left (its own connection), its counts
     on stderr as it goes."""
     delivered = cancelled = passes = busy = 0
     progress = Progress(f"catch-up, {lane_name(lane)}", "delivered")
     with Store(url, settings) as store:
         while True:
-            result = store.advance_wheel(now=now, limit=limit) if lane is None else store.deliver_level(
-                lane, now=now, limit=limit)
+            result = (
+                store.advance_wheel(now=now, limit=limit)
+                if lane is None
+                else store.deliver_level(lane, now=now, limit=limit)
+            )
             if result.busy:
                 busy += 1
                 if busy > BUSY_RETRIES:

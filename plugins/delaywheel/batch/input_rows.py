@@ -71,8 +71,11 @@ class ColumnMap:
         only when no delay field was mapped explicitly); fail now, not per row, on a mapping that cannot work."""
         present = set(available)
         explicit_delay = any(f in self.columns for f in DELAY_FIELDS)
-        auto = {f: f for f in FIELDS if f in present and f not in self.columns
-                and not (explicit_delay and f in DELAY_FIELDS)}
+        auto = {
+            f: f
+            for f in FIELDS
+            if f in present and f not in self.columns and not (explicit_delay and f in DELAY_FIELDS)
+        }
         columns = auto | self.columns
         missing = sorted(c for c in columns.values() if c not in present)
         if missing:
@@ -182,10 +185,14 @@ def arrow_columns(rows: pa.RecordBatch, mapping: ColumnMap, now: datetime, setti
             raise Irregular
         data, is_json = _arrow_bodies(body, mapping.body_format, settings.max_body_bytes)
         return Columns(
-            _arrow_topics(topic, mapping.default_topic, n), _arrow_keys(key, n),
+            _arrow_topics(topic, mapping.default_topic, n),
+            _arrow_keys(key, n),
             pa.nulls(n, pa.string()) if tags is None else storable_column(_text(tags), MAX_TAGS_CHARS),
-            pa.nulls(n, pa.string()), data, is_json,
-            *_arrow_placed(level, delay_ms, deliver_at, micros(now), settings, n), np.zeros(n, np.int32),
+            pa.nulls(n, pa.string()),
+            data,
+            is_json,
+            *_arrow_placed(level, delay_ms, deliver_at, micros(now), settings, n),
+            np.zeros(n, np.int32),
         )
     except Exception:  # any surprise at all: the rows go one by one, and the rules name it
         return None
@@ -232,8 +239,9 @@ def _arrow_bodies(column: pa.Array | None, body_format: BodyFormat, max_bytes: i
     else:
         texts = _text(column).to_pylist()
         values = map(json.loads, texts) if body_format == "json" else texts
-        data = plain_json(pa.array([json.dumps(v, allow_nan=False, separators=(",", ":")).encode() for v in values],
-                                   pa.binary()))
+        data = plain_json(
+            pa.array([json.dumps(v, allow_nan=False, separators=(",", ":")).encode() for v in values], pa.binary())
+        )
         is_json = pa.repeat(True, len(column))
     if pc.max(pc.binary_length(data)).as_py() > max_bytes:
         raise Irregular
@@ -241,10 +249,18 @@ def _arrow_bodies(column: pa.Array | None, body_format: BodyFormat, max_bytes: i
 
 
 def _arrow_placed(
-    level: pa.Array | None, delay_ms: pa.Array | None, deliver_at: pa.Array | None, now: int, settings: Settings, n: int,
+    level: pa.Array | None,
+    delay_ms: pa.Array | None,
+    deliver_at: pa.Array | None,
+    now: int,
+    settings: Settings,
+    n: int,
 ) -> Placed:
-    given = [(c, kind) for c, kind in ((level, "level"), (delay_ms, "delay"), (deliver_at, "at"))
-             if c is not None and c.null_count < n]  # a column of nulls gives no delay, as it does row by row
+    given = [
+        (c, kind)
+        for c, kind in ((level, "level"), (delay_ms, "delay"), (deliver_at, "at"))
+        if c is not None and c.null_count < n
+    ]  # a column of nulls gives no delay, as it does row by row
     if not given:
         return placed_now(n, now)
     if len(given) > 1 or given[0][0].null_count:
@@ -279,7 +295,10 @@ class Rejected:
 
 
 def row_by_row(
-    rows: list[dict[str, Any]], mapping: ColumnMap, clock: datetime, settings: Settings,
+    rows: list[dict[str, Any]],
+    mapping: ColumnMap,
+    clock: datetime,
+    settings: Settings,
 ) -> tuple[np.ndarray, Columns | None, list[Rejected]]:
     """(positions of the good rows, their columns, the bad rows with their reasons); columns None if none is good."""
     bad: list[Rejected] = []
