@@ -21,6 +21,7 @@ from delaywheel.lanes import Lane, all_lanes, lane_name
 from delaywheel.migrate import MigrationError, migrate
 from delaywheel.ops.cancel import KeysFrom
 from delaywheel.produce.validation import InvalidMessage
+from delaywheel.routing import Stores
 from delaywheel.store import Store
 
 
@@ -82,9 +83,49 @@ def _print(data: Any, as_json: bool) -> None:
         print(data)
 
 
-def _store_url() -> str:
-    """The configured database URL; with none, the embedded cluster's (started if need be), said on stderr."""
+def _store_names(args: argparse.Namespace, *, all_stores: bool = False) -> list[str | None]:
+    """The stores a command on no topic runs on (docs/stores.md; topic commands route: `_routed`). Without stores
+    configured: [None], the one store (the configured URL, else the embedded cluster). With them: `--store NAME`'s;
+    else the only one; else, for a command that takes it, every store with `--all-stores`; else an error asking for
+    `--store`."""
     settings = load_settings()
+    names: list[str | None] = [name for name, _ in settings.stores]
+    if not names:
+        if args.store or args.all_stores:
+            raise ConfigError("--store / --all-stores: no stores are configured (DELAYWHEEL_STORES, docs/stores.md)")
+        return [None]
+    if args.store:
+        if args.store not in names:
+            raise ConfigError(f"--store {args.store!r}: not a configured store ({', '.join(map(str, names))})")
+        return [args.store]
+    if len(names) == 1:
+        return names
+    if args.all_stores and all_stores:
+        return names
+    raise UsageError(f"several stores are configured ({', '.join(map(str, names))}): name one with --store NAME"
+                     + (" or all with --all-stores" if all_stores else ""))
+
+
+def _routed(args: argparse.Namespace) -> Stores:
+    """What a topic command (send, pull, consume, cancel) routes over: with `--store NAME`, that store alone; with
+    stores configured, all of them by the routing table; else the one store, named `default`."""
+    settings = load_settings()
+    if not settings.stores:
+        return Stores([("default", _store_url(args))], settings, routes=())
+    if args.store:
+        _store_names(args)  # a configured name, or the error saying which are
+        return Stores([(args.store, _store_url(args, args.store))], settings, routes=())
+    return Stores(settings=settings)
+
+
+def _store_url(args: argparse.Namespace, name: str | None = None) -> str:
+    """Store `name`'s URL (`_store_names`); with None, the configured database URL, or with none the embedded
+    cluster's (started if need be), said on stderr."""
+    settings = load_settings()
+    if name is not None:
+        return dict(settings.stores)[name]
+    if args.store or args.all_stores:
+        raise ConfigError("--store / --all-stores: no stores are configured (DELAYWHEEL_STORES, docs/stores.md)")
     url = embedded.database_url(settings)
     if not settings.database_url:
             print(f"delaywheel: no database URL configured (DELAYWHEEL_DATABASE_URL): using the embedded cluster, {url}",
@@ -92,8 +133,10 @@ def _store_url() -> str:
     return url
 
 
-def _store() -> Store:
-    return Store(_store_url())
+def _store(args: argparse.Namespace) -> Store:
+    """The one store a command with no topic runs on (`--store NAME` when several are configured)."""
+    (name,) = _store_names(args)
+    return Store(_store_url(args, name))
 
 
 def cmd_db(args: argparse.Namespace) -> int:
@@ -111,11 +154,12 @@ def cmd_db(args: argparse.Namespace) -> int:
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:
-    url = _store_url()
-    applied = migrate(url)
-    with Store(url) as store:
-        store.prepare()
-    print("applied: " + ", ".join(applied) if applied else "schema up to date")
+    for name in _store_names(args, all_stores=True):
+        url = _store_url(args, name)
+        applied = migrate(url)
+        with Store(url) as store:
+            store.prepare()
+        print((f"{name}: " if name else "") + ("applied: " + ", ".join(applied) if applied else "schema up to date"))
     return 0
 
 
@@ -123,7 +167,8 @@ def cmd_shop_migrate(args: argparse.Namespace) -> int:
     """The store's migrations, then the shop example's own line (`delaywheel_shop/migrations/`)."""
     from delaywheel_shop import schema
 
-    url = _store_url()
+    (name,) = _store_names(args)
+    url = _store_url(args, name)
     applied = schema.migrate(url)
     with Store(url) as store:
         store.prepare()
@@ -137,12 +182,13 @@ def cmd_send(args: argparse.Namespace) -> int:
     except RecursionError:
         raise UsageError("--body is nested too deeply to be a message") from None
     properties = dict(args.property)
-    with _store() as store:
-        message_id = store.send(
+    with _routed(args) as stores:
+        message_id = stores.send(
             args.topic, body, delay_level=args.level, delay=args.delay_in, deliver_at=args.at,
             key=args.key, tags=args.tags, properties=properties,
         )
-    _print({"message_id": message_id}, args.json)
+        where = {"store": stores.router.store_for(args.topic)} if load_settings().stores else {}
+    _print({"message_id": message_id, **where}, args.json)  # with several stores an id names a message in its store
     return 0
 
 
@@ -179,24 +225,53 @@ def cmd_deliver(args: argparse.Namespace) -> int:
 
 
 def _deliver(args: argparse.Namespace, stop: threading.Event) -> int:
-    with _store() as store:
-        lanes: list[Lane] = list(args.level) if args.level else all_lanes(store.settings, wheel=False)
-        if args.command == "advance" or (args.command == "deliver" and not args.level and not args.no_wheel):
-            lanes = [*lanes, None] if args.command == "deliver" else [None]
-        totals = runner.run(store, lanes, args.duration.total_seconds(), stop=stop, progress=_progress,
-                            progress_every_s=args.progress_every, until_idle=args.until_idle,
-                            ready=lambda: _ready(lanes))
-    _print({"delivered": totals.delivered, "skipped_cancelled": totals.skipped_cancelled, "passes": totals.passes,
-            "busy_passes": totals.busy_passes, "per_lane": totals.per_lane, "reconnects": totals.reconnects,
-            "stopped_by_signal": stop.is_set()},
-           args.json)
+    """One delivery loop per store it runs on (`--all-stores`: each store's on a thread of its own, with its own
+    connection; a store's lanes and locks are its own, so nothing is shared but the stop)."""
+    names = _store_names(args, all_stores=True)
+    results: dict[str | None, dict[str, Any]] = {}
+    errors: list[BaseException] = []
+
+    def serve(name: str | None) -> None:
+        try:
+            with Store(_store_url(args, name)) as store:
+                lanes: list[Lane] = list(args.level) if args.level else all_lanes(store.settings, wheel=False)
+                if args.command == "advance" or (args.command == "deliver" and not args.level and not args.no_wheel):
+                    lanes = [*lanes, None] if args.command == "deliver" else [None]
+                totals = runner.run(store, lanes, args.duration.total_seconds(), stop=stop, progress=_progress,
+                                    progress_every_s=args.progress_every, until_idle=args.until_idle,
+                                    ready=lambda: _ready(lanes))
+        except BaseException as exc:  # raised below, once the other stores' loops were stopped
+            errors.append(exc)
+            stop.set()
+            return
+        results[name] = {"delivered": totals.delivered, "skipped_cancelled": totals.skipped_cancelled,
+                         "passes": totals.passes, "busy_passes": totals.busy_passes, "per_lane": totals.per_lane,
+                         "reconnects": totals.reconnects}
+
+    if len(names) == 1:
+        serve(names[0])
+    else:
+        threads = [threading.Thread(target=serve, args=(name,), name=f"deliver-{name}") for name in names]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            while thread.is_alive():  # joined in slices: the main thread must stay free for SIGTERM / SIGINT
+                thread.join(0.2)
+    if errors:
+        raise errors[0]
+    stopped = {"stopped_by_signal": stop.is_set()}
+    if names == [None]:
+        _print({**results[None], **stopped}, args.json)
+    else:
+        _print({**{str(name): results[name] for name in names}, **stopped}, args.json)
     return 0
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
-    with _store() as store:
-        batch = store.pull(args.topic, args.group, args.max)
-        acked = store.ack(batch) if args.ack else None
+    with _routed(args) as stores:
+        pulled = stores.pull(args.topic, args.group, args.max)
+        batch = pulled.batch
+        acked = stores.ack(pulled) if args.ack else None
     rows = [{"message_id": m.message_id, "topic": m.topic, "key": m.key, "tags": m.tags,
              "body": m.body if not isinstance(m.body, bytes) else m.body.decode(errors="replace"),
              "deliver_at": m.deliver_at, "delivered_at": m.delivered_at, "reconsume_times": m.reconsume_times}
@@ -246,45 +321,51 @@ def cmd_consume(args: argparse.Namespace) -> int:
             raise Abandon() from None  # the reader went away: nothing acked, the next consumer gets the batch
 
     try:
-        with _store() as store:
-            totals = store.consume(args.topic, args.group, handler, max_messages=args.max, stop=stop,
-                                   limit=args.count, idle_s=args.idle.total_seconds() if args.idle else None,
-                                   duration_s=args.duration.total_seconds() if args.duration else None)
+        with _routed(args) as stores:  # a moving topic: one loop per store that holds it (routing.Stores.consume)
+            by_store = stores.consume(args.topic, args.group, handler, max_messages=args.max, stop=stop,
+                                      limit=args.count, idle_s=args.idle.total_seconds() if args.idle else None,
+                                      duration_s=args.duration.total_seconds() if args.duration else None)
     finally:
         for number, handler_ in previous.items():
             signal.signal(number, handler_)
-    if totals.stopped_by == "abandon":
+    if any(totals.stopped_by == "abandon" for totals in by_store.values()):
         with contextlib.suppress(OSError):  # stdout is gone: say nothing more there
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-    print(f"delaywheel: consumed {totals.messages} message(s) in {totals.batches} batch(es), retried"
-          f" {totals.retried}; stopped by {'a signal' if totals.stopped_by == 'stop' else totals.stopped_by}",
-          file=sys.stderr)
+    for name, totals in by_store.items():
+        where = f" from store {name}" if load_settings().stores else ""
+        print(f"delaywheel: consumed {totals.messages} message(s){where} in {totals.batches} batch(es), retried"
+              f" {totals.retried}; stopped by {'a signal' if totals.stopped_by == 'stop' else totals.stopped_by}",
+              file=sys.stderr)
     return 0
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
-    with _store() as store:
-        if args.where is not None or args.keys_from is not None or args.keys_from_table is not None:
-            keys = None
-            if args.keys_from:
-                try:
-                    with open(args.keys_from, encoding="utf-8") as lines:
-                        keys = [line.strip() for line in lines if line.strip()]
-                except (OSError, UnicodeDecodeError) as exc:
-                    raise UsageError(f"--keys-from {args.keys_from}: {_reason(exc)}") from None
-            where = args.where if keys is None else None
-            keys_from = _keys_from(args)
-            count = store.count_matching(keys=keys, where=where, keys_from=keys_from)
-            if not args.yes:
-                print(f"{count} pending message(s) match; run again with --yes to cancel them")
-                return 0 if count else 1
-            cancelled = store.cancel_matching(keys=keys, where=where, keys_from=keys_from, reason=args.reason)
-            _print({"cancelled": cancelled}, args.json)
-            return 0 if cancelled else 1
-        results = store.cancel(message_id=args.id, key=args.key, reason=args.reason)
-    _print([{"message_id": r.message_id, "outcome": r.outcome} for r in results], args.json)
-    return 0 if any(r.outcome == "cancelled" for r in results) else 1
+    if args.id is not None or args.key is not None:
+        with _routed(args) as stores:  # by id: the topic's store (or --store); by key: --topic's stores, else all
+            by_store = stores.cancel(message_id=args.id, key=args.key, topic=args.topic, reason=args.reason)
+        several = bool(load_settings().stores)
+        results = [{"message_id": r.message_id, "outcome": r.outcome, **({"store": name} if several else {})}
+                   for name, found in by_store.items() for r in found]
+        _print(results, args.json)
+        return 0 if any(r["outcome"] == "cancelled" for r in results) else 1
+    keys = None  # a bulk cancel (--where, --keys-from, --keys-from-table): on one store, --store NAME with several
+    if args.keys_from:
+        try:
+            with open(args.keys_from, encoding="utf-8") as lines:
+                keys = [line.strip() for line in lines if line.strip()]
+        except (OSError, UnicodeDecodeError) as exc:
+            raise UsageError(f"--keys-from {args.keys_from}: {_reason(exc)}") from None
+    where = args.where if keys is None else None
+    keys_from = _keys_from(args)
+    with _store(args) as store:
+        count = store.count_matching(keys=keys, where=where, keys_from=keys_from)
+        if not args.yes:
+            print(f"{count} pending message(s) match; run again with --yes to cancel them")
+            return 0 if count else 1
+        cancelled = store.cancel_matching(keys=keys, where=where, keys_from=keys_from, reason=args.reason)
+    _print({"cancelled": cancelled}, args.json)
+    return 0 if cancelled else 1
 
 
 def _keys_from(args: argparse.Namespace) -> KeysFrom | None:
@@ -310,11 +391,23 @@ def _keys_from(args: argparse.Namespace) -> KeysFrom | None:
 def cmd_stats(args: argparse.Namespace) -> int:
     from delaywheel.ops.stats import as_json  # the web API's JSON form too: numbers as numbers, times as ISO 8601
 
-    with _store() as store:
-        data = store.stats()
-    if args.json:
-        print(json.dumps(as_json(data), indent=2))
+    names = _store_names(args, all_stores=True)
+    figures: dict[str | None, dict[str, Any]] = {}
+    for name in names:
+        with Store(_store_url(args, name)) as store:
+            figures[name] = store.stats()
+    if args.json:  # one store's figures as they are; with --all-stores, by store name
+        print(json.dumps({str(n): as_json(d) for n, d in figures.items()} if len(names) > 1 else
+                         as_json(figures[names[0]]), indent=2))
         return 0
+    for name, data in figures.items():
+        if name is not None:
+            print(f"== store {name}")
+        _print_stats(data)
+    return 0
+
+
+def _print_stats(data: dict[str, Any]) -> None:
     print(f"as of {data['now']:%Y-%m-%d %H:%M:%S} UTC")
     print(f"{'level':>5} {'delay':>8} {'backlog':>8} {'checkpoint':>10} {'head due':>27} {'lag s':>9} {'p50 s':>7} {'p99 s':>7}")
     for row in data["levels"]:
@@ -343,7 +436,6 @@ def cmd_stats(args: argparse.Namespace) -> int:
             where = (f"{row['source_file']} row {row['row_number']}" if name == "quarantine"
                      else f"message {row['message_id']} ({row['lane']}, topic {row['topic']})")
             print(f"  {row.get('quarantined_at') or row.get('set_aside_at')}  {where}: {row['reason']}: {row['detail']}")
-    return 0
 
 
 def _num(value: float | None) -> str:
@@ -351,9 +443,11 @@ def _num(value: float | None) -> str:
 
 
 def cmd_retire(args: argparse.Namespace) -> int:
-    with _store() as store:
-        dropped = store.retire()
-    _print({"dropped": [f"{d.name} ({d.rows} rows)" for d in dropped]}, args.json)
+    for name in _store_names(args, all_stores=True):
+        with Store(_store_url(args, name)) as store:
+            dropped = store.retire()
+        _print({**({"store": name} if name else {}), "dropped": [f"{d.name} ({d.rows} rows)" for d in dropped]},
+               args.json)
     return 0
 
 
@@ -370,7 +464,7 @@ def cmd_shop(args: argparse.Namespace) -> int:
         print(f"delaywheel shop {args.role}: ready", file=sys.stderr, flush=True)
 
     try:
-        with _store() as store:
+        with _store(args) as store:
             if args.role == "sweep":
                 totals, stopped_by = orders.run_sweep(store, stop=stop, max_messages=args.batch, ready=ready)
                 result: dict[str, Any] = {"batches": totals.batches, "messages": totals.messages,
@@ -393,6 +487,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="delaywheel", description=__doc__)
+    which = parser.add_mutually_exclusive_group()  # several stores (DELAYWHEEL_STORES, docs/stores.md)
+    which.add_argument("--store", metavar="NAME", help="run on this configured store (default: the topic's store;"
+                       " commands on no topic need it when several stores are configured)")
+    which.add_argument("--all-stores", action="store_true", help="migrate, deliver, stats, retire: every configured store")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("db", help="the embedded PostgreSQL cluster (used when no DELAYWHEEL_DATABASE_URL is set)")
@@ -455,6 +553,8 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--keys-from-table", metavar="SCHEMA.TABLE",
                       help="cancel every pending message whose key is a value of --keys-from-column in this table")
     what.add_argument("--keys-from", metavar="FILE", help="cancel every pending message whose key is a line of FILE")
+    p.add_argument("--topic", help="with --id or --key: the message's topic, whose store is asked (several stores:"
+                   " --id needs it or --store; --key without it asks every store)")
     p.add_argument("--keys-from-column", metavar="COLUMN", help="with --keys-from-table: the column holding the keys")
     p.add_argument("--keys-from-prefix", default="", metavar="TEXT", help="with --keys-from-table: key = TEXT || column")
     p.add_argument("--keys-from-suffix", default="", metavar="TEXT", help="with --keys-from-table: key = column || TEXT")

@@ -67,7 +67,7 @@ def parse_duration(text: str, setting: str) -> timedelta:
 # (`delaywheel_<name>`), so it is a lower-case identifier. Entries are `NAME=URL`, separated by commas; a comma splits
 # only where the next entry begins, because a libpq URL may list several hosts with commas (`postgresql://h1,h2/db`).
 STORE_NAME = re.compile(r"[a-z][a-z0-9_]{0,39}")
-_STORE_ENTRY = re.compile(r",\s*(?=[a-z][a-z0-9_]*\s*=\s*postgres(?:ql)?://)")
+_STORE_ENTRY = re.compile(r",\s*(?=[^,=/:@?]+=\s*postgres(?:ql)?://)")  # any would-be name: checked below
 # A route: `TOPIC=STORE`, or `TOPIC=OLD>NEW` while a topic moves (new sends go to NEW; consumers still read OLD).
 # Neither '=' nor '>' nor ',' may appear in a topic (validation.TOPIC_PATTERN), so the split is unambiguous.
 _ROUTE_TOPIC = re.compile(r"[%|A-Za-z0-9_.-]{1,127}")

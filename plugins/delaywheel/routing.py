@@ -246,14 +246,14 @@ class Stores:
         """Cancel by id or key, as `Store.cancel` does, in the stores that may hold the message; results by store.
 
         By id: `store`, or `topic` when the topic has a single source (the same id may name a message in each
-        store). By key: `store`; else `topic`'s sources; else every store. A topic narrows which stores are asked,
+        store), or nothing with one store. By key: `store`; else `topic`'s sources; else every store. A topic narrows which stores are asked,
         not which messages: in those stores every pending message with the key is cancelled, whatever its topic
         (as `Store.cancel` does)."""
         if store is not None:
             names: tuple[str, ...] = (store,)
         elif topic is not None:
             names = self.router.sources(topic)
-        elif message_id is None:
+        elif message_id is None or len(self.names) == 1:
             names = self.names
         else:
             names = ()
