@@ -83,11 +83,16 @@ def _print(data: Any, as_json: bool) -> None:
         print(data)
 
 
+ALL_STORES_ONLY = "--all-stores: only migrate, deliver, stats and retire take it (a topic command routes by topic)"
+
+
 def _store_names(args: argparse.Namespace, *, all_stores: bool = False) -> list[str | None]:
     """The stores a command on no topic runs on (docs/stores.md; topic commands route: `_routed`). Without stores
     configured: [None], the one store (the configured URL, else the embedded cluster). With them: `--store NAME`'s;
     else the only one; else, for a command that takes it, every store with `--all-stores`; else an error asking for
     `--store`."""
+    if args.all_stores and not all_stores:
+        raise UsageError(ALL_STORES_ONLY)
     settings = load_settings()
     names: list[str | None] = [name for name, _ in settings.stores]
     if not names:
@@ -109,6 +114,8 @@ def _store_names(args: argparse.Namespace, *, all_stores: bool = False) -> list[
 def _routed(args: argparse.Namespace) -> Stores:
     """What a topic command (send, pull, consume, cancel) routes over: with `--store NAME`, that store alone; with
     stores configured, all of them by the routing table; else the one store, named `default`."""
+    if args.all_stores:
+        raise UsageError(ALL_STORES_ONLY)
     settings = load_settings()
     if not settings.stores:
         return Stores([("default", _store_url(args))], settings, routes=())

@@ -27,13 +27,13 @@ import hashlib
 import threading
 from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from delaywheel.config import ConfigError, Settings, load_settings
 from delaywheel.consume import topics
 from delaywheel.ops.cancel import CancelResult
-from delaywheel.produce.validation import Message, check_topic
+from delaywheel.produce.validation import Message, check_topic, prepare
 from delaywheel.store import Store
 
 
@@ -156,11 +156,18 @@ class Stores:
 
     def send_many(self, messages: Iterable[Message], *, now: datetime | None = None) -> list[int]:
         """Send a batch split by topic, one `Store.send_many` per store; ids in input order. Each store's part is all
-        or nothing; a store failing after another committed raises `SendManyError` saying which went in."""
+        or nothing. A batch spanning stores is checked whole first (`validation.prepare`, by `now` or this machine's
+        clock), so a bad message refuses it before any store writes; a store failing after another committed (down,
+        or its clock placing a message at the edge of a limit differently) raises `SendManyError` saying which
+        went in."""
         batch = list(messages)
         parts: dict[str, list[int]] = {}
         for position, message in enumerate(batch):
             parts.setdefault(self.router.store_for(message.topic), []).append(position)
+        if len(parts) > 1:
+            clock = now or datetime.now(UTC)
+            for message in batch:
+                prepare(message, clock, self.settings)
         ids: dict[int, int] = {}
         for done, (name, positions) in enumerate(parts.items()):
             try:
