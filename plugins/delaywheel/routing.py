@@ -204,8 +204,9 @@ class Stores:
                 **options: Any) -> dict[str, Any]:
         """`Store.consume` over the topic's sources: returns each source store's `ConsumeTotals` by name. With one
         source (every topic not moving), that store's loop. While the topic moves, one loop per source on a thread
-        of its own, its own store's connection, sharing `stop`; the handler is called by one loop at a time (a lock),
-        so it need not be thread-safe. `limit` needs one source (a loop cannot stop the others at an exact count)."""
+        of its own, its own store's connection, sharing `stop` (an error in one loop sets it, stopping the others,
+        then is raised); the handler is called by one loop at a time (a lock), so it need not be thread-safe.
+        `limit` needs one source (a loop cannot stop the others at an exact count)."""
         sources = self.router.sources(topic)
         if len(sources) == 1:
             return {sources[0]: self.store(sources[0]).consume(topic, group, handler, **options)}
@@ -235,7 +236,8 @@ class Stores:
         for thread in threads:
             thread.start()
         for thread in threads:
-            thread.join()
+            while thread.is_alive():  # joined in slices: the calling thread stays free for SIGTERM / SIGINT handlers
+                thread.join(0.2)
         if errors:
             raise errors[0]
         return totals
