@@ -194,7 +194,7 @@ def cmd_send(args: argparse.Namespace) -> int:
             args.topic, body, delay_level=args.level, delay=args.delay_in, deliver_at=args.at,
             key=args.key, tags=args.tags, properties=properties,
         )
-        where = {"store": stores.router.store_for(args.topic)} if load_settings().stores else {}
+        where = {"store": stores.router.store_for(args.topic)} if stores.settings.stores else {}
     _print({"message_id": message_id, **where}, args.json)  # with several stores an id names a message in its store
     return 0
 
@@ -340,7 +340,7 @@ def cmd_consume(args: argparse.Namespace) -> int:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     for name, totals in by_store.items():
-        where = f" from store {name}" if load_settings().stores else ""
+        where = f" from store {name}" if stores.settings.stores else ""
         print(f"delaywheel: consumed {totals.messages} message(s){where} in {totals.batches} batch(es), retried"
               f" {totals.retried}; stopped by {'a signal' if totals.stopped_by == 'stop' else totals.stopped_by}",
               file=sys.stderr)
@@ -351,7 +351,7 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     if args.id is not None or args.key is not None:
         with _routed(args) as stores:  # by id: the topic's store (or --store); by key: --topic's stores, else all
             by_store = stores.cancel(message_id=args.id, key=args.key, topic=args.topic, reason=args.reason)
-        several = bool(load_settings().stores)
+        several = bool(stores.settings.stores)
         results = [{"message_id": r.message_id, "outcome": r.outcome, **({"store": name} if several else {})}
                    for name, found in by_store.items() for r in found]
         _print(results, args.json)
