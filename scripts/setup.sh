@@ -16,6 +16,8 @@ command -v java >/dev/null 2>&1 || missing+=(openjdk-17-jre-headless)
 if [ "$want_test" = 1 ]; then
   command -v chromium >/dev/null 2>&1 || missing+=(chromium)
   command -v chromedriver >/dev/null 2>&1 || missing+=(chromium-driver)
+  # tests/test_poolers.py: PgBouncer in transaction mode in front of the cluster
+  command -v pgbouncer >/dev/null 2>&1 || [ -x /usr/sbin/pgbouncer ] || missing+=(pgbouncer)
 fi
 if [ "${#missing[@]}" -gt 0 ]; then
   echo "setup: installing system packages: ${missing[*]}"
