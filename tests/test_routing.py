@@ -276,3 +276,24 @@ def _last_id(url: str, topic: str) -> int:
         row = s.conn.execute("SELECT max(message_id) FROM delaywheel.topic_messages WHERE topic = %s", (topic,)).fetchone()
     assert row is not None
     return int(row[0])
+
+
+def test_the_route_command_names_each_topics_store_and_what_a_new_store_would_take(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("DELAYWHEEL_STORES", "a=postgresql://x/a,b=postgresql://y/b")
+    monkeypatch.setenv("DELAYWHEEL_ROUTES", f"{TOPICS[0]}=a>b")
+    taken = moved_topics(TOPICS[1:], ("a", "b"), ("a", "b", "c"))
+    assert main(["route", "--adding", "c", "--json", *(f"--topic={t}" for t in TOPICS)]) == 0
+    rows = {row["topic"]: row for row in _json(capsys)}  # type: ignore[union-attr]
+    assert rows[TOPICS[0]]["store"] == "b" and rows[TOPICS[0]]["sources"] == ["b", "a"]  # routed: never moved
+    assert {t for t, row in rows.items() if "moves_to" in row} == set(taken)
+    assert all(rows[t]["pin"] == f"{t}={old}" for t, (old, _) in taken.items())
+    assert main(["route", "--topic", "%DLQ%billing"]) == 0  # a group's retry/DLQ topics: in every store
+    assert capsys.readouterr().out == "%DLQ%billing\ta b\n"
+    assert main(["route", "--topic", TOPICS[0]]) == 0
+    assert capsys.readouterr().out == f"{TOPICS[0]}\tb a\n"  # moving: b now, a still holds some
+    assert main(["route", "--adding", "a", "--topic", "x"]) == 2
+    assert "not a new store's name" in capsys.readouterr().err
+    monkeypatch.setenv("DELAYWHEEL_ROUTES", "%RETRY%g=a")
+    assert main(["route", "--topic", "x"]) == 2
+    assert "cannot be routed" in capsys.readouterr().err

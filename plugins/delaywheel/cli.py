@@ -14,14 +14,14 @@ from typing import Any
 
 import psycopg
 
-from delaywheel.config import ConfigError, load_settings, parse_duration
+from delaywheel.config import STORE_NAME, ConfigError, load_settings, parse_duration
 from delaywheel.deliver import runner
 from delaywheel.dev import embedded
 from delaywheel.lanes import Lane, all_lanes, lane_name
 from delaywheel.migrate import MigrationError, migrate
 from delaywheel.ops.cancel import KeysFrom
 from delaywheel.produce.validation import InvalidMessage
-from delaywheel.routing import Stores
+from delaywheel.routing import Router, Stores, home
 from delaywheel.store import Store
 
 
@@ -449,6 +449,30 @@ def _num(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}"
 
 
+def cmd_route(args: argparse.Namespace) -> int:
+    """Where each topic goes and which stores hold it (the configuration only, no database). With `--adding NAME`:
+    the topics the new store would take, each with the route that keeps it where it is (docs/stores.md)."""
+    settings = load_settings()
+    router = Router([name for name, _ in settings.stores], settings.routes)
+    if args.adding is not None and (not STORE_NAME.fullmatch(args.adding) or args.adding in router.names):
+        raise UsageError(f"--adding {args.adding!r}: not a new store's name (a lower-case identifier, not one of"
+                         f" {', '.join(router.names)})")
+    rows = []
+    for topic in args.topic:
+        sources = router.sources(topic)  # the current store first (a retry / DLQ topic: every store)
+        row: dict[str, Any] = {"topic": topic, "store": sources[0], "sources": list(sources)}
+        if args.adding and topic not in router.routes and home(topic, [*router.names, args.adding]) == args.adding:
+            row["moves_to"], row["pin"] = args.adding, f"{topic}={row['store']}"
+        rows.append(row)
+    if args.json:
+        _print(rows, True)
+        return 0
+    for row in rows:  # topic, the stores that hold it (the current one first), what --adding would do
+        moving = f"\tmoves to {row['moves_to']} (pin: {row['pin']})" if "moves_to" in row else ""
+        print(f"{row['topic']}\t{' '.join(row['sources'])}{moving}")
+    return 0
+
+
 def cmd_retire(args: argparse.Namespace) -> int:
     for name in _store_names(args, all_stores=True):
         with Store(_store_url(args, name)) as store:
@@ -575,6 +599,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("stats", help="backlog, checkpoints, wheel horizons, topics and lateness")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_stats)
+
+    p = sub.add_parser("route", help="the store of each topic (several stores); --adding NAME: the topics it would take")
+    p.add_argument("--topic", action="append", required=True, help="a topic (repeatable)")
+    p.add_argument("--adding", metavar="NAME", help="a store about to be added: which of the topics would move to it")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_route)
 
     p = sub.add_parser("retire", help="drop drained partitions (maintenance)")
     p.add_argument("--json", action="store_true")

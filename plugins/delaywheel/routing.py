@@ -33,7 +33,7 @@ from typing import Any
 from delaywheel.config import ConfigError, Settings, load_settings
 from delaywheel.consume import topics
 from delaywheel.ops.cancel import CancelResult
-from delaywheel.produce.validation import Message, check_topic, prepare
+from delaywheel.produce.validation import RESERVED_TOPIC_PREFIXES, Message, check_topic, prepare
 from delaywheel.store import Store
 
 
@@ -70,6 +70,9 @@ class Router:
             raise ConfigError("stores: none configured (DELAYWHEEL_STORES, or stores in airflow.cfg's [delaywheel])")
         self.routes = dict(routes)
         for topic, stores in self.routes.items():
+            if topic.startswith(RESERVED_TOPIC_PREFIXES):
+                raise ConfigError(f"routes: {topic!r} is a group's retry or dead-letter topic, which every store keeps"
+                                  " for its own topics: it cannot be routed")
             unknown = [name for name in stores if name not in self.names]
             if unknown:
                 raise ConfigError(f"routes: topic {topic!r} names store(s) {', '.join(unknown)} that are not configured"
@@ -81,8 +84,12 @@ class Router:
         return route[-1] if route else home(topic, self.names)
 
     def sources(self, topic: str) -> tuple[str, ...]:
-        """Every store that may hold `topic`'s messages: the current one first, then those it moves from."""
-        route = self.routes.get(check_topic(topic))
+        """Every store that may hold `topic`'s messages: the current one first, then those it moves from. A group's
+        retry and dead-letter topics are written by each store's own retry ladder, for the group's topics in that
+        store, so every store may hold them."""
+        if check_topic(topic).startswith(RESERVED_TOPIC_PREFIXES):
+            return self.names
+        route = self.routes.get(topic)
         return (route[-1], *reversed(route[:-1])) if route else (home(topic, self.names),)
 
 
