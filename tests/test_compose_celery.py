@@ -54,8 +54,10 @@ def deliver_slots() -> int:
 
 def test_the_override_adds_redis_and_two_workers_and_changes_only_airflow_services() -> None:
     assert set(CELERY) == {"redis", *AIRFLOW, *WORKERS}
-    for name in ("postgres", "spark-master", "spark-worker"):  # untouched: same definition as without Celery
-        assert service(name) == BASE[name]
+    untouched = set(BASE) - set(CELERY)
+    assert {"postgres", "spark-master"} <= untouched
+    for name in untouched:  # the same definition as without Celery
+        assert service(name) == BASE[name], name
 
 
 def test_every_airflow_process_runs_celery_on_the_same_broker_backend_and_settings() -> None:
@@ -94,8 +96,10 @@ def test_both_workers_are_distinct_and_each_holds_a_whole_hand_over() -> None:
         concurrency = int(env(name)["AIRFLOW__CELERY__WORKER_CONCURRENCY"])
         assert concurrency > deliver_slots() > 16, name
         assert CFG.getint("core", "parallelism") >= concurrency
-        # what a worker's tasks need beside the scheduler's: the store, the mounted project
+        # what the scheduler's tasks had under LocalExecutor: the mounted project, and the input volume the Spark
+        # driver (now in the worker) and the Spark executors both read
         assert worker["volumes"] == BASE["airflow-scheduler"]["volumes"], name
+        assert any(v.startswith("delaywheel-input:") for v in worker["volumes"]), name
         assert worker["depends_on"]["redis"]["condition"] == "service_healthy"
         assert worker["depends_on"]["airflow-init"]["condition"] == "service_completed_successfully"
     assert len(hostnames) == len(WORKERS)
