@@ -11,10 +11,11 @@ While a steady load is sent to all three lanes, the test waits for the first run
 run's to be alone (the first one's handed over), kills the worker running most of them (SIGKILL to its whole
 session: the worker, its pool, its task processes, as a lost machine), and goes on until the fourth run holds
 every lane and the third has let go: three hand-overs, one of them after the kill, carried by the survivor.
-Then: every message sent is delivered exactly once and none early, both workers ran lane tasks, and no lane was
+Then: every message sent is delivered exactly once and none early, the survivor ran the later runs, no lane was
 unserved longer than `DEAD_WORKER_GRACE_S` (docs/celery.md: the scheduler's heartbeat timeout, its detection
 interval, the DAG's retry delay and a task start), measured as each lane's largest lateness and its longest time
-without a delivery. Lateness figures are printed (`-s`) and recorded in docs/celery.md.
+without a delivery, and away from the kill lateness stayed small. Every socket the run listens on is on loopback.
+Lateness figures are printed (`-s`) and recorded in docs/celery.md.
 
 Needs `redis-server` and apache-airflow-providers-celery (installed for the tests only: docs/celery.md).
 """
@@ -57,11 +58,11 @@ WORKERS = ("worker1", "worker2")
 # Each worker alone must hold a whole hand-over (2 runs x 3 lanes = the pool's 6 slots): the survivor does.
 CONCURRENCY = 2 * len(LANES)
 HEARTBEAT_TIMEOUT_S, DETECTION_S, RETRY_DELAY_S = 20, 5, 5  # [scheduler] ...; the DAG's retry_delay
-TASK_START_S = 30  # queued -> running on a busy 2-core machine (measured 2-10 s)
+TASK_START_S = 30  # allowance for queued -> running on a busy 2-core machine
 DEAD_WORKER_GRACE_S = HEARTBEAT_TIMEOUT_S + DETECTION_S + RETRY_DELAY_S + TASK_START_S
-STEADY_MAX_S = 10.0  # away from the kill, lateness stays small: the hand-overs overlap (measured < 1.5 s)
+STEADY_MAX_S = 10.0  # away from the kill the hand-overs overlap (measured max 0.4 s quiet, 2.5-4.8 s busy)
 RATE = 20  # messages/s, a third per lane
-STARTED_WITHIN_S = 240  # services start -> the first run's lanes running (about 60 s here)
+STARTED_WITHIN_S = 240  # services start -> the first run's lanes running (measured 25-60 s)
 
 
 @dataclass
