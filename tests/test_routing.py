@@ -154,6 +154,8 @@ def test_a_batch_failing_in_one_store_says_what_the_others_committed(two: dict[s
     for batch in ([refused, Message(tb, 2)], [Message(tb, 2), refused]):  # whichever store's part holds it
         with Stores(two.items(), Settings(), routes=()) as stores, pytest.raises(InvalidMessage):
             stores.send_many(batch)  # refused before any store writes
+    with Stores(two.items(), Settings(), routes=()) as stores, pytest.raises(InvalidMessage, match="Message values"):
+        stores.send_many([Message(ta, 1), {"topic": tb}])  # type: ignore[list-item]
     assert topic_counts(two["a"])[ta] == 0 and topic_counts(two["b"])[tb] == 0
     broken = {**two, "b": "postgresql://nobody@127.0.0.1:1/none"}
     with Stores(broken.items(), Settings(), routes=()) as stores, pytest.raises(SendManyError) as failed:

@@ -169,10 +169,12 @@ class Stores:
         went in."""
         batch = list(messages)
         parts: dict[str, list[int]] = {}
+        clock = now or datetime.now(UTC)
         for position, message in enumerate(batch):
+            if not isinstance(message, Message):
+                prepare(message, clock, self.settings)  # raises InvalidMessage, as Store.send_many would
             parts.setdefault(self.router.store_for(message.topic), []).append(position)
         if len(parts) > 1:
-            clock = now or datetime.now(UTC)
             for message in batch:
                 prepare(message, clock, self.settings)
         ids: dict[int, int] = {}
