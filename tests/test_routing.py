@@ -69,8 +69,9 @@ def two(db_url: str, store_b: str) -> dict[str, str]:
 
 def topic_counts(url: str) -> Counter[str]:
     with Store(url) as s:
-        return Counter(dict(s.conn.execute(
-            "SELECT topic, count(*) FROM delaywheel.topic_messages GROUP BY topic").fetchall()))
+        return Counter(
+            dict(s.conn.execute("SELECT topic, count(*) FROM delaywheel.topic_messages GROUP BY topic").fetchall())
+        )
 
 
 def homed(store: str, names: tuple[str, ...] = ("a", "b"), among: list[str] = TOPICS) -> list[str]:
@@ -144,7 +145,9 @@ def test_cancels_reach_the_store_that_holds_the_message(two: dict[str, str], t0:
         assert [r.outcome for r in stores.cancel(message_id=id_b2, topic=tb)["b"]] == ["cancelled"]
         by_key = stores.cancel(key="shared")  # a key's messages may sit in any topic: every store is asked
         assert {name: [(r.message_id, r.outcome) for r in found] for name, found in by_key.items()} == {
-            "a": [(id_a, "cancelled")], "b": [(id_b, "cancelled")]}
+            "a": [(id_a, "cancelled")],
+            "b": [(id_b, "cancelled")],
+        }
         assert stores.deliver_due(now=t0 + timedelta(hours=2)) == {"a": 0, "b": 0}
 
 
@@ -169,10 +172,17 @@ def test_a_batch_failing_in_one_store_says_what_the_others_committed(two: dict[s
 
 def test_the_rule_is_the_same_in_another_process() -> None:
     here = {t: home(t, ("a", "b", "c")) for t in TOPICS}
-    code = ("import json, sys; from delaywheel.routing import home; "
-            "print(json.dumps({t: home(t, ('c', 'a', 'b')) for t in sys.argv[1:]}))")
-    out = subprocess.run([sys.executable, "-c", code, *TOPICS], capture_output=True, text=True, check=True,
-                         env={"PYTHONHASHSEED": "12345", "PATH": "/usr/bin:/bin"})
+    code = (
+        "import json, sys; from delaywheel.routing import home; "
+        "print(json.dumps({t: home(t, ('c', 'a', 'b')) for t in sys.argv[1:]}))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, *TOPICS],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={"PYTHONHASHSEED": "12345", "PATH": "/usr/bin:/bin"},
+    )
     assert json.loads(out.stdout) == here  # another process, another hash seed, names in another order
 
 
@@ -185,9 +195,11 @@ def test_adding_a_third_store_moves_about_a_third_of_the_topics_all_to_it() -> N
 
 
 @settings(max_examples=200, deadline=None)
-@given(topic=st.from_regex(r"[%|A-Za-z0-9_.-]{1,127}", fullmatch=True),
-       names=st.sets(st.from_regex(r"[a-z][a-z0-9_]{0,8}", fullmatch=True), min_size=1, max_size=6),
-       extra=st.from_regex(r"[a-z][a-z0-9_]{0,8}", fullmatch=True))
+@given(
+    topic=st.from_regex(r"[%|A-Za-z0-9_.-]{1,127}", fullmatch=True),
+    names=st.sets(st.from_regex(r"[a-z][a-z0-9_]{0,8}", fullmatch=True), min_size=1, max_size=6),
+    extra=st.from_regex(r"[a-z][a-z0-9_]{0,8}", fullmatch=True),
+)
 def test_a_topic_moves_only_to_an_added_store_or_from_a_removed_one(topic: str, names: set[str], extra: str) -> None:
     before = home(topic, sorted(names))
     assert home(topic, sorted(names, reverse=True)) == before  # the order of the names does not matter
@@ -200,15 +212,28 @@ def test_a_topic_moves_only_to_an_added_store_or_from_a_removed_one(topic: str, 
 
 def test_malformed_settings_are_refused_with_the_reason(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert parse_stores("a=postgresql://u@h1:5432,h2:5432/db, b = postgres://x/y") == (
-        ("a", "postgresql://u@h1:5432,h2:5432/db"), ("b", "postgres://x/y"))  # a multi-host URL keeps its commas
-    for text, reason in (("a", "not NAME=postgresql"), ("A=postgresql://x", "lower-case"),
-                         ("a=postgresql://x,B=postgresql://y", "lower-case"), ("a=host=x dbname=y", "must start"),
-                         ("a=postgresql://x,a=postgresql://y", "named twice"), ("=postgresql://x", "not NAME")):
+        ("a", "postgresql://u@h1:5432,h2:5432/db"),
+        ("b", "postgres://x/y"),
+    )  # a multi-host URL keeps its commas
+    for text, reason in (
+        ("a", "not NAME=postgresql"),
+        ("A=postgresql://x", "lower-case"),
+        ("a=postgresql://x,B=postgresql://y", "lower-case"),
+        ("a=host=x dbname=y", "must start"),
+        ("a=postgresql://x,a=postgresql://y", "named twice"),
+        ("=postgresql://x", "not NAME"),
+    ):
         with pytest.raises(ConfigError, match=reason):
             parse_stores(text)
     assert parse_routes("orders=b, audit.x=a>c,") == (("orders", ("b",)), ("audit.x", ("a", "c")))
-    for text, reason in (("orders", "not TOPIC=STORE"), ("bad topic=a", "not TOPIC=STORE"), ("o=B", "store names"),
-                         ("o=a>a", "twice"), ("o=a,o=b", "routed twice"), ("o=a>", "store names")):
+    for text, reason in (
+        ("orders", "not TOPIC=STORE"),
+        ("bad topic=a", "not TOPIC=STORE"),
+        ("o=B", "store names"),
+        ("o=a>a", "twice"),
+        ("o=a,o=b", "routed twice"),
+        ("o=a>", "store names"),
+    ):
         with pytest.raises(ConfigError, match=reason):
             parse_routes(text)
     with pytest.raises(ConfigError, match="not configured"):
@@ -235,8 +260,9 @@ def _json(capsys: pytest.CaptureFixture[str]) -> object:
     return json.loads(capsys.readouterr().out)
 
 
-def test_the_cli_runs_on_a_named_store_or_routes_by_topic(two: dict[str, str], monkeypatch: pytest.MonkeyPatch,
-                                                          capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_cli_runs_on_a_named_store_or_routes_by_topic(
+    two: dict[str, str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.delenv("DELAYWHEEL_DATABASE_URL", raising=False)
     monkeypatch.setenv("DELAYWHEEL_STORES", ",".join(f"{n}={u}" for n, u in two.items()))
     ta = homed("a")[0]
@@ -255,8 +281,10 @@ def test_the_cli_runs_on_a_named_store_or_routes_by_topic(two: dict[str, str], m
     assert main(["cancel", "--id", str(sent["message_id"])]) == 2  # type: ignore[index]
     assert "needs the message's store" in capsys.readouterr().err
     assert main(["cancel", "--key", "nothing-has-it", "--json"]) == 1  # every store asked, none held it
-    assert _json(capsys) == [{"message_id": None, "outcome": "not_found", "store": "a"},
-                             {"message_id": None, "outcome": "not_found", "store": "b"}]
+    assert _json(capsys) == [
+        {"message_id": None, "outcome": "not_found", "store": "a"},
+        {"message_id": None, "outcome": "not_found", "store": "b"},
+    ]
 
     assert main(["--all-stores", "deliver", "--duration", "10s", "--until-idle", "--json"]) == 0
     delivered = _json(capsys)
@@ -275,13 +303,16 @@ def test_the_cli_runs_on_a_named_store_or_routes_by_topic(two: dict[str, str], m
 
 def _last_id(url: str, topic: str) -> int:
     with Store(url) as s:
-        row = s.conn.execute("SELECT max(message_id) FROM delaywheel.topic_messages WHERE topic = %s", (topic,)).fetchone()
+        row = s.conn.execute(
+            "SELECT max(message_id) FROM delaywheel.topic_messages WHERE topic = %s", (topic,)
+        ).fetchone()
     assert row is not None
     return int(row[0])
 
 
 def test_the_route_command_names_each_topics_store_and_what_a_new_store_would_take(
-        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.setenv("DELAYWHEEL_STORES", "a=postgresql://x/a,b=postgresql://y/b")
     monkeypatch.setenv("DELAYWHEEL_ROUTES", f"{TOPICS[0]}=a>b")
     taken = moved_topics(TOPICS[1:], ("a", "b"), ("a", "b", "c"))

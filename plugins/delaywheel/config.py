@@ -83,11 +83,15 @@ def parse_stores(text: str) -> tuple[tuple[str, str], ...]:
         if not sep or not name or not url:
             raise ConfigError(f"stores: entry {position} ({entry.strip()[:40]!r}) is not NAME=postgresql://…")
         if not STORE_NAME.fullmatch(name):
-            raise ConfigError(f"stores: entry {position}: name {name[:40]!r} is not a lower-case identifier"
-                              " (a-z, then a-z 0-9 _, at most 40 characters)")
+            raise ConfigError(
+                f"stores: entry {position}: name {name[:40]!r} is not a lower-case identifier"
+                " (a-z, then a-z 0-9 _, at most 40 characters)"
+            )
         if not url.startswith(("postgresql://", "postgres://")):
-            raise ConfigError(f"stores: store {name!r}: its URL must start with postgresql:// (key=value conninfo"
-                              " strings cannot be listed here)")
+            raise ConfigError(
+                f"stores: store {name!r}: its URL must start with postgresql:// (key=value conninfo"
+                " strings cannot be listed here)"
+            )
         if name in stores:
             raise ConfigError(f"stores: store {name!r} is named twice")
         stores[name] = url

@@ -50,7 +50,9 @@ def home(topic: str, names: Collection[str]) -> str:
     return max(sorted(names), key=lambda name: score(name, topic))
 
 
-def moved_topics(topic_names: Iterable[str], before: Collection[str], after: Collection[str]) -> dict[str, tuple[str, str]]:
+def moved_topics(
+    topic_names: Iterable[str], before: Collection[str], after: Collection[str]
+) -> dict[str, tuple[str, str]]:
     """Topics whose hashed store differs between two sets of store names, as topic -> (old, new): what to pin
     (`topic=old`) or move (`topic=old>new`) in the routing table before the change takes effect."""
     moved = {}
@@ -71,12 +73,16 @@ class Router:
         self.routes = dict(routes)
         for topic, stores in self.routes.items():
             if topic.startswith(RESERVED_TOPIC_PREFIXES):
-                raise ConfigError(f"routes: {topic!r} is a group's retry or dead-letter topic, which every store keeps"
-                                  " for its own topics: it cannot be routed")
+                raise ConfigError(
+                    f"routes: {topic!r} is a group's retry or dead-letter topic, which every store keeps"
+                    " for its own topics: it cannot be routed"
+                )
             unknown = [name for name in stores if name not in self.names]
             if unknown:
-                raise ConfigError(f"routes: topic {topic!r} names store(s) {', '.join(unknown)} that are not configured"
-                                  f" (stores: {', '.join(self.names)})")
+                raise ConfigError(
+                    f"routes: topic {topic!r} names store(s) {', '.join(unknown)} that are not configured"
+                    f" (stores: {', '.join(self.names)})"
+                )
 
     def store_for(self, topic: str) -> str:
         """Where `topic`'s new messages go: its route's current store, else its hashed one."""
@@ -107,8 +113,10 @@ class SendManyError(Exception):
     in the input to its id; the cause is the failed store's error."""
 
     def __init__(self, store: str, sent: dict[int, int], pending: int):
-        super().__init__(f"send_many: store {store!r} failed; {len(sent)} message(s) committed in other stores,"
-                         f" {pending} not sent (resend those: Stores.send_many again with them)")
+        super().__init__(
+            f"send_many: store {store!r} failed; {len(sent)} message(s) committed in other stores,"
+            f" {pending} not sent (resend those: Stores.send_many again with them)"
+        )
         self.store = store
         self.sent = sent
 
@@ -122,8 +130,13 @@ class Stores:
     `stores.for_topic(topic).conn`.
     """
 
-    def __init__(self, stores: Iterable[tuple[str, str]] | None = None, settings: Settings | None = None, *,
-                 routes: Iterable[tuple[str, tuple[str, ...]]] | None = None):
+    def __init__(
+        self,
+        stores: Iterable[tuple[str, str]] | None = None,
+        settings: Settings | None = None,
+        *,
+        routes: Iterable[tuple[str, tuple[str, ...]]] | None = None,
+    ):
         self.settings = settings or load_settings()
         self.urls = dict(self.settings.stores if stores is None else stores)
         self.router = Router(self.urls, self.settings.routes if routes is None else routes)
@@ -209,8 +222,13 @@ class Stores:
     def ack(self, pulled: Pulled, failed: set[int] | None = None) -> topics.AckResult:
         return self.store(pulled.store).ack(pulled.batch, failed)
 
-    def consume(self, topic: str, group: str, handler: Callable[[list[topics.Delivered]], Collection[int] | None],
-                **options: Any) -> dict[str, Any]:
+    def consume(
+        self,
+        topic: str,
+        group: str,
+        handler: Callable[[list[topics.Delivered]], Collection[int] | None],
+        **options: Any,
+    ) -> dict[str, Any]:
         """`Store.consume` over the topic's sources: returns each source store's `ConsumeTotals` by name. With one
         source (every topic not moving), that store's loop. While the topic moves, one loop per source on a thread
         of its own, its own store's connection, sharing `stop` (an error in one loop sets it, stopping the others,
@@ -220,8 +238,10 @@ class Stores:
         if len(sources) == 1:
             return {sources[0]: self.store(sources[0]).consume(topic, group, handler, **options)}
         if options.get("limit") is not None:
-            raise ValueError(f"topic {topic!r} is moving ({' and '.join(sources)} hold it): consume it without a limit"
-                             " (or each store on its own: --store)")
+            raise ValueError(
+                f"topic {topic!r} is moving ({' and '.join(sources)} hold it): consume it without a limit"
+                " (or each store on its own: --store)"
+            )
         options["stop"] = options.get("stop") or threading.Event()
         turn = threading.Lock()
 
@@ -259,8 +279,15 @@ class Stores:
         return self.store(sources[0]).messages(topic, group, **options)
 
     # cancelling
-    def cancel(self, *, message_id: int | None = None, key: str | None = None, topic: str | None = None,
-               store: str | None = None, reason: str = "cancelled") -> dict[str, list[CancelResult]]:
+    def cancel(
+        self,
+        *,
+        message_id: int | None = None,
+        key: str | None = None,
+        topic: str | None = None,
+        store: str | None = None,
+        reason: str = "cancelled",
+    ) -> dict[str, list[CancelResult]]:
         """Cancel by id or key, as `Store.cancel` does, in the stores that may hold the message; results by store.
 
         By id: `store`, or `topic` when the topic has a single source (the same id may name a message in each
