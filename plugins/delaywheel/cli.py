@@ -117,22 +117,18 @@ def _routed(args: argparse.Namespace) -> Stores:
     if args.all_stores:
         raise UsageError(ALL_STORES_ONLY)
     settings = load_settings()
-    if not settings.stores:
-        return Stores([("default", _store_url(args))], settings, routes=())
-    if args.store:
-        _store_names(args)  # a configured name, or the error saying which are
-        return Stores([(args.store, _store_url(args, args.store))], settings, routes=())
+    if args.store or not settings.stores:
+        (name,) = _store_names(args)  # --store checked against the configuration; None: the one store
+        return Stores([(name or "default", _store_url(name))], settings, routes=())
     return Stores(settings=settings)
 
 
-def _store_url(args: argparse.Namespace, name: str | None = None) -> str:
-    """Store `name`'s URL (`_store_names`); with None, the configured database URL, or with none the embedded
+def _store_url(name: str | None = None) -> str:
+    """Store `name`'s URL (one of `_store_names`); with None, the configured database URL, or with none the embedded
     cluster's (started if need be), said on stderr."""
     settings = load_settings()
     if name is not None:
         return dict(settings.stores)[name]
-    if args.store or args.all_stores:
-        raise ConfigError("--store / --all-stores: no stores are configured (DELAYWHEEL_STORES, docs/stores.md)")
     url = embedded.database_url(settings)
     if not settings.database_url:
             print(f"delaywheel: no database URL configured (DELAYWHEEL_DATABASE_URL): using the embedded cluster, {url}",
@@ -143,7 +139,7 @@ def _store_url(args: argparse.Namespace, name: str | None = None) -> str:
 def _store(args: argparse.Namespace) -> Store:
     """The one store a command with no topic runs on (`--store NAME` when several are configured)."""
     (name,) = _store_names(args)
-    return Store(_store_url(args, name))
+    return Store(_store_url(name))
 
 
 def cmd_db(args: argparse.Namespace) -> int:
@@ -162,7 +158,7 @@ def cmd_db(args: argparse.Namespace) -> int:
 
 def cmd_migrate(args: argparse.Namespace) -> int:
     for name in _store_names(args, all_stores=True):
-        url = _store_url(args, name)
+        url = _store_url(name)
         applied = migrate(url)
         with Store(url) as store:
             store.prepare()
@@ -175,7 +171,7 @@ def cmd_shop_migrate(args: argparse.Namespace) -> int:
     from delaywheel_shop import schema
 
     (name,) = _store_names(args)
-    url = _store_url(args, name)
+    url = _store_url(name)
     applied = schema.migrate(url)
     with Store(url) as store:
         store.prepare()
@@ -240,7 +236,7 @@ def _deliver(args: argparse.Namespace, stop: threading.Event) -> int:
 
     def serve(name: str | None) -> None:
         try:
-            with Store(_store_url(args, name)) as store:
+            with Store(_store_url(name)) as store:
                 lanes: list[Lane] = list(args.level) if args.level else all_lanes(store.settings, wheel=False)
                 if args.command == "advance" or (args.command == "deliver" and not args.level and not args.no_wheel):
                     lanes = [*lanes, None] if args.command == "deliver" else [None]
@@ -401,7 +397,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
     names = _store_names(args, all_stores=True)
     figures: dict[str | None, dict[str, Any]] = {}
     for name in names:
-        with Store(_store_url(args, name)) as store:
+        with Store(_store_url(name)) as store:
             figures[name] = store.stats()
     if args.json:  # one store's figures as they are; with --all-stores, by store name
         print(json.dumps({str(n): as_json(d) for n, d in figures.items()} if len(names) > 1 else
@@ -475,7 +471,7 @@ def cmd_route(args: argparse.Namespace) -> int:
 
 def cmd_retire(args: argparse.Namespace) -> int:
     for name in _store_names(args, all_stores=True):
-        with Store(_store_url(args, name)) as store:
+        with Store(_store_url(name)) as store:
             dropped = store.retire()
         _print({**({"store": name} if name else {}), "dropped": [f"{d.name} ({d.rows} rows)" for d in dropped]},
                args.json)
