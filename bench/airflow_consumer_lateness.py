@@ -35,7 +35,6 @@ import numpy as np
 import psycopg
 
 from delaywheel import load_settings
-from delaywheel.dev.local_airflow import as_url
 
 from .airflow_lateness import METADATA_DB, ROOT, failed_tries, standalone, wait_running
 from .common import Check, ProcessCpu, drop_database, fresh_database, load_options, log, print_section
@@ -157,9 +156,7 @@ def run(args: argparse.Namespace) -> tuple[list[Check], list[str]]:
     seconds = args.minutes * 60
     lanes = load_settings().max_level + 1
     ctx = mp.get_context("spawn")
-    # DELAYWHEEL_DATABASE_URL: scripts/airflow.sh migrates the bench's store, not the default one
-    env = {"AIRFLOW__CORE__DAGS_FOLDER": str(folder), "DELAYWHEEL_DATABASE_URL": as_url(url)}
-    with standalone(url, None, env) as (proc, metadata_url):
+    with standalone(url, None, {"AIRFLOW__CORE__DAGS_FOLDER": str(folder)}) as (proc, metadata_url):
         wait_running(metadata_url, lanes, proc, timeout=900)
         wait_running(metadata_url, 1, proc, timeout=300, dag_id=DAG_ID)
         log(f"all {lanes} deliver tasks and a {DAG_ID} task running; settling 10 s")

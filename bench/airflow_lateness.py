@@ -235,6 +235,7 @@ def standalone(store_url: str, lease: float | None,
     env = {
         **os.environ,
         "AIRFLOW_CONN_DELAYWHEEL_DEFAULT": as_url(store_url),
+        "DELAYWHEEL_DATABASE_URL": as_url(store_url),  # what scripts/airflow.sh migrates: this store, not the default
         "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": metadata,
         "AIRFLOW__API__PORT": str(port), "AIRFLOW__API__BASE_URL": base,
         "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"{base}/execution/",
