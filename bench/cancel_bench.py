@@ -17,16 +17,22 @@
 from __future__ import annotations
 
 import argparse
+import atexit
 import collections
 import contextlib
+import importlib
+import io
 import multiprocessing
 import os
 import queue
 import random
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
+import tarfile
+import tempfile
 import threading
 import time
 import types
@@ -43,7 +49,6 @@ from delaywheel.deliver import runner
 from delaywheel.deliver import wheel as wheel_module
 from delaywheel.ops import cancel as cancel_module
 from delaywheel.ops.cancel import find, key_params, mark_and_settle
-from delaywheel.pending import pending
 
 from .common import body, chunks, drop_database, fresh_database, log
 
@@ -75,14 +80,22 @@ SAMPLES = {
 
 def _before() -> types.ModuleType:
     """The cancel module as it was before issue 19's change (commit 990e562: the lanes' locks, the lookup planned
-    per call), loaded beside the current one, for an interleaved comparison on the same store."""
-    source = subprocess.run(["git", "show", f"{BEFORE}:plugins/delaywheel/cancel.py"], check=True, capture_output=True,
-                            text=True, cwd=Path(__file__).resolve().parents[2]).stdout
-    module = types.ModuleType("delaywheel._cancel_before")
-    module.__package__ = "delaywheel"
-    sys.modules[module.__name__] = module  # dataclasses look their module up
-    exec(compile(source, "cancel_before.py", "exec"), module.__dict__)
-    return module
+    per call), loaded beside the current one, for an interleaved comparison on the same store. That commit's package
+    (the flat layout, before the subpackages) is extracted to a temporary directory and imported as
+    `delaywheel_before`, without its __init__ (it would import that whole store): its modules import each other
+    relatively, so the old cancel runs on the old helpers it was measured with."""
+    name = "delaywheel_before"
+    if name not in sys.modules:
+        root = Path(tempfile.mkdtemp(prefix="cancel-bench-before-"))
+        atexit.register(shutil.rmtree, root, ignore_errors=True)
+        archive = subprocess.run(["git", "archive", BEFORE, "plugins/delaywheel"], check=True, capture_output=True,
+                                 cwd=Path(__file__).resolve().parents[1]).stdout
+        with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+            tar.extractall(root, filter="data")
+        package = types.ModuleType(name)
+        package.__path__ = [str(root / "plugins" / "delaywheel")]
+        sys.modules[name] = package
+    return importlib.import_module(f"{name}.cancel")
 
 
 BEFORE = "990e562"
@@ -127,11 +140,11 @@ def latency(store: Store, other: psycopg.Connection, per_lane: int) -> list[str]
 def explain(store: Store, other: psycopg.Connection, verbose: bool = False) -> list[str]:
     (key,) = other.execute(SAMPLES["near"], (1,)).fetchone()  # type: ignore[misc]
     params = key_params(key)
-    first, segments, rows = cancel_module._LOOKUP["key"]  # the library's lookup, its parameters numbered for PREPARE
-    query = f"{first} SELECT p.id, p.deliver_at, p.key, p.lane, p.level, p.xid::text FROM ({pending(segments, rows)}) p"
+    query = cancel_module._FIND_ONE["key"]  # the library's lookup, its parameters numbered for PREPARE
     for i, name in enumerate(params, 1):
         query = query.replace(f"%({name})s", f"${i}")
     execute = sql.SQL("EXECUTE look({})").format(sql.SQL(", ").join(sql.Literal(v) for v in params.values()))
+    plan_settings = sql.SQL("SELECT {}, set_config('plan_cache_mode', %s, true)").format(sql.SQL(LOOKUP_PLAN))
     lines = []
     with psycopg.connect(store.url, autocommit=True) as conn:
         conn.execute("PREPARE look(text, int8, int8, int[]) AS " + query)
@@ -139,7 +152,7 @@ def explain(store: Store, other: psycopg.Connection, verbose: bool = False) -> l
             timings = []
             for _ in range(7):
                 with conn.transaction():
-                    conn.execute(f"SELECT {LOOKUP_PLAN}, set_config('plan_cache_mode', %s, true)", (mode,))
+                    conn.execute(plan_settings, (mode,))
                     plan = conn.execute(sql.SQL("EXPLAIN (ANALYZE, SUMMARY, FORMAT JSON) {}").format(execute)).fetchone()[0][0]  # type: ignore[index]
                 timings.append((plan.get("Planning Time", 0.0), plan["Execution Time"]))
             plan_ms = statistics.median(p for p, _ in timings)
@@ -148,7 +161,7 @@ def explain(store: Store, other: psycopg.Connection, verbose: bool = False) -> l
                          f"{plan_ms:.2f} ms, execution {exec_ms:.2f} ms")
             if mode == "force_generic_plan" and verbose:
                 with conn.transaction():
-                    conn.execute(f"SELECT {LOOKUP_PLAN}, set_config('plan_cache_mode', %s, true)", (mode,))
+                    conn.execute(plan_settings, (mode,))
                     text = conn.execute(sql.SQL("EXPLAIN (ANALYZE, COSTS OFF) {}").format(execute)).fetchall()
                 log("\n".join(r[0] for r in text))
         partitions = conn.execute("SELECT count(*) FROM delaywheel.partitions WHERE parent = 'wheel'").fetchone()[0]  # type: ignore[index]
