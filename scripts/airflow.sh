@@ -51,7 +51,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from sqlalchemy.engine import URL
 from delaywheel import load_settings
 from delaywheel.dev import embedded
-from delaywheel.db import database_url
+from delaywheel.dev.embedded import database_url
 
 settings = load_settings()
 store, name = database_url(settings), os.environ["AIRFLOW_DB"]

@@ -18,6 +18,8 @@ if [ "$want_test" = 1 ]; then
   command -v chromedriver >/dev/null 2>&1 || missing+=(chromium-driver)
   # tests/test_poolers.py: PgBouncer in transaction mode in front of the cluster
   command -v pgbouncer >/dev/null 2>&1 || [ -x /usr/sbin/pgbouncer ] || missing+=(pgbouncer)
+  # tests/airflow/test_celery.py: Redis as the Celery broker
+  command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
 fi
 if [ "${#missing[@]}" -gt 0 ]; then
   echo "setup: installing system packages: ${missing[*]}"
@@ -50,5 +52,17 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$sum" ]; then
   # sys.path too: either would read that copy's entry point as well and report the delaywheel plugin as a duplicate.
   rm -rf plugins/delaywheel.egg-info delaywheel.egg-info examples/shop/delaywheel.egg-info
   echo "$sum" > "$stamp"
+fi
+if [ "$want_test" = 1 ]; then
+  # Test-only tools, pinned, kept out of the runtime lock: import-linter (the layer contracts `make test` checks)
+  # and the Celery provider (tests/airflow/test_celery.py; its pins are docker/Dockerfile.celery's, written once).
+  test_pins="import-linter==2.17 grimp==3.20 $(grep -o '[A-Za-z0-9_.-]*==[0-9][^ \\]*' docker/Dockerfile.celery | tr '\n' ' ')"
+  test_sum=$(echo "$sum $test_pins" | sha256sum | cut -c1-16)
+  if [ "$(cat .venv/.test-requirements.sha 2>/dev/null)" != "$test_sum" ]; then
+    echo "setup: installing the pinned test tools"
+    # shellcheck disable=SC2086
+    .venv/bin/pip install -q -c requirements.lock $test_pins
+    echo "$test_sum" > .venv/.test-requirements.sha
+  fi
 fi
 echo "setup: done (.venv ready; PostgreSQL, Java and JDBC driver present)"
