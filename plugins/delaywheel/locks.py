@@ -14,6 +14,11 @@ from __future__ import annotations
 # migration pending and apply it twice. One key.
 MIGRATE_LOCK = 0x64770001
 
+# One setter-up of the embedded cluster at a time (`dev.embedded`: its databases, roles and grants, a session lock
+# for that one connection): two `delaywheel db start` at once would both CREATE DATABASE or GRANT the same thing and
+# one would fail ("tuple concurrently updated"). One key.
+SETUP_LOCK = 0x64770002
+
 # A level's lane; second key: the level. Exclusive, for one transaction, by the level's delivery pass
 # (`levels.deliver_level`; a second deliverer of the level waits LANE_WAIT for it, then reports busy) and by the
 # setting aside of its undeliverable rows (`levels.set_aside`), so two passes never move the same prefix; shared by a

@@ -23,6 +23,7 @@ import psycopg
 from psycopg import sql
 
 from delaywheel.config import PROJECT_ROOT, Settings, load_settings
+from delaywheel.locks import SETUP_LOCK
 from delaywheel.migrate import OWNER_LOGIN, OWNER_ROLE, RUNTIME_LOGIN, RUNTIME_ROLE, adopt
 from delaywheel.store import Store
 
@@ -236,11 +237,12 @@ def _create_databases(cluster: Cluster) -> None:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.2)
-    with conn:
+    with conn:  # closing the connection releases the lock
+        conn.execute("SELECT pg_advisory_lock(%s)", (SETUP_LOCK,))
         existing = {row[0] for row in conn.execute("SELECT datname FROM pg_database")}
         for name in DATABASES:
             if name not in existing:
-                conn.execute(f'CREATE DATABASE "{name}"')
+                conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
         create_roles(conn, databases=("delaywheel",))
     # A store migrated before the roles existed belongs to `postgres`: hand it to the owner, whose login migrates
     # (once per process and cluster: every command without a configured URL comes through here).
