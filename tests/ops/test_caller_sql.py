@@ -13,10 +13,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from delaywheel import Settings, Store
+from delaywheel.batch.inputs import NotAllowed, check_input, check_source
 from delaywheel.batch.reconcile import Reconcile
 from delaywheel.cli import main
 from delaywheel.ops.cancel import read_only
-from delaywheel.ops.inputs import NotAllowed, check_input, check_source
 from delaywheel.ops.predicate import CANCEL_COLUMNS, UnsafeSQL, check_expression, check_query
 from delaywheel.produce.validation import Message
 

@@ -10,8 +10,8 @@ from datetime import datetime, timedelta
 from psycopg import sql
 
 from delaywheel import Store
+from delaywheel.batch.quality import due_sql
 from delaywheel.batch.reconcile import Reconcile
-from delaywheel.ops.quality import due_sql
 from delaywheel.partitions import PartitionCache
 from delaywheel.pending import PENDING
 from tests.conftest import deliveries

@@ -10,7 +10,7 @@ from pathlib import Path
 import lateness_quality
 
 from delaywheel import Message, Store
-from delaywheel.ops.quality import ContractBroken
+from delaywheel.batch.quality import ContractBroken
 
 
 def _deliver_steadily(store: Store, t0: datetime) -> None:

@@ -1,1 +1,1 @@
-"""Operating the store: cancel, figures (stats), lateness quality, caller-supplied predicates, progress."""
+"""Operating the store: cancel, figures (stats), caller-supplied predicates, progress."""

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import sparkjob
 
+from delaywheel.batch import quality
 from delaywheel.config import PROJECT_ROOT, load_settings
 from delaywheel.db import connect
-from delaywheel.ops import quality
 
 DEFAULT_REPORTS = PROJECT_ROOT / ".delaywheel" / "reports"
 

@@ -8,7 +8,7 @@ from datetime import UTC, datetime, timedelta, timezone
 
 import pytest
 
-from delaywheel.ops.quality import Thresholds, deliveries_sql, due_sql
+from delaywheel.batch.quality import Thresholds, deliveries_sql, due_sql
 
 
 def test_thresholds_are_lane_keys_and_numbers() -> None:
