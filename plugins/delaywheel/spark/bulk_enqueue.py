@@ -34,9 +34,9 @@ from pyspark.sql import functions as F
 from pyspark.sql.pandas.types import to_arrow_schema
 from pyspark.sql.types import StringType, StructField, StructType
 
-from delaywheel.batch import bulk, input_rows, row_groups
+from delaywheel.batch import bulk, input_rows, inputs, row_groups
 from delaywheel.config import load_settings
-from delaywheel.ops import inputs, predicate
+from delaywheel.ops import predicate
 
 FORMATS = {".csv": "csv", ".json": "json", ".jsonl": "json", ".ndjson": "json", ".parquet": "parquet"}
 
