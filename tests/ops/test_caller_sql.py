@@ -291,3 +291,7 @@ def test_sources_only_the_store_or_allowed(monkeypatch: pytest.MonkeyPatch) -> N
         with pytest.raises(NotAllowed):
             check_source(bad, allowed)
     assert os.environ["AIRFLOW_CONN_SHOP_DB"]
+    # an allowed connection reaches the job only through its environment (the Airflow task puts it there)
+    monkeypatch.delenv("AIRFLOW_CONN_SHOP_DB")
+    with pytest.raises(NotAllowed, match="AIRFLOW_CONN_SHOP_DB is not set"):
+        check_source("shop_db", allowed)

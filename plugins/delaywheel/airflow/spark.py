@@ -19,6 +19,9 @@ from typing import Any
 from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
 from airflow.sdk import BaseHook
 
+from delaywheel.batch.inputs import connection_ids, connection_variable
+from delaywheel.config import load_settings
+
 # The job scripts ship inside the package (delaywheel/spark), so an installed delaywheel can submit them.
 SPARK_DIR = Path(__file__).resolve().parents[1] / "spark"
 LOG4J2 = SPARK_DIR / "log4j2.properties"
@@ -40,7 +43,24 @@ class DelaywheelSparkSubmitOperator(SparkSubmitOperator):
             master = ""
         if master.startswith("local"):
             self.env_vars = {"SPARK_LOCAL_IP": "127.0.0.1", **(self.env_vars or {})}
+        self.env_vars = {**_allowed_connections(), **(self.env_vars or {})}
         super().execute(context)
+
+
+def _allowed_connections() -> dict[str, str]:
+    """The allowed bulk-query sources that are Airflow connection ids, as AIRFLOW_CONN_<ID> variables for the job:
+    the job reads them from its environment (batch/inputs.py), so only this module of the library talks to Airflow.
+    A connection the worker does not know is left out; the job then refuses that source, naming it."""
+    found = {}
+    for conn_id in connection_ids(load_settings().allowed_sources):
+        name = connection_variable(conn_id)
+        if name in os.environ:
+            continue
+        try:
+            found[name] = str(BaseHook.get_connection(conn_id).get_uri())
+        except Exception:  # no such connection here
+            continue
+    return found
 
 
 def spark_job(task_id: str, job: str | Path, args: list[str], **kwargs: Any) -> SparkSubmitOperator:

@@ -80,16 +80,24 @@ def _identity(url: str) -> tuple[str, str, str, str]:
     return (str(p.get("host", "")), str(p.get("port", "5432")), str(p.get("dbname", "")), str(p.get("user", "")))
 
 
+def connection_ids(allowed: tuple[str, ...]) -> list[str]:
+    """The entries of `Settings.allowed_sources` that name an Airflow connection (not a URL or a conninfo string)."""
+    return [a.strip() for a in allowed if a.strip() and "://" not in a and "=" not in a]
+
+
+def connection_variable(conn_id: str) -> str:
+    """Airflow's environment variable for a connection: how an allowed connection reaches the job."""
+    return f"AIRFLOW_CONN_{conn_id.upper()}"
+
+
 def _connection_uri(conn_id: str) -> str:
-    env = os.environ.get(f"AIRFLOW_CONN_{conn_id.upper()}")
+    """An allowed connection's URI, from the job's environment: the Airflow task that submits the job puts each
+    allowed connection there (airflow/spark.py), and a job run by hand is given it the same way."""
+    env = os.environ.get(connection_variable(conn_id))
     if env:
         return env
-    try:
-        from airflow.sdk import BaseHook  # only where Airflow is installed and configured
-
-        return str(BaseHook.get_connection(conn_id).get_uri())
-    except Exception as exc:  # Airflow missing, or no such connection
-        raise NotAllowed(f"source {conn_id!r} is allowed but is not an Airflow connection here ({exc})") from None
+    raise NotAllowed(f"source {conn_id!r} is allowed but {connection_variable(conn_id)} is not set for this job "
+                     "(the Airflow task sets it from the connection; set it yourself when running the job by hand)")
 
 
 def check_source(source: str | None, settings: Settings, *, to_url: object = None) -> str | None:
