@@ -15,13 +15,13 @@ demo: setup       ## the main job on the embedded default (README's first comman
 	$(PY) -m delaywheel.cli migrate
 	$(PY) -m delaywheel.cli demo $(DEMO_ARGS)
 
-test: setup-test  ## the test suite (README's second command)
-	$(PY) -m ruff check plugins examples dags tests bench
+test: setup-test lint  ## the gates, then the test suite (README's second command)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-lint:
+lint:             ## ruff, mypy and the layer contracts (pyproject.toml's [tool.importlinter])
 	$(PY) -m ruff check plugins examples dags tests bench
 	$(PY) -m mypy
+	.venv/bin/lint-imports
 
 airflow: setup    ## Airflow on the embedded PostgreSQL, UI on http://127.0.0.1:8080 (README, "Airflow")
 	scripts/airflow.sh
