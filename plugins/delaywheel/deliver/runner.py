@@ -25,7 +25,7 @@ from delaywheel import partitions
 from delaywheel.db import connect
 from delaywheel.lanes import Lane, lane_name
 from delaywheel.locks import LANE_PRESENCE_LOCK, lane_lock_key
-from delaywheel.pending import LEVEL_HEAD
+from delaywheel.pending import level_head
 from delaywheel.produce.producer import NOTIFY_CHANNEL, lane_channel
 from delaywheel.store import Store
 from delaywheel.types import TopicSpan, add_spans
@@ -298,12 +298,12 @@ def _sleep_or_notified(
                     return
 
 
-# Every level's head in one statement (pending.LEVEL_HEAD per level), as epoch seconds. Not the wheel's: its pass
+# Every level's head in one statement (pending.level_head per level), as epoch seconds. Not the wheel's: its pass
 # returns its head (a separate WHEEL_HEAD would read the cursor again, for nothing).
-_HEADS = (
-    "SELECT ARRAY(SELECT extract(epoch FROM (" + LEVEL_HEAD.replace("%(level)s", "l.level") + "))::float8"
+_HEADS = sql.SQL(
+    "SELECT ARRAY(SELECT extract(epoch FROM ({}))::float8"
     " FROM unnest(%(levels)s::int[]) WITH ORDINALITY l(level, n) ORDER BY l.n)"
-)
+).format(level_head(sql.Identifier("l", "level"))).as_string()
 
 
 def _heads(conn: psycopg.Connection, lanes: Sequence[Lane]) -> dict[Lane, float | None]:
