@@ -37,10 +37,12 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
+from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
 from delaywheel import Message, Store, load_settings
 from delaywheel.dev.local_airflow import as_url
+from delaywheel.ops.stats import LATENESS_P50_P99, LATENESS_S
 
 from .common import ProcessCpu, fresh_database, load_options, log, server_url
 
@@ -123,22 +125,19 @@ def measure(url: str, sent: Sent, settle_s: float) -> dict[str, Any]:
             if not missing or time.monotonic() > deadline:
                 break
             time.sleep(2.0)
-        row = conn.execute("""
-            SELECT count(*), count(*) FILTER (WHERE delivered_at < deliver_at),
-                   percentile_cont(0.5) WITHIN GROUP (ORDER BY extract(epoch FROM delivered_at - deliver_at)),
-                   percentile_cont(0.99) WITHIN GROUP (ORDER BY extract(epoch FROM delivered_at - deliver_at)),
-                   max(extract(epoch FROM delivered_at - deliver_at)),
-                   percentile_cont(0.99) WITHIN GROUP (ORDER BY extract(epoch FROM delivered_at - deliver_at))
-                       FILTER (WHERE origin = 'level'),
-                   percentile_cont(0.99) WITHIN GROUP (ORDER BY extract(epoch FROM delivered_at - deliver_at))
-                       FILTER (WHERE origin = 'wheel')
-            FROM delaywheel.topic_messages WHERE origin IN ('level', 'wheel')""").fetchone()
+        row = conn.execute(sql.SQL("""
+            SELECT delivered, early, p[1], p[2], max_s, level[2], wheel[2]
+            FROM (SELECT count(*) AS delivered, count(*) FILTER (WHERE delivered_at < deliver_at) AS early,
+                         {p50_p99} AS p,
+                         max({lateness}) AS max_s, {p50_p99} FILTER (WHERE origin = 'level') AS level,
+                         {p50_p99} FILTER (WHERE origin = 'wheel') AS wheel
+                  FROM delaywheel.topic_messages WHERE origin IN ('level', 'wheel')) l""").format(
+            p50_p99=LATENESS_P50_P99, lateness=LATENESS_S)).fetchone()
         assert row is not None
-        worst = conn.execute("""
-            SELECT to_timestamp(floor(extract(epoch FROM deliver_at) / 10) * 10),
-                   max(extract(epoch FROM delivered_at - deliver_at)), count(*)
+        worst = conn.execute(sql.SQL("""
+            SELECT to_timestamp(floor(extract(epoch FROM deliver_at) / 10) * 10), max({lateness}), count(*)
             FROM delaywheel.topic_messages WHERE origin IN ('level', 'wheel')
-            GROUP BY 1 ORDER BY 2 DESC LIMIT 3""").fetchall()
+            GROUP BY 1 ORDER BY 2 DESC LIMIT 3""").format(lateness=LATENESS_S)).fetchall()
         over_1s = conn.execute("SELECT count(*) FROM delaywheel.topic_messages"
                                " WHERE origin IN ('level', 'wheel') AND delivered_at - deliver_at > interval '1 second'"
                                ).fetchone()

@@ -25,10 +25,13 @@ import time
 from datetime import UTC, datetime, timedelta
 
 import psycopg
+from psycopg import sql
 
 from delaywheel import Message, Store
 from delaywheel.deliver import runner
+from delaywheel.ops.stats import LATENESS_P50_P99
 from delaywheel.partitions import HOUR, floor_to
+from delaywheel.pending import not_cancelled
 from delaywheel.produce.producer import SEGMENT_MAX
 
 from . import naive
@@ -114,19 +117,18 @@ def burst(store: Store, url: str, count: int, batch: int, enqueue_rate: float) -
                 if row and row[0] >= count:
                     stop.set()
         totals = runner.run(store, [None], margin + 900, stop=stop, progress=progress, progress_every_s=0.5)
-        row = watcher.execute(
+        row = watcher.execute(sql.SQL(
             """
             SELECT count(*), count(DISTINCT message_id), count(*) FILTER (WHERE delivered_at < deliver_at),
                    count(*) FILTER (WHERE delivered_at - deliver_at <= interval '1 second'),
                    count(*) FILTER (WHERE delivered_at - deliver_at <= interval '5 seconds'),
                    count(*) FILTER (WHERE delivered_at - deliver_at <= interval '30 seconds'),
                    extract(epoch FROM max(delivered_at) - %(due)s), extract(epoch FROM max(delivered_at) - min(delivered_at)),
-                   percentile_cont(0.5) WITHIN GROUP (ORDER BY extract(epoch FROM delivered_at - deliver_at)),
-                   percentile_cont(0.99) WITHIN GROUP (ORDER BY extract(epoch FROM delivered_at - deliver_at))
+                   {p50_p99}
             FROM delaywheel.topic_messages WHERE topic = %(topic)s
-            """, {"due": due, "topic": BURST_TOPIC}).fetchone()
+            """).format(p50_p99=LATENESS_P50_P99), {"due": due, "topic": BURST_TOPIC}).fetchone()
     assert row is not None
-    delivered, distinct, early, in1, in5, in30, span_due, span_first, p50, p99 = row
+    delivered, distinct, early, in1, in5, in30, span_due, span_first, (p50, p99) = row
     if delivered != count or distinct != count or early:
         raise RuntimeError(f"burst: delivered {delivered}, distinct {distinct}, early {early} of {count}")
     figures = {"rate": count / float(span_due), "drain_rate": count / max(float(span_first), 1e-3)}
@@ -231,11 +233,15 @@ def cancel_latency(store: Store, other: psycopg.Connection, count: int) -> dict[
     """Single cancels by key of pending backdrop timers: near ones (B-tree on key) and far ones (far-block segments,
     migrations/012); (p50, max) in ms for each."""
     figures = {}
-    samples = {"near": "SELECT key FROM delaywheel.wheel w WHERE key LIKE 'backdrop-%%' AND NOT EXISTS"
-                       " (SELECT FROM delaywheel.cancellations c WHERE c.message_id = w.id) ORDER BY random() LIMIT %s",
-               "far": "SELECT k FROM delaywheel.wheel_far_segments, unnest(ids[1:1], keys[1:1]) u(id, k) WHERE k LIKE 'backdrop-%%'"
-                      " AND NOT EXISTS (SELECT FROM delaywheel.cancellations c WHERE c.message_id = u.id)"
-                      " ORDER BY random() LIMIT %s"}
+    samples = {
+        "near": sql.SQL("SELECT key FROM delaywheel.wheel w WHERE key LIKE 'backdrop-%%' AND {} ORDER BY random() LIMIT %s"
+                        ).format(not_cancelled("w")),
+        # each far segment's first message, its due time as the timestamptz a cancellation holds
+        "far": sql.SQL("SELECT m.key FROM delaywheel.wheel_far_segments s,"
+                       " unnest(s.ids[1:1], s.keys[1:1], s.deliver_ats[1:1]) u(id, key, due),"
+                       " LATERAL (SELECT u.id, u.key, u.due AT TIME ZONE 'UTC' AS deliver_at) m"
+                       " WHERE m.key LIKE 'backdrop-%%' AND {} ORDER BY random() LIMIT %s").format(not_cancelled("m")),
+    }
     for lane, sample in samples.items():
         keys = [k for (k,) in other.execute(sample, (count,))]  # type: ignore[arg-type]
         times = []
