@@ -7,6 +7,7 @@ batch not acked is pulled again; `Delivered.idempotency_id` is the key consumers
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from collections.abc import Collection
@@ -15,6 +16,7 @@ from datetime import datetime
 from typing import Any
 
 import psycopg
+from psycopg import sql
 
 from delaywheel.config import Settings
 from delaywheel.db import COMMIT_HORIZON, QUEUE_PLAN
@@ -97,7 +99,7 @@ def pull(conn: psycopg.Connection, topic: str, group: str, max_messages: int = 1
     """The next messages after the group's committed offset, from the topic and the group's retry topic."""
     sources = (topic, retry_topic(group))
     with conn.transaction():
-        conn.execute(f"SELECT {_READ_PLAN}")
+        conn.execute(_SET_READ_PLAN)
         return _batch(group, sources, _read(conn, group, sources, max_messages).fetchall(), max_messages)
 
 
@@ -114,37 +116,54 @@ def _body(data: bytes, is_json: bool, message_id: int) -> Any:
         return data
 
 
-# The group's offset in one source (`{i}`: the source's index), as a row to compare (xid, queue_offset) with.
-_OFFSET = """(
-          coalesce((SELECT cursor_xid FROM delaywheel.consumer_offsets WHERE grp = %(group)s AND topic = %(s{i})s), '0'),
-          coalesce((SELECT cursor_offset FROM delaywheel.consumer_offsets WHERE grp = %(group)s AND topic = %(s{i})s), 0))"""
+# The group's offset in one source (`source`: the parameter naming it), as a row to compare (xid, queue_offset) with.
+_OFFSET = sql.SQL("""(
+          coalesce((SELECT cursor_xid FROM delaywheel.consumer_offsets WHERE grp = %(group)s AND topic = {source}), '0'),
+          coalesce((SELECT cursor_offset FROM delaywheel.consumer_offsets WHERE grp = %(group)s AND topic = {source}), 0))""")
 # One source's next messages after the group's offset, below the commit horizon (`h`, read once for every source).
 # The columns are Delivered's fields in order but the last (source_topic: the source read), then is_json, the
 # source's index (`src`) and the position.
-_SOURCE = """(
+_SOURCE = sql.SQL("""(
     SELECT coalesce(t.properties->>'ORIGIN_TOPIC', t.topic), t.queue_offset, t.message_id, t.key, t.tags,
            t.properties, t.body, t.reconsume_times, t.deliver_at, t.delivered_at,
-           t.is_json, {i} AS src, t.xid::text::bigint AS position
+           t.is_json, {index} AS src, t.xid::text::bigint AS position
     FROM delaywheel.topic_messages t
-    WHERE t.topic = %(s{i})s AND (t.xid, t.queue_offset) > """ + _OFFSET + """
+    WHERE t.topic = {source} AND (t.xid, t.queue_offset) > {offset}
       AND t.xid < (SELECT x FROM h)
     ORDER BY t.xid, t.queue_offset
     LIMIT %(limit)s
-)"""
+)""")
 # Is there any row past the group's offset in the source, readable or not (what `Batch.behind` reports)?
-_PAST = """EXISTS (SELECT 1 FROM delaywheel.topic_messages t WHERE t.topic = %(s{i})s
-                  AND (t.xid, t.queue_offset) > """ + _OFFSET + ")"
-# Every source's rows, ordered by source then position, each with `behind`; no rows: one row of NULLs with it.
-_READS = {n: "WITH h AS MATERIALIZED (SELECT " + COMMIT_HORIZON + " AS x)\n"
-             + "SELECT r.*, e.behind FROM (SELECT " + " OR ".join(_PAST.format(i=i) for i in range(n))
-             + " AS behind) e\nLEFT JOIN LATERAL (" + "\nUNION ALL\n".join(_SOURCE.format(i=i) for i in range(n))
-             + ") r ON true\nORDER BY r.src, r.position, r.queue_offset" for n in (1, 2)}
+_PAST = sql.SQL("""EXISTS (SELECT 1 FROM delaywheel.topic_messages t WHERE t.topic = {source}
+                  AND (t.xid, t.queue_offset) > {offset})""")
+_READ = sql.SQL("""WITH h AS MATERIALIZED (SELECT {horizon} AS x)
+SELECT r.*, e.behind FROM (SELECT {past} AS behind) e
+LEFT JOIN LATERAL ({sources}) r ON true
+ORDER BY r.src, r.position, r.queue_offset""")
+
+
+def _read_statement(n: int) -> str:
+    """The read of `n` sources (parameters s0, s1, ...): every source's rows, ordered by source then position, each
+    with `behind`; no rows: one row of NULLs with it. As text, rendered once: prepared by its text (`_read`)."""
+    sources = [(sql.Literal(i), sql.Placeholder(f"s{i}")) for i in range(n)]
+    return _READ.format(
+        horizon=sql.SQL(COMMIT_HORIZON),
+        past=sql.SQL(" OR ").join(_PAST.format(source=s, offset=_OFFSET.format(source=s)) for _, s in sources),
+        sources=sql.SQL("\nUNION ALL\n").join(
+            _SOURCE.format(index=i, source=s, offset=_OFFSET.format(source=s)) for i, s in sources),
+    ).as_string()
+
+
+_READS = {n: _read_statement(n) for n in (1, 2)}
 _FIELDS = tuple(f.name for f in fields(Delivered))[:-1]
 assert fields(Delivered)[-1].name == "source_topic"
 # The read's planner settings: the cursor's index order across partitions, not "read all, sort" (QUEUE_PLAN), and
 # the read planned once per connection (a prepared generic plan): it names topic_messages four times, and planning
 # it for each batch took 3.3 ms against 1.2 ms to run it for 1,000 rows. Nothing is pruned by its parameters.
-_READ_PLAN = f"{QUEUE_PLAN}, set_config('plan_cache_mode', 'force_generic_plan', true)"
+_READ_PLAN = sql.SQL("{}, set_config('plan_cache_mode', 'force_generic_plan', true)").format(sql.SQL(QUEUE_PLAN))
+_SET_READ_PLAN = sql.SQL("SELECT {}").format(_READ_PLAN).as_string()
+# The group lock's keys on (group, source): parameters group, then source.
+_GROUP_LOCK_KEYS = sql.SQL("{}, {}").format(sql.Literal(GROUP_LOCK), sql.SQL(GROUP_TOPIC_KEY))
 
 
 def _read(conn: psycopg.Connection, group: str, sources: tuple[str, ...], max_messages: int) -> psycopg.Cursor[Any]:
@@ -204,7 +223,7 @@ def ack(
 # The common ack: the group's offset for a source is still before the batch's first message from it (where the
 # previous batch's ack left it), so every message of the batch from it passes; the sources moved come back. A source
 # not moved (the group's first ack of it, or another ack got there first) is left to `_ack`'s general path.
-_MOVE = """WITH v (topic, xid, "offset", n, first_xid, first_offset) AS (VALUES {values}),
+_MOVE = sql.SQL("""WITH v (topic, xid, "offset", n, first_xid, first_offset) AS (VALUES {values}),
 moved AS (
     UPDATE delaywheel.consumer_offsets o
     SET cursor_xid = v.xid::xid8, cursor_offset = v."offset", acked = o.acked + v.n, updated_at = clock_timestamp()
@@ -212,22 +231,39 @@ moved AS (
     WHERE o.grp = %s AND o.topic = v.topic AND (o.cursor_xid, o.cursor_offset) < (v.first_xid::xid8, v.first_offset)
     RETURNING o.topic
 )
-SELECT ARRAY(SELECT topic FROM moved){extra}"""
-_MOVE_VALUE = "(%s::text, %s::text, %s::bigint, %s::int, %s::text, %s::bigint)"
+SELECT ARRAY(SELECT topic FROM moved){extra}""")
+_MOVE_VALUE = sql.SQL("(%s::text, %s::text, %s::bigint, %s::int, %s::text, %s::bigint)")
+_NO_MOVE = sql.SQL("SELECT ARRAY[]::text[]{extra}")
 
 
-def _move(conn: psycopg.Connection, batch: Batch | None, extra: str = "", params: list[Any] | None = None,
+@functools.cache
+def _move_statement(sources: int, tries: int | None) -> str:
+    """`_MOVE` for a batch's `sources` sources (0: nothing to move), then, for a pull (`tries` not None), the pull's
+    plan settings and `tries` tries of the group lock. As text, rendered once per shape: psycopg prepares a statement
+    it runs often by its text, as it did when these were joined strings."""
+    extra: sql.Composable = sql.SQL("")
+    if tries is not None:
+        try_lock = sql.SQL("pg_try_advisory_lock({})").format(_GROUP_LOCK_KEYS)
+        extra = sql.SQL(", {}").format(sql.SQL(", ").join([_READ_PLAN, *[try_lock] * tries]))
+    if not sources:
+        return _NO_MOVE.format(extra=extra).as_string()
+    return _MOVE.format(values=sql.SQL(", ").join([_MOVE_VALUE] * sources), extra=extra).as_string()
+
+
+def _move(conn: psycopg.Connection, batch: Batch | None, tries: int | None = None, params: list[Any] | None = None,
           ) -> tuple[set[str], tuple[Any, ...]]:
-    """In one statement, `_MOVE` for each source of `batch` (if any) and `extra`'s values (`, a, b ...` after the
-    moves' column, with `params`). Returns the sources moved and the row."""
-    sql, values = "SELECT ARRAY[]::text[]" + extra, []
+    """In one statement, `_MOVE` for each source of `batch` (if any), then for a pull (`tries` not None) its plan
+    settings and `tries` tries of the group lock (with `params`) after the moves' column. Returns the sources moved
+    and the row."""
+    values: list[Any] = []
+    sources = 0
     if batch is not None and batch.cursors:
         for topic, (xid, offset) in batch.cursors.items():
             mine = [pos for m, pos in zip(batch.messages, batch.positions, strict=True) if m.source_topic == topic]
             values += [topic, xid, offset, len(mine), str(mine[0][0]), mine[0][1]]
-        sql = _MOVE.format(values=", ".join([_MOVE_VALUE] * len(batch.cursors)), extra=extra)
+        sources = len(batch.cursors)
         values.append(batch.group)
-    row = conn.execute(sql, values + (params or [])).fetchone()  # type: ignore[arg-type]
+    row = conn.execute(_move_statement(sources, tries), values + (params or [])).fetchone()  # type: ignore[arg-type]
     assert row is not None
     return set(row[0]), row
 
@@ -256,10 +292,9 @@ def ack_and_pull(
     failed = _checked_failures(done, failed) if done is not None else set()
     sources = (topic, retry_topic(group))
     wanted = [s for s in sources if s not in held]
-    tries = "".join(f", pg_try_advisory_lock({GROUP_LOCK}, {GROUP_TOPIC_KEY})" for _ in wanted)
     params = [v for s in wanted for v in (group, s)]
     with conn.transaction():
-        moved, row = _move(conn, done, f", {_READ_PLAN}{tries}", params)
+        moved, row = _move(conn, done, len(wanted), params)
         now_held = held | {s for s, got in zip(wanted, row[len(row) - len(wanted):], strict=True) if got}
         result = _ack(conn, settings, cache, done, failed, moved) if done is not None else AckResult()
         readable = tuple(s for s in sources if s in now_held)
@@ -271,8 +306,9 @@ def ack_and_pull(
 def release_group_locks(conn: psycopg.Connection, group: str, sources: frozenset[str] | set[str]) -> None:
     """Release the group locks `ack_and_pull` took on this session (call after its transaction committed)."""
     if sources:
-        unlocks = ", ".join(f"pg_advisory_unlock({GROUP_LOCK}, {GROUP_TOPIC_KEY})" for _ in sources)
-        conn.execute(f"SELECT {unlocks}", [v for s in sorted(sources) for v in (group, s)])  # type: ignore[arg-type]
+        unlock = sql.SQL("pg_advisory_unlock({})").format(_GROUP_LOCK_KEYS)
+        conn.execute(sql.SQL("SELECT {}").format(sql.SQL(", ").join([unlock] * len(sources))),
+                     [v for s in sorted(sources) for v in (group, s)])
 
 
 def _checked_failures(batch: Batch, failed: set[int] | None) -> set[int]:
