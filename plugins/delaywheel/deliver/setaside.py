@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import psycopg
-from psycopg import errors
+from psycopg import errors, sql
 
 from delaywheel.partitions import PartitionCache
 
@@ -28,17 +28,18 @@ COLUMNS = ("message_id", "lane", "level", "topic", "key", "deliver_at", "reason"
            "body", "is_json", "reconsume_times")
 
 
+_INSERT = sql.SQL("INSERT INTO delaywheel.set_aside ({}) VALUES ({}) ON CONFLICT (message_id) DO NOTHING").format(
+    sql.SQL(", ").join(map(sql.Identifier, COLUMNS)), sql.SQL(", ").join(sql.Placeholder() * len(COLUMNS))
+)
+
+
 def record(conn: psycopg.Connection, cache: PartitionCache, rows: Sequence[Sequence[Any]]) -> int:
     """Set the rows aside (COLUMNS order) inside the caller's transaction; returns how many were given."""
     if not rows:
         return 0
     cache.ensure(conn, "cancellations", [r[5] for r in rows])
     with conn.cursor() as cur:
-        cur.executemany(
-            f"INSERT INTO delaywheel.set_aside ({', '.join(COLUMNS)}) VALUES ({', '.join(['%s'] * len(COLUMNS))})"
-            " ON CONFLICT (message_id) DO NOTHING",
-            rows,
-        )
+        cur.executemany(_INSERT, rows)
         cur.executemany(
             "INSERT INTO delaywheel.cancellations (message_id, due_at, key, reason)"
             " VALUES (%(id)s, %(due)s, %(key)s, %(reason)s) ON CONFLICT (message_id, due_at) DO NOTHING",  # migrations/018

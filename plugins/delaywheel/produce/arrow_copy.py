@@ -18,7 +18,7 @@ import pgpq
 import psycopg
 import pyarrow as pa
 import pyarrow.compute as pc
-from psycopg import errors
+from psycopg import errors, sql
 
 from delaywheel.config import Settings
 from delaywheel.lanes import Lane
@@ -225,15 +225,21 @@ def _jsonb(json_text: pa.Array) -> pa.Array:
     return pc.binary_join_element_wise(pa.scalar(b"\x01"), json_text.cast(pa.binary()), pa.scalar(b""))
 
 
+@functools.cache
+def _copy_statement(table: str, columns: tuple[str, ...]) -> str:
+    """`COPY delaywheel.<table> (<columns>) FROM STDIN (FORMAT BINARY)`, names quoted, rendered once per shape."""
+    return sql.SQL("COPY {} ({}) FROM STDIN (FORMAT BINARY)").format(
+        sql.Identifier("delaywheel", table), sql.SQL(", ").join(map(sql.Identifier, columns))
+    ).as_string()
+
+
 def copy_arrow(conn: psycopg.Connection, table: str, batch: pa.RecordBatch,
                meanwhile: Callable[[], object] | None = None) -> None:
     """COPY a record batch into delaywheel.<table>, its columns by name, in slices of about SLICE_BYTES.
     `meanwhile` runs once every slice is sent, before the COPY ends: client work the server's storing hides."""
     encoder = pgpq.ArrowToPostgresBinaryEncoder(batch.schema)
     step = max(1, batch.num_rows * SLICE_BYTES // max(batch.nbytes, 1))
-    with conn.cursor().copy(  # type: ignore[call-overload]
-        f"COPY delaywheel.{table} ({', '.join(batch.schema.names)}) FROM STDIN (FORMAT BINARY)"
-    ) as copy:
+    with conn.cursor().copy(_copy_statement(table, tuple(batch.schema.names))) as copy:  # type: ignore[call-overload]
         data = encoder.write_header()  # a small batch goes out in one write: each write waits on the socket
         for offset in range(0, batch.num_rows, step):
             data += encoder.write_batch(batch.slice(offset, step))
