@@ -25,6 +25,7 @@ from pglast import ast, parse_sql
 from pglast.enums import A_Expr_Kind, BoolExprType, SetOperation, SQLValueFunctionOp
 from pglast.parser import ParseError
 from pglast.stream import RawStream
+from psycopg import sql
 
 
 class UnsafeSQL(ValueError):
@@ -347,6 +348,9 @@ def check_column(name: str, columns: Iterable[str], table: str, *, what: str = "
 def read_only_session(timeout_ms: int) -> str:
     """The statements that make a JDBC session read-only with a statement timeout (Spark's `sessionInitStatement`):
     the defence behind the checks, for reads whose shape a caller chose. Spark turns autocommit off first, so the
-    driver's transaction may have begun already: it is made read-only too (outside one, that is only a warning)."""
-    return ("SET SESSION CHARACTERISTICS AS TRANSACTION READ ONLY; SET TRANSACTION READ ONLY;"
-            f" SET statement_timeout = {int(timeout_ms)}")
+    driver's transaction may have begun already: it is made read-only too (outside one, that is only a warning).
+    The timeout is the session's (SET, not set_config(..., true)): a transaction-local one would end with the
+    transaction the init statement may run in, before Spark's reads. Text, not parameters: JDBC runs it as is."""
+    return sql.SQL(
+        "SET SESSION CHARACTERISTICS AS TRANSACTION READ ONLY; SET TRANSACTION READ ONLY; SET statement_timeout = {}"
+    ).format(sql.Literal(int(timeout_ms))).as_string()
