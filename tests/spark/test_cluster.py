@@ -17,23 +17,25 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+from sparkjob import JDBC_JAR
+
 from delaywheel import Store
 from tests.conftest import fresh_database
 from tests.spark.conftest import SPARK_DIR, SPARK_HOME, SparkCluster
 from tests.spark.test_bulk_enqueue import _pending, _quarantine, _rows
 from tests.spark.test_redeliver import _send_backlog
 
-SUBMIT = SPARK_HOME / "bin" / "spark-submit"  # what the venv's spark-submit runs, and the image's links to
+SUBMIT = SPARK_HOME / "bin" / "spark-submit"  # what the venv's .venv/bin/spark-submit runs
 GOOD_ROWS = 20_000  # besides _rows' 80 good and 9 bad ones: enough for two writers on two executors
 
 
 def submit(cluster: SparkCluster, master: str, job: str, args: list[str], log: Path,
            env: dict[str, str]) -> tuple[dict[str, Any], float]:
-    """`spark-submit --master MASTER <job>.py ARGS` in the cluster's environment plus `env`; returns the job's JSON
-    line and its wall time in seconds. Spark's log goes to `log`."""
+    """`spark-submit --master MASTER --jars <JDBC jar> <job>.py ARGS` (docs/spark-cluster.md) in the cluster's
+    environment plus `env`; returns the job's JSON line and its wall time in seconds. Spark's log goes to `log`."""
     started = time.monotonic()
     with log.open("w") as err:
-        done = subprocess.run([str(SUBMIT), "--master", master, str(SPARK_DIR / f"{job}.py"), *args],
+        done = subprocess.run([str(SUBMIT), "--master", master, "--jars", JDBC_JAR, str(SPARK_DIR / f"{job}.py"), *args],
                               env=cluster.env | env, stdout=subprocess.PIPE, stderr=err, text=True, timeout=600)
     seconds = time.monotonic() - started
     assert done.returncode == 0, f"{job} on {master} failed:\n" + "\n".join(log.read_text().splitlines()[-40:])
