@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 import psycopg
+from psycopg import sql
 
 from delaywheel.consume.topics import Delivered
 from delaywheel.produce.validation import Message
@@ -157,9 +158,9 @@ def _release(conn: psycopg.Connection, order_ids: list[int], sell: bool) -> None
     target = "sold" if sell else "on_hand"
     _lock_stock(conn, order_ids)
     conn.execute(
-        f"""UPDATE shop.products p SET reserved = p.reserved - l.qty, {target} = p.{target} + l.qty
+        sql.SQL("""UPDATE shop.products p SET reserved = p.reserved - l.qty, {target} = p.{target} + l.qty
             FROM (SELECT sku, sum(qty) AS qty FROM shop.order_lines WHERE order_id = ANY(%s::bigint[]) GROUP BY sku) l
-            WHERE p.sku = l.sku""",  # type: ignore[arg-type]
+            WHERE p.sku = l.sku""").format(target=sql.Identifier(target)),
         (order_ids,),
     )
 
@@ -169,9 +170,10 @@ def _settle_in_time(conn: psycopg.Connection, requests: list[tuple[int, datetime
     own time, not when it is processed) to `status`, stamping `stamp` with that time; returns their ids."""
     _lock_orders(conn, [o for o, _ in requests])
     return [r[0] for r in conn.execute(
-        f"""UPDATE shop.orders o SET status = %s, {stamp} = r.at
+        sql.SQL("""UPDATE shop.orders o SET status = %s, {stamp} = r.at
             FROM unnest(%s::bigint[], %s::timestamptz[]) AS r(id, at)
-            WHERE o.order_id = r.id AND o.status = 'pending' AND r.at < o.deadline RETURNING o.order_id""",  # type: ignore[arg-type]
+            WHERE o.order_id = r.id AND o.status = 'pending' AND r.at < o.deadline RETURNING o.order_id""").format(
+            stamp=sql.Identifier(stamp)),
         (status, [o for o, _ in requests], [t for _, t in requests])).fetchall()]
 
 

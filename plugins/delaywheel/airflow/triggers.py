@@ -180,7 +180,8 @@ class TopicMessagesTrigger(BaseEventTrigger):
         while True:
             try:
                 async with await hook.aconnect() as conn:
-                    await conn.execute(f"LISTEN {TOPIC_CHANNEL}")  # deliverers and producers name the topics they wrote
+                    # deliverers and producers name the topics they wrote
+                    await conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(TOPIC_CHANNEL)))
                     while True:
                         span = await announce_new(conn, self.topic)
                         retry_in = backoff_delays()

@@ -29,6 +29,7 @@ from collections.abc import Callable, Collection, Generator, Iterator
 from dataclasses import dataclass
 
 import psycopg
+from psycopg import sql
 
 from delaywheel.consume import topics
 from delaywheel.consume.topics import Batch, Delivered
@@ -195,7 +196,7 @@ class Consumer:
         if self._listener is None or self._listener.closed:
             conn = connect(self.store.url, autocommit=True)
             try:
-                conn.execute(f"LISTEN {TOPIC_CHANNEL}")  # type: ignore[arg-type]
+                conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(TOPIC_CHANNEL)))
             except BaseException:
                 conn.close()
                 raise

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import psycopg
+from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from delaywheel.config import PROJECT_ROOT
@@ -119,7 +120,7 @@ def configure(store_url: str, *, metadata_db: str = "airflow", home: Path | None
     server = metadata_server(store_url)
     with psycopg.connect(server, autocommit=True) as conn:
         if not conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (metadata_db,)).fetchone():
-            conn.execute(f'CREATE DATABASE "{metadata_db}"')
+            conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(metadata_db)))
     env = metadata_env(server, metadata_db, home or PROJECT_ROOT / ".delaywheel" / "airflow")
     Path(env["AIRFLOW_HOME"]).mkdir(parents=True, exist_ok=True)
     env |= shared_secrets(Path(env["AIRFLOW_HOME"]))
