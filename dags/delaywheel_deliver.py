@@ -29,7 +29,13 @@ Safety does not depend on Airflow: two deliverers of a lane (the overlap, a manu
 scheduler, a zombie worker) take the lane's advisory lock one pass at a time, and every pass moves
 messages and checkpoint in one transaction, so nothing is delivered twice or lost.
 
-Parsing reads only the level table and two numbers (environment / airflow.cfg): no database, no Spark.
+Several stores (`stores` / DELAYWHEEL_STORES, docs/stores.md): each store has its own lanes, so the file makes one
+DAG per store, `delaywheel_deliver_<name>`, on the store's connection `delaywheel_<name>` and with its own pool
+`delaywheel_deliver_<name>` (2 x (levels + 1) slots each, created by scripts/airflow.sh). With no stores configured it
+makes `delaywheel_deliver` on `delaywheel_default` and pool `delaywheel_deliver`, as always.
+
+Parsing reads only the level table, the store names and two numbers (environment / airflow.cfg): no database, no
+Spark.
 """
 
 from __future__ import annotations
@@ -39,52 +45,62 @@ from datetime import datetime, timedelta
 from airflow.sdk import DAG, Param, TaskGroup, conf
 
 from delaywheel import load_settings
+from delaywheel.airflow.hooks import store_conn_id, store_names
 from delaywheel.airflow.operators import AdvanceWheelOperator, DeliverLevelOperator, PublishTopicEventsOperator
 from delaywheel.lanes import delay_label
 
 POOL = "delaywheel_deliver"
-LEVELS = load_settings().levels
+SETTINGS = load_settings()
+LEVELS = SETTINGS.levels
 INTERVAL_S = conf.getfloat("delaywheel", "deliver_lease_seconds", fallback=300.0)
 OVERLAP_S = conf.getfloat("delaywheel", "deliver_overlap_seconds", fallback=120.0)
 
 
-with DAG(
-    dag_id="delaywheel_deliver",
-    schedule=timedelta(seconds=INTERVAL_S),
-    max_active_runs=2,  # the running one and the one taking over
-    max_active_tasks=2 * (len(LEVELS) + 1),
-    dagrun_timeout=timedelta(seconds=INTERVAL_S + OVERLAP_S + 300),  # a stuck run is failed, its tasks told to stop
-    is_paused_upon_creation=False,  # delivery is the point of running Airflow here
-    start_date=datetime(2025, 1, 1),
-    catchup=False,
-    doc_md=__doc__,
-    tags=["delaywheel"],
-    params={
-        "lease_seconds": Param(INTERVAL_S + OVERLAP_S, type="number", minimum=1,
-                               description="Each task delivers until this long after the run's scheduled time."),
-        "until_idle": Param(False, type="boolean", description="End a task early once its lane is empty."),
-        "handover_grace_seconds": Param(OVERLAP_S, type="number", minimum=0,
-                                        description="Past its lease, a task keeps its lane up to this long "
-                                                    "until the next run's task for that lane is running."),
-    },
-    default_args={"pool": POOL, "retries": 2, "retry_delay": timedelta(seconds=5)},
-):
-    common = {"lease_seconds": "{{ params.lease_seconds }}", "until_idle": "{{ params.until_idle }}",
-              "handover_grace_seconds": "{{ params.handover_grace_seconds }}", "emit_asset_events": False}
-    # The grid lists a DAG's top-level nodes by id, as text: deliver_level_10 would come before deliver_level_2.
-    # Each lane is therefore a one-task group whose id sorts naturally (lane_01 … lane_18, lane_wheel), while the
-    # task ids stay deliver_level_<n> and advance_wheel (prefix_group_id=False): the grid and graph show the lanes
-    # in level order and nothing that names a task changes.
-    width = len(str(len(LEVELS)))
-    lanes: list[DeliverLevelOperator | AdvanceWheelOperator] = []
-    for level, delay in enumerate(LEVELS, start=1):
-        name = f"level {level} ({delay_label(delay)})"
-        with TaskGroup(f"lane_{level:0{width}d}", group_display_name=name, prefix_group_id=False):
-            lanes.append(DeliverLevelOperator(task_id=f"deliver_level_{level}", task_display_name=name, level=level,
-                                              **common))
-    with TaskGroup("lane_wheel", group_display_name="timing wheel", prefix_group_id=False):
-        lanes.append(AdvanceWheelOperator(task_id="advance_wheel", task_display_name="timing wheel", **common))
-    lanes >> PublishTopicEventsOperator(  # type: ignore[operator]
-        task_id="publish_topic_events", task_display_name="topic Asset events",
-        lane_task_ids=[lane.task_id for lane in lanes],
-    )
+def deliver_dag(dag_id: str, conn_id: str, pool: str) -> None:
+    """One store's deliver DAG: its lanes on connection `conn_id`, in pool `pool` (the DAG registers itself)."""
+    with DAG(
+        dag_id=dag_id,
+        schedule=timedelta(seconds=INTERVAL_S),
+        max_active_runs=2,  # the running one and the one taking over
+        max_active_tasks=2 * (len(LEVELS) + 1),
+        dagrun_timeout=timedelta(seconds=INTERVAL_S + OVERLAP_S + 300),  # a stuck run is failed, its tasks told to stop
+        is_paused_upon_creation=False,  # delivery is the point of running Airflow here
+        start_date=datetime(2025, 1, 1),
+        catchup=False,
+        doc_md=__doc__,
+        tags=["delaywheel"],
+        params={
+            "lease_seconds": Param(INTERVAL_S + OVERLAP_S, type="number", minimum=1,
+                                   description="Each task delivers until this long after the run's scheduled time."),
+            "until_idle": Param(False, type="boolean", description="End a task early once its lane is empty."),
+            "handover_grace_seconds": Param(OVERLAP_S, type="number", minimum=0,
+                                            description="Past its lease, a task keeps its lane up to this long "
+                                                        "until the next run's task for that lane is running."),
+        },
+        default_args={"pool": pool, "retries": 2, "retry_delay": timedelta(seconds=5)},
+    ):
+        common = {"lease_seconds": "{{ params.lease_seconds }}", "until_idle": "{{ params.until_idle }}",
+                  "handover_grace_seconds": "{{ params.handover_grace_seconds }}", "emit_asset_events": False,
+                  "delaywheel_conn_id": conn_id}
+        # The grid lists a DAG's top-level nodes by id, as text: deliver_level_10 would come before deliver_level_2.
+        # Each lane is therefore a one-task group whose id sorts naturally (lane_01 … lane_18, lane_wheel), while the
+        # task ids stay deliver_level_<n> and advance_wheel (prefix_group_id=False): the grid and graph show the lanes
+        # in level order and nothing that names a task changes.
+        width = len(str(len(LEVELS)))
+        lanes: list[DeliverLevelOperator | AdvanceWheelOperator] = []
+        for level, delay in enumerate(LEVELS, start=1):
+            name = f"level {level} ({delay_label(delay)})"
+            with TaskGroup(f"lane_{level:0{width}d}", group_display_name=name, prefix_group_id=False):
+                lanes.append(DeliverLevelOperator(task_id=f"deliver_level_{level}", task_display_name=name, level=level,
+                                                  **common))
+        with TaskGroup("lane_wheel", group_display_name="timing wheel", prefix_group_id=False):
+            lanes.append(AdvanceWheelOperator(task_id="advance_wheel", task_display_name="timing wheel", **common))
+        lanes >> PublishTopicEventsOperator(  # type: ignore[operator]
+            task_id="publish_topic_events", task_display_name="topic Asset events",
+            lane_task_ids=[lane.task_id for lane in lanes],
+        )
+
+
+for store in store_names(SETTINGS):
+    suffix = "" if store is None else f"_{store}"
+    deliver_dag(f"delaywheel_deliver{suffix}", store_conn_id(store), POOL + suffix)

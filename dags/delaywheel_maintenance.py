@@ -10,16 +10,21 @@ Hourly, because partitions are hourly (level queue, near wheel) and daily (topic
 - `vacuum` runs VACUUM (ANALYZE) on the tables that need it: the small, constantly updated ones
   (checkpoints, wheel state, consumer offsets) collect dead rows; VACUUM cannot run inside a
   transaction, hence an autocommit connection.
+
+With several stores (`stores` / DELAYWHEEL_STORES, docs/stores.md) every store needs all five: the DAG holds one
+group of them per store, `store_<name>`, each on the store's connection `delaywheel_<name>`; the stores' chains run
+side by side. With no stores configured the tasks are the single store's, on `delaywheel_default`, as always.
 """
 
 from __future__ import annotations
 
+import contextlib
 from datetime import datetime, timedelta
 from typing import Any
 
-from airflow.sdk import DAG, task
+from airflow.sdk import DAG, TaskGroup, task
 
-from delaywheel.airflow.hooks import DelayWheelHook
+from delaywheel.airflow.hooks import DelayWheelHook, store_conn_id, store_names
 
 # A table is vacuumed once its dead rows pass both bounds (autovacuum's own rule, with smaller numbers:
 # these tables are tiny, but every delivery pass reads them).
@@ -57,34 +62,38 @@ with DAG(
 ):
 
     @task
-    def prepare() -> None:
-        with DelayWheelHook().get_store() as store:
+    def prepare(conn_id: str) -> None:
+        with DelayWheelHook(conn_id).get_store() as store:
             store.prepare()
 
     @task
-    def retire() -> list[dict[str, Any]]:
-        with DelayWheelHook().get_store() as store:
+    def retire(conn_id: str) -> list[dict[str, Any]]:
+        with DelayWheelHook(conn_id).get_store() as store:
             retired = store.retire()
         return [{"parent": r.parent, "partition": r.name, "rows": r.rows} for r in retired]
 
     @task
-    def summarize() -> int:
-        with DelayWheelHook().get_store() as store:
+    def summarize(conn_id: str) -> int:
+        with DelayWheelHook(conn_id).get_store() as store:
             return store.summarize()
 
     @task
-    def table_sizes() -> list[dict[str, Any]]:
-        with DelayWheelHook().get_store() as store:
+    def table_sizes(conn_id: str) -> list[dict[str, Any]]:
+        with DelayWheelHook(conn_id).get_store() as store:
             cur = store.conn.execute(SIZES)
             names = [d.name for d in cur.description or []]
             return [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
 
     @task
-    def vacuum() -> list[str]:
-        with DelayWheelHook().get_store() as store:
+    def vacuum(conn_id: str) -> list[str]:
+        with DelayWheelHook(conn_id).get_store() as store:
             tables = [r[0] for r in store.conn.execute(NEEDS_VACUUM, {"min": DEAD_ROWS_MIN, "fraction": DEAD_FRACTION})]
             for table in tables:  # store.conn is autocommit: VACUUM refuses to run in a transaction block
                 store.conn.execute(f'VACUUM (ANALYZE) delaywheel."{table}"')  # type: ignore[arg-type]
         return tables
 
-    prepare() >> retire() >> summarize() >> table_sizes() >> vacuum()
+    for store in store_names():
+        conn_id = store_conn_id(store)
+        group = contextlib.nullcontext() if store is None else TaskGroup(f"store_{store}", tooltip=f"connection {conn_id}")
+        with group:
+            prepare(conn_id) >> retire(conn_id) >> summarize(conn_id) >> table_sizes(conn_id) >> vacuum(conn_id)

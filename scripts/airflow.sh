@@ -70,6 +70,14 @@ PYEOF
 )
 export AIRFLOW__DATABASE__SQL_ALCHEMY_CONN="${AIRFLOW__DATABASE__SQL_ALCHEMY_CONN:-$AIRFLOW_DB_URL}"
 export AIRFLOW_CONN_DELAYWHEEL_DEFAULT="${AIRFLOW_CONN_DELAYWHEEL_DEFAULT:-$STORE_URL}"
+# Several stores (DELAYWHEEL_STORES, docs/stores.md): connection delaywheel_<name> per store, from its URL; a
+# variable already set wins (a store URL listing several hosts is no Airflow URI: set that one yourself).
+CONNS="$("$PY" -m delaywheel.dev.local_airflow connections)"
+while read -r line; do
+  [[ -n "$line" ]] || continue
+  name="${line%%=*}"
+  [[ -n "${!name:-}" ]] || export "$line"
+done <<<"$CONNS"
 # Airflow 3 creates no default connections, and without one SparkSubmitOperator's `spark_default` means yarn:
 # Spark local mode unless the user set the connection (README, "Spark").
 [[ -n "${AIRFLOW_CONN_SPARK_DEFAULT:-}" ]] || AIRFLOW_CONN_SPARK_DEFAULT='{"conn_type":"spark","host":"local[*]"}'
@@ -96,11 +104,16 @@ if [[ $# -gt 0 && "$1" != "standalone" ]]; then
   exec airflow "$@"
 fi
 
-"$PY" -m delaywheel.cli migrate                      # the store's schema and the next hours' partitions
-"$PY" -m delaywheel.cli shop migrate                 # the example shop's own line (its DAGs need it)
+# The store's schema and the next hours' partitions, and the example shop's own line (its DAGs need it), on
+# delaywheel_default's store (with several stores configured as well: DELAYWHEEL_STORES= reads database_url only).
+DELAYWHEEL_STORES= "$PY" -m delaywheel.cli migrate
+DELAYWHEEL_STORES= "$PY" -m delaywheel.cli shop migrate
+[[ -z "$CONNS" ]] || "$PY" -m delaywheel.cli --all-stores migrate  # each configured store's
 airflow db migrate                                   # Airflow's metadata schema, in database `airflow`
-SLOTS="$("$PY" -c 'from delaywheel import load_settings; print(2 * (load_settings().max_level + 1))')"
-airflow pools set delaywheel_deliver "$SLOTS" "delaywheel_deliver: per level and wheel, two runs during a hand-over" >/dev/null
+# The deliver DAGs' pools: delaywheel_deliver, or delaywheel_deliver_<name> per store (2 x (levels + 1) slots each).
+"$PY" -m delaywheel.dev.local_airflow pools | while read -r pool slots; do
+  airflow pools set "$pool" "$slots" "$pool: per level and wheel, two runs during a hand-over" >/dev/null
+done
 
 PASSWORDS="$AIRFLOW_HOME/simple_auth_manager_passwords.json.generated"
 login() {

@@ -86,23 +86,27 @@ def test_image_runs_the_locked_environment() -> None:
 
 def test_compose_and_code_agree_on_the_deliver_pool() -> None:
     init = SERVICES["airflow-init"]["command"].replace("$$", "$")  # `$$` is compose's escape for `$`
-    assert "delaywheel migrate" in init and "airflow db migrate" in init
-    assert re.search(r"slots=\$\(python -c '[^']+'\) && airflow pools set delaywheel_deliver \$slots ", init)
-    (code,) = re.findall(r"python -c '([^']+)'", init)
-    assert f"\"$PY\" -c '{code}'" in SCRIPT  # the same computation as scripts/airflow.sh
+    assert "delaywheel migrate" in init and "delaywheel shop migrate" in init and "airflow db migrate" in init
+    assert re.search(r"python -m delaywheel.dev.local_airflow pools \| while read -r pool slots;\s*"
+                     r"do airflow pools set \$pool \$slots ", init)
+    # the same pools as scripts/airflow.sh makes
+    assert '"$PY" -m delaywheel.dev.local_airflow pools | while read -r pool slots' in SCRIPT
     # the deliver DAG: its tasks run in this pool, at most 2 x (levels + 1) of them at once
     dag = (ROOT / "dags" / "delaywheel_deliver.py").read_text()
-    assert 'POOL = "delaywheel_deliver"' in dag and '"pool": POOL' in dag
-    assert "LEVELS = load_settings().levels" in dag and "max_active_tasks=2 * (len(LEVELS) + 1)" in dag
+    assert 'POOL = "delaywheel_deliver"' in dag and '"pool": pool' in dag
+    assert "LEVELS = SETTINGS.levels" in dag and "max_active_tasks=2 * (len(LEVELS) + 1)" in dag
     # what it prints with the airflow.cfg the containers mount (AIRFLOW_CONFIG) is that number
-    env = {k: v for k, v in os.environ.items() if k not in ("DELAYWHEEL_LEVELS", "AIRFLOW__DELAYWHEEL__LEVELS")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("DELAYWHEEL_LEVELS", "AIRFLOW__DELAYWHEEL__LEVELS", "DELAYWHEEL_STORES")}
     env["AIRFLOW_CONFIG"] = str(ROOT / "airflow.cfg")
     assert "./airflow.cfg:" + ENV["AIRFLOW_CONFIG"] + ":ro" in SERVICES["airflow-scheduler"]["volumes"]
-    slots = int(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                               check=True).stdout)
+    out = subprocess.run([sys.executable, "-m", "delaywheel.dev.local_airflow", "pools"], env=env,
+                         capture_output=True, text=True, check=True).stdout
+    pools = {pool: int(slots) for pool, slots in (line.split() for line in out.splitlines())}
     cfg = configparser.ConfigParser(interpolation=None)
     cfg.read(ROOT / "airflow.cfg")
-    assert slots == 2 * (len(parse_levels(cfg.get("delaywheel", "levels"))) + 1)
+    slots = 2 * (len(parse_levels(cfg.get("delaywheel", "levels"))) + 1)
+    assert pools == {"delaywheel_deliver": slots}
     assert cfg.getint("core", "parallelism") > slots  # room beside the deliver DAG
 
 

@@ -17,9 +17,10 @@ import psycopg
 from airflow.providers.postgres.hooks.postgres import PostgresHook
 from sqlalchemy.engine import URL
 
-from delaywheel import Store, load_settings
+from delaywheel import Settings, Store, load_settings
 from delaywheel.db import with_session_options
 from delaywheel.pending import LEVEL_HEAD, WHEEL_HEAD
+from delaywheel.routing import Router
 
 CLOCK = "SELECT clock_timestamp() + make_interval(secs => %(offset)s)"
 
@@ -79,6 +80,29 @@ class DelayWheelHook(PostgresHook):
         return await psycopg.AsyncConnection.connect(
             with_session_options(await self.aurl()), autocommit=True, application_name="delaywheel-trigger"
         )
+
+
+def store_conn_id(store: str | None) -> str:
+    """The Airflow connection of the store called `store` in `stores` (`delaywheel_<name>`, made by
+    scripts/airflow.sh from DELAYWHEEL_STORES); None: the single store's, ``delaywheel_default``."""
+    return DelayWheelHook.default_conn_name if store is None else f"delaywheel_{store}"
+
+
+def store_names(settings: Settings | None = None) -> tuple[str | None, ...]:
+    """The configured stores' names, or (None,) for the single store: what a DAG file makes one DAG or task per."""
+    names = tuple(name for name, _ in (settings or load_settings()).stores)
+    return names or (None,)
+
+
+def topic_conn_ids(topic: str, settings: Settings | None = None) -> tuple[str, ...]:
+    """The connections of the stores that may hold `topic`'s messages, its current store first
+    (`routing.Router.sources`; a moving topic has two); ``delaywheel_default`` alone with no stores configured.
+    Read from the settings when called (DAG parsing, a task's start): every process must see the same routes."""
+    settings = settings or load_settings()
+    if not settings.stores:
+        return (DelayWheelHook.default_conn_name,)
+    router = Router([name for name, _ in settings.stores], settings.routes)
+    return tuple(store_conn_id(name) for name in router.sources(topic))
 
 
 async def next_due_async(

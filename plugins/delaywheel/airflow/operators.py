@@ -32,16 +32,17 @@ import psycopg
 from airflow.sdk import Asset, AssetAlias, AssetWatcher, BaseOperator, Context
 from airflow.sdk.module_loading import import_string
 
-from delaywheel import Message, Store
+from delaywheel import Message, Store, load_settings
 from delaywheel.consume.consumer import SAFETY_WAKE_S, Abandon
 from delaywheel.consume.topics import Delivered
 from delaywheel.db import connect
 from delaywheel.deliver import runner
 from delaywheel.lanes import Lane, lane_name
 from delaywheel.locks import CONSUMER_PRESENCE_LOCK, CONSUMER_TURN_LOCK, GROUP_TOPIC_KEY
+from delaywheel.routing import Stores
 from delaywheel.types import TopicSpan, add_spans, event_extra
 
-from .hooks import DelayWheelHook
+from .hooks import DelayWheelHook, store_conn_id, topic_conn_ids
 from .triggers import TopicMessagesTrigger
 
 TOPICS_ALIAS = AssetAlias("delaywheel_topics")
@@ -52,10 +53,23 @@ def topic_asset(topic: str) -> Asset:
     """The Asset a topic's deliveries update; schedule a consumer DAG on it. Characters outside
     A-Z a-z 0-9 . _ - (e.g. `%` and `|` of retry topics) are percent-encoded; name == uri, so
     `Asset(uri)` written by hand in a DAG names the same asset. Its watcher (`TopicMessagesTrigger`, in the
-    triggerer) announces new messages within about a second; every DAG gets the same watcher for a topic."""
-    uri = ASSET_PREFIX + quote(topic, safe="")
-    watcher = AssetWatcher(name=f"delaywheel_topic_{quote(topic, safe='')}", trigger=TopicMessagesTrigger(topic))
-    return Asset(name=uri, uri=uri, group="delaywheel", watchers=[watcher])
+    triggerer) announces new messages within about a second; every DAG gets the same watcher for a topic.
+
+    With several stores (docs/stores.md) the watcher is on the topic's store (its connection, `delaywheel_<store>`),
+    named `delaywheel_topic_<topic>_<store>`; a moving topic gets one watcher per store that holds it, all on the
+    same Asset: consumers do not care which store delivered."""
+    quoted = quote(topic, safe="")
+    uri = ASSET_PREFIX + quoted
+    settings = load_settings()
+    if not settings.stores:
+        watchers = [AssetWatcher(name=f"delaywheel_topic_{quoted}", trigger=TopicMessagesTrigger(topic))]
+    else:
+        watchers = [
+            AssetWatcher(name=f"delaywheel_topic_{quoted}_{conn_id.removeprefix('delaywheel_')}",
+                         trigger=TopicMessagesTrigger(topic, conn_id))
+            for conn_id in topic_conn_ids(topic, settings)
+        ]
+    return Asset(name=uri, uri=uri, group="delaywheel", watchers=watchers)
 
 
 def merge_extras(extras: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -263,7 +277,11 @@ class ConsumeOperator(BaseOperator):
     :param until_idle: stop once a safety wake (`consume.SAFETY_WAKE_S`, 1 s) passes with nothing delivered
         (templated; as the deliver lanes' `until_idle`; default False): a drain-and-stop run handles what is
         delivered now and ends, without waiting for its turn behind a lease consumer.
-    :param delaywheel_conn_id: the Airflow connection of the store (templated; default ``delaywheel_default``).
+    :param delaywheel_conn_id: the Airflow connection of the store (templated; default None: the topic's store's,
+        ``delaywheel_<store>`` with several stores configured (docs/stores.md), else ``delaywheel_default``; chosen
+        when the task starts, from the rendered topic). A moving topic is read from its current store; its old
+        store's messages need a second task with that store's connection given here (`hooks.topic_conn_ids` lists
+        them).
 
     Hand-over: only the holder of the group's lock on a topic handles (`topics.GROUP_LOCK`, held from the pull of a
     batch to the commit of its ack); a second consumer of the group is a standby that tries the lock every 0.25 s.
@@ -303,7 +321,7 @@ class ConsumeOperator(BaseOperator):
         min_lease_seconds: float = 10.0,
         max_messages: int | str = 100,
         until_idle: bool | str = False,
-        delaywheel_conn_id: str = DelayWheelHook.default_conn_name,
+        delaywheel_conn_id: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -361,8 +379,8 @@ class ConsumeOperator(BaseOperator):
             return self.handle(messages, context)
 
         idle_s = SAFETY_WAKE_S if _truthy(self.until_idle) else None
-        with DelayWheelHook(self.delaywheel_conn_id).get_store() as store, \
-                connect(store.url, autocommit=True) as presence:
+        conn_id = self.delaywheel_conn_id or topic_conn_ids(self.topic)[0]
+        with DelayWheelHook(conn_id).get_store() as store, connect(store.url, autocommit=True) as presence:
             self.store = store
             presence.execute(f"SELECT pg_advisory_lock_shared({CONSUMER_PRESENCE_LOCK}, {GROUP_TOPIC_KEY})",
                              (self.group, self.topic))
@@ -463,9 +481,13 @@ class EnqueueOperator(BaseOperator):
     :param key: the business key, which cancels by key find (templated; default None).
     :param tags: a tag string carried with the message (templated; default None).
     :param properties: string properties carried with the message (templated, each value rendered; default none).
-    :param delaywheel_conn_id: the Airflow connection of the store (templated; default ``delaywheel_default``).
+    :param delaywheel_conn_id: the Airflow connection of the store (templated; default None: with several stores
+        configured (docs/stores.md), each message goes to its topic's store, on that store's connection
+        ``delaywheel_<store>``, as `routing.Stores.send_many` sends; else ``delaywheel_default``).
 
-    All or nothing: one invalid message fails the task and nothing is written. Returns the message ids.
+    All or nothing in each store: one invalid message fails the task and nothing is written; a batch spanning
+    stores that fails in one store after another committed raises `routing.SendManyError`, saying which went in.
+    Returns the message ids (with several stores, each its store's: docs/stores.md, "Ids are per store").
     """
 
     template_fields = ("topic", "body", "messages", "delay_level", "delay_seconds", "deliver_at", "key", "tags",
@@ -483,7 +505,7 @@ class EnqueueOperator(BaseOperator):
         key: str | None = None,
         tags: str | None = None,
         properties: dict[str, str] | None = None,
-        delaywheel_conn_id: str = DelayWheelHook.default_conn_name,
+        delaywheel_conn_id: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -505,8 +527,14 @@ class EnqueueOperator(BaseOperator):
 
     def execute(self, context: Context) -> list[int]:
         batch = [_message(item) for item in self._items()]
-        with DelayWheelHook(self.delaywheel_conn_id).get_store() as store:
-            ids = store.send_many(batch)
+        settings = load_settings()
+        if self.delaywheel_conn_id is None and settings.stores:  # routed by topic, on each store's connection
+            urls = [(name, DelayWheelHook(store_conn_id(name)).url) for name, _ in settings.stores]
+            with Stores(urls, settings) as stores:
+                ids = stores.send_many(batch)
+        else:
+            with DelayWheelHook(self.delaywheel_conn_id or DelayWheelHook.default_conn_name).get_store() as store:
+                ids = store.send_many(batch)
         self.log.info("enqueued %d message(s), ids %s..%s", len(ids), ids[0] if ids else "-", ids[-1] if ids else "-")
         return ids
 

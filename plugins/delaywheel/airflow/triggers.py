@@ -27,7 +27,7 @@ from delaywheel.lanes import lane_name
 from delaywheel.produce.producer import TOPIC_CHANNEL
 from delaywheel.types import event_extra
 
-from .hooks import DelayWheelHook, next_due_async
+from .hooks import DelayWheelHook, next_due_async, topic_conn_ids
 
 
 class DueMessagesTrigger(BaseTrigger):
@@ -153,7 +153,9 @@ class TopicMessagesTrigger(BaseEventTrigger):
     or name rows still above the commit horizon.
 
     :param topic: the topic whose new messages are announced (``topic_asset`` passes the Asset's topic).
-    :param delaywheel_conn_id: the Airflow connection of the store (default ``delaywheel_default``).
+    :param delaywheel_conn_id: the Airflow connection of the store (default None: the connection of the topic's
+        store, ``delaywheel_<store>`` with several stores configured (docs/stores.md), else ``delaywheel_default``;
+        resolved when the trigger is made, so the triggerer runs it on the connection the DAG's parse chose).
     :param poll_interval: seconds between looks when no notification comes (default 1.0).
 
     Its events carry no ``status``, unlike `DueMessagesTrigger`'s: no task resumes on them (no
@@ -161,11 +163,10 @@ class TopicMessagesTrigger(BaseEventTrigger):
     (``event_extra``: topic, count, first/last position) and starts the consumers scheduled on it, so an "error"
     event would start them for nothing. A failure other than a lost connection raises, in the triggerer's log."""
 
-    def __init__(self, topic: str, delaywheel_conn_id: str = DelayWheelHook.default_conn_name,
-                 poll_interval: float = 1.0) -> None:
+    def __init__(self, topic: str, delaywheel_conn_id: str | None = None, poll_interval: float = 1.0) -> None:
         super().__init__()
         self.topic = topic
-        self.delaywheel_conn_id = delaywheel_conn_id
+        self.delaywheel_conn_id = delaywheel_conn_id or topic_conn_ids(topic)[0]
         self.poll_interval = poll_interval
 
     def serialize(self) -> tuple[str, dict[str, Any]]:

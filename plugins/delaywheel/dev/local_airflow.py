@@ -2,8 +2,9 @@
 
 Airflow reads its settings when it is first imported, so `configure` runs before anything imports it.
 Metadata goes to a database beside the store's (never SQLite); connections are defined by environment,
-as in `scripts/airflow.sh`: `delaywheel_default` is the store, `spark_default` is Spark local mode unless
-the user set it. Nothing here imports Airflow.
+as in `scripts/airflow.sh`: `delaywheel_default` is the store, `delaywheel_<name>` each store of `stores`
+(DELAYWHEEL_STORES, docs/stores.md), `spark_default` is Spark local mode unless the user set it. Nothing here
+imports Airflow.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import psycopg
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from delaywheel.config import PROJECT_ROOT
+from delaywheel.config import PROJECT_ROOT, Settings, load_settings
 
 SPARK_LOCAL = '{"conn_type": "spark", "host": "local[*]"}'
 
@@ -54,6 +55,22 @@ def metadata_env(server_url: str, metadata_db: str, home: Path) -> dict[str, str
         "AIRFLOW__CORE__PLUGINS_FOLDER": str(PROJECT_ROOT / "plugins"),
         "AIRFLOW__CORE__UNIT_TEST_MODE": "False",
     }
+
+
+def store_connections(settings: Settings | None = None) -> dict[str, str]:
+    """One Airflow connection per configured store, as environment variables: `AIRFLOW_CONN_DELAYWHEEL_<NAME>` ->
+    the store's URL (`hooks.store_conn_id` names it `delaywheel_<name>`); none with no stores configured. A URL
+    listing several hosts (`postgresql://h1,h2/db`) is no Airflow connection URI: define that connection yourself
+    (a variable already set wins, in `configure` and in scripts/airflow.sh)."""
+    return {f"AIRFLOW_CONN_DELAYWHEEL_{name.upper()}": url for name, url in (settings or load_settings()).stores}
+
+
+def deliver_pools(settings: Settings | None = None) -> dict[str, int]:
+    """The deliver DAGs' pools and their slots: two per lane (levels + the wheel), for the two runs of a hand-over.
+    `delaywheel_deliver` for the single store; `delaywheel_deliver_<name>` per store with several."""
+    settings = settings or load_settings()
+    slots = 2 * (settings.max_level + 1)
+    return {f"delaywheel_deliver_{name}": slots for name, _ in settings.stores} or {"delaywheel_deliver": slots}
 
 
 def _fernet_key() -> str:
@@ -131,6 +148,8 @@ def configure(store_url: str, *, metadata_db: str = "airflow", home: Path | None
             os.environ.setdefault(name, value)
     if store_connection:
         os.environ["AIRFLOW_CONN_DELAYWHEEL_DEFAULT"] = as_url(store_url)  # read at run time: always this store
+        for variable, url in store_connections().items():
+            os.environ.setdefault(variable, url)
     os.environ.setdefault("AIRFLOW_CONN_SPARK_DEFAULT", SPARK_LOCAL)
     bin_dir = str(Path(sys.executable).parent)  # spark-submit comes with pyspark
     if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
@@ -142,9 +161,17 @@ def configure(store_url: str, *, metadata_db: str = "airflow", home: Path | None
 
 
 if __name__ == "__main__":
-    # `python -m delaywheel.dev.local_airflow secrets AIRFLOW_HOME`: the shared secrets as VARIABLE=value lines
-    # (scripts/airflow.sh exports those not already set).
-    if sys.argv[1:2] != ["secrets"] or len(sys.argv) != 3:
-        sys.exit("usage: python -m delaywheel.dev.local_airflow secrets AIRFLOW_HOME")
-    for variable, value in shared_secrets(Path(sys.argv[2])).items():
+    # For scripts/airflow.sh: `secrets AIRFLOW_HOME`, the shared secrets, and `connections`, the stores'
+    # connections, as VARIABLE=value lines (it exports those not already set); `pools`, "POOL SLOTS" lines.
+    if sys.argv[1:2] == ["secrets"] and len(sys.argv) == 3:
+        lines = shared_secrets(Path(sys.argv[2])).items()
+    elif sys.argv[1:] == ["connections"]:
+        lines = store_connections().items()
+    elif sys.argv[1:] == ["pools"]:
+        for pool, slots in deliver_pools().items():
+            print(pool, slots)
+        sys.exit(0)
+    else:
+        sys.exit("usage: python -m delaywheel.dev.local_airflow secrets AIRFLOW_HOME | connections | pools")
+    for variable, value in lines:
         print(f"{variable}={value}")
