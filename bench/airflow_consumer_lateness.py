@@ -89,9 +89,17 @@ def dag_folder(records: Path, interval: float, overlap: float) -> Path:
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
     shutil.copy(ROOT / "dags" / "delaywheel_deliver.py", folder)
-    (folder / f"{DAG_ID}.py").write_text(DAG_TEXT.format(records=str(records), dag_id=DAG_ID, interval=interval,
-                                                         topic=TOPIC, group=GROUP, lease=interval + overlap,
-                                                         overlap=overlap))
+    (folder / f"{DAG_ID}.py").write_text(
+        DAG_TEXT.format(
+            records=str(records),
+            dag_id=DAG_ID,
+            interval=interval,
+            topic=TOPIC,
+            group=GROUP,
+            lease=interval + overlap,
+            overlap=overlap,
+        )
+    )
     return folder
 
 
@@ -120,13 +128,25 @@ def kind_of(tasks: dict[str, str]) -> Callable[[str], str]:
     def kind(title: str) -> str:
         if title.startswith("airflow worker -- "):
             task = tasks.get(title.split()[-1], "")
-            return ("consumer tasks" if task == "consume" else "wheel lane task" if task == "advance_wheel"
-                    else "level lane tasks" if task.startswith("deliver_level_") else "other tasks")
+            return (
+                "consumer tasks"
+                if task == "consume"
+                else "wheel lane task"
+                if task == "advance_wheel"
+                else "level lane tasks"
+                if task.startswith("deliver_level_")
+                else "other tasks"
+            )
         if title.startswith("airflow supervisor"):
             return "task supervisors"
         if title.startswith("postgres: "):
-            return ("PostgreSQL, store" if f" {DB} " in title else
-                    "PostgreSQL, Airflow metadata" if f" {METADATA_DB} " in title else "PostgreSQL, other")
+            return (
+                "PostgreSQL, store"
+                if f" {DB} " in title
+                else "PostgreSQL, Airflow metadata"
+                if f" {METADATA_DB} " in title
+                else "PostgreSQL, other"
+            )
         if "airflow" in title:
             return "Airflow services"
         if f"{Path(sys.executable).name} -m bench.airflow_consumer_lateness" in title or "multiprocessing" in title:
@@ -138,13 +158,19 @@ def kind_of(tasks: dict[str, str]) -> Callable[[str], str]:
 
 def task_figures(metadata_url: str, since: datetime) -> dict[str, Any]:
     with psycopg.connect(metadata_url) as conn:
-        rows = conn.execute("SELECT queued_dttm, start_date FROM task_instance WHERE dag_id = %s"
-                            " AND start_date >= %s", (DAG_ID, since)).fetchall()
+        rows = conn.execute(
+            "SELECT queued_dttm, start_date FROM task_instance WHERE dag_id = %s AND start_date >= %s", (DAG_ID, since)
+        ).fetchall()
         failed = failed_tries(conn, DAG_ID)
         tis = {str(r[0]): r[1] for r in conn.execute("SELECT id, task_id FROM task_instance")}
     starts = sorted((s - q).total_seconds() for q, s in rows if q is not None)
-    return {"tasks": len(rows), "ids": tis, "start_p50": float(np.median(starts)) if starts else float("nan"),
-            "start_max": max(starts, default=float("nan")), "failed": failed}
+    return {
+        "tasks": len(rows),
+        "ids": tis,
+        "start_p50": float(np.median(starts)) if starts else float("nan"),
+        "start_max": max(starts, default=float("nan")),
+        "failed": failed,
+    }
 
 
 def run(args: argparse.Namespace) -> tuple[list[Check], list[str]]:
@@ -165,8 +191,10 @@ def run(args: argparse.Namespace) -> tuple[list[Check], list[str]]:
         load_before = Path("/proc/loadavg").read_text().strip()
         produced_rx, produced_tx = ctx.Pipe(duplex=False)
         producer = ctx.Process(target=produce, args=(url, args.rate, seconds, args.seed, produced_tx))
-        log(f"producing {args.rate}/s for {seconds:.0f} s (consumer lease {args.interval + args.overlap:g} s, "
-            f"a run every {args.interval:g} s)")
+        log(
+            f"producing {args.rate}/s for {seconds:.0f} s (consumer lease {args.interval + args.overlap:g} s, "
+            f"a run every {args.interval:g} s)"
+        )
         with ProcessCpu() as cpu:  # every process on the machine: who else shares the 2 cores shows too
             producer.start()
             ids: list[int] = produced_rx.recv()
@@ -216,7 +244,9 @@ def run(args: argparse.Namespace) -> tuple[list[Check], list[str]]:
         f"delivery-only lateness (delivered_at - due), same messages: p50 {d50:.1f} ms, p99 {d99:.1f} ms, "
         f"max {dworst:.1f} ms",
         f"what the consumer adds (received - delivered_at): p50 {np.percentile(handoff, 50):.1f} ms, "
-        f"p99 {np.percentile(handoff, 99):.1f} ms, max {handoff.max():.1f} ms" if len(handoff) else "nothing received",
+        f"p99 {np.percentile(handoff, 99):.1f} ms, max {handoff.max():.1f} ms"
+        if len(handoff)
+        else "nothing received",
         f"hand-overs seen in the records: {len(moments)}; gap (old task's last message to the new one's first) "
         + (f"p50 {np.median(gaps):.0f} ms, max {max(gaps):.0f} ms" if gaps else "-")
         + f"; lateness of the {len(near_ms):,} messages the new task handled in its first {AFTER_HANDOVER_S:g} s: "
@@ -239,8 +269,13 @@ def main(argv: list[str] | None = None) -> list[Check]:
     args, _ = parser.parse_known_args(argv)
     started = datetime.now(UTC)
     checks, notes = run(args)
-    print_section("Airflow long-running consumer (issue 19, item 3)", checks, notes, started,
-                  "python -m bench.airflow_consumer_lateness " + " ".join(argv if argv is not None else sys.argv[1:]))
+    print_section(
+        "Airflow long-running consumer (issue 19, item 3)",
+        checks,
+        notes,
+        started,
+        "python -m bench.airflow_consumer_lateness " + " ".join(argv if argv is not None else sys.argv[1:]),
+    )
     return checks
 
 

@@ -78,7 +78,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def make_message(seq: int, remaining_s: float, rng: random.Random, levels: list[tuple[int, float]]) -> tuple[Message, bool]:
+def make_message(
+    seq: int, remaining_s: float, rng: random.Random, levels: list[tuple[int, float]]
+) -> tuple[Message, bool]:
     """One message of the mix; returns (message, is_far). `remaining_s`: time left before the phase ends."""
     topic = TOPICS[seq % len(TOPICS)]
     body = {"seq": seq, "note": "x" * 48}
@@ -89,8 +91,9 @@ def make_message(seq: int, remaining_s: float, rng: random.Random, levels: list[
     eligible = [level for level, delay in levels if delay <= horizon]
     if r < FAR_SHARE + LEVEL_SHARE and eligible:
         return Message(topic, body, delay_level=rng.choice(eligible), key=f"lvl-{seq}"), False
-    return Message(topic, body, delay=timedelta(seconds=rng.uniform(0.05, max(0.1, min(600.0, horizon)))),
-                   key=f"whl-{seq}"), False
+    return Message(
+        topic, body, delay=timedelta(seconds=rng.uniform(0.05, max(0.1, min(600.0, horizon)))), key=f"whl-{seq}"
+    ), False
 
 
 def produce(url: str, rate: int, load_s: float, total_s: float, seed: int) -> Sent:
@@ -118,34 +121,48 @@ def measure(url: str, sent: Sent, settle_s: float) -> dict[str, Any]:
     deadline = time.monotonic() + settle_s
     with psycopg.connect(url) as conn:
         while True:
-            delivered = conn.execute("SELECT message_id FROM delaywheel.topic_messages WHERE origin IN ('level', 'wheel')"
-                                     ).fetchall()
+            delivered = conn.execute(
+                "SELECT message_id FROM delaywheel.topic_messages WHERE origin IN ('level', 'wheel')"
+            ).fetchall()
             ids = [r[0] for r in delivered]
             missing = len(sent.due_ids - set(ids))
             if not missing or time.monotonic() > deadline:
                 break
             time.sleep(2.0)
-        row = conn.execute(sql.SQL("""
+        row = conn.execute(
+            sql.SQL("""
             SELECT delivered, early, p[1], p[2], max_s, level[2], wheel[2]
             FROM (SELECT count(*) AS delivered, count(*) FILTER (WHERE delivered_at < deliver_at) AS early,
                          {p50_p99} AS p,
                          max({lateness}) AS max_s, {p50_p99} FILTER (WHERE origin = 'level') AS level,
                          {p50_p99} FILTER (WHERE origin = 'wheel') AS wheel
                   FROM delaywheel.topic_messages WHERE origin IN ('level', 'wheel')) l""").format(
-            p50_p99=LATENESS_P50_P99, lateness=LATENESS_S)).fetchone()
+                p50_p99=LATENESS_P50_P99, lateness=LATENESS_S
+            )
+        ).fetchone()
         assert row is not None
-        worst = conn.execute(sql.SQL("""
+        worst = conn.execute(
+            sql.SQL("""
             SELECT to_timestamp(floor(extract(epoch FROM deliver_at) / 10) * 10), max({lateness}), count(*)
             FROM delaywheel.topic_messages WHERE origin IN ('level', 'wheel')
-            GROUP BY 1 ORDER BY 2 DESC LIMIT 3""").format(lateness=LATENESS_S)).fetchall()
-        over_1s = conn.execute("SELECT count(*) FROM delaywheel.topic_messages"
-                               " WHERE origin IN ('level', 'wheel') AND delivered_at - deliver_at > interval '1 second'"
-                               ).fetchone()
+            GROUP BY 1 ORDER BY 2 DESC LIMIT 3""").format(lateness=LATENESS_S)
+        ).fetchall()
+        over_1s = conn.execute(
+            "SELECT count(*) FROM delaywheel.topic_messages"
+            " WHERE origin IN ('level', 'wheel') AND delivered_at - deliver_at > interval '1 second'"
+        ).fetchone()
     return {
-        "delivered": row[0], "early": row[1], "p50": row[2], "p99": row[3], "max": row[4],
-        "p99_level": row[5], "p99_wheel": row[6],
-        "duplicates": len(ids) - len(set(ids)), "missing": missing,
-        "far_delivered": len(sent.far_ids & set(ids)), "over_1s": over_1s[0] if over_1s else 0,
+        "delivered": row[0],
+        "early": row[1],
+        "p50": row[2],
+        "p99": row[3],
+        "max": row[4],
+        "p99_level": row[5],
+        "p99_wheel": row[6],
+        "duplicates": len(ids) - len(set(ids)),
+        "missing": missing,
+        "far_delivered": len(sent.far_ids & set(ids)),
+        "over_1s": over_1s[0] if over_1s else 0,
         "worst_10s": [(f"{w[0]:%H:%M:%S}", float(w[1]), w[2]) for w in worst],
     }
 
@@ -170,14 +187,18 @@ class OldestTransaction:
     def _loop(self) -> None:
         with psycopg.connect(self.url, autocommit=True) as conn:
             while not self._stop.wait(1.0):
-                row = conn.execute("SELECT coalesce(max(extract(epoch FROM clock_timestamp() - xact_start)), 0)::float8"
-                                   " FROM pg_stat_activity WHERE backend_xid IS NOT NULL").fetchone()
+                row = conn.execute(
+                    "SELECT coalesce(max(extract(epoch FROM clock_timestamp() - xact_start)), 0)::float8"
+                    " FROM pg_stat_activity WHERE backend_xid IS NOT NULL"
+                ).fetchone()
                 self.ages.append(row[0] if row else 0.0)
 
     def note(self) -> str:
         over = sum(1 for a in self.ages if a > 1.0)
-        return (f"oldest xid-holding transaction on the cluster (any database, sampled each second): max "
-                f"{max(self.ages):.1f} s; older than 1 s in {over} of {len(self.ages)} samples")
+        return (
+            f"oldest xid-holding transaction on the cluster (any database, sampled each second): max "
+            f"{max(self.ages):.1f} s; older than 1 s in {over} of {len(self.ages)} samples"
+        )
 
 
 def run_load(url: str, args: argparse.Namespace) -> tuple[Sent, dict[str, Any]]:
@@ -187,8 +208,10 @@ def run_load(url: str, args: argparse.Namespace) -> tuple[Sent, dict[str, Any]]:
     started = time.monotonic()
     with OldestTransaction(url) as oldest:
         sent = produce(url, args.rate, load_s, total_s, args.seed)
-        log(f"sent {len(sent.due_ids) + len(sent.far_ids):,} in {sent.seconds:.1f} s "
-            f"({(len(sent.due_ids) + len(sent.far_ids)) / sent.seconds:,.0f}/s); draining")
+        log(
+            f"sent {len(sent.due_ids) + len(sent.far_ids):,} in {sent.seconds:.1f} s "
+            f"({(len(sent.due_ids) + len(sent.far_ids)) / sent.seconds:,.0f}/s); draining"
+        )
         time.sleep(max(0.0, started + total_s - time.monotonic()))
     figures = measure(url, sent, settle_s=60.0)
     figures["oldest_xact"] = oldest.note()
@@ -197,23 +220,33 @@ def run_load(url: str, args: argparse.Namespace) -> tuple[Sent, dict[str, Any]]:
 
 # --- baseline: the store's own delivery loop --------------------------------------------------------------
 
+
 def baseline(args: argparse.Namespace) -> Outcome:
     url = fresh_database("delaywheel_bench_loop")
     seconds = args.baseline_minutes * 60 + args.drain + 90
     env = {**os.environ, "DELAYWHEEL_DATABASE_URL": as_url(url)}
-    deliverer = subprocess.Popen([sys.executable, "-m", "delaywheel.cli", "deliver", "--duration", f"{seconds:.0f}s"],
-                                 env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deliverer = subprocess.Popen(
+        [sys.executable, "-m", "delaywheel.cli", "deliver", "--duration", f"{seconds:.0f}s"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         load = argparse.Namespace(**{**vars(args), "minutes": args.baseline_minutes})
         sent, figures = run_load(url, load)
     finally:
         deliverer.terminate()
         deliverer.wait(timeout=30)
-    return Outcome("store loop (no Airflow)", sent, figures,
-                   [f"baseline: `delaywheel deliver` (one process, every lane), {args.baseline_minutes:g} min of load"])
+    return Outcome(
+        "store loop (no Airflow)",
+        sent,
+        figures,
+        [f"baseline: `delaywheel deliver` (one process, every lane), {args.baseline_minutes:g} min of load"],
+    )
 
 
 # --- Airflow ------------------------------------------------------------------------------------------------
+
 
 def fresh_metadata_db(server: str) -> None:
     with psycopg.connect(server, autocommit=True) as conn:
@@ -222,8 +255,9 @@ def fresh_metadata_db(server: str) -> None:
 
 
 @contextmanager
-def standalone(store_url: str, lease: float | None,
-               extra_env: dict[str, str] | None = None) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+def standalone(
+    store_url: str, lease: float | None, extra_env: dict[str, str] | None = None
+) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
     """`scripts/airflow.sh standalone` on a free port, a fresh metadata database and the given store (and
     `extra_env`, e.g. another DAG folder)."""
     server = server_url()
@@ -236,7 +270,8 @@ def standalone(store_url: str, lease: float | None,
         "AIRFLOW_CONN_DELAYWHEEL_DEFAULT": as_url(store_url),
         "DELAYWHEEL_DATABASE_URL": as_url(store_url),  # what scripts/airflow.sh migrates: this store, not the default
         "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": metadata,
-        "AIRFLOW__API__PORT": str(port), "AIRFLOW__API__BASE_URL": base,
+        "AIRFLOW__API__PORT": str(port),
+        "AIRFLOW__API__BASE_URL": base,
         "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"{base}/execution/",
         "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(free_port()),
         "AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT": str(free_port()),
@@ -246,8 +281,13 @@ def standalone(store_url: str, lease: float | None,
     env.update(extra_env or {})
     OUT.mkdir(parents=True, exist_ok=True)
     logfile = (OUT / "airflow-standalone.log").open("wb")
-    proc = subprocess.Popen([str(ROOT / "scripts" / "airflow.sh"), "standalone"], env=env, stdout=logfile,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        [str(ROOT / "scripts" / "airflow.sh"), "standalone"],
+        env=env,
+        stdout=logfile,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     log(f"airflow standalone pid {proc.pid} on {base} (log {logfile.name})")
     try:
         yield proc, make_conninfo(server, dbname=METADATA_DB)
@@ -262,8 +302,9 @@ def standalone(store_url: str, lease: float | None,
         log("airflow stopped")
 
 
-def wait_running(metadata_url: str, tasks: int, proc: subprocess.Popen[bytes], timeout: float,
-                 dag_id: str = DAG_ID) -> None:
+def wait_running(
+    metadata_url: str, tasks: int, proc: subprocess.Popen[bytes], timeout: float, dag_id: str = DAG_ID
+) -> None:
     """Until `tasks` tasks of `dag_id` (default: every deliver lane of the continuous run) are running: the load
     must not start before."""
     deadline = time.monotonic() + timeout
@@ -273,8 +314,9 @@ def wait_running(metadata_url: str, tasks: int, proc: subprocess.Popen[bytes], t
             raise RuntimeError(f"airflow standalone exited ({proc.returncode}); see {OUT}/airflow-standalone.log")
         try:
             with psycopg.connect(metadata_url) as conn:
-                row = conn.execute("SELECT count(*) FROM task_instance WHERE dag_id = %s AND state = 'running'",
-                                   (dag_id,)).fetchone()
+                row = conn.execute(
+                    "SELECT count(*) FROM task_instance WHERE dag_id = %s AND state = 'running'", (dag_id,)
+                ).fetchone()
                 running = row[0] if row else 0
         except (psycopg.OperationalError, psycopg.errors.UndefinedTable):  # not up, or not migrated yet
             running = 0
@@ -286,16 +328,22 @@ def wait_running(metadata_url: str, tasks: int, proc: subprocess.Popen[bytes], t
 
 def failed_tries(conn: psycopg.Connection, dag_id: str) -> int:
     """Task tries of `dag_id` that failed: retried ones (in task_instance_history) and current ones."""
-    row = conn.execute("SELECT (SELECT count(*) FROM task_instance_history WHERE dag_id = %(d)s AND state = 'failed')"
-                       " + (SELECT count(*) FROM task_instance WHERE dag_id = %(d)s AND state = 'failed')",
-                       {"d": dag_id}).fetchone()
+    row = conn.execute(
+        "SELECT (SELECT count(*) FROM task_instance_history WHERE dag_id = %(d)s AND state = 'failed')"
+        " + (SELECT count(*) FROM task_instance WHERE dag_id = %(d)s AND state = 'failed')",
+        {"d": dag_id},
+    ).fetchone()
     return row[0] if row else 0
 
 
 def _kind(cmdline: str) -> str:
     """Which Airflow service a process of the standalone's tree is, from its command line."""
-    for kind, needles in (("triggerer", ("triggerer",)), ("dag-processor", ("dag-processor", "dag_processor")),
-                          ("api-server", ("api-server", "api_server", "uvicorn")), ("scheduler", ("scheduler",))):
+    for kind, needles in (
+        ("triggerer", ("triggerer",)),
+        ("dag-processor", ("dag-processor", "dag_processor")),
+        ("api-server", ("api-server", "api_server", "uvicorn")),
+        ("scheduler", ("scheduler",)),
+    ):
         if any(n in cmdline for n in needles):
             return kind
     return "tasks and other"
@@ -305,9 +353,12 @@ def task_overhead(metadata_url: str, since: datetime) -> dict[str, Any]:
     """From Airflow's task_instance table: queued -> start latency of each deliver task, and each lane's idle
     gap between one run's task ending and the next run's task starting (the lease hand-over)."""
     with psycopg.connect(metadata_url) as conn:
-        rows = conn.execute("""
+        rows = conn.execute(
+            """
             SELECT task_id, queued_dttm, start_date, end_date FROM task_instance
-            WHERE dag_id = %s AND start_date IS NOT NULL ORDER BY task_id, start_date""", (DAG_ID,)).fetchall()
+            WHERE dag_id = %s AND start_date IS NOT NULL ORDER BY task_id, start_date""",
+            (DAG_ID,),
+        ).fetchall()
         runs = conn.execute("SELECT count(*) FROM dag_run WHERE dag_id = %s", (DAG_ID,)).fetchone()
         failed = failed_tries(conn, DAG_ID)
     starts = sorted((s - q).total_seconds() for _, q, s, _ in rows if q is not None and s >= since)
@@ -316,24 +367,36 @@ def task_overhead(metadata_url: str, since: datetime) -> dict[str, Any]:
         if task == task2 and end is not None and start2 >= since:
             gaps.append((start2 - end).total_seconds())
     gaps.sort()
-    return {"task_starts": len(starts), "start_p50": _pct(starts, 0.5), "start_max": max(starts, default=None),
-            "handovers": len(gaps), "gap_p50": _pct(gaps, 0.5), "gap_max": max(gaps, default=None),
-            "runs": runs[0] if runs else 0, "failed_tries": failed}
+    return {
+        "task_starts": len(starts),
+        "start_p50": _pct(starts, 0.5),
+        "start_max": max(starts, default=None),
+        "handovers": len(gaps),
+        "gap_p50": _pct(gaps, 0.5),
+        "gap_max": max(gaps, default=None),
+        "runs": runs[0] if runs else 0,
+        "failed_tries": failed,
+    }
 
 
 def split_by_coverage(store_url: str, metadata_url: str) -> dict[str, Any]:
     """Lateness of messages due while their lane's deliver task was running ("steady") against those due while
     the lane had no task (between runs: the hand-over), from the task intervals in Airflow's metadata."""
     with psycopg.connect(metadata_url) as conn:
-        tis = conn.execute("SELECT task_id, start_date, end_date FROM task_instance WHERE dag_id = %s"
-                           " AND start_date IS NOT NULL ORDER BY start_date", (DAG_ID,)).fetchall()
+        tis = conn.execute(
+            "SELECT task_id, start_date, end_date FROM task_instance WHERE dag_id = %s"
+            " AND start_date IS NOT NULL ORDER BY start_date",
+            (DAG_ID,),
+        ).fetchall()
     intervals: dict[str, list[tuple[datetime, datetime]]] = defaultdict(list)
     far_future = datetime.max.replace(tzinfo=UTC)
     for task_id, start, end in tis:
         intervals[task_id].append((start, end or far_future))
     with psycopg.connect(store_url) as conn:
-        rows = conn.execute("SELECT origin, level, deliver_at, extract(epoch FROM delivered_at - deliver_at)::float8"
-                            " FROM delaywheel.topic_messages WHERE origin IN ('level', 'wheel')").fetchall()
+        rows = conn.execute(
+            "SELECT origin, level, deliver_at, extract(epoch FROM delivered_at - deliver_at)::float8"
+            " FROM delaywheel.topic_messages WHERE origin IN ('level', 'wheel')"
+        ).fetchall()
     steady: list[float] = []
     between: list[float] = []
     for origin, level, due, late in rows:
@@ -342,9 +405,15 @@ def split_by_coverage(store_url: str, metadata_url: str) -> dict[str, Any]:
         (steady if covered else between).append(late)
     steady.sort()
     between.sort()
-    return {"steady_n": len(steady), "steady_p50": _pct(steady, 0.5), "steady_p99": _pct(steady, 0.99),
-            "steady_max": max(steady, default=None), "between_n": len(between), "between_p50": _pct(between, 0.5),
-            "between_max": max(between, default=None)}
+    return {
+        "steady_n": len(steady),
+        "steady_p50": _pct(steady, 0.5),
+        "steady_p99": _pct(steady, 0.99),
+        "steady_max": max(steady, default=None),
+        "between_n": len(between),
+        "between_p50": _pct(between, 0.5),
+        "between_max": max(between, default=None),
+    }
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -378,8 +447,7 @@ def through_airflow(args: argparse.Namespace) -> Outcome:
         "by Airflow after missed heartbeats; see the standalone log)",
         f"lease hand-overs in the window: {overhead['handovers']}, lane idle between runs p50 "
         f"{_s(overhead['gap_p50'])}, max {_s(overhead['gap_max'])}",
-        "Airflow CPU over the load window (share of one core): "
-        + ", ".join(f"{k} {v:.0%}" for k, v in shares.items()),
+        "Airflow CPU over the load window (share of one core): " + ", ".join(f"{k} {v:.0%}" for k, v in shares.items()),
         f"load average (1 min) {load0[0]:.1f} at the start, {load1[0]:.1f} at the end, on {os.cpu_count()} cores "
         "shared with other work" + (f"; {args.note}" if args.note else ""),
     ]
@@ -407,7 +475,12 @@ def report(outcomes: list[Outcome], args: argparse.Namespace, started: datetime,
         ("lateness max", lambda f: _ms(f["max"]), "≤ 5 s", (airflow["max"] or 0) <= TARGETS["max"]),
         ("p99 levels / wheel", lambda f: f"{_ms(f['p99_level'])} / {_ms(f['p99_wheel'])}", "", True),
         ("later than 1 s", lambda f: f"{f['over_1s']:,}", "", True),
-        ("early", lambda f: f"{f['early'] + f['far_delivered']:,}", "0", airflow["early"] + airflow["far_delivered"] == 0),
+        (
+            "early",
+            lambda f: f"{f['early'] + f['far_delivered']:,}",
+            "0",
+            airflow["early"] + airflow["far_delivered"] == 0,
+        ),
         ("duplicates", lambda f: f"{f['duplicates']:,}", "0", airflow["duplicates"] == 0),
         ("missing", lambda f: f"{f['missing']:,}", "0", airflow["missing"] == 0),
     ]
@@ -416,7 +489,9 @@ def report(outcomes: list[Outcome], args: argparse.Namespace, started: datetime,
             cells = [f"{len(o.sent.due_ids):,} / {len(o.sent.far_ids):,}" for o in outcomes]
         else:
             cells = [cell(o.figures) for o in outcomes]
-        print(f"| {name} | " + " | ".join(cells) + f" | {target} | {('PASS' if passed else 'FAIL') if target else ''} |")
+        print(
+            f"| {name} | " + " | ".join(cells) + f" | {target} | {('PASS' if passed else 'FAIL') if target else ''} |"
+        )
     print()
     for o in outcomes:
         worst = "; ".join(f"{t} max {_ms(m)} ({n} msgs)" for t, m, n in o.figures["worst_10s"])
@@ -428,12 +503,17 @@ def report(outcomes: list[Outcome], args: argparse.Namespace, started: datetime,
 
 
 def main() -> None:
-    parser = load_options(argparse.ArgumentParser(description=__doc__.split("\n")[0]), minutes=10.0, seed=4,
-                          minutes_help="minutes of steady load through Airflow")
+    parser = load_options(
+        argparse.ArgumentParser(description=__doc__.split("\n")[0]),
+        minutes=10.0,
+        seed=4,
+        minutes_help="minutes of steady load through Airflow",
+    )
     parser.add_argument("--drain", type=float, default=60.0, help="seconds after the load in which the rest falls due")
     parser.add_argument("--lease", type=float, help="deliver task lease in seconds (default: airflow.cfg's)")
-    parser.add_argument("--baseline-minutes", type=float, default=2.0, help="minutes of load for the no-Airflow "
-                        "baseline (0 skips it)")
+    parser.add_argument(
+        "--baseline-minutes", type=float, default=2.0, help="minutes of load for the no-Airflow baseline (0 skips it)"
+    )
     args = parser.parse_args()
     started = datetime.now(UTC)
     outcomes = [baseline(args)] if args.baseline_minutes > 0 else []

@@ -67,14 +67,18 @@ def fill(store: Store, count: int, batch: int) -> None:
     first = store.clock() + timedelta(minutes=1)
     span = timedelta(days=30)
     for start, size in chunks(count, batch):
-        store.send_many([Message("bench.backdrop", body(0), deliver_at=first + rng.random() * span,
-                                 key=f"backdrop-{start + j}") for j in range(size)])
+        store.send_many(
+            [
+                Message("bench.backdrop", body(0), deliver_at=first + rng.random() * span, key=f"backdrop-{start + j}")
+                for j in range(size)
+            ]
+        )
 
 
 SAMPLES = {
     "near": "SELECT key FROM delaywheel.wheel w WHERE key LIKE 'backdrop-%%' ORDER BY random() LIMIT %s",
     "far": "SELECT k FROM delaywheel.wheel_far_segments, unnest(keys) u(k) WHERE k LIKE 'backdrop-%%'"
-           " ORDER BY random() LIMIT %s",
+    " ORDER BY random() LIMIT %s",
 }
 
 
@@ -88,8 +92,12 @@ def _before() -> types.ModuleType:
     if name not in sys.modules:
         root = Path(tempfile.mkdtemp(prefix="cancel-bench-before-"))
         atexit.register(shutil.rmtree, root, ignore_errors=True)
-        archive = subprocess.run(["git", "archive", BEFORE, "plugins/delaywheel"], check=True, capture_output=True,
-                                 cwd=Path(__file__).resolve().parents[1]).stdout
+        archive = subprocess.run(
+            ["git", "archive", BEFORE, "plugins/delaywheel"],
+            check=True,
+            capture_output=True,
+            cwd=Path(__file__).resolve().parents[1],
+        ).stdout
         with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
             tar.extractall(root, filter="data")
         package = types.ModuleType(name)
@@ -130,10 +138,12 @@ def latency(store: Store, other: psycopg.Connection, per_lane: int) -> list[str]
             t.append(time.perf_counter())
             for name, a, b in zip(steps, t, t[1:], strict=False):
                 steps[name].append(1000 * (b - a))
-        lines.append(f"- {lane} timer, cancel(key=…), {len(new)} calls: p50 {statistics.median(new):.2f} ms, "
-                     f"p99 {pct(new, 0.99):.2f} ms; the code before (990e562: lanes' locks), {len(old)} calls "
-                     f"interleaved: p50 {statistics.median(old):.2f} ms, p99 {pct(old, 0.99):.2f} ms; steps p50: "
-                     + ", ".join(f"{n} {statistics.median(v):.2f} ms" for n, v in steps.items()))
+        lines.append(
+            f"- {lane} timer, cancel(key=…), {len(new)} calls: p50 {statistics.median(new):.2f} ms, "
+            f"p99 {pct(new, 0.99):.2f} ms; the code before (990e562: lanes' locks), {len(old)} calls "
+            f"interleaved: p50 {statistics.median(old):.2f} ms, p99 {pct(old, 0.99):.2f} ms; steps p50: "
+            + ", ".join(f"{n} {statistics.median(v):.2f} ms" for n, v in steps.items())
+        )
     return lines
 
 
@@ -153,12 +163,16 @@ def explain(store: Store, other: psycopg.Connection, verbose: bool = False) -> l
             for _ in range(7):
                 with conn.transaction():
                     conn.execute(plan_settings, (mode,))
-                    plan = conn.execute(sql.SQL("EXPLAIN (ANALYZE, SUMMARY, FORMAT JSON) {}").format(execute)).fetchone()[0][0]  # type: ignore[index]
+                    plan = conn.execute(
+                        sql.SQL("EXPLAIN (ANALYZE, SUMMARY, FORMAT JSON) {}").format(execute)
+                    ).fetchone()[0][0]  # type: ignore[index]
                 timings.append((plan.get("Planning Time", 0.0), plan["Execution Time"]))
             plan_ms = statistics.median(p for p, _ in timings)
             exec_ms = statistics.median(e for _, e in timings)
-            lines.append(f"- EXPLAIN (ANALYZE, SUMMARY) of the lookup by key, {mode} (median of 7): planning "
-                         f"{plan_ms:.2f} ms, execution {exec_ms:.2f} ms")
+            lines.append(
+                f"- EXPLAIN (ANALYZE, SUMMARY) of the lookup by key, {mode} (median of 7): planning "
+                f"{plan_ms:.2f} ms, execution {exec_ms:.2f} ms"
+            )
             if mode == "force_generic_plan" and verbose:
                 with conn.transaction():
                     conn.execute(plan_settings, (mode,))
@@ -208,8 +222,16 @@ class MachineLoad:
         self._thread.join()
 
 
-def cancel_worker(url: str, seconds: float, per_worker: float, window: tuple[float, float], seed: int,
-                  inbox: Queue, outbox: Queue, before: bool) -> None:  # type: ignore[type-arg]
+def cancel_worker(
+    url: str,
+    seconds: float,
+    per_worker: float,
+    window: tuple[float, float],
+    seed: int,
+    inbox: Queue,
+    outbox: Queue,
+    before: bool,
+) -> None:  # type: ignore[type-arg]
     """One cancelling process with its own connection: cancels by key, at `per_worker` a second, timers due within
     `window` seconds of now, each key once, from the keys the producer hands it; reports its answers, latencies
     and CPU seconds over its run (its own and its backend's)."""
@@ -241,8 +263,17 @@ def cancel_worker(url: str, seconds: float, per_worker: float, window: tuple[flo
         outbox.put((answers, cancel_ms, time.process_time() - cpu_start, cpu_seconds(backend) - backend_start))
 
 
-def race(url: str, seconds: float, rate: int, cancels: int, workers: int, window: tuple[float, float] = (-0.3, 1.0),
-         label: str = "run", before: bool = False, summarize_every: float | None = None) -> dict[str, object]:
+def race(
+    url: str,
+    seconds: float,
+    rate: int,
+    cancels: int,
+    workers: int,
+    window: tuple[float, float] = (-0.3, 1.0),
+    label: str = "run",
+    before: bool = False,
+    summarize_every: float | None = None,
+) -> dict[str, object]:
     """One real-clock run; `cancels` = 0 is the baseline. The deliverer (runner.run on the wheel) and the producer
     are threads of this process; the cancels come from `workers` processes (spawned), each handed its share of the
     keys sent, picking timers due within `window` seconds of now. With `summarize_every`, a thread also brings the
@@ -280,13 +311,22 @@ def race(url: str, seconds: float, rate: int, cancels: int, workers: int, window
                     clock = time.time()
                     delays = [rng.uniform(1, 10) for _ in range(size)]
                     keys = [f"{topic}-{n + j}" for j in range(size)]
-                    ids = own.send_many([Message(topic, body(n + j), key=k, delay=timedelta(seconds=d))
-                                         for j, (k, d) in enumerate(zip(keys, delays, strict=True))])
+                    ids = own.send_many(
+                        [
+                            Message(topic, body(n + j), key=k, delay=timedelta(seconds=d))
+                            for j, (k, d) in enumerate(zip(keys, delays, strict=True))
+                        ]
+                    )
                     for k, i, d in zip(keys, ids, delays, strict=True):
                         sent[k] = (i, clock + d)
                     for w, inbox in enumerate(inboxes):
-                        inbox.put([(k, clock + d) for j, (k, d) in enumerate(zip(keys, delays, strict=True))
-                                   if (n + j) % len(inboxes) == w])
+                        inbox.put(
+                            [
+                                (k, clock + d)
+                                for j, (k, d) in enumerate(zip(keys, delays, strict=True))
+                                if (n + j) % len(inboxes) == w
+                            ]
+                        )
                     n += size
                     time.sleep(max(0.0, started + (n / rate) - time.monotonic()))
                 backend_cpu.update({name: cpu_seconds(pid) - backend_cpu[name] for name, pid in backends.items()})
@@ -300,8 +340,12 @@ def race(url: str, seconds: float, rate: int, cancels: int, workers: int, window
 
     if summarize_every:
         threading.Thread(target=summarize, daemon=True).start()
-    procs = [spawn.Process(target=cancel_worker, args=(url, seconds, cancels / len(inboxes), window, 10 + w, inbox,
-                                                       outbox, before)) for w, inbox in enumerate(inboxes)]
+    procs = [
+        spawn.Process(
+            target=cancel_worker, args=(url, seconds, cancels / len(inboxes), window, 10 + w, inbox, outbox, before)
+        )
+        for w, inbox in enumerate(inboxes)
+    ]
     for p in procs:
         p.start()
     deliverer = threading.Thread(target=deliver)
@@ -325,30 +369,46 @@ def race(url: str, seconds: float, rate: int, cancels: int, workers: int, window
         raise errors[0]
     answers = [a for r in reports for a in r[0]]
     cancel_ms = [ms for r in reports for ms in r[1]]
-    cpu = {"this process (deliverer, producer)": (cpu_after.ru_utime + cpu_after.ru_stime)
-           - (cpu_before.ru_utime + cpu_before.ru_stime),
-           "cancel processes": sum(r[2] for r in reports), "their backends": sum(r[3] for r in reports),
-           **{f"{name}'s backend": value for name, value in backend_cpu.items()}}
+    cpu = {
+        "this process (deliverer, producer)": (cpu_after.ru_utime + cpu_after.ru_stime)
+        - (cpu_before.ru_utime + cpu_before.ru_stime),
+        "cancel processes": sum(r[2] for r in reports),
+        "their backends": sum(r[3] for r in reports),
+        **{f"{name}'s backend": value for name, value in backend_cpu.items()},
+    }
     with psycopg.connect(url) as conn:
-        rows = conn.execute("SELECT message_id, extract(epoch FROM delivered_at - deliver_at) * 1000"
-                            " FROM delaywheel.topic_messages WHERE topic = %s", (topic,)).fetchall()
+        rows = conn.execute(
+            "SELECT message_id, extract(epoch FROM delivered_at - deliver_at) * 1000"
+            " FROM delaywheel.topic_messages WHERE topic = %s",
+            (topic,),
+        ).fetchall()
     delivered = [m for m, _ in rows]
     late = [float(ms) for _, ms in rows]
     said_cancelled = {m for m, o in answers if o in ("cancelled", "already_cancelled")}
     said_delivered = {m for m, o in answers if o == "already_delivered"}
     ids = {i for i, _ in sent.values()}
     return {
-        "sent": len(sent), "delivered": len(delivered), "duplicates": len(delivered) - len(set(delivered)),
-        "missing": len(ids - set(delivered) - said_cancelled), "early": sum(1 for x in late if x < 0),
-        "both": len(said_cancelled & set(delivered)), "false_delivered": len(said_delivered - set(delivered)),
-        "p50": pct(late, 0.5), "p99": pct(late, 0.99), "max": max(late, default=float("nan")),
-        "passes": totals[0].passes, "busy": totals[0].busy_passes, "cancels": len(cancel_ms),
+        "sent": len(sent),
+        "delivered": len(delivered),
+        "duplicates": len(delivered) - len(set(delivered)),
+        "missing": len(ids - set(delivered) - said_cancelled),
+        "early": sum(1 for x in late if x < 0),
+        "both": len(said_cancelled & set(delivered)),
+        "false_delivered": len(said_delivered - set(delivered)),
+        "p50": pct(late, 0.5),
+        "p99": pct(late, 0.99),
+        "max": max(late, default=float("nan")),
+        "passes": totals[0].passes,
+        "busy": totals[0].busy_passes,
+        "cancels": len(cancel_ms),
         "machine_busy": statistics.mean(load.busy) if load.busy else float("nan"),
         "runnable": statistics.mean(load.runnable) if load.runnable else float("nan"),
         "cpu": {name: value / seconds for name, value in cpu.items()},  # cores used on average
-        "cancel_rate": len(cancel_ms) / seconds, "cancelled": len({m for m, o in answers if o == "cancelled"}),
+        "cancel_rate": len(cancel_ms) / seconds,
+        "cancelled": len({m for m, o in answers if o == "cancelled"}),
         "already_delivered": len(said_delivered),
-        "cancel_p50": pct(cancel_ms, 0.5), "cancel_p99": pct(cancel_ms, 0.99),
+        "cancel_p50": pct(cancel_ms, 0.5),
+        "cancel_p99": pct(cancel_ms, 0.99),
     }
 
 
@@ -388,7 +448,11 @@ def main() -> None:
                 lines.insert(0, f"- pending: {n:,} timers (10M x {args.scale}), due 1 min - 30 days ahead")
                 for line in lines:
                     log(line)
-            runs = [] if args.skip_race else [(0, False), (args.cancels, False)] + ([(args.cancels, True)] if args.before else [])
+            runs = (
+                []
+                if args.skip_race
+                else [(0, False), (args.cancels, False)] + ([(args.cancels, True)] if args.before else [])
+            )
             runs += [(args.cancels, "control")] if args.control and not args.skip_race else []
             for cancels, before in runs:
                 log(f"2. race: {args.rate} msg/s, {cancels} cancels/s, {args.seconds:.0f} s, {before}")
@@ -397,27 +461,41 @@ def main() -> None:
                 if before:  # the deliverer of 990e562 (try the lock, else busy); its cancel runs in the workers
                     wheel_module.take_lane = lambda conn, lock: False
                 try:
-                    r = race(url, args.seconds, args.rate, cancels, args.workers, (5.0, 10.0) if control else (-0.3, 1.0),
-                             f"run{len(lines)}", before, args.summarize_every)
+                    r = race(
+                        url,
+                        args.seconds,
+                        args.rate,
+                        cancels,
+                        args.workers,
+                        (5.0, 10.0) if control else (-0.3, 1.0),
+                        f"run{len(lines)}",
+                        before,
+                        args.summarize_every,
+                    )
                 finally:
                     wheel_module.take_lane = CURRENT
                 if not cancels:
                     baseline = r
-                line = (f"- {'code before (990e562): ' if before else ''}"
-                        f"{f'BRIN summaries every {args.summarize_every:g} s: ' if args.summarize_every else ''}"
-                        f"{'control (cancels of timers due 5-10 s ahead, racing no pass): ' if control else ''}"
-                        f"{args.rate} msg/s, {cancels} cancels/s asked ({r['cancel_rate']:.0f}/s done, "
-                        f"{r['cancels']} calls, p50 {r['cancel_p50']:.2f} ms, p99 {r['cancel_p99']:.2f} ms): "
-                        f"sent {r['sent']}, delivered {r['delivered']}, cancelled {r['cancelled']}, "
-                        f"already_delivered answers {r['already_delivered']}; lateness p50 {r['p50']:.1f} ms, "
-                        f"p99 {r['p99']:.1f} ms, max {r['max']:.1f} ms; passes {r['passes']}, busy {r['busy']}; "
-                        f"duplicates {r['duplicates']}, missing {r['missing']}, early {r['early']}, "
-                        f"delivered and answered cancelled {r['both']}, already_delivered not delivered "
-                        f"{r['false_delivered']}; machine busy {100 * r['machine_busy']:.0f} % of 2 cores, "  # type: ignore[operator]
-                        f"{r['runnable']:.1f} runnable tasks on average; cores used: "
-                        + ", ".join(f"{name} {cores:.2f}" for name, cores in r["cpu"].items())  # type: ignore[attr-defined]
-                        + (f"; lateness p99 {r['p99'] / baseline['p99']:.2f} x the run without cancels"  # type: ignore[operator]
-                           if cancels else ""))
+                line = (
+                    f"- {'code before (990e562): ' if before else ''}"
+                    f"{f'BRIN summaries every {args.summarize_every:g} s: ' if args.summarize_every else ''}"
+                    f"{'control (cancels of timers due 5-10 s ahead, racing no pass): ' if control else ''}"
+                    f"{args.rate} msg/s, {cancels} cancels/s asked ({r['cancel_rate']:.0f}/s done, "
+                    f"{r['cancels']} calls, p50 {r['cancel_p50']:.2f} ms, p99 {r['cancel_p99']:.2f} ms): "
+                    f"sent {r['sent']}, delivered {r['delivered']}, cancelled {r['cancelled']}, "
+                    f"already_delivered answers {r['already_delivered']}; lateness p50 {r['p50']:.1f} ms, "
+                    f"p99 {r['p99']:.1f} ms, max {r['max']:.1f} ms; passes {r['passes']}, busy {r['busy']}; "
+                    f"duplicates {r['duplicates']}, missing {r['missing']}, early {r['early']}, "
+                    f"delivered and answered cancelled {r['both']}, already_delivered not delivered "
+                    f"{r['false_delivered']}; machine busy {100 * r['machine_busy']:.0f} % of 2 cores, "  # type: ignore[operator]
+                    f"{r['runnable']:.1f} runnable tasks on average; cores used: "
+                    + ", ".join(f"{name} {cores:.2f}" for name, cores in r["cpu"].items())  # type: ignore[attr-defined]
+                    + (
+                        f"; lateness p99 {r['p99'] / baseline['p99']:.2f} x the run without cancels"  # type: ignore[operator]
+                        if cancels
+                        else ""
+                    )
+                )
                 log(line)
                 lines.append(line)
     finally:

@@ -88,11 +88,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seconds", type=float, default=45.0, help="steady state: measured seconds of each run")
     parser.add_argument("--cores-per-store", type=int, default=16, help="extrapolation: cores of one store's server")
     parser.add_argument("--json", type=Path, help="also write the figures to this file")
-    parser.add_argument("--from-json", type=Path, help="measure nothing: extrapolate and report the figures of a run's --json")
+    parser.add_argument(
+        "--from-json", type=Path, help="measure nothing: extrapolate and report the figures of a run's --json"
+    )
     return parser.parse_args()
 
 
 # --- meters ---------------------------------------------------------------------------------------------------------
+
 
 def _proc_cpu(pid: int) -> float | None:
     """utime + stime of a process in seconds, or None once it is gone."""
@@ -140,10 +143,14 @@ class Usage:
     def per(self, count: int) -> dict[str, float]:
         """Per message: WAL bytes, and CPU µs of this process, the store's backends and the cluster."""
         n = max(count, 1)
-        return {"wal_bytes": self.wal_bytes / n, "client_cpu_us": 1e6 * self.client_cpu / n,
-                "server_cpu_us": 1e6 * self.server_cpu / n, "cluster_cpu_us": 1e6 * self.cluster_cpu / n,
-                "wal_fpi_per_1000": 1000 * self.wal_fpi / n,
-                **({"own_wal_bytes": self.own_wal_bytes / n} if self.own_wal_bytes is not None else {})}
+        return {
+            "wal_bytes": self.wal_bytes / n,
+            "client_cpu_us": 1e6 * self.client_cpu / n,
+            "server_cpu_us": 1e6 * self.server_cpu / n,
+            "cluster_cpu_us": 1e6 * self.cluster_cpu / n,
+            "wal_fpi_per_1000": 1000 * self.wal_fpi / n,
+            **({"own_wal_bytes": self.own_wal_bytes / n} if self.own_wal_bytes is not None else {}),
+        }
 
 
 class Meter:
@@ -152,8 +159,10 @@ class Meter:
 
     def __init__(self, conn: psycopg.Connection) -> None:
         self.conn = conn
-        row = conn.execute("SELECT pg_backend_pid(), current_setting('data_directory'),"
-                           " (SELECT oid FROM pg_database WHERE datname = current_database())").fetchone()
+        row = conn.execute(
+            "SELECT pg_backend_pid(), current_setting('data_directory'),"
+            " (SELECT oid FROM pg_database WHERE datname = current_database())"
+        ).fetchone()
         assert row is not None
         stat = Path(f"/proc/{row[0]}/stat").read_text().rsplit(")", 1)[1].split()
         self.postmaster = int(stat[1])
@@ -169,8 +178,12 @@ class Meter:
         waldump = waldump if waldump.exists() else Path(found)  # type: ignore[arg-type]
         ours = f"rel 1663/{self.database_oid}/"  # the default tablespace: the store creates no other
         mine, others, xids = 0, dict[int, int](), set()  # streamed: a big step's WAL is millions of records
-        with subprocess.Popen([str(waldump), "--path", str(self.wal_dir), "--start", a.wal_lsn, "--end", b.wal_lsn],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as dump:
+        with subprocess.Popen(
+            [str(waldump), "--path", str(self.wal_dir), "--start", a.wal_lsn, "--end", b.wal_lsn],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        ) as dump:
             assert dump.stdout is not None and dump.stderr is not None
             for line in dump.stdout:
                 match = _RECORD.search(line)
@@ -190,8 +203,12 @@ class Meter:
 
     def sample(self) -> Sample:
         lsn, fpi = self.conn.execute("SELECT pg_current_wal_lsn()::text, (SELECT wal_fpi FROM pg_stat_wal)").fetchone()  # type: ignore[misc]
-        pids = [p for (p,) in self.conn.execute(  # autovacuum's workers are left out: VACUUM is timed on its own
-            "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND backend_type = 'client backend'")]
+        pids = [
+            p
+            for (p,) in self.conn.execute(  # autovacuum's workers are left out: VACUUM is timed on its own
+                "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND backend_type = 'client backend'"
+            )
+        ]
         usage = resource.getrusage(resource.RUSAGE_SELF)
         backends = {p: c for p in pids if (c := _proc_cpu(p)) is not None}
         cluster = {p: c for p in [self.postmaster, *_children(self.postmaster)] if (c := _proc_cpu(p)) is not None}
@@ -202,9 +219,15 @@ class Meter:
         steps whose WAL is small beside what the rest of the cluster writes meanwhile)."""
         row = self.conn.execute("SELECT pg_wal_lsn_diff(%s::pg_lsn, %s::pg_lsn)", (b.wal_lsn, a.wal_lsn)).fetchone()
         assert row is not None
-        return Usage(b.at - a.at, int(row[0]), b.wal_fpi - a.wal_fpi, b.client_cpu - a.client_cpu,
-                     _cpu_delta(a.backends, b.backends), _cpu_delta(a.cluster, b.cluster),
-                     self.own_wal(a, b) if own else None)
+        return Usage(
+            b.at - a.at,
+            int(row[0]),
+            b.wal_fpi - a.wal_fpi,
+            b.client_cpu - a.client_cpu,
+            _cpu_delta(a.backends, b.backends),
+            _cpu_delta(a.cluster, b.cluster),
+            self.own_wal(a, b) if own else None,
+        )
 
     @contextmanager
     def retained(self, keep: bool = True) -> Iterator[None]:
@@ -261,6 +284,7 @@ def vacuum(conn: psycopg.Connection, tables: tuple[str, ...], options: str = "AN
 
 # --- the steps ------------------------------------------------------------------------------------------------------
 
+
 @dataclass
 class Figures:
     """Everything measured, per message where it says so; `extrapolated` is derived from it."""
@@ -279,15 +303,31 @@ class Figures:
 
 
 def _timers(kind: str, rng: random.Random, start: int, size: int, real0: datetime, prefix: str) -> list[Message]:
-    if kind == "level":  # levels 17-18 (1 h, 2 h): none falls due while the run's steady step delivers on the real clock
-        return [Message(TOPIC, body(start + j), delay_level=rng.randint(17, 18), key=f"{prefix}-{start + j}",
-                        tags="created") for j in range(size)]
+    if (
+        kind == "level"
+    ):  # levels 17-18 (1 h, 2 h): none falls due while the run's steady step delivers on the real clock
+        return [
+            Message(
+                TOPIC, body(start + j), delay_level=rng.randint(17, 18), key=f"{prefix}-{start + j}", tags="created"
+            )
+            for j in range(size)
+        ]
     lo, hi = (HOUR, 3 * DAY) if kind == "near" else (4 * DAY, 34 * DAY)
-    return [Message(TOPIC, body(start + j), deliver_at=real0 + lo + rng.random() * (hi - lo), key=f"{prefix}-{start + j}",
-                    tags="created") for j in range(size)]
+    return [
+        Message(
+            TOPIC,
+            body(start + j),
+            deliver_at=real0 + lo + rng.random() * (hi - lo),
+            key=f"{prefix}-{start + j}",
+            tags="created",
+        )
+        for j in range(size)
+    ]
 
 
-def fill(store: Store, meter: Meter, kind: str, count: int, batch: int, real0: datetime, prefix: str) -> dict[str, float]:
+def fill(
+    store: Store, meter: Meter, kind: str, count: int, batch: int, real0: datetime, prefix: str
+) -> dict[str, float]:
     """`count` pending timers of `kind` sent in calls of `batch`: per timer, bytes, rows, WAL and CPU, and the
     first and second VACUUM of the kind's tables."""
     conn, tables, rng = meter.conn, KINDS[kind], random.Random(f"{kind}-{batch}")
@@ -302,10 +342,17 @@ def fill(store: Store, meter: Meter, kind: str, count: int, batch: int, real0: d
     first = vacuum(conn, tables)
     second = vacuum(conn, tables)
     grown, added = sizes(conn, tables) - bytes0, rows(conn, tables) - rows0
-    return {"count": count, "batch": batch, "send_rate": rate, "bytes": grown / count,
-            "bytes_before_vacuum": bytes_unvacuumed / count, "rows": added / count,
-            "first_vacuum_us": 1e6 * first / count, "second_vacuum_us": 1e6 * second / count,
-            **usage[0].per(count)}
+    return {
+        "count": count,
+        "batch": batch,
+        "send_rate": rate,
+        "bytes": grown / count,
+        "bytes_before_vacuum": bytes_unvacuumed / count,
+        "rows": added / count,
+        "first_vacuum_us": 1e6 * first / count,
+        "second_vacuum_us": 1e6 * second / count,
+        **usage[0].per(count),
+    }
 
 
 def baselines(store: Store, meter: Meter, count: int, real0: datetime) -> dict[str, dict[str, float]]:
@@ -318,9 +365,26 @@ def baselines(store: Store, meter: Meter, count: int, real0: datetime) -> dict[s
     with meter.measure(usage):
         for start, size in chunks(count, 20_000):
             with conn.transaction():
-                copy_rows(conn, "cap_raw.plain", RAW_COLUMNS, RAW_TYPES,
-                          ((10**12 + start + j, TOPIC, f"raw-{start + j}", "created", None, body(start + j), False,
-                            real0 + DAY, real0) for j in range(size)))
+                copy_rows(
+                    conn,
+                    "cap_raw.plain",
+                    RAW_COLUMNS,
+                    RAW_TYPES,
+                    (
+                        (
+                            10**12 + start + j,
+                            TOPIC,
+                            f"raw-{start + j}",
+                            "created",
+                            None,
+                            body(start + j),
+                            False,
+                            real0 + DAY,
+                            real0,
+                        )
+                        for j in range(size)
+                    ),
+                )
     vacuum(conn, ("cap_raw.plain",))
     copied = {"rate": count / usage[0].seconds, "bytes": sizes(conn, ("cap_raw.plain",)) / count, **usage[0].per(count)}
     conn.execute("SET search_path = cap_raw")
@@ -355,8 +419,20 @@ def single_sends(store: Store, meter: Meter, count: int) -> dict[str, dict[str, 
                     store.send(TOPIC, body(i), delay_level=3, key=f"single-{i}", tags="created")
                 else:
                     now = datetime.now(UTC)
-                    store.conn.execute(insert, (i, TOPIC, f"single-{i}", "created", None, body(i), False,  # type: ignore[arg-type]
-                                                now + timedelta(seconds=10), now))
+                    store.conn.execute(
+                        insert,
+                        (
+                            i,
+                            TOPIC,
+                            f"single-{i}",
+                            "created",
+                            None,
+                            body(i),
+                            False,  # type: ignore[arg-type]
+                            now + timedelta(seconds=10),
+                            now,
+                        ),
+                    )
         figures[side] = {"rate": count / usage[0].seconds, **usage[0].per(count)}
     conn.execute("DROP TABLE cap_single")
     return figures
@@ -370,17 +446,28 @@ def roll(store: Store, meter: Meter, real0: datetime) -> dict[str, float]:
     moved, seconds, wal_bytes, blocks = 0, 0.0, 0, 0
     for days in (1, 2):
         before = conn.execute(far).fetchone()[0]  # type: ignore[index]
-        parts = conn.execute("SELECT count(*) FROM delaywheel.partitions WHERE parent = 'wheel_far_segments'").fetchone()[0]  # type: ignore[index]
+        parts = conn.execute(
+            "SELECT count(*) FROM delaywheel.partitions WHERE parent = 'wheel_far_segments'"
+        ).fetchone()[0]  # type: ignore[index]
         usage: list[Usage] = []
         with meter.measure(usage):
             store.prepare(now=real0 + days * DAY)
         moved += before - conn.execute(far).fetchone()[0]  # type: ignore[index]
-        blocks += parts - conn.execute(  # type: ignore[index]
-            "SELECT count(*) FROM delaywheel.partitions WHERE parent = 'wheel_far_segments'").fetchone()[0]
+        blocks += (
+            parts
+            - conn.execute(  # type: ignore[index]
+                "SELECT count(*) FROM delaywheel.partitions WHERE parent = 'wheel_far_segments'"
+            ).fetchone()[0]
+        )
         seconds += usage[0].seconds
         wal_bytes += usage[0].own_wal_bytes if usage[0].own_wal_bytes is not None else usage[0].wal_bytes
-    return {"rows": moved, "blocks": blocks, "seconds": seconds, "us_per_row": 1e6 * seconds / max(moved, 1),
-            "wal_bytes_per_row": wal_bytes / max(moved, 1)}
+    return {
+        "rows": moved,
+        "blocks": blocks,
+        "seconds": seconds,
+        "us_per_row": 1e6 * seconds / max(moved, 1),
+        "wal_bytes_per_row": wal_bytes / max(moved, 1),
+    }
 
 
 def deliver(store: Store, meter: Meter, real0: datetime) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
@@ -407,16 +494,24 @@ def deliver(store: Store, meter: Meter, real0: datetime) -> tuple[dict[str, dict
                         delivered, passes = delivered + result.delivered, passes + 1
                         if not result.more:
                             break
-        figures[lane] = {"delivered": delivered, "passes": passes, "rate": delivered / usage[0].seconds,
-                         "topic_bytes_before_vacuum": (sizes(conn, TOPIC_TABLES) - before) / max(delivered, 1),
-                         **usage[0].per(delivered)}
+        figures[lane] = {
+            "delivered": delivered,
+            "passes": passes,
+            "rate": delivered / usage[0].seconds,
+            "topic_bytes_before_vacuum": (sizes(conn, TOPIC_TABLES) - before) / max(delivered, 1),
+            **usage[0].per(delivered),
+        }
     total = sum(int(f["delivered"]) for f in figures.values())
     first = vacuum(conn, TOPIC_TABLES)
     second = vacuum(conn, TOPIC_TABLES)
     freeze = vacuum(conn, TOPIC_TABLES, "FREEZE")
-    topic = {"delivered": total, "bytes": (sizes(conn, TOPIC_TABLES) - topic_before) / max(total, 1),
-             "first_vacuum_us": 1e6 * first / total, "second_vacuum_us": 1e6 * second / total,
-             "freeze_us": 1e6 * freeze / total}
+    topic = {
+        "delivered": total,
+        "bytes": (sizes(conn, TOPIC_TABLES) - topic_before) / max(total, 1),
+        "first_vacuum_us": 1e6 * first / total,
+        "second_vacuum_us": 1e6 * second / total,
+        "freeze_us": 1e6 * freeze / total,
+    }
     return figures, topic
 
 
@@ -433,24 +528,43 @@ def steady(url: str, meter: Meter, rate: int, seconds: float) -> dict[str, float
         with Store(url) as producer, Store(url) as deliverer, Store(url) as reader:
             lanes: list[int | None] = [None, *range(1, producer.settings.max_level + 1)]
             threads = [
-                threading.Thread(target=runner.run, args=(deliverer, lanes, seconds + 60), kwargs={"stop": stop}, daemon=True),
-                threading.Thread(target=reader.consume, args=(TOPIC, GROUP, handle),
-                                 kwargs={"stop": stop, "max_messages": 500}, daemon=True),
+                threading.Thread(
+                    target=runner.run, args=(deliverer, lanes, seconds + 60), kwargs={"stop": stop}, daemon=True
+                ),
+                threading.Thread(
+                    target=reader.consume,
+                    args=(TOPIC, GROUP, handle),
+                    kwargs={"stop": stop, "max_messages": 500},
+                    daemon=True,
+                ),
             ]
             for t in threads:
                 t.start()
             rng, per_call, sent = random.Random(5), max(1, rate // 10), 0
             count_sql = "SELECT count(*) FROM delaywheel.topic_messages WHERE topic = %s"
-            next_at, warm_until, sample, delivered0, consumed0, sent0 = time.monotonic(), time.monotonic() + 10, None, 0, 0, 0
+            next_at, warm_until, sample, delivered0, consumed0, sent0 = (
+                time.monotonic(),
+                time.monotonic() + 10,
+                None,
+                0,
+                0,
+                0,
+            )
             end = warm_until + seconds
             while time.monotonic() < end:
                 if sample is None and time.monotonic() >= warm_until:
                     delivered0 = meter.conn.execute(count_sql, (TOPIC,)).fetchone()[0]  # type: ignore[index]
                     sample, consumed0, sent0 = meter.sample(), consumed[0], sent
-                producer.send_many([
-                    Message(TOPIC, body(sent + j), delay=timedelta(seconds=rng.uniform(1, 10)), key=f"steady-{sent + j}")
-                    if j % 2 else Message(TOPIC, body(sent + j), delay_level=rng.randint(1, 3), key=f"steady-{sent + j}")
-                    for j in range(per_call)])
+                producer.send_many(
+                    [
+                        Message(
+                            TOPIC, body(sent + j), delay=timedelta(seconds=rng.uniform(1, 10)), key=f"steady-{sent + j}"
+                        )
+                        if j % 2
+                        else Message(TOPIC, body(sent + j), delay_level=rng.randint(1, 3), key=f"steady-{sent + j}")
+                        for j in range(per_call)
+                    ]
+                )
                 sent += per_call
                 next_at += 0.1
                 time.sleep(max(0.0, next_at - time.monotonic()))
@@ -463,14 +577,21 @@ def steady(url: str, meter: Meter, rate: int, seconds: float) -> dict[str, float
                 t.join(timeout=30)
         usage = meter.usage(sample, end_sample, own=True)
     n = sent - sent0
-    return {"seconds": usage.seconds, "sent": n, "delivered": delivered, "consumed": done,
-            "wal_bytes_per_s": usage.wal_bytes / usage.seconds, "wal_bytes_per_message": usage.wal_bytes / max(n, 1),
-            "wal_fpi_per_s": usage.wal_fpi / usage.seconds,
-            "own_wal_bytes_per_s": (usage.own_wal_bytes or 0) / usage.seconds,
-            "own_wal_bytes_per_message": (usage.own_wal_bytes or 0) / max(n, 1),
-            "client_cores": usage.client_cpu / usage.seconds, "server_cores": usage.server_cpu / usage.seconds,
-            "cluster_cores": usage.cluster_cpu / usage.seconds,
-            "cpu_s_per_1000_sent_and_delivered": 1000 * (usage.client_cpu + usage.server_cpu) / max(n, 1)}
+    return {
+        "seconds": usage.seconds,
+        "sent": n,
+        "delivered": delivered,
+        "consumed": done,
+        "wal_bytes_per_s": usage.wal_bytes / usage.seconds,
+        "wal_bytes_per_message": usage.wal_bytes / max(n, 1),
+        "wal_fpi_per_s": usage.wal_fpi / usage.seconds,
+        "own_wal_bytes_per_s": (usage.own_wal_bytes or 0) / usage.seconds,
+        "own_wal_bytes_per_message": (usage.own_wal_bytes or 0) / max(n, 1),
+        "client_cores": usage.client_cpu / usage.seconds,
+        "server_cores": usage.server_cpu / usage.seconds,
+        "cluster_cores": usage.cluster_cpu / usage.seconds,
+        "cpu_s_per_1000_sent_and_delivered": 1000 * (usage.client_cpu + usage.server_cpu) / max(n, 1),
+    }
 
 
 def marginal(low: dict[str, float], high: dict[str, float]) -> dict[str, float]:
@@ -479,10 +600,16 @@ def marginal(low: dict[str, float], high: dict[str, float]) -> dict[str, float]:
     overstate a busy store."""
     rates = [run["sent"] / run["seconds"] for run in (low, high)]
     out = {}
-    for name, key in (("wal_bytes", "own_wal_bytes_per_s"), ("server_cpu_s", "server_cores"), ("client_cpu_s", "client_cores")):
+    for name, key in (
+        ("wal_bytes", "own_wal_bytes_per_s"),
+        ("server_cpu_s", "server_cores"),
+        ("client_cpu_s", "client_cores"),
+    ):
         slope = (high[key] - low[key]) / (rates[1] - rates[0])
         out[name] = slope
-        out[f"fixed_{'wal_bytes_per_s' if name == 'wal_bytes' else name.replace('_cpu_s', '_cores')}"] = low[key] - slope * rates[0]
+        out[f"fixed_{'wal_bytes_per_s' if name == 'wal_bytes' else name.replace('_cpu_s', '_cores')}"] = (
+            low[key] - slope * rates[0]
+        )
     return out
 
 
@@ -494,6 +621,7 @@ def idle_wal(meter: Meter, seconds: float = 10.0) -> float:
 
 
 # --- extrapolation --------------------------------------------------------------------------------------------------
+
 
 def extrapolate(f: Figures, cores_per_store: int) -> dict[str, Any]:
     """1 billion pending and 100,000 msg/s from the per-message figures (linear: every figure measured here is per
@@ -520,7 +648,9 @@ def extrapolate(f: Figures, cores_per_store: int) -> dict[str, Any]:
     # and a consumer) scaled up as it is, fixed costs included. A fit between the two runs is not used for CPU: on a
     # shared machine the fixed part (wake-ups, polls) varies more than the difference between the runs.
     m = f.steady["marginal"]
-    fast = max((run for key, run in f.steady.items() if key != "marginal"), key=lambda run: run["sent"] / run["seconds"])
+    fast = max(
+        (run for key, run in f.steady.items() if key != "marginal"), key=lambda run: run["sent"] / run["seconds"]
+    )
     fast_rate = fast["sent"] / fast["seconds"]
     wal_per_s = m["fixed_wal_bytes_per_s"] + max(m["wal_bytes"], 0.0) * TARGET_RATE
     out["wal_MB_per_s_steady"] = wal_per_s / 1e6
@@ -529,7 +659,9 @@ def extrapolate(f: Figures, cores_per_store: int) -> dict[str, Any]:
     out["wal_per_day_TiB_bulk"] = (wal(f.pending["near"]) + wal(f.delivery["wheel"])) * TARGET_RATE * 86400 / 2**40
     bulk_us = sum(x[k] for x in (f.pending["near"], f.delivery["wheel"]) for k in ("client_cpu_us", "server_cpu_us"))
     out["cores_total_bulk"] = bulk_us * TARGET_RATE / 1e6
-    out["cores_server_bulk"] = (f.pending["near"]["server_cpu_us"] + f.delivery["wheel"]["server_cpu_us"]) * TARGET_RATE / 1e6
+    out["cores_server_bulk"] = (
+        (f.pending["near"]["server_cpu_us"] + f.delivery["wheel"]["server_cpu_us"]) * TARGET_RATE / 1e6
+    )
     out["cores_total_steady_linear"] = (fast["server_cores"] + fast["client_cores"]) * TARGET_RATE / fast_rate
     out["cores_server_steady_linear"] = fast["server_cores"] * TARGET_RATE / fast_rate
     out["topic_storage_per_day_GiB"] = f.topic["bytes"] * TARGET_RATE * 86400 / 2**30
@@ -547,8 +679,9 @@ def extrapolate(f: Figures, cores_per_store: int) -> dict[str, Any]:
     out["store_ceiling_wheel_traffic_msg_s"] = out["lane_ceiling_wheel_msg_s_by_cpu"] * headroom
     out["store_ceiling_level_traffic_msg_s"] = (LANES - 1) * out["lane_ceiling_level_msg_s_by_cpu"] * headroom
     out["store_ceiling_by_cores_msg_s"] = cores_per_store * headroom / (out["cores_server_steady_linear"] / TARGET_RATE)
-    out["stores_if_all_timers_in_wheel"] = math.ceil(TARGET_RATE / min(out["store_ceiling_wheel_traffic_msg_s"],
-                                                                       out["store_ceiling_by_cores_msg_s"]))
+    out["stores_if_all_timers_in_wheel"] = math.ceil(
+        TARGET_RATE / min(out["store_ceiling_wheel_traffic_msg_s"], out["store_ceiling_by_cores_msg_s"])
+    )
     out["stores_by_cores"] = math.ceil(TARGET_RATE / out["store_ceiling_by_cores_msg_s"])
     out["stores"] = max(out["stores_if_all_timers_in_wheel"], out["stores_by_cores"])
     # Catch-up after an hour without deliverers, traffic going on, every timer in the wheel lane: one store alone,
@@ -559,7 +692,9 @@ def extrapolate(f: Figures, cores_per_store: int) -> dict[str, Any]:
         out[f"catch_up_1h_outage_{label}_hours"] = TARGET_RATE / n * 3600 / spare / 3600 if spare > 0 else math.inf
     # The roll holds the wheel's lane lock and both wheel parents' ACCESS EXCLUSIVE locks for its whole transaction.
     out["roll_pause_per_day_minutes_30d_horizon"] = out["roll_seconds_per_day_30d_horizon"] / 60
-    out["roll_pause_per_day_minutes_30d_horizon_per_store"] = out["roll_pause_per_day_minutes_30d_horizon"] / out["stores"]
+    out["roll_pause_per_day_minutes_30d_horizon_per_store"] = (
+        out["roll_pause_per_day_minutes_30d_horizon"] / out["stores"]
+    )
     out["cores_per_store_assumed"] = cores_per_store
     out["headroom"] = headroom
     return out
@@ -568,36 +703,54 @@ def extrapolate(f: Figures, cores_per_store: int) -> dict[str, Any]:
 def report(f: Figures) -> None:
     print("\n### Capacity (issue 21, item 4)\n")
     print(f"scale {f.scale} (1.0: 10,000,000 pending), {f.environment}\n")
-    print("| pending timer | count | batch | bytes/timer | rows/timer | WAL B/timer (this database) | client µs | server µs | send msg/s "
-          "| 1st VACUUM µs/timer | 2nd VACUUM µs/timer |")
+    print(
+        "| pending timer | count | batch | bytes/timer | rows/timer | WAL B/timer (this database) | client µs | server µs | send msg/s "
+        "| 1st VACUUM µs/timer | 2nd VACUUM µs/timer |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for label, group in (("", f.pending), (" (small calls)", f.small_batches)):
         for kind, p in group.items():
-            print(f"| {kind}{label} | {p['count']:,.0f} | {p['batch']:,.0f} | {p['bytes']:,.0f} | {p['rows']:.4f} | "
-                  f"{wal(p):,.0f} | {p['client_cpu_us']:.2f} | {p['server_cpu_us']:.2f} | {p['send_rate']:,.0f} | "
-                  f"{p['first_vacuum_us']:.3f} | {p['second_vacuum_us']:.3f} |")
+            print(
+                f"| {kind}{label} | {p['count']:,.0f} | {p['batch']:,.0f} | {p['bytes']:,.0f} | {p['rows']:.4f} | "
+                f"{wal(p):,.0f} | {p['client_cpu_us']:.2f} | {p['server_cpu_us']:.2f} | {p['send_rate']:,.0f} | "
+                f"{p['first_vacuum_us']:.3f} | {p['second_vacuum_us']:.3f} |"
+            )
     b = f.baseline
-    print(f"| baseline: plain table, COPY | | 20,000 | {b['copy']['bytes']:,.0f} | 1 | {wal(b['copy']):,.0f} | "
-          f"{b['copy']['client_cpu_us']:.2f} | {b['copy']['server_cpu_us']:.2f} | {b['copy']['rate']:,.0f} | | |")
+    print(
+        f"| baseline: plain table, COPY | | 20,000 | {b['copy']['bytes']:,.0f} | 1 | {wal(b['copy']):,.0f} | "
+        f"{b['copy']['client_cpu_us']:.2f} | {b['copy']['server_cpu_us']:.2f} | {b['copy']['rate']:,.0f} | | |"
+    )
     print("\n| delivered | count | msg/s | topic bytes/msg | WAL B/msg (this database) | client µs | server µs |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for lane, d in f.delivery.items():
-        print(f"| {lane} | {d['delivered']:,.0f} | {d['rate']:,.0f} | {d['topic_bytes_before_vacuum']:,.0f} | "
-              f"{wal(d):,.0f} | {d['client_cpu_us']:.2f} | {d['server_cpu_us']:.2f} |")
+        print(
+            f"| {lane} | {d['delivered']:,.0f} | {d['rate']:,.0f} | {d['topic_bytes_before_vacuum']:,.0f} | "
+            f"{wal(d):,.0f} | {d['client_cpu_us']:.2f} | {d['server_cpu_us']:.2f} |"
+        )
     m = b["move"]
-    print(f"| baseline: batched move | | {m['rate']:,.0f} | {m['bytes']:,.0f} | {wal(m):,.0f} | "
-          f"{m['client_cpu_us']:.2f} | {m['server_cpu_us']:.2f} |")
+    print(
+        f"| baseline: batched move | | {m['rate']:,.0f} | {m['bytes']:,.0f} | {wal(m):,.0f} | "
+        f"{m['client_cpu_us']:.2f} | {m['server_cpu_us']:.2f} |"
+    )
     print("\nRatios (ours / baseline, same run):")
-    print(f"- near-wheel timer bytes / plain row: {f.pending['near']['bytes'] / b['copy']['bytes']:.2f}; far: "
-          f"{f.pending['far']['bytes'] / b['copy']['bytes']:.2f}; level: {f.pending['level']['bytes'] / b['copy']['bytes']:.2f}")
-    print(f"- WAL per near send / plain COPY row: {wal(f.pending['near']) / wal(b['copy']):.2f}; far: "
-          f"{wal(f.pending['far']) / wal(b['copy']):.2f}; level: {wal(f.pending['level']) / wal(b['copy']):.2f}")
-    print(f"- WAL per wheel delivery / raw move: {wal(f.delivery['wheel']) / wal(m):.2f}; level: "
-          f"{wal(f.delivery['levels']) / wal(m):.2f}")
+    print(
+        f"- near-wheel timer bytes / plain row: {f.pending['near']['bytes'] / b['copy']['bytes']:.2f}; far: "
+        f"{f.pending['far']['bytes'] / b['copy']['bytes']:.2f}; level: {f.pending['level']['bytes'] / b['copy']['bytes']:.2f}"
+    )
+    print(
+        f"- WAL per near send / plain COPY row: {wal(f.pending['near']) / wal(b['copy']):.2f}; far: "
+        f"{wal(f.pending['far']) / wal(b['copy']):.2f}; level: {wal(f.pending['level']) / wal(b['copy']):.2f}"
+    )
+    print(
+        f"- WAL per wheel delivery / raw move: {wal(f.delivery['wheel']) / wal(m):.2f}; level: "
+        f"{wal(f.delivery['levels']) / wal(m):.2f}"
+    )
     s1, s2 = f.single["send"], f.single["insert"]
     w1, w2 = wal(s1), wal(s2)
-    print(f"- single send / single-row INSERT: WAL {w1 / w2:.2f} ({w1:,.0f} / {w2:,.0f} B), server CPU {s1['server_cpu_us'] / s2['server_cpu_us']:.2f} "
-          f"({s1['server_cpu_us']:.0f} / {s2['server_cpu_us']:.0f} µs), rate {s1['rate']:,.0f} / {s2['rate']:,.0f} /s")
+    print(
+        f"- single send / single-row INSERT: WAL {w1 / w2:.2f} ({w1:,.0f} / {w2:,.0f} B), server CPU {s1['server_cpu_us'] / s2['server_cpu_us']:.2f} "
+        f"({s1['server_cpu_us']:.0f} / {s2['server_cpu_us']:.0f} µs), rate {s1['rate']:,.0f} / {s2['rate']:,.0f} /s"
+    )
     print(f"\nRoll: {f.roll}\nTopic: {f.topic}\nSteady: {f.steady}\n")
     print("Extrapolated to 1 billion pending and 100,000 msg/s:")
     for k, v in f.extrapolated.items():
@@ -613,7 +766,11 @@ def main() -> Figures:
         report(f)
         return f
     n_near, n_far, n_level = scaled(3_000_000, args.scale), scaled(5_000_000, args.scale), scaled(2_000_000, args.scale)
-    n_small, n_base, n_single = scaled(200_000, args.scale), scaled(1_000_000, args.scale), scaled(10_000, args.scale, 1000)
+    n_small, n_base, n_single = (
+        scaled(200_000, args.scale),
+        scaled(1_000_000, args.scale),
+        scaled(10_000, args.scale, 1000),
+    )
     f = Figures(scale=args.scale)
     url = fresh_database(DB)
     try:
@@ -621,9 +778,12 @@ def main() -> Figures:
             meter = Meter(conn)
             store.prepare()
             real0 = store.clock()
-            f.environment = {"loadavg_before": Path("/proc/loadavg").read_text().split()[:3], "cpus": os.cpu_count(),
-                             "idle_wal_bytes_per_s": idle_wal(meter),
-                             "server": conn.execute("SHOW server_version").fetchone()[0]}  # type: ignore[index]
+            f.environment = {
+                "loadavg_before": Path("/proc/loadavg").read_text().split()[:3],
+                "cpus": os.cpu_count(),
+                "idle_wal_bytes_per_s": idle_wal(meter),
+                "server": conn.execute("SHOW server_version").fetchone()[0],
+            }  # type: ignore[index]
             log(f"baselines: {n_base} rows by COPY and a batched move; {n_single} single sends and INSERTs")
             f.baseline = baselines(store, meter, n_base, real0)
             f.single = single_sends(store, meter, n_single)
@@ -633,8 +793,9 @@ def main() -> Figures:
                 log(f"   {f.pending[kind]['bytes']:,.0f} B/timer, {f.pending[kind]['send_rate']:,.0f} msg/s")
             for kind in ("near", "far", "level"):
                 log(f"pending {kind}, small calls: {n_small} timers in calls of 100")
-                f.small_batches[kind] = fill(store, meter, kind, n_small // (5 if kind == "near" else 1), 100, real0,
-                                             f"small-{kind}")
+                f.small_batches[kind] = fill(
+                    store, meter, kind, n_small // (5 if kind == "near" else 1), 100, real0, f"small-{kind}"
+                )
             for rate in (args.rate, 4 * args.rate):
                 log(f"steady: {rate} msg/s for {args.seconds:.0f} s on the real clock")
                 f.steady[str(rate)] = steady(url, meter, rate, args.seconds)

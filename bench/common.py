@@ -28,14 +28,19 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 def parse_args(description: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--scale", type=float, default=1.0,
-                        help="multiply every message count (1.0 = the issue's sizes: 1M backlog, 10M pending)")
+    parser.add_argument(
+        "--scale",
+        type=float,
+        default=1.0,
+        help="multiply every message count (1.0 = the issue's sizes: 1M backlog, 10M pending)",
+    )
     parser.add_argument("--batch", type=int, default=20_000, help="messages per send_many / COPY batch")
     return parser.parse_args()
 
 
-def load_options(parser: argparse.ArgumentParser, *, minutes: float, seed: int,
-                 minutes_help: str = "producing time (the issue: 10)") -> argparse.ArgumentParser:
+def load_options(
+    parser: argparse.ArgumentParser, *, minutes: float, seed: int, minutes_help: str = "producing time (the issue: 10)"
+) -> argparse.ArgumentParser:
     """The options of the lateness benches, which all produce a steady load: how long (`--minutes`), how fast
     (`--rate`), with which random `--seed`, and a `--note` for the results (e.g. the background load)."""
     parser.add_argument("--minutes", type=float, default=minutes, help=minutes_help)
@@ -89,7 +94,9 @@ def chunks(count: int, size: int) -> Iterator[tuple[int, int]]:
         yield start, min(size, count - start)
 
 
-def copy_rows(conn: psycopg.Connection, table: str, columns: Sequence[str], types: list[str], rows: Iterable[tuple]) -> None:
+def copy_rows(
+    conn: psycopg.Connection, table: str, columns: Sequence[str], types: list[str], rows: Iterable[tuple]
+) -> None:
     """The raw baseline: binary COPY with write_row, exactly what a hand-written loader does."""
     sql = f"COPY {table} ({', '.join(columns)}) FROM STDIN (FORMAT BINARY)"
     with conn.cursor().copy(sql) as copy:  # type: ignore[arg-type]
@@ -259,8 +266,10 @@ def print_section(title: str, checks: list[Check], notes: list[str], started: da
     print("| measure | ours | baseline | ratio | target | result |")
     print("|---|---:|---:|---:|---|---|")
     for c in checks:
-        print(f"| {c.name} | {c.ours:,.0f} | {c.baseline:,.0f} | {c.ratio:.2f} | {c.target} | "
-              f"{'PASS' if c.passed else 'FAIL'} |")
+        print(
+            f"| {c.name} | {c.ours:,.0f} | {c.baseline:,.0f} | {c.ratio:.2f} | {c.target} | "
+            f"{'PASS' if c.passed else 'FAIL'} |"
+        )
     print()
     for note in notes:
         print(f"- {note}")

@@ -50,8 +50,10 @@ TOPIC_DELIVERY = "bench.drain.delivery"
 TOPIC_E2E = "bench.drain.e2e"
 GROUP = "bench"
 RAW_TABLE = "raw_drain"
-RAW_DRAIN = (f"DELETE FROM {RAW_TABLE} WHERE id IN (SELECT id FROM {RAW_TABLE} ORDER BY id LIMIT %s"
-             " FOR UPDATE SKIP LOCKED) RETURNING *")
+RAW_DRAIN = (
+    f"DELETE FROM {RAW_TABLE} WHERE id IN (SELECT id FROM {RAW_TABLE} ORDER BY id LIMIT %s"
+    " FOR UPDATE SKIP LOCKED) RETURNING *"
+)
 _DELIVERED = re.compile(r"^delivered (\d+) ")
 
 
@@ -60,8 +62,9 @@ def load(store: Store, topic: str, count: int, batch: int) -> float:
     at = store.clock() - timedelta(minutes=1)
     started = time.perf_counter()
     for start, size in chunks(count, batch):
-        store.send_many([Message(topic, body(start + j), delay_level=1, key=f"drain-{start + j}")
-                         for j in range(size)], now=at)
+        store.send_many(
+            [Message(topic, body(start + j), delay_level=1, key=f"drain-{start + j}") for j in range(size)], now=at
+        )
     return time.perf_counter() - started
 
 
@@ -73,7 +76,11 @@ class Deliverer:
         env = {**os.environ, "DELAYWHEEL_DATABASE_URL": as_url(url)}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "delaywheel.cli", "deliver", "--duration", "30m", "--progress-every", "0.2"],
-            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         self.ready_at = 0.0  # time.time() when the ready line was read
         self.delivered = 0
         self._ready = threading.Event()
@@ -113,6 +120,7 @@ def consumer(url: str, count: int, max_messages: int, profile: bool, ready: Any,
         nonlocal seen
         for m in messages:  # look at each message, as a real handler would
             seen += len(m.body)
+
     profiler = cProfile.Profile() if profile else None
     with Store(url) as store:
         store.conn  # noqa: B018  (connected before the clock starts)
@@ -134,8 +142,11 @@ def consumer(url: str, count: int, max_messages: int, profile: bool, ready: Any,
 
 def last_delivery(conn: psycopg.Connection, topic: str) -> tuple[float, float, int]:
     """(first, last delivered_at as epoch seconds, rows) of a topic."""
-    row = conn.execute("SELECT extract(epoch FROM min(delivered_at)), extract(epoch FROM max(delivered_at)), count(*)"
-                       " FROM delaywheel.topic_messages WHERE topic = %s", (topic,)).fetchone()
+    row = conn.execute(
+        "SELECT extract(epoch FROM min(delivered_at)), extract(epoch FROM max(delivered_at)), count(*)"
+        " FROM delaywheel.topic_messages WHERE topic = %s",
+        (topic,),
+    ).fetchone()
     assert row is not None
     return float(row[0]), float(row[1]), int(row[2])
 
@@ -187,25 +198,35 @@ def end_to_end(url: str, store: Store, count: int, batch: int, max_messages: int
         if proc.is_alive():
             proc.kill()
     _, delivered_last, _ = last_delivery(store.conn, TOPIC_E2E)
-    row = store.conn.execute("SELECT acked FROM delaywheel.consumer_offsets WHERE grp = %s AND topic = %s",
-                             (GROUP, TOPIC_E2E)).fetchone()
+    row = store.conn.execute(
+        "SELECT acked FROM delaywheel.consumer_offsets WHERE grp = %s AND topic = %s", (GROUP, TOPIC_E2E)
+    ).fetchone()
     acked = int(row[0]) if row else 0
     if totals["messages"] != count or acked != count:
         raise RuntimeError(f"(b) handled {totals['messages']:,}, acked {acked:,}, expected {count:,}")
     seconds = finished - deliverer.ready_at
     log(f"(b) end to end: {count:,} in {seconds:.2f} s = {count / seconds:,.0f} msg/s")
-    return {"rate": count / seconds, "seconds": seconds, "delivery_seconds": delivered_last - deliverer.ready_at,
-            "totals": totals, "cpu_s": cpu_s, "profile": report}
+    return {
+        "rate": count / seconds,
+        "seconds": seconds,
+        "delivery_seconds": delivered_last - deliverer.ready_at,
+        "totals": totals,
+        "cpu_s": cpu_s,
+        "profile": report,
+    }
 
 
 def raw_drain(conn: psycopg.Connection, count: int, n: int) -> tuple[float, bool]:
     """(c): (a)'s rows in a plain table, drained n at a time by DELETE ... RETURNING, read by the client. Returns
     the rate and whether the planner, left to itself, would have read the whole table for every batch."""
     conn.execute(f"DROP TABLE IF EXISTS {RAW_TABLE}")  # type: ignore[arg-type]
-    conn.execute(f"""CREATE TABLE {RAW_TABLE} AS
+    conn.execute(
+        f"""CREATE TABLE {RAW_TABLE} AS
         SELECT row_number() OVER (ORDER BY xid, queue_offset) AS id, topic, queue_offset, message_id, key, tags,
                properties, body, is_json, reconsume_times, deliver_at, delivered_at
-        FROM delaywheel.topic_messages WHERE topic = %s""", (TOPIC_DELIVERY,))  # type: ignore[arg-type]
+        FROM delaywheel.topic_messages WHERE topic = %s""",
+        (TOPIC_DELIVERY,),
+    )  # type: ignore[arg-type]
     conn.execute(f"ALTER TABLE {RAW_TABLE} ADD PRIMARY KEY (id)")  # type: ignore[arg-type]
     settle(conn)
     planned = conn.execute(f"EXPLAIN {RAW_DRAIN}", (n,)).fetchall()  # type: ignore[arg-type]
@@ -253,8 +274,12 @@ def run(args: argparse.Namespace) -> tuple[list[Check], list[str], str]:
         f" consumer CPU {e2e['cpu_s']:.1f} s ({e2e['cpu_s'] / count * 1e6:.1f} µs a message)",
         f"(c) raw drain {raw:,.0f} msg/s: `{RAW_DRAIN % args.max_messages}`, autocommit, fetchall, the same rows;"
         f" planned with enable_seqscan off (a nested loop over the primary key)"
-        + ("; left to itself the planner chose a hash semi join over a sequential scan of the whole table for every"
-           " batch" if seq_planned else ""),
+        + (
+            "; left to itself the planner chose a hash semi join over a sequential scan of the whole table for every"
+            " batch"
+            if seq_planned
+            else ""
+        ),
         f"load average before {load_before[0]:.1f}, after {load_after[0]:.1f} (2 cores shared)"
         + (f"; {args.note}" if args.note else ""),
     ]
@@ -265,15 +290,21 @@ def main(argv: list[str] | None = None) -> list[Check]:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--scale", type=float, default=1.0, help="multiply the message count (1.0 = 1,000,000)")
     parser.add_argument("--batch", type=int, default=20_000, help="messages per send_many when loading")
-    parser.add_argument("--max-messages", type=int, default=1000,
-                        help="the consumer's batch (max_messages) and the raw drain's LIMIT")
+    parser.add_argument(
+        "--max-messages", type=int, default=1000, help="the consumer's batch (max_messages) and the raw drain's LIMIT"
+    )
     parser.add_argument("--profile", action="store_true", help="profile the consumer process (cProfile)")
     parser.add_argument("--note", default="", help="a note for the results (e.g. the background load)")
     args, _ = parser.parse_known_args(argv)  # run_all passes its own arguments to every module
     started = datetime.now(UTC)
     checks, notes, report = run(args)
-    print_section("End-to-end drain by one consumer (issue 19)", checks, notes, started,
-                  "python -m bench.consumer_drain " + " ".join(argv if argv is not None else sys.argv[1:]))
+    print_section(
+        "End-to-end drain by one consumer (issue 19)",
+        checks,
+        notes,
+        started,
+        "python -m bench.consumer_drain " + " ".join(argv if argv is not None else sys.argv[1:]),
+    )
     if report:
         print(report)
     return checks

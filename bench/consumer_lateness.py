@@ -46,8 +46,12 @@ def produce(url: str, rate: int, seconds: float, seed: int, out: Any) -> None:
             due_ticks = int((now - started) / TICK_S) + 1  # catch up after a slow send
             n = int(due_ticks * TICK_S * rate) - len(ids)
             if n > 0:
-                ids += store.send_many([Message(TOPIC, {"i": len(ids) + k},
-                                                delay=timedelta(seconds=rng.uniform(1.0, 10.0))) for k in range(n)])
+                ids += store.send_many(
+                    [
+                        Message(TOPIC, {"i": len(ids) + k}, delay=timedelta(seconds=rng.uniform(1.0, 10.0)))
+                        for k in range(n)
+                    ]
+                )
             tick = due_ticks
             time.sleep(max(0.0, started + tick * TICK_S - time.monotonic()))
     out.send(ids)
@@ -81,8 +85,10 @@ def delta(before: tuple[int, int, int], after: tuple[int, int, int]) -> tuple[in
 
 def cpu_note(name: str, stat: tuple[int, int, int]) -> str:
     run_ns, wait_ns, slices = stat
-    return (f"{name}: {run_ns / 1e9:.1f} s on a CPU, {wait_ns / 1e9:.1f} s runnable but waiting for one,"
-            f" {slices:,} timeslices (mean wait {wait_ns / max(slices, 1) / 1e6:.2f} ms)")
+    return (
+        f"{name}: {run_ns / 1e9:.1f} s on a CPU, {wait_ns / 1e9:.1f} s runnable but waiting for one,"
+        f" {slices:,} timeslices (mean wait {wait_ns / max(slices, 1) / 1e6:.2f} ms)"
+    )
 
 
 def percentiles(values: np.ndarray) -> tuple[float, float, float]:
@@ -98,7 +104,10 @@ def run(args: argparse.Namespace) -> tuple[list[Check], list[str]]:
     env = {**os.environ, "DELAYWHEEL_DATABASE_URL": as_url(url)}
     deliverer = subprocess.Popen(
         [sys.executable, "-m", "delaywheel.cli", "deliver", "--duration", f"{seconds + 120:.0f}s"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     stop, count = ctx.Event(), ctx.Value("q", 0)
     consumed_rx, consumed_tx = ctx.Pipe(duplex=False)
     produced_rx, produced_tx = ctx.Pipe(duplex=False)
@@ -156,7 +165,9 @@ def run(args: argparse.Namespace) -> tuple[list[Check], list[str]]:
         f"delivery-only lateness (delivered_at - due), same messages: p50 {d50:.1f} ms, p99 {d99:.1f} ms,"
         f" max {dworst:.1f} ms",
         f"what the consumer adds (received - delivered_at): p50 {np.percentile(handoff, 50):.1f} ms,"
-        f" p99 {np.percentile(handoff, 99):.1f} ms" if len(handoff) else "nothing received",
+        f" p99 {np.percentile(handoff, 99):.1f} ms"
+        if len(handoff)
+        else "nothing received",
         f"consumer: {totals['batches']:,} batches, {totals['notified_wakes']:,} woken by NOTIFY,"
         f" {totals['safety_wakes']} safety wakes, {totals['empty_pulls']:,} empty pulls"
         f" ({totals['repulls']:,} looks again after a notified pull found nothing readable), {totals['busy']} busy,"
@@ -174,8 +185,13 @@ def main(argv: list[str] | None = None) -> list[Check]:
     args, _ = parser.parse_known_args(argv)  # run_all passes its own arguments (--scale) to every module
     started = datetime.now(UTC)
     checks, notes = run(args)
-    print_section("Consumer-observed lateness, library consumer (issue 19)", checks, notes, started,
-                  "python -m bench.consumer_lateness " + " ".join(argv if argv is not None else sys.argv[1:]))
+    print_section(
+        "Consumer-observed lateness, library consumer (issue 19)",
+        checks,
+        notes,
+        started,
+        "python -m bench.consumer_lateness " + " ".join(argv if argv is not None else sys.argv[1:]),
+    )
     return checks
 
 

@@ -38,8 +38,10 @@ RAW_TABLE = """CREATE TABLE raw_timers (id bigserial PRIMARY KEY, topic text NOT
     properties jsonb, body bytea NOT NULL, is_json boolean NOT NULL, deliver_at timestamptz NOT NULL,
     enqueued_at timestamptz NOT NULL DEFAULT clock_timestamp())"""
 RAW_INDEX = "CREATE INDEX raw_timers_due ON raw_timers (deliver_at)"
-INSERT = ("INSERT INTO raw_timers (topic, key, tags, body, is_json, deliver_at)"
-          " VALUES (%s, %s, %s, %s, false, clock_timestamp() + %s * interval '1 millisecond') RETURNING id")
+INSERT = (
+    "INSERT INTO raw_timers (topic, key, tags, body, is_json, deliver_at)"
+    " VALUES (%s, %s, %s, %s, false, clock_timestamp() + %s * interval '1 millisecond') RETURNING id"
+)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -61,12 +63,15 @@ def single_sends(store: Store, raw: psycopg.Connection, count: int) -> dict[str,
         "send, level": lambda i: store.send(TOPIC, body(i), delay_level=3, key=f"l-{i}", tags="created"),
         "send, wheel": lambda i: store.send(TOPIC, body(i), delay=30_000, key=f"w-{i}", tags="created"),
         "INSERT": lambda i: raw.execute(INSERT, (TOPIC, f"r-{i}", "created", body(i), 30_000)).fetchone(),
-        "send in tx, wheel": lambda i: _in(store.conn, lambda: store.send(TOPIC, body(i), delay=30_000,
-                                                                          key=f"t-{i}", tags="created")),
-        "INSERT in tx": lambda i: _in(raw, lambda: raw.execute(INSERT, (TOPIC, f"x-{i}", "created", body(i),
-                                                                        30_000)).fetchone()),
-        "send_many([m]), wheel": lambda i: store.send_many([Message(TOPIC, body(i), delay=30_000, key=f"m-{i}",
-                                                                    tags="created")]),
+        "send in tx, wheel": lambda i: _in(
+            store.conn, lambda: store.send(TOPIC, body(i), delay=30_000, key=f"t-{i}", tags="created")
+        ),
+        "INSERT in tx": lambda i: _in(
+            raw, lambda: raw.execute(INSERT, (TOPIC, f"x-{i}", "created", body(i), 30_000)).fetchone()
+        ),
+        "send_many([m]), wheel": lambda i: store.send_many(
+            [Message(TOPIC, body(i), delay=30_000, key=f"m-{i}", tags="created")]
+        ),
     }
     for i in range(50):  # warm up: connections, prepared statements, partitions
         for call in cases.values():
@@ -138,26 +143,58 @@ def main() -> list[Check]:
     p50 = {name: percentile(values, 50) for name, values in times.items()}
     p99 = {name: percentile(values, 99) for name, values in times.items()}
     checks = [
-        Check("send p50, level (µs)", p50["send, level"], p50["INSERT"], "ratio <= 2.00",
-              p50["send, level"] <= 2 * p50["INSERT"]),
-        Check("send p50, wheel (µs)", p50["send, wheel"], p50["INSERT"], "ratio <= 2.00",
-              p50["send, wheel"] <= 2 * p50["INSERT"]),
-        Check("send p50 in a caller's tx, wheel (µs)", p50["send in tx, wheel"], p50["INSERT in tx"], "ratio <= 2.00",
-              p50["send in tx, wheel"] <= 2 * p50["INSERT in tx"]),
+        Check(
+            "send p50, level (µs)",
+            p50["send, level"],
+            p50["INSERT"],
+            "ratio <= 2.00",
+            p50["send, level"] <= 2 * p50["INSERT"],
+        ),
+        Check(
+            "send p50, wheel (µs)",
+            p50["send, wheel"],
+            p50["INSERT"],
+            "ratio <= 2.00",
+            p50["send, wheel"] <= 2 * p50["INSERT"],
+        ),
+        Check(
+            "send p50 in a caller's tx, wheel (µs)",
+            p50["send in tx, wheel"],
+            p50["INSERT in tx"],
+            "ratio <= 2.00",
+            p50["send in tx, wheel"] <= 2 * p50["INSERT in tx"],
+        ),
     ]
-    notes = [f"load average at start {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (1 / 5 / 15 min), 2 cores;"
-             f" {args.count:,} calls per case, interleaved"]
+    notes = [
+        f"load average at start {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (1 / 5 / 15 min), 2 cores;"
+        f" {args.count:,} calls per case, interleaved"
+    ]
     for name in times:
         base = "INSERT in tx" if "tx" in name else "INSERT"
-        notes.append(f"{name}: p50 {p50[name]:,.0f} µs, p99 {p99[name]:,.0f} µs"
-                     + ("" if name.startswith("INSERT") else
-                        f" (x{p50[name] / p50[base]:.2f} / x{p99[name] / p99[base]:.2f} the {base}'s p50 / p99)"))
+        notes.append(
+            f"{name}: p50 {p50[name]:,.0f} µs, p99 {p99[name]:,.0f} µs"
+            + (
+                ""
+                if name.startswith("INSERT")
+                else f" (x{p50[name] / p50[base]:.2f} / x{p99[name] / p99[base]:.2f} the {base}'s p50 / p99)"
+            )
+        )
     for label, figures in (("CLI", cli), (f"CLI at {args.before}", before)):
         if figures:
-            notes.append(f"{label} start, median of {args.cli_runs}: " + "; ".join(
-                f"`delaywheel {name}` {wall:,.0f} ms wall, {cpu:,.0f} ms CPU" for name, (wall, cpu) in figures.items()))
-    print_section("Single send and CLI start (issue 19, item 5)", checks, notes, started,
-                  "python -m bench.send_bench" + (f" --before {args.before}" if args.before else ""))
+            notes.append(
+                f"{label} start, median of {args.cli_runs}: "
+                + "; ".join(
+                    f"`delaywheel {name}` {wall:,.0f} ms wall, {cpu:,.0f} ms CPU"
+                    for name, (wall, cpu) in figures.items()
+                )
+            )
+    print_section(
+        "Single send and CLI start (issue 19, item 5)",
+        checks,
+        notes,
+        started,
+        "python -m bench.send_bench" + (f" --before {args.before}" if args.before else ""),
+    )
     return checks
 
 

@@ -43,15 +43,24 @@ PLAIN = "CREATE TABLE {name} (topic text, key text, body text, delay_level int)"
 
 def write_parquet(path: Path, count: int) -> None:
     """The input: ten row groups (of at most 1M rows), levels 1-18, a ~90-byte JSON body, unique keys."""
-    schema = pa.schema([("topic", pa.string()), ("key", pa.string()), ("body", pa.string()),
-                        ("delay_level", pa.int32())])
+    schema = pa.schema(
+        [("topic", pa.string()), ("key", pa.string()), ("body", pa.string()), ("delay_level", pa.int32())]
+    )
     with pq.ParquetWriter(path, schema) as writer:
         group = min(1_000_000, max(1, count // 10))
         for start in range(0, count, group):
             ids = range(start, min(count, start + group))
-            writer.write_table(pa.table({
-                "topic": ["bench.orders"] * len(ids), "key": [f"order-{i}" for i in ids],
-                "body": [body(i).decode() for i in ids], "delay_level": [1 + i % 18 for i in ids]}, schema=schema))
+            writer.write_table(
+                pa.table(
+                    {
+                        "topic": ["bench.orders"] * len(ids),
+                        "key": [f"order-{i}" for i in ids],
+                        "body": [body(i).decode() for i in ids],
+                        "delay_level": [1 + i % 18 for i in ids],
+                    },
+                    schema=schema,
+                )
+            )
 
 
 def raw_copy(url: str, path: Path) -> float:
@@ -78,9 +87,20 @@ def jdbc_write(spark: object, url: str, path: Path, table: str, rewrite: bool) -
 
 def enqueue(url: str, path: Path, reader: str = "auto") -> float:
     started = time.perf_counter()
-    counts = bulk_enqueue.main(["--db-url", url, "--input", str(path), "--topic", "bench.orders",
-                                "--body-format", "bytes",  # common.body() is raw bytes, as in the store bench
-                                "--parquet-reader", reader])
+    counts = bulk_enqueue.main(
+        [
+            "--db-url",
+            url,
+            "--input",
+            str(path),
+            "--topic",
+            "bench.orders",
+            "--body-format",
+            "bytes",  # common.body() is raw bytes, as in the store bench
+            "--parquet-reader",
+            reader,
+        ]
+    )
     elapsed = time.perf_counter() - started
     assert counts.enqueued == counts.rows, counts
     return elapsed
@@ -99,16 +119,22 @@ def parquet(count: int) -> Path:
 
 def warm_up(spark: object, path: Path) -> str:
     """Every contender once over `path`, untimed as far as the checks go, each in a scratch database."""
-    contenders = (lambda url: enqueue(url, path), lambda url: enqueue(url, path, "spark"),
-                  lambda url: raw_copy(url, path), lambda url: jdbc_write(spark, url, path, "jdbc_plain", rewrite=False))
+    contenders = (
+        lambda url: enqueue(url, path),
+        lambda url: enqueue(url, path, "spark"),
+        lambda url: raw_copy(url, path),
+        lambda url: jdbc_write(spark, url, path, "jdbc_plain", rewrite=False),
+    )
     times = []
     for contender in contenders:
         try:
             times.append(contender(fresh_database(DB + "_warm_up")))
         finally:
             drop_database(DB + "_warm_up")
-    return ("warm-up, {:,} rows in a scratch database first, each contender once: ours {:.1f} s, ours with Spark's "
-            "reader {:.1f} s, raw COPY {:.1f} s, JDBC writer {:.1f} s").format(WARM_UP_ROWS, *times)
+    return (
+        "warm-up, {:,} rows in a scratch database first, each contender once: ours {:.1f} s, ours with Spark's "
+        "reader {:.1f} s, raw COPY {:.1f} s, JDBC writer {:.1f} s"
+    ).format(WARM_UP_ROWS, *times)
 
 
 def main() -> list[Check]:
@@ -138,23 +164,32 @@ def main() -> list[Check]:
     log(f"jdbc {jdbc:.1f}s; JDBC writer, batched rewrite")
     jdbc_rewrite = jdbc_write(spark, url, path, "jdbc_rewrite", rewrite=True)
     with psycopg.connect(url) as conn:
-        written = conn.execute("SELECT (SELECT count(*) FROM raw_copy), (SELECT count(*) FROM jdbc_plain),"
-                               " (SELECT count(*) FROM jdbc_rewrite), (SELECT count(*) FROM delaywheel.level_queue)"
-                               ).fetchone()
+        written = conn.execute(
+            "SELECT (SELECT count(*) FROM raw_copy), (SELECT count(*) FROM jdbc_plain),"
+            " (SELECT count(*) FROM jdbc_rewrite), (SELECT count(*) FROM delaywheel.level_queue)"
+        ).fetchone()
     assert written == (count, count, count, count), written
 
-    checks = [at_least("bulk enqueue vs raw COPY (rows/s)", count / ours, count / raw, 0.5),
-              at_least("bulk enqueue vs Spark JDBC writer (rows/s)", count / ours, count / jdbc, 3.0)]
-    print_section(f"Bulk enqueue from Parquet, {count:,} rows", checks, [
-        f"ours {ours:.1f} s ({count / ours:,.0f} rows/s), raw COPY {raw:.1f} s, Spark JDBC writer {jdbc:.1f} s, "
-        f"JDBC writer with reWriteBatchedInserts=true {jdbc_rewrite:.1f} s ({count / jdbc_rewrite:,.0f} rows/s)",
-        f"ours with --parquet-reader spark (Spark's reader, not the row groups read by pyarrow): {spark_reader:.1f} s "
-        f"({count / spark_reader:,.0f} rows/s, {spark_reader / ours:.2f} x the time of ours)",
-        "ours validates every row with the library's rules, claims (source, key) for idempotency and COPYs level "
-        "segments (migrations/011); the baselines write 4 columns into an unindexed plain table",
-        f"Spark local[*] on {spark.sparkContext.defaultParallelism} cores; all rows in every table counted afterwards",
-        warmed,
-    ], started_at, f"python -m bench.spark_bulk --scale {args.scale}")
+    checks = [
+        at_least("bulk enqueue vs raw COPY (rows/s)", count / ours, count / raw, 0.5),
+        at_least("bulk enqueue vs Spark JDBC writer (rows/s)", count / ours, count / jdbc, 3.0),
+    ]
+    print_section(
+        f"Bulk enqueue from Parquet, {count:,} rows",
+        checks,
+        [
+            f"ours {ours:.1f} s ({count / ours:,.0f} rows/s), raw COPY {raw:.1f} s, Spark JDBC writer {jdbc:.1f} s, "
+            f"JDBC writer with reWriteBatchedInserts=true {jdbc_rewrite:.1f} s ({count / jdbc_rewrite:,.0f} rows/s)",
+            f"ours with --parquet-reader spark (Spark's reader, not the row groups read by pyarrow): {spark_reader:.1f} s "
+            f"({count / spark_reader:,.0f} rows/s, {spark_reader / ours:.2f} x the time of ours)",
+            "ours validates every row with the library's rules, claims (source, key) for idempotency and COPYs level "
+            "segments (migrations/011); the baselines write 4 columns into an unindexed plain table",
+            f"Spark local[*] on {spark.sparkContext.defaultParallelism} cores; all rows in every table counted afterwards",
+            warmed,
+        ],
+        started_at,
+        f"python -m bench.spark_bulk --scale {args.scale}",
+    )
     spark.stop()
     return checks
 

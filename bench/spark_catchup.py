@@ -48,9 +48,11 @@ def enqueue(store: Store, count: int, batch: int) -> None:
 
 def raw_move(url: str, count: int) -> float:
     with psycopg.connect(url, autocommit=True) as conn:
-        conn.execute("CREATE TABLE raw_src AS SELECT id, topic, key, tags, properties, body, is_json, deliver_at"
-                     " FROM delaywheel.level_queue UNION ALL SELECT id, topic, key, tags, properties, body, is_json,"
-                     " deliver_at FROM delaywheel.wheel")
+        conn.execute(
+            "CREATE TABLE raw_src AS SELECT id, topic, key, tags, properties, body, is_json, deliver_at"
+            " FROM delaywheel.level_queue UNION ALL SELECT id, topic, key, tags, properties, body, is_json,"
+            " deliver_at FROM delaywheel.wheel"
+        )
         conn.execute("ALTER TABLE raw_src ADD PRIMARY KEY (id)")
         conn.execute("CREATE TABLE raw_dst (LIKE raw_src)")
         conn.execute("ANALYZE raw_src")
@@ -79,20 +81,28 @@ def main() -> list[Check]:
     spark.sparkContext.setLogLevel("ERROR")
     spark.range(1).count()  # the JVM is warm before the clock starts
     t = time.perf_counter()
-    report = redeliver.main(["--db-url", url, "--now", (T0 + timedelta(hours=3)).isoformat(), "--mode", "catch-up",
-                             "--batch", str(PASS)])
+    report = redeliver.main(
+        ["--db-url", url, "--now", (T0 + timedelta(hours=3)).isoformat(), "--mode", "catch-up", "--batch", str(PASS)]
+    )
     ours = time.perf_counter() - t
     with psycopg.connect(url) as conn:
-        delivered = conn.execute("SELECT count(*), count(DISTINCT message_id) FROM delaywheel.topic_messages"
-                                 ).fetchone()
+        delivered = conn.execute(
+            "SELECT count(*), count(DISTINCT message_id) FROM delaywheel.topic_messages"
+        ).fetchone()
     assert report["delivered"] == count and delivered == (count, count), (report["delivered"], delivered)
     checks = [at_least("catch-up vs raw batched move (messages/s)", count / ours, count / raw, 0.5)]
-    print_section(f"Catch-up of {count:,} overdue messages", checks, [
-        f"ours {ours:.1f} s ({count / ours:,.0f} msg/s over 19 lanes in parallel), raw move {raw:.1f} s "
-        f"({count / raw:,.0f} rows/s, one connection), batches of {PASS:,}",
-        "every message delivered exactly once (count = distinct message ids = backlog)",
-        f"Spark local[*] on {spark.sparkContext.defaultParallelism} cores",
-    ], started_at, f"python -m bench.spark_catchup --scale {args.scale}")
+    print_section(
+        f"Catch-up of {count:,} overdue messages",
+        checks,
+        [
+            f"ours {ours:.1f} s ({count / ours:,.0f} msg/s over 19 lanes in parallel), raw move {raw:.1f} s "
+            f"({count / raw:,.0f} rows/s, one connection), batches of {PASS:,}",
+            "every message delivered exactly once (count = distinct message ids = backlog)",
+            f"Spark local[*] on {spark.sparkContext.defaultParallelism} cores",
+        ],
+        started_at,
+        f"python -m bench.spark_catchup --scale {args.scale}",
+    )
     spark.stop()
     return checks
 

@@ -79,16 +79,34 @@ def main() -> list[Check]:
     spark.sparkContext.setLogLevel("ERROR")
     spark.range(1).count()
     t = time.perf_counter()
-    result = lateness_quality.main(["--db-url", url, "--start", W0.isoformat(), "--end", (W0 + WINDOW).isoformat(),
-                                    "--p99-ms", "5000", "--report-dir", "/tmp/delaywheel_bench_reports"])
+    result = lateness_quality.main(
+        [
+            "--db-url",
+            url,
+            "--start",
+            W0.isoformat(),
+            "--end",
+            (W0 + WINDOW).isoformat(),
+            "--p99-ms",
+            "5000",
+            "--report-dir",
+            "/tmp/delaywheel_bench_reports",
+        ]
+    )
     took = time.perf_counter() - t
     assert result.success, result.message()
     checks = [smaller("lateness job over the window (seconds)", took, BUDGET_S)]
-    print_section(f"Lateness quality over {count:,} deliveries", checks, [
-        f"the whole job: JDBC reads of {count:,} deliveries and {count:,} due messages, per-minute aggregates, "
-        f"4 GX expectations on Spark, result saved, HTML report: {took:.1f} s (budget {BUDGET_S:.0f} s)",
-        f"Spark local[*] on {spark.sparkContext.defaultParallelism} cores",
-    ], started_at, f"python -m bench.spark_lateness --scale {args.scale}")
+    print_section(
+        f"Lateness quality over {count:,} deliveries",
+        checks,
+        [
+            f"the whole job: JDBC reads of {count:,} deliveries and {count:,} due messages, per-minute aggregates, "
+            f"4 GX expectations on Spark, result saved, HTML report: {took:.1f} s (budget {BUDGET_S:.0f} s)",
+            f"Spark local[*] on {spark.sparkContext.defaultParallelism} cores",
+        ],
+        started_at,
+        f"python -m bench.spark_lateness --scale {args.scale}",
+    )
     spark.stop()
     return checks
 

@@ -47,29 +47,48 @@ def load(store: Store, scale: float, batch: int) -> dict[str, int]:
     """The 10M (times `scale`) pending messages; returns how many went where."""
     rng = random.Random(18)
     now = store.clock()
-    plan = {"levels": int(3_000_000 * scale), "wheel, next 24 h": int(1_000_000 * scale),
-            "wheel, 1-3.5 days": int(1_000_000 * scale), "wheel, 4-30 days (far)": int(5_000_000 * scale)}
-    spans = {"wheel, next 24 h": (timedelta(seconds=5), timedelta(hours=24)),
-             "wheel, 1-3.5 days": (timedelta(hours=24), timedelta(days=3.5)),
-             "wheel, 4-30 days (far)": (timedelta(days=4), timedelta(days=30))}
+    plan = {
+        "levels": int(3_000_000 * scale),
+        "wheel, next 24 h": int(1_000_000 * scale),
+        "wheel, 1-3.5 days": int(1_000_000 * scale),
+        "wheel, 4-30 days (far)": int(5_000_000 * scale),
+    }
+    spans = {
+        "wheel, next 24 h": (timedelta(seconds=5), timedelta(hours=24)),
+        "wheel, 1-3.5 days": (timedelta(hours=24), timedelta(days=3.5)),
+        "wheel, 4-30 days (far)": (timedelta(days=4), timedelta(days=30)),
+    }
     sent = 0
     for what, count in plan.items():
         started = time.perf_counter()
         for start, size in chunks(count, batch):
             if what == "levels":
-                messages = [Message("bench.stats", body(start + j), delay_level=1 + (start + j) % 18,
-                                    key=f"l-{start + j}") for j in range(size)]
+                messages = [
+                    Message("bench.stats", body(start + j), delay_level=1 + (start + j) % 18, key=f"l-{start + j}")
+                    for j in range(size)
+                ]
             else:
                 lo, hi = spans[what]
-                messages = [Message("bench.stats", body(start + j), key=f"w-{sent + start + j}",
-                                    deliver_at=now + lo + rng.random() * (hi - lo)) for j in range(size)]
+                messages = [
+                    Message(
+                        "bench.stats",
+                        body(start + j),
+                        key=f"w-{sent + start + j}",
+                        deliver_at=now + lo + rng.random() * (hi - lo),
+                    )
+                    for j in range(size)
+                ]
             store.send_many(messages)
         sent += count
         log(f"loaded {count:,} ({what}) in {time.perf_counter() - started:,.0f} s")
-    ids = [row[0] for row in store.conn.execute(
-        "(SELECT id FROM delaywheel.wheel ORDER BY random() LIMIT %(n)s)"
-        " UNION ALL (SELECT ids[1] FROM delaywheel.wheel_far_segments ORDER BY random() LIMIT %(n)s)",
-        {"n": max(1, int(500 * min(scale, 1.0)))})]
+    ids = [
+        row[0]
+        for row in store.conn.execute(
+            "(SELECT id FROM delaywheel.wheel ORDER BY random() LIMIT %(n)s)"
+            " UNION ALL (SELECT ids[1] FROM delaywheel.wheel_far_segments ORDER BY random() LIMIT %(n)s)",
+            {"n": max(1, int(500 * min(scale, 1.0)))},
+        )
+    ]
     for message_id in ids:
         store.cancel(message_id=message_id, reason="bench")
     plan["cancelled"] = len(ids)
@@ -101,17 +120,33 @@ def measure(url: str, label: str, notes: list[str], checks: list[Check]) -> None
         count_s = time.perf_counter() - count_started
     wheel = figures["wheel"]
     backlog = sum(row["backlog"] for row in figures["levels"])
-    notes.append(f"{label}: stats() {p50_max(stats)} over {ROUNDS} calls; `SELECT 1` round trip {p50_max(one)}; "
-                 f"`count(*)` over the pending view once: {count_s * 1000:,.0f} ms ({pending:,} rows, cancellations "
-                 f"not subtracted; timers already due when their batch was sent went straight to their topic); "
-                 f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; stats said: level backlog {backlog:,}, wheel pending {wheel['pending']:,} "
-                 f"(overdue {wheel['overdue']:,}, next minute {wheel['next_minute']:,}, hour {wheel['next_hour']:,}, "
-                 f"day {wheel['next_day']:,}, later {wheel['later']:,})")
+    notes.append(
+        f"{label}: stats() {p50_max(stats)} over {ROUNDS} calls; `SELECT 1` round trip {p50_max(one)}; "
+        f"`count(*)` over the pending view once: {count_s * 1000:,.0f} ms ({pending:,} rows, cancellations "
+        f"not subtracted; timers already due when their batch was sent went straight to their topic); "
+        f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; stats said: level backlog {backlog:,}, wheel pending {wheel['pending']:,} "
+        f"(overdue {wheel['overdue']:,}, next minute {wheel['next_minute']:,}, hour {wheel['next_hour']:,}, "
+        f"day {wheel['next_day']:,}, later {wheel['later']:,})"
+    )
     notes.append(f"{label}: where one stats() call's time goes, statement by statement: " + "; ".join(profile))
-    checks.append(Check(f"stats() p50, {label} (ms)", statistics.median(stats) * 1000, TARGET_S * 1000,
-                        f"<= {TARGET_S * 1000:.0f} ms", statistics.median(stats) <= TARGET_S))
-    checks.append(Check(f"stats() max, {label} (ms)", max(stats) * 1000, TARGET_S * 1000,
-                        f"<= {TARGET_S * 1000:.0f} ms", max(stats) <= TARGET_S))
+    checks.append(
+        Check(
+            f"stats() p50, {label} (ms)",
+            statistics.median(stats) * 1000,
+            TARGET_S * 1000,
+            f"<= {TARGET_S * 1000:.0f} ms",
+            statistics.median(stats) <= TARGET_S,
+        )
+    )
+    checks.append(
+        Check(
+            f"stats() max, {label} (ms)",
+            max(stats) * 1000,
+            TARGET_S * 1000,
+            f"<= {TARGET_S * 1000:.0f} ms",
+            max(stats) <= TARGET_S,
+        )
+    )
 
 
 def fresh_database(name: str) -> str:
@@ -150,13 +185,21 @@ def statement_times(store: Store) -> list[tuple[str, float]]:
     return times
 
 
-STATEMENTS = [("FROM delaywheel.wheel_state", "state"), ("FROM delaywheel.topic_messages WHERE origin", "lateness"),
-              ("generate_series(1, greatest", "levels"), ("pg_stat_get_live_tuples", "near partitions"),
-              ("count(*) FROM delaywheel.wheel w", "near wheel counts"), ("w.xid >= ", "stragglers"),
-              ("FROM delaywheel.cancellations c", "cancelled"), ("wheel_far_segments s WHERE s.block >", "far blocks"),
-              ("t.topic, t.depth", "topics"), ("FROM delaywheel.quarantine GROUP", "quarantine counts"),
-              ("unnest(%(reasons)s", "quarantine recent"), ("FROM delaywheel.set_aside GROUP", "set-aside counts"),
-              ("FROM delaywheel.set_aside ORDER", "set-aside recent")]
+STATEMENTS = [
+    ("FROM delaywheel.wheel_state", "state"),
+    ("FROM delaywheel.topic_messages WHERE origin", "lateness"),
+    ("generate_series(1, greatest", "levels"),
+    ("pg_stat_get_live_tuples", "near partitions"),
+    ("count(*) FROM delaywheel.wheel w", "near wheel counts"),
+    ("w.xid >= ", "stragglers"),
+    ("FROM delaywheel.cancellations c", "cancelled"),
+    ("wheel_far_segments s WHERE s.block >", "far blocks"),
+    ("t.topic, t.depth", "topics"),
+    ("FROM delaywheel.quarantine GROUP", "quarantine counts"),
+    ("unnest(%(reasons)s", "quarantine recent"),
+    ("FROM delaywheel.set_aside GROUP", "set-aside counts"),
+    ("FROM delaywheel.set_aside ORDER", "set-aside recent"),
+]
 
 
 def exists(name: str) -> bool:
@@ -182,8 +225,9 @@ def main() -> list[Check]:
             store.prepare()
             loaded = load(store, args.scale, args.batch)
             store.conn.execute("VACUUM (ANALYZE)")  # what autovacuum does after a bulk load (insert threshold)
-        notes.append("loaded by send_many: " + ", ".join(f"{v:,} {k}" for k, v in loaded.items())
-                     + ", then VACUUM (ANALYZE)")
+        notes.append(
+            "loaded by send_many: " + ", ".join(f"{v:,} {k}" for k, v in loaded.items()) + ", then VACUUM (ANALYZE)"
+        )
     total = int(10_000_000 * args.scale)
     measure(url, f"{total:,} pending", notes, checks)
     if not args.keep:

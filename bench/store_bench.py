@@ -47,8 +47,20 @@ EMPTY_DB = "delaywheel_bench_empty"
 T0 = datetime(2031, 1, 1, tzinfo=UTC)  # injected clock origin: an empty hour partition
 # The baseline's rows: every field a level message carries, one row per message (what the level queue stored
 # before migrations/011), written by binary COPY with psycopg's write_row, as a hand-written loader would.
-COLUMNS = ("id", "level", "requested_level", "topic", "key", "tags", "properties", "body", "is_json",
-           "reconsume_times", "deliver_at", "enqueued_at")
+COLUMNS = (
+    "id",
+    "level",
+    "requested_level",
+    "topic",
+    "key",
+    "tags",
+    "properties",
+    "body",
+    "is_json",
+    "reconsume_times",
+    "deliver_at",
+    "enqueued_at",
+)
 TYPES = ["int8", "int2", "int4", "text", "text", "text", "jsonb", "bytea", "bool", "int4", "timestamptz", "timestamptz"]
 RAW_TABLE = """CREATE TABLE {name} (id bigint, level smallint, requested_level int, topic text, key text,
     tags text, properties jsonb, body bytea, is_json boolean, reconsume_times int, deliver_at timestamptz,
@@ -58,8 +70,10 @@ RAW_MOVE = """WITH m AS (DELETE FROM raw_src WHERE id IN (SELECT id FROM raw_src
 
 
 def _messages(start: int, levels: list[int], prefix: str) -> list[Message]:
-    return [Message(TOPIC, body(start + j), delay_level=lv, key=f"{prefix}-{start + j}", tags="created")
-            for j, lv in enumerate(levels)]
+    return [
+        Message(TOPIC, body(start + j), delay_level=lv, key=f"{prefix}-{start + j}", tags="created")
+        for j, lv in enumerate(levels)
+    ]
 
 
 def send_vs_copy(store: Store, raw: psycopg.Connection, count: int, batch: int, at: datetime) -> dict[str, float]:
@@ -76,10 +90,25 @@ def send_vs_copy(store: Store, raw: psycopg.Connection, count: int, batch: int, 
     for n, (start, size) in enumerate(chunks(count, batch)):
         levels = [rng.randint(2, 17) for _ in range(size)]
         messages = _messages(start, levels, "order")
-        rows = [(10**12 + start + j, lv, lv, TOPIC, f"order-{start + j}", "created", None, body(start + j), False, 0,
-                 at + store.settings.level_delay(lv), at) for j, lv in enumerate(levels)]
+        rows = [
+            (
+                10**12 + start + j,
+                lv,
+                lv,
+                TOPIC,
+                f"order-{start + j}",
+                "created",
+                None,
+                body(start + j),
+                False,
+                0,
+                at + store.settings.level_delay(lv),
+                at,
+            )
+            for j, lv in enumerate(levels)
+        ]
         sides = list(watches)
-        for side in sides[n % len(sides):] + sides[:n % len(sides)]:  # rotate who goes first
+        for side in sides[n % len(sides) :] + sides[: n % len(sides)]:  # rotate who goes first
             with watches[side].run(size):
                 if side == "ours":
                     store.send_many(messages, now=at)
@@ -131,12 +160,17 @@ class Drain:
         return self.watch.rate
 
 
-def deliver_vs_move(store: Store, raw: psycopg.Connection, count: int, batch: int, at: datetime) -> tuple[float, float, int]:
+def deliver_vs_move(
+    store: Store, raw: psycopg.Connection, count: int, batch: int, at: datetime
+) -> tuple[float, float, int]:
     """Rates (ours, raw move) for a due backlog of `count` level-1 messages and the same rows in a plain table."""
     send_level(store, count, batch, 1, at, "backlog")
     raw.execute(RAW_TABLE.format(name="raw_src"))
-    raw.execute(f"INSERT INTO raw_src SELECT {', '.join(COLUMNS)} FROM delaywheel.level_queue"
-                " WHERE level = 1 AND enqueued_at = %s", (at,))
+    raw.execute(
+        f"INSERT INTO raw_src SELECT {', '.join(COLUMNS)} FROM delaywheel.level_queue"
+        " WHERE level = 1 AND enqueued_at = %s",
+        (at,),
+    )
     raw.execute("ALTER TABLE raw_src ADD PRIMARY KEY (id)")
     raw.execute(RAW_TABLE.format(name="raw_dst"))
     raw.execute("ANALYZE raw_src")
@@ -166,18 +200,35 @@ def send_latency(store: Store, raw: psycopg.Connection, count: int) -> tuple[lis
         ours.append(1000 * (time.perf_counter() - started))
         now = datetime.now(UTC)
         started = time.perf_counter()
-        raw.execute(insert, (i, 3, 3, TOPIC, f"single-{i}", "created", None, body(i), False, 0,  # type: ignore[arg-type]
-                             now + timedelta(seconds=10), now))
+        raw.execute(
+            insert,
+            (
+                i,
+                3,
+                3,
+                TOPIC,
+                f"single-{i}",
+                "created",
+                None,
+                body(i),
+                False,
+                0,  # type: ignore[arg-type]
+                now + timedelta(seconds=10),
+                now,
+            ),
+        )
         base.append(1000 * (time.perf_counter() - started))
     return ours, base
 
 
-def flat_rounds(stores: dict[str, Store], count: int, batch: int, at: datetime, rounds: int = 5) -> dict[str, tuple[float, float]]:
+def flat_rounds(
+    stores: dict[str, Store], count: int, batch: int, at: datetime, rounds: int = 5
+) -> dict[str, tuple[float, float]]:
     """Best-of-`rounds` (send rate, delivery rate) of `count` level-1 messages per store, alternating stores."""
     rates: dict[str, list[tuple[float, float]]] = {name: [] for name in stores}
     for r in range(rounds):
         now = at + timedelta(minutes=r)
-        for name, store in (list(stores.items()) if r % 2 else list(reversed(stores.items()))):
+        for name, store in list(stores.items()) if r % 2 else list(reversed(stores.items())):
             send = send_level(store, count, batch, 1, now, f"flat{r}")
             rates[name].append((send, Drain(store, 1, now + timedelta(seconds=5), count).run()))
     return {name: (max(s for s, _ in v), max(d for _, d in v)) for name, v in rates.items()}
@@ -200,8 +251,14 @@ def fill_pending(store: Store, count: int, at: datetime) -> None:
                 " array_fill(%(body)s::bytea, ARRAY[%(m)s]), array_fill(false, ARRAY[%(m)s])"
                 " FROM (SELECT s, nextval('delaywheel.message_id_seq') AS b"
                 "       FROM generate_series(%(a)s::bigint, %(b)s::bigint) s) blocks",
-                {"body": body(0), "due": at + store.settings.level_delay(18), "at": at, "m": SEGMENT_MAX,
-                 "a": start, "b": min(segments, start + 1000) - 1},
+                {
+                    "body": body(0),
+                    "due": at + store.settings.level_delay(18),
+                    "at": at,
+                    "m": SEGMENT_MAX,
+                    "a": start,
+                    "b": min(segments, start + 1000) - 1,
+                },
             )
     store.conn.execute("VACUUM (ANALYZE) delaywheel.level_segments")  # settle, as a store holding 10M would be
     store.conn.execute("CHECKPOINT")  # write the fill's dirty pages now, not while the flat rounds are timed
@@ -226,7 +283,11 @@ def main() -> list[Check]:
     started = datetime.now(UTC)
     url = fresh_database()
     n_send, n_backlog = scaled(500_000, args.scale), scaled(1_000_000, args.scale)
-    n_flat, n_pending, n_single = scaled(100_000, args.scale), scaled(10_000_000, args.scale), scaled(3000, args.scale, 500)
+    n_flat, n_pending, n_single = (
+        scaled(100_000, args.scale),
+        scaled(10_000_000, args.scale),
+        scaled(3000, args.scale, 500),
+    )
     checks: list[Check] = []
     notes: list[str] = []
     with Store(url) as store, psycopg.connect(url, autocommit=True) as raw:
@@ -235,22 +296,28 @@ def main() -> list[Check]:
         ours, base, indexed = rates["ours"], rates["raw"], rates["raw + FIFO index"]
         checks.append(at_least("send_many vs raw COPY (msg/s)", ours, base, 0.6))
         log("   " + ", ".join(f"{side} {rate:,.0f} msg/s" for side, rate in rates.items()))
-        notes.append(f"send_many batches of {args.batch:,} (levels 2-17 at random: segments of up to {SEGMENT_MAX} "
-                     f"per level); per message: ours {1e6 / ours:.2f} µs, raw COPY {1e6 / base:.2f} µs, raw COPY into "
-                     f"a table with a per-message FIFO index (the level queue before migrations/011) {1e6 / indexed:.2f} µs "
-                     f"({indexed:,.0f} msg/s, same run, interleaved)")
+        notes.append(
+            f"send_many batches of {args.batch:,} (levels 2-17 at random: segments of up to {SEGMENT_MAX} "
+            f"per level); per message: ours {1e6 / ours:.2f} µs, raw COPY {1e6 / base:.2f} µs, raw COPY into "
+            f"a table with a per-message FIFO index (the level queue before migrations/011) {1e6 / indexed:.2f} µs "
+            f"({indexed:,.0f} msg/s, same run, interleaved)"
+        )
         log(f"delivery vs raw move: backlog of {n_backlog} due level-1 messages")
         ours, base, waits = deliver_vs_move(store, raw, n_backlog, args.batch, T0 + timedelta(minutes=10))
         checks.append(at_least("level delivery vs raw batched move (msg/s)", ours, base, 0.5))
         log(f"   ours {ours:,.0f} msg/s, raw move {base:,.0f} msg/s")
-        notes.append(f"delivery: batch {store.settings.batch_size} per pass for both; backlog {n_backlog:,}; "
-                     f"passes that waited on another transaction's commit horizon: {waits}")
+        notes.append(
+            f"delivery: batch {store.settings.batch_size} per pass for both; backlog {n_backlog:,}; "
+            f"passes that waited on another transaction's commit horizon: {waits}"
+        )
         log(f"flat cost: filling {n_pending} pending level-18 messages")
         filled = time.perf_counter()
         fill_pending(store, n_pending, T0 + timedelta(minutes=20))
-        notes.append(f"pending backdrop: {n_pending:,} level-18 messages in the same hour partition and indexes "
-                     f"(SQL INSERT ... SELECT, {time.perf_counter() - filled:.0f} s), then VACUUM (ANALYZE) and CHECKPOINT; the empty "
-                     f"store settled first by one untimed round of {n_flat:,} and VACUUM (ANALYZE)")
+        notes.append(
+            f"pending backdrop: {n_pending:,} level-18 messages in the same hour partition and indexes "
+            f"(SQL INSERT ... SELECT, {time.perf_counter() - filled:.0f} s), then VACUUM (ANALYZE) and CHECKPOINT; the empty "
+            f"store settled first by one untimed round of {n_flat:,} and VACUUM (ANALYZE)"
+        )
         log(f"flat cost: {n_flat} level-1 sends + deliveries, loaded and empty store alternating, best of 5")
         with Store(fresh_database(EMPTY_DB)) as empty:
             settle(empty, n_flat, args.batch, T0 + timedelta(minutes=25))
@@ -263,9 +330,11 @@ def main() -> list[Check]:
         log(f"   loaded store: send {loaded_send:,.0f} msg/s, deliver {loaded_deliver:,.0f} msg/s")
         log(f"single send latency: {n_single} sends")
         lat, lat_raw = send_latency(store, raw, n_single)
-        notes.append(f"single `send` latency over {n_single:,} sends: p50 {percentile(lat, 50):.2f} ms, "
-                     f"p99 {percentile(lat, 99):.2f} ms (single-row INSERT into a plain table: p50 "
-                     f"{percentile(lat_raw, 50):.2f} ms, p99 {percentile(lat_raw, 99):.2f} ms)")
+        notes.append(
+            f"single `send` latency over {n_single:,} sends: p50 {percentile(lat, 50):.2f} ms, "
+            f"p99 {percentile(lat, 99):.2f} ms (single-row INSERT into a plain table: p50 "
+            f"{percentile(lat_raw, 50):.2f} ms, p99 {percentile(lat_raw, 99):.2f} ms)"
+        )
     command = "python -m bench.store_bench" + (f" --scale {args.scale}" if args.scale != 1.0 else "")
     print_section("Store (issue 2)", checks, notes, started, command)
     return checks

@@ -83,8 +83,11 @@ async def _announced(store: Store, rng: random.Random) -> float:
     noticed = await asyncio.to_thread(store.clock)
     await events.aclose()
     assert event.payload["count"] == 1
-    row = await asyncio.to_thread(lambda: store.conn.execute(
-        "SELECT delivered_at FROM delaywheel.topic_messages WHERE message_id = %s", (message,)).fetchone())
+    row = await asyncio.to_thread(
+        lambda: store.conn.execute(
+            "SELECT delivered_at FROM delaywheel.topic_messages WHERE message_id = %s", (message,)
+        ).fetchone()
+    )
     return (noticed - row[0]).total_seconds()
 
 
@@ -112,16 +115,24 @@ def main() -> None:
             results["poll"].append(asyncio.run(_sample(store, lambda: _short_poll(args.poll), rng)))
             results["watcher"].append(asyncio.run(_announced(store, rng)))
     early = sum(v < 0 for v in results["trigger"] + results["poll"])
-    print(f"\nCommand: `python -m bench.trigger_wake --samples {args.samples} --poll {args.poll:g}` — started "
-          f"{started:%Y-%m-%d %H:%M} UTC\n")
+    print(
+        f"\nCommand: `python -m bench.trigger_wake --samples {args.samples} --poll {args.poll:g}` — started "
+        f"{started:%Y-%m-%d %H:%M} UTC\n"
+    )
     print("| waiter | noticed after due | queries per idle minute |")
     print("|---|---|---:|")
-    print(f"| DueMessagesTrigger (LISTEN/NOTIFY + countdown, safety look every 5 s) | {_summary(results['trigger'])} | 24 |")
-    print(f"| short poll every {args.poll:g} s (same query) | {_summary(results['poll'])} | {2 * 60 / args.poll:,.0f} |")
+    print(
+        f"| DueMessagesTrigger (LISTEN/NOTIFY + countdown, safety look every 5 s) | {_summary(results['trigger'])} | 24 |"
+    )
+    print(
+        f"| short poll every {args.poll:g} s (same query) | {_summary(results['poll'])} | {2 * 60 / args.poll:,.0f} |"
+    )
     print(f"\n- {args.samples} messages each, due 0.5-2 s after the waiter went to sleep; noticed before due: {early}")
     print("- a look is two queries (the lane's head, the database clock)")
-    print(f"\nTopic watcher (TopicMessagesTrigger, LISTEN + a look every 1 s): a message in the topic was announced "
-          f"{_summary(results['watcher'])} after it landed ({args.samples} samples).")
+    print(
+        f"\nTopic watcher (TopicMessagesTrigger, LISTEN + a look every 1 s): a message in the topic was announced "
+        f"{_summary(results['watcher'])} after it landed ({args.samples} samples)."
+    )
 
 
 if __name__ == "__main__":

@@ -42,8 +42,9 @@ ROOT = Path(__file__).resolve().parents[1]  # the checkout (`git show` runs ther
 
 def _wheel_before() -> types.ModuleType:
     """wheel.py at BEFORE, loaded beside the current one."""
-    source = subprocess.run(["git", "show", f"{BEFORE}:plugins/delaywheel/wheel.py"], check=True, capture_output=True,
-                            text=True, cwd=ROOT).stdout
+    source = subprocess.run(
+        ["git", "show", f"{BEFORE}:plugins/delaywheel/wheel.py"], check=True, capture_output=True, text=True, cwd=ROOT
+    ).stdout
     module = types.ModuleType("delaywheel._wheel_before")
     module.__package__ = "delaywheel"
     sys.modules[module.__name__] = module
@@ -95,13 +96,21 @@ def run(code: str, old_in: str | None, passes: int, budget: float) -> dict[str, 
             if time.monotonic() - started > budget:
                 break
         delivered = store.conn.execute("SELECT count(*) FROM delaywheel.topic_messages").fetchone()
-        pages = store.conn.execute("SELECT pg_relation_size(%s) / 8192",
-                                   ("delaywheel.wheel_state" if advance else "delaywheel.wheel_cursor",)).fetchone()
+        pages = store.conn.execute(
+            "SELECT pg_relation_size(%s) / 8192", ("delaywheel.wheel_state" if advance else "delaywheel.wheel_cursor",)
+        ).fetchone()
         old.rollback()
     first, last = _percentiles(timings[:WINDOW]), _percentiles(timings[-WINDOW:])
-    result = {"passes": len(timings), "first_p50": first[0], "first_p99": first[1], "last_p50": last[0],
-              "last_p99": last[1], "seconds": time.monotonic() - started, "delivered": delivered[0] if delivered else 0,
-              "pages": pages[0] if pages else 0}
+    result = {
+        "passes": len(timings),
+        "first_p50": first[0],
+        "first_p99": first[1],
+        "last_p50": last[0],
+        "last_p99": last[1],
+        "seconds": time.monotonic() - started,
+        "delivered": delivered[0] if delivered else 0,
+        "pages": pages[0] if pages else 0,
+    }
     log(f"{code}, old transaction in {old_in}: {result}")
     return result
 
@@ -110,23 +119,36 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--passes", type=int, default=60_000, help="wheel passes per run")
     parser.add_argument("--budget", type=float, default=300.0, help="seconds a run may take before it stops early")
-    parser.add_argument("--old-in", choices=("store", "other"), default="store",
-                        help="the idle-in-transaction session: a snapshot in the store's database, or an xid in another")
+    parser.add_argument(
+        "--old-in",
+        choices=("store", "other"),
+        default="store",
+        help="the idle-in-transaction session: a snapshot in the store's database, or an xid in another",
+    )
     args = parser.parse_args()
     started = datetime.now(UTC)
-    rows = [(code, old, run(code, old, args.passes, args.budget))
-            for old in (None, args.old_in) for code in ("before", "after")]
+    rows = [
+        (code, old, run(code, old, args.passes, args.budget))
+        for old in (None, args.old_in)
+        for code in ("before", "after")
+    ]
     drop_database(DB)
-    print(f"\nCommand: `python -m bench.wheel_state_bench --passes {args.passes} --budget {args.budget:g}"
-          f" --old-in {args.old_in}` — started {started:%Y-%m-%d %H:%M} UTC\n")
-    print("| code | old transaction | passes | first 1,000 p50 / p99 (ms) | last 1,000 p50 / p99 (ms) |"
-          " last / first p50 | p99 | cursor pages | delivered |")
+    print(
+        f"\nCommand: `python -m bench.wheel_state_bench --passes {args.passes} --budget {args.budget:g}"
+        f" --old-in {args.old_in}` — started {started:%Y-%m-%d %H:%M} UTC\n"
+    )
+    print(
+        "| code | old transaction | passes | first 1,000 p50 / p99 (ms) | last 1,000 p50 / p99 (ms) |"
+        " last / first p50 | p99 | cursor pages | delivered |"
+    )
     print("|---|---|---:|---|---|---:|---:|---:|---:|")
     for code, old, r in rows:
-        print(f"| {code} | {f'idle in transaction ({old})' if old else 'none'} | {r['passes']:,.0f} |"
-              f" {r['first_p50']:.2f} / {r['first_p99']:.2f} | {r['last_p50']:.2f} / {r['last_p99']:.2f} |"
-              f" {r['last_p50'] / r['first_p50']:.2f} | {r['last_p99'] / r['first_p99']:.2f} | {r['pages']:,.0f} |"
-              f" {r['delivered']:,.0f} |")
+        print(
+            f"| {code} | {f'idle in transaction ({old})' if old else 'none'} | {r['passes']:,.0f} |"
+            f" {r['first_p50']:.2f} / {r['first_p99']:.2f} | {r['last_p50']:.2f} / {r['last_p99']:.2f} |"
+            f" {r['last_p50'] / r['first_p50']:.2f} | {r['last_p99'] / r['first_p99']:.2f} | {r['pages']:,.0f} |"
+            f" {r['delivered']:,.0f} |"
+        )
 
 
 if __name__ == "__main__":

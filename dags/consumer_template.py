@@ -42,8 +42,9 @@ log = logging.getLogger(__name__)  # task logs show it
 def handle(messages: list[Delivered]) -> set[int]:
     """Process one batch; return the message_ids that failed (they are retried later). Replace this."""
     for message in messages:
-        log.info("message %s (key %s, due %s): %r", message.idempotency_id, message.key, message.deliver_at,
-                 message.body)
+        log.info(
+            "message %s (key %s, due %s): %r", message.idempotency_id, message.key, message.deliver_at, message.body
+        )
     return set()
 
 

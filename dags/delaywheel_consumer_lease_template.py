@@ -49,8 +49,9 @@ log = logging.getLogger(__name__)  # task logs show it
 def handle(messages: list[Delivered]) -> set[int]:
     """Process one batch; return the message_ids that failed (they are retried later). Replace this."""
     for message in messages:
-        log.info("message %s (key %s, due %s): %r", message.idempotency_id, message.key, message.deliver_at,
-                 message.body)
+        log.info(
+            "message %s (key %s, due %s): %r", message.idempotency_id, message.key, message.deliver_at, message.body
+        )
     return set()
 
 
@@ -65,11 +66,18 @@ with DAG(
     doc_md=__doc__,
     tags=["delaywheel", "consumer"],
     params={
-        "lease_seconds": Param(INTERVAL_S + OVERLAP_S, type="number", minimum=1,
-                               description="The task consumes until this long after the run's scheduled time."),
-        "handover_grace_seconds": Param(OVERLAP_S, type="number", minimum=0,
-                                        description="Past its lease, keep the group up to this long until the "
-                                                    "next run's consumer is running."),
+        "lease_seconds": Param(
+            INTERVAL_S + OVERLAP_S,
+            type="number",
+            minimum=1,
+            description="The task consumes until this long after the run's scheduled time.",
+        ),
+        "handover_grace_seconds": Param(
+            OVERLAP_S,
+            type="number",
+            minimum=0,
+            description="Past its lease, keep the group up to this long until the next run's consumer is running.",
+        ),
         "max_messages": Param(100, type="integer", minimum=1, description="Messages per batch (the prefetch bound)."),
     },
     default_args={"retries": 2, "retry_delay": timedelta(seconds=5)},

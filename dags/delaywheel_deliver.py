@@ -70,18 +70,30 @@ def deliver_dag(dag_id: str, conn_id: str, pool: str) -> None:
         doc_md=__doc__,
         tags=["delaywheel"],
         params={
-            "lease_seconds": Param(INTERVAL_S + OVERLAP_S, type="number", minimum=1,
-                                   description="Each task delivers until this long after the run's scheduled time."),
+            "lease_seconds": Param(
+                INTERVAL_S + OVERLAP_S,
+                type="number",
+                minimum=1,
+                description="Each task delivers until this long after the run's scheduled time.",
+            ),
             "until_idle": Param(False, type="boolean", description="End a task early once its lane is empty."),
-            "handover_grace_seconds": Param(OVERLAP_S, type="number", minimum=0,
-                                            description="Past its lease, a task keeps its lane up to this long "
-                                                        "until the next run's task for that lane is running."),
+            "handover_grace_seconds": Param(
+                OVERLAP_S,
+                type="number",
+                minimum=0,
+                description="Past its lease, a task keeps its lane up to this long "
+                "until the next run's task for that lane is running.",
+            ),
         },
         default_args={"pool": pool, "retries": 2, "retry_delay": timedelta(seconds=5)},
     ):
-        common = {"lease_seconds": "{{ params.lease_seconds }}", "until_idle": "{{ params.until_idle }}",
-                  "handover_grace_seconds": "{{ params.handover_grace_seconds }}", "emit_asset_events": False,
-                  "delaywheel_conn_id": conn_id}
+        common = {
+            "lease_seconds": "{{ params.lease_seconds }}",
+            "until_idle": "{{ params.until_idle }}",
+            "handover_grace_seconds": "{{ params.handover_grace_seconds }}",
+            "emit_asset_events": False,
+            "delaywheel_conn_id": conn_id,
+        }
         # The grid lists a DAG's top-level nodes by id, as text: deliver_level_10 would come before deliver_level_2.
         # Each lane is therefore a one-task group whose id sorts naturally (lane_01 … lane_18, lane_wheel), while the
         # task ids stay deliver_level_<n> and advance_wheel (prefix_group_id=False): the grid and graph show the lanes
@@ -91,12 +103,16 @@ def deliver_dag(dag_id: str, conn_id: str, pool: str) -> None:
         for level, delay in enumerate(LEVELS, start=1):
             name = f"level {level} ({delay_label(delay)})"
             with TaskGroup(f"lane_{level:0{width}d}", group_display_name=name, prefix_group_id=False):
-                lanes.append(DeliverLevelOperator(task_id=f"deliver_level_{level}", task_display_name=name, level=level,
-                                                  **common))
+                lanes.append(
+                    DeliverLevelOperator(
+                        task_id=f"deliver_level_{level}", task_display_name=name, level=level, **common
+                    )
+                )
         with TaskGroup("lane_wheel", group_display_name="timing wheel", prefix_group_id=False):
             lanes.append(AdvanceWheelOperator(task_id="advance_wheel", task_display_name="timing wheel", **common))
         lanes >> PublishTopicEventsOperator(  # type: ignore[operator]
-            task_id="publish_topic_events", task_display_name="topic Asset events",
+            task_id="publish_topic_events",
+            task_display_name="topic Asset events",
             lane_task_ids=[lane.task_id for lane in lanes],
         )
 

@@ -32,18 +32,45 @@ with DAG(
         "window_minutes": Param(15, type="number", minimum=0.1, description="length of the due-time window"),
         "settle_seconds": Param(60, type="number", minimum=0, description="leave out the most recent due times"),
         # Optional fields are nullable: the form sends an empty field as null (a plain "string" would be required).
-        "start": Param(None, type=["null", "string"], pattern=ISO_8601,
-                       description="or: an explicit window start (ISO-8601, UTC if no offset; empty: end - window)"),
-        "end": Param(None, type=["null", "string"], pattern=ISO_8601,
-                     description="and end, exclusive (empty: now - settle_seconds)"),
-        "p99_ms": Param("5000", type="string", pattern=P99_LIMITS, title="p99 limits (ms)",
-                        description="MS, or default=MS,LEVEL=MS,wheel=MS,direct=MS"),
-        "report_dir": Param(None, type=["null", "string"],
-                            description="where the HTML report goes (empty: .delaywheel/reports)"),
+        "start": Param(
+            None,
+            type=["null", "string"],
+            pattern=ISO_8601,
+            description="or: an explicit window start (ISO-8601, UTC if no offset; empty: end - window)",
+        ),
+        "end": Param(
+            None,
+            type=["null", "string"],
+            pattern=ISO_8601,
+            description="and end, exclusive (empty: now - settle_seconds)",
+        ),
+        "p99_ms": Param(
+            "5000",
+            type="string",
+            pattern=P99_LIMITS,
+            title="p99 limits (ms)",
+            description="MS, or default=MS,LEVEL=MS,wheel=MS,direct=MS",
+        ),
+        "report_dir": Param(
+            None, type=["null", "string"], description="where the HTML report goes (empty: .delaywheel/reports)"
+        ),
     },
 ) as dag:
-    spark_job("lateness_quality", "lateness_quality", [
-        "--window-minutes", "{{ params.window_minutes }}", "--settle-seconds", "{{ params.settle_seconds }}",
-        "--start", "{{ params.start or '' }}", "--end", "{{ params.end or '' }}", "--p99-ms", "{{ params.p99_ms }}",
-        "--report-dir", "{{ params.report_dir or '' }}",
-    ])
+    spark_job(
+        "lateness_quality",
+        "lateness_quality",
+        [
+            "--window-minutes",
+            "{{ params.window_minutes }}",
+            "--settle-seconds",
+            "{{ params.settle_seconds }}",
+            "--start",
+            "{{ params.start or '' }}",
+            "--end",
+            "{{ params.end or '' }}",
+            "--p99-ms",
+            "{{ params.p99_ms }}",
+            "--report-dir",
+            "{{ params.report_dir or '' }}",
+        ],
+    )

@@ -94,6 +94,8 @@ with DAG(
 
     for store in store_names():
         conn_id = store_conn_id(store)
-        group = contextlib.nullcontext() if store is None else TaskGroup(f"store_{store}", tooltip=f"connection {conn_id}")
+        group = (
+            contextlib.nullcontext() if store is None else TaskGroup(f"store_{store}", tooltip=f"connection {conn_id}")
+        )
         with group:
             prepare(conn_id) >> retire(conn_id) >> summarize(conn_id) >> table_sizes(conn_id) >> vacuum(conn_id)

@@ -37,34 +37,80 @@ with DAG(
         "mode": Param("catch-up", type="string", enum=["catch-up", "replay", "reconcile"]),
         "batch": Param(50000, type="integer", minimum=1, description="catch-up: messages per delivery pass"),
         # Optional fields are nullable: the form sends an empty field as null (a plain "string" would be required).
-        "from": Param(None, type=["null", "string"], pattern=ISO_8601,
-                      description="replay: first due time, ISO-8601 (UTC if no offset)"),
-        "until": Param(None, type=["null", "string"], pattern=ISO_8601,
-                       description="replay: end of the due range (exclusive)"),
-        "source_topic": Param(None, type=["null", "string"], pattern=TOPIC,
-                              description="replay: only this topic (empty: all)"),
-        "target_topic": Param(None, type=["null", "string"], pattern=TOPIC,
-                              description="replay: into this topic (empty: each message's own)"),
-        "table": Param(None, type=["null", "string"], pattern=TABLE,
-                       description="reconcile: schema.table of the business rows"),
-        "key_column": Param(None, type=["null", "string"], pattern=COLUMN,
-                            description="reconcile: the column that is the timer's key"),
-        "predicate": Param(None, type=["null", "string"], maxLength=20000,
-                           description="reconcile: which rows need a timer, one expression over the table's columns, "
-                                       "e.g. status = 'pending' (no subqueries; empty: every row)"),
+        "from": Param(
+            None,
+            type=["null", "string"],
+            pattern=ISO_8601,
+            description="replay: first due time, ISO-8601 (UTC if no offset)",
+        ),
+        "until": Param(
+            None, type=["null", "string"], pattern=ISO_8601, description="replay: end of the due range (exclusive)"
+        ),
+        "source_topic": Param(
+            None, type=["null", "string"], pattern=TOPIC, description="replay: only this topic (empty: all)"
+        ),
+        "target_topic": Param(
+            None,
+            type=["null", "string"],
+            pattern=TOPIC,
+            description="replay: into this topic (empty: each message's own)",
+        ),
+        "table": Param(
+            None, type=["null", "string"], pattern=TABLE, description="reconcile: schema.table of the business rows"
+        ),
+        "key_column": Param(
+            None, type=["null", "string"], pattern=COLUMN, description="reconcile: the column that is the timer's key"
+        ),
+        "predicate": Param(
+            None,
+            type=["null", "string"],
+            maxLength=20000,
+            description="reconcile: which rows need a timer, one expression over the table's columns, "
+            "e.g. status = 'pending' (no subqueries; empty: every row)",
+        ),
         "topic": Param(None, type=["null", "string"], pattern=TOPIC, description="reconcile: the timers' topic"),
-        "due_column": Param(None, type=["null", "string"], pattern=COLUMN,
-                            description="reconcile: when a created timer fires (a column)"),
-        "delay_seconds": Param(None, type=["null", "string"], pattern=r"^(\d+(\.\d*)?)?$",
-                               description="reconcile: or, a created timer fires this many seconds after it is "
-                                           "created (empty: not given; give exactly one of due_column and this)"),
+        "due_column": Param(
+            None,
+            type=["null", "string"],
+            pattern=COLUMN,
+            description="reconcile: when a created timer fires (a column)",
+        ),
+        "delay_seconds": Param(
+            None,
+            type=["null", "string"],
+            pattern=r"^(\d+(\.\d*)?)?$",
+            description="reconcile: or, a created timer fires this many seconds after it is "
+            "created (empty: not given; give exactly one of due_column and this)",
+        ),
     },
 ) as dag:
-    spark_job("redeliver", "redeliver", [
-        "--mode", "{{ params.mode }}", "--batch", "{{ params.batch }}",
-        "--from", "{{ params['from'] or '' }}", "--until", "{{ params.until or '' }}",
-        "--source-topic", "{{ params.source_topic or '' }}", "--target-topic", "{{ params.target_topic or '' }}",
-        "--table", "{{ params.table or '' }}", "--key-column", "{{ params.key_column or '' }}",
-        "--predicate", "{{ params.predicate or '' }}", "--topic", "{{ params.topic or '' }}",
-        "--due-column", "{{ params.due_column or '' }}", "--delay-seconds", "{{ params.delay_seconds or '' }}",
-    ])
+    spark_job(
+        "redeliver",
+        "redeliver",
+        [
+            "--mode",
+            "{{ params.mode }}",
+            "--batch",
+            "{{ params.batch }}",
+            "--from",
+            "{{ params['from'] or '' }}",
+            "--until",
+            "{{ params.until or '' }}",
+            "--source-topic",
+            "{{ params.source_topic or '' }}",
+            "--target-topic",
+            "{{ params.target_topic or '' }}",
+            "--table",
+            "{{ params.table or '' }}",
+            "--key-column",
+            "{{ params.key_column or '' }}",
+            "--predicate",
+            "{{ params.predicate or '' }}",
+            "--topic",
+            "{{ params.topic or '' }}",
+            "--due-column",
+            "{{ params.due_column or '' }}",
+            "--delay-seconds",
+            "{{ params.delay_seconds or '' }}",
+        ],
+    )

@@ -67,13 +67,21 @@ with DAG(
     doc_md=__doc__,
     tags=["delaywheel", "shop", "consumer"],
     params={
-        "lease_seconds": Param(INTERVAL_S + OVERLAP_S, type="number", minimum=1,
-                               description="The task consumes until this long after the run's scheduled time."),
-        "handover_grace_seconds": Param(OVERLAP_S, type="number", minimum=0,
-                                        description="Past its lease, keep the group up to this long until the "
-                                                    "next run's sweep is running."),
-        "until_idle": Param(False, type="boolean",
-                            description="Drain and stop: end once a second passes with nothing delivered."),
+        "lease_seconds": Param(
+            INTERVAL_S + OVERLAP_S,
+            type="number",
+            minimum=1,
+            description="The task consumes until this long after the run's scheduled time.",
+        ),
+        "handover_grace_seconds": Param(
+            OVERLAP_S,
+            type="number",
+            minimum=0,
+            description="Past its lease, keep the group up to this long until the next run's sweep is running.",
+        ),
+        "until_idle": Param(
+            False, type="boolean", description="Drain and stop: end once a second passes with nothing delivered."
+        ),
         "batch_size": Param(5000, type="integer", minimum=1, description="Timeouts per transaction (at most)."),
     },
     default_args={"retries": 2, "retry_delay": timedelta(seconds=5)},

@@ -35,16 +35,27 @@ with DAG(
     doc_md=__doc__,
     params={
         "orders": Param(100_000, type="integer", minimum=1, description="How many orders to place."),
-        "timeout": Param("30m", type="string", pattern=DURATION,
-                         description="Payment timeout (e.g. 30m; seconds for a demo)."),
+        "timeout": Param(
+            "30m", type="string", pattern=DURATION, description="Payment timeout (e.g. 30m; seconds for a demo)."
+        ),
         "period": Param("30s", type="string", pattern=DURATION, description="Spread the orders over this long."),
         "first_id": Param(1, type="integer", minimum=1, description="First order id (ids must be new)."),
     },
 ):
-    spark_job("place_orders", ORDER_GENERATOR, [
-        "--orders", "{{ params.orders }}", "--timeout", "{{ params.timeout }}", "--period", "{{ params.period }}",
-        "--first-id", "{{ params.first_id }}",
-    ])
+    spark_job(
+        "place_orders",
+        ORDER_GENERATOR,
+        [
+            "--orders",
+            "{{ params.orders }}",
+            "--timeout",
+            "{{ params.timeout }}",
+            "--period",
+            "{{ params.period }}",
+            "--first-id",
+            "{{ params.first_id }}",
+        ],
+    )
 
 with DAG(
     dag_id="shop_customers",
@@ -60,8 +71,9 @@ with DAG(
     @task
     def act(params: dict[str, Any]) -> dict[str, int]:
         with DelayWheelHook().get_store() as store:
-            return orders.run_customers(store, stop=threading.Event(), every_s=0.2,
-                                        duration_s=int(params["lease_seconds"]))
+            return orders.run_customers(
+                store, stop=threading.Event(), every_s=0.2, duration_s=int(params["lease_seconds"])
+            )
 
     act()
 
@@ -74,7 +86,21 @@ with DAG(
     tags=["delaywheel", "shop", "spark"],
     doc_md=__doc__,
 ):
-    spark_job("reconcile", "redeliver", [
-        "--mode", "reconcile", "--table", "shop.orders", "--key-column", "timer_key",
-        "--predicate", "status = 'pending'", "--topic", orders.TOPIC, "--due-column", "deadline",
-    ])
+    spark_job(
+        "reconcile",
+        "redeliver",
+        [
+            "--mode",
+            "reconcile",
+            "--table",
+            "shop.orders",
+            "--key-column",
+            "timer_key",
+            "--predicate",
+            "status = 'pending'",
+            "--topic",
+            orders.TOPIC,
+            "--due-column",
+            "deadline",
+        ],
+    )

@@ -43,8 +43,13 @@ def server_url() -> str:
 def airflow_db(server_url: str) -> dict[str, str]:
     """A migrated Airflow metadata database for `dag.test()` runs; returns the environment it needs
     (already applied to os.environ, so import Airflow only inside tests that use this fixture)."""
-    return configure(server_url, metadata_db=AIRFLOW_TEST_DB, home=ROOT / ".delaywheel" / "airflow-test", replace=True,
-                     store_connection=False)
+    return configure(
+        server_url,
+        metadata_db=AIRFLOW_TEST_DB,
+        home=ROOT / ".delaywheel" / "airflow-test",
+        replace=True,
+        store_connection=False,
+    )
 
 
 @pytest.fixture
@@ -135,6 +140,7 @@ def deliveries(store: Store, topic: str | None = None) -> list[tuple[int, dateti
 
 def delivering(db_url: str, stop: threading.Event) -> threading.Thread:
     """A delivery loop for level 1 and the wheel on its own thread and Store, until `stop` is set."""
+
     def loop() -> None:
         with Store(db_url) as own:
             runner.run(own, [1, None], 120, stop=stop)

@@ -24,11 +24,15 @@ def _json(capsys: pytest.CaptureFixture[str]) -> object:
     return json.loads(capsys.readouterr().out)
 
 
-def test_cli_round_trip(store: Store, db_url: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_round_trip(
+    store: Store, db_url: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.setenv("DELAYWHEEL_DATABASE_URL", db_url)
     assert main(["send", "--topic", "orders", "--body", '{"order": 1}', "--json"]) == 0
     now_id = _json(capsys)["message_id"]  # type: ignore[index]
-    assert main(["send", "--topic", "orders", "--body", "raw text", "--raw", "--level", "1", "--key", "k", "--json"]) == 0
+    assert (
+        main(["send", "--topic", "orders", "--body", "raw text", "--raw", "--level", "1", "--key", "k", "--json"]) == 0
+    )
     level_id = _json(capsys)["message_id"]  # type: ignore[index]
     assert main(["send", "--topic", "orders", "--body", "2", "--in", "1h", "--key", "later", "--json"]) == 0
     later_id = _json(capsys)["message_id"]  # type: ignore[index]
@@ -57,8 +61,9 @@ def test_cli_round_trip(store: Store, db_url: str, monkeypatch: pytest.MonkeyPat
     assert "wheel: pending 0" in capsys.readouterr().out
 
 
-def test_cli_bad_input_is_exit_2_with_a_message(db_url: str, monkeypatch: pytest.MonkeyPatch,
-                                                capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_bad_input_is_exit_2_with_a_message(
+    db_url: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """Scripts rely on the exit codes (docs/cli.md): bad input is 2 and a message on stderr, never a traceback.
     (Bulk cancel's guard codes are in test_cancel.py.)"""
     monkeypatch.setenv("DELAYWHEEL_DATABASE_URL", db_url)
@@ -99,23 +104,39 @@ def test_cli_never_shows_a_traceback_for_bad_input(db_url: str, server_url: str,
         (["shop"], {}, "required"),
         (["shop", "sweep", "--batch", "0"], {}, "must be at least 1"),
         (["shop", "customers", "--every", "soon"], {}, "--every"),
-        (["shop", "sweep"], {"DELAYWHEEL_DATABASE_URL": make_conninfo(server_url, dbname="dwtest_no_such_db")},
-         "does not exist"),
-        (["shop", "customers"], {"DELAYWHEEL_DATABASE_URL": make_conninfo(server_url, dbname=unmigrated)},
-         "delaywheel migrate"),
-        (["stats"], {"DELAYWHEEL_DATABASE_URL": make_conninfo(server_url, dbname="dwtest_no_such_db")},
-         "does not exist"),
+        (
+            ["shop", "sweep"],
+            {"DELAYWHEEL_DATABASE_URL": make_conninfo(server_url, dbname="dwtest_no_such_db")},
+            "does not exist",
+        ),
+        (
+            ["shop", "customers"],
+            {"DELAYWHEEL_DATABASE_URL": make_conninfo(server_url, dbname=unmigrated)},
+            "delaywheel migrate",
+        ),
+        (
+            ["stats"],
+            {"DELAYWHEEL_DATABASE_URL": make_conninfo(server_url, dbname="dwtest_no_such_db")},
+            "does not exist",
+        ),
         (["stats"], {"DELAYWHEEL_DATABASE_URL": make_conninfo(server_url, dbname=unmigrated)}, "delaywheel migrate"),
-        (["send", "--topic", "t", "--body", "1"],
-         {"DELAYWHEEL_DATABASE_URL": "postgresql://postgres@127.0.0.1:1/delaywheel?connect_timeout=2"},
-         "database error"),
+        (
+            ["send", "--topic", "t", "--body", "1"],
+            {"DELAYWHEEL_DATABASE_URL": "postgresql://postgres@127.0.0.1:1/delaywheel?connect_timeout=2"},
+            "database error",
+        ),
         (["stats"], {"DELAYWHEEL_DATABASE_URL": "not a connection string"}, "database error"),
         (["stats"], {"DELAYWHEEL_BATCH_SIZE": "lots"}, "batch_size"),
     ]
     try:
         for argv, extra, expected in cases:
-            done = subprocess.run([sys.executable, "-m", "delaywheel.cli", *argv], env={**env, **extra},
-                                  capture_output=True, text=True, timeout=60)
+            done = subprocess.run(
+                [sys.executable, "-m", "delaywheel.cli", *argv],
+                env={**env, **extra},
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
             shown = f"{argv[:4]} -> rc {done.returncode}, stderr: {done.stderr[-2000:]}"
             assert done.returncode == 2, shown
             assert "Traceback" not in done.stderr, shown
@@ -128,8 +149,13 @@ def test_cli_never_shows_a_traceback_for_bad_input(db_url: str, server_url: str,
 
 def test_deliver_stops_cleanly_on_sigterm(db_url: str) -> None:
     env = {**os.environ, "DELAYWHEEL_DATABASE_URL": db_url}
-    loop = subprocess.Popen([sys.executable, "-m", "delaywheel.cli", "deliver", "--duration", "60s", "--json"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    loop = subprocess.Popen(
+        [sys.executable, "-m", "delaywheel.cli", "deliver", "--duration", "60s", "--json"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         time.sleep(3.0)  # connected and waiting by now
         assert loop.poll() is None
@@ -156,12 +182,19 @@ def test_commands_that_need_no_arrow_do_not_import_it(db_url: str) -> None:
     """Issue 19: a command that writes or reads one message at a time starts without pyarrow, numpy or pgpq (they
     cost the CLI a quarter of a second of CPU to import); send_many's batch path imports them when it runs."""
     env = {**os.environ, "DELAYWHEEL_DATABASE_URL": db_url}
-    for argv in (["send", "--topic", "t", "--body", "{}"], ["send", "--topic", "t", "--body", "1", "--level", "2"],
-                 ["send", "--topic", "t", "--body", "x", "--raw", "--in", "90s", "--key", "k"],
-                 ["send", "--topic", "t", "--body", "1", "--at", "2020-01-01T00:00:00+00:00"],  # refused: too old
-                 ["cancel", "--key", "k"], ["cancel", "--id", "1"], ["stats"], ["pull", "--topic", "t", "--group", "g"]):
-        done = subprocess.run([sys.executable, "-c", _IMPORTS_OF, *argv], env=env, capture_output=True, text=True,
-                              timeout=60)
+    for argv in (
+        ["send", "--topic", "t", "--body", "{}"],
+        ["send", "--topic", "t", "--body", "1", "--level", "2"],
+        ["send", "--topic", "t", "--body", "x", "--raw", "--in", "90s", "--key", "k"],
+        ["send", "--topic", "t", "--body", "1", "--at", "2020-01-01T00:00:00+00:00"],  # refused: too old
+        ["cancel", "--key", "k"],
+        ["cancel", "--id", "1"],
+        ["stats"],
+        ["pull", "--topic", "t", "--group", "g"],
+    ):
+        done = subprocess.run(
+            [sys.executable, "-c", _IMPORTS_OF, *argv], env=env, capture_output=True, text=True, timeout=60
+        )
         assert done.returncode in (0, 1, 2), done.stderr
         assert "heavy: \n" in done.stderr, (argv, done.stderr)
     with Store(db_url) as store:
@@ -175,9 +208,25 @@ def test_deliver_says_when_it_is_ready_and_counts_busy_passes(db_url: str) -> No
     env = {**os.environ, "DELAYWHEEL_DATABASE_URL": db_url}
     with psycopg.connect(db_url, autocommit=True) as holder:
         holder.execute("SELECT pg_advisory_lock(%s, 1)", (LEVEL_LOCK,))  # another deliverer holds level 1
-        loop = subprocess.Popen([sys.executable, "-m", "delaywheel.cli", "deliver", "--level", "1", "--duration", "3s",
-                                 "--progress-every", "1", "--json"], env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
+        loop = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "delaywheel.cli",
+                "deliver",
+                "--level",
+                "1",
+                "--duration",
+                "3s",
+                "--progress-every",
+                "1",
+                "--json",
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         try:
             assert loop.stderr is not None
             first = loop.stderr.readline()
@@ -193,14 +242,18 @@ def test_deliver_says_when_it_is_ready_and_counts_busy_passes(db_url: str) -> No
     assert f"{result['busy_passes']} busy" in err.strip().splitlines()[-1]
 
 
-
 def test_shop_parts_say_ready_and_stop_on_sigterm(db_url: str) -> None:
     """`delaywheel shop sweep` and `shop customers` (make demo's continuous parts) print a ready line on stderr and
     stop on SIGTERM with exit 0 and their totals."""
     env = {**os.environ, "DELAYWHEEL_DATABASE_URL": db_url}
     for role, field in (("sweep", "stopped_by"), ("customers", "payments")):
-        part = subprocess.Popen([sys.executable, "-m", "delaywheel.cli", "shop", role, "--json"], env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        part = subprocess.Popen(
+            [sys.executable, "-m", "delaywheel.cli", "shop", role, "--json"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         try:
             assert part.stderr is not None
             assert part.stderr.readline() == f"delaywheel shop {role}: ready\n"
@@ -213,8 +266,9 @@ def test_shop_parts_say_ready_and_stop_on_sigterm(db_url: str) -> None:
         assert field in json.loads(out)
 
 
-def test_shop_migrate_applies_the_shops_own_line(server_url: str, monkeypatch: pytest.MonkeyPatch,
-                                                 capsys: pytest.CaptureFixture[str]) -> None:
+def test_shop_migrate_applies_the_shops_own_line(
+    server_url: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """`delaywheel migrate` creates the store's schema and nothing of the shop; `delaywheel shop migrate` brings
     the store up to date, then applies the shop's own line."""
     name = f"dwtest_empty_{uuid.uuid4().hex[:8]}"
@@ -240,9 +294,18 @@ def test_without_a_configured_url_the_cli_uses_the_embedded_cluster_and_says_so(
     stderr. (A read without --ack on the shared cluster's store database changes nothing there.)"""
     from delaywheel.dev import embedded
 
-    env = {k: v for k, v in os.environ.items() if k not in ("DELAYWHEEL_DATABASE_URL", "AIRFLOW__DELAYWHEEL__DATABASE_URL")}
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("DELAYWHEEL_DATABASE_URL", "AIRFLOW__DELAYWHEEL__DATABASE_URL")
+    }
     env["AIRFLOW_CONFIG"] = "/nonexistent/airflow.cfg"
-    done = subprocess.run([sys.executable, "-m", "delaywheel.cli", "pull", "--topic", "t", "--group", "g", "--max", "1"],
-                          env=env, capture_output=True, text=True, timeout=60)
-    assert done.stderr.splitlines()[0] == ("delaywheel: no database URL configured (DELAYWHEEL_DATABASE_URL): using the"
-                                           f" embedded cluster, {embedded.default_cluster().url()}"), done.stderr
+    done = subprocess.run(
+        [sys.executable, "-m", "delaywheel.cli", "pull", "--topic", "t", "--group", "g", "--max", "1"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.stderr.splitlines()[0] == (
+        "delaywheel: no database URL configured (DELAYWHEEL_DATABASE_URL): using the"
+        f" embedded cluster, {embedded.default_cluster().url()}"
+    ), done.stderr

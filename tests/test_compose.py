@@ -87,8 +87,11 @@ def test_image_runs_the_locked_environment() -> None:
 def test_compose_and_code_agree_on_the_deliver_pool() -> None:
     init = SERVICES["airflow-init"]["command"].replace("$$", "$")  # `$$` is compose's escape for `$`
     assert "delaywheel migrate" in init and "delaywheel shop migrate" in init and "airflow db migrate" in init
-    assert re.search(r"python -m delaywheel.dev.local_airflow pools \| while read -r pool slots;\s*"
-                     r"do airflow pools set \$pool \$slots ", init)
+    assert re.search(
+        r"python -m delaywheel.dev.local_airflow pools \| while read -r pool slots;\s*"
+        r"do airflow pools set \$pool \$slots ",
+        init,
+    )
     # the same pools as scripts/airflow.sh makes
     assert '"$PY" -m delaywheel.dev.local_airflow pools | while read -r pool slots' in SCRIPT
     # the deliver DAG: its tasks run in this pool, at most 2 x (levels + 1) of them at once
@@ -96,12 +99,20 @@ def test_compose_and_code_agree_on_the_deliver_pool() -> None:
     assert 'POOL = "delaywheel_deliver"' in dag and '"pool": pool' in dag
     assert "LEVELS = SETTINGS.levels" in dag and "max_active_tasks=2 * (len(LEVELS) + 1)" in dag
     # what it prints with the airflow.cfg the containers mount (AIRFLOW_CONFIG) is that number
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("DELAYWHEEL_LEVELS", "AIRFLOW__DELAYWHEEL__LEVELS", "DELAYWHEEL_STORES")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("DELAYWHEEL_LEVELS", "AIRFLOW__DELAYWHEEL__LEVELS", "DELAYWHEEL_STORES")
+    }
     env["AIRFLOW_CONFIG"] = str(ROOT / "airflow.cfg")
     assert "./airflow.cfg:" + ENV["AIRFLOW_CONFIG"] + ":ro" in SERVICES["airflow-scheduler"]["volumes"]
-    out = subprocess.run([sys.executable, "-m", "delaywheel.dev.local_airflow", "pools"], env=env,
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "delaywheel.dev.local_airflow", "pools"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     pools = {pool: int(slots) for pool, slots in (line.split() for line in out.splitlines())}
     cfg = configparser.ConfigParser(interpolation=None)
     cfg.read(ROOT / "airflow.cfg")
@@ -117,7 +128,6 @@ def test_compose_postgres_runs_with_the_embedded_clusters_settings() -> None:
     given = dict(option.split("=", 1) for option in command[2::2])
     expected = {k: v for k, v in embedded.SERVER_OPTIONS.items() if k != "listen_addresses"}
     assert given == {**expected, "wal_compression": "lz4"}
-
 
 
 def test_services_run_as_the_runtime_role_and_only_migrate_as_the_owner() -> None:
@@ -140,16 +150,21 @@ def test_services_run_as_the_runtime_role_and_only_migrate_as_the_owner() -> Non
         assert ("DELAYWHEEL_OWNER_URL" in env) == (name == "airflow-init"), name
     owner = SERVICES["airflow-init"]["environment"]["DELAYWHEEL_OWNER_URL"]
     assert user(owner) == "delaywheel_migrator"
-    assert conninfo_to_dict(owner)["dbname"] == conninfo_to_dict(ENV["DELAYWHEEL_DATABASE_URL"])["dbname"] == "delaywheel"
+    assert (
+        conninfo_to_dict(owner)["dbname"] == conninfo_to_dict(ENV["DELAYWHEEL_DATABASE_URL"])["dbname"] == "delaywheel"
+    )
     assert SERVICES["postgres"]["environment"]["POSTGRES_USER"] == "postgres"
     init = (ROOT / "docker" / "postgres-init.sql").read_text()
     mounted = [v for v in SERVICES["postgres"]["volumes"] if v.startswith("./docker/postgres-init.sql:")]
     assert mounted and mounted[0].split(":")[1].startswith("/docker-entrypoint-initdb.d/")
-    for statement in (f"CREATE ROLE {OWNER_ROLE} NOLOGIN", f"CREATE ROLE {RUNTIME_ROLE} NOLOGIN",
-                      f"CREATE ROLE delaywheel_migrator LOGIN PASSWORD 'delaywheel_migrator' IN ROLE {OWNER_ROLE}",
-                      f"CREATE ROLE delaywheel_app LOGIN PASSWORD 'delaywheel_app' IN ROLE {RUNTIME_ROLE}",
-                      f"GRANT CREATE, CONNECT ON DATABASE delaywheel TO {OWNER_ROLE}",
-                      "CREATE DATABASE airflow OWNER airflow"):
+    for statement in (
+        f"CREATE ROLE {OWNER_ROLE} NOLOGIN",
+        f"CREATE ROLE {RUNTIME_ROLE} NOLOGIN",
+        f"CREATE ROLE delaywheel_migrator LOGIN PASSWORD 'delaywheel_migrator' IN ROLE {OWNER_ROLE}",
+        f"CREATE ROLE delaywheel_app LOGIN PASSWORD 'delaywheel_app' IN ROLE {RUNTIME_ROLE}",
+        f"GRANT CREATE, CONNECT ON DATABASE delaywheel TO {OWNER_ROLE}",
+        "CREATE DATABASE airflow OWNER airflow",
+    ):
         assert statement in init, statement
     # the passwords in the URLs are the ones the init script sets
     for url in (owner, ENV["DELAYWHEEL_DATABASE_URL"], ENV["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"]):
@@ -174,15 +189,24 @@ def test_two_spark_workers_share_the_input_volume_with_the_driver_and_reports_ar
         assert service["depends_on"]["spark-master"]["condition"] == "service_healthy", name
     # the default input roots and report folder where the containers run (DELAYWHEEL_HOME, the mounted airflow.cfg)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DELAYWHEEL_", "AIRFLOW__DELAYWHEEL__"))}
-    env |= {"DELAYWHEEL_HOME": ENV["DELAYWHEEL_HOME"], "AIRFLOW_CONFIG": str(ROOT / "airflow.cfg"),
-            "PYTHONPATH": str(ROOT / "plugins" / "delaywheel" / "spark")}
-    code = ("import json, lateness_quality; from delaywheel.config import load_settings; "
-            "print(json.dumps([load_settings().input_roots, str(lateness_quality.DEFAULT_REPORTS)]))")
-    roots, reports = json.loads(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                                               check=True).stdout)
+    env |= {
+        "DELAYWHEEL_HOME": ENV["DELAYWHEEL_HOME"],
+        "AIRFLOW_CONFIG": str(ROOT / "airflow.cfg"),
+        "PYTHONPATH": str(ROOT / "plugins" / "delaywheel" / "spark"),
+    }
+    code = (
+        "import json, lateness_quality; from delaywheel.config import load_settings; "
+        "print(json.dumps([load_settings().input_roots, str(lateness_quality.DEFAULT_REPORTS)]))"
+    )
+    roots, reports = json.loads(
+        subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    )
     # LocalExecutor runs tasks in the scheduler, CeleryExecutor in its workers
-    drivers = [name for name, s in SERVICES.items()
-               if s.get("command", "").startswith(("airflow scheduler", "airflow celery worker"))]
+    drivers = [
+        name
+        for name, s in SERVICES.items()
+        if s.get("command", "").startswith(("airflow scheduler", "airflow celery worker"))
+    ]
     assert "airflow-scheduler" in drivers
     assert {"delaywheel-input", "delaywheel-reports"} <= set(COMPOSE["volumes"])
     for name in [*drivers, *workers]:

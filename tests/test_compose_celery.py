@@ -69,7 +69,12 @@ def test_every_airflow_process_runs_celery_on_the_same_broker_backend_and_settin
     metadata_db = urlsplit(scheduler["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"])
     assert scheduler["AIRFLOW__CELERY__RESULT_BACKEND"].startswith("db+postgresql://")
     assert (backend.username, backend.password, backend.hostname, backend.port, backend.path) == (
-        metadata_db.username, metadata_db.password, metadata_db.hostname, metadata_db.port, metadata_db.path)
+        metadata_db.username,
+        metadata_db.password,
+        metadata_db.hostname,
+        metadata_db.port,
+        metadata_db.path,
+    )
     for name in [*AIRFLOW, *WORKERS]:
         mine = env(name)
         assert mine["AIRFLOW__CORE__EXECUTOR"] == "CeleryExecutor", name

@@ -26,11 +26,13 @@ def test_producers_and_two_deliverers_per_lane(db_url: str, store: Store) -> Non
             with Store(db_url) as own:
                 while not stop_producing.is_set():
                     batch = [
-                        rng.choice([
-                            Message("race", {"s": seed}, delay_level=rng.choice([1, 2])),
-                            Message("race", {"s": seed}, delay=rng.uniform(0, 1500)),
-                            Message("race", {"s": seed}),
-                        ])
+                        rng.choice(
+                            [
+                                Message("race", {"s": seed}, delay_level=rng.choice([1, 2])),
+                                Message("race", {"s": seed}, delay=rng.uniform(0, 1500)),
+                                Message("race", {"s": seed}),
+                            ]
+                        )
                         for _ in range(rng.randint(1, 20))
                     ]
                     ids = own.send_many(batch)
@@ -61,9 +63,11 @@ def test_producers_and_two_deliverers_per_lane(db_url: str, store: Store) -> Non
         t.join()
     assert not errors, errors
     store.deliver_due()  # whatever the racing deliverers left between their last pass and the stop
-    counts = dict(store.conn.execute(
-        "SELECT message_id, count(*) FROM delaywheel.topic_messages WHERE topic = 'race' GROUP BY 1"
-    ).fetchall())
+    counts = dict(
+        store.conn.execute(
+            "SELECT message_id, count(*) FROM delaywheel.topic_messages WHERE topic = 'race' GROUP BY 1"
+        ).fetchall()
+    )
     assert len(sent) > 100
     assert set(counts) == set(sent)
     assert set(counts.values()) == {1}

@@ -33,14 +33,26 @@ def test_default_table_is_rocketmqs() -> None:
 
 def test_every_unit() -> None:
     assert parse_levels("250ms 2s 3m 4h 5d") == (
-        timedelta(milliseconds=250), 2 * S, 3 * M, 4 * H, timedelta(days=5),
+        timedelta(milliseconds=250),
+        2 * S,
+        3 * M,
+        4 * H,
+        timedelta(days=5),
     )
     assert parse_levels("  1s\t\n10s  ") == (1 * S, 10 * S)
 
 
 @pytest.mark.parametrize(
     ("text", "bad"),
-    [("1s 5x 10s", "5x"), ("1s s", "s"), ("1s -5s", "-5s"), ("1.5s", "1.5s"), ("1s 0s", "0s"), ("1S", "1S"), ("5 s", "5")],
+    [
+        ("1s 5x 10s", "5x"),
+        ("1s s", "s"),
+        ("1s -5s", "-5s"),
+        ("1.5s", "1.5s"),
+        ("1s 0s", "0s"),
+        ("1S", "1S"),
+        ("5 s", "5"),
+    ],
 )
 def test_bad_token_is_named(text: str, bad: str) -> None:
     with pytest.raises(ConfigError) as info:
@@ -69,8 +81,18 @@ def test_precision_outside_range_is_refused() -> None:
 @pytest.fixture
 def clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     """No delaywheel settings in the environment; AIRFLOW_CONFIG points at an empty temp file."""
-    for name in ("LEVELS", "MAX_BODY_BYTES", "WHEEL_PRECISION", "DATABASE_URL", "MAX_RECONSUME_TIMES",
-                 "BATCH_SIZE", "WHEEL_NEAR_WINDOW", "WHEEL_MAX_DELAY", "PAST_TOLERANCE", "TOPIC_RETENTION"):
+    for name in (
+        "LEVELS",
+        "MAX_BODY_BYTES",
+        "WHEEL_PRECISION",
+        "DATABASE_URL",
+        "MAX_RECONSUME_TIMES",
+        "BATCH_SIZE",
+        "WHEEL_NEAR_WINDOW",
+        "WHEEL_MAX_DELAY",
+        "PAST_TOLERANCE",
+        "TOPIC_RETENTION",
+    ):
         monkeypatch.delenv(f"DELAYWHEEL_{name}", raising=False)
         monkeypatch.delenv(f"AIRFLOW__DELAYWHEEL__{name}", raising=False)
     cfg = tmp_path / "airflow.cfg"
@@ -136,8 +158,10 @@ def test_shortening_the_table_leaves_no_message_behind(db_url: str, t0: datetime
     """Levels removed from the table while they hold messages are served by the last level's deliverer,
     on their own fixed due times and in their own FIFO order, and shown by stats until they are empty."""
     with Store(db_url, Settings(levels=parse_levels("1s 5s 10s 30s"))) as old:
-        sent = {level: [old.send("orders", {"level": level, "n": n}, delay_level=level, now=t0) for n in range(3)]
-                for level in (3, 4)}
+        sent = {
+            level: [old.send("orders", {"level": level, "n": n}, delay_level=level, now=t0) for n in range(3)]
+            for level in (3, 4)
+        }
     with Store(db_url, Settings(levels=parse_levels("1s 2s"))) as new:
         shown = {row["level"]: row for row in new.stats(now=at(t0, 1))["levels"]}
         assert shown[3]["delay"] is None and shown[3]["backlog"] == 3 and shown[4]["backlog"] == 3
@@ -161,7 +185,9 @@ def test_a_store_without_a_url_says_how_to_give_one(monkeypatch: pytest.MonkeyPa
     """No URL given or configured: an error naming the ways to give one, the embedded cluster among them, and no
     server started on the side (the constructor raises before it connects to anything)."""
     _no_configured_url(monkeypatch)
-    with pytest.raises(ConfigError, match=r"Store\(url\).*DELAYWHEEL_DATABASE_URL.*delaywheel\.dev\.embedded\.store\(\)"):
+    with pytest.raises(
+        ConfigError, match=r"Store\(url\).*DELAYWHEEL_DATABASE_URL.*delaywheel\.dev\.embedded\.store\(\)"
+    ):
         Store()
     monkeypatch.setenv("DELAYWHEEL_DATABASE_URL", "postgresql://app@db.example/store")
     assert Store().url == "postgresql://app@db.example/store"  # (a Store connects on first use)
@@ -173,7 +199,13 @@ def test_the_project_folder_is_delaywheel_home_or_the_checkout(tmp_path: Path) -
     probe = "from delaywheel.config import PROJECT_ROOT; print(PROJECT_ROOT)"
     env = {k: v for k, v in os.environ.items() if k != "DELAYWHEEL_HOME"}
     checkout = Path(__file__).resolve().parents[1]
-    assert subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True,
-                          cwd=tmp_path).stdout.strip() == str(checkout)
-    assert subprocess.run([sys.executable, "-c", probe], env={**env, "DELAYWHEEL_HOME": str(tmp_path)},
-                          capture_output=True, text=True, check=True).stdout.strip() == str(tmp_path)
+    assert subprocess.run(
+        [sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True, cwd=tmp_path
+    ).stdout.strip() == str(checkout)
+    assert subprocess.run(
+        [sys.executable, "-c", probe],
+        env={**env, "DELAYWHEEL_HOME": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip() == str(tmp_path)

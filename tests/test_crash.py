@@ -69,23 +69,31 @@ def test_wheel_advancer_killed_mid_slot(store: Store, db_url: str) -> None:
     now = store.clock()
     base = now - timedelta(minutes=50)
     for start in range(0, TOTAL, 10_000):
-        store.send_many([
-            Message("crash", {"i": i}, deliver_at=base + timedelta(milliseconds=12 * i))  # 10 minutes of slots
-            for i in range(start, start + 10_000)
-        ], now=now - timedelta(hours=1))
+        store.send_many(
+            [
+                Message("crash", {"i": i}, deliver_at=base + timedelta(milliseconds=12 * i))  # 10 minutes of slots
+                for i in range(start, start + 10_000)
+            ],
+            now=now - timedelta(hours=1),
+        )
     _kill_mid_run_then_finish(db_url, "crash")
     with psycopg.connect(db_url) as conn:
-        assert conn.execute("SELECT count(*) FROM delaywheel.topic_messages WHERE delivered_at < deliver_at").fetchone() == (0,)
+        assert conn.execute(
+            "SELECT count(*) FROM delaywheel.topic_messages WHERE delivered_at < deliver_at"
+        ).fetchone() == (0,)
 
 
 def test_burst_of_500k_due_in_the_same_second(store: Store, t0: datetime) -> None:
     total, chunk = 500_000, 50_000
     store.prepare(now=t0)
     for start in range(0, total, chunk):
-        store.send_many([
-            Message("burst", b"", deliver_at=t0 + timedelta(seconds=10, microseconds=(i * 2) % 1_000_000))
-            for i in range(start, start + chunk)
-        ], now=t0)
+        store.send_many(
+            [
+                Message("burst", b"", deliver_at=t0 + timedelta(seconds=10, microseconds=(i * 2) % 1_000_000))
+                for i in range(start, start + chunk)
+            ],
+            now=t0,
+        )
     assert store.advance_wheel(now=t0 + timedelta(seconds=9.999)).delivered == 0
     delivered = 0
     while True:

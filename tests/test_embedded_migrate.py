@@ -84,17 +84,29 @@ def test_start_creates_the_roles_and_the_store_runs_as_the_runtime(second_cluste
     embedded.start(second_cluster)
     embedded.start(second_cluster)  # idempotent
     with psycopg.connect(second_cluster.admin_url()) as conn:
-        roles = {r[0]: r[1:] for r in conn.execute("SELECT rolname, rolsuper, rolcanlogin FROM pg_roles WHERE rolname LIKE 'delaywheel%'")}
-    assert roles == {"delaywheel_owner": (False, False), "delaywheel_runtime": (False, False),
-                     embedded.OWNER_LOGIN: (False, True), embedded.RUNTIME_LOGIN: (False, True)}
+        roles = {
+            r[0]: r[1:]
+            for r in conn.execute(
+                "SELECT rolname, rolsuper, rolcanlogin FROM pg_roles WHERE rolname LIKE 'delaywheel%'"
+            )
+        }
+    assert roles == {
+        "delaywheel_owner": (False, False),
+        "delaywheel_runtime": (False, False),
+        embedded.OWNER_LOGIN: (False, True),
+        embedded.RUNTIME_LOGIN: (False, True),
+    }
     applied = migrate(second_cluster.url("delaywheel"))
     assert applied[-1] == available()[-1].path.name
     with Store(second_cluster.url("delaywheel"), Settings()) as store:
         assert store.conn.execute("SELECT current_user, current_setting('is_superuser')").fetchone() == (
-            embedded.RUNTIME_LOGIN, "off")
+            embedded.RUNTIME_LOGIN,
+            "off",
+        )
         store.prepare()
-        assert store.conn.execute("SELECT DISTINCT relowner::regrole::text FROM pg_class WHERE relname LIKE 'wheel_p%'"
-                                  ).fetchall() == [("delaywheel_owner",)]
+        assert store.conn.execute(
+            "SELECT DISTINCT relowner::regrole::text FROM pg_class WHERE relname LIKE 'wheel_p%'"
+        ).fetchall() == [("delaywheel_owner",)]
 
 
 @pytest.fixture
@@ -135,7 +147,9 @@ def test_runner_applies_once_and_records_versions(empty_db: str, sql_copy: Path)
 
 def test_runner_refuses_a_newer_schema(db_url: str) -> None:
     with psycopg.connect(db_url, autocommit=True) as conn:
-        conn.execute("INSERT INTO delaywheel.schema_migrations (version, name, checksum) VALUES (999, '999_future.sql', 'x')")
+        conn.execute(
+            "INSERT INTO delaywheel.schema_migrations (version, name, checksum) VALUES (999, '999_future.sql', 'x')"
+        )
     with pytest.raises(MigrationError, match=r"version 999 .*newer than this code"):
         migrate(db_url)
 
@@ -153,9 +167,7 @@ def test_a_failing_migration_applies_nothing_of_itself(empty_db: str, sql_copy: 
     migrate(empty_db, sql_copy)
     before = _recorded(empty_db)
     newest = available(sql_copy)[-1].version
-    (sql_copy / f"{newest + 1:03d}_broken.sql").write_text(
-        "CREATE TABLE delaywheel.half_done (x int);\nSELECT 1/0;\n"
-    )
+    (sql_copy / f"{newest + 1:03d}_broken.sql").write_text("CREATE TABLE delaywheel.half_done (x int);\nSELECT 1/0;\n")
     with pytest.raises(psycopg.errors.DivisionByZero):
         migrate(empty_db, sql_copy)
     assert _recorded(empty_db) == before
@@ -186,6 +198,7 @@ def _hold_back_after(version: int, sql_copy: Path, tmp_path: Path) -> Callable[[
     def put_back() -> None:
         for path in later.iterdir():
             path.rename(sql_copy / path.name)
+
     return put_back
 
 
@@ -201,21 +214,43 @@ def test_pending_messages_survive_the_move_to_segments(empty_db: str, sql_copy: 
     with psycopg.connect(empty_db) as conn:
         conn.execute("SELECT delaywheel.ensure_partition('level_queue', %s, %s)", (t0, t0 + timedelta(hours=1)))
         conn.execute("SELECT delaywheel.ensure_partition('wheel_far', %s, %s)", (far_day, far_day + timedelta(days=1)))
-        level_ids = [conn.execute("""
+        level_ids = [
+            conn.execute(
+                """
             INSERT INTO delaywheel.level_queue (id, level, requested_level, topic, key, tags, properties, body, is_json,
                                                 deliver_at, enqueued_at)
             VALUES (nextval('delaywheel.message_id_seq'), 2, 2, 'old.level', %s, 'tag', %s, %s, false, %s, %s)
-            RETURNING id""", (f"k{i}", Jsonb({"i": i}) if i % 2 else None, b"body-%d" % i, t0 + timedelta(seconds=5), t0,
-                              )).fetchone()[0] for i in range(5)]
-        far_ids = [conn.execute("""
+            RETURNING id""",
+                (
+                    f"k{i}",
+                    Jsonb({"i": i}) if i % 2 else None,
+                    b"body-%d" % i,
+                    t0 + timedelta(seconds=5),
+                    t0,
+                ),
+            ).fetchone()[0]
+            for i in range(5)
+        ]
+        far_ids = [
+            conn.execute(
+                """
             INSERT INTO delaywheel.wheel_far (id, topic, key, body, is_json, deliver_at, enqueued_at)
             VALUES (nextval('delaywheel.message_id_seq'), 'old.far', %s, '{"far": true}', true, %s, %s)
-            RETURNING id""", (f"f{i}", far_day + timedelta(hours=i, microseconds=7), t0)).fetchone()[0] for i in range(3)]
+            RETURNING id""",
+                (f"f{i}", far_day + timedelta(hours=i, microseconds=7), t0),
+            ).fetchone()[0]
+            for i in range(3)
+        ]
         # the first level message counts as delivered: the checkpoint passed it
-        conn.execute("INSERT INTO delaywheel.level_checkpoint (level, cursor_xid, cursor_id)"
-                     " SELECT 2, xid, id FROM delaywheel.level_queue WHERE id = %s", (level_ids[0],))
+        conn.execute(
+            "INSERT INTO delaywheel.level_checkpoint (level, cursor_xid, cursor_id)"
+            " SELECT 2, xid, id FROM delaywheel.level_queue WHERE id = %s",
+            (level_ids[0],),
+        )
     put_back()
-    assert migrate(empty_db, sql_copy) == sorted(p.name for p in sql_copy.glob("*.sql") if p.name > "011")  # every migration after 010
+    assert migrate(empty_db, sql_copy) == sorted(
+        p.name for p in sql_copy.glob("*.sql") if p.name > "011"
+    )  # every migration after 010
 
     with Store(empty_db, Settings()) as store:
         assert store.conn.execute("SELECT count(*) FROM delaywheel.level_queue").fetchone() == (5,)
@@ -231,12 +266,15 @@ def test_pending_messages_survive_the_move_to_segments(empty_db: str, sql_copy: 
             pass
         rows = store.conn.execute(
             "SELECT message_id, topic, key, tags, properties, body, is_json, deliver_at FROM delaywheel.topic_messages"
-            " WHERE topic LIKE 'old.%' ORDER BY message_id").fetchall()
+            " WHERE topic LIKE 'old.%' ORDER BY message_id"
+        ).fetchall()
     assert [r[0] for r in rows] == level_ids[1:4] + far_ids[:2]
     assert [(r[2], r[3], r[4], bytes(r[5]), r[6]) for r in rows[:3]] == [
-        (f"k{i}", "tag", {"i": i} if i % 2 else None, b"body-%d" % i, False) for i in range(1, 4)]
+        (f"k{i}", "tag", {"i": i} if i % 2 else None, b"body-%d" % i, False) for i in range(1, 4)
+    ]
     assert [(r[1], r[2], bytes(r[5]), r[6], r[7]) for r in rows[3:]] == [
-        ("old.far", f"f{i}", b'{"far": true}', True, far_day + timedelta(hours=i, microseconds=7)) for i in range(2)]
+        ("old.far", f"f{i}", b'{"far": true}', True, far_day + timedelta(hours=i, microseconds=7)) for i in range(2)
+    ]
 
 
 def test_bulk_claims_survive_the_move_to_source_ids(empty_db: str, sql_copy: Path, tmp_path: Path) -> None:
@@ -245,13 +283,16 @@ def test_bulk_claims_survive_the_move_to_source_ids(empty_db: str, sql_copy: Pat
     put_back = _hold_back_after(13, sql_copy, tmp_path)
     migrate(empty_db, sql_copy)
     with psycopg.connect(empty_db) as conn:
-        conn.execute("INSERT INTO delaywheel.idempotency (source, key, message_id)"
-                     " SELECT s, 'k' || i, i FROM unnest(ARRAY['a.csv', 'b.csv']) s, generate_series(1, 3) i")
+        conn.execute(
+            "INSERT INTO delaywheel.idempotency (source, key, message_id)"
+            " SELECT s, 'k' || i, i FROM unnest(ARRAY['a.csv', 'b.csv']) s, generate_series(1, 3) i"
+        )
     put_back()
     migrate(empty_db, sql_copy)
     mapping = input_rows.ColumnMap.parse("", "orders", "text").with_defaults(["key", "body"])
-    chunk = pa.RecordBatch.from_pylist([{"key": f"k{i}", "body": "x", input_rows.FILE_COLUMN: "a.csv", input_rows.ROW_COLUMN: i}
-                                        for i in range(1, 6)])
+    chunk = pa.RecordBatch.from_pylist(
+        [{"key": f"k{i}", "body": "x", input_rows.FILE_COLUMN: "a.csv", input_rows.ROW_COLUMN: i} for i in range(1, 6)]
+    )
     with psycopg.connect(empty_db, autocommit=True) as conn:
         counts = bulk.write_chunk(conn, Settings(), PartitionCache(), chunk, mapping, "a.csv")
         claims = conn.execute("SELECT source, count(*) FROM delaywheel.idempotency GROUP BY 1 ORDER BY 1").fetchall()
@@ -275,7 +316,9 @@ def test_the_store_line_has_no_shop_and_the_shop_brings_its_own(empty_db: str) -
     assert shop_schema.migrate(empty_db) == ["001_shop.sql"]
     assert shop_schema.migrate(empty_db) == []
     assert [(line, v) for line, v, _ in _lines(empty_db)] == [
-        *[("delaywheel", m.version) for m in available()], ("shop", 1)]
+        *[("delaywheel", m.version) for m in available()],
+        ("shop", 1),
+    ]
     assert current_version(empty_db) == available()[-1].version
     assert current_version(empty_db, "shop") == 1
     with psycopg.connect(empty_db) as conn:
@@ -290,8 +333,10 @@ def test_a_store_migrated_when_the_shop_was_its_006_stays_valid(empty_db: str, s
     (sql_copy / "006_shop.sql").write_bytes((shop_schema.LINE.folder / "001_shop.sql").read_bytes())
     migrate(empty_db, sql_copy)
     with psycopg.connect(empty_db, autocommit=True) as conn:  # as the code before lines left it
-        conn.execute("ALTER TABLE delaywheel.schema_migrations DROP CONSTRAINT schema_migrations_pkey,"
-                     " DROP COLUMN line, ADD PRIMARY KEY (version)")
+        conn.execute(
+            "ALTER TABLE delaywheel.schema_migrations DROP CONSTRAINT schema_migrations_pkey,"
+            " DROP COLUMN line, ADD PRIMARY KEY (version)"
+        )
         conn.execute("INSERT INTO shop.products (sku, initial_stock, on_hand) VALUES ('kept', 5, 5)")
     assert current_version(empty_db) == available()[-1].version
     assert migrate(empty_db) == []
@@ -307,8 +352,10 @@ def test_each_line_checks_its_own_versions(db_url: str) -> None:
     """A version newer than the code knows is refused in its own line only; the shop's line is checked as the
     store's is (a changed applied file)."""
     with psycopg.connect(db_url, autocommit=True) as conn:
-        conn.execute("INSERT INTO delaywheel.schema_migrations (line, version, name, checksum)"
-                     " VALUES ('shop', 2, '002_later.sql', 'x')")
+        conn.execute(
+            "INSERT INTO delaywheel.schema_migrations (line, version, name, checksum)"
+            " VALUES ('shop', 2, '002_later.sql', 'x')"
+        )
     assert migrate(db_url) == []
     with pytest.raises(MigrationError, match=r"version 2 \(002_later.sql\) of line shop, newer than this code"):
         migrate(db_url, shop_schema.LINE)

@@ -37,9 +37,11 @@ from delaywheel.migrate import OWNER_ROLE, migrate
 from delaywheel.produce.producer import lane_channel
 
 PGBOUNCER = shutil.which("pgbouncer") or next(
-    (p for p in ("/usr/sbin/pgbouncer", "/usr/bin/pgbouncer") if Path(p).exists()), None)
+    (p for p in ("/usr/sbin/pgbouncer", "/usr/bin/pgbouncer") if Path(p).exists()), None
+)
 pytestmark = pytest.mark.skipif(
-    PGBOUNCER is None, reason="pgbouncer is not installed: `apt-get install -y pgbouncer` (scripts/setup.sh --test)")
+    PGBOUNCER is None, reason="pgbouncer is not installed: `apt-get install -y pgbouncer` (scripts/setup.sh --test)"
+)
 
 PASSWORD = "pooled-" + uuid.uuid4().hex[:8]  # PgBouncer's user list; the cluster itself trusts loopback
 TOPIC = "pool.orders"
@@ -106,8 +108,14 @@ pidfile = {folder}/pgbouncer.pid
         deadline = time.monotonic() + 10
         while not (folder / "pgbouncer.pid").exists() and time.monotonic() < deadline:
             time.sleep(0.05)
-        return make_conninfo(host="127.0.0.1", port=port, dbname=pool_db, user=embedded.RUNTIME_LOGIN,
-                             password=PASSWORD, connect_timeout=5)
+        return make_conninfo(
+            host="127.0.0.1",
+            port=port,
+            dbname=pool_db,
+            user=embedded.RUNTIME_LOGIN,
+            password=PASSWORD,
+            connect_timeout=5,
+        )
 
     yield start
     for folder in started:
@@ -126,9 +134,12 @@ def direct(server_url: str, pool_db: str) -> str:
 
 
 def test_a_store_connection_is_refused_unless_the_pooler_ignores_the_options_parameter(
-        pgbouncer: Callable[..., str]) -> None:
-    with pytest.raises(psycopg.OperationalError, match="unsupported startup parameter: options"), Store(
-            pgbouncer(ignore_options=False), Settings()) as store:
+    pgbouncer: Callable[..., str],
+) -> None:
+    with (
+        pytest.raises(psycopg.OperationalError, match="unsupported startup parameter: options"),
+        Store(pgbouncer(ignore_options=False), Settings()) as store,
+    ):
         store.clock()
 
 
@@ -152,15 +163,19 @@ def test_two_producers_collide_on_prepared_statements(pgbouncer: Callable[..., s
     connection, or this one's is on another server connection. PgBouncer 1.21+ tracks them (`max_prepared_statements`);
     the 1.18 of Debian 12 does not."""
     url = pgbouncer()
-    with Store(url, Settings()) as a, Store(url, Settings()) as b, pytest.raises(
-            (errors.DuplicatePreparedStatement, errors.InvalidSqlStatementName)):
+    with (
+        Store(url, Settings()) as a,
+        Store(url, Settings()) as b,
+        pytest.raises((errors.DuplicatePreparedStatement, errors.InvalidSqlStatementName)),
+    ):
         for i in range(10):
             for store in (a, b):
                 store.send(TOPIC, {"order": i}, delay_level=3, key=f"collide-{i}")
 
 
 def test_a_group_lock_keeps_no_second_consumer_out_through_transaction_pooling(
-        pgbouncer: Callable[..., str], direct: str) -> None:
+    pgbouncer: Callable[..., str], direct: str
+) -> None:
     """A consumer holds its group's session advisory lock on a topic (locks.GROUP_LOCK) from the pull of a batch to
     the commit of its ack, so a second consumer of the group reads nothing meanwhile. Through the pooler both are
     granted it, on the one server connection they share (advisory locks are re-entrant per session), so both would

@@ -38,23 +38,41 @@ def test_random_sends_cancels_and_clocks(db_url: str, t0: datetime) -> None:
         )
         # one example that surely poisons (a near-wheel timer and a level message), so the set-aside path is
         # always exercised whatever the random draws
-        @example(sends=[("wheel", 200.0), ("level", 3)], cancel_picks=[], bulk_picks=[], poison_picks=[0, 1],
-                 steps=[1.0])
-        def run_example(sends: list[tuple[str, float]], cancel_picks: list[int], bulk_picks: list[int],
-                    poison_picks: list[int], steps: list[float]) -> None:
+        @example(
+            sends=[("wheel", 200.0), ("level", 3)], cancel_picks=[], bulk_picks=[], poison_picks=[0, 1], steps=[1.0]
+        )
+        def run_example(
+            sends: list[tuple[str, float]],
+            cancel_picks: list[int],
+            bulk_picks: list[int],
+            poison_picks: list[int],
+            steps: list[float],
+        ) -> None:
             topic = f"prop{next(counter)}"
             base = clock[0]
             messages = [
                 Message(topic, {"i": i}, key=f"{topic}-{i}", delay_level=int(v), properties={"i": str(i)})
-                if lane == "level" else
-                Message(topic, {"i": i}, key=f"{topic}-{i}", deliver_at=base + timedelta(seconds=v),
-                        properties={"i": str(i)})
+                if lane == "level"
+                else Message(
+                    topic,
+                    {"i": i},
+                    key=f"{topic}-{i}",
+                    deliver_at=base + timedelta(seconds=v),
+                    properties={"i": str(i)},
+                )
                 for i, (lane, v) in enumerate(sends)
             ]
             ids = store.send_many(messages, now=base)
-            due = dict(zip(ids, [
-                base + (store.settings.level_delay(int(v)) if lane == "level" else timedelta(seconds=v))
-                for lane, v in sends], strict=True))
+            due = dict(
+                zip(
+                    ids,
+                    [
+                        base + (store.settings.level_delay(int(v)) if lane == "level" else timedelta(seconds=v))
+                        for lane, v in sends
+                    ],
+                    strict=True,
+                )
+            )
             level_of = {mid: int(v) for mid, (lane, v) in zip(ids, sends, strict=True) if lane == "level"}
             cancelled = set()
             for pick in cancel_picks:
@@ -64,8 +82,14 @@ def test_random_sends_cancels_and_clocks(db_url: str, t0: datetime) -> None:
                             cancelled.add(result.message_id)
             # Poison a few pending messages that no cancel picks (a cancel reads properties as jsonb too): each
             # is set aside by the pass that meets it, and nothing else changes.
-            poisoned = {ids[p] for p in poison_picks if p < len(ids) and p not in cancel_picks + bulk_picks
-                        and ids[p] not in cancelled and _poison(store, ids[p])}
+            poisoned = {
+                ids[p]
+                for p in poison_picks
+                if p < len(ids)
+                and p not in cancel_picks + bulk_picks
+                and ids[p] not in cancelled
+                and _poison(store, ids[p])
+            }
             now = base
             for n, step in enumerate([*sorted(steps), (max(due.values()) - base).total_seconds() + 1]):
                 now = max(now, base + timedelta(seconds=step))
@@ -81,9 +105,15 @@ def test_random_sends_cancels_and_clocks(db_url: str, t0: datetime) -> None:
                 assert len(got) == len(set(got)), "exactly once"
                 assert not set(got) & cancelled, "cancelled never delivered"
                 assert all(r[1] == due[r[0]] and r[2] >= r[1] for r in rows), "never early, due time kept"
-                assert set(got) == {m for m in ids if due[m] <= now and m not in cancelled | poisoned}, "all due delivered"
-                aside = {r[0] for r in store.conn.execute(
-                    "SELECT message_id FROM delaywheel.set_aside WHERE message_id = ANY(%s)", (ids,)).fetchall()}
+                assert set(got) == {m for m in ids if due[m] <= now and m not in cancelled | poisoned}, (
+                    "all due delivered"
+                )
+                aside = {
+                    r[0]
+                    for r in store.conn.execute(
+                        "SELECT message_id FROM delaywheel.set_aside WHERE message_id = ANY(%s)", (ids,)
+                    ).fetchall()
+                }
                 assert aside <= poisoned, "only what cannot be delivered is set aside"
                 assert {m for m in poisoned if due[m] <= now and m not in cancelled} <= aside, "set aside when met"
                 for level in set(level_of.values()):
@@ -105,6 +135,10 @@ def _poison(store: Store, message_id: int) -> bool:
     for table in ("level_segments", "wheel_far_segments"):
         changed += store.conn.execute(
             f"UPDATE delaywheel.{table} SET properties[array_position(ids, %(id)s)] = %(bad)s"
-            " WHERE ids @> ARRAY[%(id)s::bigint]", {"id": message_id, "bad": '{"p": "\\udcff"}'}).rowcount
-    changed += store.conn.execute("UPDATE delaywheel.wheel SET properties = '[1]' WHERE id = %s", (message_id,)).rowcount
+            " WHERE ids @> ARRAY[%(id)s::bigint]",
+            {"id": message_id, "bad": '{"p": "\\udcff"}'},
+        ).rowcount
+    changed += store.conn.execute(
+        "UPDATE delaywheel.wheel SET properties = '[1]' WHERE id = %s", (message_id,)
+    ).rowcount
     return changed > 0

@@ -29,14 +29,17 @@ def rows_read(store: Store, partitions: str) -> int:
     store.conn.execute("SELECT pg_stat_force_next_flush()")  # flushed when this (autocommit) statement ends
     row = store.conn.execute(
         "SELECT sum(coalesce(idx_tup_fetch, 0) + coalesce(seq_tup_read, 0)) FROM pg_stat_user_tables"
-        " WHERE relname LIKE %s", (partitions,),
+        " WHERE relname LIKE %s",
+        (partitions,),
     ).fetchone()
     return int(row[0]) if row and row[0] is not None else 0
 
 
 def test_a_level_pass_reads_its_batch(store: Store, t0: datetime) -> None:
     for hour in (0, 1):  # a backlog in two fresh hourly partitions: 20 segments of 1,000 messages each
-        store.send_many([Message("orders", b"x", delay_level=1) for _ in range(BACKLOG)], now=t0 + timedelta(hours=hour))
+        store.send_many(
+            [Message("orders", b"x", delay_level=1) for _ in range(BACKLOG)], now=t0 + timedelta(hours=hour)
+        )
     for _ in range(2):  # the second pass starts inside the first segment
         before = rows_read(store, "level_segments_p%")
         result = store.deliver_level(1, now=t0 + timedelta(hours=2), limit=100)
@@ -75,8 +78,13 @@ def test_a_far_block_is_searched_by_its_segments(store: Store, t0: datetime) -> 
     wheel's head with only far rows is `near_until`."""
     store.advance_wheel(now=t0)  # the first roll sets near_until
     far = t0 + timedelta(days=20)
-    ids = store.send_many([Message("orders", b"x" * 100, deliver_at=far + timedelta(seconds=i), key=f"order-{i}")
-                           for i in range(BACKLOG)], now=t0)  # one day: 20 segments of 1,000
+    ids = store.send_many(
+        [
+            Message("orders", b"x" * 100, deliver_at=far + timedelta(seconds=i), key=f"order-{i}")
+            for i in range(BACKLOG)
+        ],
+        now=t0,
+    )  # one day: 20 segments of 1,000
     (near_until,) = store.conn.execute("SELECT near_until FROM delaywheel.wheel_state").fetchone()
     assert t0 < near_until <= far
     assert store.conn.execute(WHEEL_HEAD).fetchone() == (near_until,)  # a waiter wakes by then, never later
@@ -92,8 +100,9 @@ def test_a_far_block_is_searched_by_its_segments(store: Store, t0: datetime) -> 
 
 def test_a_level_queue_is_searched_by_its_segments(store: Store, t0: datetime) -> None:
     """A cancel by id reads the level segment whose id range holds the message (migrations/011), not the queue."""
-    ids = store.send_many([Message("orders", b"x" * 100, delay_level=18, key=f"order-{i}") for i in range(BACKLOG)],
-                          now=t0)
+    ids = store.send_many(
+        [Message("orders", b"x" * 100, delay_level=18, key=f"order-{i}") for i in range(BACKLOG)], now=t0
+    )
     before = rows_read(store, "level_segments_p%")
     assert [r.outcome for r in store.cancel(message_id=ids[7000])] == ["cancelled"]
     assert rows_read(store, "level_segments_p%") - before <= 2  # that segment, by the lock and by the lookup; not 20
@@ -140,13 +149,15 @@ def test_a_cancel_by_key_reads_the_keys_of_the_segments_its_filter_lets_through(
 def index_entries_read(store: Store, indexes: str) -> int:
     """Index entries this session's scans returned from the indexes named like `indexes` (flushed first)."""
     store.conn.execute("SELECT pg_stat_force_next_flush()")
-    row = store.conn.execute("SELECT sum(idx_tup_read) FROM pg_stat_user_indexes WHERE indexrelname LIKE %s",
-                             (indexes,)).fetchone()
+    row = store.conn.execute(
+        "SELECT sum(idx_tup_read) FROM pg_stat_user_indexes WHERE indexrelname LIKE %s", (indexes,)
+    ).fetchone()
     return int(row[0]) if row and row[0] is not None else 0
 
 
-def test_stats_reads_segments_and_index_ranges_without_jit(store: Store, t0: datetime,
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_stats_reads_segments_and_index_ranges_without_jit(
+    store: Store, t0: datetime, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """`stats` took 16-18 s on an empty store: JIT compiled its wheel query (a hundred partitions push the estimate
     past jit_above_cost). Store connections have JIT off, and stats turns it off for its own transaction too (here
     the session asks for JIT on every statement). Its counts read segments (`n`) and index ranges: a level backlog
@@ -156,8 +167,10 @@ def test_stats_reads_segments_and_index_ranges_without_jit(store: Store, t0: dat
 
     assert store.conn.execute("SHOW jit").fetchone() == ("off",)  # db.connect's session options
     store.send_many([Message("orders", b"x", delay_level=18) for _ in range(BACKLOG)], now=t0)
-    store.send_many([Message("orders", b"x", deliver_at=t0 + timedelta(hours=5, milliseconds=i))
-                     for i in range(2 * BACKLOG)], now=t0)
+    store.send_many(
+        [Message("orders", b"x", deliver_at=t0 + timedelta(hours=5, milliseconds=i)) for i in range(2 * BACKLOG)],
+        now=t0,
+    )
     store.send_many([Message("orders", b"x", deliver_at=t0 + timedelta(minutes=30)) for _ in range(1000)], now=t0)
     monkeypatch.setattr(stats, "EXACT_ROWS", 5000)
     jit_settings = []
@@ -181,7 +194,11 @@ def test_stats_reads_segments_and_index_ranges_without_jit(store: Store, t0: dat
     assert jit_settings and set(jit_settings) == {"off"}
     assert next(row["backlog"] for row in figures["levels"] if row["level"] == 18) == BACKLOG
     wheel = figures["wheel"]
-    assert (wheel["next_hour"], wheel["next_day"], wheel["estimated_after"]) == (1000, 2 * BACKLOG, t0 + timedelta(hours=5))
+    assert (wheel["next_hour"], wheel["next_day"], wheel["estimated_after"]) == (
+        1000,
+        2 * BACKLOG,
+        t0 + timedelta(hours=5),
+    )
     assert levels_read <= 2 * (BACKLOG // 1000) + 5  # its segments (backlog and head reads), not its 20,000 messages
     assert wheel_read < 1000 + 100  # the next hour's entries, not the 40,000 of hour 5
 
@@ -195,4 +212,6 @@ def test_store_connections_keep_a_urls_own_options(db_url: str) -> None:
     url = make_conninfo(db_url, options="-c statement_timeout=12345")
     with connect(url) as conn:
         assert conn.execute("SELECT current_setting('jit'), current_setting('statement_timeout')").fetchone() == (
-            "off", "12345ms")
+            "off",
+            "12345ms",
+        )

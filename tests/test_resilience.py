@@ -57,7 +57,8 @@ def test_a_store_recovers_on_the_next_call_after_a_restart(own_cluster: embedded
             store.send("resilience.producer", {"n": 1})
         second = store.send("resilience.producer", {"n": 2})  # a fresh connection (not delayed: in the topic)
         (row,) = store.conn.execute(
-            "SELECT count(*) FROM delaywheel.topic_messages WHERE message_id = %s", (second,)).fetchall()
+            "SELECT count(*) FROM delaywheel.topic_messages WHERE message_id = %s", (second,)
+        ).fetchall()
         assert row == (1,)
 
 
@@ -86,9 +87,17 @@ def test_the_delivery_loop_rides_out_restarts_under_load(own_cluster: embedded.C
                 n += 1
                 try:
                     if n % 10 == 0:  # a batch on the wheel, due within 2 s
-                        ids = store.send_many([Message(topic, {"n": n, "i": i}, key=f"{n}-{i}",
-                                                       delay=timedelta(seconds=rng.uniform(0.1, 2.0)))
-                                               for i in range(50)])
+                        ids = store.send_many(
+                            [
+                                Message(
+                                    topic,
+                                    {"n": n, "i": i},
+                                    key=f"{n}-{i}",
+                                    delay=timedelta(seconds=rng.uniform(0.1, 2.0)),
+                                )
+                                for i in range(50)
+                            ]
+                        )
                     elif n % 3 == 0:
                         ids = [store.send(topic, {"n": n}, key=str(n), delay_level=rng.choice((1, 2)))]
                     else:
@@ -120,12 +129,18 @@ def test_the_delivery_loop_rides_out_restarts_under_load(own_cluster: embedded.C
         with Store(url) as check:
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline:
-                enqueued = {r[0] for r in check.conn.execute(
-                    "SELECT id FROM delaywheel.level_queue WHERE topic = %(t)s"
-                    " UNION ALL SELECT id FROM delaywheel.wheel WHERE topic = %(t)s", {"t": topic})}
+                enqueued = {
+                    r[0]
+                    for r in check.conn.execute(
+                        "SELECT id FROM delaywheel.level_queue WHERE topic = %(t)s"
+                        " UNION ALL SELECT id FROM delaywheel.wheel WHERE topic = %(t)s",
+                        {"t": topic},
+                    )
+                }
                 delivered = check.conn.execute(
                     "SELECT message_id, deliver_at, delivered_at FROM delaywheel.topic_messages WHERE topic = %s",
-                    (topic,)).fetchall()
+                    (topic,),
+                ).fetchall()
                 if {r[0] for r in delivered} >= enqueued:
                     break
                 time.sleep(0.5)
@@ -149,8 +164,9 @@ def test_the_delivery_loop_rides_out_restarts_under_load(own_cluster: embedded.C
 
 
 @pytest.mark.airflow
-def test_the_triggers_reconnect_after_a_restart(own_cluster: embedded.Cluster, airflow_db: dict[str, str],
-                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_triggers_reconnect_after_a_restart(
+    own_cluster: embedded.Cluster, airflow_db: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Both triggers wait on LISTEN with a 10-minute poll; after a restart they must reconnect and LISTEN again,
     or the announcements below would not wake them in time."""
     import asyncio
@@ -192,8 +208,13 @@ def test_the_deliver_command_rides_out_a_restart_and_stops_on_sigterm(own_cluste
     import sys
 
     env = {**os.environ, "DELAYWHEEL_DATABASE_URL": own_cluster.url()}
-    loop = subprocess.Popen([sys.executable, "-m", "delaywheel.cli", "deliver", "--duration", "60s", "--json"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    loop = subprocess.Popen(
+        [sys.executable, "-m", "delaywheel.cli", "deliver", "--duration", "60s", "--json"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         time.sleep(2.0)
         restart(own_cluster)
@@ -201,11 +222,16 @@ def test_the_deliver_command_rides_out_a_restart_and_stops_on_sigterm(own_cluste
         with Store(own_cluster.url()) as store:
             sent = store.send("resilience.cli", {"n": 1}, delay=timedelta(seconds=1))
             deadline = time.monotonic() + 20
-            while time.monotonic() < deadline and not store.conn.execute(
-                    "SELECT 1 FROM delaywheel.topic_messages WHERE message_id = %s", (sent,)).fetchone():
+            while (
+                time.monotonic() < deadline
+                and not store.conn.execute(
+                    "SELECT 1 FROM delaywheel.topic_messages WHERE message_id = %s", (sent,)
+                ).fetchone()
+            ):
                 time.sleep(0.2)
             assert store.conn.execute(
-                "SELECT count(*) FROM delaywheel.topic_messages WHERE message_id = %s", (sent,)).fetchone() == (1,)
+                "SELECT count(*) FROM delaywheel.topic_messages WHERE message_id = %s", (sent,)
+            ).fetchone() == (1,)
         loop.send_signal(signal.SIGTERM)
         out, err = loop.communicate(timeout=30)
     finally:

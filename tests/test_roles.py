@@ -55,11 +55,15 @@ def test_the_owner_owns_everything_and_the_runtime_is_no_superuser(role_db: tupl
             " WHERE n.nspname IN ('delaywheel', 'shop')"
             " UNION SELECT DISTINCT nspowner::regrole::text FROM pg_namespace WHERE nspname IN ('delaywheel', 'shop')"
             " UNION SELECT DISTINCT proowner::regrole::text FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace"
-            " WHERE n.nspname = 'delaywheel'").fetchall()
+            " WHERE n.nspname = 'delaywheel'"
+        ).fetchall()
         assert owners == [(OWNER_ROLE,)]
-        definers = dict(admin.execute(
-            "SELECT proname, array_to_string(proconfig, ',') FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace"
-            " WHERE n.nspname = 'delaywheel' AND prosecdef").fetchall())
+        definers = dict(
+            admin.execute(
+                "SELECT proname, array_to_string(proconfig, ',') FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace"
+                " WHERE n.nspname = 'delaywheel' AND prosecdef"
+            ).fetchall()
+        )
         assert set(definers) == {"ensure_partition", "lock_partition", "drop_partition", "summarize_brin"}
         assert set(definers.values()) == {"search_path=pg_catalog, pg_temp"}
     with psycopg.connect(runtime) as conn:
@@ -70,7 +74,9 @@ def test_the_owner_owns_everything_and_the_runtime_is_no_superuser(role_db: tupl
             " pg_has_role(current_user, 'pg_read_all_stats', 'MEMBER'),"
             " has_schema_privilege('delaywheel', 'CREATE'), has_table_privilege('delaywheel.topic_messages', 'TRUNCATE'),"
             " has_table_privilege('delaywheel.topic_messages', 'DELETE')"
-            " FROM pg_roles r WHERE r.rolname = current_user", (RUNTIME_ROLE, OWNER_ROLE)).fetchone()
+            " FROM pg_roles r WHERE r.rolname = current_user",
+            (RUNTIME_ROLE, OWNER_ROLE),
+        ).fetchone()
     assert row == (False, False, False, False, True, False, False, False, False, False, False, False)
 
 
@@ -84,8 +90,9 @@ def test_the_runtime_runs_the_whole_lifecycle(role_db: tuple[str, str]) -> None:
         level = store.send("orders", {"n": 1}, delay_level=2, key="level", now=T0)
         near = store.send("orders", {"n": 2}, delay=timedelta(hours=2), key="near", now=T0)
         far = store.send("orders", {"n": 3}, delay=timedelta(days=10), key="far", now=T0)
-        many = store.send_many([Message("orders", {"i": i}, key=f"m{i}", delay=timedelta(days=10, minutes=i))
-                                for i in range(50)], now=T0)
+        many = store.send_many(
+            [Message("orders", {"i": i}, key=f"m{i}", delay=timedelta(days=10, minutes=i)) for i in range(50)], now=T0
+        )
         by_id = store.send("orders", {"n": 4}, delay=timedelta(hours=3), now=T0)
         by_key = store.send("orders", {"n": 5}, delay=timedelta(days=12), key="cancel-me", now=T0)
         assert [r.outcome for r in store.cancel(message_id=by_id)] == ["cancelled"]
@@ -143,31 +150,41 @@ def test_the_shop_line_grants_the_runtime_its_own_tables(role_db: tuple[str, str
     assert owners == [(OWNER_ROLE,)]
 
 
-@pytest.mark.parametrize(("statement", "error"), [
-    ("DROP TABLE delaywheel.topic_messages", errors.InsufficientPrivilege),
-    ("CREATE TABLE delaywheel.intruder (x int)", errors.InsufficientPrivilege),
-    ("CREATE TABLE public.intruder (x int)", errors.InsufficientPrivilege),
-    ("ALTER TABLE delaywheel.wheel ADD COLUMN x int", errors.InsufficientPrivilege),
-    ("TRUNCATE delaywheel.topic_messages", errors.InsufficientPrivilege),
-    ("DELETE FROM delaywheel.level_checkpoint", errors.InsufficientPrivilege),
-    ("INSERT INTO delaywheel.schema_migrations VALUES (999, 'x', 'x')", errors.InsufficientPrivilege),
-    ("COPY (SELECT 1) TO PROGRAM 'id > /tmp/delaywheel-roles-test'", errors.InsufficientPrivilege),
-    ("COPY delaywheel.quarantine FROM '/etc/hostname'", errors.InsufficientPrivilege),
-    ("SELECT pg_read_file('/etc/hostname')", errors.InsufficientPrivilege),
-    ("SELECT pg_ls_dir('.')", errors.InsufficientPrivilege),
-    ("CREATE FUNCTION delaywheel.f() RETURNS int LANGUAGE sql AS 'SELECT 1'", errors.InsufficientPrivilege),
-    ("SET ROLE delaywheel_owner", errors.InsufficientPrivilege),
-    ("SET ROLE postgres", errors.InsufficientPrivilege),
-    # the DDL functions take a store parent and a whole aligned range only, never another table
-    ("SELECT delaywheel.drop_partition('schema_migrations', now())", errors.InvalidParameterValue),
-    ("SELECT delaywheel.lock_partition('schema_migrations')", errors.InvalidParameterValue),
-    ("SELECT delaywheel.ensure_partition('topic_messages; DROP TABLE x', now(), now())", errors.InvalidParameterValue),
-    ("SELECT delaywheel.ensure_partition('wheel', '2030-01-01 00:30+00', '2030-01-01 01:30+00')",
-     errors.InvalidParameterValue),
-    ("SELECT delaywheel.ensure_partition('wheel', '2030-01-01 00:00+00', '2030-01-09 00:00+00')",
-     errors.InvalidParameterValue),
-    ("SELECT delaywheel.summarize_brin('delaywheel.topic_messages_message')", errors.InvalidParameterValue),
-])
+@pytest.mark.parametrize(
+    ("statement", "error"),
+    [
+        ("DROP TABLE delaywheel.topic_messages", errors.InsufficientPrivilege),
+        ("CREATE TABLE delaywheel.intruder (x int)", errors.InsufficientPrivilege),
+        ("CREATE TABLE public.intruder (x int)", errors.InsufficientPrivilege),
+        ("ALTER TABLE delaywheel.wheel ADD COLUMN x int", errors.InsufficientPrivilege),
+        ("TRUNCATE delaywheel.topic_messages", errors.InsufficientPrivilege),
+        ("DELETE FROM delaywheel.level_checkpoint", errors.InsufficientPrivilege),
+        ("INSERT INTO delaywheel.schema_migrations VALUES (999, 'x', 'x')", errors.InsufficientPrivilege),
+        ("COPY (SELECT 1) TO PROGRAM 'id > /tmp/delaywheel-roles-test'", errors.InsufficientPrivilege),
+        ("COPY delaywheel.quarantine FROM '/etc/hostname'", errors.InsufficientPrivilege),
+        ("SELECT pg_read_file('/etc/hostname')", errors.InsufficientPrivilege),
+        ("SELECT pg_ls_dir('.')", errors.InsufficientPrivilege),
+        ("CREATE FUNCTION delaywheel.f() RETURNS int LANGUAGE sql AS 'SELECT 1'", errors.InsufficientPrivilege),
+        ("SET ROLE delaywheel_owner", errors.InsufficientPrivilege),
+        ("SET ROLE postgres", errors.InsufficientPrivilege),
+        # the DDL functions take a store parent and a whole aligned range only, never another table
+        ("SELECT delaywheel.drop_partition('schema_migrations', now())", errors.InvalidParameterValue),
+        ("SELECT delaywheel.lock_partition('schema_migrations')", errors.InvalidParameterValue),
+        (
+            "SELECT delaywheel.ensure_partition('topic_messages; DROP TABLE x', now(), now())",
+            errors.InvalidParameterValue,
+        ),
+        (
+            "SELECT delaywheel.ensure_partition('wheel', '2030-01-01 00:30+00', '2030-01-01 01:30+00')",
+            errors.InvalidParameterValue,
+        ),
+        (
+            "SELECT delaywheel.ensure_partition('wheel', '2030-01-01 00:00+00', '2030-01-09 00:00+00')",
+            errors.InvalidParameterValue,
+        ),
+        ("SELECT delaywheel.summarize_brin('delaywheel.topic_messages_message')", errors.InvalidParameterValue),
+    ],
+)
 def test_the_runtime_may_not(role_db: tuple[str, str], statement: str, error: type[Exception]) -> None:
     _, runtime = role_db
     with psycopg.connect(runtime) as conn, pytest.raises(error):
@@ -179,7 +196,9 @@ def test_the_runtime_drops_only_partitions(role_db: tuple[str, str]) -> None:
     _, runtime = role_db
     with psycopg.connect(runtime, autocommit=True) as conn:
         conn.execute("SELECT delaywheel.ensure_partition('topic_messages', %s, %s)", (T0, T0 + timedelta(days=1)))
-        assert conn.execute("SELECT delaywheel.drop_partition('topic_messages', %s)", (T0 - timedelta(days=1),)).fetchone() == (False,)
+        assert conn.execute(
+            "SELECT delaywheel.drop_partition('topic_messages', %s)", (T0 - timedelta(days=1),)
+        ).fetchone() == (False,)
         assert conn.execute("SELECT delaywheel.drop_partition('topic_messages', %s)", (T0,)).fetchone() == (True,)
         assert conn.execute("SELECT to_regclass('delaywheel.topic_messages_p20300101t0000')").fetchone() == (None,)
         assert conn.execute("SELECT to_regclass('delaywheel.topic_messages')").fetchone() != (None,)
@@ -193,8 +212,11 @@ def test_other_databases_transactions_do_not_hold_the_runtime_back(role_db: tupl
     _, runtime = role_db
     with psycopg.connect(server_url) as other, Store(runtime, Settings()) as store:
         xid = other.execute("SELECT pg_current_xact_id()::text").fetchone()[0]  # type: ignore[index]
-        seen = store.conn.execute("SELECT backend_xid::text, query, pg_has_role('pg_read_all_stats', 'MEMBER')"
-                                  " FROM pg_stat_activity WHERE pid = %s", (other.info.backend_pid,)).fetchone()
+        seen = store.conn.execute(
+            "SELECT backend_xid::text, query, pg_has_role('pg_read_all_stats', 'MEMBER')"
+            " FROM pg_stat_activity WHERE pid = %s",
+            (other.info.backend_pid,),
+        ).fetchone()
         assert seen == (xid, "<insufficient privilege>", False)
         store.conn.commit()
         store.send("orders", b"x", delay_level=1, now=T0)
@@ -217,10 +239,12 @@ def test_migrate_hands_a_store_of_a_single_role_to_the_owner(server_url: str, ro
         migrate(make_conninfo(server_url, dbname=name, user=embedded.OWNER_LOGIN))
         with psycopg.connect(admin, autocommit=True) as conn:  # as if an older delaywheel had migrated it as postgres
             conn.execute("DELETE FROM delaywheel.schema_migrations WHERE version = 17")
-            conn.execute("DO $$ DECLARE r record; BEGIN FOR r IN SELECT c.oid::regclass AS t FROM pg_class c"
-                         " JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = 'delaywheel'"
-                         " AND c.relkind IN ('r', 'p', 'v') LOOP EXECUTE format('ALTER TABLE %s OWNER TO postgres', r.t);"
-                         " END LOOP; END $$")
+            conn.execute(
+                "DO $$ DECLARE r record; BEGIN FOR r IN SELECT c.oid::regclass AS t FROM pg_class c"
+                " JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = 'delaywheel'"
+                " AND c.relkind IN ('r', 'p', 'v') LOOP EXECUTE format('ALTER TABLE %s OWNER TO postgres', r.t);"
+                " END LOOP; END $$"
+            )
             conn.execute("ALTER SCHEMA delaywheel OWNER TO postgres")
         with pytest.raises(MigrationError, match="belong to another role"):
             migrate(make_conninfo(server_url, dbname=name, user=embedded.OWNER_LOGIN))
@@ -237,8 +261,12 @@ def test_migrate_hands_a_store_of_a_single_role_to_the_owner(server_url: str, ro
 def test_migrate_connects_as_the_configured_owner(monkeypatch: pytest.MonkeyPatch) -> None:
     """Given the store's runtime URL, `migrate` uses the owner's: DELAYWHEEL_OWNER_URL, or the embedded cluster's
     owner login. One URL configured: that one, as before."""
-    for name in ("DELAYWHEEL_DATABASE_URL", "DELAYWHEEL_OWNER_URL", "AIRFLOW__DELAYWHEEL__DATABASE_URL",
-                 "AIRFLOW__DELAYWHEEL__OWNER_URL"):
+    for name in (
+        "DELAYWHEEL_DATABASE_URL",
+        "DELAYWHEEL_OWNER_URL",
+        "AIRFLOW__DELAYWHEEL__DATABASE_URL",
+        "AIRFLOW__DELAYWHEEL__OWNER_URL",
+    ):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("AIRFLOW_CONFIG", "/nonexistent/airflow.cfg")
     cluster = embedded.default_cluster()
@@ -253,8 +281,9 @@ def test_migrate_connects_as_the_configured_owner(monkeypatch: pytest.MonkeyPatc
     assert owner_url("postgresql://app@db/other") == "postgresql://app@db/other"
 
 
-def test_migrate_as_the_runtime_role_changes_nothing(role_db: tuple[str, str], server_url: str,
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_migrate_as_the_runtime_role_changes_nothing(
+    role_db: tuple[str, str], server_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """With only the runtime's URL (an external server, DELAYWHEEL_OWNER_URL unset): an up-to-date store is up to date;
     a schema change is refused with a MigrationError naming the owner role and DELAYWHEEL_OWNER_URL."""
     _, runtime = role_db
@@ -282,7 +311,8 @@ def test_what_later_migrations_create_is_granted_to_the_runtime(role_db: tuple[s
     newest = available(sql_copy)[-1].version
     (sql_copy / f"{newest + 1:03d}_later.sql").write_text(
         "CREATE TABLE delaywheel.later (id bigint GENERATED ALWAYS AS IDENTITY, note text);\n"
-        "CREATE FUNCTION delaywheel.later_count() RETURNS bigint LANGUAGE sql AS 'SELECT count(*) FROM delaywheel.later';\n")
+        "CREATE FUNCTION delaywheel.later_count() RETURNS bigint LANGUAGE sql AS 'SELECT count(*) FROM delaywheel.later';\n"
+    )
     assert migrate(owner, sql_copy) == [f"{newest + 1:03d}_later.sql"]
     with psycopg.connect(runtime, autocommit=True) as conn:
         conn.execute("INSERT INTO delaywheel.later (note) VALUES ('a')")

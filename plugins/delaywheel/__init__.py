@@ -7,5 +7,17 @@ from delaywheel.produce.validation import InvalidMessage, Message
 from delaywheel.store import Store
 from delaywheel.types import PassResult
 
-__all__ = ["AckResult", "Batch", "CancelResult", "ConfigError", "Delivered", "InvalidMessage", "Message", "PassResult",
-           "Settings", "Store", "load_settings", "parse_levels"]
+__all__ = [
+    "AckResult",
+    "Batch",
+    "CancelResult",
+    "ConfigError",
+    "Delivered",
+    "InvalidMessage",
+    "Message",
+    "PassResult",
+    "Settings",
+    "Store",
+    "load_settings",
+    "parse_levels",
+]

@@ -107,8 +107,10 @@ def _store_names(args: argparse.Namespace, *, all_stores: bool = False) -> list[
         return names
     if args.all_stores and all_stores:
         return names
-    raise UsageError(f"several stores are configured ({', '.join(map(str, names))}): name one with --store NAME"
-                     + (" or all with --all-stores" if all_stores else ""))
+    raise UsageError(
+        f"several stores are configured ({', '.join(map(str, names))}): name one with --store NAME"
+        + (" or all with --all-stores" if all_stores else "")
+    )
 
 
 def _routed(args: argparse.Namespace) -> Stores:
@@ -131,8 +133,11 @@ def _store_url(name: str | None = None) -> str:
         return dict(settings.stores)[name]
     url = embedded.database_url(settings)
     if not settings.database_url:
-            print(f"delaywheel: no database URL configured (DELAYWHEEL_DATABASE_URL): using the embedded cluster, {url}",
-              file=sys.stderr, flush=True)
+        print(
+            f"delaywheel: no database URL configured (DELAYWHEEL_DATABASE_URL): using the embedded cluster, {url}",
+            file=sys.stderr,
+            flush=True,
+        )
     return url
 
 
@@ -187,8 +192,14 @@ def cmd_send(args: argparse.Namespace) -> int:
     properties = dict(args.property)
     with _routed(args) as stores:
         message_id = stores.send(
-            args.topic, body, delay_level=args.level, delay=args.delay_in, deliver_at=args.at,
-            key=args.key, tags=args.tags, properties=properties,
+            args.topic,
+            body,
+            delay_level=args.level,
+            delay=args.delay_in,
+            deliver_at=args.at,
+            key=args.key,
+            tags=args.tags,
+            properties=properties,
         )
         where = {"store": stores.router.store_for(args.topic)} if stores.settings.stores else {}
     _print({"message_id": message_id, **where}, args.json)  # with several stores an id names a message in its store
@@ -196,9 +207,12 @@ def cmd_send(args: argparse.Namespace) -> int:
 
 
 def _progress(totals: runner.RunTotals) -> None:
-    print(f"delivered {totals.delivered} (cancelled skipped {totals.skipped_cancelled}) in {totals.passes} passes"
-          f" ({totals.busy_passes} busy: another deliverer or a cancel held the lane) {totals.per_lane}",
-          file=sys.stderr, flush=True)
+    print(
+        f"delivered {totals.delivered} (cancelled skipped {totals.skipped_cancelled}) in {totals.passes} passes"
+        f" ({totals.busy_passes} busy: another deliverer or a cancel held the lane) {totals.per_lane}",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def _ready(lanes: list[Lane]) -> None:
@@ -240,16 +254,28 @@ def _deliver(args: argparse.Namespace, stop: threading.Event) -> int:
                 lanes: list[Lane] = list(args.level) if args.level else all_lanes(store.settings, wheel=False)
                 if args.command == "advance" or (args.command == "deliver" and not args.level and not args.no_wheel):
                     lanes = [*lanes, None] if args.command == "deliver" else [None]
-                totals = runner.run(store, lanes, args.duration.total_seconds(), stop=stop, progress=_progress,
-                                    progress_every_s=args.progress_every, until_idle=args.until_idle,
-                                    ready=lambda: _ready(lanes))
+                totals = runner.run(
+                    store,
+                    lanes,
+                    args.duration.total_seconds(),
+                    stop=stop,
+                    progress=_progress,
+                    progress_every_s=args.progress_every,
+                    until_idle=args.until_idle,
+                    ready=lambda: _ready(lanes),
+                )
         except BaseException as exc:  # raised below, once the other stores' loops were stopped
             errors.append(exc)
             stop.set()
             return
-        results[name] = {"delivered": totals.delivered, "skipped_cancelled": totals.skipped_cancelled,
-                         "passes": totals.passes, "busy_passes": totals.busy_passes, "per_lane": totals.per_lane,
-                         "reconnects": totals.reconnects}
+        results[name] = {
+            "delivered": totals.delivered,
+            "skipped_cancelled": totals.skipped_cancelled,
+            "passes": totals.passes,
+            "busy_passes": totals.busy_passes,
+            "per_lane": totals.per_lane,
+            "reconnects": totals.reconnects,
+        }
 
     if len(names) == 1:
         serve(names[0])
@@ -275,10 +301,19 @@ def cmd_pull(args: argparse.Namespace) -> int:
         pulled = stores.pull(args.topic, args.group, args.max)
         batch = pulled.batch
         acked = stores.ack(pulled) if args.ack else None
-    rows = [{"message_id": m.message_id, "topic": m.topic, "key": m.key, "tags": m.tags,
-             "body": m.body if not isinstance(m.body, bytes) else m.body.decode(errors="replace"),
-             "deliver_at": m.deliver_at, "delivered_at": m.delivered_at, "reconsume_times": m.reconsume_times}
-            for m in batch.messages]
+    rows = [
+        {
+            "message_id": m.message_id,
+            "topic": m.topic,
+            "key": m.key,
+            "tags": m.tags,
+            "body": m.body if not isinstance(m.body, bytes) else m.body.decode(errors="replace"),
+            "deliver_at": m.deliver_at,
+            "delivered_at": m.delivered_at,
+            "reconsume_times": m.reconsume_times,
+        }
+        for m in batch.messages
+    ]
     if args.json:
         _print(rows, True)
     else:
@@ -293,11 +328,19 @@ def cmd_pull(args: argparse.Namespace) -> int:
 
 
 def _message_row(m: Any) -> dict[str, Any]:
-    return {"message_id": m.message_id, "idempotency_id": m.idempotency_id, "topic": m.topic,
-            "queue_offset": m.queue_offset, "key": m.key, "tags": m.tags, "properties": m.properties,
-            "body": m.body if not isinstance(m.body, bytes) else m.body.decode(errors="replace"),
-            "deliver_at": m.deliver_at.isoformat(), "delivered_at": m.delivered_at.isoformat(),
-            "reconsume_times": m.reconsume_times}
+    return {
+        "message_id": m.message_id,
+        "idempotency_id": m.idempotency_id,
+        "topic": m.topic,
+        "queue_offset": m.queue_offset,
+        "key": m.key,
+        "tags": m.tags,
+        "properties": m.properties,
+        "body": m.body if not isinstance(m.body, bytes) else m.body.decode(errors="replace"),
+        "deliver_at": m.deliver_at.isoformat(),
+        "delivered_at": m.delivered_at.isoformat(),
+        "reconsume_times": m.reconsume_times,
+    }
 
 
 def cmd_consume(args: argparse.Namespace) -> int:
@@ -316,8 +359,9 @@ def cmd_consume(args: argparse.Namespace) -> int:
                 if args.json:
                     out.write(json.dumps(row, default=str, ensure_ascii=False) + "\n")
                 else:
-                    out.write(f"{row['message_id']}\t{row['topic']}\t{row['key'] or ''}\t{row['deliver_at']}\t"
-                              f"{row['body']}\n")
+                    out.write(
+                        f"{row['message_id']}\t{row['topic']}\t{row['key'] or ''}\t{row['deliver_at']}\t{row['body']}\n"
+                    )
             out.flush()  # written before the ack
         except BrokenPipeError:
             stop.set()
@@ -325,9 +369,16 @@ def cmd_consume(args: argparse.Namespace) -> int:
 
     try:
         with _routed(args) as stores:  # a moving topic: one loop per store that holds it (routing.Stores.consume)
-            by_store = stores.consume(args.topic, args.group, handler, max_messages=args.max, stop=stop,
-                                      limit=args.count, idle_s=args.idle.total_seconds() if args.idle else None,
-                                      duration_s=args.duration.total_seconds() if args.duration else None)
+            by_store = stores.consume(
+                args.topic,
+                args.group,
+                handler,
+                max_messages=args.max,
+                stop=stop,
+                limit=args.count,
+                idle_s=args.idle.total_seconds() if args.idle else None,
+                duration_s=args.duration.total_seconds() if args.duration else None,
+            )
     finally:
         for number, handler_ in previous.items():
             signal.signal(number, handler_)
@@ -337,9 +388,11 @@ def cmd_consume(args: argparse.Namespace) -> int:
         return 0
     for name, totals in by_store.items():
         where = f" from store {name}" if stores.settings.stores else ""
-        print(f"delaywheel: consumed {totals.messages} message(s){where} in {totals.batches} batch(es), retried"
-              f" {totals.retried}; stopped by {'a signal' if totals.stopped_by == 'stop' else totals.stopped_by}",
-              file=sys.stderr)
+        print(
+            f"delaywheel: consumed {totals.messages} message(s){where} in {totals.batches} batch(es), retried"
+            f" {totals.retried}; stopped by {'a signal' if totals.stopped_by == 'stop' else totals.stopped_by}",
+            file=sys.stderr,
+        )
     return 0
 
 
@@ -348,8 +401,11 @@ def cmd_cancel(args: argparse.Namespace) -> int:
         with _routed(args) as stores:  # by id: the topic's store (or --store); by key: --topic's stores, else all
             by_store = stores.cancel(message_id=args.id, key=args.key, topic=args.topic, reason=args.reason)
         several = bool(stores.settings.stores)
-        results = [{"message_id": r.message_id, "outcome": r.outcome, **({"store": name} if several else {})}
-                   for name, found in by_store.items() for r in found]
+        results = [
+            {"message_id": r.message_id, "outcome": r.outcome, **({"store": name} if several else {})}
+            for name, found in by_store.items()
+            for r in found
+        ]
         _print(results, args.json)
         return 0 if any(r["outcome"] == "cancelled" for r in results) else 1
     keys = None  # a bulk cancel (--where, --keys-from, --keys-from-table): on one store, --store NAME with several
@@ -385,10 +441,16 @@ def _keys_from(args: argparse.Namespace) -> KeysFrom | None:
         if not sep or not column.strip():
             raise ValueError(f"--keys-from-filter {text!r} is not COLUMN=VALUE")
         previous = filters.get(column.strip())
-        filters[column.strip()] = value if previous is None else [*(previous if isinstance(previous, list)
-                                                                   else [previous]), value]
-    return KeysFrom(args.keys_from_table, args.keys_from_column, prefix=args.keys_from_prefix,
-                    suffix=args.keys_from_suffix, filters=filters)
+        filters[column.strip()] = (
+            value if previous is None else [*(previous if isinstance(previous, list) else [previous]), value]
+        )
+    return KeysFrom(
+        args.keys_from_table,
+        args.keys_from_column,
+        prefix=args.keys_from_prefix,
+        suffix=args.keys_from_suffix,
+        filters=filters,
+    )
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
@@ -400,8 +462,12 @@ def cmd_stats(args: argparse.Namespace) -> int:
         with Store(_store_url(name)) as store:
             figures[name] = store.stats()
     if args.json:  # one store's figures as they are; with --all-stores, by store name
-        print(json.dumps({str(n): as_json(d) for n, d in figures.items()} if len(names) > 1 else
-                         as_json(figures[names[0]]), indent=2))
+        print(
+            json.dumps(
+                {str(n): as_json(d) for n, d in figures.items()} if len(names) > 1 else as_json(figures[names[0]]),
+                indent=2,
+            )
+        )
         return 0
     for name, data in figures.items():
         if name is not None:
@@ -412,33 +478,48 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 def _print_stats(data: dict[str, Any]) -> None:
     print(f"as of {data['now']:%Y-%m-%d %H:%M:%S} UTC")
-    print(f"{'level':>5} {'delay':>8} {'backlog':>8} {'checkpoint':>10} {'head due':>27} {'lag s':>9} {'p50 s':>7} {'p99 s':>7}")
+    print(
+        f"{'level':>5} {'delay':>8} {'backlog':>8} {'checkpoint':>10} {'head due':>27} {'lag s':>9} {'p50 s':>7} {'p99 s':>7}"
+    )
     for row in data["levels"]:
-        print(f"{row['level']:>5} {row['delay'] if row['delay'] is not None else 'removed':>8} {row['backlog']:>8} {row['checkpoint_id']:>10} "
-              f"{row['head_due'] or '-'!s:>27} {_num(row['lag_s']):>9} "
-              f"{_num(row['lateness_p50_s']):>7} {_num(row['lateness_p99_s']):>7}")
+        print(
+            f"{row['level']:>5} {row['delay'] if row['delay'] is not None else 'removed':>8} {row['backlog']:>8} {row['checkpoint_id']:>10} "
+            f"{row['head_due'] or '-'!s:>27} {_num(row['lag_s']):>9} "
+            f"{_num(row['lateness_p50_s']):>7} {_num(row['lateness_p99_s']):>7}"
+        )
     w = data["wheel"]
-    print(f"\nwheel: pending {w['pending']} (overdue {w['overdue']}, next minute {w['next_minute']}, hour {w['next_hour']},"
-          f" day {w['next_day']}, later {w['later']}), lag {_num(w['lag_s'])} s,"
-          f" last pass {_num(w['since_last_pass_s'])} s ago (cursor {w['cursor_at']}, slot {w['cursor_slot']}),"
-          f" lateness p50 {_num(w['lateness_p50_s'])} s p99 {_num(w['lateness_p99_s'])} s")
+    print(
+        f"\nwheel: pending {w['pending']} (overdue {w['overdue']}, next minute {w['next_minute']}, hour {w['next_hour']},"
+        f" day {w['next_day']}, later {w['later']}), lag {_num(w['lag_s'])} s,"
+        f" last pass {_num(w['since_last_pass_s'])} s ago (cursor {w['cursor_at']}, slot {w['cursor_slot']}),"
+        f" lateness p50 {_num(w['lateness_p50_s'])} s p99 {_num(w['lateness_p99_s'])} s"
+    )
     if w["estimated_after"] is not None:
         print(f"  (near-wheel counts after {w['estimated_after']:%Y-%m-%d %H:%M} UTC are the statistics' estimates)")
     biggest = max((bucket["due"] for bucket in w["histogram_24h"]), default=0)
     for bucket in w["histogram_24h"]:
-        print(f"  due {bucket['start']:%m-%d %H:%M}-{bucket['end']:%H:%M}  {bucket['due']:>9}  "
-              f"{'#' * (60 * bucket['due'] // biggest if biggest else 0)}")
+        print(
+            f"  due {bucket['start']:%m-%d %H:%M}-{bucket['end']:%H:%M}  {bucket['due']:>9}  "
+            f"{'#' * (60 * bucket['due'] // biggest if biggest else 0)}"
+        )
     print("\ntopic / group: depth, lag")
     for row in data["topics"]:
-        print(f"  {row['topic']} / {row['consumer_group'] or '-'}: depth {row['depth']}, lag {row['lag'] if row['lag'] is not None else '-'}")
+        print(
+            f"  {row['topic']} / {row['consumer_group'] or '-'}: depth {row['depth']}, lag {row['lag'] if row['lag'] is not None else '-'}"
+        )
     for name, what in (("quarantine", "bulk-enqueue rows refused"), ("set_aside", "messages set aside, undeliverable")):
         part = data[name]
         reasons = ", ".join(f"{r['reason']} {r['count']}" for r in part["by_reason"])
         print(f"\n{name}: {part['total']} {what}" + (f" ({reasons})" if reasons else ""))
         for row in part["recent"]:
-            where = (f"{row['source_file']} row {row['row_number']}" if name == "quarantine"
-                     else f"message {row['message_id']} ({row['lane']}, topic {row['topic']})")
-            print(f"  {row.get('quarantined_at') or row.get('set_aside_at')}  {where}: {row['reason']}: {row['detail']}")
+            where = (
+                f"{row['source_file']} row {row['row_number']}"
+                if name == "quarantine"
+                else f"message {row['message_id']} ({row['lane']}, topic {row['topic']})"
+            )
+            print(
+                f"  {row.get('quarantined_at') or row.get('set_aside_at')}  {where}: {row['reason']}: {row['detail']}"
+            )
 
 
 def _num(value: float | None) -> str:
@@ -451,8 +532,10 @@ def cmd_route(args: argparse.Namespace) -> int:
     settings = load_settings()
     router = Router([name for name, _ in settings.stores], settings.routes)
     if args.adding is not None and (not STORE_NAME.fullmatch(args.adding) or args.adding in router.names):
-        raise UsageError(f"--adding {args.adding!r}: not a new store's name (a lower-case identifier, not one of"
-                         f" {', '.join(router.names)})")
+        raise UsageError(
+            f"--adding {args.adding!r}: not a new store's name (a lower-case identifier, not one of"
+            f" {', '.join(router.names)})"
+        )
     rows = []
     for topic in args.topic:
         sources = router.sources(topic)  # the current store first (a retry / DLQ topic: every store)
@@ -473,8 +556,9 @@ def cmd_retire(args: argparse.Namespace) -> int:
     for name in _store_names(args, all_stores=True):
         with Store(_store_url(name)) as store:
             dropped = store.retire()
-        _print({**({"store": name} if name else {}), "dropped": [f"{d.name} ({d.rows} rows)" for d in dropped]},
-               args.json)
+        _print(
+            {**({"store": name} if name else {}), "dropped": [f"{d.name} ({d.rows} rows)" for d in dropped]}, args.json
+        )
     return 0
 
 
@@ -494,9 +578,13 @@ def cmd_shop(args: argparse.Namespace) -> int:
         with _store(args) as store:
             if args.role == "sweep":
                 totals, stopped_by = orders.run_sweep(store, stop=stop, max_messages=args.batch, ready=ready)
-                result: dict[str, Any] = {"batches": totals.batches, "messages": totals.messages,
-                                          "cancelled": totals.cancelled, "already_processed": totals.duplicates,
-                                          "stopped_by": stopped_by}
+                result: dict[str, Any] = {
+                    "batches": totals.batches,
+                    "messages": totals.messages,
+                    "cancelled": totals.cancelled,
+                    "already_processed": totals.duplicates,
+                    "stopped_by": stopped_by,
+                }
             else:
                 result = orders.run_customers(store, stop=stop, every_s=args.every, ready=ready)
     finally:
@@ -515,9 +603,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="delaywheel", description=__doc__)
     which = parser.add_mutually_exclusive_group()  # several stores (DELAYWHEEL_STORES, docs/stores.md)
-    which.add_argument("--store", metavar="NAME", help="run on this configured store (default: the topic's store;"
-                       " commands on no topic need it when several stores are configured)")
-    which.add_argument("--all-stores", action="store_true", help="migrate, deliver, stats, retire: every configured store")
+    which.add_argument(
+        "--store",
+        metavar="NAME",
+        help="run on this configured store (default: the topic's store;"
+        " commands on no topic need it when several stores are configured)",
+    )
+    which.add_argument(
+        "--all-stores", action="store_true", help="migrate, deliver, stats, retire: every configured store"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("db", help="the embedded PostgreSQL cluster (used when no DELAYWHEEL_DATABASE_URL is set)")
@@ -541,12 +635,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_send)
 
-    for name, text in (("deliver", "deliver due messages on levels and the wheel"), ("advance", "advance the timing wheel")):
+    for name, text in (
+        ("deliver", "deliver due messages on levels and the wheel"),
+        ("advance", "advance the timing wheel"),
+    ):
         p = sub.add_parser(name, help=text)
         if name == "deliver":
-            p.add_argument("--level", type=int, action="append", help="only this level (repeatable); default all + wheel")
+            p.add_argument(
+                "--level", type=int, action="append", help="only this level (repeatable); default all + wheel"
+            )
             p.add_argument("--no-wheel", action="store_true", help="levels only")
-        p.add_argument("--duration", type=_duration, default=timedelta(seconds=60), help="how long to run (default 60s)")
+        p.add_argument(
+            "--duration", type=_duration, default=timedelta(seconds=60), help="how long to run (default 60s)"
+        )
         p.add_argument("--until-idle", action="store_true", help="stop early once nothing is pending")
         p.add_argument("--progress-every", type=_seconds, default=10.0, metavar="SECONDS")
         p.add_argument("--json", action="store_true")
@@ -574,19 +675,37 @@ def build_parser() -> argparse.ArgumentParser:
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--id", type=int)
     what.add_argument("--key")
-    what.add_argument("--where", help="one expression over the pending messages' id, deliver_at, key, topic, tags,"
-                      " properties, lane, level: comparisons, AND/OR/NOT, IN lists, LIKE, BETWEEN, IS NULL, casts and"
-                      " pure functions such as lower() or now(); checked before it runs, no subqueries (README)")
-    what.add_argument("--keys-from-table", metavar="SCHEMA.TABLE",
-                      help="cancel every pending message whose key is a value of --keys-from-column in this table")
+    what.add_argument(
+        "--where",
+        help="one expression over the pending messages' id, deliver_at, key, topic, tags,"
+        " properties, lane, level: comparisons, AND/OR/NOT, IN lists, LIKE, BETWEEN, IS NULL, casts and"
+        " pure functions such as lower() or now(); checked before it runs, no subqueries (README)",
+    )
+    what.add_argument(
+        "--keys-from-table",
+        metavar="SCHEMA.TABLE",
+        help="cancel every pending message whose key is a value of --keys-from-column in this table",
+    )
     what.add_argument("--keys-from", metavar="FILE", help="cancel every pending message whose key is a line of FILE")
-    p.add_argument("--topic", help="with --id or --key: the message's topic, whose store is asked (several stores:"
-                   " --id needs it or --store; --key without it asks every store)")
+    p.add_argument(
+        "--topic",
+        help="with --id or --key: the message's topic, whose store is asked (several stores:"
+        " --id needs it or --store; --key without it asks every store)",
+    )
     p.add_argument("--keys-from-column", metavar="COLUMN", help="with --keys-from-table: the column holding the keys")
-    p.add_argument("--keys-from-prefix", default="", metavar="TEXT", help="with --keys-from-table: key = TEXT || column")
-    p.add_argument("--keys-from-suffix", default="", metavar="TEXT", help="with --keys-from-table: key = column || TEXT")
-    p.add_argument("--keys-from-filter", action="append", default=[], metavar="COLUMN=VALUE",
-                   help="with --keys-from-table: only rows where COLUMN = VALUE (repeatable; one column twice: IN)")
+    p.add_argument(
+        "--keys-from-prefix", default="", metavar="TEXT", help="with --keys-from-table: key = TEXT || column"
+    )
+    p.add_argument(
+        "--keys-from-suffix", default="", metavar="TEXT", help="with --keys-from-table: key = column || TEXT"
+    )
+    p.add_argument(
+        "--keys-from-filter",
+        action="append",
+        default=[],
+        metavar="COLUMN=VALUE",
+        help="with --keys-from-table: only rows where COLUMN = VALUE (repeatable; one column twice: IN)",
+    )
     p.add_argument("--reason", default="cancelled by CLI")
     p.add_argument("--yes", action="store_true", help="confirm a bulk cancel (without it: only count)")
     p.add_argument("--json", action="store_true")
@@ -596,7 +715,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_stats)
 
-    p = sub.add_parser("route", help="the store of each topic (several stores); --adding NAME: the topics it would take")
+    p = sub.add_parser(
+        "route", help="the store of each topic (several stores); --adding NAME: the topics it would take"
+    )
     p.add_argument("--topic", action="append", required=True, help="a topic (repeatable)")
     p.add_argument("--adding", metavar="NAME", help="a store about to be added: which of the topics would move to it")
     p.add_argument("--json", action="store_true")
@@ -606,7 +727,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_retire)
 
-    p = sub.add_parser("shop", help="the order-timeout story's continuous parts, one process each (make demo runs them)")
+    p = sub.add_parser(
+        "shop", help="the order-timeout story's continuous parts, one process each (make demo runs them)"
+    )
     roles = p.add_subparsers(dest="role", required=True)
     r = roles.add_parser("sweep", help="cancel unpaid orders as their timeouts are delivered (a waiting consumer)")
     r.add_argument("--batch", type=_positive, default=1000, help="timeouts per transaction (default 1000)")
@@ -639,8 +762,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"delaywheel: error: {_one_line(exc)}", file=sys.stderr)
         return 2
     except psycopg.errors.UndefinedTable as exc:  # (or an unmigrated database)
-        print(f"delaywheel: database error: {_one_line(exc)} (is the schema migrated? `delaywheel migrate`;"
-              " the shop's: `delaywheel shop migrate`)", file=sys.stderr)
+        print(
+            f"delaywheel: database error: {_one_line(exc)} (is the schema migrated? `delaywheel migrate`;"
+            " the shop's: `delaywheel shop migrate`)",
+            file=sys.stderr,
+        )
         return 2
     except psycopg.Error as exc:  # e.g. a --where predicate that is not valid SQL, or an unreachable server
         print(f"delaywheel: database error: {_one_line(exc)}", file=sys.stderr)
@@ -654,8 +780,11 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # a bug: still no traceback for the user unless asked for
         if os.environ.get("DELAYWHEEL_TRACEBACK"):
             raise
-        print(f"delaywheel: internal error: {type(exc).__name__}: {_one_line(exc)}"
-              " (set DELAYWHEEL_TRACEBACK=1 to see where)", file=sys.stderr)
+        print(
+            f"delaywheel: internal error: {type(exc).__name__}: {_one_line(exc)}"
+            " (set DELAYWHEEL_TRACEBACK=1 to see where)",
+            file=sys.stderr,
+        )
         return 2
 
 

@@ -114,7 +114,9 @@ class Store:
         return result
 
     def advance_wheel(self, *, now: datetime | None = None, limit: int | None = None) -> PassResult:
-        return wheel.advance_wheel(self.conn, self.settings, self._cache, now=now, limit=limit or self.settings.batch_size)
+        return wheel.advance_wheel(
+            self.conn, self.settings, self._cache, now=now, limit=limit or self.settings.batch_size
+        )
 
     def deliver_due(self, *, now: datetime | None = None) -> int:
         """Deliver everything due now on every level and the wheel (repeating passes until drained)."""
@@ -134,43 +136,91 @@ class Store:
     def ack(self, batch: topics.Batch, failed: set[int] | None = None) -> topics.AckResult:
         return topics.ack(self.conn, self.settings, self._cache, batch, failed)
 
-    def consume(self, topic: str, group: str, handler: Callable[[list[topics.Delivered]], Collection[int] | None], *, max_messages: int = 100,
-                stop: threading.Event | None = None, limit: int | None = None, duration_s: float | None = None,
-                idle_s: float | None = None, safety_wake_s: float | None = None) -> ConsumeTotals:
+    def consume(
+        self,
+        topic: str,
+        group: str,
+        handler: Callable[[list[topics.Delivered]], Collection[int] | None],
+        *,
+        max_messages: int = 100,
+        stop: threading.Event | None = None,
+        limit: int | None = None,
+        duration_s: float | None = None,
+        idle_s: float | None = None,
+        safety_wake_s: float | None = None,
+    ) -> ConsumeTotals:
         """Wait for `topic`'s deliveries and hand them to `handler(messages)` in batches of up to `max_messages`,
         acking each after it (consume.py): returns `consume.ConsumeTotals`. `handler` returns None or the ids that
         failed (to the retry ladder); it raises to retry the whole batch. Runs until `stop` is set, `limit`
         messages were handled, `duration_s` passed, or nothing came for `idle_s`."""
         from delaywheel.consume import consumer as consume
 
-        return consume.consume(self, topic, group, handler, **_consumer_options(
-            max_messages, stop, limit, duration_s, idle_s, safety_wake_s))
+        return consume.consume(
+            self,
+            topic,
+            group,
+            handler,
+            **_consumer_options(max_messages, stop, limit, duration_s, idle_s, safety_wake_s),
+        )
 
-    def messages(self, topic: str, group: str, *, max_messages: int = 100, stop: threading.Event | None = None,
-                 limit: int | None = None, duration_s: float | None = None, idle_s: float | None = None,
-                 safety_wake_s: float | None = None) -> Iterator[topics.Delivered]:
+    def messages(
+        self,
+        topic: str,
+        group: str,
+        *,
+        max_messages: int = 100,
+        stop: threading.Event | None = None,
+        limit: int | None = None,
+        duration_s: float | None = None,
+        idle_s: float | None = None,
+        safety_wake_s: float | None = None,
+    ) -> Iterator[topics.Delivered]:
         """`consume` as an iterator of messages: a message is acked once the loop asks for the next one (or ends)."""
         from delaywheel.consume import consumer as consume
 
-        return consume.messages(self, topic, group, **_consumer_options(
-            max_messages, stop, limit, duration_s, idle_s, safety_wake_s))
+        return consume.messages(
+            self, topic, group, **_consumer_options(max_messages, stop, limit, duration_s, idle_s, safety_wake_s)
+        )
 
     # cancelling
-    def cancel(self, *, message_id: int | None = None, key: str | None = None, reason: str = "cancelled") -> list[cancelling.CancelResult]:
+    def cancel(
+        self, *, message_id: int | None = None, key: str | None = None, reason: str = "cancelled"
+    ) -> list[cancelling.CancelResult]:
         return cancelling.cancel(self.conn, self._cache, message_id=message_id, key=key, reason=reason)
 
-    def cancel_matching(self, *, keys: list[str] | None = None, where: str | None = None,
-                        keys_from: cancelling.KeysFrom | None = None, match: cancelling.Match | None = None,
-                        reason: str = "bulk cancel") -> int:
+    def cancel_matching(
+        self,
+        *,
+        keys: list[str] | None = None,
+        where: str | None = None,
+        keys_from: cancelling.KeysFrom | None = None,
+        match: cancelling.Match | None = None,
+        reason: str = "bulk cancel",
+    ) -> int:
         """Cancel every pending message meeting every condition given (see `cancel.cancel_matching`): `where` is
         one checked expression, never SQL text run as is (`predicate.UnsafeSQL` otherwise)."""
-        return cancelling.cancel_matching(self.conn, self._cache, keys=keys, where=where, keys_from=keys_from,
-                                          match=match, reason=reason, timeout=self.settings.match_timeout)
+        return cancelling.cancel_matching(
+            self.conn,
+            self._cache,
+            keys=keys,
+            where=where,
+            keys_from=keys_from,
+            match=match,
+            reason=reason,
+            timeout=self.settings.match_timeout,
+        )
 
-    def count_matching(self, *, keys: list[str] | None = None, where: str | None = None,
-                       keys_from: cancelling.KeysFrom | None = None, match: cancelling.Match | None = None) -> int:
-        return cancelling.count_matching(self.conn, keys=keys, where=where, keys_from=keys_from, match=match,
-                                         timeout=self.settings.match_timeout)
+    def count_matching(
+        self,
+        *,
+        keys: list[str] | None = None,
+        where: str | None = None,
+        keys_from: cancelling.KeysFrom | None = None,
+        match: cancelling.Match | None = None,
+    ) -> int:
+        return cancelling.count_matching(
+            self.conn, keys=keys, where=where, keys_from=keys_from, match=match, timeout=self.settings.match_timeout
+        )
 
     # operating
     def stats(self, *, now: datetime | None = None, window: timedelta = timedelta(minutes=5)) -> dict[str, Any]:
@@ -195,10 +245,21 @@ class Store:
         return partitions.retire(self.conn, now or self.clock(), self.settings.topic_retention, self._cache)
 
 
-def _consumer_options(max_messages: int, stop: threading.Event | None, limit: int | None, duration_s: float | None,
-                      idle_s: float | None, safety_wake_s: float | None) -> dict[str, Any]:
-    options: dict[str, Any] = {"max_messages": max_messages, "stop": stop, "limit": limit, "duration_s": duration_s,
-                               "idle_s": idle_s}
+def _consumer_options(
+    max_messages: int,
+    stop: threading.Event | None,
+    limit: int | None,
+    duration_s: float | None,
+    idle_s: float | None,
+    safety_wake_s: float | None,
+) -> dict[str, Any]:
+    options: dict[str, Any] = {
+        "max_messages": max_messages,
+        "stop": stop,
+        "limit": limit,
+        "duration_s": duration_s,
+        "idle_s": idle_s,
+    }
     if safety_wake_s is not None:
         options["safety_wake_s"] = safety_wake_s
     return options

@@ -60,16 +60,30 @@ class CeleryAirflow:
         where.mkdir(parents=True, exist_ok=True)
         log = (self.run_dir / f"{name}.log").open("ab")
         self._logs.append(log)
-        proc = subprocess.Popen(argv, cwd=where, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(argv, cwd=where, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self.services[name] = proc
         return proc
 
     def start_redis(self) -> str:
         """redis-server on a free loopback port, nothing persisted (its directory is the run's); its broker URL."""
         (port,) = free_ports(1)
-        proc = self._spawn("redis", ["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", "",
-                                     "--appendonly", "no", "--dir", str(self.run_dir / "redis")], dict(os.environ))
+        proc = self._spawn(
+            "redis",
+            [
+                "redis-server",
+                "--bind",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(self.run_dir / "redis"),
+            ],
+            dict(os.environ),
+        )
         deadline = time.monotonic() + 20
         while not redis_ping(port):
             assert proc.poll() is None, self.log("redis")
@@ -91,8 +105,9 @@ class CeleryAirflow:
 
     def run(self, *command: str, timeout: float = 300) -> str:
         """`scripts/airflow.sh <command>` to the end; its output (a failure raises with it)."""
-        done = subprocess.run([str(SCRIPT), *command], cwd=self.run_dir, env=self.env, capture_output=True,
-                              text=True, timeout=timeout)
+        done = subprocess.run(
+            [str(SCRIPT), *command], cwd=self.run_dir, env=self.env, capture_output=True, text=True, timeout=timeout
+        )
         assert done.returncode == 0, f"airflow {' '.join(command)}: {done.stdout[-2000:]}{done.stderr[-3000:]}"
         return done.stdout
 
@@ -109,8 +124,9 @@ class CeleryAirflow:
         wanted = set(names or self.services)
         sessions = {self.services[n].pid for n in wanted}
         dirs = {str(self.run_dir / n) for n in wanted}
-        return [pid for pid, (cwd, sid, _) in processes().items()
-                if (sid in sessions or cwd in dirs) and pid != os.getpid()]
+        return [
+            pid for pid, (cwd, sid, _) in processes().items() if (sid in sessions or cwd in dirs) and pid != os.getpid()
+        ]
 
     def kill(self, name: str) -> list[int]:
         """SIGKILL every process of service `name` at once, as a lost machine; the pids killed."""
@@ -127,7 +143,7 @@ class CeleryAirflow:
         for pid in self.members([name]):
             with contextlib.suppress(OSError):
                 stat = Path(f"/proc/{pid}/stat").read_text()
-                parents[pid] = int(stat[stat.rindex(")") + 2:].split()[1])
+                parents[pid] = int(stat[stat.rindex(")") + 2 :].split()[1])
         return parents
 
     def listening(self) -> set[str]:

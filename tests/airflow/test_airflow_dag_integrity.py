@@ -55,10 +55,22 @@ def trap() -> Iterator[socket.socket]:
 def parse_dags(airflow_db: dict[str, str], trap: socket.socket, **env: str) -> dict:
     port = trap.getsockname()[1]
     url = f"postgresql://postgres@127.0.0.1:{port}/nowhere"
-    full = {**os.environ, **airflow_db, "DELAYWHEEL_DATABASE_URL": url, "AIRFLOW_CONN_DELAYWHEEL_DEFAULT": url,
-            "AIRFLOW__CORE__DAGBAG_IMPORT_TIMEOUT": str(IMPORT_BUDGET_S), **env}
-    out = subprocess.run([sys.executable, "-c", PARSE, str(ROOT / "dags")], env=full, capture_output=True,
-                         text=True, check=True, timeout=300)
+    full = {
+        **os.environ,
+        **airflow_db,
+        "DELAYWHEEL_DATABASE_URL": url,
+        "AIRFLOW_CONN_DELAYWHEEL_DEFAULT": url,
+        "AIRFLOW__CORE__DAGBAG_IMPORT_TIMEOUT": str(IMPORT_BUDGET_S),
+        **env,
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", PARSE, str(ROOT / "dags")],
+        env=full,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    )
     with pytest.raises(TimeoutError):
         trap.accept()  # nothing connected to the "database" while parsing
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -71,19 +83,38 @@ def test_every_dag_imports_without_touching_the_store_or_spark(airflow_db: dict[
     assert not result["spark_loaded"]
     default = len(parse_levels("1s 5s 10s 30s 1m 2m 3m 4m 5m 6m 7m 8m 9m 10m 20m 30m 1h 2h"))
     assert result["dags"]["delaywheel_deliver"] == [f"deliver_level_{n}" for n in range(1, default + 1)] + [
-        "advance_wheel", "publish_topic_events"]
+        "advance_wheel",
+        "publish_topic_events",
+    ]
     assert result["levels"] == {f"deliver_level_{n}": n for n in range(1, default + 1)}
     assert result["consumer_assets"] == ["delaywheel://topics/orders"]
     # the grid lists the lanes in level order (level 2 before level 10), under their tasks' display names
     assert result["grid"][:3] == ["level 1 (1s)", "level 2 (5s)", "level 3 (10s)"]
-    assert result["grid"][9:] == ["level 10 (6m)", "level 11 (7m)", "level 12 (8m)", "level 13 (9m)", "level 14 (10m)",
-                                  "level 15 (20m)", "level 16 (30m)", "level 17 (1h)", "level 18 (2h)",
-                                  "timing wheel", "publish_topic_events"]
+    assert result["grid"][9:] == [
+        "level 10 (6m)",
+        "level 11 (7m)",
+        "level 12 (8m)",
+        "level 13 (9m)",
+        "level 14 (10m)",
+        "level 15 (20m)",
+        "level 16 (30m)",
+        "level 17 (1h)",
+        "level 18 (2h)",
+        "timing wheel",
+        "publish_topic_events",
+    ]
 
 
 @pytest.mark.parametrize("variable", ["DELAYWHEEL_LEVELS", "AIRFLOW__DELAYWHEEL__LEVELS"])
-def test_deliver_tasks_follow_a_custom_level_table(airflow_db: dict[str, str], trap: socket.socket, variable: str) -> None:
+def test_deliver_tasks_follow_a_custom_level_table(
+    airflow_db: dict[str, str], trap: socket.socket, variable: str
+) -> None:
     result = parse_dags(airflow_db, trap, **{variable: "2s 90s 3h"})
     assert result["errors"] == {}
-    assert result["dags"]["delaywheel_deliver"] == ["deliver_level_1", "deliver_level_2", "deliver_level_3",
-                                                    "advance_wheel", "publish_topic_events"]
+    assert result["dags"]["delaywheel_deliver"] == [
+        "deliver_level_1",
+        "deliver_level_2",
+        "deliver_level_3",
+        "advance_wheel",
+        "publish_topic_events",
+    ]

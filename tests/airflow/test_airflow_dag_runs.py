@@ -40,10 +40,20 @@ def run_dag(dag: Any, **conf: Any) -> tuple[str, dict[str, str], dict[str, Any]]
 
     run = dag.test(run_conf=conf or None)
     with create_session() as session:
-        states = {ti.task_id: ti.state for ti in session.scalars(
-            select(TaskInstance).where(TaskInstance.dag_id == dag.dag_id, TaskInstance.run_id == run.run_id))}
-        values = {x.task_id: x.value for x in session.scalars(select(XComModel).where(
-            XComModel.dag_id == dag.dag_id, XComModel.run_id == run.run_id, XComModel.key == "return_value"))}
+        states = {
+            ti.task_id: ti.state
+            for ti in session.scalars(
+                select(TaskInstance).where(TaskInstance.dag_id == dag.dag_id, TaskInstance.run_id == run.run_id)
+            )
+        }
+        values = {
+            x.task_id: x.value
+            for x in session.scalars(
+                select(XComModel).where(
+                    XComModel.dag_id == dag.dag_id, XComModel.run_id == run.run_id, XComModel.key == "return_value"
+                )
+            )
+        }
     return run.run_id, states, values
 
 
@@ -53,18 +63,27 @@ def asset_events(run_id: str) -> list[tuple[str, dict[str, Any]]]:
     from sqlalchemy import select
 
     with create_session() as session:
-        rows = session.execute(select(AssetModel.uri, AssetEvent.extra).join(AssetEvent.asset).where(
-            AssetEvent.source_dag_id == "delaywheel_deliver", AssetEvent.source_run_id == run_id)).all()
+        rows = session.execute(
+            select(AssetModel.uri, AssetEvent.extra)
+            .join(AssetEvent.asset)
+            .where(AssetEvent.source_dag_id == "delaywheel_deliver", AssetEvent.source_run_id == run_id)
+        ).all()
     return [(uri, dict(extra)) for uri, extra in rows]
 
 
 def test_deliver_then_consume(dags: dict[str, Any], db_url: str) -> None:
     deliver = dags["delaywheel_deliver"]
     assert [t.task_id for t in deliver.tasks] == [
-        "deliver_level_1", "deliver_level_2", "advance_wheel", "publish_topic_events"]
+        "deliver_level_1",
+        "deliver_level_2",
+        "advance_wheel",
+        "publish_topic_events",
+    ]
     with Store(db_url, Settings(levels=Settings().levels[:2])) as store:
         now = store.clock()
-        sent = [store.send("orders", {"n": n}, delay_level=1 + n % 2, now=now - timedelta(seconds=6)) for n in range(40)]
+        sent = [
+            store.send("orders", {"n": n}, delay_level=1 + n % 2, now=now - timedelta(seconds=6)) for n in range(40)
+        ]
         sent += [store.send("pay|ments", n, delay_level=2, now=now - timedelta(seconds=6)) for n in range(5)]
         sent += [store.send("orders", {"n": n}, delay=timedelta(seconds=1)) for n in range(40, 50)]  # the wheel
         store.prepare()  # rolls the wheel's near window forward, as the maintenance DAG does
@@ -84,13 +103,16 @@ def test_deliver_then_consume(dags: dict[str, Any], db_url: str) -> None:
         assert by_uri == {"delaywheel://topics/orders": 50, "delaywheel://topics/pay%7Cments": 5}
         # one event per topic for the whole run, naming the lanes it came from
         assert sorted((e["topic"], e["lanes"]) for _, e in events) == [
-            ("orders", ["level 1", "level 2", "wheel"]), ("pay|ments", ["level 2"])]
+            ("orders", ["level 1", "level 2", "wheel"]),
+            ("pay|ments", ["level 2"]),
+        ]
 
         _, states, values = run_dag(dags["delaywheel_consumer_template"])
         assert states == {"consume": "success"}
         assert values["consume"]["consumed"] == 50 and values["consume"]["failed"] == 0
-        acked = store.conn.execute("SELECT acked FROM delaywheel.consumer_offsets WHERE grp = 'orders-template'"
-                                   " AND topic = 'orders'").fetchone()
+        acked = store.conn.execute(
+            "SELECT acked FROM delaywheel.consumer_offsets WHERE grp = 'orders-template' AND topic = 'orders'"
+        ).fetchone()
         assert acked == (50,)
         _, _, values = run_dag(dags["delaywheel_consumer_template"])
         assert values["consume"]["consumed"] == 0  # acked: nothing is read twice

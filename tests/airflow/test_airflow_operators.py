@@ -82,7 +82,9 @@ def test_on_kill_ends_the_lease_after_the_current_pass(store_connection: str, st
     (event,) = alias_events(ctx)
     assert event.dest_asset_key.uri == "delaywheel://topics/a%7Cb%25c"
     assert event.extra["topic"] == "a|b%c" and event.extra["count"] == len(ids) and event.extra["lane"] == "level 2"
-    offsets = store.conn.execute("SELECT min(queue_offset), max(queue_offset) FROM delaywheel.topic_messages").fetchone()
+    offsets = store.conn.execute(
+        "SELECT min(queue_offset), max(queue_offset) FROM delaywheel.topic_messages"
+    ).fetchone()
     assert (event.extra["first_offset"], event.extra["last_offset"]) == tuple(offsets)
 
 
@@ -90,15 +92,19 @@ def test_enqueue_and_cancel_operators(store_connection: str, store: Store) -> No
     from delaywheel.airflow.operators import CancelOperator, EnqueueOperator
 
     (one,) = EnqueueOperator(task_id="one", topic="orders", body={"order": 1}, delay_level="3", key="o-1").execute({})
-    many = EnqueueOperator(task_id="many", messages=[
-        {"topic": "orders", "body": "a", "delay_seconds": "3600", "key": "o-2"},
-        {"topic": "orders", "body": "b", "delay_seconds": 3600, "key": "o-3"},
-    ]).execute({})
+    many = EnqueueOperator(
+        task_id="many",
+        messages=[
+            {"topic": "orders", "body": "a", "delay_seconds": "3600", "key": "o-2"},
+            {"topic": "orders", "body": "b", "delay_seconds": 3600, "key": "o-3"},
+        ],
+    ).execute({})
     assert len(many) == 2
     with pytest.raises(Exception, match="topic"):
         EnqueueOperator(task_id="bad", topic="", body="x").execute({})
     assert CancelOperator(task_id="c1", message_id=str(one)).execute({})["results"] == [
-        {"message_id": one, "outcome": "cancelled"}]
+        {"message_id": one, "outcome": "cancelled"}
+    ]
     with pytest.raises(ValueError, match="max_matches"):
         CancelOperator(task_id="c2", keys=["o-2", "o-3"], max_matches=1).execute({})
     assert CancelOperator(task_id="c3", where="key = 'o-2'").execute({})["cancelled"] == 1
@@ -110,13 +116,29 @@ def test_merged_topic_events_span_every_lane_in_read_order() -> None:
     from delaywheel.airflow.operators import merge_extras
 
     def extra(lane: str, count: int, first: tuple[str, int], last: tuple[str, int]) -> dict[str, Any]:
-        return {"topic": "orders", "lane": lane, "count": count, "first_xid": first[0], "first_offset": first[1],
-                "last_xid": last[0], "last_offset": last[1]}
+        return {
+            "topic": "orders",
+            "lane": lane,
+            "count": count,
+            "first_xid": first[0],
+            "first_offset": first[1],
+            "last_xid": last[0],
+            "last_offset": last[1],
+        }
 
     # xids compare as numbers: "10" comes after "9"
     merged = merge_extras([extra("level 2", 3, ("10", 7), ("10", 9)), extra("wheel", 2, ("9", 8), ("11", 1))])
-    assert merged == {"orders": {"topic": "orders", "lanes": ["level 2", "wheel"], "count": 5,
-                                 "first_xid": "9", "first_offset": 8, "last_xid": "11", "last_offset": 1}}
+    assert merged == {
+        "orders": {
+            "topic": "orders",
+            "lanes": ["level 2", "wheel"],
+            "count": 5,
+            "first_xid": "9",
+            "first_offset": 8,
+            "last_xid": "11",
+            "last_offset": 1,
+        }
+    }
 
 
 def documented(cls: type) -> dict[str, str]:
@@ -136,8 +158,11 @@ def arguments(cls: type) -> set[str]:
     names: set[str] = set()
     for klass in cls.__mro__:
         if klass.__module__.startswith("delaywheel.") and "__init__" in vars(klass):
-            names |= {p.name for p in inspect.signature(vars(klass)["__init__"]).parameters.values()
-                      if p.name != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+            names |= {
+                p.name
+                for p in inspect.signature(vars(klass)["__init__"]).parameters.values()
+                if p.name != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
+            }
     return names
 
 
@@ -147,17 +172,27 @@ def test_every_argument_is_documented_and_templated_as_documented() -> None:
     replaces each of those fields (a name in `template_fields` that is not an attribute would fail here)."""
     from delaywheel.airflow import hooks, operators, sensors, triggers
 
-    classes = [operators.PublishTopicEventsOperator, operators.DeliverLevelOperator, operators.AdvanceWheelOperator,
-               operators.ConsumeOperator, operators.EnqueueOperator, operators.CancelOperator,
-               sensors.DueMessagesSensor, triggers.DueMessagesTrigger, triggers.TopicMessagesTrigger,
-               hooks.DelayWheelHook]
+    classes = [
+        operators.PublishTopicEventsOperator,
+        operators.DeliverLevelOperator,
+        operators.AdvanceWheelOperator,
+        operators.ConsumeOperator,
+        operators.EnqueueOperator,
+        operators.CancelOperator,
+        sensors.DueMessagesSensor,
+        triggers.DueMessagesTrigger,
+        triggers.TopicMessagesTrigger,
+        hooks.DelayWheelHook,
+    ]
     for cls in classes:
         assert set(documented(cls)) == arguments(cls), cls.__name__
     instances = [
         operators.PublishTopicEventsOperator(task_id="publish", lane_task_ids=["a"]),
-        operators.DeliverLevelOperator(task_id="level", level=1), operators.AdvanceWheelOperator(task_id="wheel"),
+        operators.DeliverLevelOperator(task_id="level", level=1),
+        operators.AdvanceWheelOperator(task_id="wheel"),
         operators.ConsumeOperator(task_id="consume", topic="t", group="g", apply_function=print),
-        operators.EnqueueOperator(task_id="enqueue", topic="t"), operators.CancelOperator(task_id="cancel", key="k"),
+        operators.EnqueueOperator(task_id="enqueue", topic="t"),
+        operators.CancelOperator(task_id="cancel", key="k"),
         sensors.DueMessagesSensor(task_id="sensor", level=1),
     ]
     for op in instances:

@@ -84,14 +84,21 @@ def test_wheel_trigger_wakes_on_a_sooner_message(store_connection: str, store: S
     soon, event = asyncio.run(go())
     due_at = store.conn.execute(
         "SELECT deliver_at FROM delaywheel.wheel WHERE id = %(id)s UNION ALL SELECT deliver_at FROM delaywheel.wheel_far"
-        " WHERE id = %(id)s", {"id": soon}).fetchone()[0]
-    assert event.payload == {"status": "success", "lane": "wheel", "due_at": due_at.isoformat(),
-                             "checked_at": event.payload["checked_at"]}
+        " WHERE id = %(id)s",
+        {"id": soon},
+    ).fetchone()[0]
+    assert event.payload == {
+        "status": "success",
+        "lane": "wheel",
+        "due_at": due_at.isoformat(),
+        "checked_at": event.payload["checked_at"],
+    }
     assert event.payload["checked_at"] >= event.payload["due_at"]
 
 
-def test_a_bad_notify_payload_is_ignored_by_the_trigger(store_connection: str, store: Store,
-                                                       capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_bad_notify_payload_is_ignored_by_the_trigger(
+    store_connection: str, store: Store, capsys: pytest.CaptureFixture[str]
+) -> None:
     """Anyone may NOTIFY the producers' channel: a payload that is not a due time neither fails the trigger nor
     wakes it, is logged once, and a real announcement after it still wakes the wait."""
     import psycopg
@@ -120,7 +127,9 @@ def test_a_bad_notify_payload_is_ignored_by_the_trigger(store_connection: str, s
 
 
 @pytest.fixture
-def schemaless_connection(airflow_db: dict[str, str], server_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+def schemaless_connection(
+    airflow_db: dict[str, str], server_url: str, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[str]:
     """An Airflow connection (`no_store`) to an empty database: reachable, but without the store's schema."""
     name = f"dwtest_empty_{uuid.uuid4().hex[:12]}"
     with psycopg.connect(server_url, autocommit=True) as conn:
@@ -131,8 +140,9 @@ def schemaless_connection(airflow_db: dict[str, str], server_url: str, monkeypat
         conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
 
 
-def test_a_failed_wait_is_an_error_event_that_fails_the_sensor(store_connection: str, store: Store,
-                                                               schemaless_connection: str) -> None:
+def test_a_failed_wait_is_an_error_event_that_fails_the_sensor(
+    store_connection: str, store: Store, schemaless_connection: str
+) -> None:
     """A wait that fails on anything but a lost connection ends the trigger with a "status": "error" event carrying
     the cause, and the deferred sensor, resumed with it, fails with that message; a "success" event resumes it with
     the same XCom value a poke gives (the status dropped)."""
@@ -147,7 +157,9 @@ def test_a_failed_wait_is_an_error_event_that_fails_the_sensor(store_connection:
         assert event is not None, conn_id  # ends at once: it does not wait out the poll, nor retry
         assert event.payload["status"] == "error" and event.payload["lane"] == "level 1"
         assert cause in event.payload["message"]
-        with pytest.raises(AirflowException, match=f"wait_level_1: waiting for a due message failed: level 1: .*{cause}"):
+        with pytest.raises(
+            AirflowException, match=f"wait_level_1: waiting for a due message failed: level 1: .*{cause}"
+        ):
             sensor.execute_complete({}, event.payload)
     with pytest.raises(AirflowException, match="no event"):
         sensor.execute_complete({}, None)
@@ -156,11 +168,13 @@ def test_a_failed_wait_is_an_error_event_that_fails_the_sensor(store_connection:
     event = first_event(DueMessagesTrigger(poll_interval=0.2), 10.0)
     assert event is not None and event.payload["status"] == "success"
     assert sensor.execute_complete({}, event.payload) == {
-        key: event.payload[key] for key in ("lane", "due_at", "checked_at")}
+        key: event.payload[key] for key in ("lane", "due_at", "checked_at")
+    }
 
 
-def test_a_poke_that_cannot_reach_the_database_is_not_yet(airflow_db: dict[str, str],
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_poke_that_cannot_reach_the_database_is_not_yet(
+    airflow_db: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     from delaywheel.airflow.sensors import DueMessagesSensor
 
     monkeypatch.setenv("AIRFLOW_CONN_DELAYWHEEL_DEFAULT", "postgresql://postgres@127.0.0.1:1/delaywheel")
@@ -220,16 +234,24 @@ def test_topic_watcher_announces_each_delivered_message_once(store_connection: s
 
     (watcher,) = topic_asset("orders").watchers
     assert isinstance(watcher.trigger, TopicMessagesTrigger) and isinstance(watcher.trigger, BaseEventTrigger)
-    assert watcher.trigger.serialize()[1] == {"topic": "orders", "delaywheel_conn_id": "delaywheel_default",
-                                              "poll_interval": 1.0}
+    assert watcher.trigger.serialize()[1] == {
+        "topic": "orders",
+        "delaywheel_conn_id": "delaywheel_default",
+        "poll_interval": 1.0,
+    }
     assert _events(TopicMessagesTrigger("orders", poll_interval=0.1), 1, 0.5) == []  # an empty topic: silent
 
     ids = [store.send("orders", {"n": n}) for n in range(5)]  # level 0: in the topic at once
     store.send("other", {"n": 0})
     (event,) = _events(TopicMessagesTrigger("orders", poll_interval=0.1), 2, 5.0)
     assert event.payload["topic"] == "orders" and event.payload["count"] == 5
-    offsets = [r[0] for r in store.conn.execute(
-        "SELECT queue_offset FROM delaywheel.topic_messages WHERE message_id = ANY(%s) ORDER BY queue_offset", (ids,))]
+    offsets = [
+        r[0]
+        for r in store.conn.execute(
+            "SELECT queue_offset FROM delaywheel.topic_messages WHERE message_id = ANY(%s) ORDER BY queue_offset",
+            (ids,),
+        )
+    ]
     assert (event.payload["first_offset"], event.payload["last_offset"]) == (offsets[0], offsets[-1])
     assert _events(TopicMessagesTrigger("orders", poll_interval=0.1), 1, 0.5) == []  # restarted: nothing new
 

@@ -46,8 +46,9 @@ class Airflow:
     token: str
 
     def api(self, path: str, method: str = "GET", **kwargs: Any) -> Any:
-        response = httpx.request(method, f"{self.base}{path}", headers={"Authorization": f"Bearer {self.token}"},
-                                 timeout=30, **kwargs)
+        response = httpx.request(
+            method, f"{self.base}{path}", headers={"Authorization": f"Bearer {self.token}"}, timeout=30, **kwargs
+        )
         response.raise_for_status()
         return response.json() if response.content else None
 
@@ -87,11 +88,14 @@ def airflow(airflow_db: dict[str, str], server_url: str, db_url: str, tmp_path: 
     passwords = tmp_path / "passwords.json"
     passwords.write_text(json.dumps({USER: PASSWORD}))
     env = {
-        **os.environ, **airflow_db,
+        **os.environ,
+        **airflow_db,
         "AIRFLOW_HOME": str(tmp_path / "home"),
         "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"postgresql+psycopg2://{pg}/{METADATA_DB}",
         "AIRFLOW_CONN_DELAYWHEEL_DEFAULT": f"postgresql://{pg}/{store['dbname']}",
-        "AIRFLOW__API__HOST": "127.0.0.1", "AIRFLOW__API__PORT": str(port), "AIRFLOW__API__BASE_URL": base,
+        "AIRFLOW__API__HOST": "127.0.0.1",
+        "AIRFLOW__API__PORT": str(port),
+        "AIRFLOW__API__BASE_URL": base,
         "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"{base}/execution/",
         "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
         "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": f"{USER}:admin",
@@ -107,14 +111,28 @@ def airflow(airflow_db: dict[str, str], server_url: str, db_url: str, tmp_path: 
     # No `delaywheel_deliver` pool here on purpose: the continuous deliver DAG's tasks wait for it, so nothing
     # but the triggered consumer run changes the store while the page is compared with it.
     procs: list[subprocess.Popen[bytes]] = []
-    for name, args in (("api-server", ["api-server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]),
-                       ("scheduler", ["scheduler"]), ("dag-processor", ["dag-processor"])):
+    for name, args in (
+        ("api-server", ["api-server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]),
+        ("scheduler", ["scheduler"]),
+        ("dag-processor", ["dag-processor"]),
+    ):
         log = (OUT / f"{name}.log").open("wb")
-        procs.append(subprocess.Popen([sys.executable, "-m", "airflow", *args], env=env, stdout=log,
-                                      stderr=subprocess.STDOUT, start_new_session=True))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "airflow", *args],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        )
     try:
-        wait_for("the API server", lambda: httpx.get(f"{base}/api/v2/monitor/health", timeout=5).status_code == 200,
-                 STARTUP_S, procs)
+        wait_for(
+            "the API server",
+            lambda: httpx.get(f"{base}/api/v2/monitor/health", timeout=5).status_code == 200,
+            STARTUP_S,
+            procs,
+        )
         token = httpx.post(f"{base}/auth/token", json={"username": USER, "password": PASSWORD}, timeout=30)
         af = Airflow(base, token.json()["access_token"])
         wait_for(f"{DAG_ID} to be parsed", lambda: af.api(f"/api/v2/dags/{DAG_ID}"), STARTUP_S, procs)
@@ -137,8 +155,10 @@ def finished(airflow: Airflow, run_id: str) -> dict[str, Any] | None:
 
 
 def launch(p: Any, height: int = 1100) -> Any:
-    browser = p.chromium.launch(executable_path=CHROMIUM, args=[
-        "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"])
+    browser = p.chromium.launch(
+        executable_path=CHROMIUM,
+        args=["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"],
+    )
     page = browser.new_page(viewport={"width": 1400, "height": height})
     page.set_default_timeout(60_000)
     return browser, page
@@ -210,20 +230,35 @@ def test_login_trigger_with_params_and_dashboard_matches_store(airflow: Airflow,
             page.screenshot(path=str(OUT / "airflow-nav-delaywheel.png"), full_page=True)
 
         stats = store.stats()
-        shown_level = {int(row.get_attribute("data-level") or 0): {
-            field: row.locator(f"td[data-field={field}]").inner_text() for field in ("backlog", "checkpoint", "delivered")
-        } for row in frame.locator("#levels tr[data-level]").all()}
-        expected_level = {row["level"]: {"backlog": str(row["backlog"]), "delivered": str(row["delivered"]),
-                                         "checkpoint": f"{row['checkpoint_xid']}, {row['checkpoint_id']}"}
-                          for row in stats["levels"]}
+        shown_level = {
+            int(row.get_attribute("data-level") or 0): {
+                field: row.locator(f"td[data-field={field}]").inner_text()
+                for field in ("backlog", "checkpoint", "delivered")
+            }
+            for row in frame.locator("#levels tr[data-level]").all()
+        }
+        expected_level = {
+            row["level"]: {
+                "backlog": str(row["backlog"]),
+                "delivered": str(row["delivered"]),
+                "checkpoint": f"{row['checkpoint_xid']}, {row['checkpoint_id']}",
+            }
+            for row in stats["levels"]
+        }
         assert shown_level == expected_level
         assert (shown_level[18]["backlog"], shown_level[1]["delivered"]) == ("4", "10")
         assert frame.locator("#wheel [data-field=pending]").inner_text() == str(stats["wheel"]["pending"]) == "3"
-        shown_topics = {(row.get_attribute("data-topic"), row.get_attribute("data-group") or None): (
-            row.locator("td[data-field=depth]").inner_text(), row.locator("td[data-field=lag]").inner_text())
-            for row in frame.locator("#topics tr[data-topic]").all()}
-        expected_topics = {(t["topic"], t["consumer_group"]): (str(t["depth"]), str(t["lag"]) if t["consumer_group"]
-                                                                else "—") for t in stats["topics"]}
+        shown_topics = {
+            (row.get_attribute("data-topic"), row.get_attribute("data-group") or None): (
+                row.locator("td[data-field=depth]").inner_text(),
+                row.locator("td[data-field=lag]").inner_text(),
+            )
+            for row in frame.locator("#topics tr[data-topic]").all()
+        }
+        expected_topics = {
+            (t["topic"], t["consumer_group"]): (str(t["depth"]), str(t["lag"]) if t["consumer_group"] else "—")
+            for t in stats["topics"]
+        }
         assert shown_topics == expected_topics
         assert shown_topics[(TOPIC, GROUP)] == ("10", "7")  # the UI-triggered run consumed exactly its 3
         bars = frame.locator("#histogram-chart rect[data-value]")
@@ -232,7 +267,6 @@ def test_login_trigger_with_params_and_dashboard_matches_store(airflow: Airflow,
         page.goto(f"{airflow.base}/delaywheel/")
         page.screenshot(path=str(OUT / "delaywheel-page.png"), full_page=True)
         browser.close()
-
 
 
 def dagbag() -> dict[str, Any]:
@@ -309,8 +343,9 @@ def test_every_dags_trigger_form_submits_with_its_defaults(airflow: Airflow) -> 
         dialog.get_by_text(re.compile(r"^Unpause .* on trigger$")).click()
         dialog.locator("input[name=element_start]").fill("yesterday")
         dialog.get_by_test_id("trigger-dag-submit").click()
-        expect(dialog.get_by_text(re.compile(r"Invalid input for param start: 'yesterday' does not match"))
-               ).to_be_visible()  # Airflow validates the params against their schema before creating the run
+        expect(
+            dialog.get_by_text(re.compile(r"Invalid input for param start: 'yesterday' does not match"))
+        ).to_be_visible()  # Airflow validates the params against their schema before creating the run
         page.screenshot(path=str(OUT / "form-delaywheel_lateness_quality-invalid-start.png"), full_page=True)
         runs = airflow.api("/api/v2/dags/delaywheel_lateness_quality/dagRuns")
         assert runs["total_entries"] == 0, runs

@@ -141,7 +141,9 @@ def tries(meta: str) -> list[Try]:
                      FROM task_instance_history) t
                JOIN dag_run r USING (dag_id, run_id)
                WHERE t.dag_id = %s AND t.task_id = ANY(%s)
-               ORDER BY r.run_after, t.task_id, t.try_number""", (DAG_ID, LANES)).fetchall()
+               ORDER BY r.run_after, t.task_id, t.try_number""",
+            (DAG_ID, LANES),
+        ).fetchall()
     return [Try(*row) for row in rows]
 
 
@@ -159,9 +161,11 @@ def holding(all_tries: list[Try], run: str) -> set[str]:
 def released(all_tries: list[Try], run: str) -> bool:
     """Every lane task of the run has started and none is running or waiting to run again."""
     mine = [t for t in all_tries if t.run == run]
-    return {t.task for t in mine} == set(LANES) and all(t.start and t.state in ("success", "failed") for t in mine
-                                                        if t.try_number == max(u.try_number for u in mine
-                                                                               if u.task == t.task))
+    return {t.task for t in mine} == set(LANES) and all(
+        t.start and t.state in ("success", "failed")
+        for t in mine
+        if t.try_number == max(u.try_number for u in mine if u.task == t.task)
+    )
 
 
 LANE = "CASE origin WHEN 'wheel' THEN 'wheel' ELSE 'level ' || level END"
@@ -177,9 +181,19 @@ def lateness(db_url: str, away_from: tuple[datetime, datetime] | None = None) ->
                        percentile_cont(0.99) WITHIN GROUP (ORDER BY extract(epoch FROM delivered_at - deliver_at)),
                        max(extract(epoch FROM delivered_at - deliver_at))
                 FROM delaywheel.topic_messages WHERE origin IN ('level', 'wheel') {window[0]}
-                GROUP BY ROLLUP ({LANE})""", window[1]).fetchall()
-    return {r[0]: {"n": r[1], "early": r[2], "p50": round(float(r[3]), 3), "p99": round(float(r[4]), 3),
-                   "max": round(float(r[5]), 3)} for r in rows}
+                GROUP BY ROLLUP ({LANE})""",
+            window[1],
+        ).fetchall()
+    return {
+        r[0]: {
+            "n": r[1],
+            "early": r[2],
+            "p50": round(float(r[3]), 3),
+            "p99": round(float(r[4]), 3),
+            "max": round(float(r[5]), 3),
+        }
+        for r in rows
+    }
 
 
 def largest_gaps(db_url: str, since: datetime) -> dict[str, tuple[float, float]]:
@@ -192,7 +206,9 @@ def largest_gaps(db_url: str, since: datetime) -> dict[str, tuple[float, float]]
                              lag(delivered_at) OVER w AS previous
                       FROM delaywheel.topic_messages WHERE origin IN ('level', 'wheel')
                       WINDOW w AS (PARTITION BY {LANE} ORDER BY delivered_at)) g
-                WHERE gap IS NOT NULL ORDER BY lane, gap DESC""", (since,)).fetchall()
+                WHERE gap IS NOT NULL ORDER BY lane, gap DESC""",
+            (since,),
+        ).fetchall()
     return {r[0]: (round(float(r[1]), 1), round(float(r[2]), 1)) for r in rows}
 
 
@@ -201,12 +217,16 @@ def memory(cluster: CeleryAirflow, worker: str, task_pids: set[int]) -> dict[str
     parents = cluster.tree(worker)
     tasks = [pid for pid in parents if pid in task_pids]
     busy = tasks + [parents[pid] for pid in tasks]
-    return {"tasks": len(tasks), "total_mib": round(pss_mib(list(parents))),
-            "per_task_mib": round(pss_mib(busy) / len(tasks)) if tasks else 0.0}
+    return {
+        "tasks": len(tasks),
+        "total_mib": round(pss_mib(list(parents))),
+        "per_task_mib": round(pss_mib(busy) / len(tasks)) if tasks else 0.0,
+    }
 
 
 def test_two_celery_workers_hand_over_under_load_and_survive_a_killed_worker(
-        tmp_path: Path, server_url: str, db_url: str, metadata_db: str, cluster: CeleryAirflow) -> None:
+    tmp_path: Path, server_url: str, db_url: str, metadata_db: str, cluster: CeleryAirflow
+) -> None:
     pytest.importorskip("airflow.providers.celery", reason="needs apache-airflow-providers-celery (docs/celery.md)")
     began = time.monotonic()
     dags = tmp_path / "dags"  # the deliver DAG alone: nothing else parsed or scheduled beside it
@@ -247,7 +267,9 @@ def test_two_celery_workers_hand_over_under_load_and_survive_a_killed_worker(
         with psycopg.connect(meta) as conn:
             running = conn.execute(
                 "SELECT run_id, task_id, try_number, pid FROM task_instance WHERE dag_id = %s AND state = 'running'"
-                " AND task_id = ANY(%s) AND pid IS NOT NULL", (DAG_ID, LANES)).fetchall()
+                " AND task_id = ANY(%s) AND pid IS NOT NULL",
+                (DAG_ID, LANES),
+            ).fetchall()
         task_pids.clear()
         for run, task, try_number, pid in running:
             task_pids.add(pid)
@@ -270,8 +292,11 @@ def test_two_celery_workers_hand_over_under_load_and_survive_a_killed_worker(
 
     killed = ""
     load = Load(db_url, Settings(levels=parse_levels(LEVELS)))
-    wait_for("the first run's lanes running",
-             lambda ts: bool(ts) and holding(ts, runs_of(ts)[0]) == set(LANES), STARTED_WITHIN_S)
+    wait_for(
+        "the first run's lanes running",
+        lambda ts: bool(ts) and holding(ts, runs_of(ts)[0]) == set(LANES),
+        STARTED_WITHIN_S,
+    )
     started_after = time.monotonic() - began
     listening = cluster.listening()
     assert listening and all(address.split(":")[0] in LOOPBACK for address in listening), listening
@@ -308,8 +333,9 @@ def test_two_celery_workers_hand_over_under_load_and_survive_a_killed_worker(
     sent = set(load.ids)
     with psycopg.connect(db_url) as conn:  # drain: the last sends fall due within 10 s
         deadline = time.monotonic() + 60
-        while (conn.execute("SELECT count(DISTINCT message_id) FROM delaywheel.topic_messages").fetchone() or [0]
-               )[0] < len(sent) and time.monotonic() < deadline:
+        while (conn.execute("SELECT count(DISTINCT message_id) FROM delaywheel.topic_messages").fetchone() or [0])[
+            0
+        ] < len(sent) and time.monotonic() < deadline:
             time.sleep(1.0)
         delivered = [r[0] for r in conn.execute("SELECT message_id FROM delaywheel.topic_messages").fetchall()]
     final = look()
@@ -323,18 +349,27 @@ def test_two_celery_workers_hand_over_under_load_and_survive_a_killed_worker(
         return round((when - kill_at).total_seconds(), 1) if when else None
 
     gaps = largest_gaps(db_url, kill_at)
-    recovery = {task: {"retry_started_s": started(run2, task, 2), "next_run_started_s": started(runs[2], task, 1)}
-                for task in on[killed]}
+    recovery = {
+        task: {"retry_started_s": started(run2, task, 2), "next_run_started_s": started(runs[2], task, 1)}
+        for task in on[killed]
+    }
     report = {
-        "started_s": round(started_after), "total_s": round(time.monotonic() - began), "sent": len(sent),
-        "runs": len(runs), "killed": killed, "killed_lanes": on[killed], "recovery_after_kill": recovery,
+        "started_s": round(started_after),
+        "total_s": round(time.monotonic() - began),
+        "sent": len(sent),
+        "runs": len(runs),
+        "killed": killed,
+        "killed_lanes": on[killed],
+        "recovery_after_kill": recovery,
         "lane_tasks_per_worker_before_kill": before_kill,
         "lane_tasks_per_worker": {w: sum(1 for o in worker_of.values() if o == w) for w in WORKERS},
         "memory_before_kill": sizes,
-        "not_successful_tries": sorted((t.task, t.try_number, t.state) for t in final
-                                       if t.state not in ("success", "running")),
+        "not_successful_tries": sorted(
+            (t.task, t.try_number, t.state) for t in final if t.state not in ("success", "running")
+        ),
         "largest_gap_s_and_its_start_after_kill_s": gaps,
-        "lateness_s": figures, "lateness_away_from_kill_s": away["all"],
+        "lateness_s": figures,
+        "lateness_away_from_kill_s": away["all"],
     }
     print(f"\ncelery deliver run: {report}")
 

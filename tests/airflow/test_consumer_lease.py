@@ -24,8 +24,9 @@ def _left(store: Store, topic: str, group: str) -> int:
     return len(store.pull(topic, group, 1000))
 
 
-def test_template_dag_consumes_delivered_messages_and_acks(store_connection: str, db_url: str, store: Store,
-                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+def test_template_dag_consumes_delivered_messages_and_acks(
+    store_connection: str, db_url: str, store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("DELAYWHEEL_LEVELS", "1s 5s")
     from airflow.dag_processing.dagbag import DagBag
 
@@ -55,8 +56,9 @@ def test_template_dag_consumes_delivered_messages_and_acks(store_connection: str
     assert _left(store, topic, group) == 0  # the group's offset is past every message
 
 
-def test_lease_handover_handles_every_message_once_none_early_with_a_short_gap(store_connection: str, db_url: str,
-                                                                               store: Store) -> None:
+def test_lease_handover_handles_every_message_once_none_early_with_a_short_gap(
+    store_connection: str, db_url: str, store: Store
+) -> None:
     from delaywheel.airflow.operators import ConsumeOperator
 
     topic, group = "jobs", "workers"
@@ -73,10 +75,24 @@ def test_lease_handover_handles_every_message_once_none_early_with_a_short_gap(s
 
     # the old task: lease 4 s, then keeps the group until a successor is present (grace 10 s);
     # the new one starts 2 s in, as a standby, and leases 9 s
-    old = ConsumeOperator(task_id="old", topic=topic, group=group, apply_function_batch=handler_for("old"),
-                          lease_seconds=4, handover_grace_seconds=10, max_messages=20)
-    new = ConsumeOperator(task_id="new", topic=topic, group=group, apply_function_batch=handler_for("new"),
-                          lease_seconds=9, handover_grace_seconds=0, max_messages=20)
+    old = ConsumeOperator(
+        task_id="old",
+        topic=topic,
+        group=group,
+        apply_function_batch=handler_for("old"),
+        lease_seconds=4,
+        handover_grace_seconds=10,
+        max_messages=20,
+    )
+    new = ConsumeOperator(
+        task_id="new",
+        topic=topic,
+        group=group,
+        apply_function_batch=handler_for("new"),
+        lease_seconds=9,
+        handover_grace_seconds=0,
+        max_messages=20,
+    )
     results: dict[str, dict[str, Any]] = {}
     sent: list[int] = []
     stop = threading.Event()
@@ -88,8 +104,14 @@ def test_lease_handover_handles_every_message_once_none_early_with_a_short_gap(s
             n = 0
             while time.monotonic() < end:  # throughout the hand-over: a level, the wheel and no delay at all
                 kind = n % 3
-                sent.append(own.send(topic, {"n": n}, delay_level=1 if kind == 0 else None,
-                                     delay=timedelta(milliseconds=400) if kind == 1 else None))
+                sent.append(
+                    own.send(
+                        topic,
+                        {"n": n},
+                        delay_level=1 if kind == 0 else None,
+                        delay=timedelta(milliseconds=400) if kind == 1 else None,
+                    )
+                )
                 n += 1
                 time.sleep(0.02)
 
@@ -128,8 +150,13 @@ def test_on_kill_acks_what_was_handled_and_returns(store_connection: str, store:
     from delaywheel.airflow.operators import ConsumeOperator
 
     handled: list[int] = []
-    operator = ConsumeOperator(task_id="c", topic="t", group="g", lease_seconds=600,
-                               apply_function_batch=lambda ms: handled.extend(m.message_id for m in ms))
+    operator = ConsumeOperator(
+        task_id="c",
+        topic="t",
+        group="g",
+        lease_seconds=600,
+        apply_function_batch=lambda ms: handled.extend(m.message_id for m in ms),
+    )
     result: dict[str, Any] = {}
     thread = threading.Thread(target=lambda: result.update(operator.execute({})))
     thread.start()
@@ -158,8 +185,13 @@ def test_per_message_function_by_dotted_path_retries_only_its_failures(store_con
     with pytest.raises(ValueError, match="exactly one handler"):
         ConsumeOperator(task_id="none", topic="t", group="g")
     store.send_many([Message("t", {"n": n}) for n in range(10)])
-    operator = ConsumeOperator(task_id="c", topic="t", group="g", lease_seconds=3,
-                               apply_function="tests.airflow.test_consumer_lease.fail_even",
-                               apply_function_kwargs={"parity": 0})
+    operator = ConsumeOperator(
+        task_id="c",
+        topic="t",
+        group="g",
+        lease_seconds=3,
+        apply_function="tests.airflow.test_consumer_lease.fail_even",
+        apply_function_kwargs={"parity": 0},
+    )
     result = operator.execute({})
     assert result["handled"] == result["acked"] == 10 and result["retried"] == 5, result

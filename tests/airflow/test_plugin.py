@@ -132,9 +132,9 @@ def test_json_api_gives_the_store_figures_to_a_logged_in_user(client: Any, plugi
     assert served["quarantine"]["total"] == 0 and served["set_aside"]["total"] == 0
 
 
-def test_json_api_and_cli_give_numbers_of_the_same_types(client: Any, plugin_store: Store, db_url: str,
-                                                          monkeypatch: pytest.MonkeyPatch,
-                                                          capsys: pytest.CaptureFixture[str]) -> None:
+def test_json_api_and_cli_give_numbers_of_the_same_types(
+    client: Any, plugin_store: Store, db_url: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """`delaywheel stats --json` gave `extract()`'s numerics as strings where the web API gave numbers."""
     from delaywheel.cli import main
     from tests.ops.test_stats import number_paths
@@ -147,7 +147,9 @@ def test_json_api_and_cli_give_numbers_of_the_same_types(client: Any, plugin_sto
     assert main(["stats", "--json"]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert number_paths(served) == number_paths(printed)
-    assert isinstance(served["levels"][2]["lateness_p50_s"], float) and isinstance(printed["levels"][2]["lateness_p50_s"], float)
+    assert isinstance(served["levels"][2]["lateness_p50_s"], float) and isinstance(
+        printed["levels"][2]["lateness_p50_s"], float
+    )
     assert isinstance(printed["wheel"]["pending"], int) and isinstance(printed["levels"][0]["delay"], float)
 
 
@@ -181,8 +183,9 @@ def bar_values(html: str, svg_id: str) -> list[tuple[str, int]]:
     return [(label, int(value)) for label, value in re.findall(r'<rect data-label="([^"]*)" data-value="(\d+)"', svg)]
 
 
-def test_page_fits_1280_px_with_long_figures(client: Any, plugin_store: Store, monkeypatch: pytest.MonkeyPatch,
-                                             tmp_path: Any) -> None:
+def test_page_fits_1280_px_with_long_figures(
+    client: Any, plugin_store: Store, monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
     """The page cut its last column at 1280 px. With 16-digit checkpoints, 12-digit counts and long quarantine and
     set-aside details, nothing reaches past the window (checked in headless Chromium)."""
     from playwright.sync_api import sync_playwright
@@ -196,18 +199,49 @@ def test_page_fits_1280_px_with_long_figures(client: Any, plugin_store: Store, m
         stats = plain()
         now = stats["now"]
         for level in stats["levels"]:
-            level.update(checkpoint_xid=4294967296123, checkpoint_id=9007199254740991, checkpoint_at=now, head_due=now,
-                         delivered=123456789012, backlog=12345678901, lateness_p50_s=0.123, lateness_p99_s=654.3,
-                         delivered_in_window=12345678)
+            level.update(
+                checkpoint_xid=4294967296123,
+                checkpoint_id=9007199254740991,
+                checkpoint_at=now,
+                head_due=now,
+                delivered=123456789012,
+                backlog=12345678901,
+                lateness_p50_s=0.123,
+                lateness_p99_s=654.3,
+                delivered_in_window=12345678,
+            )
         detail = "body is not valid JSON: Expecting ',' delimiter: line 1 column 5 (char 4) " * 4
-        stats["quarantine"] = {"total": 1, "by_reason": [{"reason": "bad_body", "count": 1, "last_at": now}], "recent": [
-            {"source": "s", "source_file": "/data/input/orders-2026-11-24-part-00017.parquet", "row_number": 123456,
-             "reason": "bad_body", "detail": detail, "quarantined_at": now}]}
-        stats["set_aside"] = {"total": 1, "by_reason": [{"reason": "bad_properties", "count": 1, "last_at": now}],
-                              "recent": [{"message_id": 9007199254740991, "lane": "level", "level": 3,
-                                          "topic": "orders.timeout.very-long-topic-name", "key": "order-1234567890",
-                                          "deliver_at": now, "reason": "bad_properties", "detail": detail,
-                                          "set_aside_at": now}]}
+        stats["quarantine"] = {
+            "total": 1,
+            "by_reason": [{"reason": "bad_body", "count": 1, "last_at": now}],
+            "recent": [
+                {
+                    "source": "s",
+                    "source_file": "/data/input/orders-2026-11-24-part-00017.parquet",
+                    "row_number": 123456,
+                    "reason": "bad_body",
+                    "detail": detail,
+                    "quarantined_at": now,
+                }
+            ],
+        }
+        stats["set_aside"] = {
+            "total": 1,
+            "by_reason": [{"reason": "bad_properties", "count": 1, "last_at": now}],
+            "recent": [
+                {
+                    "message_id": 9007199254740991,
+                    "lane": "level",
+                    "level": 3,
+                    "topic": "orders.timeout.very-long-topic-name",
+                    "key": "order-1234567890",
+                    "deliver_at": now,
+                    "reason": "bad_properties",
+                    "detail": detail,
+                    "set_aside_at": now,
+                }
+            ],
+        }
         return stats
 
     monkeypatch.setattr(web, "current_stats", long_figures)
@@ -218,8 +252,10 @@ def test_page_fits_1280_px_with_long_figures(client: Any, plugin_store: Store, m
         client.cookies.clear()
     assert "9007199254740991" in html and 'id="set-aside"' in html and 'id="quarantine"' in html
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path="/usr/bin/chromium", args=[
-            "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"])
+        browser = p.chromium.launch(
+            executable_path="/usr/bin/chromium",
+            args=["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"],
+        )
         page = browser.new_page(viewport={"width": 1280, "height": 900})
         page.set_content(html)
         page.screenshot(path=str(tmp_path / "dashboard-1280.png"), full_page=True)

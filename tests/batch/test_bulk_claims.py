@@ -20,8 +20,18 @@ MAPPING = input_rows.ColumnMap.parse("", "orders", "text").with_defaults(["key",
 
 
 def rows(keys: range | list[int], file: str = "orders.csv") -> pa.RecordBatch:
-    return pa.RecordBatch.from_pylist([{"key": f"order-{k}", "body": f"cancel {k}", "delay_level": 3,
-                                        input_rows.FILE_COLUMN: file, input_rows.ROW_COLUMN: n + 1} for n, k in enumerate(keys)])
+    return pa.RecordBatch.from_pylist(
+        [
+            {
+                "key": f"order-{k}",
+                "body": f"cancel {k}",
+                "delay_level": 3,
+                input_rows.FILE_COLUMN: file,
+                input_rows.ROW_COLUMN: n + 1,
+            }
+            for n, k in enumerate(keys)
+        ]
+    )
 
 
 def queued_keys(store: Store) -> list[str]:
@@ -50,8 +60,9 @@ def test_a_concurrent_writer_of_the_same_keys_waits_and_skips_them(store: Store,
     50-99 taken: each key is enqueued once, by whichever writer committed its claim."""
     results: dict[str, bulk.Counts] = {}
     with psycopg.connect(db_url, autocommit=True) as a, a.transaction():
-        results["a"] = bulk.write_chunk(a, store.settings, PartitionCache(), rows(range(100)), MAPPING, "orders.csv",
-                                        now=t0)
+        results["a"] = bulk.write_chunk(
+            a, store.settings, PartitionCache(), rows(range(100)), MAPPING, "orders.csv", now=t0
+        )
         b = threading.Thread(target=lambda: results.__setitem__("b", write(db_url, store, rows(range(50, 150)), t0)))
         b.start()
         b.join(timeout=2)

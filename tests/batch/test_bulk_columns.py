@@ -42,8 +42,10 @@ GOOD: dict[str, list[Option]] = {
     "properties": [(pa.string(), st.none())],
     "delay_level": [(pa.int32(), st.integers(0, 20)), (pa.string(), st.sampled_from(["3", " 5", "18 ", "0"]))],
     "delay_ms": [(pa.int64(), st.integers(0, YEAR_MS)), (pa.string(), st.sampled_from(["1500", " 60000 "]))],
-    "deliver_at": [(UTC_US, _times(timedelta(seconds=-1), timedelta(days=365))),
-                   (MINUS_5, _times(timedelta(0), timedelta(days=30)))],
+    "deliver_at": [
+        (UTC_US, _times(timedelta(seconds=-1), timedelta(days=365))),
+        (MINUS_5, _times(timedelta(0), timedelta(days=30))),
+    ],
 }
 BODIES: dict[str, list[Option]] = {
     "bytes": [(pa.binary(), st.binary(max_size=64)), (pa.string(), st.text(max_size=16))],
@@ -51,28 +53,79 @@ BODIES: dict[str, list[Option]] = {
     "text": [(pa.string(), st.text(max_size=16))],
 }
 WILD: dict[str, list[Option]] = {
-    "topic": [(pa.string(), st.sampled_from(["orders", "", "bad topic", "x" * 128, None, "orders\n", "%RETRY%g",
-                                           "%DLQ%g"])),
-              (pa.large_string(), st.just("orders")), (pa.int32(), st.just(1))],
-    "key": [(pa.string(), st.sampled_from(["", "k" * 1024, "k" * 1025, None, "k", "k\x00", "\x00"])),
-            (pa.large_string(), st.sampled_from(["k", None])), (pa.bool_(), st.booleans()), (pa.float64(), st.just(1.0))],
-    "body": [(pa.string(), st.sampled_from(["not json", "NaN", "-Infinity", "{", "é" * 32, "é" * 33, "x" * 65, None,
-                                          '"%s"' % ("é" * 20), *JSON_TEXTS, '"\\u0000"', '{"a": "\\ud800"}',
-                                          '"\\ud83d\\ude00"', '["\\\\u0000"]', "[" * 5000 + "]" * 5000, "\x00"])),
-             (pa.binary(), st.binary(max_size=80)), (pa.large_binary(), st.just(b"x")), (pa.int64(), st.integers(-99, 99))],
-    "tags": [(pa.int32(), st.integers(-99, 99)), (pa.large_string(), st.sampled_from(["paid", None])),
-             (pa.string(), st.sampled_from(["t\x00", "t" * 1024, "t" * 1025, None]))],
+    "topic": [
+        (pa.string(), st.sampled_from(["orders", "", "bad topic", "x" * 128, None, "orders\n", "%RETRY%g", "%DLQ%g"])),
+        (pa.large_string(), st.just("orders")),
+        (pa.int32(), st.just(1)),
+    ],
+    "key": [
+        (pa.string(), st.sampled_from(["", "k" * 1024, "k" * 1025, None, "k", "k\x00", "\x00"])),
+        (pa.large_string(), st.sampled_from(["k", None])),
+        (pa.bool_(), st.booleans()),
+        (pa.float64(), st.just(1.0)),
+    ],
+    "body": [
+        (
+            pa.string(),
+            st.sampled_from(
+                [
+                    "not json",
+                    "NaN",
+                    "-Infinity",
+                    "{",
+                    "é" * 32,
+                    "é" * 33,
+                    "x" * 65,
+                    None,
+                    '"%s"' % ("é" * 20),
+                    *JSON_TEXTS,
+                    '"\\u0000"',
+                    '{"a": "\\ud800"}',
+                    '"\\ud83d\\ude00"',
+                    '["\\\\u0000"]',
+                    "[" * 5000 + "]" * 5000,
+                    "\x00",
+                ]
+            ),
+        ),
+        (pa.binary(), st.binary(max_size=80)),
+        (pa.large_binary(), st.just(b"x")),
+        (pa.int64(), st.integers(-99, 99)),
+    ],
+    "tags": [
+        (pa.int32(), st.integers(-99, 99)),
+        (pa.large_string(), st.sampled_from(["paid", None])),
+        (pa.string(), st.sampled_from(["t\x00", "t" * 1024, "t" * 1025, None])),
+    ],
     "properties": [(pa.string(), st.sampled_from(['{"a": "1"}', None, "x", '{"a": 1}']))],
-    "delay_level": [(pa.int64(), st.sampled_from([-1, 0, 18, 19, 2**31 - 1, 2**31, None])),
-                    (pa.string(), st.sampled_from(["x", "+3", " 4 ", "1.5", "\u0663", "-1", ""])),
-                    (pa.float64(), st.sampled_from([1.0, 2.5])), (pa.bool_(), st.booleans())],
-    "delay_ms": [(pa.int64(), st.sampled_from([-1, 0, YEAR_MS, YEAR_MS + 1, 2**62, None])),
-                 (pa.float64(), st.sampled_from([0.5, 1000.0, float("nan")])), (pa.string(), st.sampled_from(["1.5", "nan", "7"]))],
-    "deliver_at": [(UTC_US, st.sampled_from([NOW - timedelta(days=1), NOW - timedelta(days=1, microseconds=1),
-                                             NOW + timedelta(days=365), NOW + timedelta(days=365, microseconds=1), None])),
-                   (pa.timestamp("us"), _times(timedelta(0), timedelta(days=1), naive=True)),
-                   (pa.timestamp("ms", "UTC"), _times(timedelta(0), timedelta(days=1)))],
-    "_corrupt_record": [(pa.string(), st.sampled_from([None, "a,b,\"c"]))],
+    "delay_level": [
+        (pa.int64(), st.sampled_from([-1, 0, 18, 19, 2**31 - 1, 2**31, None])),
+        (pa.string(), st.sampled_from(["x", "+3", " 4 ", "1.5", "\u0663", "-1", ""])),
+        (pa.float64(), st.sampled_from([1.0, 2.5])),
+        (pa.bool_(), st.booleans()),
+    ],
+    "delay_ms": [
+        (pa.int64(), st.sampled_from([-1, 0, YEAR_MS, YEAR_MS + 1, 2**62, None])),
+        (pa.float64(), st.sampled_from([0.5, 1000.0, float("nan")])),
+        (pa.string(), st.sampled_from(["1.5", "nan", "7"])),
+    ],
+    "deliver_at": [
+        (
+            UTC_US,
+            st.sampled_from(
+                [
+                    NOW - timedelta(days=1),
+                    NOW - timedelta(days=1, microseconds=1),
+                    NOW + timedelta(days=365),
+                    NOW + timedelta(days=365, microseconds=1),
+                    None,
+                ]
+            ),
+        ),
+        (pa.timestamp("us"), _times(timedelta(0), timedelta(days=1), naive=True)),
+        (pa.timestamp("ms", "UTC"), _times(timedelta(0), timedelta(days=1))),
+    ],
+    "_corrupt_record": [(pa.string(), st.sampled_from([None, 'a,b,"c']))],
 }
 DELAYS = ("delay_level", "delay_ms", "deliver_at")
 
@@ -92,14 +145,16 @@ def chunks(draw: st.DrawFn) -> tuple[pa.RecordBatch, input_rows.ColumnMap]:
     for name in fields:
         wild_here = wild == name or (wild == "when" and name in DELAYS)
         options = (WILD[name] if name in WILD and wild_here else []) + (
-            BODIES[body_format] if name == "body" else GOOD.get(name, []))
+            BODIES[body_format] if name == "body" else GOOD.get(name, [])
+        )
         kind, values = draw(st.sampled_from(options))
         columns[name] = pa.array([draw(values) for _ in range(n)], kind)
     columns[input_rows.FILE_COLUMN] = pa.array(["in.parquet"] * n)
     columns[input_rows.ROW_COLUMN] = pa.array(range(1, n + 1), pa.int64())
     batch = pa.RecordBatch.from_pydict(columns)
     mapping = input_rows.ColumnMap.parse("", "orders", body_format).with_defaults(  # type: ignore[arg-type]
-        c for c in columns if not c.startswith("_"))
+        c for c in columns if not c.startswith("_")
+    )
     return batch, mapping
 
 
@@ -122,14 +177,34 @@ def test_what_the_column_path_accepts_is_what_the_rows_give(chunk: tuple[pa.Reco
 def test_the_usual_chunks_take_the_column_path() -> None:
     """The equivalence above would hold trivially if every chunk declined; the readers' usual chunks must not."""
     n = 1000
-    provenance = {input_rows.FILE_COLUMN: pa.array(["in.parquet"] * n), input_rows.ROW_COLUMN: pa.array(range(1, n + 1))}
+    provenance = {
+        input_rows.FILE_COLUMN: pa.array(["in.parquet"] * n),
+        input_rows.ROW_COLUMN: pa.array(range(1, n + 1)),
+    }
     usual = [
-        ({"key": pa.array([f"order-{i}" for i in range(n)]), "body": pa.array(['{"n": 1}'] * n),
-          "delay_level": pa.array([1 + i % 18 for i in range(n)], pa.int32())}, "json"),
-        ({"key": pa.array(range(n)), "body": pa.array([b"x"] * n), "delay_ms": pa.array([i * 1000 for i in range(n)])},
-         "bytes"),
-        ({"body": pa.array(["cancel"] * n), "deliver_at": pa.array([NOW + timedelta(minutes=i) for i in range(n)], UTC_US)},
-         "text"),
+        (
+            {
+                "key": pa.array([f"order-{i}" for i in range(n)]),
+                "body": pa.array(['{"n": 1}'] * n),
+                "delay_level": pa.array([1 + i % 18 for i in range(n)], pa.int32()),
+            },
+            "json",
+        ),
+        (
+            {
+                "key": pa.array(range(n)),
+                "body": pa.array([b"x"] * n),
+                "delay_ms": pa.array([i * 1000 for i in range(n)]),
+            },
+            "bytes",
+        ),
+        (
+            {
+                "body": pa.array(["cancel"] * n),
+                "deliver_at": pa.array([NOW + timedelta(minutes=i) for i in range(n)], UTC_US),
+            },
+            "text",
+        ),
         ({"key": pa.array(["k"] * n), "body": pa.array(["{}"] * n), "delay_level": pa.array(["3"] * n)}, "json"),  # CSV
     ]
     for columns, body_format in usual:
@@ -139,7 +214,9 @@ def test_the_usual_chunks_take_the_column_path() -> None:
 
 
 def test_chunks_regroup_the_batches_rows_in_order() -> None:
-    batches = [pa.RecordBatch.from_pydict({"i": pa.array(range(a, b))}) for a, b in ((0, 3), (3, 10), (10, 11), (11, 25))]
+    batches = [
+        pa.RecordBatch.from_pydict({"i": pa.array(range(a, b))}) for a, b in ((0, 3), (3, 10), (10, 11), (11, 25))
+    ]
     out = list(bulk.chunks(batches, 4))
     assert [b.num_rows for b in out] == [4, 4, 4, 4, 4, 4, 1]
     assert np.concatenate([b.column("i").to_numpy() for b in out]).tolist() == list(range(25))

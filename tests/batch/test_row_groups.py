@@ -17,9 +17,11 @@ WANTED = pa.schema([("key", pa.string()), ("deliver_at", pa.timestamp("us", "UTC
 
 def _write(path: Path, rows: int, group: int, **columns: pa.Array) -> str:
     """A Parquet file and its name as Spark's `inputFiles()` lists it."""
-    defaults = {"Key": pa.array([f"k{i}" for i in range(rows)]),
-                "deliver_at": pa.array([datetime(2030, 1, 1, tzinfo=UTC)] * rows, pa.timestamp("us", "UTC")),
-                "extra": pa.array(range(rows))}
+    defaults = {
+        "Key": pa.array([f"k{i}" for i in range(rows)]),
+        "deliver_at": pa.array([datetime(2030, 1, 1, tzinfo=UTC)] * rows, pa.timestamp("us", "UTC")),
+        "extra": pa.array(range(rows)),
+    }
     pq.write_table(pa.table(defaults | columns), path, row_group_size=group)
     return "file://" + str(path).replace(" ", "%20")
 
@@ -31,11 +33,17 @@ def test_rows_keep_their_file_and_number_across_row_groups(tmp_path: Path) -> No
 
     assert groups is not None
     assert [(g.file.rsplit("/", 1)[1], g.row_group, g.first_row) for g in groups] == [
-        ("a%20b.parquet", 0, 1), ("a%20b.parquet", 1, 11), ("a%20b.parquet", 2, 21),
-        ("c.parquet", 0, 1), ("c.parquet", 1, 3), ("c.parquet", 2, 5)]
+        ("a%20b.parquet", 0, 1),
+        ("a%20b.parquet", 1, 11),
+        ("a%20b.parquet", 2, 21),
+        ("c.parquet", 0, 1),
+        ("c.parquet", 1, 3),
+        ("c.parquet", 2, 5),
+    ]
     assert groups[0].file == f"file:{tmp_path}/a%20b.parquet"  # as Spark's _metadata.file_path has it
-    tasks = pa.RecordBatch.from_pylist([{"file": g.file, "row_group": g.row_group, "first_row": g.first_row}
-                                        for g in groups[1:4]])
+    tasks = pa.RecordBatch.from_pylist(
+        [{"file": g.file, "row_group": g.row_group, "first_row": g.first_row} for g in groups[1:4]]
+    )
 
     rows = pa.Table.from_batches(list(row_groups.read([tasks], WANTED, batch_rows=4)))
 

@@ -67,7 +67,8 @@ def test_failures_and_handler_errors_go_to_the_retry_ladder(db_url: str, store: 
     assert (totals.messages, totals.retried, totals.handler_errors) == (6, 4, 1)
     retries = store.conn.execute(
         "SELECT properties->>'ORIGIN_MESSAGE_ID' FROM delaywheel.level_queue WHERE topic = %s ORDER BY id",
-        (retry_topic("g"),)).fetchall()
+        (retry_topic("g"),),
+    ).fetchall()
     assert sorted(int(r[0]) for r in retries) == sorted([ids[0], *ids[3:]])
 
 
@@ -122,8 +123,9 @@ def test_a_lost_notification_or_a_bad_payload_still_delivers_by_the_safety_wake(
 
     def loop() -> None:
         with Store(db_url) as own:
-            out["totals"] = own.consume("t", "g", lambda ms: got.extend(m.message_id for m in ms), limit=1,
-                                        duration_s=30, safety_wake_s=0.5)
+            out["totals"] = own.consume(
+                "t", "g", lambda ms: got.extend(m.message_id for m in ms), limit=1, duration_s=30, safety_wake_s=0.5
+            )
 
     thread = threading.Thread(target=loop)
     thread.start()
@@ -224,8 +226,9 @@ def test_the_consumer_rides_out_a_lost_connection(db_url: str, store: Store) -> 
 
     def loop() -> None:
         with Store(db_url) as own:
-            out["totals"] = own.consume("t", "g", lambda ms: got.extend(m.message_id for m in ms), limit=2,
-                                        duration_s=60, safety_wake_s=0.5)
+            out["totals"] = own.consume(
+                "t", "g", lambda ms: got.extend(m.message_id for m in ms), limit=2, duration_s=60, safety_wake_s=0.5
+            )
 
     first = store.send("t", {"n": 1})
     thread = threading.Thread(target=loop)
@@ -233,8 +236,10 @@ def test_the_consumer_rides_out_a_lost_connection(db_url: str, store: Store) -> 
     deadline = time.monotonic() + 20
     while not got and time.monotonic() < deadline:
         time.sleep(0.05)
-    store.conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
-                       " WHERE datname = current_database() AND pid <> pg_backend_pid()")
+    store.conn.execute(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+        " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+    )
     time.sleep(0.5)
     second = store.send("t", {"n": 2})
     thread.join(60)
@@ -244,10 +249,18 @@ def test_the_consumer_rides_out_a_lost_connection(db_url: str, store: Store) -> 
 
 def test_cli_consume_stops_cleanly_on_sigterm(db_url: str, store: Store) -> None:
     ids = store.send_many([Message("t", {"n": i}) for i in range(2)])
-    env = {**os.environ, "DELAYWHEEL_DATABASE_URL": db_url,
-           "PYTHONPATH": os.pathsep.join([str(ROOT / "plugins"), str(ROOT)])}
-    proc = subprocess.Popen([sys.executable, "-m", "delaywheel.cli", "consume", "--topic", "t", "--group", "g", "--json"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    env = {
+        **os.environ,
+        "DELAYWHEEL_DATABASE_URL": db_url,
+        "PYTHONPATH": os.pathsep.join([str(ROOT / "plugins"), str(ROOT)]),
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "delaywheel.cli", "consume", "--topic", "t", "--group", "g", "--json"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     assert proc.stdout is not None
     lines = [proc.stdout.readline(), proc.stdout.readline()]  # written and flushed before the ack
     proc.send_signal(signal.SIGTERM)
@@ -266,8 +279,9 @@ def test_a_notified_delivery_still_above_the_horizon_is_pulled_again_soon(db_url
 
     def loop() -> None:
         with Store(db_url) as own:
-            out["totals"] = own.consume("t", "g", lambda ms: got.extend(m.message_id for m in ms), limit=1,
-                                        duration_s=60, safety_wake_s=30)
+            out["totals"] = own.consume(
+                "t", "g", lambda ms: got.extend(m.message_id for m in ms), limit=1, duration_s=60, safety_wake_s=30
+            )
 
     thread = threading.Thread(target=loop)
     thread.start()

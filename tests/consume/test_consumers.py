@@ -46,14 +46,20 @@ def test_failed_messages_walk_the_retry_ladder_then_dead_letter(db_url: str, t0:
             (m,) = batch.messages
             seen.append(m)
             assert (m.source_topic, m.topic, m.reconsume_times, m.idempotency_id, m.key) == (
-                retry_topic("g"), "orders", attempt, original, "o-7")
+                retry_topic("g"),
+                "orders",
+                attempt,
+                original,
+                "o-7",
+            )
             assert m.message_id != original and m.body == {"order": 7}
             queued = store.conn.execute("SELECT max(level) FROM delaywheel.level_queue").fetchone()
             assert queued is not None and queued[0] == level
             store.ack(batch, failed={m.message_id})
         dead = store.conn.execute(
             "SELECT topic, reconsume_times, properties->>'ORIGIN_MESSAGE_ID' FROM delaywheel.topic_messages"
-            " WHERE topic = %s", (dlq_topic("g"),)
+            " WHERE topic = %s",
+            (dlq_topic("g"),),
         ).fetchall()
         assert dead == [(dlq_topic("g"), 3, str(original))]
         (dlq,) = store.pull(dlq_topic("g"), "ops").messages
@@ -129,11 +135,16 @@ def test_a_hand_written_body_that_does_not_decode_reaches_the_consumer_as_bytes(
     first = store.send("orders", {"n": 1}, now=t0)
     store.conn.execute(
         "INSERT INTO delaywheel.topic_messages (topic, message_id, origin, body, is_json, deliver_at, delivered_at)"
-        " VALUES ('orders', 999, 'direct', %s, true, %s, %s)", (b"\xff{not json", t0, t0))
+        " VALUES ('orders', 999, 'direct', %s, true, %s, %s)",
+        (b"\xff{not json", t0, t0),
+    )
     last = store.send("orders", {"n": 2}, now=t0)
     batch = store.pull("orders", "billing", 10)
-    assert [(m.message_id, m.body) for m in batch.messages] == [(first, {"n": 1}), (999, b"\xff{not json"),
-                                                                (last, {"n": 2})]
+    assert [(m.message_id, m.body) for m in batch.messages] == [
+        (first, {"n": 1}),
+        (999, b"\xff{not json"),
+        (last, {"n": 2}),
+    ]
     assert store.ack(batch).acked == 3
     assert len(store.pull("orders", "billing", 10)) == 0
 
@@ -158,7 +169,9 @@ def test_a_batch_takes_the_topic_first_then_the_retry_topic_and_its_ack_moves_bo
     store.deliver_due(now=at(t0, 7200))  # its second retry
     both = store.pull("orders", "g", 4)  # one of each source, both offsets moved by the common ack
     assert [(m.message_id if m.source_topic == "orders" else m.idempotency_id) for m in both.messages] == [
-        newest, failing[1]]
+        newest,
+        failing[1],
+    ]
     assert store.ack(both) == AckResult(acked=2)
     assert len(store.pull("orders", "g", 4)) == 0
     counts = store.conn.execute("SELECT topic, acked FROM delaywheel.consumer_offsets WHERE grp = 'g' ORDER BY topic")
@@ -167,12 +180,20 @@ def test_a_batch_takes_the_topic_first_then_the_retry_topic_and_its_ack_moves_bo
 
 def test_a_pulled_message_carries_what_was_sent(store: Store, t0: datetime) -> None:
     """Every field as sent: a JSON body decoded, a bytes body as is, properties ({} without), key and tags, times."""
-    ids = [store.send("orders", {"a": [1, "ü"]}, key="k1", tags="t1", properties={"region": "eu"}, now=t0),
-           store.send("orders", b"\x00raw", now=t0)]
+    ids = [
+        store.send("orders", {"a": [1, "ü"]}, key="k1", tags="t1", properties={"region": "eu"}, now=t0),
+        store.send("orders", b"\x00raw", now=t0),
+    ]
     first, second = store.pull("orders", "g").messages
     assert [m.message_id for m in (first, second)] == ids
     assert (first.topic, first.body, first.key, first.tags, first.properties, first.reconsume_times) == (
-        "orders", {"a": [1, "ü"]}, "k1", "t1", {"region": "eu"}, 0)
+        "orders",
+        {"a": [1, "ü"]},
+        "k1",
+        "t1",
+        {"region": "eu"},
+        0,
+    )
     assert (second.body, second.key, second.tags, second.properties) == (b"\x00raw", None, None, {})
     assert first.deliver_at == t0 and first.delivered_at >= t0 and first.source_topic == "orders"
     assert first.idempotency_id == ids[0]

@@ -92,7 +92,10 @@ def test_wheel_never_early_inside_a_slot(store: Store, t0: datetime) -> None:
     assert (result.delivered, result.next_due) == (1, at(t0, 0.7))
     assert store.advance_wheel(now=at(t0, 0.699)).delivered == 0
     assert store.advance_wheel(now=at(t0, 0.7)).delivered == 1
-    assert [(r[0], r[1], r[2]) for r in deliveries(store)] == [(early, at(t0, 0.2), at(t0, 0.5)), (late, at(t0, 0.7), at(t0, 0.7))]
+    assert [(r[0], r[1], r[2]) for r in deliveries(store)] == [
+        (early, at(t0, 0.2), at(t0, 0.5)),
+        (late, at(t0, 0.7), at(t0, 0.7)),
+    ]
 
 
 def test_wheel_with_coarse_precision_is_still_exact(db_url: str, t0: datetime) -> None:
@@ -106,7 +109,9 @@ def test_wheel_with_coarse_precision_is_still_exact(db_url: str, t0: datetime) -
 def test_wheel_catches_up_after_hours_of_downtime_in_due_order(store: Store, t0: datetime) -> None:
     rng = random.Random(7)
     offsets = [rng.uniform(1, 3 * 3600) for _ in range(3000)]
-    ids = store.send_many([Message("timers", {"i": i}, delay=timedelta(seconds=s)) for i, s in enumerate(offsets)], now=t0)
+    ids = store.send_many(
+        [Message("timers", {"i": i}, delay=timedelta(seconds=s)) for i, s in enumerate(offsets)], now=t0
+    )
     late = at(t0, 5 * 3600)
     passes = 0
     while True:
@@ -194,7 +199,9 @@ def test_deliver_due_drains_every_lane(store: Store, t0: datetime) -> None:
     assert store.deliver_due(now=at(t0, 4 * 3600)) == 0
 
 
-def test_open_transaction_in_another_database_does_not_hold_delivery(store: Store, server_url: str, t0: datetime) -> None:
+def test_open_transaction_in_another_database_does_not_hold_delivery(
+    store: Store, server_url: str, t0: datetime
+) -> None:
     """Airflow's metadata database lives on the same cluster: its transactions cannot write our tables,
     so they must not hold back the commit horizon of levels, wheel or consumers."""
     level_id = store.send("orders", b"level", delay_level=1, now=t0)

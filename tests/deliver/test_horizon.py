@@ -47,7 +47,9 @@ def test_wheel_delivers_once_while_other_databases_churn(db_url: str, server_url
         except BaseException as exc:
             errors.append(exc)
 
-    threads = [threading.Thread(target=f) for f in (churn_other_database, churn_other_database, produce, advance, advance)]
+    threads = [
+        threading.Thread(target=f) for f in (churn_other_database, churn_other_database, produce, advance, advance)
+    ]
     for t in threads:
         t.start()
     time.sleep(8)
@@ -56,7 +58,9 @@ def test_wheel_delivers_once_while_other_databases_churn(db_url: str, server_url
         t.join()
     assert not errors
     store.deliver_due(now=store.clock() + __import__("datetime").timedelta(seconds=1))
-    delivered = Counter(r[0] for r in store.conn.execute(
-        "SELECT message_id FROM delaywheel.topic_messages WHERE topic = 'churn'").fetchall())
+    delivered = Counter(
+        r[0]
+        for r in store.conn.execute("SELECT message_id FROM delaywheel.topic_messages WHERE topic = 'churn'").fetchall()
+    )
     assert [m for m, n in delivered.items() if n > 1] == []
     assert set(delivered) == set(sent)

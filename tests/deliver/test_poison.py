@@ -51,13 +51,27 @@ BAD = [  # (message, reason)
     *((Message("orders", b"x", tags=t), "bad_tags") for t in [*UNSTORABLE, "t" * (MAX_TAGS_CHARS + 1)]),
     *((Message("orders", b"x", properties={"p": v}), "bad_properties") for v in UNSTORABLE),
     *((Message("orders", b"x", properties={k: "v"}), "bad_properties") for k in UNSTORABLE),
-    *((Message("orders", b"x", properties={name: "1"}), "reserved_property")
-      for name in ("ORIGIN_MESSAGE_ID", "ORIGIN_TOPIC", "REPLAY_ID", "REPLAY_OF_TOPIC")),
+    *(
+        (Message("orders", b"x", properties={name: "1"}), "reserved_property")
+        for name in ("ORIGIN_MESSAGE_ID", "ORIGIN_TOPIC", "REPLAY_ID", "REPLAY_OF_TOPIC")
+    ),
     (Message("orders", b"x", properties={"p": "v" * MAX_PROPERTIES_BYTES}), "properties_too_large"),
     (Message("orders", b"x", properties={"p": "é" * 6000}), "properties_too_large"),  # \u00e9 as stored: 6 bytes
-    *((Message("orders", body), "bad_body") for body in (
-        "\x00", {"k": "\x00"}, {"\x00": 1}, [1, {"a": ["b\x00"]}], LONE, {"k": "\ud800"}, {LONE: 1}, "\ud800\udc00",
-        "\\\x00", _deep(200_000))),
+    *(
+        (Message("orders", body), "bad_body")
+        for body in (
+            "\x00",
+            {"k": "\x00"},
+            {"\x00": 1},
+            [1, {"a": ["b\x00"]}],
+            LONE,
+            {"k": "\ud800"},
+            {LONE: 1},
+            "\ud800\udc00",
+            "\\\x00",
+            _deep(200_000),
+        )
+    ),
 ]
 GOOD = [
     Message("orders", b"\x00\xff"),  # bytes bodies are bytes: anything goes
@@ -66,7 +80,8 @@ GOOD = [
     Message("orders", {"emoji": "😀", "é": "ü"}),  # a pair escapes as \ud83d\ude00: fine for jsonb
     Message("orders", b"x", key="😀" * 1024, tags="t" * MAX_TAGS_CHARS, properties={"p": "ü😀"}),
     Message("orders", b"x", properties={"p": "v" * (MAX_PROPERTIES_BYTES - 20)}),
-    Message("%RETRYg", b"x"), Message("a%DLQ%", b"x"),
+    Message("%RETRYg", b"x"),
+    Message("a%DLQ%", b"x"),
 ]
 
 
@@ -97,9 +112,15 @@ def test_storable_values_pass(message: Message) -> None:
 
 def test_the_store_may_use_its_reserved_names() -> None:
     """The retry ladder (topics._reconsume_later) writes %RETRY%/%DLQ% topics and ORIGIN_* properties."""
-    batch = [Message("%RETRY%g", b"x", delay_level=3, properties={"ORIGIN_MESSAGE_ID": "7", "ORIGIN_TOPIC": "o",
-                                                                   "REPLAY_ID": "r"}),
-             Message("%DLQ%g", b"x", properties={"ORIGIN_MESSAGE_ID": "7"})]
+    batch = [
+        Message(
+            "%RETRY%g",
+            b"x",
+            delay_level=3,
+            properties={"ORIGIN_MESSAGE_ID": "7", "ORIGIN_TOPIC": "o", "REPLAY_ID": "r"},
+        ),
+        Message("%DLQ%g", b"x", properties={"ORIGIN_MESSAGE_ID": "7"}),
+    ]
     for internal in (False, True):
         try:
             prepare_columns(batch, NOW, SETTINGS, internal=internal)
@@ -126,8 +147,10 @@ def test_a_retry_of_an_odd_stored_message_does_not_fail_the_ack(store: Store, t0
     """A delivered row written some other way (long tags, a property that is a number) still goes to the retry
     topic when its consumer fails it, with its properties as strings."""
     store.send("orders", b"x", now=t0)
-    store.conn.execute("UPDATE delaywheel.topic_messages SET tags = repeat('t', 5000),"
-                       " properties = '{\"n\": 1, \"ORIGIN_MESSAGE_ID\": \"abc\"}'")
+    store.conn.execute(
+        "UPDATE delaywheel.topic_messages SET tags = repeat('t', 5000),"
+        ' properties = \'{"n": 1, "ORIGIN_MESSAGE_ID": "abc"}\''
+    )
     batch = store.pull("orders", "g")
     (m,) = batch.messages
     assert m.idempotency_id == m.message_id
@@ -148,17 +171,27 @@ texts = st.text(st.characters(codec=None, exclude_categories=()), max_size=6) | 
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.tuples(texts, texts, texts, texts, st.one_of(texts, st.dictionaries(texts, texts, max_size=2))),
-                min_size=1, max_size=4))
+@given(
+    st.lists(
+        st.tuples(texts, texts, texts, texts, st.one_of(texts, st.dictionaries(texts, texts, max_size=2))),
+        min_size=1,
+        max_size=4,
+    )
+)
 def test_both_paths_agree_on_any_text(rows: list[tuple[str, str, str, str, object]]) -> None:
     """Keys, tags, property names and values and JSON bodies drawn from all of Unicode, NUL and surrogates
     included: the column checks and the per-message rules reach the same verdict, which is `storable`'s."""
-    batch = [Message("orders", body, key=key or None, tags=tags, properties={name: value})
-             for key, tags, name, value, body in rows]
+    batch = [
+        Message("orders", body, key=key or None, tags=tags, properties={name: value})
+        for key, tags, name, value, body in rows
+    ]
     expected = _outcome(_one_by_one, batch)
     assert _outcome(prepare_columns, batch) == expected
-    strings = [t for key, tags, name, value, body in rows
-               for t in (key, tags, name, value, *(body.items() if isinstance(body, dict) else [(body, "")]))]
+    strings = [
+        t
+        for key, tags, name, value, body in rows
+        for t in (key, tags, name, value, *(body.items() if isinstance(body, dict) else [(body, "")]))
+    ]
     flat = [x for t in strings for x in (t if isinstance(t, tuple) else (t,))]
     assert isinstance(expected, tuple) == (not all(map(storable, flat))), expected
 
@@ -186,9 +219,17 @@ def test_a_rejected_send_writes_nothing_and_says_why(store: Store, t0: datetime)
     """What reached PostgreSQL before (CharacterNotInRepertoire, UntranslatableCharacter, UnicodeEncodeError,
     RecursionError, AttributeError) is an InvalidMessage now, in every lane, and nothing is written."""
     cases = [
-        {"key": "k\x00"}, {"tags": "t\x00"}, {"properties": {"p": "\x00"}}, {"properties": {"p": LONE}},
-        {"key": LONE}, {"body": _deep(200_000)}, {"body": {"k": "\x00"}}, {"topic": "orders\n"},
-        {"topic": "%DLQ%g"}, {"properties": {"ORIGIN_MESSAGE_ID": "1"}}, {"tags": "t" * 8_000_000},
+        {"key": "k\x00"},
+        {"tags": "t\x00"},
+        {"properties": {"p": "\x00"}},
+        {"properties": {"p": LONE}},
+        {"key": LONE},
+        {"body": _deep(200_000)},
+        {"body": {"k": "\x00"}},
+        {"topic": "orders\n"},
+        {"topic": "%DLQ%g"},
+        {"properties": {"ORIGIN_MESSAGE_ID": "1"}},
+        {"tags": "t" * 8_000_000},
         {"properties": {"p": "v" * 8_000_000}},
     ]
     for case in cases:
@@ -227,8 +268,9 @@ def _cancellation_reasons(store: Store) -> list[tuple[int, str]]:
 def test_a_level_row_that_cannot_be_delivered_is_set_aside_and_the_level_goes_on(store: Store, t0: datetime) -> None:
     ids = [store.send("orders", {"n": i}, delay_level=1, now=at(t0, i)) for i in range(6)]  # due t0+1 .. t0+6
     for bad in (ids[1], ids[4]):
-        store.conn.execute("UPDATE delaywheel.level_segments SET properties = ARRAY[%s] WHERE id_first = %s",
-                           (BAD_PROPERTIES, bad))
+        store.conn.execute(
+            "UPDATE delaywheel.level_segments SET properties = ARRAY[%s] WHERE id_first = %s", (BAD_PROPERTIES, bad)
+        )
     result = store.deliver_level(1, now=at(t0, 3.5))  # the first bad one is due, the second is not yet
     assert (result.delivered, result.skipped_cancelled, result.next_due) == (2, 1, at(t0, 4))
     assert _delivered_once(store) == [ids[0], ids[2]]
@@ -241,7 +283,10 @@ def test_a_level_row_that_cannot_be_delivered_is_set_aside_and_the_level_goes_on
     assert store.deliver_level(1, now=at(t0, 100)).delivered == 1
     assert store.deliver_level(1, now=at(t0, 100)).delivered == 0
     assert _delivered_once(store) == sorted(set(ids) - {ids[1], ids[4]})
-    assert _cancellation_reasons(store) == [(ids[1], "set aside: bad_properties"), (ids[4], "set aside: bad_properties")]
+    assert _cancellation_reasons(store) == [
+        (ids[1], "set aside: bad_properties"),
+        (ids[4], "set aside: bad_properties"),
+    ]
     later = store.send("orders", b"later", delay_level=1, now=at(t0, 200))
     assert store.deliver_level(1, now=at(t0, 300)).delivered == 1
     assert _delivered_once(store)[-1] == later
@@ -250,10 +295,13 @@ def test_a_level_row_that_cannot_be_delivered_is_set_aside_and_the_level_goes_on
 
 def test_a_segment_sharing_bad_properties_is_set_aside_whole(store: Store, t0: datetime) -> None:
     """A send_many segment stores one properties value for all its messages: each of them is set aside."""
-    batch = store.send_many([Message("orders", {"n": i}, delay_level=1, properties={"p": "v"}) for i in range(5)], now=t0)
+    batch = store.send_many(
+        [Message("orders", {"n": i}, delay_level=1, properties={"p": "v"}) for i in range(5)], now=t0
+    )
     good = store.send("orders", b"after", delay_level=1, now=t0)
-    store.conn.execute("UPDATE delaywheel.level_segments SET properties = ARRAY['[1]'] WHERE id_first = %s",
-                       (batch[0],))
+    store.conn.execute(
+        "UPDATE delaywheel.level_segments SET properties = ARRAY['[1]'] WHERE id_first = %s", (batch[0],)
+    )
     assert store.deliver_level(1, now=at(t0, 5)).delivered == 1  # only `good`: '[1]' casts, but is no object
     assert [r[0] for r in _set_aside(store)] == batch
     assert _delivered_once(store) == [good]
@@ -261,7 +309,7 @@ def test_a_segment_sharing_bad_properties_is_set_aside_whole(store: Store, t0: d
 
 def test_a_near_wheel_row_that_cannot_be_delivered_is_set_aside(store: Store, t0: datetime) -> None:
     ids = [store.send("orders", {"n": i}, delay=timedelta(seconds=10 + i), now=t0) for i in range(4)]
-    store.conn.execute("UPDATE delaywheel.wheel SET properties = '[\"not\", \"an object\"]' WHERE id = %s", (ids[2],))
+    store.conn.execute('UPDATE delaywheel.wheel SET properties = \'["not", "an object"]\' WHERE id = %s', (ids[2],))
     result = store.advance_wheel(now=at(t0, 12.5))
     assert (result.delivered, result.skipped_cancelled) == (2, 1)
     rows = _set_aside(store)
@@ -271,8 +319,10 @@ def test_a_near_wheel_row_that_cannot_be_delivered_is_set_aside(store: Store, t0
     assert store.advance_wheel(now=at(t0, 30)).delivered == 0
     # a straggler: a bad row committed for a time the cursor already passed
     late = store.send("orders", b"late", delay=timedelta(seconds=40), now=t0)
-    store.conn.execute("UPDATE delaywheel.wheel SET properties = '7', deliver_at = %s, xid = pg_current_xact_id()"
-                       " WHERE id = %s", (at(t0, 25), late))
+    store.conn.execute(
+        "UPDATE delaywheel.wheel SET properties = '7', deliver_at = %s, xid = pg_current_xact_id() WHERE id = %s",
+        (at(t0, 25), late),
+    )
     good = store.send("orders", b"good", delay=timedelta(seconds=1), now=at(t0, 31))
     assert store.advance_wheel(now=at(t0, 40)).delivered == 1
     assert [r[0] for r in _set_aside(store)] == [ids[2], late]
@@ -287,8 +337,10 @@ def test_a_far_row_that_cannot_be_delivered_does_not_stop_the_wheel(db_url: str,
         near = store.send("orders", b"near", delay=timedelta(minutes=1), now=t0)
         far = [store.send("orders", {"n": i}, delay=timedelta(days=5, seconds=i), now=t0) for i in range(3)]
         farther = store.send("orders", b"farther", delay=timedelta(days=6), now=t0)
-        store.conn.execute("UPDATE delaywheel.wheel_far_segments SET properties = ARRAY[%s] WHERE id_first = %s",
-                           (BAD_PROPERTIES, far[1]))
+        store.conn.execute(
+            "UPDATE delaywheel.wheel_far_segments SET properties = ARRAY[%s] WHERE id_first = %s",
+            (BAD_PROPERTIES, far[1]),
+        )
         assert store.advance_wheel(now=at(t0, 120)).delivered == 1  # the roll is not due yet
         day2 = t0 + timedelta(days=2, seconds=1)  # the roll moves the bad block into the near window
         assert store.advance_wheel(now=day2).delivered == 0
@@ -315,14 +367,19 @@ def test_a_failed_roll_leaves_the_partition_cache_honest(db_url: str, t0: dateti
             raise RuntimeError
         with conn.transaction():
             cache.ensure(conn, "wheel", [hour])
-            conn.execute("INSERT INTO delaywheel.wheel (id, topic, body, is_json, deliver_at, enqueued_at)"
-                         " VALUES (1, 'orders', 'x', false, %s, %s)", (hour, t0))
+            conn.execute(
+                "INSERT INTO delaywheel.wheel (id, topic, body, is_json, deliver_at, enqueued_at)"
+                " VALUES (1, 'orders', 'x', false, %s, %s)",
+                (hour, t0),
+            )
         with conn.transaction():
             cache.ensure(conn, "wheel", [hour])  # committed: known from now on
         assert ("wheel", hour) in cache._known
 
 
-def test_an_unexplained_failure_still_stops_the_pass(store: Store, t0: datetime, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_unexplained_failure_still_stops_the_pass(
+    store: Store, t0: datetime, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Set-aside only skips rows it can name: any other data error is raised, and nothing moves."""
     from delaywheel.deliver import levels
 
@@ -333,8 +390,9 @@ def test_an_unexplained_failure_still_stops_the_pass(store: Store, t0: datetime,
     assert _set_aside(store) == [] and deliveries(store) == []
 
 
-def test_the_cli_refuses_what_it_refused_to_deliver_before(store: Store, db_url: str, monkeypatch: pytest.MonkeyPatch,
-                                                           capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_cli_refuses_what_it_refused_to_deliver_before(
+    store: Store, db_url: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """`delaywheel send ... --property $'p=\\xff'` returned 0 and stopped level 1 for good; now it is bad input."""
     from delaywheel.cli import main
 
@@ -356,10 +414,14 @@ def test_the_runtime_role_sets_rows_aside(role_db: tuple[str, str]) -> None:  # 
     with Store(runtime, Settings()) as store, psycopg.connect(owner, autocommit=True) as admin:
         level_ids = [store.send("orders", b"x", delay_level=1, now=t0) for _ in range(2)]
         far_ids = [store.send("orders", b"x", delay=timedelta(days=5), now=t0) for _ in range(2)]
-        admin.execute("UPDATE delaywheel.level_segments SET properties = ARRAY[%s] WHERE id_first = %s",
-                      (BAD_PROPERTIES, level_ids[0]))
-        admin.execute("UPDATE delaywheel.wheel_far_segments SET properties = ARRAY[%s] WHERE id_first = %s",
-                      (BAD_PROPERTIES, far_ids[0]))
+        admin.execute(
+            "UPDATE delaywheel.level_segments SET properties = ARRAY[%s] WHERE id_first = %s",
+            (BAD_PROPERTIES, level_ids[0]),
+        )
+        admin.execute(
+            "UPDATE delaywheel.wheel_far_segments SET properties = ARRAY[%s] WHERE id_first = %s",
+            (BAD_PROPERTIES, far_ids[0]),
+        )
         assert store.deliver_level(1, now=at(t0, 5)).delivered == 1
         for day in range(2, 7):
             store.advance_wheel(now=t0 + timedelta(days=day, seconds=1))

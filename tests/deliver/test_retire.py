@@ -27,8 +27,10 @@ def test_full_cycle_returns_sizes_to_baseline(store: Store, t0: datetime) -> Non
     baseline = _size(store)
     partitions_before = store.conn.execute("SELECT count(*) FROM delaywheel.partitions").fetchone()
     messages = [Message("orders", {"i": i, "pad": "x" * 200}, key=f"k{i}", delay_level=1 + i % 18) for i in range(3000)]
-    messages += [Message("orders", {"i": i, "pad": "y" * 200}, key=f"w{i}", delay=timedelta(minutes=i % 600))
-                 for i in range(3000)]
+    messages += [
+        Message("orders", {"i": i, "pad": "y" * 200}, key=f"w{i}", delay=timedelta(minutes=i % 600))
+        for i in range(3000)
+    ]
     messages += [Message("orders", {"i": i}, delay=timedelta(days=5 + i % 3)) for i in range(500)]
     store.send_many(messages, now=t0)
     store.cancel_matching(keys=[f"k{i}" for i in range(0, 3000, 7)])
@@ -37,7 +39,13 @@ def test_full_cycle_returns_sizes_to_baseline(store: Store, t0: datetime) -> Non
     assert _size(store) > baseline
     store.ack(store.pull("orders", "g", 10_000))
     store.retire(now=end + timedelta(days=30))
-    assert table_counts(store) == {"level_queue": 0, "wheel": 0, "wheel_far": 0, "topic_messages": 0, "cancellations": 0}
+    assert table_counts(store) == {
+        "level_queue": 0,
+        "wheel": 0,
+        "wheel_far": 0,
+        "topic_messages": 0,
+        "cancellations": 0,
+    }
     assert store.conn.execute("SELECT count(*) FROM delaywheel.partitions").fetchone() == partitions_before
     assert _size(store) <= baseline
 

@@ -149,7 +149,9 @@ def test_a_lane_hears_only_its_own_announcements(db_url: str, store: Store) -> N
     every batch of wheel timers."""
     with runner._Listener(db_url, [3]) as listener:
         store.send("lanes", {"n": 1}, delay=timedelta(seconds=30))  # the wheel (send_one, migrations/022)
-        store.send_many([Message("lanes", {"n": 2}, delay_level=4), Message("lanes", {"n": 3}, delay=timedelta(seconds=40))])
+        store.send_many(
+            [Message("lanes", {"n": 2}, delay_level=4), Message("lanes", {"n": 3}, delay=timedelta(seconds=40))]
+        )
         assert list(listener.conn.notifies(timeout=0.5)) == []
         store.send("lanes", {"n": 4}, delay_level=3)
         store.send_many([Message("lanes", {"n": 5}, delay_level=3), Message("lanes", {"n": 6}, delay_level=5)])

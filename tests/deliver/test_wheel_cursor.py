@@ -80,8 +80,11 @@ def test_a_second_pass_from_the_same_cursor_cannot_commit(db_url: str) -> None:
         assert entry is not None
         store.advance_wheel()
         with pytest.raises(errors.UniqueViolation):
-            racer.execute("INSERT INTO delaywheel.wheel_cursor (pass, cursor_at, cursor_id, horizon_xid, delivered)"
-                          " VALUES (%s, %s, %s, %s::xid8, %s)", (entry[0] + 1, *entry[1:]))
+            racer.execute(
+                "INSERT INTO delaywheel.wheel_cursor (pass, cursor_at, cursor_id, horizon_xid, delivered)"
+                " VALUES (%s, %s, %s, %s::xid8, %s)",
+                (entry[0] + 1, *entry[1:]),
+            )
 
 
 def test_the_runtime_appends_and_trims_but_never_rewrites(db_url: str) -> None:

@@ -64,7 +64,7 @@ def processes() -> dict[int, tuple[str, int, str]]:
             cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
         except OSError:  # gone, or not ours to read
             continue
-        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state ppid pgrp session ...
+        fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ": state ppid pgrp session ...
         if fields[0] == "Z":
             continue
         found[int(entry.name)] = (cwd, int(fields[3]), cmdline)
@@ -72,8 +72,11 @@ def processes() -> dict[int, tuple[str, int, str]]:
 
 
 def ours(run_dir: Path, sessions: set[int]) -> dict[int, str]:
-    return {pid: cmd for pid, (cwd, sid, cmd) in processes().items()
-            if (cwd == str(run_dir) or sid in sessions) and pid != os.getpid()}
+    return {
+        pid: cmd
+        for pid, (cwd, sid, cmd) in processes().items()
+        if (cwd == str(run_dir) or sid in sessions) and pid != os.getpid()
+    }
 
 
 def environ(pid: int) -> dict[str, str]:
@@ -102,7 +105,8 @@ def metadata_db(server_url: str) -> Iterator[str]:
 
 
 def test_ctrl_c_stops_every_service_in_order_leaving_nothing_and_tasks_succeed(
-        tmp_path: Path, server_url: str, db_url: str, metadata_db: str) -> None:
+    tmp_path: Path, server_url: str, db_url: str, metadata_db: str
+) -> None:
     home, run_dir = tmp_path / "airflow", tmp_path / "run"
     run_dir.mkdir()
     api_port, worker_log_port, trigger_log_port = free_ports(3)
@@ -121,8 +125,9 @@ def test_ctrl_c_stops_every_service_in_order_leaving_nothing_and_tasks_succeed(
     meta = make_conninfo(server_url, dbname=metadata_db)
     sessions: set[int] = set()
     with output.open("wb") as out:
-        script = subprocess.Popen([str(SCRIPT)], cwd=run_dir, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                  start_new_session=True)  # a terminal's job: Ctrl-C signals this group
+        script = subprocess.Popen(
+            [str(SCRIPT)], cwd=run_dir, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )  # a terminal's job: Ctrl-C signals this group
     try:
         started = time.monotonic()
         running: dict[str, str] = {}
@@ -132,9 +137,13 @@ def test_ctrl_c_stops_every_service_in_order_leaving_nothing_and_tasks_succeed(
             time.sleep(2)
             try:
                 with psycopg.connect(meta, connect_timeout=5) as conn:
-                    running = dict(conn.execute(
-                        "SELECT task_id, run_id FROM task_instance WHERE dag_id = 'delaywheel_deliver'"
-                        " AND state = 'running' AND task_id = ANY(%s)", (list(LANES),)).fetchall())
+                    running = dict(
+                        conn.execute(
+                            "SELECT task_id, run_id FROM task_instance WHERE dag_id = 'delaywheel_deliver'"
+                            " AND state = 'running' AND task_id = ANY(%s)",
+                            (list(LANES),),
+                        ).fetchall()
+                    )
             except psycopg.Error:  # not migrated yet
                 pass
 
@@ -163,8 +172,10 @@ def test_ctrl_c_stops_every_service_in_order_leaving_nothing_and_tasks_succeed(
         password = json.loads((home / "simple_auth_manager_passwords.json.generated").read_text())["admin"]
         token = json.loads(get(f"{base}/auth/token", data={"username": "admin", "password": password}))
         task_id = "deliver_level_1"
-        log = get(f"{base}/api/v2/dags/delaywheel_deliver/dagRuns/{running[task_id]}/taskInstances/{task_id}"
-                  f"/logs/1", token["access_token"])
+        log = get(
+            f"{base}/api/v2/dags/delaywheel_deliver/dagRuns/{running[task_id]}/taskInstances/{task_id}/logs/1",
+            token["access_token"],
+        )
         assert "secret_key" not in log and "Could not read served logs" not in log, log[-3000:]
         assert f":{worker_log_port}/log/" in log, log[-3000:]  # the served log is among the sources
 
@@ -178,12 +189,16 @@ def test_ctrl_c_stops_every_service_in_order_leaving_nothing_and_tasks_succeed(
         assert ours(run_dir, sessions) == {}  # nothing left: no worker, task, log server or service
 
         with psycopg.connect(meta) as conn:
-            states = dict(conn.execute(
-                "SELECT task_id, state FROM task_instance WHERE dag_id = 'delaywheel_deliver' AND run_id = %s",
-                (running[task_id],)).fetchall())
+            states = dict(
+                conn.execute(
+                    "SELECT task_id, state FROM task_instance WHERE dag_id = 'delaywheel_deliver' AND run_id = %s",
+                    (running[task_id],),
+                ).fetchall()
+            )
             retried = conn.execute(
                 "SELECT dag_id, task_id, state FROM task_instance WHERE try_number > 1"
-                " OR state IN ('failed', 'up_for_retry')").fetchall()
+                " OR state IN ('failed', 'up_for_retry')"
+            ).fetchall()
         assert {t: states[t] for t in LANES} == dict.fromkeys(LANES, "success"), states
         assert retried == [], retried
         assert "Connection refused" not in text

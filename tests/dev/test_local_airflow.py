@@ -30,8 +30,12 @@ def test_secrets_are_made_once_and_shared_with_scripts_airflow_sh(tmp_path: Path
         assert stat.S_IMODE((tmp_path / name).stat().st_mode) == 0o600
     assert not list(tmp_path.glob(".*.tmp"))
     # scripts/airflow.sh exports what this prints (unless already set), for every service it starts.
-    printed = subprocess.run([sys.executable, "-m", "delaywheel.dev.local_airflow", "secrets", str(tmp_path)],
-                             capture_output=True, text=True, check=True).stdout
+    printed = subprocess.run(
+        [sys.executable, "-m", "delaywheel.dev.local_airflow", "secrets", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert dict(line.split("=", 1) for line in printed.splitlines()) == first
     script = (ROOT / "scripts" / "airflow.sh").read_text()
     assert '"$PY" -m delaywheel.dev.local_airflow secrets "$AIRFLOW_HOME"' in script

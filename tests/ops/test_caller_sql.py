@@ -45,8 +45,17 @@ def test_cli_where_cannot_drop_a_table(cli: Store, yes: list[str], capsys: pytes
 def test_cli_where_cannot_run_a_program(cli: Store, tmp_path: Path) -> None:
     marker = tmp_path / "x"
     assert main(["cancel", "--yes", "--where", f"true); COPY (SELECT 1) TO PROGRAM 'id > {marker}'; --"]) == 2
-    assert main(["cancel", "--yes", "--where",
-                 f"key IN (SELECT 1 FROM (SELECT 1) s) OR true; COPY (SELECT 1) TO PROGRAM 'id > {marker}'"]) == 2
+    assert (
+        main(
+            [
+                "cancel",
+                "--yes",
+                "--where",
+                f"key IN (SELECT 1 FROM (SELECT 1) s) OR true; COPY (SELECT 1) TO PROGRAM 'id > {marker}'",
+            ]
+        )
+        == 2
+    )
     assert not marker.exists()
 
 
@@ -100,8 +109,9 @@ def test_hostile_predicates_are_refused_with_their_construct(cli: Store, where: 
 
 
 def test_what_runs_is_rendered_from_the_parse_tree() -> None:
-    rendered = check_expression("key = 'a''b' /* note */ AND properties->>'x' LIKE '5%' -- end", CANCEL_COLUMNS,
-                                qualifier="p")
+    rendered = check_expression(
+        "key = 'a''b' /* note */ AND properties->>'x' LIKE '5%' -- end", CANCEL_COLUMNS, qualifier="p"
+    )
     assert rendered == "p.key = 'a''b' AND p.properties ->> 'x' LIKE '5%'"
     assert check_expression("p.topic = 'x'", CANCEL_COLUMNS, qualifier="p") == "p.topic = 'x'"
     with pytest.raises(UnsafeSQL, match=r"column 'q\.topic'"):
@@ -114,8 +124,9 @@ def test_matching_reads_read_only_with_a_timeout(store: Store) -> None:
         conn.execute("CREATE TABLE public.nope (x int)")
     with pytest.raises(psycopg.errors.QueryCanceled), read_only(conn, timedelta(milliseconds=50)):
         conn.execute("SELECT pg_sleep(2)")
-    assert conn.execute("SELECT current_setting('statement_timeout'), current_setting('transaction_read_only')"
-                        ).fetchone() == ("0", "off")
+    assert conn.execute(
+        "SELECT current_setting('statement_timeout'), current_setting('transaction_read_only')"
+    ).fetchone() == ("0", "off")
     with conn.transaction():  # inside a caller's transaction: the timeout only, restored afterwards
         conn.execute("SET LOCAL statement_timeout = '7s'")
         with read_only(conn, timedelta(seconds=3)):
@@ -125,12 +136,55 @@ def test_matching_reads_read_only_with_a_timeout(store: Store) -> None:
 
 
 # Tokens an attacker would combine: quotes, comments, statement breaks, functions that read or write.
-_TOKENS = st.sampled_from([
-    "key", "p.key", "topic", "id", "xmin", "properties", "->>", "'a'", "'", "''", "\"", "$$", "$1", "1", "=", "<>",
-    "(", ")", ";", "--", "/*", "*/", "AND", "OR", "NOT", "IN", "LIKE", "IS", "NULL", "SELECT", "FROM", "WHERE",
-    "pg_read_file('/etc/hostname')", "DROP TABLE public.victim", "COMMIT", "COPY (SELECT 1) TO PROGRAM 'id'",
-    "set_config('a.b', 'c', false)", "lower(key)", "now()", "::int", "::regclass", ",", "E'\\''", "\n", "true",
-])
+_TOKENS = st.sampled_from(
+    [
+        "key",
+        "p.key",
+        "topic",
+        "id",
+        "xmin",
+        "properties",
+        "->>",
+        "'a'",
+        "'",
+        "''",
+        '"',
+        "$$",
+        "$1",
+        "1",
+        "=",
+        "<>",
+        "(",
+        ")",
+        ";",
+        "--",
+        "/*",
+        "*/",
+        "AND",
+        "OR",
+        "NOT",
+        "IN",
+        "LIKE",
+        "IS",
+        "NULL",
+        "SELECT",
+        "FROM",
+        "WHERE",
+        "pg_read_file('/etc/hostname')",
+        "DROP TABLE public.victim",
+        "COMMIT",
+        "COPY (SELECT 1) TO PROGRAM 'id'",
+        "set_config('a.b', 'c', false)",
+        "lower(key)",
+        "now()",
+        "::int",
+        "::regclass",
+        ",",
+        "E'\\''",
+        "\n",
+        "true",
+    ]
+)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -153,13 +207,50 @@ def test_random_text_runs_only_as_a_checked_expression(cli: Store, text: str) ->
     assert cli.conn.execute("SELECT current_setting('transaction_read_only')").fetchone() == ("off",)
 
 
-
-_QUERY_TOKENS = st.sampled_from([
-    "SELECT", "1", "'k'", "AS", "key", "FROM", "public.victim", "pg_authid", "v", "WHERE", "x", "=", "(", ")", ";",
-    ",", "--", "/*", "*/", "WITH", "d", "DELETE", "INSERT INTO public.victim VALUES (1)", "DROP TABLE public.victim",
-    "RETURNING", "*", "INTO", "FOR UPDATE", "UNION", "ALL", "generate_series(1, 3)", "g", "nextval('s')",
-    "pg_read_file('/etc/hostname')", "COMMIT", "count(*)", "ORDER BY", "LIMIT", "'", "$$",
-])
+_QUERY_TOKENS = st.sampled_from(
+    [
+        "SELECT",
+        "1",
+        "'k'",
+        "AS",
+        "key",
+        "FROM",
+        "public.victim",
+        "pg_authid",
+        "v",
+        "WHERE",
+        "x",
+        "=",
+        "(",
+        ")",
+        ";",
+        ",",
+        "--",
+        "/*",
+        "*/",
+        "WITH",
+        "d",
+        "DELETE",
+        "INSERT INTO public.victim VALUES (1)",
+        "DROP TABLE public.victim",
+        "RETURNING",
+        "*",
+        "INTO",
+        "FOR UPDATE",
+        "UNION",
+        "ALL",
+        "generate_series(1, 3)",
+        "g",
+        "nextval('s')",
+        "pg_read_file('/etc/hostname')",
+        "COMMIT",
+        "count(*)",
+        "ORDER BY",
+        "LIMIT",
+        "'",
+        "$$",
+    ]
+)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -178,7 +269,9 @@ def test_random_queries_run_only_as_a_checked_select(cli: Store, text: str) -> N
     assert _victim(cli) == "victim"
     assert cli.conn.execute("SELECT count(*) FROM public.victim").fetchone() == (0,)
 
+
 # --- reconcile ------------------------------------------------------------------------------------------
+
 
 @pytest.fixture
 def business(store: Store) -> Store:
@@ -188,18 +281,27 @@ def business(store: Store) -> Store:
     return store
 
 
-@pytest.mark.parametrize("fields", [
-    {"predicate": "true) OR (SELECT count(*) FROM pg_authid) > 0 OR (true"},
-    {"predicate": "status = 'pending')); DROP TABLE public.victim; --"},
-    {"predicate": "pg_read_file('/etc/hostname') = status"},
-    {"table": "biz.orders b; DROP TABLE public.victim; --"},
-    {"table": "pg_catalog.pg_authid"},
-    {"key_column": "id::text FROM pg_authid --"},
-    {"due_column": "deadline FROM pg_authid --"},
-])
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"predicate": "true) OR (SELECT count(*) FROM pg_authid) > 0 OR (true"},
+        {"predicate": "status = 'pending')); DROP TABLE public.victim; --"},
+        {"predicate": "pg_read_file('/etc/hostname') = status"},
+        {"table": "biz.orders b; DROP TABLE public.victim; --"},
+        {"table": "pg_catalog.pg_authid"},
+        {"key_column": "id::text FROM pg_authid --"},
+        {"due_column": "deadline FROM pg_authid --"},
+    ],
+)
 def test_hostile_reconcile_fields_are_refused(business: Store, fields: dict[str, str]) -> None:
-    job = {"table": "biz.orders", "key_column": "id", "predicate": "status = 'pending'", "topic": "order.timeout",
-           "due_column": "deadline", **fields}
+    job = {
+        "table": "biz.orders",
+        "key_column": "id",
+        "predicate": "status = 'pending'",
+        "topic": "order.timeout",
+        "due_column": "deadline",
+        **fields,
+    }
     with pytest.raises(UnsafeSQL):
         Reconcile(**job).resolve(business.conn)  # type: ignore[arg-type]
     assert _victim(business) == "victim"
@@ -213,8 +315,14 @@ def test_reconcile_checks_names_and_predicate_against_the_catalog(business: Stor
         Reconcile("biz.orders", "order_id", None, "order.timeout", "deadline").resolve(conn)
     with pytest.raises(UnsafeSQL, match="column 'paid' is not one of"):
         Reconcile("biz.orders", "id", "paid", "order.timeout", "deadline").resolve(conn)
-    job = Reconcile("biz.orders", "id", "status = 'it''s' AND status LIKE '5%'", "order.timeout", "deadline",
-                    filters={"status": "x'); DROP TABLE public.victim; --"})
+    job = Reconcile(
+        "biz.orders",
+        "id",
+        "status = 'it''s' AND status LIKE '5%'",
+        "order.timeout",
+        "deadline",
+        filters={"status": "x'); DROP TABLE public.victim; --"},
+    )
     needed = job.needed_sql(conn)
     assert "b.status = 'it''s' AND b.status LIKE '5%'" in needed
     assert "'x''); DROP TABLE public.victim; --'" in needed  # a quoted value
@@ -226,17 +334,21 @@ def test_reconcile_checks_names_and_predicate_against_the_catalog(business: Stor
 
 # --- bulk enqueue: the query, the input, the source -----------------------------------------------------
 
-@pytest.mark.parametrize(("query", "named"), [
-    ("WITH d AS (DELETE FROM delaywheel.wheel RETURNING id) SELECT id AS key FROM d", "data-modifying WITH"),
-    ("DELETE FROM delaywheel.wheel RETURNING id", "not DELETE"),
-    ("SELECT 1 AS key; DROP TABLE public.victim", "2 statements"),
-    ("SELECT 1 AS key INTO public.copy", "INTO"),
-    ("SELECT id AS key FROM delaywheel.wheel FOR UPDATE", "FOR UPDATE"),
-    ("SELECT rolpassword AS body FROM pg_authid", "system table"),
-    ("SELECT pg_read_file('/etc/passwd') AS body", "pg_read_file()"),
-    ("SELECT nextval('delaywheel.messages_id_seq') AS key", "nextval()"),
-    ("SELECT dblink_exec('host=x', 'DROP TABLE t') AS key", "dblink_exec()"),
-])
+
+@pytest.mark.parametrize(
+    ("query", "named"),
+    [
+        ("WITH d AS (DELETE FROM delaywheel.wheel RETURNING id) SELECT id AS key FROM d", "data-modifying WITH"),
+        ("DELETE FROM delaywheel.wheel RETURNING id", "not DELETE"),
+        ("SELECT 1 AS key; DROP TABLE public.victim", "2 statements"),
+        ("SELECT 1 AS key INTO public.copy", "INTO"),
+        ("SELECT id AS key FROM delaywheel.wheel FOR UPDATE", "FOR UPDATE"),
+        ("SELECT rolpassword AS body FROM pg_authid", "system table"),
+        ("SELECT pg_read_file('/etc/passwd') AS body", "pg_read_file()"),
+        ("SELECT nextval('delaywheel.messages_id_seq') AS key", "nextval()"),
+        ("SELECT dblink_exec('host=x', 'DROP TABLE t') AS key", "dblink_exec()"),
+    ],
+)
 def test_bulk_query_must_be_one_read_only_select(query: str, named: str) -> None:
     with pytest.raises(UnsafeSQL) as refused:
         check_query(query)
@@ -244,9 +356,11 @@ def test_bulk_query_must_be_one_read_only_select(query: str, named: str) -> None
 
 
 def test_bulk_query_accepts_a_plain_select() -> None:
-    query = ("WITH o AS (SELECT * FROM shop.orders WHERE status = 'pending') SELECT 'order-' || o.order_id AS key,"
-             " json_build_object('n', o.order_id)::text AS body, count(*) OVER () AS n FROM o"
-             " JOIN generate_series(1, 3) g ON g = 1 ORDER BY 1 LIMIT 10")
+    query = (
+        "WITH o AS (SELECT * FROM shop.orders WHERE status = 'pending') SELECT 'order-' || o.order_id AS key,"
+        " json_build_object('n', o.order_id)::text AS body, count(*) OVER () AS n FROM o"
+        " JOIN generate_series(1, 3) g ON g = 1 ORDER BY 1 LIMIT 10"
+    )
     assert check_query(query).startswith("WITH o AS (SELECT")
 
 
@@ -263,9 +377,17 @@ def test_inputs_only_under_the_roots(tmp_path: Path) -> None:
     assert check_input(str(root / "a.csv"), s) == str(root / "a.csv")
     assert check_input(str(root / "dir"), s) == str(root / "dir")
     assert check_input(str(root / "dir" / "*.csv"), s)
-    for bad in (str(outside / "secret.csv"), str(root / ".." / "out" / "secret.csv"), str(root / "link.csv"),
-                str(root / "*.csv"), "/etc/passwd", f"file://{outside}/secret.csv", str(root / "{a,b}.csv"),
-                "hdfs://namenode/data/x.csv", str(root / "missing.csv")):
+    for bad in (
+        str(outside / "secret.csv"),
+        str(root / ".." / "out" / "secret.csv"),
+        str(root / "link.csv"),
+        str(root / "*.csv"),
+        "/etc/passwd",
+        f"file://{outside}/secret.csv",
+        str(root / "{a,b}.csv"),
+        "hdfs://namenode/data/x.csv",
+        str(root / "missing.csv"),
+    ):
         with pytest.raises(NotAllowed):
             check_input(bad, s)
     with pytest.raises(NotAllowed, match="no input roots"):

@@ -79,14 +79,26 @@ def test_bulk_cancel_by_keys_from_a_user_table(store: Store, t0: datetime) -> No
 def test_keys_from_with_prefix_lists_and_a_checked_where(store: Store, t0: datetime) -> None:
     store.conn.execute("CREATE SCHEMA biz")
     store.conn.execute("CREATE TABLE biz.orders (id int PRIMARY KEY, status text, region text)")
-    store.conn.execute("INSERT INTO biz.orders VALUES (1, 'paid', 'eu'), (2, 'paid', 'us'), (3, 'open', 'eu'),"
-                       " (4, 'void', 'eu'), (5, NULL, 'eu')")
-    store.send_many([Message(topic, {"i": i}, key=f"order-{i}", delay=timedelta(hours=1))
-                     for i in range(1, 6) for topic in ("timeouts", "reminders")], now=t0)
+    store.conn.execute(
+        "INSERT INTO biz.orders VALUES (1, 'paid', 'eu'), (2, 'paid', 'us'), (3, 'open', 'eu'),"
+        " (4, 'void', 'eu'), (5, NULL, 'eu')"
+    )
+    store.send_many(
+        [
+            Message(topic, {"i": i}, key=f"order-{i}", delay=timedelta(hours=1))
+            for i in range(1, 6)
+            for topic in ("timeouts", "reminders")
+        ],
+        now=t0,
+    )
     paid_eu = KeysFrom("biz.orders", "id", prefix="order-", filters={"status": "paid", "region": "eu"})
     assert store.count_matching(keys_from=paid_eu) == 2
-    assert store.count_matching(keys_from=KeysFrom("biz.orders", "id", prefix="order-",
-                                                   filters={"status": ["paid", "void"]})) == 6
+    assert (
+        store.count_matching(
+            keys_from=KeysFrom("biz.orders", "id", prefix="order-", filters={"status": ["paid", "void"]})
+        )
+        == 6
+    )
     assert store.count_matching(keys_from=KeysFrom("biz.orders", "id", prefix="order-", filters={"status": None})) == 2
     assert store.cancel_matching(keys_from=paid_eu, where="topic = 'timeouts'") == 1
     with pytest.raises(UnsafeSQL, match="does not exist"):
@@ -100,13 +112,20 @@ def test_keys_from_with_prefix_lists_and_a_checked_where(store: Store, t0: datet
     with pytest.raises(UnsafeSQL, match="system table"):
         store.count_matching(keys_from=KeysFrom("pg_catalog.pg_authid", "rolpassword"))
     # a hostile value is a value: bound, never SQL
-    assert store.count_matching(keys_from=KeysFrom("biz.orders", "id", prefix="'); DROP TABLE biz.orders; --",
-                                                   filters={"status": "x' OR '1'='1"})) == 0
+    assert (
+        store.count_matching(
+            keys_from=KeysFrom(
+                "biz.orders", "id", prefix="'); DROP TABLE biz.orders; --", filters={"status": "x' OR '1'='1"}
+            )
+        )
+        == 0
+    )
     assert store.conn.execute("SELECT count(*) FROM biz.orders").fetchone() == (5,)
 
 
-def test_cli_bulk_cancel_needs_yes(store: Store, db_url: str, t0: datetime, monkeypatch: pytest.MonkeyPatch,
-                                   capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_bulk_cancel_needs_yes(
+    store: Store, db_url: str, t0: datetime, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.setenv("DELAYWHEEL_DATABASE_URL", db_url)
     store.send_many([Message("orders", {"i": i}, key=f"k{i}", delay=timedelta(hours=1)) for i in range(6)], now=t0)
     where = "key IN ('k1', 'k2', 'k5')"
@@ -127,15 +146,26 @@ def test_bulk_cancel_rejects_bad_sql_and_writes_nothing(store: Store, t0: dateti
     assert store.conn.execute("SELECT count(*) FROM delaywheel.cancellations").fetchone() == (0,)
 
 
-def test_cli_keys_from_table(store: Store, db_url: str, t0: datetime, monkeypatch: pytest.MonkeyPatch,
-                             capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_keys_from_table(
+    store: Store, db_url: str, t0: datetime, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.setenv("DELAYWHEEL_DATABASE_URL", db_url)
     store.conn.execute("CREATE TABLE public.paid_orders (id int PRIMARY KEY, status text)")
     store.conn.execute("INSERT INTO public.paid_orders VALUES (1, 'paid'), (2, 'paid'), (3, 'open'), (4, 'void')")
-    store.send_many([Message("orders", {"i": i}, key=f"order-{i}", delay=timedelta(hours=1)) for i in range(6)],
-                    now=t0)
-    argv = ["cancel", "--keys-from-table", "public.paid_orders", "--keys-from-column", "id",
-            "--keys-from-prefix", "order-", "--keys-from-filter", "status=paid", "--keys-from-filter", "status=void"]
+    store.send_many([Message("orders", {"i": i}, key=f"order-{i}", delay=timedelta(hours=1)) for i in range(6)], now=t0)
+    argv = [
+        "cancel",
+        "--keys-from-table",
+        "public.paid_orders",
+        "--keys-from-column",
+        "id",
+        "--keys-from-prefix",
+        "order-",
+        "--keys-from-filter",
+        "status=paid",
+        "--keys-from-filter",
+        "status=void",
+    ]
     assert main(argv) == 0
     assert "3 pending message(s) match" in capsys.readouterr().out
     assert main([*argv, "--yes", "--json"]) == 0
@@ -174,8 +204,9 @@ def test_cancel_by_key_finds_exactly_the_pending_messages(store: Store, db_url: 
     far = [Message("orders", {"i": i}, key=some_key(i), delay=days(4, 30)) for i in range(3000)]
     far_small = [Message("orders", {"i": i}, key=rng.choice(before + after), delay=days(4, 30)) for i in range(10)]
     near = [Message("orders", {"i": i}, key=some_key(i), delay=days(0.01, 2.9)) for i in range(300)]
-    levels = [Message("orders", {"i": i}, key=rng.choice(before + after), delay_level=rng.randint(1, 5))
-              for i in range(40)]
+    levels = [
+        Message("orders", {"i": i}, key=rng.choice(before + after), delay_level=rng.randint(1, 5)) for i in range(40)
+    ]
     for batch in (far, far_small, near, levels):
         for m, mid in zip(batch, store.send_many(batch, now=t0), strict=True):
             sent[mid] = (str(m.key), t0 + (m.delay or timedelta(0)) if m.delay else t0)
@@ -183,18 +214,30 @@ def test_cancel_by_key_finds_exactly_the_pending_messages(store: Store, db_url: 
         key, delay = rng.choice(before + after), days(4, 30)
         sent[store.send("orders", {"single": i}, key=key, delay=delay, now=t0)] = (key, t0 + delay)
     pooled = iter(rng.sample(before + after, 50))  # a bulk input claims each key once: no key twice
-    chunk = pa.RecordBatch.from_pylist([
-        {"key": next(pooled) if i % 40 == 0 else f"bulk-{seed}-{i}", "body": f"b{i}",
-         "delay_ms": int(days(4, 30).total_seconds() * 1000), input_rows.FILE_COLUMN: "in.csv", input_rows.ROW_COLUMN: i + 1}
-        for i in range(2000)])
+    chunk = pa.RecordBatch.from_pylist(
+        [
+            {
+                "key": next(pooled) if i % 40 == 0 else f"bulk-{seed}-{i}",
+                "body": f"b{i}",
+                "delay_ms": int(days(4, 30).total_seconds() * 1000),
+                input_rows.FILE_COLUMN: "in.csv",
+                input_rows.ROW_COLUMN: i + 1,
+            }
+            for i in range(2000)
+        ]
+    )
     mapping = input_rows.ColumnMap.parse("", "orders", "text").with_defaults(["key", "body", "delay_ms"])
     with psycopg.connect(db_url, autocommit=True) as conn:
-        assert bulk.write_chunk(conn, store.settings, PartitionCache(), chunk, mapping, "in.csv", now=t0).enqueued == 2000
+        assert (
+            bulk.write_chunk(conn, store.settings, PartitionCache(), chunk, mapping, "in.csv", now=t0).enqueued == 2000
+        )
     for mid, key, due in store.conn.execute(
-            "SELECT id, key, deliver_at FROM delaywheel.wheel_far WHERE id <> ALL(%s)",
-            (list(sent),)):
+        "SELECT id, key, deliver_at FROM delaywheel.wheel_far WHERE id <> ALL(%s)", (list(sent),)
+    ):
         sent[mid] = (key, due)
-    summaries = store.conn.execute("SELECT count(DISTINCT slot), max(slot) FROM delaywheel.far_key_summaries").fetchone()
+    summaries = store.conn.execute(
+        "SELECT count(DISTINCT slot), max(slot) FROM delaywheel.far_key_summaries"
+    ).fetchone()
     assert summaries is not None and summaries[1] >= 4  # the big sends' far keys are cut into several groups
 
     delivered = {mid for (mid,) in store.conn.execute("SELECT message_id FROM delaywheel.topic_messages")}
@@ -208,9 +251,18 @@ def test_cancel_by_key_finds_exactly_the_pending_messages(store: Store, db_url: 
     def check(keys: list[str], delivered: set[int], cancelled: set[int], passed: datetime) -> None:
         """A cancelled message the cursor has passed (due by `passed`) is neither pending nor delivered: not named."""
         for key in keys:
-            expected = {(mid, "already_delivered" if mid in delivered else
-                         "already_cancelled" if mid in cancelled else "cancelled")
-                        for mid, (k, due) in sent.items() if k == key and not (mid in cancelled and due <= passed)}
+            expected = {
+                (
+                    mid,
+                    "already_delivered"
+                    if mid in delivered
+                    else "already_cancelled"
+                    if mid in cancelled
+                    else "cancelled",
+                )
+                for mid, (k, due) in sent.items()
+                if k == key and not (mid in cancelled and due <= passed)
+            }
             got = {(r.message_id, r.outcome) for r in store.cancel(key=key)}
             assert got == (expected or {(None, "not_found")}), key
             cancelled |= {mid for mid, outcome in got if outcome == "cancelled"}
@@ -221,13 +273,16 @@ def test_cancel_by_key_finds_exactly_the_pending_messages(store: Store, db_url: 
     store.deliver_due(now=later)
     delivered = {mid for (mid,) in store.conn.execute("SELECT message_id FROM delaywheel.topic_messages")}
     assert all(due <= later for mid, (_, due) in sent.items() if mid in delivered)
-    assert store.conn.execute("SELECT count(*) FROM delaywheel.wheel_far WHERE deliver_at < %s",
-                              (later + store.settings.wheel_near_window,)).fetchone() == (0,)
+    assert store.conn.execute(
+        "SELECT count(*) FROM delaywheel.wheel_far WHERE deliver_at < %s", (later + store.settings.wheel_near_window,)
+    ).fetchone() == (0,)
     check(after, delivered, cancelled_before, later)
     # a later send deletes the summaries whose far days were all rolled
     store.send_many([Message("orders", {"i": i}, key=f"late-{i}", delay=days(20, 30)) for i in range(100)], now=later)
-    assert store.conn.execute("SELECT count(*) FROM delaywheel.far_key_summaries f, delaywheel.wheel_state s"
-                              " WHERE f.last_block < s.near_until").fetchone() == (0,)
+    assert store.conn.execute(
+        "SELECT count(*) FROM delaywheel.far_key_summaries f, delaywheel.wheel_state s"
+        " WHERE f.last_block < s.near_until"
+    ).fetchone() == (0,)
 
 
 @pytest.mark.parametrize("count", [16, 600, 5000, 70_000])

@@ -89,7 +89,9 @@ def test_cancel_committed_before_the_pass_reads(store: Store, other: Store, t0: 
 
 @pytest.mark.parametrize("lane", ["wheel", "level"])
 @pytest.mark.parametrize("pass_ends", ["commit", "rollback"])
-def test_pass_in_flight_when_the_cancel_runs(store: Store, other: Store, t0: datetime, lane: str, pass_ends: str) -> None:
+def test_pass_in_flight_when_the_cancel_runs(
+    store: Store, other: Store, t0: datetime, lane: str, pass_ends: str
+) -> None:
     """The pass has read and written the message, uncommitted: the cancel's row commits, then the cancel waits for the
     pass; committed, the message was delivered; rolled back, it stays cancelled and no later pass delivers it."""
     mid = timer(store, t0, "k", lane)
@@ -119,15 +121,18 @@ def test_the_cancellation_is_committed_before_the_cancel_waits(store: Store, db_
         lane.execute("SELECT pg_advisory_lock(%s, %s)", WHEEL_LOCK)
         cancelling = Background(lambda: store.cancel(key="k"))
         assert cancelling.blocked()
-        assert third.execute("SELECT count(*) FROM delaywheel.cancellations WHERE message_id = %s", (mid,)).fetchone() == (1,)
+        assert third.execute(
+            "SELECT count(*) FROM delaywheel.cancellations WHERE message_id = %s", (mid,)
+        ).fetchone() == (1,)
         lane.execute("SELECT pg_advisory_unlock(%s, %s)", WHEEL_LOCK)
         assert outcomes(cancelling.result()) == [(mid, "cancelled")]
 
 
 @pytest.mark.parametrize("lane", ["wheel", "level"])
 @pytest.mark.parametrize("pass_commits", ["before_cancel_commits", "after_cancel_commits"])
-def test_cancel_row_uncommitted_when_the_pass_reads(store: Store, other: Store, t0: datetime, lane: str,
-                                                     pass_commits: str) -> None:
+def test_cancel_row_uncommitted_when_the_pass_reads(
+    store: Store, other: Store, t0: datetime, lane: str, pass_commits: str
+) -> None:
     """The cancel has inserted its row, uncommitted, when the pass reads: the pass cannot see it and delivers. The
     cancel then must say already_delivered, whichever of the two commits first."""
     mid = timer(store, t0, "k", lane)
@@ -196,8 +201,9 @@ def test_a_pass_waits_out_a_cancels_shared_hold(db_url: str, store: Store, t0: d
     assert delivered_ids(store) == [mid]
 
 
-def test_a_waiting_pass_goes_before_later_cancels(db_url: str, store: Store, t0: datetime,
-                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_waiting_pass_goes_before_later_cancels(
+    db_url: str, store: Store, t0: datetime, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """PostgreSQL grants no shared request past a waiting exclusive one: cancels arriving while a pass waits queue
     behind it, so a stream of them cannot starve the pass."""
     monkeypatch.setattr(levels, "LANE_WAIT", "5s")
@@ -235,9 +241,14 @@ def test_cancel_stream_beside_delivery_loops(db_url: str, store: Store) -> None:
                 while not stop.is_set():
                     batch = [f"p{seed}-{n + i}" for i in range(rng.randint(1, 10))]
                     n += len(batch)
-                    ids = own.send_many([Message("race", b"x", key=k, delay_level=1) if rng.random() < 0.3 else
-                                         Message("race", b"x", key=k, delay=timedelta(seconds=rng.uniform(0.05, 1)))
-                                         for k in batch])
+                    ids = own.send_many(
+                        [
+                            Message("race", b"x", key=k, delay_level=1)
+                            if rng.random() < 0.3
+                            else Message("race", b"x", key=k, delay=timedelta(seconds=rng.uniform(0.05, 1)))
+                            for k in batch
+                        ]
+                    )
                     with lock:
                         keys.update(zip(batch, ids, strict=True))
                     time.sleep(0.01)
@@ -285,8 +296,11 @@ def test_cancel_stream_beside_delivery_loops(db_url: str, store: Store) -> None:
         t.join()
     assert not errors, errors
     store.deliver_due()
-    counts = dict(store.conn.execute(
-        "SELECT message_id, count(*) FROM delaywheel.topic_messages WHERE topic = 'race' GROUP BY 1").fetchall())
+    counts = dict(
+        store.conn.execute(
+            "SELECT message_id, count(*) FROM delaywheel.topic_messages WHERE topic = 'race' GROUP BY 1"
+        ).fetchall()
+    )
     assert set(counts.values()) <= {1}
     said_cancelled = {a.message_id for a in answers if a.outcome in ("cancelled", "already_cancelled")}
     said_delivered = {a.message_id for a in answers if a.outcome == "already_delivered"}
@@ -296,8 +310,10 @@ def test_cancel_stream_beside_delivery_loops(db_url: str, store: Store) -> None:
     assert busy["busy"] == 0, busy
     assert len({a.message_id for a in answers if a.outcome == "cancelled"}) > 20
     assert len(said_delivered) > 20
-    print(f"passes {busy['passes']}, busy {busy['busy']}, answers {len(answers)},"
-          f" cancelled {len(said_cancelled)}, already_delivered {len(said_delivered)}")
+    print(
+        f"passes {busy['passes']}, busy {busy['busy']}, answers {len(answers)},"
+        f" cancelled {len(said_cancelled)}, already_delivered {len(said_delivered)}"
+    )
 
 
 def test_a_cancel_in_the_callers_transaction_holds_the_lanes(store: Store, other: Store, t0: datetime) -> None:

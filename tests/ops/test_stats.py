@@ -30,7 +30,12 @@ def test_level_stats(store: Store, t0: datetime) -> None:
     assert two["checkpoint_id"] > 0 and isinstance(two["checkpoint_xid"], int) and two["checkpoint_xid"] > 0
     five = levels[5]
     assert (five["backlog"], five["head_due"], five["oldest_overdue_s"], five["lag_s"], five["checkpoint_id"]) == (
-        1, at(t0, 60), None, 0.0, 0)
+        1,
+        at(t0, 60),
+        None,
+        0.0,
+        0,
+    )
     assert levels[1]["backlog"] == 0 and levels[1]["head_due"] is None and levels[1]["lag_s"] == 0.0
 
 
@@ -49,10 +54,13 @@ def test_wheel_stats(store: Store, t0: datetime) -> None:
     assert wheel["estimated_after"] is None  # a small wheel is counted row by row
     assert wheel["since_last_pass_s"] is not None and wheel["since_last_pass_s"] >= 0  # the pass's commit, real clock
     # 24 buckets of one hour from now, each (start, end]: 30, 50, 600, 1800 s; 5400 and 7200 s; nothing else
-    assert [(b["start"], b["end"]) for b in wheel["histogram_24h"]] == [(at(t0, 3600 * i), at(t0, 3600 * (i + 1)))
-                                                                        for i in range(24)]
+    assert [(b["start"], b["end"]) for b in wheel["histogram_24h"]] == [
+        (at(t0, 3600 * i), at(t0, 3600 * (i + 1))) for i in range(24)
+    ]
     assert [b["due"] for b in wheel["histogram_24h"]] == [4, 2] + [0] * 22
-    assert sum(b["due"] for b in wheel["histogram_24h"]) == wheel["next_minute"] + wheel["next_hour"] + wheel["next_day"]
+    assert (
+        sum(b["due"] for b in wheel["histogram_24h"]) == wheel["next_minute"] + wheel["next_hour"] + wheel["next_day"]
+    )
 
 
 def test_an_idle_wheel_shows_time_since_its_last_pass_not_a_lag(store: Store, t0: datetime) -> None:
@@ -109,8 +117,9 @@ def test_an_injected_clock_behind_the_cursor_gives_no_negative_figure(store: Sto
 def test_histogram_labels_are_distinct(store: Store, t0: datetime) -> None:
     """The chart labelled its first and last bucket with the same hour (25 buckets from this hour)."""
     now = at(t0, 27 * 60 + 13)
-    store.send_many([Message("timers", {"h": h}, deliver_at=now + timedelta(hours=h, minutes=1)) for h in range(24)],
-                    now=now)
+    store.send_many(
+        [Message("timers", {"h": h}, deliver_at=now + timedelta(hours=h, minutes=1)) for h in range(24)], now=now
+    )
     histogram = store.stats(now=now)["wheel"]["histogram_24h"]
     points = hourly(histogram)
     assert len(points) == 24 and len({label for label, _ in points}) == 24
@@ -118,12 +127,15 @@ def test_histogram_labels_are_distinct(store: Store, t0: datetime) -> None:
     assert [value for _, value in points] == [1] * 24
 
 
-def test_counts_beyond_the_exact_budget_come_from_the_statistics(store: Store, t0: datetime,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    store.send_many([Message("timers", {"i": i}, deliver_at=t0 + timedelta(hours=5, seconds=i)) for i in range(300)],
-                    now=t0)
-    store.send_many([Message("timers", {"i": i}, deliver_at=t0 + timedelta(hours=30, seconds=i)) for i in range(200)],
-                    now=t0)
+def test_counts_beyond_the_exact_budget_come_from_the_statistics(
+    store: Store, t0: datetime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store.send_many(
+        [Message("timers", {"i": i}, deliver_at=t0 + timedelta(hours=5, seconds=i)) for i in range(300)], now=t0
+    )
+    store.send_many(
+        [Message("timers", {"i": i}, deliver_at=t0 + timedelta(hours=30, seconds=i)) for i in range(200)], now=t0
+    )
     store.send_many([Message("timers", {"i": i}, deliver_at=t0 + timedelta(minutes=30)) for i in range(7)], now=t0)
     store.conn.execute("ANALYZE delaywheel.wheel")
     exact = store.stats(now=t0)["wheel"]
@@ -131,8 +143,11 @@ def test_counts_beyond_the_exact_budget_come_from_the_statistics(store: Store, t
     estimated = store.stats(now=t0)["wheel"]
     assert exact["estimated_after"] is None and estimated["estimated_after"] == t0 + timedelta(hours=5)
     keys = ("pending", "overdue", "next_minute", "next_hour", "next_day", "later")
-    assert {k: exact[k] for k in keys} == {k: estimated[k] for k in keys} == {
-        "pending": 507, "overdue": 0, "next_minute": 0, "next_hour": 7, "next_day": 300, "later": 200}
+    assert (
+        {k: exact[k] for k in keys}
+        == {k: estimated[k] for k in keys}
+        == {"pending": 507, "overdue": 0, "next_minute": 0, "next_hour": 7, "next_day": 300, "later": 200}
+    )
     assert [b["due"] for b in estimated["histogram_24h"]][:7] == [7, 0, 0, 0, 0, 300, 0]
 
 
@@ -140,18 +155,24 @@ def test_quarantine_and_set_aside_rows_appear(store: Store, t0: datetime) -> Non
     empty = store.stats(now=t0)
     assert empty["quarantine"] == {"total": 0, "by_reason": [], "recent": []}
     assert empty["set_aside"] == {"total": 0, "by_reason": [], "recent": []}
-    store.conn.execute("""
+    store.conn.execute(
+        """
         INSERT INTO delaywheel.quarantine (source, source_file, row_number, reason, detail, raw, quarantined_at)
         SELECT 'src', 'in.csv', n, CASE WHEN n <= 4 THEN 'bad_body' ELSE 'bad_topic' END, 'row ' || n, '{}',
                %s + make_interval(secs => n)
-        FROM generate_series(1, 7) n""", (t0,))
+        FROM generate_series(1, 7) n""",
+        (t0,),
+    )
     has_set_aside = store.conn.execute("SELECT to_regclass('delaywheel.set_aside') IS NOT NULL").fetchone()[0]  # type: ignore[index]
     if has_set_aside:
-        store.conn.execute("""
+        store.conn.execute(
+            """
             INSERT INTO delaywheel.set_aside (message_id, lane, level, topic, key, deliver_at, reason, detail, set_aside_at)
             VALUES (41, 'level', 1, 'orders', 'k1', %(t)s, 'bad_properties', 'invalid json', %(t)s),
                    (42, 'wheel', NULL, 'orders', NULL, %(t)s, 'bad_properties', 'invalid json', %(t)s + interval '1 s'),
-                   (43, 'wheel', NULL, NULL, NULL, %(t)s, 'bad_topic', 'no topic', %(t)s + interval '2 s')""", {"t": t0})
+                   (43, 'wheel', NULL, NULL, NULL, %(t)s, 'bad_topic', 'no topic', %(t)s + interval '2 s')""",
+            {"t": t0},
+        )
     figures = store.stats(now=t0)
     quarantine = figures["quarantine"]
     assert quarantine["total"] == 7
@@ -173,8 +194,9 @@ def number_paths(value: Any, path: str = "") -> dict[str, str]:
     return {path: type(value).__name__}
 
 
-def test_json_numbers_are_numbers(store: Store, db_url: str, t0: datetime, monkeypatch: pytest.MonkeyPatch,
-                                  capsys: pytest.CaptureFixture[str]) -> None:
+def test_json_numbers_are_numbers(
+    store: Store, db_url: str, t0: datetime, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """The CLI's `stats --json` gave `extract()`'s numerics as strings; the web API gave numbers. One form now."""
     from delaywheel.cli import main
 
@@ -207,12 +229,17 @@ def test_stragglers_and_cancellations_count_in_their_interval(store: Store, db_u
         with producer.conn.transaction():
             producer.send("timers", b"late", deliver_at=at(t0, 5), now=t0)
             store.advance_wheel(now=at(t0, 10))  # passes t0+10 below the producer's open transaction
-        ids = producer.send_many([Message("timers", {"s": s}, deliver_at=at(t0, s)) for s in (3600, 3600, 7200)],
-                                 now=at(t0, 10))
+        ids = producer.send_many(
+            [Message("timers", {"s": s}, deliver_at=at(t0, s)) for s in (3600, 3600, 7200)], now=at(t0, 10)
+        )
     store.cancel(message_id=ids[0])
     wheel = store.stats(now=at(t0, 10))["wheel"]
     assert (wheel["overdue"], wheel["lag_s"], wheel["head_due"]) == (1, 5.0, at(t0, 5))
-    assert (wheel["next_hour"], wheel["next_day"], wheel["pending"]) == (1, 1, 3)  # one of the two at 3600 s is cancelled
+    assert (wheel["next_hour"], wheel["next_day"], wheel["pending"]) == (
+        1,
+        1,
+        3,
+    )  # one of the two at 3600 s is cancelled
     assert [b["due"] for b in wheel["histogram_24h"]][:3] == [1, 1, 0]  # (t0+10, t0+3610] holds 3600 s; then 7200 s
 
 

@@ -139,8 +139,11 @@ def test_send_many_with_one_bad_message_writes_nothing(store: Store, t0: datetim
         Message("orders", {"n": 3}, delay=timedelta(seconds=30)),
         Message("orders", {"n": 4}, delay=timedelta(days=200)),
     ]
-    for bad in (Message("orders", {"n": 5}, delay_level=-3), Message("bad topic", {}),
-                Message("orders", {}, deliver_at=datetime(2030, 1, 1))):
+    for bad in (
+        Message("orders", {"n": 5}, delay_level=-3),
+        Message("bad topic", {}),
+        Message("orders", {}, deliver_at=datetime(2030, 1, 1)),
+    ):
         with pytest.raises(InvalidMessage):
             store.send_many([*good[:2], bad, *good[2:]], now=t0)
         assert table_counts(store) == EMPTY
@@ -148,7 +151,15 @@ def test_send_many_with_one_bad_message_writes_nothing(store: Store, t0: datetim
     assert sum(table_counts(store).values()) == 4
 
 
-BODIES: list[Any] = [b"", b"\x00\xffbinary\x80", {"order": 42, "items": [1, 2, {"x": None}]}, "text é ✓", 12.5, [], None]
+BODIES: list[Any] = [
+    b"",
+    b"\x00\xffbinary\x80",
+    {"order": 42, "items": [1, 2, {"x": None}]},
+    "text é ✓",
+    12.5,
+    [],
+    None,
+]
 
 
 def test_bodies_round_trip_through_pull(store: Store, t0: datetime) -> None:
@@ -161,11 +172,24 @@ def test_bodies_round_trip_through_pull(store: Store, t0: datetime) -> None:
 
 
 def test_properties_tags_and_key_are_kept(store: Store, t0: datetime) -> None:
-    mid = store.send("orders", b"x", delay=timedelta(seconds=2), key="order-42", tags="timeout",
-                     properties={"tenant": "acme"}, now=t0)
+    mid = store.send(
+        "orders",
+        b"x",
+        delay=timedelta(seconds=2),
+        key="order-42",
+        tags="timeout",
+        properties={"tenant": "acme"},
+        now=t0,
+    )
     store.advance_wheel(now=at(t0, 2))
     (m,) = store.pull("orders", "g").messages
-    assert (m.message_id, m.key, m.tags, m.properties, m.topic) == (mid, "order-42", "timeout", {"tenant": "acme"}, "orders")
+    assert (m.message_id, m.key, m.tags, m.properties, m.topic) == (
+        mid,
+        "order-42",
+        "timeout",
+        {"tenant": "acme"},
+        "orders",
+    )
     assert m.deliver_at == at(t0, 2) and m.delivered_at == at(t0, 2)
 
 
@@ -187,25 +211,29 @@ ONE_BY_ONE: list[Message] = [
     Message("orders", {"lvl": 3}, delay_level=3, key="order-1", tags="timeout", properties={"tenant": "acme"}),
     Message("orders", b"clamped", delay_level=40),
     Message("timers", b"near", delay=1500, key="t-1"),
-    Message("timers", {"at": 1}, deliver_at=datetime(2030, 1, 1, 0, 0, 7, 250_000, tzinfo=timezone(timedelta(hours=3)))),
+    Message(
+        "timers", {"at": 1}, deliver_at=datetime(2030, 1, 1, 0, 0, 7, 250_000, tzinfo=timezone(timedelta(hours=3)))
+    ),
     Message("timers", b"far", delay=timedelta(days=10, microseconds=7), key="far-1", properties={"x": "é"}),
     Message("timers", None, delay=timedelta(0)),  # a zero delay: direct
 ]
 
 _ROWS = {  # every stored column but xid (transaction ids are the cluster's)
     "level_segments": "id_first, level, requested_level, reconsume_times, deliver_at, enqueued_at, id_last, n, ids,"
-                      " topics, keys, tags, properties, bodies, is_json, key_bloom",
+    " topics, keys, tags, properties, bodies, is_json, key_bloom",
     "wheel": "id, topic, key, tags, properties, body, is_json, deliver_at, enqueued_at",
     "wheel_far_segments": "id_first, id_last, block, enqueued_at, n, ids, deliver_ats, keys, bodies, topics, tags,"
-                          " properties, is_json, key_bloom",
+    " properties, is_json, key_bloom",
     "topic_messages": "message_id, queue_offset, topic, origin, level, key, tags, properties, body, is_json,"
-                      " reconsume_times, deliver_at, delivered_at",
+    " reconsume_times, deliver_at, delivered_at",
 }
 
 
 def _stored(store: Store) -> dict[str, list[tuple[Any, ...]]]:
-    return {table: store.conn.execute(f"SELECT {cols} FROM delaywheel.{table} ORDER BY 1").fetchall()
-            for table, cols in _ROWS.items()}
+    return {
+        table: store.conn.execute(f"SELECT {cols} FROM delaywheel.{table} ORDER BY 1").fetchall()
+        for table, cols in _ROWS.items()
+    }
 
 
 def _drain(listener: Any) -> list[Any]:
@@ -231,9 +259,20 @@ def test_a_single_send_stores_and_delivers_what_send_many_does(db_url: str, twin
                 listener.execute(f'LISTEN "{channel}"')
         single, batch = stores
         for m in ONE_BY_ONE:
-            assert single.send(m.topic, m.body, delay_level=m.delay_level, delay=m.delay, deliver_at=m.deliver_at,
-                               key=m.key, tags=m.tags, properties=m.properties, now=t0) \
+            assert (
+                single.send(
+                    m.topic,
+                    m.body,
+                    delay_level=m.delay_level,
+                    delay=m.delay,
+                    deliver_at=m.deliver_at,
+                    key=m.key,
+                    tags=m.tags,
+                    properties=m.properties,
+                    now=t0,
+                )
                 == batch.send_many([m], now=t0)[0]
+            )
         assert _stored(single) == _stored(batch)
         assert all(_stored(single).values())  # every lane was written
         announced = [(n.channel, n.payload) for n in _drain(listeners[0])]
@@ -248,8 +287,9 @@ def test_a_single_send_stores_and_delivers_what_send_many_does(db_url: str, twin
         assert len(_stored(single)["topic_messages"]) == len(ONE_BY_ONE)
         assert _stored(single)["topic_messages"] == _stored(batch)["topic_messages"]
         assert deliveries(single) == deliveries(batch)
-        assert [(m.message_id, m.body, m.key, m.tags, m.properties) for m in single.pull("timers", "g").messages] == \
-            [(m.message_id, m.body, m.key, m.tags, m.properties) for m in batch.pull("timers", "g").messages]
+        assert [(m.message_id, m.body, m.key, m.tags, m.properties) for m in single.pull("timers", "g").messages] == [
+            (m.message_id, m.body, m.key, m.tags, m.properties) for m in batch.pull("timers", "g").messages
+        ]
     finally:
         for listener in listeners:
             listener.close()
@@ -266,14 +306,17 @@ def test_a_single_send_on_the_database_clock(store: Store) -> None:
     past = store.send("timers", b"p", deliver_at=before - timedelta(minutes=5))
     far = store.send("timers", b"f", deliver_at=before + timedelta(days=30))
     after = store.clock()
-    (due, enqueued), = store.conn.execute("SELECT deliver_at, enqueued_at FROM delaywheel.wheel WHERE id = %s",
-                                          (near,)).fetchall()
+    ((due, enqueued),) = store.conn.execute(
+        "SELECT deliver_at, enqueued_at FROM delaywheel.wheel WHERE id = %s", (near,)
+    ).fetchall()
     assert before <= enqueued <= after and due == enqueued + timedelta(seconds=30)
-    (due, enqueued), = store.conn.execute("SELECT deliver_at, enqueued_at FROM delaywheel.level_queue WHERE id = %s",
-                                          (level,)).fetchall()
+    ((due, enqueued),) = store.conn.execute(
+        "SELECT deliver_at, enqueued_at FROM delaywheel.level_queue WHERE id = %s", (level,)
+    ).fetchall()
     assert due == enqueued + Settings().level_delay(2)
-    assert store.conn.execute("SELECT deliver_at FROM delaywheel.wheel WHERE id = %s", (soon,)).fetchone() == \
-        (before + timedelta(minutes=5),)
+    assert store.conn.execute("SELECT deliver_at FROM delaywheel.wheel WHERE id = %s", (soon,)).fetchone() == (
+        before + timedelta(minutes=5),
+    )
     assert [d[:2] for d in deliveries(store)] == [(past, before - timedelta(minutes=5))]
     assert store.conn.execute("SELECT count(*) FROM delaywheel.wheel_far WHERE id = %s", (far,)).fetchone() == (1,)
 
@@ -302,8 +345,12 @@ def test_a_single_send_in_the_callers_transaction_is_a_savepoint(db_url: str, t0
                 with pytest.raises(psycopg.errors.LockNotAvailable):
                     store.send("timers", b"lost", delay=1000, now=t0)
             also = store.send("timers", b"also", delay=1000, now=t0)  # the caller's transaction goes on
-        assert sorted(r[0] for r in store.conn.execute(
-            "SELECT id FROM delaywheel.level_queue UNION ALL SELECT id FROM delaywheel.wheel").fetchall()) == [kept, also]
+        assert sorted(
+            r[0]
+            for r in store.conn.execute(
+                "SELECT id FROM delaywheel.level_queue UNION ALL SELECT id FROM delaywheel.wheel"
+            ).fetchall()
+        ) == [kept, also]
         with pytest.raises(RuntimeError), store.conn.transaction():  # the caller's rollback takes the send with it
             store.send("orders", b"gone", delay_level=1, now=t0)
             raise RuntimeError
@@ -333,7 +380,9 @@ def _verdict(send: Any) -> tuple[str, str] | None:
     return None
 
 
-@hypothesis.settings(max_examples=150, deadline=None, suppress_health_check=[hypothesis.HealthCheck.function_scoped_fixture])
+@hypothesis.settings(
+    max_examples=150, deadline=None, suppress_health_check=[hypothesis.HealthCheck.function_scoped_fixture]
+)
 @hypothesis.given(batches())
 def test_a_single_send_gives_the_verdict_of_the_rules(db_url: str, batch: list[Message]) -> None:
     """Property: a single send accepts exactly what `validation.prepare` accepts and refuses the rest with its reason
@@ -352,8 +401,10 @@ def test_a_single_send_gives_the_verdict_of_the_rules(db_url: str, batch: list[M
         if message.deliver_at is None:
             assert _verdict(lambda: producer.send_one(store.conn, SETTINGS, cache, message)) == expected
         written = sum(table_counts(store).values())
-        store.conn.execute("TRUNCATE delaywheel.level_segments, delaywheel.wheel, delaywheel.wheel_far_segments,"
-                           " delaywheel.topic_messages")
+        store.conn.execute(
+            "TRUNCATE delaywheel.level_segments, delaywheel.wheel, delaywheel.wheel_far_segments,"
+            " delaywheel.topic_messages"
+        )
     assert written == (0 if expected else 1 + (message.deliver_at is None))
 
 

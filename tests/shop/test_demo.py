@@ -31,17 +31,20 @@ def _children() -> set[int]:
 
 @pytest.mark.spark
 @pytest.mark.airflow
-def test_demo_end_to_end(airflow_db: dict[str, str], db_url: str, tmp_path, capsys, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_demo_end_to_end(
+    airflow_db: dict[str, str], db_url: str, tmp_path, capsys, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("AIRFLOW_CONN_DELAYWHEEL_DEFAULT", "")  # the demo points it at its store; restored after
     assert run_demo(2000, timeout="6s", period="4s", url=db_url, out=tmp_path, json_output=True) == 0
     printed = capsys.readouterr().out
-    summary = json.loads(printed[printed.index("\n{\n") + 1:printed.rindex("\n}") + 2])  # the --json summary
+    summary = json.loads(printed[printed.index("\n{\n") + 1 : printed.rindex("\n}") + 2])  # the --json summary
     assert summary["placed"] == 2000 and summary["still_pending"] == 0
     assert summary["paid"] + summary["cancelled_by_timeout"] + summary["cancelled_by_customer"] == 2000
     assert summary["cancelled_by_timeout"] > 0 and summary["late_payments_refused"] > 0
     assert summary["timers_delivered_early"] == 0 and summary["quality"] == "passed"
     assert summary["airflow_runs"] == dict.fromkeys(
-        ["shop_place_orders", "shop_order_sweep", "shop_reconcile", "delaywheel_lateness_quality"], "success")
+        ["shop_place_orders", "shop_order_sweep", "shop_reconcile", "delaywheel_lateness_quality"], "success"
+    )
     assert summary["delivery_lateness_contract"] == "passed" and summary["failures"] == []
     assert summary["cancellation_lateness_max_ms"] <= 3000
     # the continuous parts ran as processes of their own, were ready, stopped on SIGTERM with exit 0, and are gone
@@ -56,14 +59,18 @@ def test_demo_end_to_end(airflow_db: dict[str, str], db_url: str, tmp_path, caps
     with Store(db_url) as store:
         # every fired timer was applied once; the group offset is at the end of the topic
         processed, cancelled = store.conn.execute(
-            "SELECT count(*), count(*) FILTER (WHERE cancelled) FROM shop.processed_messages").fetchone()
+            "SELECT count(*), count(*) FILTER (WHERE cancelled) FROM shop.processed_messages"
+        ).fetchone()
         assert cancelled == summary["cancelled_by_timeout"]
         delivered = store.conn.execute(
-            "SELECT count(*) FROM delaywheel.topic_messages WHERE topic = 'shop.order-timeout'").fetchone()[0]
+            "SELECT count(*) FROM delaywheel.topic_messages WHERE topic = 'shop.order-timeout'"
+        ).fetchone()[0]
         assert delivered == processed
         # each order's deadline and customer plan count from its own placement, whenever Spark placed it
-        offsets = store.conn.execute("SELECT o.order_id, c.act_at - o.placed_at, o.deadline - o.placed_at"
-                                     " FROM shop.orders o JOIN shop.customer_plan c USING (order_id)").fetchall()
+        offsets = store.conn.execute(
+            "SELECT o.order_id, c.act_at - o.placed_at, o.deadline - o.placed_at"
+            " FROM shop.orders o JOIN shop.customer_plan c USING (order_id)"
+        ).fetchall()
     planned = {p.order_id: p.act_after for p in orders.plan_orders(1, 2000, timedelta(seconds=6))}
     assert {order_id: act for order_id, act, _ in offsets} == planned
     assert {deadline for _, _, deadline in offsets} == {timedelta(seconds=6)}
@@ -75,8 +82,11 @@ def test_a_part_that_exits_early_fails_the_demo_naming_it(server_url: str, tmp_p
     with the part's name and log in the message, and leaves no process behind."""
     parts = Parts(make_conninfo(server_url, dbname="dwtest_no_such_db"), tmp_path)
     try:
-        with pytest.raises(DemoFailed, match=r"^the (deliverer|sweep|customers) \(delaywheel .*, pid \d+\) exited early "
-                                             rf"with code 2; its log: {tmp_path}/\1\.log$") as failed:
+        with pytest.raises(
+            DemoFailed,
+            match=r"^the (deliverer|sweep|customers) \(delaywheel .*, pid \d+\) exited early "
+            rf"with code 2; its log: {tmp_path}/\1\.log$",
+        ) as failed:
             parts.wait_ready()  # whichever fails first
     finally:
         parts.close()

@@ -28,7 +28,7 @@ def run_story(store: Store, plans: list[orders.OrderPlan], t0, *, step_s: float 
     """Drive the story with an injected clock: customers act, timers fall due, the sweep applies them."""
     orders.reset(store, stock_per_sku=10_000)
     for start in range(0, len(plans), 500):
-        orders.place_orders(store, plans[start:start + 500], TIMEOUT, now=t0)
+        orders.place_orders(store, plans[start : start + 500], TIMEOUT, now=t0)
     totals = orders.SweepTotals()
     steps = int(2 * TIMEOUT.total_seconds() / step_s) + 2  # late payers act up to 1.8 x timeout
     for step in range(1, steps + 1):
@@ -52,7 +52,8 @@ def test_story_outcome_matches_the_rules_exactly(store: Store, t0, tmp_path) -> 
     refused = store.conn.execute("SELECT count(*) FROM shop.payments WHERE NOT accepted").fetchone()[0]
     assert refused == sum(1 for p in plans if p.action == "pay" and p.act_after >= TIMEOUT)
     gap, reserved = store.conn.execute(
-        "SELECT sum(initial_stock - on_hand - reserved - sold), sum(reserved) FROM shop.products").fetchone()
+        "SELECT sum(initial_stock - on_hand - reserved - sold), sum(reserved) FROM shop.products"
+    ).fetchone()
     assert (gap, reserved) == (0, 0)
     verdict = verify(store, tmp_path, since=t0)
     assert verdict.success, verdict.text
@@ -87,7 +88,10 @@ def test_redelivered_batch_changes_nothing(store: Store, t0) -> None:
     again = store.pull(orders.TOPIC, orders.GROUP, 100)
     assert [m.message_id for m in again.messages] == [m.message_id for m in batch.messages]
     assert orders.apply_timeouts(store.conn, again.messages, now=t0 + TIMEOUT) == (0, 50)
-    assert store.conn.execute("SELECT on_hand, reserved, sold FROM shop.products WHERE sku = 'sku-001'").fetchone() == snapshot
+    assert (
+        store.conn.execute("SELECT on_hand, reserved, sold FROM shop.products WHERE sku = 'sku-001'").fetchone()
+        == snapshot
+    )
     assert snapshot == (1000, 0, 0)
     store.ack(again)
     assert len(store.pull(orders.TOPIC, orders.GROUP, 100)) == 0
@@ -107,10 +111,12 @@ def test_customer_actions_processed_late_keep_the_time_they_were_asked(store: St
     timer that has not been applied yet; the contract holds either way (the failure CI once caught)."""
     orders.reset(store, stock_per_sku=100)
     asked = TIMEOUT / 2
-    plans = [orders.OrderPlan(1, "c", [("sku-003", 1)], "cancel", asked),
-             orders.OrderPlan(2, "c", [("sku-003", 1)], "pay", asked),
-             orders.OrderPlan(3, "c", [("sku-003", 1)], "abandon", None),
-             orders.OrderPlan(4, "c", [("sku-003", 1)], "abandon", None)]
+    plans = [
+        orders.OrderPlan(1, "c", [("sku-003", 1)], "cancel", asked),
+        orders.OrderPlan(2, "c", [("sku-003", 1)], "pay", asked),
+        orders.OrderPlan(3, "c", [("sku-003", 1)], "abandon", None),
+        orders.OrderPlan(4, "c", [("sku-003", 1)], "abandon", None),
+    ]
     orders.place_orders(store, plans, TIMEOUT, now=t0)
     assert orders.customer_cancel(store, [(4, t0 + TIMEOUT)]) == []  # asked at the deadline: too late
     late = t0 + TIMEOUT + timedelta(seconds=1)
@@ -163,13 +169,15 @@ def test_payment_racing_the_timeout_ends_paid_or_cancelled_never_both(db_url: st
     with Store(db_url) as check:
         rows = check.conn.execute(
             """SELECT o.status, bool_or(p.accepted) AS accepted
-               FROM shop.orders o LEFT JOIN shop.payments p USING (order_id) GROUP BY o.order_id, o.status""").fetchall()
+               FROM shop.orders o LEFT JOIN shop.payments p USING (order_id) GROUP BY o.order_id, o.status"""
+        ).fetchall()
         assert len(rows) == n
         for status, accepted in rows:
             assert status in ("paid", "cancelled_timeout")
             assert (status == "paid") == bool(accepted)
         gap, reserved = check.conn.execute(
-            "SELECT sum(initial_stock - on_hand - reserved - sold), sum(reserved) FROM shop.products").fetchone()
+            "SELECT sum(initial_stock - on_hand - reserved - sold), sum(reserved) FROM shop.products"
+        ).fetchone()
         assert (gap, reserved) == (0, 0)
 
 
@@ -179,9 +187,15 @@ def test_customers_take_all_their_order_locks_in_one_ascending_pass(db_url: str,
     deadlocked when they locked the payments' orders first and the cancellations' after."""
     with Store(db_url) as setup:
         orders.reset(setup, stock_per_sku=100)
-        orders.place_orders(setup, [orders.OrderPlan(1, "c", [("sku-001", 1)], "cancel", timedelta(seconds=1)),
-                                    orders.OrderPlan(2, "c", [("sku-002", 1)], "pay", timedelta(seconds=1))],
-                            TIMEOUT, now=t0)
+        orders.place_orders(
+            setup,
+            [
+                orders.OrderPlan(1, "c", [("sku-001", 1)], "cancel", timedelta(seconds=1)),
+                orders.OrderPlan(2, "c", [("sku-002", 1)], "pay", timedelta(seconds=1)),
+            ],
+            TIMEOUT,
+            now=t0,
+        )
     outcome: list[dict[str, int]] = []
     with psycopg.connect(db_url, autocommit=True) as sweep, Store(db_url) as customers:
         pid = customers.conn.info.backend_pid
@@ -190,7 +204,9 @@ def test_customers_take_all_their_order_locks_in_one_ascending_pass(db_url: str,
             sweep.execute("SELECT 1 FROM shop.orders WHERE order_id = 1 FOR NO KEY UPDATE")
             worker.start()
             for _ in range(200):  # until the customers' transaction waits for order 1
-                if sweep.execute("SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchone()[0]:
+                if sweep.execute(
+                    "SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = %s", (pid,)
+                ).fetchone()[0]:
                     break
                 time.sleep(0.05)
             else:
@@ -204,9 +220,12 @@ def test_customers_take_all_their_order_locks_in_one_ascending_pass(db_url: str,
 def test_a_missed_lateness_contract_names_the_figure(store: Store, t0, tmp_path) -> None:
     """The demo prints verify()'s failures on stderr and exits 1: each names the figure, its value and the limit."""
     plans = [orders.OrderPlan(i, "c", [("sku-001", 1)], "abandon", None) for i in range(1, 102)]
-    for round_, (late_s, straggler_s, expected) in enumerate((
+    for round_, (late_s, straggler_s, expected) in enumerate(
+        (
             (1.5, 1.5, "CONTRACT FAILED: cancellation lateness p99 1.50 s > 1 s"),
-            (0.5, 4.0, "CONTRACT FAILED: cancellation lateness max 4.00 s > 3 s"))):
+            (0.5, 4.0, "CONTRACT FAILED: cancellation lateness max 4.00 s > 3 s"),
+        )
+    ):
         start = t0 + timedelta(hours=round_)  # the wheel's cursor only moves forward
         orders.reset(store, stock_per_sku=1000)
         orders.place_orders(store, plans[:100], TIMEOUT, now=start)

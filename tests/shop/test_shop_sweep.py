@@ -46,8 +46,10 @@ def _overdue_orders(store: Store, count: int) -> None:
     odd ones abandoned (their timers delivered, overdue)."""
     orders.reset(store, stock_per_sku=100)
     now = store.clock()
-    plans = [orders.OrderPlan(i, "c", [("sku-001", 1)], "abandon" if i % 2 else "pay", timedelta(seconds=1))
-             for i in range(1, count + 1)]
+    plans = [
+        orders.OrderPlan(i, "c", [("sku-001", 1)], "abandon" if i % 2 else "pay", timedelta(seconds=1))
+        for i in range(1, count + 1)
+    ]
     orders.place_orders(store, plans, timedelta(seconds=30), now=now - timedelta(seconds=60))
     orders.act_customers(store)
     assert store.deliver_due() == count // 2
@@ -92,8 +94,9 @@ def test_sweep_dag_changes_nothing_for_a_batch_applied_before_its_ack_was_lost(s
         result = values["sweep"]
         assert (result["handled"], result["cancelled"], result["already_processed"]) == (10, 6, 4), result
         assert result["batches"] == 4  # batch_size reached the consumer: 3 + 3 + 3 + 1
-        assert store.conn.execute("SELECT count(*), count(*) FILTER (WHERE cancelled) FROM shop.processed_messages"
-                                  ).fetchone() == (10, 10)
+        assert store.conn.execute(
+            "SELECT count(*), count(*) FILTER (WHERE cancelled) FROM shop.processed_messages"
+        ).fetchone() == (10, 10)
         assert _stock(store) == (90, 0, 10)
         assert _left(store) == 0
 
@@ -116,7 +119,9 @@ def test_sweep_lease_handover_applies_every_timer_once(sweep_dag: Any, db_url: s
         with Store(db_url) as own:
             end, next_id = time.monotonic() + 7, 1
             while time.monotonic() < end:
-                plans = [orders.OrderPlan(i, "c", [("sku-001", 1)], "abandon", None) for i in range(next_id, next_id + 5)]
+                plans = [
+                    orders.OrderPlan(i, "c", [("sku-001", 1)], "abandon", None) for i in range(next_id, next_id + 5)
+                ]
                 orders.place_orders(own, plans, timedelta(seconds=1.5))
                 placed.extend(p.order_id for p in plans)
                 next_id += 5
@@ -140,15 +145,19 @@ def test_sweep_lease_handover_applies_every_timer_once(sweep_dag: Any, db_url: s
     assert results["old"]["handed_over"] and results["old"]["stopped_by"] == "lease"
     assert results["old"]["handled"] > 0 and results["new"]["handled"] > 0, results
     with Store(db_url) as store:
-        assert sum(r["handled"] for r in results.values()) == sum(r["cancelled"] for r in results.values()) \
-            == len(placed), results
+        assert (
+            sum(r["handled"] for r in results.values()) == sum(r["cancelled"] for r in results.values()) == len(placed)
+        ), results
         assert sum(r["already_processed"] for r in results.values()) == 0
         assert store.conn.execute(
             "SELECT count(*), count(DISTINCT order_id), count(*) FILTER (WHERE cancelled) FROM shop.processed_messages"
         ).fetchone() == (len(placed), len(placed), len(placed))
         assert store.conn.execute(
             "SELECT count(*) FILTER (WHERE status = 'cancelled_timeout'), count(*) FILTER (WHERE cancelled_at < deadline)"
-            " FROM shop.orders").fetchone() == (len(placed), 0)
-        assert store.conn.execute("SELECT reserved, on_hand FROM shop.products WHERE sku = 'sku-001'").fetchone() \
-            == (0, 10_000)
+            " FROM shop.orders"
+        ).fetchone() == (len(placed), 0)
+        assert store.conn.execute("SELECT reserved, on_hand FROM shop.products WHERE sku = 'sku-001'").fetchone() == (
+            0,
+            10_000,
+        )
         assert _left(store) == 0

@@ -78,21 +78,44 @@ def spark_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SparkClu
     venv_bin = Path(sys.executable).parent
     path = [str(bare.parent), *(p for p in os.environ["PATH"].split(os.pathsep) if Path(p) != venv_bin)]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYSPARK_", "DELAYWHEEL_SPARK_"))} | {
-        "PATH": os.pathsep.join(path), "SPARK_HOME": str(SPARK_HOME), "SPARK_LOCAL_IP": "127.0.0.1",
-        "SPARK_LOG_DIR": str(root / "logs"), "SPARK_PID_DIR": str(root / "pids"), "SPARK_IDENT_STRING": "dwtest"}
+        "PATH": os.pathsep.join(path),
+        "SPARK_HOME": str(SPARK_HOME),
+        "SPARK_LOCAL_IP": "127.0.0.1",
+        "SPARK_LOG_DIR": str(root / "logs"),
+        "SPARK_PID_DIR": str(root / "pids"),
+        "SPARK_IDENT_STRING": "dwtest",
+    }
     port, ui, *worker_uis = free_ports(4)
     master = f"spark://127.0.0.1:{port}"
     cluster = SparkCluster(master, f"http://127.0.0.1:{ui}", env)
 
     def daemon(action: str, role: str, n: int, *args: str) -> None:
-        subprocess.run(["bash", str(SPARK_HOME / "sbin" / "spark-daemon.sh"), action, role, str(n), *args],
-                       env=env, check=action == "start", capture_output=True)
+        subprocess.run(
+            ["bash", str(SPARK_HOME / "sbin" / "spark-daemon.sh"), action, role, str(n), *args],
+            env=env,
+            check=action == "start",
+            capture_output=True,
+        )
 
     try:
         daemon("start", MASTER, 1, "--host", "127.0.0.1", "--port", str(port), "--webui-port", str(ui))
         for n, worker_ui in enumerate(worker_uis, start=1):
-            daemon("start", WORKER, n, master, "--host", "127.0.0.1", "--cores", "1", "--memory", "1g",
-                   "--webui-port", str(worker_ui), "--work-dir", str(root / f"work{n}"))
+            daemon(
+                "start",
+                WORKER,
+                n,
+                master,
+                "--host",
+                "127.0.0.1",
+                "--cores",
+                "1",
+                "--memory",
+                "1g",
+                "--webui-port",
+                str(worker_ui),
+                "--work-dir",
+                str(root / f"work{n}"),
+            )
         deadline = time.monotonic() + 120
         while True:
             try:

@@ -57,8 +57,13 @@ def _spark_info_lines(out: str) -> list[str]:
     return SPARK_INFO.findall(out)
 
 
-def test_bulk_enqueue_dag(dags: dict[str, Any], store: Store, tmp_path: Path, capfd: pytest.CaptureFixture[str],
-                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bulk_enqueue_dag(
+    dags: dict[str, Any],
+    store: Store,
+    tmp_path: Path,
+    capfd: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setenv("DELAYWHEEL_INPUT_ROOTS", str(tmp_path))  # inputs are read only under an input root
     path = tmp_path / "timers.csv"
     with path.open("w", newline="") as f:
@@ -91,13 +96,18 @@ def test_redeliver_dag_catches_up(dags: dict[str, Any], store: Store, capfd: pyt
     assert set(done) == {f"level {n}" for n in range(1, 19)} | {"wheel"}
     assert sum(int(n.replace(",", "")) for n in done.values()) == 90
 
-    assert store.conn.execute("SELECT count(DISTINCT message_id), count(*) FROM delaywheel.topic_messages"
-                              ).fetchone() == (90, 90)
+    assert store.conn.execute(
+        "SELECT count(DISTINCT message_id), count(*) FROM delaywheel.topic_messages"
+    ).fetchone() == (90, 90)
 
 
-def test_lateness_dag_passes_then_fails_on_a_broken_contract(dags: dict[str, Any], store: Store, tmp_path: Path,
-                                                            monkeypatch: pytest.MonkeyPatch,
-                                                            capfd: pytest.CaptureFixture[str]) -> None:
+def test_lateness_dag_passes_then_fails_on_a_broken_contract(
+    dags: dict[str, Any],
+    store: Store,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capfd: pytest.CaptureFixture[str],
+) -> None:
     enqueued = store.clock() - timedelta(minutes=10)  # inside the default window: the last 15 minutes, settled
     store.send_many([Message("orders", {"i": i}, delay_level=2, key=f"q{i}") for i in range(20)], now=enqueued)
     store.deliver_due(now=enqueued + timedelta(seconds=6))
@@ -108,16 +118,18 @@ def test_lateness_dag_passes_then_fails_on_a_broken_contract(dags: dict[str, Any
     out = capfd.readouterr().out
     assert len(_spark_info_lines(out)) <= MAX_SPARK_INFO_LINES, _spark_info_lines(out)
 
-    store.conn.execute("UPDATE delaywheel.topic_messages SET delivered_at = deliver_at - interval '2 s'"
-                       " WHERE key = 'q7'")
+    store.conn.execute(
+        "UPDATE delaywheel.topic_messages SET delivered_at = deliver_at - interval '2 s' WHERE key = 'q7'"
+    )
     monkeypatch.setenv("DELAYWHEEL_SPARK_LOG_LEVEL", "info")  # asked for: Spark's INFO lines are back
     assert _state(dag, report_dir=str(tmp_path)) == "failed"
     out = capfd.readouterr().out
     assert len(_spark_info_lines(out)) > 50
     assert re.search(r"INFO JettyUtils: Start Jetty 127\.0\.0\.1:\d+ for SparkUI", out), "the UI listens on loopback"
 
-    saved = store.conn.execute("SELECT success, failed, report_path FROM delaywheel.validation_results"
-                               " ORDER BY id").fetchall()
+    saved = store.conn.execute(
+        "SELECT success, failed, report_path FROM delaywheel.validation_results ORDER BY id"
+    ).fetchall()
     assert [(s, f) for s, f, _ in saved] == [(True, []), (False, ["zero_early_deliveries"])]
     assert Path(saved[0][2]).parent != tmp_path and Path(saved[1][2]).parent == tmp_path
 
@@ -134,8 +146,9 @@ def test_shop_place_orders_then_reconcile_dags(dags: dict[str, Any], store: Stor
 
     store.cancel_matching(keys=[orders.timer_key(7), orders.timer_key(8)], reason="lost (simulated)")
     assert _state(dags["shop_reconcile"]) == "success"  # no params: its job arguments are fixed
-    assert store.conn.execute("SELECT missing, created, stale, cancelled FROM delaywheel.reconcile_runs"
-                              ).fetchall() == [(2, 2, 0, 0)]
+    assert store.conn.execute(
+        "SELECT missing, created, stale, cancelled FROM delaywheel.reconcile_runs"
+    ).fetchall() == [(2, 2, 0, 0)]
 
 
 class _Parsed(Exception):
@@ -171,26 +184,58 @@ def _job_argv(dag: Any, conf: dict[str, Any]) -> list[str]:
     return argv
 
 
-@pytest.mark.parametrize(("dag_id", "job", "conf", "expected"), [
-    ("delaywheel_redeliver", "redeliver", {}, {"mode": "catch-up", "batch": 50_000, "delay_seconds": None}),
-    ("delaywheel_redeliver", "redeliver",
-     {"mode": "reconcile", "table": "shop.orders", "key_column": "order_id", "predicate": "status = 'pending'",
-      "topic": "order.timeout", "delay_seconds": "90"},
-     {"table": "shop.orders", "due_column": None, "delay_seconds": 90.0}),
-    ("delaywheel_bulk_enqueue", "bulk_enqueue", {"input": "orders.csv"},
-     {"input": "orders.csv", "source_url": None, "partitions": None, "chunk": 50_000, "parquet_reader": "auto"}),
-    ("delaywheel_bulk_enqueue", "bulk_enqueue",
-     {"query": "SELECT 1", "source_url": "postgresql://shop@db/shop", "partitions": "6"},
-     {"input": None, "source_url": "postgresql://shop@db/shop", "partitions": 6}),
-    ("delaywheel_lateness_quality", "lateness_quality", {}, {"start": None, "window_minutes": 15.0}),
-    ("delaywheel_lateness_quality", "lateness_quality",  # as the form sends empty fields: null
-     {"start": None, "end": None, "report_dir": None}, {"start": None, "end": None, "report_dir": None}),
-    ("delaywheel_lateness_quality", "lateness_quality",
-     {"start": "2026-01-01T00:00", "end": "2026-01-01T01:00:00+02:00", "report_dir": "/tmp/r"},
-     {"report_dir": "/tmp/r", "window_minutes": 15.0}),
-])
-def test_every_job_argument_is_a_run_parameter(dags: dict[str, Any], monkeypatch: pytest.MonkeyPatch, dag_id: str,
-                                               job: str, conf: dict[str, Any], expected: dict[str, Any]) -> None:
+@pytest.mark.parametrize(
+    ("dag_id", "job", "conf", "expected"),
+    [
+        ("delaywheel_redeliver", "redeliver", {}, {"mode": "catch-up", "batch": 50_000, "delay_seconds": None}),
+        (
+            "delaywheel_redeliver",
+            "redeliver",
+            {
+                "mode": "reconcile",
+                "table": "shop.orders",
+                "key_column": "order_id",
+                "predicate": "status = 'pending'",
+                "topic": "order.timeout",
+                "delay_seconds": "90",
+            },
+            {"table": "shop.orders", "due_column": None, "delay_seconds": 90.0},
+        ),
+        (
+            "delaywheel_bulk_enqueue",
+            "bulk_enqueue",
+            {"input": "orders.csv"},
+            {"input": "orders.csv", "source_url": None, "partitions": None, "chunk": 50_000, "parquet_reader": "auto"},
+        ),
+        (
+            "delaywheel_bulk_enqueue",
+            "bulk_enqueue",
+            {"query": "SELECT 1", "source_url": "postgresql://shop@db/shop", "partitions": "6"},
+            {"input": None, "source_url": "postgresql://shop@db/shop", "partitions": 6},
+        ),
+        ("delaywheel_lateness_quality", "lateness_quality", {}, {"start": None, "window_minutes": 15.0}),
+        (
+            "delaywheel_lateness_quality",
+            "lateness_quality",  # as the form sends empty fields: null
+            {"start": None, "end": None, "report_dir": None},
+            {"start": None, "end": None, "report_dir": None},
+        ),
+        (
+            "delaywheel_lateness_quality",
+            "lateness_quality",
+            {"start": "2026-01-01T00:00", "end": "2026-01-01T01:00:00+02:00", "report_dir": "/tmp/r"},
+            {"report_dir": "/tmp/r", "window_minutes": 15.0},
+        ),
+    ],
+)
+def test_every_job_argument_is_a_run_parameter(
+    dags: dict[str, Any],
+    monkeypatch: pytest.MonkeyPatch,
+    dag_id: str,
+    job: str,
+    conf: dict[str, Any],
+    expected: dict[str, Any],
+) -> None:
     parser = _job_parser(job, monkeypatch)
     argv = _job_argv(dags[dag_id], conf)
 
@@ -201,8 +246,13 @@ def test_every_job_argument_is_a_run_parameter(dags: dict[str, Any], monkeypatch
 
 
 def test_reconcile_needs_a_due_column_or_a_delay(dags: dict[str, Any]) -> None:
-    reconcile = {"mode": "reconcile", "table": "shop.orders", "key_column": "order_id", "predicate": "true",
-                 "topic": "order.timeout"}
+    reconcile = {
+        "mode": "reconcile",
+        "table": "shop.orders",
+        "key_column": "order_id",
+        "predicate": "true",
+        "topic": "order.timeout",
+    }
     redeliver = importlib.import_module("redeliver")
     for conf in (reconcile, {**reconcile, "due_column": "deadline", "delay_seconds": "90"}):
         with pytest.raises(SystemExit):
@@ -210,8 +260,9 @@ def test_reconcile_needs_a_due_column_or_a_delay(dags: dict[str, Any]) -> None:
 
 
 @pytest.mark.parametrize(("master", "loopback"), [("local[2]", True), ("spark://spark-master:7077", False)])
-def test_a_local_spark_listens_on_loopback_only(dags: dict[str, Any], monkeypatch: pytest.MonkeyPatch, master: str,
-                                                 loopback: bool) -> None:
+def test_a_local_spark_listens_on_loopback_only(
+    dags: dict[str, Any], monkeypatch: pytest.MonkeyPatch, master: str, loopback: bool
+) -> None:
     """SPARK_LOCAL_IP (where Spark binds its driver and UI) is 127.0.0.1 for a local master only: a cluster's
     executors must reach the driver. The JVM logs at WARN through spark/log4j2.properties either way."""
     from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator

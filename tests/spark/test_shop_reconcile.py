@@ -19,9 +19,26 @@ def test_reconcile_repairs_order_timers(spark: object, store: Store, db_url: str
     orders.place_orders(store, plans, TIMEOUT, now=t0)
     store.cancel_matching(keys=[orders.timer_key(1), orders.timer_key(2)], reason="lost (simulated)")
     orders.pay(store, [(3, t0 + timedelta(minutes=1))], cancel_timers=False)  # paid, its timer left pending
-    argv = ["--db-url", db_url, "--requested-by", "test", "--now", (t0 + timedelta(minutes=2)).isoformat(),
-            "--mode", "reconcile", "--table", "shop.orders", "--key-column", "timer_key",
-            "--predicate", "status = 'pending'", "--topic", orders.TOPIC, "--due-column", "deadline"]
+    argv = [
+        "--db-url",
+        db_url,
+        "--requested-by",
+        "test",
+        "--now",
+        (t0 + timedelta(minutes=2)).isoformat(),
+        "--mode",
+        "reconcile",
+        "--table",
+        "shop.orders",
+        "--key-column",
+        "timer_key",
+        "--predicate",
+        "status = 'pending'",
+        "--topic",
+        orders.TOPIC,
+        "--due-column",
+        "deadline",
+    ]
 
     report = redeliver.main(argv)
 

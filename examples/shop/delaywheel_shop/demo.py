@@ -89,8 +89,13 @@ class Parts:
         for name, what, argv in PARTS:
             log_path = out / f"{name}.log"
             log = open(log_path, "wb")  # noqa: SIM115  # closed by close()
-            process = subprocess.Popen([sys.executable, "-m", "delaywheel.cli", *argv], stdout=log,
-                                       stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+            process = subprocess.Popen(
+                [sys.executable, "-m", "delaywheel.cli", *argv],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+            )
             self.parts.append(Part(name, what, log_path, process, log))
 
     def check(self) -> None:
@@ -108,8 +113,9 @@ class Parts:
             self.check()
             waiting = [p for p in waiting if not _READY.search(p.log_path.read_text(errors="replace"))]
             if waiting and time.monotonic() - started > READY_S:
-                raise DemoFailed(f"{waiting[0].describe()} was not ready after {READY_S:g} s; its log: "
-                                 f"{waiting[0].log_path}")
+                raise DemoFailed(
+                    f"{waiting[0].describe()} was not ready after {READY_S:g} s; its log: {waiting[0].log_path}"
+                )
             time.sleep(0.1)
         return time.monotonic() - started
 
@@ -123,8 +129,9 @@ class Parts:
             try:
                 code = part.process.wait(STOP_S)
             except subprocess.TimeoutExpired:
-                raise DemoFailed(f"{part.describe()} did not stop within {STOP_S:g} s of SIGTERM; its log: "
-                                 f"{part.log_path}") from None
+                raise DemoFailed(
+                    f"{part.describe()} did not stop within {STOP_S:g} s of SIGTERM; its log: {part.log_path}"
+                ) from None
             if code != 0:
                 raise DemoFailed(f"{part.describe()} exited with code {code} on SIGTERM; its log: {part.log_path}")
             report[part.name] = {"pid": part.process.pid, "exit_code": code, "log": str(part.log_path)}
@@ -195,14 +202,24 @@ def _run(n_orders: int, *, timeout: str, period: str, json_output: bool, url: st
     parts = Parts(store.url, out)
     try:
         ready_s = parts.wait_ready()
-        print(f"continuous parts ready in {ready_s:.1f} s, each its own process: "
-              + "; ".join(f"{p.name} pid {p.process.pid} (log {p.log_path})" for p in parts.parts), flush=True)
-        print(f"placing {n_orders} orders over {period} with a {timeout} payment timeout: DAG shop_place_orders "
-              "(Spark order generator, local[*])", flush=True)
+        print(
+            f"continuous parts ready in {ready_s:.1f} s, each its own process: "
+            + "; ".join(f"{p.name} pid {p.process.pid} (log {p.log_path})" for p in parts.parts),
+            flush=True,
+        )
+        print(
+            f"placing {n_orders} orders over {period} with a {timeout} payment timeout: DAG shop_place_orders "
+            "(Spark order generator, local[*])",
+            flush=True,
+        )
         launched = store.clock()
         progress = _progress(store, parts)
-        placed = _run_dag("shop_place_orders", out,
-                          {"orders": n_orders, "timeout": timeout, "period": period, "first_id": 1}, watch=progress)
+        placed = _run_dag(
+            "shop_place_orders",
+            out,
+            {"orders": n_orders, "timeout": timeout, "period": period, "first_id": 1},
+            watch=progress,
+        )
         if placed != "success":
             raise DemoFailed(f"DAG shop_place_orders ended {placed}; its log: {out / 'shop_place_orders.log'}")
         spark = _spark_start(store, out, launched)
@@ -214,13 +231,17 @@ def _run(n_orders: int, *, timeout: str, period: str, json_output: bool, url: st
             progress()
             counts = _counts(store)
             row = store.conn.execute(
-                "SELECT count(*) FROM shop.customer_plan WHERE NOT done AND action <> 'abandon'").fetchone()
+                "SELECT count(*) FROM shop.customer_plan WHERE NOT done AND action <> 'abandon'"
+            ).fetchone()
             open_plans = row[0] if row else 0
             if counts.get("pending", 0) == 0 and open_plans == 0:
                 break
             if time.monotonic() > settle_by:
-                print(f"  still unsettled after the expected time ({counts}, {open_plans} customer actions to come):"
-                      " reporting what there is", flush=True)
+                print(
+                    f"  still unsettled after the expected time ({counts}, {open_plans} customer actions to come):"
+                    " reporting what there is",
+                    flush=True,
+                )
                 break
             time.sleep(0.5)
         processes = parts.stop()
@@ -232,30 +253,63 @@ def _run(n_orders: int, *, timeout: str, period: str, json_output: bool, url: st
     swept = _run_dag("shop_order_sweep", out, {"until_idle": True})
     print(f"last sweep (DAG shop_order_sweep): {swept}", flush=True)
     reconcile_state = _run_dag("shop_reconcile", out)
-    reconciled = _latest(store, "SELECT missing, stale FROM delaywheel.reconcile_runs WHERE started_at >= %s"
-                                " ORDER BY id DESC LIMIT 1", clock_start)
-    print(f"reconcile (DAG shop_reconcile, Spark): {reconciled.get('missing')} orders missing a timer, "
-          f"{reconciled.get('stale')} stale timers cancelled ({reconcile_state})", flush=True)
-    lateness_state = _run_dag("delaywheel_lateness_quality", out, {
-        "start": clock_start.isoformat(), "end": store.clock().isoformat(), "report_dir": str(out / "lateness")})
-    lateness = _latest(store, "SELECT success, failed, report_path FROM delaywheel.validation_results"
-                              " WHERE validated_at >= %s ORDER BY id DESC LIMIT 1", clock_start)
-    print("delivery lateness contract (DAG delaywheel_lateness_quality, Spark + Great Expectations): "
-          f"{'passed' if lateness.get('success') else 'FAILED ' + str(lateness.get('failed'))}; "
-          f"report {lateness.get('report_path')}", flush=True)
+    reconciled = _latest(
+        store,
+        "SELECT missing, stale FROM delaywheel.reconcile_runs WHERE started_at >= %s ORDER BY id DESC LIMIT 1",
+        clock_start,
+    )
+    print(
+        f"reconcile (DAG shop_reconcile, Spark): {reconciled.get('missing')} orders missing a timer, "
+        f"{reconciled.get('stale')} stale timers cancelled ({reconcile_state})",
+        flush=True,
+    )
+    lateness_state = _run_dag(
+        "delaywheel_lateness_quality",
+        out,
+        {"start": clock_start.isoformat(), "end": store.clock().isoformat(), "report_dir": str(out / "lateness")},
+    )
+    lateness = _latest(
+        store,
+        "SELECT success, failed, report_path FROM delaywheel.validation_results"
+        " WHERE validated_at >= %s ORDER BY id DESC LIMIT 1",
+        clock_start,
+    )
+    print(
+        "delivery lateness contract (DAG delaywheel_lateness_quality, Spark + Great Expectations): "
+        f"{'passed' if lateness.get('success') else 'FAILED ' + str(lateness.get('failed'))}; "
+        f"report {lateness.get('report_path')}",
+        flush=True,
+    )
     result = verify(store, out, since=clock_start)
     store.close()
-    runs = {"shop_place_orders": placed, "shop_order_sweep": swept, "shop_reconcile": reconcile_state,
-            "delaywheel_lateness_quality": lateness_state}
-    failures = [*result.failures, *(f"DAG {dag} ended {state}; its log: {out / (dag + '.log')}"
-                                    for dag, state in runs.items() if state != "success")]
+    runs = {
+        "shop_place_orders": placed,
+        "shop_order_sweep": swept,
+        "shop_reconcile": reconcile_state,
+        "delaywheel_lateness_quality": lateness_state,
+    }
+    failures = [
+        *result.failures,
+        *(
+            f"DAG {dag} ended {state}; its log: {out / (dag + '.log')}"
+            for dag, state in runs.items()
+            if state != "success"
+        ),
+    ]
     if not lateness.get("success"):
         failures.append(f"delivery lateness contract FAILED: {lateness.get('failed')}")
-    summary = {"orders": n_orders, **result.summary, "reconcile": reconciled,
-               "delivery_lateness_contract": "passed" if lateness.get("success") else "FAILED",
-               "airflow_runs": runs, "processes": processes, "spark_start_s": spark["start_s"],
-               "first_order_after_s": spark["first_order_s"], "failures": failures,
-               "report": str(out / "report.html")}
+    summary = {
+        "orders": n_orders,
+        **result.summary,
+        "reconcile": reconciled,
+        "delivery_lateness_contract": "passed" if lateness.get("success") else "FAILED",
+        "airflow_runs": runs,
+        "processes": processes,
+        "spark_start_s": spark["start_s"],
+        "first_order_after_s": spark["first_order_s"],
+        "failures": failures,
+        "report": str(out / "report.html"),
+    }
     print(json.dumps(summary, default=str, indent=2) if json_output else result.text, flush=True)
     print(f"\nreport: {out / 'report.html'}", flush=True)
     for line in failures:
@@ -282,18 +336,23 @@ def _spark_start(store: Store, out: Path, launched: datetime) -> dict[str, Any]:
     of that was Spark's own start (the generator's log line): measured, for the one line that says why."""
     row = store.conn.execute("SELECT min(placed_at) FROM shop.orders").fetchone()
     first = (row[0] - launched).total_seconds() if row and row[0] else None
-    found = re.findall(r"order generator: Spark started in ([\d.]+) s",
-                       (out / "shop_place_orders.log").read_text(errors="replace"))
+    found = re.findall(
+        r"order generator: Spark started in ([\d.]+) s", (out / "shop_place_orders.log").read_text(errors="replace")
+    )
     start = float(found[-1]) if found else None
-    line = (f"Spark: first orders placed {first:.1f} s after the DAG run was launched (Airflow's `dags test` start, "
-            f"then Spark's JVM and local[*] session: {start if start is not None else '?'} s); deadlines, timers and "
-            "customer plans count from each order's placement, so this start-up adds wall time, not lateness"
-            if first is not None else "Spark: no order was placed")
+    line = (
+        f"Spark: first orders placed {first:.1f} s after the DAG run was launched (Airflow's `dags test` start, "
+        f"then Spark's JVM and local[*] session: {start if start is not None else '?'} s); deadlines, timers and "
+        "customer plans count from each order's placement, so this start-up adds wall time, not lateness"
+        if first is not None
+        else "Spark: no order was placed"
+    )
     return {"first_order_s": None if first is None else round(first, 1), "start_s": start, "line": line}
 
 
-def _run_dag(dag_id: str, out: Path, conf: dict[str, Any] | None = None,
-             watch: Callable[[], None] | None = None) -> str:
+def _run_dag(
+    dag_id: str, out: Path, conf: dict[str, Any] | None = None, watch: Callable[[], None] | None = None
+) -> str:
     """One run of a DAG through `airflow dags test` (`dag.test()` in its own process, so its task log goes
     to `out/<dag_id>.log` and not to this console); `watch` is called twice a second meanwhile (it raises to
     abandon the run, which is then killed). Returns the run's final state."""
@@ -301,8 +360,9 @@ def _run_dag(dag_id: str, out: Path, conf: dict[str, Any] | None = None,
     path = out / f"{dag_id}.log"
     with open(path, "w") as log:
         # its own process group, so that abandoning it also ends its spark-submit and JVM
-        run = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                               start_new_session=True)
+        run = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+        )
         try:
             while run.poll() is None:
                 if watch is not None:

@@ -28,7 +28,7 @@ def place_range(db_url: str, first_id: int, count: int, timeout: timedelta, seed
     plans = orders.plan_orders(first_id, count, timeout, seed=seed)
     with Store(db_url) as store:
         for start in range(0, len(plans), CHUNK):
-            orders.place_orders(store, plans[start:start + CHUNK], timeout)
+            orders.place_orders(store, plans[start : start + CHUNK], timeout)
     return count
 
 
@@ -63,8 +63,10 @@ def main(argv: list[str] | None = None) -> int:
         wave_first = args.first_id + wave * per_wave
         wave_count = max(0, min(per_wave, args.first_id + args.orders - wave_first))
         per_part = -(-wave_count // args.partitions)
-        ranges = [(wave_first + i * per_part, max(0, min(per_part, wave_first + wave_count - (wave_first + i * per_part))))
-                  for i in range(args.partitions)]
+        ranges = [
+            (wave_first + i * per_part, max(0, min(per_part, wave_first + wave_count - (wave_first + i * per_part))))
+            for i in range(args.partitions)
+        ]
         sc.setJobDescription(f"place orders, wave {wave + 1}/{args.waves}")
         placed += sum(sc.parallelize(ranges, len(ranges)).map(place).collect())
         print(f"order generator: wave {wave + 1}/{args.waves} placed, {placed} orders so far", flush=True)

@@ -49,10 +49,13 @@ def _frames(store: Store) -> tuple[pd.DataFrame, pd.DataFrame]:
     cur = store.conn.execute(_ORDERS)
     orders = pd.DataFrame(cur.fetchall(), columns=[d.name for d in cur.description or []])
     # rule columns as 0/1: GX cannot serialise numpy booleans in its results
-    orders["timeout_rule_ok"] = (orders.paid_in_time | orders.customer_cancelled_in_time
-                                 | (orders.status == "cancelled_timeout")).astype(int)
+    orders["timeout_rule_ok"] = (
+        orders.paid_in_time | orders.customer_cancelled_in_time | (orders.status == "cancelled_timeout")
+    ).astype(int)
     orders["paid_rule_ok"] = ((orders.status == "paid") == orders.paid_in_time).astype(int)
-    cur = store.conn.execute("SELECT sku, initial_stock - on_hand - reserved - sold AS stock_gap, reserved FROM shop.products")
+    cur = store.conn.execute(
+        "SELECT sku, initial_stock - on_hand - reserved - sold AS stock_gap, reserved FROM shop.products"
+    )
     products = pd.DataFrame(cur.fetchall(), columns=[d.name for d in cur.description or []])
     return orders, products
 
@@ -70,29 +73,60 @@ def _validate(orders: pd.DataFrame, products: pd.DataFrame) -> list[dict[str, An
     source = context.data_sources.add_pandas("shop")
     cancellations = orders[orders.status == "cancelled_timeout"][["order_id", "cancel_lateness_s"]]
     suites: dict[str, tuple[pd.DataFrame, list[Any]]] = {
-        "orders": (orders, [
-            gxe.ExpectColumnValuesToBeInSet(column="timeout_rule_ok", value_set=[1],
-                                            meta={"rule": "every order unpaid at its deadline is cancelled"}),
-            gxe.ExpectColumnValuesToBeInSet(column="paid_rule_ok", value_set=[1],
-                                            meta={"rule": "an order is paid exactly when it was paid in time: no paid order is cancelled"}),
-            gxe.ExpectColumnValuesToBeUnique(column="order_id", meta={"rule": "each order once"}),
-        ]),
-        "products": (products, [
-            gxe.ExpectColumnValuesToBeBetween(column="stock_gap", min_value=0, max_value=0,
-                                              meta={"rule": "stock conserved: initial = on hand + reserved + sold"}),
-            gxe.ExpectColumnValuesToBeBetween(column="reserved", min_value=0, max_value=0,
-                                              meta={"rule": "no stock left reserved once every order is settled"}),
-        ]),
-        "cancellations": (cancellations, [
-            gxe.ExpectColumnMinToBeBetween(column="cancel_lateness_s", min_value=0,
-                                           meta={"rule": "no order cancelled before its deadline"}),
-            # "p99 within X" as "at least 99 % within X" (GX 1.24's quantile expectation cannot
-            # serialise its result for pandas data)
-            gxe.ExpectColumnValuesToBeBetween(column="cancel_lateness_s", max_value=CONTRACT_P99_S, mostly=0.99,
-                                              meta={"rule": f"cancellation lateness p99 within {CONTRACT_P99_S:g} s"}),
-            gxe.ExpectColumnMaxToBeBetween(column="cancel_lateness_s", max_value=CONTRACT_MAX_S,
-                                           meta={"rule": f"cancellation lateness at most {CONTRACT_MAX_S:g} s"}),
-        ]),
+        "orders": (
+            orders,
+            [
+                gxe.ExpectColumnValuesToBeInSet(
+                    column="timeout_rule_ok",
+                    value_set=[1],
+                    meta={"rule": "every order unpaid at its deadline is cancelled"},
+                ),
+                gxe.ExpectColumnValuesToBeInSet(
+                    column="paid_rule_ok",
+                    value_set=[1],
+                    meta={"rule": "an order is paid exactly when it was paid in time: no paid order is cancelled"},
+                ),
+                gxe.ExpectColumnValuesToBeUnique(column="order_id", meta={"rule": "each order once"}),
+            ],
+        ),
+        "products": (
+            products,
+            [
+                gxe.ExpectColumnValuesToBeBetween(
+                    column="stock_gap",
+                    min_value=0,
+                    max_value=0,
+                    meta={"rule": "stock conserved: initial = on hand + reserved + sold"},
+                ),
+                gxe.ExpectColumnValuesToBeBetween(
+                    column="reserved",
+                    min_value=0,
+                    max_value=0,
+                    meta={"rule": "no stock left reserved once every order is settled"},
+                ),
+            ],
+        ),
+        "cancellations": (
+            cancellations,
+            [
+                gxe.ExpectColumnMinToBeBetween(
+                    column="cancel_lateness_s", min_value=0, meta={"rule": "no order cancelled before its deadline"}
+                ),
+                # "p99 within X" as "at least 99 % within X" (GX 1.24's quantile expectation cannot
+                # serialise its result for pandas data)
+                gxe.ExpectColumnValuesToBeBetween(
+                    column="cancel_lateness_s",
+                    max_value=CONTRACT_P99_S,
+                    mostly=0.99,
+                    meta={"rule": f"cancellation lateness p99 within {CONTRACT_P99_S:g} s"},
+                ),
+                gxe.ExpectColumnMaxToBeBetween(
+                    column="cancel_lateness_s",
+                    max_value=CONTRACT_MAX_S,
+                    meta={"rule": f"cancellation lateness at most {CONTRACT_MAX_S:g} s"},
+                ),
+            ],
+        ),
     }
     results = []
     for name, (frame, expectations) in suites.items():
@@ -103,12 +137,17 @@ def _validate(orders: pd.DataFrame, products: pd.DataFrame) -> list[dict[str, An
         for r in outcome.results:
             config = r.expectation_config
             assert config is not None  # GX fills it for every result of a suite run
-            results.append({
-                "table": name, "expectation": config.type, "rule": (config.meta or {})["rule"],
-                "success": bool(r.success), "observed": _plain(r.result.get("observed_value")),
-                "unexpected": r.result.get("unexpected_count"),
-                "examples": r.result.get("partial_unexpected_list", [])[:5],
-            })
+            results.append(
+                {
+                    "table": name,
+                    "expectation": config.type,
+                    "rule": (config.meta or {})["rule"],
+                    "success": bool(r.success),
+                    "observed": _plain(r.result.get("observed_value")),
+                    "unexpected": r.result.get("unexpected_count"),
+                    "examples": r.result.get("partial_unexpected_list", [])[:5],
+                }
+            )
     return results
 
 
@@ -161,14 +200,21 @@ def verify(store: Store, out: Path, *, since: datetime) -> Verdict:
     delivery = store.conn.execute(_TIMER_LATENESS, {"topic": TOPIC, "since": since}).fetchone()
     counts = orders.status.value_counts().to_dict()
     summary = {
-        "placed": len(orders), "paid": counts.get("paid", 0), "cancelled_by_timeout": counts.get("cancelled_timeout", 0),
-        "cancelled_by_customer": counts.get("cancelled_customer", 0), "still_pending": counts.get("pending", 0),
+        "placed": len(orders),
+        "paid": counts.get("paid", 0),
+        "cancelled_by_timeout": counts.get("cancelled_timeout", 0),
+        "cancelled_by_customer": counts.get("cancelled_customer", 0),
+        "still_pending": counts.get("pending", 0),
         "late_payments_refused": int(refused[0]) if refused else 0,
         "cancellation_lateness_p50_ms": round(float(lateness.quantile(0.5)) * 1000, 1) if len(lateness) else None,
         "cancellation_lateness_p99_ms": round(float(lateness.quantile(0.99)) * 1000, 1) if len(lateness) else None,
         "cancellation_lateness_max_ms": round(float(lateness.max()) * 1000, 1) if len(lateness) else None,
-        "timer_delivery_lateness_p50_ms": round(delivery[0] * 1000, 1) if delivery and delivery[0] is not None else None,
-        "timer_delivery_lateness_p99_ms": round(delivery[1] * 1000, 1) if delivery and delivery[1] is not None else None,
+        "timer_delivery_lateness_p50_ms": round(delivery[0] * 1000, 1)
+        if delivery and delivery[0] is not None
+        else None,
+        "timer_delivery_lateness_p99_ms": round(delivery[1] * 1000, 1)
+        if delivery and delivery[1] is not None
+        else None,
         "timers_delivered_early": int(delivery[2]) if delivery else None,
         "quality": "passed" if success else "FAILED",
         "expectations_passed": f"{sum(r['success'] for r in results)}/{len(results)}",
@@ -180,12 +226,15 @@ def verify(store: Store, out: Path, *, since: datetime) -> Verdict:
         f"<tr class={'ok' if r['success'] else 'bad'}><td>{'passed' if r['success'] else 'FAILED'}</td>"
         f"<td>{html.escape(r['rule'])}</td><td><code>{r['expectation']}</code> on {r['table']}</td>"
         f"<td>{html.escape(str(r['observed'] if r['observed'] is not None else r['unexpected']))}</td></tr>"
-        for r in results)
-    (out / "report.html").write_text(f"""<!doctype html><meta charset=utf-8><title>delaywheel order-timeout report</title>
+        for r in results
+    )
+    (
+        out / "report.html"
+    ).write_text(f"""<!doctype html><meta charset=utf-8><title>delaywheel order-timeout report</title>
 <style>body{{font-family:sans-serif;max-width:1100px;margin:2em auto}} td,th{{padding:4px 8px;border-bottom:1px solid #ddd}}
 .ok td:first-child{{color:#27ae60}} .bad td:first-child{{color:#c0392b;font-weight:bold}}</style>
-<h1>Order timeouts: {summary['quality']}</h1>
-<p>{'</p><p>'.join(html.escape(line) for line in text.splitlines() if line)}</p>
+<h1>Order timeouts: {summary["quality"]}</h1>
+<p>{"</p><p>".join(html.escape(line) for line in text.splitlines() if line)}</p>
 <img alt="orders by outcome and cancellation lateness" src="data:image/png;base64,{_chart(orders)}">
 <h2>Expectations (Great Expectations)</h2>
 <table><tr><th>result</th><th>rule</th><th>expectation</th><th>observed / unexpected</th></tr>{rows}</table>""")
@@ -197,8 +246,10 @@ def _failures(lateness: pd.Series, results: list[dict[str, Any]]) -> list[str]:
     value (the quantiles as the summary computes them), and any other rule broken."""
     lines = []
     if len(lateness):
-        for name, value, limit in (("p99", float(lateness.quantile(0.99)), CONTRACT_P99_S),
-                                   ("max", float(lateness.max()), CONTRACT_MAX_S)):
+        for name, value, limit in (
+            ("p99", float(lateness.quantile(0.99)), CONTRACT_P99_S),
+            ("max", float(lateness.max()), CONTRACT_MAX_S),
+        ):
             if value > limit:
                 lines.append(f"CONTRACT FAILED: cancellation lateness {name} {value:.2f} s > {limit:g} s")
         if float(lateness.min()) < 0:
@@ -221,8 +272,14 @@ def _words(s: dict[str, Any], results: list[dict[str, Any]]) -> str:
         f"{s['timer_delivery_lateness_p50_ms']} ms (p50) / {s['timer_delivery_lateness_p99_ms']} ms (p99) after due, "
         f"{s['timers_delivered_early']} early.",
         f"Data quality: {s['quality']} ({s['expectations_passed']} expectations met)."
-        + ("" if not failed else " Failed: " + "; ".join(
-            f"{r['rule']} ({'observed ' + str(r['observed']) if r['observed'] is not None else str(r['unexpected']) + ' rows break it'})"
-            for r in failed)),
+        + (
+            ""
+            if not failed
+            else " Failed: "
+            + "; ".join(
+                f"{r['rule']} ({'observed ' + str(r['observed']) if r['observed'] is not None else str(r['unexpected']) + ' rows break it'})"
+                for r in failed
+            )
+        ),
     ]
     return "\n".join(lines)

@@ -81,7 +81,9 @@ def reset(store: Store, stock_per_sku: int) -> None:
     conn = store.conn
     with conn.transaction():
         store.cancel_matching(where=f"p.topic = '{TOPIC}'", reason="demo reset")
-        conn.execute("TRUNCATE shop.processed_messages, shop.customer_plan, shop.payments, shop.order_lines, shop.orders, shop.products")
+        conn.execute(
+            "TRUNCATE shop.processed_messages, shop.customer_plan, shop.payments, shop.order_lines, shop.orders, shop.products"
+        )
         conn.execute(
             "INSERT INTO shop.products (sku, initial_stock, on_hand)"
             " SELECT format('sku-%%s', lpad(n::text, 3, '0')), %(s)s, %(s)s FROM generate_series(0, %(k)s - 1) n",
@@ -143,14 +145,19 @@ def place_orders(store: Store, plans: list[OrderPlan], timeout: timedelta, *, no
 # whatever order its join yields them. The locks are the ones those UPDATEs take (FOR NO KEY UPDATE): FOR UPDATE
 # would also wait on the key-share locks that inserting order lines takes on their products, unordered.
 
+
 def _lock_orders(conn: psycopg.Connection, order_ids: list[int]) -> None:
-    conn.execute("SELECT 1 FROM shop.orders WHERE order_id = ANY(%s::bigint[]) ORDER BY order_id FOR NO KEY UPDATE", (order_ids,))
+    conn.execute(
+        "SELECT 1 FROM shop.orders WHERE order_id = ANY(%s::bigint[]) ORDER BY order_id FOR NO KEY UPDATE", (order_ids,)
+    )
 
 
 def _lock_stock(conn: psycopg.Connection, order_ids: list[int]) -> None:
     conn.execute(
         "SELECT 1 FROM shop.products WHERE sku IN (SELECT sku FROM shop.order_lines WHERE order_id = ANY(%s::bigint[]))"
-        " ORDER BY sku FOR NO KEY UPDATE", (order_ids,))
+        " ORDER BY sku FOR NO KEY UPDATE",
+        (order_ids,),
+    )
 
 
 def _release(conn: psycopg.Connection, order_ids: list[int], sell: bool) -> None:
@@ -165,16 +172,23 @@ def _release(conn: psycopg.Connection, order_ids: list[int], sell: bool) -> None
     )
 
 
-def _settle_in_time(conn: psycopg.Connection, requests: list[tuple[int, datetime]], status: str, stamp: str) -> list[int]:
+def _settle_in_time(
+    conn: psycopg.Connection, requests: list[tuple[int, datetime]], status: str, stamp: str
+) -> list[int]:
     """Move the orders still pending whose deadline had not passed when the customer asked (the request's
     own time, not when it is processed) to `status`, stamping `stamp` with that time; returns their ids."""
     _lock_orders(conn, [o for o, _ in requests])
-    return [r[0] for r in conn.execute(
-        sql.SQL("""UPDATE shop.orders o SET status = %s, {stamp} = r.at
+    return [
+        r[0]
+        for r in conn.execute(
+            sql.SQL("""UPDATE shop.orders o SET status = %s, {stamp} = r.at
             FROM unnest(%s::bigint[], %s::timestamptz[]) AS r(id, at)
             WHERE o.order_id = r.id AND o.status = 'pending' AND r.at < o.deadline RETURNING o.order_id""").format(
-            stamp=sql.Identifier(stamp)),
-        (status, [o for o, _ in requests], [t for _, t in requests])).fetchall()]
+                stamp=sql.Identifier(stamp)
+            ),
+            (status, [o for o, _ in requests], [t for _, t in requests]),
+        ).fetchall()
+    ]
 
 
 def pay(store: Store, payments: list[tuple[int, datetime]], *, cancel_timers: bool = True) -> list[int]:
@@ -187,7 +201,8 @@ def pay(store: Store, payments: list[tuple[int, datetime]], *, cancel_timers: bo
         conn.execute(
             "INSERT INTO shop.payments (order_id, paid_at, accepted)"
             " SELECT p.id, p.at, p.id = ANY(%s::bigint[]) FROM unnest(%s::bigint[], %s::timestamptz[]) AS p(id, at)",
-            (accepted, [o for o, _ in payments], [t for _, t in payments]))
+            (accepted, [o for o, _ in payments], [t for _, t in payments]),
+        )
         _release(conn, accepted, sell=True)
     if cancel_timers:
         _cancel_timers(store, accepted, "order paid")
@@ -223,7 +238,9 @@ def act_customers(store: Store, *, now: datetime | None = None) -> dict[str, int
         due = conn.execute(
             "UPDATE shop.customer_plan SET done = true WHERE order_id IN ("
             " SELECT order_id FROM shop.customer_plan WHERE NOT done AND act_at <= %s FOR UPDATE SKIP LOCKED)"
-            " RETURNING order_id, action, act_at", (when,)).fetchall()
+            " RETURNING order_id, action, act_at",
+            (when,),
+        ).fetchall()
         # payments and cancellations settle in one transaction: take all their locks at once, in order
         asked = [o for o, _, _ in due]
         _lock_orders(conn, asked)
@@ -246,7 +263,9 @@ class SweepTotals:
     per_batch: list[int] = field(default_factory=list)
 
 
-def apply_timeouts(conn: psycopg.Connection, messages: Sequence[Delivered], *, now: datetime | None = None) -> tuple[int, int]:
+def apply_timeouts(
+    conn: psycopg.Connection, messages: Sequence[Delivered], *, now: datetime | None = None
+) -> tuple[int, int]:
     """One set-based transaction for a delivered batch's messages: cancel the orders still unpaid and release
     their stock; paid or already cancelled orders stay as they are; a message seen before changes nothing.
     Returns (orders cancelled, messages already processed)."""
@@ -263,11 +282,15 @@ def apply_timeouts(conn: psycopg.Connection, messages: Sequence[Delivered], *, n
         _lock_orders(conn, touched)
         # a timer cancels its order only once the order's own deadline has passed: a stray or early
         # message (a replay, a timer created by reconcile, another run's) never cancels too soon
-        cancelled = [r[0] for r in conn.execute(
-            """UPDATE shop.orders SET status = 'cancelled_timeout', cancelled_at = coalesce(%(now)s, clock_timestamp())
+        cancelled = [
+            r[0]
+            for r in conn.execute(
+                """UPDATE shop.orders SET status = 'cancelled_timeout', cancelled_at = coalesce(%(now)s, clock_timestamp())
                WHERE order_id = ANY(%(ids)s::bigint[]) AND status = 'pending' AND deadline <= coalesce(%(now)s, clock_timestamp())
                RETURNING order_id""",
-            {"now": now, "ids": touched}).fetchall()]
+                {"now": now, "ids": touched},
+            ).fetchall()
+        ]
         _release(conn, cancelled, sell=False)
         conn.execute(
             "INSERT INTO shop.processed_messages (message_id, order_id, cancelled)"
@@ -294,8 +317,9 @@ def sweep(store: Store, *, max_messages: int = 5000, group: str = GROUP, now: da
         totals.per_batch.append(len(batch))
 
 
-def run_sweep(store: Store, *, stop: threading.Event, max_messages: int = 1000,
-              ready: Callable[[], None] | None = None) -> tuple[SweepTotals, str]:
+def run_sweep(
+    store: Store, *, stop: threading.Event, max_messages: int = 1000, ready: Callable[[], None] | None = None
+) -> tuple[SweepTotals, str]:
     """The continuous sweep (`delaywheel shop sweep`): the waiting consumer of the order timeouts, asleep until
     the topic's delivery notification (consume.py), one `apply_timeouts` transaction per batch, acked after it
     commits. Runs until `stop`; the batch in hand is applied and acked first. `ready` is called once connected:
@@ -320,8 +344,14 @@ def run_sweep(store: Store, *, stop: threading.Event, max_messages: int = 1000,
     return totals, consumed.stopped_by
 
 
-def run_customers(store: Store, *, stop: threading.Event, every_s: float = 0.1, duration_s: float | None = None,
-                  ready: Callable[[], None] | None = None) -> dict[str, int]:
+def run_customers(
+    store: Store,
+    *,
+    stop: threading.Event,
+    every_s: float = 0.1,
+    duration_s: float | None = None,
+    ready: Callable[[], None] | None = None,
+) -> dict[str, int]:
     """The simulated customers (`delaywheel shop customers`, the `shop_customers` DAG): every `every_s`, carry out
     the planned actions that have fallen due, until `stop` (or `duration_s`). A tick in progress finishes first.
     Plans are timed from each order's placement (place_orders), so a slow tick delays a payment's processing,

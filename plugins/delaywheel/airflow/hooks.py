@@ -49,8 +49,13 @@ class DelayWheelHook(PostgresHook):
         """A psycopg 3 URL (`postgresql://user:pw@host:port/db?sslmode=...`) for an Airflow Connection."""
         extra = {k: str(v) for k, v in conn.extra_dejson.items() if k not in PostgresHook.ignored_extra_options}
         return URL.create(
-            "postgresql", username=conn.login or None, password=conn.password or None, host=conn.host or None,
-            port=int(conn.port) if conn.port else None, database=conn.schema or None, query=extra,
+            "postgresql",
+            username=conn.login or None,
+            password=conn.password or None,
+            host=conn.host or None,
+            port=int(conn.port) if conn.port else None,
+            database=conn.schema or None,
+            query=extra,
         ).render_as_string(hide_password=False)
 
     @property
@@ -64,7 +69,9 @@ class DelayWheelHook(PostgresHook):
     def next_due(self, level: int | None, *, now_offset_s: float = 0.0) -> tuple[datetime | None, datetime]:
         """(the lane's next due time or None, the database clock shifted by `now_offset_s`)."""
         sql, params = head_query(level)
-        with psycopg.connect(with_session_options(self.url), autocommit=True, application_name="delaywheel-sensor") as conn:
+        with psycopg.connect(
+            with_session_options(self.url), autocommit=True, application_name="delaywheel-sensor"
+        ) as conn:
             head = conn.execute(sql, params).fetchone()  # type: ignore[arg-type]
             clock = conn.execute(CLOCK, {"offset": now_offset_s}).fetchone()
         assert clock is not None

@@ -65,8 +65,10 @@ def topic_asset(topic: str) -> Asset:
         watchers = [AssetWatcher(name=f"delaywheel_topic_{quoted}", trigger=TopicMessagesTrigger(topic))]
     else:
         watchers = [
-            AssetWatcher(name=f"delaywheel_topic_{quoted}_{conn_id.removeprefix('delaywheel_')}",
-                         trigger=TopicMessagesTrigger(topic, conn_id))
+            AssetWatcher(
+                name=f"delaywheel_topic_{quoted}_{conn_id.removeprefix('delaywheel_')}",
+                trigger=TopicMessagesTrigger(topic, conn_id),
+            )
             for conn_id in topic_conn_ids(topic, settings)
         ]
     return Asset(name=uri, uri=uri, group="delaywheel", watchers=watchers)
@@ -78,8 +80,9 @@ def merge_extras(extras: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     lanes: dict[str, set[str]] = {}
     for extra in extras:
         topic = extra["topic"]
-        span = TopicSpan(extra["count"], (extra["first_xid"], extra["first_offset"]),
-                         (extra["last_xid"], extra["last_offset"]))
+        span = TopicSpan(
+            extra["count"], (extra["first_xid"], extra["first_offset"]), (extra["last_xid"], extra["last_offset"])
+        )
         add_spans(spans, {topic: span})
         lanes.setdefault(topic, set()).add(extra["lane"])
     return {topic: {"topic": topic, "lanes": sorted(lanes[topic]), **span.fields()} for topic, span in spans.items()}
@@ -189,19 +192,28 @@ class _LeaseOperator(BaseOperator):
                 raise ValueError(f"level {lane} is not configured (1..{store.settings.max_level})")
             self.log.info("delivering on %s for a lease of %.1fs", lane_name(lane), lease)
             totals = runner.run(
-                store, [lane], lease, stop=self._stop, until_idle=_truthy(self.until_idle),
+                store,
+                [lane],
+                lease,
+                stop=self._stop,
+                until_idle=_truthy(self.until_idle),
                 handover_grace_s=float(self.handover_grace_seconds),
-                progress=lambda t: self.log.info("delivered %d in %d passes (%d busy)", t.delivered, t.passes,
-                                                 t.busy_passes),
+                progress=lambda t: self.log.info(
+                    "delivered %d in %d passes (%d busy)", t.delivered, t.passes, t.busy_passes
+                ),
             )
         name = lane_name(lane)
         if self.emit_asset_events:
             for topic, span in sorted(totals.per_topic.items()):
                 context["outlet_events"][TOPICS_ALIAS].add(topic_asset(topic), extra=event_extra(topic, name, span))
         return {
-            "lane": name, "lease_seconds": lease, "stopped_early": self._stop.is_set(),
-            "delivered": totals.delivered, "skipped_cancelled": totals.skipped_cancelled,
-            "passes": totals.passes, "busy_passes": totals.busy_passes,
+            "lane": name,
+            "lease_seconds": lease,
+            "stopped_early": self._stop.is_set(),
+            "delivered": totals.delivered,
+            "skipped_cancelled": totals.skipped_cancelled,
+            "passes": totals.passes,
+            "busy_passes": totals.busy_passes,
             "reconnects": totals.reconnects,  # connections lost (a PostgreSQL restart) and made again
             "topics": {t: event_extra(t, name, s) for t, s in sorted(totals.per_topic.items())},
         }
@@ -302,8 +314,16 @@ class ConsumeOperator(BaseOperator):
     covered by committed acks, sent to the retry ladder, lost connections made again.
     """
 
-    template_fields: tuple[str, ...] = ("topic", "group", "apply_function_kwargs", "lease_seconds",
-                                        "handover_grace_seconds", "max_messages", "until_idle", "delaywheel_conn_id")
+    template_fields: tuple[str, ...] = (
+        "topic",
+        "group",
+        "apply_function_kwargs",
+        "lease_seconds",
+        "handover_grace_seconds",
+        "max_messages",
+        "until_idle",
+        "delaywheel_conn_id",
+    )
     template_fields_renderers = {"apply_function_kwargs": "py"}
     ui_color = "#fdf1dc"
 
@@ -327,8 +347,10 @@ class ConsumeOperator(BaseOperator):
         super().__init__(**kwargs)
         overridden = type(self).handle is not ConsumeOperator.handle
         if sum((apply_function is not None, apply_function_batch is not None, overridden)) != 1:
-            raise ValueError("ConsumeOperator needs exactly one handler: apply_function, apply_function_batch, "
-                             "or a subclass overriding handle()")
+            raise ValueError(
+                "ConsumeOperator needs exactly one handler: apply_function, apply_function_batch, "
+                "or a subclass overriding handle()"
+            )
         self.topic, self.group = topic, group
         self.apply_function, self.apply_function_batch = apply_function, apply_function_batch
         self.apply_function_kwargs = apply_function_kwargs
@@ -358,8 +380,9 @@ class ConsumeOperator(BaseOperator):
             except Abandon:
                 raise
             except Exception:
-                self.log.exception("apply_function failed on message %s; it goes to the retry ladder",
-                                   message.message_id)
+                self.log.exception(
+                    "apply_function failed on message %s; it goes to the retry ladder", message.message_id
+                )
                 failed.append(message.message_id)
         return failed
 
@@ -382,33 +405,54 @@ class ConsumeOperator(BaseOperator):
         conn_id = self.delaywheel_conn_id or topic_conn_ids(self.topic)[0]
         with DelayWheelHook(conn_id).get_store() as store, connect(store.url, autocommit=True) as presence:
             self.store = store
-            presence.execute(f"SELECT pg_advisory_lock_shared({CONSUMER_PRESENCE_LOCK}, {GROUP_TOPIC_KEY})",
-                             (self.group, self.topic))
-            watchdog = threading.Thread(target=self._watch, args=(presence, lease, grace, stop, handed_over),
-                                        name="delaywheel-consumer-lease", daemon=True)
-            self.log.info("consuming %s as group %s for a lease of %.1fs (grace %.1fs%s)", self.topic, self.group,
-                          lease, grace, ", until idle" if idle_s else "")
+            presence.execute(
+                f"SELECT pg_advisory_lock_shared({CONSUMER_PRESENCE_LOCK}, {GROUP_TOPIC_KEY})", (self.group, self.topic)
+            )
+            watchdog = threading.Thread(
+                target=self._watch,
+                args=(presence, lease, grace, stop, handed_over),
+                name="delaywheel-consumer-lease",
+                daemon=True,
+            )
+            self.log.info(
+                "consuming %s as group %s for a lease of %.1fs (grace %.1fs%s)",
+                self.topic,
+                self.group,
+                lease,
+                grace,
+                ", until idle" if idle_s else "",
+            )
             watchdog.start()
             try:
                 store.conn  # noqa: B018  # connected before the turn: a hand-over costs no connection set-up
                 if idle_s is None:  # a drain-and-stop run does not queue behind a lease: it ends if it is not its turn
                     self._wait_turn(presence, stop)
-                totals = store.consume(self.topic, self.group, handler, max_messages=int(self.max_messages),
-                                       stop=stop, idle_s=idle_s)
+                totals = store.consume(
+                    self.topic, self.group, handler, max_messages=int(self.max_messages), stop=stop, idle_s=idle_s
+                )
             finally:
                 with contextlib.suppress(psycopg.Error):  # the successor waiting for its turn gets it now
-                    presence.execute(f"SELECT pg_advisory_unlock({CONSUMER_TURN_LOCK}, {GROUP_TOPIC_KEY})",
-                                     (self.group, self.topic))
+                    presence.execute(
+                        f"SELECT pg_advisory_unlock({CONSUMER_TURN_LOCK}, {GROUP_TOPIC_KEY})", (self.group, self.topic)
+                    )
                 stop.set()
                 watchdog.join()
                 self.store = None
         result = {
-            "topic": self.topic, "group": self.group, "lease_seconds": lease,
-            "stopped_early": self._killed, "stopped_by": "kill" if self._killed else "lease" if self._lease_ended else totals.stopped_by,
+            "topic": self.topic,
+            "group": self.group,
+            "lease_seconds": lease,
+            "stopped_early": self._killed,
+            "stopped_by": "kill" if self._killed else "lease" if self._lease_ended else totals.stopped_by,
             "handed_over": handed_over.is_set(),  # a successor was seen running at the lease end
-            "handled": handled, "acked": totals.messages, "retried": totals.retried, "reconnects": totals.reconnects,
-            "batches": totals.batches, "handler_errors": totals.handler_errors,
-            "already_acked": totals.already_acked, "busy_pulls": totals.busy,
+            "handled": handled,
+            "acked": totals.messages,
+            "retried": totals.retried,
+            "reconnects": totals.reconnects,
+            "batches": totals.batches,
+            "handler_errors": totals.handler_errors,
+            "already_acked": totals.already_acked,
+            "busy_pulls": totals.busy,
         }
         self.log.info("consumed: %s", result)
         return result
@@ -421,8 +465,9 @@ class ConsumeOperator(BaseOperator):
         waited = time.monotonic()
         while not stop.is_set():
             try:
-                presence.execute(f"SELECT pg_advisory_lock({CONSUMER_TURN_LOCK}, {GROUP_TOPIC_KEY})",
-                                 (self.group, self.topic))
+                presence.execute(
+                    f"SELECT pg_advisory_lock({CONSUMER_TURN_LOCK}, {GROUP_TOPIC_KEY})", (self.group, self.topic)
+                )
             except psycopg.errors.LockNotAvailable:
                 continue
             except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
@@ -431,8 +476,9 @@ class ConsumeOperator(BaseOperator):
             self.log.info("took the turn of %s / %s after %.2fs", self.group, self.topic, time.monotonic() - waited)
             return
 
-    def _watch(self, presence: Any, lease: float, grace: float, stop: threading.Event,
-               handed_over: threading.Event) -> None:
+    def _watch(
+        self, presence: Any, lease: float, grace: float, stop: threading.Event, handed_over: threading.Event
+    ) -> None:
         """Set `stop` at the lease end, or past it once a successor is present (at most `grace` later)."""
         end = time.monotonic() + lease
         if stop.wait(lease):
@@ -444,7 +490,8 @@ class ConsumeOperator(BaseOperator):
                           AND pid <> pg_backend_pid() AND classid::bigint = {CONSUMER_PRESENCE_LOCK}
                           AND objid = ({GROUP_TOPIC_KEY})::oid
                           AND database = (SELECT oid FROM pg_database WHERE datname = current_database())""",
-                    (self.group, self.topic)).fetchone()
+                    (self.group, self.topic),
+                ).fetchone()
             except psycopg.Error as exc:  # cannot tell: hand over as without a grace
                 self.log.warning("cannot look for a successor (%s); stopping at the lease end", exc)
                 break
@@ -490,8 +537,18 @@ class EnqueueOperator(BaseOperator):
     Returns the message ids (with several stores, each its store's: docs/stores.md, "Ids are per store").
     """
 
-    template_fields = ("topic", "body", "messages", "delay_level", "delay_seconds", "deliver_at", "key", "tags",
-                       "properties", "delaywheel_conn_id")
+    template_fields = (
+        "topic",
+        "body",
+        "messages",
+        "delay_level",
+        "delay_seconds",
+        "deliver_at",
+        "key",
+        "tags",
+        "properties",
+        "delaywheel_conn_id",
+    )
 
     def __init__(
         self,
@@ -521,9 +578,18 @@ class EnqueueOperator(BaseOperator):
             if not isinstance(self.messages, list):
                 raise TypeError(f"messages must render to a list of dicts, got {type(self.messages).__name__}")
             return self.messages
-        return [{"topic": self.topic, "body": self.body, "delay_level": self.delay_level,
-                 "delay_seconds": self.delay_seconds, "deliver_at": self.deliver_at, "key": self.key,
-                 "tags": self.tags, "properties": self.properties}]
+        return [
+            {
+                "topic": self.topic,
+                "body": self.body,
+                "delay_level": self.delay_level,
+                "delay_seconds": self.delay_seconds,
+                "deliver_at": self.deliver_at,
+                "key": self.key,
+                "tags": self.tags,
+                "properties": self.properties,
+            }
+        ]
 
     def execute(self, context: Context) -> list[int]:
         batch = [_message(item) for item in self._items()]
@@ -598,19 +664,28 @@ class CancelOperator(BaseOperator):
     def execute(self, context: Context) -> dict[str, Any]:
         with DelayWheelHook(self.delaywheel_conn_id).get_store() as store:
             if self.message_id is not None or self.key is not None:
-                results = store.cancel(message_id=None if self.message_id is None else int(self.message_id),
-                                       key=self.key, reason=self.reason)
-                summary = {"cancelled": sum(r.outcome == "cancelled" for r in results),
-                           "results": [{"message_id": r.message_id, "outcome": r.outcome} for r in results]}
+                results = store.cancel(
+                    message_id=None if self.message_id is None else int(self.message_id),
+                    key=self.key,
+                    reason=self.reason,
+                )
+                summary = {
+                    "cancelled": sum(r.outcome == "cancelled" for r in results),
+                    "results": [{"message_id": r.message_id, "outcome": r.outcome} for r in results],
+                }
             else:
                 keys = [self.keys] if isinstance(self.keys, str) else self.keys
                 if self.max_matches not in (None, ""):
                     matching = store.count_matching(keys=keys, where=self.where)
                     if matching > int(self.max_matches):  # type: ignore[arg-type]
-                        raise ValueError(f"{matching} pending messages match, more than max_matches={self.max_matches};"
-                                         " nothing cancelled")
-                summary = {"cancelled": store.cancel_matching(keys=keys, where=self.where, reason=self.reason),
-                           "results": []}
+                        raise ValueError(
+                            f"{matching} pending messages match, more than max_matches={self.max_matches};"
+                            " nothing cancelled"
+                        )
+                summary = {
+                    "cancelled": store.cancel_matching(keys=keys, where=self.where, reason=self.reason),
+                    "results": [],
+                }
         self.log.info("cancelled %d message(s)", summary["cancelled"])
         return summary
 

@@ -17,10 +17,12 @@ class DelayWheelPlugin(AirflowPlugin):
 
     name = "delaywheel"
     fastapi_apps = [{"app": app, "url_prefix": URL_PREFIX, "name": "delaywheel dashboard"}]
-    external_views = [{
-        "name": "Delaywheel",
-        "href": f"{URL_PREFIX.lstrip('/')}/",  # relative with a trailing slash: works behind a base_url
-        "url_route": "delaywheel",  # shown inside the Airflow UI at /plugin/delaywheel
-        "destination": "nav",
-        "category": "browse",
-    }]
+    external_views = [
+        {
+            "name": "Delaywheel",
+            "href": f"{URL_PREFIX.lstrip('/')}/",  # relative with a trailing slash: works behind a base_url
+            "url_route": "delaywheel",  # shown inside the Airflow UI at /plugin/delaywheel
+            "destination": "nav",
+            "category": "browse",
+        }
+    ]

@@ -77,14 +77,17 @@ class DueMessagesSensor(BaseSensorOperator):
         except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
             if not connection_lost(exc):
                 raise
-            self.log.warning("%s: database not reachable (%s); looking again later", lane_name(self.lane),
-                             str(exc).strip())
+            self.log.warning(
+                "%s: database not reachable (%s); looking again later", lane_name(self.lane), str(exc).strip()
+            )
             return PokeReturnValue(is_done=False)
         self.log.info("%s: head due %s, now %s", lane_name(self.lane), head, clock)
         if head is None or head > clock:
             return PokeReturnValue(is_done=False)
-        return PokeReturnValue(is_done=True, xcom_value={
-            "lane": lane_name(self.lane), "due_at": head.isoformat(), "checked_at": clock.isoformat()})
+        return PokeReturnValue(
+            is_done=True,
+            xcom_value={"lane": lane_name(self.lane), "due_at": head.isoformat(), "checked_at": clock.isoformat()},
+        )
 
     def execute(self, context: Context) -> Any:
         if not self.deferrable:
@@ -92,7 +95,9 @@ class DueMessagesSensor(BaseSensorOperator):
         if (poked := self.poke(context)).is_done:  # already due: no round trip through the triggerer
             return poked.xcom_value
         self.defer(
-            trigger=DueMessagesTrigger(self.lane, self.delaywheel_conn_id, self.trigger_poll_interval, self.now_offset_s),
+            trigger=DueMessagesTrigger(
+                self.lane, self.delaywheel_conn_id, self.trigger_poll_interval, self.now_offset_s
+            ),
             method_name="execute_complete",
             timeout=timedelta(seconds=self.timeout) if self.timeout else None,
         )

@@ -98,10 +98,16 @@ class DueMessagesTrigger(BaseTrigger):
                         head, clock = await next_due_async(conn, self.level, self.now_offset_s)
                         retry_in = backoff_delays()
                         if head is not None and head <= clock:
-                            return {"lane": lane_name(self.level), "due_at": head.isoformat(),
-                                    "checked_at": clock.isoformat()}
-                        wait = self.poll_interval if head is None else min(self.poll_interval,
-                                                                           (head - clock).total_seconds())
+                            return {
+                                "lane": lane_name(self.level),
+                                "due_at": head.isoformat(),
+                                "checked_at": clock.isoformat(),
+                            }
+                        wait = (
+                            self.poll_interval
+                            if head is None
+                            else min(self.poll_interval, (head - clock).total_seconds())
+                        )
                         self.log.debug("%s: next due %s, waiting up to %.3fs", lane_name(self.level), head, wait)
                         await _sleep_or_sooner(conn, wait, _due_before(clock.timestamp() + wait, hints))
             except (psycopg.OperationalError, psycopg.InterfaceError) as exc:

@@ -52,8 +52,11 @@ def check_input(path: str, settings: Settings) -> str:
             raise NotAllowed(f"input {path!r} is not under an input root ({hint})")
         return path
     local = path.removeprefix("file://") if scheme else path
-    resolved_roots = [Path(r.removeprefix("file://")).expanduser().resolve() for r in roots if not _SCHEME.match(r)
-                      or r.startswith("file://")]
+    resolved_roots = [
+        Path(r.removeprefix("file://")).expanduser().resolve()
+        for r in roots
+        if not _SCHEME.match(r) or r.startswith("file://")
+    ]
     base = Path(os.path.abspath(Path(local).expanduser()))  # relative: to the working folder, as Spark reads it
     matches = glob.glob(str(base)) if _GLOB.search(str(base)) else [str(base)] if os.path.lexists(base) else []
     if not matches:
@@ -96,8 +99,10 @@ def _connection_uri(conn_id: str) -> str:
     env = os.environ.get(connection_variable(conn_id))
     if env:
         return env
-    raise NotAllowed(f"source {conn_id!r} is allowed but {connection_variable(conn_id)} is not set for this job "
-                     "(the Airflow task sets it from the connection; set it yourself when running the job by hand)")
+    raise NotAllowed(
+        f"source {conn_id!r} is allowed but {connection_variable(conn_id)} is not set for this job "
+        "(the Airflow task sets it from the connection; set it yourself when running the job by hand)"
+    )
 
 
 def check_source(source: str | None, settings: Settings, *, to_url: object = None) -> str | None:

@@ -31,6 +31,7 @@ LANES_NOT_LEVELS = ("wheel", "direct")
 
 # --- reading a window (PostgreSQL SQL, run through JDBC) ----------------------------------------------
 
+
 def _ts(t: datetime) -> sql.Composable:
     """A time as a quoted timestamptz literal (psycopg's quoting: the reader takes one text statement, no parameters)."""
     return sql.Literal(t.astimezone(UTC))
@@ -76,9 +77,15 @@ def due_sql(start: datetime, end: datetime, longest_level: timedelta) -> str:
     keys too), and `split` is the segment's first id: a parallel reader's `split % n = i` then picks whole
     segments before they are unnested, instead of every reader unnesting every segment."""
     window = sql.SQL("deliver_at >= {} AND deliver_at < {}").format(_ts(start), _ts(end))
-    return _DUE.format(cancelled=cancelled("d"), level_messages=segment_messages("id", "topic"),
-                       far_messages=segment_messages("id", "topic", "due"), window=window,
-                       enqueued_from=_ts(start - longest_level), start=_ts(start), end=_ts(end)).as_string()
+    return _DUE.format(
+        cancelled=cancelled("d"),
+        level_messages=segment_messages("id", "topic"),
+        far_messages=segment_messages("id", "topic", "due"),
+        window=window,
+        enqueued_from=_ts(start - longest_level),
+        start=_ts(start),
+        end=_ts(end),
+    ).as_string()
 
 
 # --- aggregating (Spark SQL over the views `deliveries` and `due`) -------------------------------------
@@ -163,6 +170,7 @@ def store_minutes(conn: psycopg.Connection, rows: list[tuple[Any, ...]]) -> int:
 
 # --- the contract (Great Expectations) -----------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class Check:
     """One expectation's outcome, with the figures a person needs to act on it."""
@@ -213,11 +221,18 @@ def _expectations() -> dict[str, list[Any]]:
             named("no_duplicate_delivery", e.ExpectColumnValuesToBeUnique, column="message_id"),
         ],
         "outcomes": [
-            named("completeness", e.ExpectColumnValuesToBeInSet, column="outcome", value_set=["delivered", "cancelled"]),
+            named(
+                "completeness", e.ExpectColumnValuesToBeInSet, column="outcome", value_set=["delivered", "cancelled"]
+            ),
         ],
         "levels": [
-            named("p99_within_threshold", e.ExpectColumnPairValuesAToBeGreaterThanB,
-                  column_A="threshold_ms", column_B="p99_ms", or_equal=True),
+            named(
+                "p99_within_threshold",
+                e.ExpectColumnPairValuesAToBeGreaterThanB,
+                column_A="threshold_ms",
+                column_B="p99_ms",
+                or_equal=True,
+            ),
         ],
     }
 
@@ -231,8 +246,11 @@ def _figures(name: str, result: dict[str, Any], levels: list[dict[str, Any]]) ->
         return f"{bad} of {total} deliveries share a message id (e.g. message ids {sample})"
     if name == "completeness":
         return f"{bad} of {total} messages due in the window neither delivered nor cancelled"
-    over = [f"{r['lane_key']}: p99 {r['p99_ms']:.0f} ms > {r['threshold_ms']:.0f} ms" for r in levels
-            if r["p99_ms"] > r["threshold_ms"]]
+    over = [
+        f"{r['lane_key']}: p99 {r['p99_ms']:.0f} ms > {r['threshold_ms']:.0f} ms"
+        for r in levels
+        if r["p99_ms"] > r["threshold_ms"]
+    ]
     return f"{bad} of {total} lanes over their p99 threshold ({'; '.join(over)})"
 
 
@@ -258,8 +276,11 @@ def validate(frames: dict[str, Any], levels: list[dict[str, Any]], start: dateti
         for expectation in expectations:
             suite.add_expectation(expectation)
         suite = context.suites.add(suite)
-        batch = source.add_dataframe_asset(name=frame).add_batch_definition_whole_dataframe("window").get_batch(
-            batch_parameters={"dataframe": frames[frame]})
+        batch = (
+            source.add_dataframe_asset(name=frame)
+            .add_batch_definition_whole_dataframe("window")
+            .get_batch(batch_parameters={"dataframe": frames[frame]})
+        )
         outcome = batch.validate(suite)
         results[frame] = outcome.to_json_dict()
         for r in outcome.results:
@@ -276,8 +297,15 @@ def save_result(conn: psycopg.Connection, result: ContractResult, report_path: s
     row = conn.execute(
         "INSERT INTO delaywheel.validation_results (suite, window_start, window_end, success, failed, result,"
         " report_path) VALUES (%s, %s, %s, %s, %s, %s, %s) RETURNING id",
-        (SUITE, result.start, result.end, result.success, [c.name for c in result.failed],
-         Jsonb(json.loads(json.dumps(result.results, default=str))), report_path),
+        (
+            SUITE,
+            result.start,
+            result.end,
+            result.success,
+            [c.name for c in result.failed],
+            Jsonb(json.loads(json.dumps(result.results, default=str))),
+            report_path,
+        ),
     ).fetchone()
     assert row is not None
     return int(row[0])
@@ -285,14 +313,16 @@ def save_result(conn: psycopg.Connection, result: ContractResult, report_path: s
 
 # --- the report ------------------------------------------------------------------------------------------
 
+
 def _png(fig: Any) -> str:
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=100, bbox_inches="tight")
     return base64.b64encode(buffer.getvalue()).decode()
 
 
-def render_report(path: Path, result: ContractResult, levels: list[dict[str, Any]],
-                  histogram: list[tuple[float, float]]) -> Path:
+def render_report(
+    path: Path, result: ContractResult, levels: list[dict[str, Any]], histogram: list[tuple[float, float]]
+) -> Path:
     """A self-contained HTML page: the checks, a lateness histogram and the per-lane table as pictures."""
     import matplotlib
 
@@ -311,22 +341,43 @@ def render_report(path: Path, result: ContractResult, levels: list[dict[str, Any
     hist_png = _png(fig)
     plt.close(fig)
 
-    rows = sorted(levels, key=lambda r: (not r["lane_key"].isdigit(), int(r["lane_key"]) if r["lane_key"].isdigit() else 0,
-                                         r["lane_key"]))
+    rows = sorted(
+        levels,
+        key=lambda r: (
+            not r["lane_key"].isdigit(),
+            int(r["lane_key"]) if r["lane_key"].isdigit() else 0,
+            r["lane_key"],
+        ),
+    )
     fig, ax = plt.subplots(figsize=(8, 0.4 + 0.3 * max(len(rows), 1)))
     ax.axis("off")
-    cells = [[r["lane_key"], f"{r['deliveries']:,}", f"{r['p50_ms']:.0f}", f"{r['p99_ms']:.0f}", f"{r['max_ms']:.0f}",
-              f"{r['threshold_ms']:.0f}", "ok" if r["p99_ms"] <= r["threshold_ms"] else "OVER"] for r in rows]
+    cells = [
+        [
+            r["lane_key"],
+            f"{r['deliveries']:,}",
+            f"{r['p50_ms']:.0f}",
+            f"{r['p99_ms']:.0f}",
+            f"{r['max_ms']:.0f}",
+            f"{r['threshold_ms']:.0f}",
+            "ok" if r["p99_ms"] <= r["threshold_ms"] else "OVER",
+        ]
+        for r in rows
+    ]
     if cells:
-        table = ax.table(cellText=cells, colLabels=["lane", "deliveries", "p50 ms", "p99 ms", "max ms", "p99 limit",
-                                                    ""], loc="center")
+        table = ax.table(
+            cellText=cells,
+            colLabels=["lane", "deliveries", "p50 ms", "p99 ms", "max ms", "p99 limit", ""],
+            loc="center",
+        )
         table.scale(1, 1.2)
     table_png = _png(fig)
     plt.close(fig)
 
     items = "".join(
         f"<li class={'ok' if c.success else 'fail'}><b>{html.escape(c.name)}</b> ({html.escape(c.expectation)}): "
-        f"{'passed' if c.success else 'FAILED'} &mdash; {html.escape(c.figures)}</li>" for c in result.checks)
+        f"{'passed' if c.success else 'FAILED'} &mdash; {html.escape(c.figures)}</li>"
+        for c in result.checks
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(
         "<!doctype html><meta charset=utf-8><title>delaywheel lateness</title>"

@@ -52,8 +52,10 @@ class Reconcile:
 
     @property
     def label(self) -> str:
-        conditions = [*([self.predicate.strip()] if self.predicate and self.predicate.strip() else []),
-                      *(f"{c} = {v!r}" for c, v in sorted(self.filters.items()))]
+        conditions = [
+            *([self.predicate.strip()] if self.predicate and self.predicate.strip() else []),
+            *(f"{c} = {v!r}" for c, v in sorted(self.filters.items())),
+        ]
         return f"{self.table}.{self.key_column} WHERE {' AND '.join(conditions) or 'true'}"
 
     def resolve(self, conn: psycopg.Connection) -> _Business:
@@ -75,8 +77,9 @@ class Reconcile:
                 params[f"rc_{i}"] = value
                 conditions.append(sql.SQL("{} = {}").format(ident, sql.Placeholder(f"rc_{i}")))
         where = sql.SQL(" AND ").join(conditions) if conditions else sql.SQL("true")
-        return _Business(sql.Identifier(schema, table), sql.Identifier(key), sql.Identifier(due) if due else None,
-                         where, params)
+        return _Business(
+            sql.Identifier(schema, table), sql.Identifier(key), sql.Identifier(due) if due else None, where, params
+        )
 
     def needed_sql(self, conn: psycopg.Connection) -> str:
         """Keys (and due times) of the business rows that need a timer, and whether one was delivered already
@@ -88,8 +91,12 @@ class Reconcile:
             " EXISTS (SELECT 1 FROM delaywheel.topic_messages t WHERE t.origin <> 'replay'"
             " AND t.topic = %(rc_topic)s AND t.key = b.{key}::text) AS delivered"
             " FROM {table} b WHERE {where}"
-        ).format(key=b.key, due=sql.SQL("b.{}").format(b.due) if b.due else sql.SQL("NULL::timestamptz"),
-                 table=b.table, where=b.where)
+        ).format(
+            key=b.key,
+            due=sql.SQL("b.{}").format(b.due) if b.due else sql.SQL("NULL::timestamptz"),
+            table=b.table,
+            where=b.where,
+        )
         return _inline(conn, query, b.params)
 
     def pending_sql(self, conn: psycopg.Connection) -> str:
@@ -103,9 +110,13 @@ class Reconcile:
     def stale_match(self, conn: psycopg.Connection) -> Match:
         """`cancel_matching` condition: pending timers in the topic that no business row needs any more."""
         b = self.resolve(conn)
-        return Match(sql.SQL(
-            "p.topic = %(rc_topic)s AND p.key IS NOT NULL AND NOT EXISTS (SELECT 1 FROM {table} b"
-            " WHERE b.{key}::text = p.key AND {where})").format(table=b.table, key=b.key, where=b.where), b.params)
+        return Match(
+            sql.SQL(
+                "p.topic = %(rc_topic)s AND p.key IS NOT NULL AND NOT EXISTS (SELECT 1 FROM {table} b"
+                " WHERE b.{key}::text = p.key AND {where})"
+            ).format(table=b.table, key=b.key, where=b.where),
+            b.params,
+        )
 
 
 @dataclass(frozen=True)
@@ -122,8 +133,17 @@ def _inline(conn: psycopg.Connection, query: sql.Composable, params: Mapping[str
     return psycopg.ClientCursor(conn).mogrify(query, params)  # type: ignore[arg-type]  # a Composed
 
 
-def record_reconcile(conn: psycopg.Connection, job: Reconcile, requested_by: str, *, missing: int, stale: int,
-                     created: int, cancelled: int, sample: dict[str, list[str]]) -> int:
+def record_reconcile(
+    conn: psycopg.Connection,
+    job: Reconcile,
+    requested_by: str,
+    *,
+    missing: int,
+    stale: int,
+    created: int,
+    cancelled: int,
+    sample: dict[str, list[str]],
+) -> int:
     row = conn.execute(
         "INSERT INTO delaywheel.reconcile_runs (requested_by, business, topic, missing, stale, created, cancelled,"
         " sample) VALUES (%s, %s, %s, %s, %s, %s, %s, %s) RETURNING id",

@@ -34,8 +34,11 @@ WHERE t.origin IN ('level', 'wheel', 'direct')
 ORDER BY t.deliver_at, t.message_id
 """
 # The replay, reporting what it wrote (and announcing it to the topic watchers: TOPIC_SUMMARY).
-_REPLAY_REPORTED = sql.SQL("WITH moved AS ({} RETURNING topic, queue_offset, xid) SELECT count(*), ({}) FROM moved").format(
-    sql.SQL(_REPLAY), sql.SQL(TOPIC_SUMMARY)).as_string()
+_REPLAY_REPORTED = (
+    sql.SQL("WITH moved AS ({} RETURNING topic, queue_offset, xid) SELECT count(*), ({}) FROM moved")
+    .format(sql.SQL(_REPLAY), sql.SQL(TOPIC_SUMMARY))
+    .as_string()
+)
 _ALREADY = """
 SELECT count(*) FROM delaywheel.topic_messages t
 WHERE t.origin IN ('level', 'wheel', 'direct') AND t.deliver_at >= %(lo)s AND t.deliver_at < %(hi)s

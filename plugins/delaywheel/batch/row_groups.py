@@ -34,7 +34,7 @@ class RowGroup:
 def spark_file_path(listed: str) -> str:
     """A file as `_metadata.file_path` names it, from `DataFrame.inputFiles()`: the same URI but for the
     empty authority (file:///x → file:/x)."""
-    return "file:/" + listed[len("file:///"):] if listed.startswith("file:///") else listed
+    return "file:/" + listed[len("file:///") :] if listed.startswith("file:///") else listed
 
 
 def local_path(file: str) -> str:
@@ -88,8 +88,9 @@ def read(tasks: Iterable[pa.RecordBatch], wanted: pa.Schema, batch_rows: int) ->
                 yield from _batches(parquet, group, columns, names, batch_rows)
 
 
-def _batches(parquet: pq.ParquetFile, group: RowGroup, columns: list[str], names: list[str], batch_rows: int
-             ) -> Iterator[pa.RecordBatch]:
+def _batches(
+    parquet: pq.ParquetFile, group: RowGroup, columns: list[str], names: list[str], batch_rows: int
+) -> Iterator[pa.RecordBatch]:
     row = group.first_row
     for batch in parquet.iter_batches(batch_rows, row_groups=[group.row_group], columns=sorted(set(columns))):
         count = batch.num_rows

@@ -73,9 +73,19 @@ class ConsumeTotals:
 class Consumer:
     """One consumer of `group` on `topic`: the waiting, pulling and acking behind `consume` and `messages`."""
 
-    def __init__(self, store: Store, topic: str, group: str, *, max_messages: int = 100,
-                 stop: threading.Event | None = None, limit: int | None = None, duration_s: float | None = None,
-                 idle_s: float | None = None, safety_wake_s: float = SAFETY_WAKE_S) -> None:
+    def __init__(
+        self,
+        store: Store,
+        topic: str,
+        group: str,
+        *,
+        max_messages: int = 100,
+        stop: threading.Event | None = None,
+        limit: int | None = None,
+        duration_s: float | None = None,
+        idle_s: float | None = None,
+        safety_wake_s: float = SAFETY_WAKE_S,
+    ) -> None:
         if max_messages < 1:
             raise ValueError("max_messages must be at least 1")
         self.store = store
@@ -113,8 +123,16 @@ class Consumer:
                     self._ensure_listener()
                     self._drain()  # notifications up to here are answered by this pull
                     result, batch, self._held = topics.ack_and_pull(
-                        self.store.conn, self.store.settings, self.store._cache, done, self.failed, self.topic,
-                        self.group, room, self._held)
+                        self.store.conn,
+                        self.store.settings,
+                        self.store._cache,
+                        done,
+                        self.failed,
+                        self.topic,
+                        self.group,
+                        room,
+                        self._held,
+                    )
                     retry_in = backoff_delays()
                 except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
                     if not connection_lost(exc):
@@ -166,8 +184,9 @@ class Consumer:
             except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
                 if not connection_lost(exc):
                     raise
-                log.warning("delaywheel consumer: the last batch's ack was cut (%s); it will be handled again",
-                            str(exc).strip())
+                log.warning(
+                    "delaywheel consumer: the last batch's ack was cut (%s); it will be handled again", str(exc).strip()
+                )
             finally:
                 self._close_listener()
 

@@ -150,7 +150,8 @@ def _read_statement(n: int) -> str:
         horizon=sql.SQL(COMMIT_HORIZON),
         past=sql.SQL(" OR ").join(_PAST.format(source=s, offset=_OFFSET.format(source=s)) for _, s in sources),
         sources=sql.SQL("\nUNION ALL\n").join(
-            _SOURCE.format(index=i, source=s, offset=_OFFSET.format(source=s)) for i, s in sources),
+            _SOURCE.format(index=i, source=s, offset=_OFFSET.format(source=s)) for i, s in sources
+        ),
     ).as_string()
 
 
@@ -250,8 +251,12 @@ def _move_statement(sources: int, tries: int | None) -> str:
     return _MOVE.format(values=sql.SQL(", ").join([_MOVE_VALUE] * sources), extra=extra).as_string()
 
 
-def _move(conn: psycopg.Connection, batch: Batch | None, tries: int | None = None, params: list[Any] | None = None,
-          ) -> tuple[set[str], tuple[Any, ...]]:
+def _move(
+    conn: psycopg.Connection,
+    batch: Batch | None,
+    tries: int | None = None,
+    params: list[Any] | None = None,
+) -> tuple[set[str], tuple[Any, ...]]:
     """In one statement, `_MOVE` for each source of `batch` (if any), then for a pull (`tries` not None) its plan
     settings and `tries` tries of the group lock (with `params`) after the moves' column. Returns the sources moved
     and the row."""
@@ -295,7 +300,7 @@ def ack_and_pull(
     params = [v for s in wanted for v in (group, s)]
     with conn.transaction():
         moved, row = _move(conn, done, len(wanted), params)
-        now_held = held | {s for s, got in zip(wanted, row[len(row) - len(wanted):], strict=True) if got}
+        now_held = held | {s for s, got in zip(wanted, row[len(row) - len(wanted) :], strict=True) if got}
         result = _ack(conn, settings, cache, done, failed, moved) if done is not None else AckResult()
         readable = tuple(s for s in sources if s in now_held)
         rows = _read(conn, group, readable, max_messages).fetchall() if readable else []
@@ -307,8 +312,10 @@ def release_group_locks(conn: psycopg.Connection, group: str, sources: frozenset
     """Release the group locks `ack_and_pull` took on this session (call after its transaction committed)."""
     if sources:
         unlock = sql.SQL("pg_advisory_unlock({})").format(_GROUP_LOCK_KEYS)
-        conn.execute(sql.SQL("SELECT {}").format(sql.SQL(", ").join([unlock] * len(sources))),
-                     [v for s in sorted(sources) for v in (group, s)])
+        conn.execute(
+            sql.SQL("SELECT {}").format(sql.SQL(", ").join([unlock] * len(sources))),
+            [v for s in sorted(sources) for v in (group, s)],
+        )
 
 
 def _checked_failures(batch: Batch, failed: set[int] | None) -> set[int]:
@@ -316,13 +323,20 @@ def _checked_failures(batch: Batch, failed: set[int] | None) -> set[int]:
     unknown = failed - {m.message_id for m in batch.messages}
     if unknown:
         shown = ", ".join(str(i) for i in sorted(unknown)[:10]) + (" ..." if len(unknown) > 10 else "")
-        raise ValueError(f"failed holds {len(unknown)} id(s) that are not messages of this batch: {shown};"
-                         " nothing was acked")
+        raise ValueError(
+            f"failed holds {len(unknown)} id(s) that are not messages of this batch: {shown}; nothing was acked"
+        )
     return failed
 
 
-def _ack(conn: psycopg.Connection, settings: Settings, cache: PartitionCache, batch: Batch, failed: set[int],
-         moved: Collection[str]) -> AckResult:
+def _ack(
+    conn: psycopg.Connection,
+    settings: Settings,
+    cache: PartitionCache,
+    batch: Batch,
+    failed: set[int],
+    moved: Collection[str],
+) -> AckResult:
     """`ack`'s work inside the caller's transaction, after `_move`: `moved` are the sources it moved."""
     acked: list[Delivered] = []
     for topic, (xid, offset) in batch.cursors.items():
@@ -340,8 +354,11 @@ def _ack(conn: psycopg.Connection, settings: Settings, cache: PartitionCache, ba
         before = (int(row[0]), row[1]) if row else (0, 0)
         if before >= (int(xid), offset):
             continue  # acked this far already: nothing to commit, nothing to retry
-        passed = [m for m, pos in zip(batch.messages, batch.positions, strict=True)
-                  if m.source_topic == topic and pos > before]
+        passed = [
+            m
+            for m, pos in zip(batch.messages, batch.positions, strict=True)
+            if m.source_topic == topic and pos > before
+        ]
         conn.execute(
             """UPDATE delaywheel.consumer_offsets
                SET cursor_xid = %(xid)s::xid8, cursor_offset = %(offset)s, acked = acked + %(n)s,
@@ -378,29 +395,37 @@ def _reconsume_later(
             outgoing.append(Message(dlq_topic(group), m.body, key=m.key, tags=m.tags, properties=properties))
         else:
             level = FIRST_RETRY_LEVEL + m.reconsume_times
-            outgoing.append(Message(retry_topic(group), m.body, delay_level=level, key=m.key, tags=m.tags,
-                                            properties=properties))
+            outgoing.append(
+                Message(retry_topic(group), m.body, delay_level=level, key=m.key, tags=m.tags, properties=properties)
+            )
     send_for_store(conn, settings, cache, outgoing, times)  # the store's own: reserved topics and properties
 
 
 # Messages in a topic past the watchers' mark and below the commit horizon (what a consumer could read now).
-_FRESH = """
+_FRESH = (
+    """
 WITH m AS (SELECT seen_xid, seen_offset FROM delaywheel.topic_watch WHERE topic = %(topic)s /*lock*/),
 fresh AS (
     SELECT t.xid, t.queue_offset FROM delaywheel.topic_messages t, m
     WHERE t.topic = %(topic)s AND (t.xid, t.queue_offset) > (m.seen_xid, m.seen_offset)
-      AND t.xid < """ + COMMIT_HORIZON + """
+      AND t.xid < """
+    + COMMIT_HORIZON
+    + """
 )
 """
+)
 # The idle look, read-only and lock-free: is there a mark yet, and anything past it?
 _LOOK = _FRESH + "SELECT EXISTS (SELECT 1 FROM m), EXISTS (SELECT 1 FROM fresh)"
 # The claim, under the mark's row lock (two watchers never announce the same messages): the count and the
 # first and last (xid, queue_offset).
-_CLAIM = _FRESH.replace("/*lock*/", "FOR UPDATE") + """
+_CLAIM = (
+    _FRESH.replace("/*lock*/", "FOR UPDATE")
+    + """
 SELECT (SELECT count(*) FROM fresh),
        (SELECT ARRAY[xid::text, queue_offset::text] FROM fresh ORDER BY xid, queue_offset LIMIT 1),
        (SELECT ARRAY[xid::text, queue_offset::text] FROM fresh ORDER BY xid DESC, queue_offset DESC LIMIT 1)
 """
+)
 
 
 async def announce_new(conn: psycopg.AsyncConnection, topic: str) -> TopicSpan | None:
@@ -413,7 +438,9 @@ async def announce_new(conn: psycopg.AsyncConnection, topic: str) -> TopicSpan |
         return None
     async with conn.transaction():
         if not has_mark:
-            await conn.execute("INSERT INTO delaywheel.topic_watch (topic) VALUES (%s) ON CONFLICT DO NOTHING", (topic,))
+            await conn.execute(
+                "INSERT INTO delaywheel.topic_watch (topic) VALUES (%s) ON CONFLICT DO NOTHING", (topic,)
+            )
         row = await (await conn.execute(_CLAIM, {"topic": topic})).fetchone()  # type: ignore[arg-type]
         if row is None or not row[0]:
             return None

@@ -48,12 +48,16 @@ def take_lane(conn: psycopg.Connection, lock: tuple[int, int]) -> bool:
 # Per topic, what the `moved` CTE (RETURNING topic, queue_offset, xid) wrote: {topic: [count, xid, first, last]}.
 # It also NOTIFYs each topic to the topic watchers (sent at COMMIT, when the rows become readable), so every
 # statement that reports what it wrote into topics tells them too; PostgreSQL keeps the volatile column.
-TOPIC_SUMMARY = sql.SQL("""
+TOPIC_SUMMARY = (
+    sql.SQL("""
     SELECT coalesce(jsonb_object_agg(topic, jsonb_build_array(n, x, lo, hi)), '{{}}'::jsonb)
     FROM (SELECT topic, count(*) AS n, min(xid::text) AS x, min(queue_offset) AS lo, max(queue_offset) AS hi,
                  pg_notify({channel}, topic) AS notified
           FROM moved GROUP BY topic) s
-""").format(channel=sql.Literal(TOPIC_CHANNEL)).as_string()
+""")
+    .format(channel=sql.Literal(TOPIC_CHANNEL))
+    .as_string()
+)
 
 
 def topic_spans(summary: dict[str, list]) -> dict[str, TopicSpan]:
@@ -76,7 +80,8 @@ _BATCH_AFTER_CURSOR = sql.SQL("""
 
 def _deliver(properties: sql.Composable) -> str:
     """The pass's one statement, with `properties` as the expression that reads a message's properties."""
-    return sql.SQL("""
+    return (
+        sql.SQL("""
 WITH
 -- the batch after the checkpoint, and whether it is due up to each row (FIFO: the due prefix is what moves)
 batch AS (
@@ -105,35 +110,61 @@ SELECT (SELECT count(*) FROM moved),
        (SELECT count(*) FROM batch),
        (SELECT ARRAY[xid::text, id::text] FROM due ORDER BY xid DESC, id_last DESC, id DESC LIMIT 1),
        ({topic_summary})
-""").format(properties=properties, batch=_BATCH_AFTER_CURSOR, not_cancelled=not_cancelled("d"),
-            topic_summary=sql.SQL(TOPIC_SUMMARY)).as_string()
+""")
+        .format(
+            properties=properties,
+            batch=_BATCH_AFTER_CURSOR,
+            not_cancelled=not_cancelled("d"),
+            topic_summary=sql.SQL(TOPIC_SUMMARY),
+        )
+        .as_string()
+    )
 
 
 _DELIVER = _deliver(sql.SQL("m.properties::jsonb"))
 # After a pass failed on a row it cannot deliver (setaside.py): the same pass, except that a message set aside has
 # no properties to cast (its cast is what failed; it is cancelled, so it is passed over like any cancelled message).
-_DELIVER_SETTING_ASIDE = _deliver(sql.SQL(
-    "CASE WHEN EXISTS (SELECT 1 FROM delaywheel.set_aside x WHERE x.message_id = m.id) THEN NULL"
-    " ELSE m.properties::jsonb END AS properties"))
+_DELIVER_SETTING_ASIDE = _deliver(
+    sql.SQL(
+        "CASE WHEN EXISTS (SELECT 1 FROM delaywheel.set_aside x WHERE x.message_id = m.id) THEN NULL"
+        " ELSE m.properties::jsonb END AS properties"
+    )
+)
 
 # The rows a pass would read (its batch, due or not: the batch casts every row it reads) that cannot be delivered.
-_UNDELIVERABLE = sql.SQL("""
+_UNDELIVERABLE = (
+    sql.SQL("""
 SELECT b.id, 'level', b.level, b.topic, b.key, b.deliver_at, u.reason, u.detail, b.tags, b.properties, b.body,
        b.is_json, b.reconsume_times
 FROM (
     SELECT s.level, s.reconsume_times, s.deliver_at, m.*
 {batch}) b, LATERAL delaywheel.undeliverable(b.topic, b.body, b.is_json, b.properties) u
 WHERE u.reason IS NOT NULL
-""").format(batch=_BATCH_AFTER_CURSOR).as_string()
+""")
+    .format(batch=_BATCH_AFTER_CURSOR)
+    .as_string()
+)
 
 # The pass's first statement: the lane's lock (tried; set_aside waits for it), the commit horizon and the clock, and
 # the planner settings for reading the queue in cursor order.
-_TRY_LOCK = sql.SQL("SELECT pg_try_advisory_xact_lock(%s, %s), {horizon}::text, coalesce(%s::timestamptz,"
-                    " clock_timestamp()), {plan}").format(horizon=sql.SQL(COMMIT_HORIZON), plan=sql.SQL(QUEUE_PLAN)).as_string()
-_LOCK = sql.SQL("SELECT pg_advisory_xact_lock(%s, %s), {horizon}::text, {plan}").format(
-    horizon=sql.SQL(COMMIT_HORIZON), plan=sql.SQL(QUEUE_PLAN)).as_string()
-_HORIZON_AND_CLOCK = sql.SQL("SELECT {horizon}::text, coalesce(%s::timestamptz, clock_timestamp())").format(
-    horizon=sql.SQL(COMMIT_HORIZON)).as_string()
+_TRY_LOCK = (
+    sql.SQL(
+        "SELECT pg_try_advisory_xact_lock(%s, %s), {horizon}::text, coalesce(%s::timestamptz,"
+        " clock_timestamp()), {plan}"
+    )
+    .format(horizon=sql.SQL(COMMIT_HORIZON), plan=sql.SQL(QUEUE_PLAN))
+    .as_string()
+)
+_LOCK = (
+    sql.SQL("SELECT pg_advisory_xact_lock(%s, %s), {horizon}::text, {plan}")
+    .format(horizon=sql.SQL(COMMIT_HORIZON), plan=sql.SQL(QUEUE_PLAN))
+    .as_string()
+)
+_HORIZON_AND_CLOCK = (
+    sql.SQL("SELECT {horizon}::text, coalesce(%s::timestamptz, clock_timestamp())")
+    .format(horizon=sql.SQL(COMMIT_HORIZON))
+    .as_string()
+)
 
 
 def levels_above(conn: psycopg.Connection, level: int) -> list[int]:
@@ -178,7 +209,8 @@ def set_aside(conn: psycopg.Connection, cache: PartitionCache, level: int, limit
     lock); returns how many there are, those set aside before included (their cast still fails the fast pass)."""
     with conn.transaction():
         row = conn.execute(  # planned as the pass is (QUEUE_PLAN): the FIFO index, not a sort of the queue
-            _LOCK, (LEVEL_LOCK, level)).fetchone()
+            _LOCK, (LEVEL_LOCK, level)
+        ).fetchone()
         assert row is not None
         cursor = conn.execute(
             "SELECT cursor_xid::text, cursor_id FROM delaywheel.level_checkpoint WHERE level = %s", (level,)
@@ -191,7 +223,12 @@ def set_aside(conn: psycopg.Connection, cache: PartitionCache, level: int, limit
 
 
 def _deliver_level(
-    conn: psycopg.Connection, cache: PartitionCache, level: int, now: datetime | None, limit: int, statement: str,
+    conn: psycopg.Connection,
+    cache: PartitionCache,
+    level: int,
+    now: datetime | None,
+    limit: int,
+    statement: str,
 ) -> PassResult:
     with conn.transaction():
         row = conn.execute(_TRY_LOCK, (LEVEL_LOCK, level, now)).fetchone()
@@ -202,16 +239,22 @@ def _deliver_level(
                 return PassResult(0, 0, None, busy=True)
             xmin, clock = conn.execute(_HORIZON_AND_CLOCK, (now,)).fetchone()  # type: ignore[misc]
         cache.ensure(conn, "topic_messages", [clock])
-        conn.execute(
-            "INSERT INTO delaywheel.level_checkpoint (level) VALUES (%s) ON CONFLICT DO NOTHING", (level,)
-        )
+        conn.execute("INSERT INTO delaywheel.level_checkpoint (level) VALUES (%s) ON CONFLICT DO NOTHING", (level,))
         cursor = conn.execute(
             "SELECT cursor_xid::text, cursor_id FROM delaywheel.level_checkpoint WHERE level = %s", (level,)
         ).fetchone()
         assert cursor is not None
         moved, due, scanned, last, summary = conn.execute(  # type: ignore[misc]
             statement,  # type: ignore[arg-type]
-            {"now": clock, "injected": now, "level": level, "cxid": cursor[0], "cid": cursor[1], "xmin": xmin, "limit": limit},
+            {
+                "now": clock,
+                "injected": now,
+                "level": level,
+                "cxid": cursor[0],
+                "cid": cursor[1],
+                "xmin": xmin,
+                "limit": limit,
+            },
         ).fetchone()
         if last is not None:
             conn.execute(
@@ -220,5 +263,10 @@ def _deliver_level(
                 (last[0], int(last[1]), moved, level),
             )
         head = conn.execute(LEVEL_HEAD, {"level": level}).fetchone()  # after the checkpoint just written
-    return PassResult(moved, due - moved, head[0] if head else None, more=scanned == limit and due == scanned,
-                      topics=topic_spans(summary))
+    return PassResult(
+        moved,
+        due - moved,
+        head[0] if head else None,
+        more=scanned == limit and due == scanned,
+        topics=topic_spans(summary),
+    )

@@ -121,7 +121,9 @@ def run(
                         totals.delivered += result.delivered
                         totals.skipped_cancelled += result.skipped_cancelled
                         if result.delivered:
-                            totals.per_lane[lane_name(lane)] = totals.per_lane.get(lane_name(lane), 0) + result.delivered
+                            totals.per_lane[lane_name(lane)] = (
+                                totals.per_lane.get(lane_name(lane), 0) + result.delivered
+                            )
                             add_spans(totals.per_topic, result.topics)
                         totals.busy_passes += result.busy
                         if not result.more or stop.is_set():
@@ -279,7 +281,11 @@ def _keep_going(listener: psycopg.Connection, lanes: Sequence[Lane], deadline: f
 
 
 def _sleep_or_notified(
-    listener: psycopg.Connection, seconds: float, stop: threading.Event, earliest: float, hints: DueHints,
+    listener: psycopg.Connection,
+    seconds: float,
+    stop: threading.Event,
+    earliest: float,
+    hints: DueHints,
     announced: list[float] | None = None,
 ) -> None:
     """Sleep, but return as soon as a producer announces a message due before `earliest` (epoch seconds). Every
@@ -300,10 +306,14 @@ def _sleep_or_notified(
 
 # Every level's head in one statement (pending.level_head per level), as epoch seconds. Not the wheel's: its pass
 # returns its head (a separate WHEEL_HEAD would read the cursor again, for nothing).
-_HEADS = sql.SQL(
-    "SELECT ARRAY(SELECT extract(epoch FROM ({}))::float8"
-    " FROM unnest(%(levels)s::int[]) WITH ORDINALITY l(level, n) ORDER BY l.n)"
-).format(level_head(sql.Identifier("l", "level"))).as_string()
+_HEADS = (
+    sql.SQL(
+        "SELECT ARRAY(SELECT extract(epoch FROM ({}))::float8"
+        " FROM unnest(%(levels)s::int[]) WITH ORDINALITY l(level, n) ORDER BY l.n)"
+    )
+    .format(level_head(sql.Identifier("l", "level")))
+    .as_string()
+)
 
 
 def _heads(conn: psycopg.Connection, lanes: Sequence[Lane]) -> dict[Lane, float | None]:
@@ -372,6 +382,9 @@ class DueHints:
         if due is None:
             self.ignored += 1
             if self.ignored == 1:
-                self.logger.warning("ignoring a NOTIFY on %s that is not a due time: %r (further ones are not logged)",
-                                    NOTIFY_CHANNEL, payload[:100])
+                self.logger.warning(
+                    "ignoring a NOTIFY on %s that is not a due time: %r (further ones are not logged)",
+                    NOTIFY_CHANNEL,
+                    payload[:100],
+                )
         return due

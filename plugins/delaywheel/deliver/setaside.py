@@ -24,8 +24,21 @@ from delaywheel.partitions import PartitionCache
 POISON = (errors.DataError, errors.IntegrityError)
 
 # What a lane's window query returns per bad row, in this order (`record` writes them).
-COLUMNS = ("message_id", "lane", "level", "topic", "key", "deliver_at", "reason", "detail", "tags", "properties",
-           "body", "is_json", "reconsume_times")
+COLUMNS = (
+    "message_id",
+    "lane",
+    "level",
+    "topic",
+    "key",
+    "deliver_at",
+    "reason",
+    "detail",
+    "tags",
+    "properties",
+    "body",
+    "is_json",
+    "reconsume_times",
+)
 
 
 _INSERT = sql.SQL("INSERT INTO delaywheel.set_aside ({}) VALUES ({}) ON CONFLICT (message_id) DO NOTHING").format(

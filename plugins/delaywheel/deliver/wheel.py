@@ -30,8 +30,10 @@ from delaywheel.types import PassResult
 
 MAX_ID = 2**63 - 1
 # The cursor as the last pass left it (migrations/021: the first entry of the primary key read backwards).
-CURSOR = ("SELECT pass, cursor_at, cursor_id, horizon_xid::text, delivered FROM delaywheel.wheel_cursor"
-          " ORDER BY pass DESC LIMIT 1")
+CURSOR = (
+    "SELECT pass, cursor_at, cursor_id, horizon_xid::text, delivered FROM delaywheel.wheel_cursor"
+    " ORDER BY pass DESC LIMIT 1"
+)
 # The pass that appends entry n, n a multiple of TRIM_EVERY, deletes entries [n - 2 * TRIM_EVERY, n - TRIM_EVERY):
 # every block once, the newest never, and by a bounded range (one open at its low end would walk every entry an old
 # transaction still keeps on disk). The log holds 1,000-2,000 entries, and more only while such a transaction lasts.
@@ -60,14 +62,18 @@ _DUE = sql.SQL("""
     LIMIT %(limit)s
 """)
 # The pass's two moves, each reporting what it wrote (TOPIC_SUMMARY): the stragglers, then the due batch.
-_MOVE_STRAGGLERS = sql.SQL("""
+_MOVE_STRAGGLERS = (
+    sql.SQL("""
 WITH
 -- rows behind the cursor whose transactions committed after the last pass, into the topics
 moved AS ({move} RETURNING topic, queue_offset, xid)
 SELECT (SELECT count(*) FROM moved), ({summary})
-""").format(move=_MOVE.format(rows=_STRAGGLERS, not_cancelled=not_cancelled("d")),
-            summary=sql.SQL(TOPIC_SUMMARY)).as_string()
-_MOVE_DUE = sql.SQL("""
+""")
+    .format(move=_MOVE.format(rows=_STRAGGLERS, not_cancelled=not_cancelled("d")), summary=sql.SQL(TOPIC_SUMMARY))
+    .as_string()
+)
+_MOVE_DUE = (
+    sql.SQL("""
 WITH
 -- the due batch after the cursor, in (deliver_at, id) order
 due AS ({due}),
@@ -76,17 +82,30 @@ moved AS ({move} RETURNING topic, queue_offset, xid)
 SELECT (SELECT count(*) FROM moved), (SELECT count(*) FROM due),
        (SELECT deliver_at FROM due ORDER BY deliver_at DESC, id DESC LIMIT 1),
        (SELECT id FROM due ORDER BY deliver_at DESC, id DESC LIMIT 1), ({summary})
-""").format(due=_DUE, move=_MOVE.format(rows=sql.SQL("SELECT * FROM due"), not_cancelled=not_cancelled("d")),
-            summary=sql.SQL(TOPIC_SUMMARY)).as_string()
+""")
+    .format(
+        due=_DUE,
+        move=_MOVE.format(rows=sql.SQL("SELECT * FROM due"), not_cancelled=not_cancelled("d")),
+        summary=sql.SQL(TOPIC_SUMMARY),
+    )
+    .as_string()
+)
 # The head after a pass, from the cursor entry it appended (pending.wheel_head: sensors read it from wheel_state).
-_HEAD_AFTER = wheel_head(sql.Placeholder("at"), sql.Placeholder("id"), sql.SQL("{}::xid8").format(sql.Placeholder("xmin")),
-                         sql.SQL("{}::timestamptz").format(sql.Placeholder("clock"))).as_string()
+_HEAD_AFTER = wheel_head(
+    sql.Placeholder("at"),
+    sql.Placeholder("id"),
+    sql.SQL("{}::xid8").format(sql.Placeholder("xmin")),
+    sql.SQL("{}::timestamptz").format(sql.Placeholder("clock")),
+).as_string()
 # The lane's lock (tried by the pass, waited for by the set-aside step), with the commit horizon and the clock.
 _LOCK = sql.SQL("SELECT {lock}(%s, %s), {horizon}::text, coalesce(%s::timestamptz, clock_timestamp())")
 _TRY_LOCK = _LOCK.format(lock=sql.SQL("pg_try_advisory_xact_lock"), horizon=sql.SQL(COMMIT_HORIZON)).as_string()
 _WAIT_LOCK = _LOCK.format(lock=sql.SQL("pg_advisory_xact_lock"), horizon=sql.SQL(COMMIT_HORIZON)).as_string()
-_HORIZON_AND_CLOCK = sql.SQL("SELECT {horizon}::text, coalesce(%s::timestamptz, clock_timestamp())").format(
-    horizon=sql.SQL(COMMIT_HORIZON)).as_string()
+_HORIZON_AND_CLOCK = (
+    sql.SQL("SELECT {horizon}::text, coalesce(%s::timestamptz, clock_timestamp())")
+    .format(horizon=sql.SQL(COMMIT_HORIZON))
+    .as_string()
+)
 _QUEUE_PLAN = sql.SQL("SELECT {}").format(sql.SQL(QUEUE_PLAN)).as_string()
 
 _ALL = ("id", "topic", "key", "tags", "properties", "body", "is_json", "due")
@@ -149,8 +168,9 @@ def _set_aside_far(conn: psycopg.Connection, settings: Settings, cache: Partitio
         return record(conn, cache, bad)
 
 
-def _roll(conn: psycopg.Connection, settings: Settings, cache: PartitionCache, now: datetime | None,
-          only: sql.Composable) -> int:
+def _roll(
+    conn: psycopg.Connection, settings: Settings, cache: PartitionCache, now: datetime | None, only: sql.Composable
+) -> int:
     moved = 0
     clock, near_until = conn.execute(  # type: ignore[misc]
         "SELECT coalesce(%s::timestamptz, clock_timestamp()), near_until FROM delaywheel.wheel_roll", (now,)
@@ -169,7 +189,9 @@ def _roll(conn: psycopg.Connection, settings: Settings, cache: PartitionCache, n
         # Creating and dropping partitions takes ACCESS EXCLUSIVE on the parents: take it first, in the order
         # producers lock them (wheel, then wheel_far_segments). Taken later, after a far block's lock, it deadlocks
         # with a producer that holds the parent and waits for the block (seen in bench/airflow_lateness).
-        conn.execute("SELECT delaywheel.lock_partition('wheel'); SELECT delaywheel.lock_partition('wheel_far_segments')")
+        conn.execute(
+            "SELECT delaywheel.lock_partition('wheel'); SELECT delaywheel.lock_partition('wheel_far_segments')"
+        )
         start = max(floor_to(clock, HOUR), state[0])
         hours = int((target - start) / HOUR) if target > start else 0
         cache.ensure(conn, "wheel", [start + HOUR * i for i in range(hours)])
@@ -219,8 +241,14 @@ def _set_aside_due(conn: psycopg.Connection, cache: PartitionCache, now: datetim
         state = conn.execute(CURSOR).fetchone()
         assert state is not None
         _, cursor_at, cursor_id, horizon, _ = state
-        params = {"now": clock, "xmin": str(max(int(xmin), int(horizon))), "horizon": horizon, "cursor_at": cursor_at,
-                  "cursor_id": cursor_id, "limit": limit}
+        params = {
+            "now": clock,
+            "xmin": str(max(int(xmin), int(horizon))),
+            "horizon": horizon,
+            "cursor_at": cursor_at,
+            "cursor_id": cursor_id,
+            "limit": limit,
+        }
         bad = conn.execute(_UNDELIVERABLE_STRAGGLERS, params).fetchall()
         conn.execute(_QUEUE_PLAN)  # as the pass plans its due batch (after its stragglers)
         bad += conn.execute(_UNDELIVERABLE_DUE, params).fetchall()
@@ -250,8 +278,13 @@ def _advance(conn: psycopg.Connection, cache: PartitionCache, now: datetime | No
             return PassResult(0, 0, cursor_at)
         cache.ensure(conn, "topic_messages", [clock])
         params = {
-            "injected": now, "now": clock, "xmin": xmin, "horizon": horizon, "cursor_at": cursor_at,
-            "cursor_id": cursor_id, "limit": limit,
+            "injected": now,
+            "now": clock,
+            "xmin": xmin,
+            "horizon": horizon,
+            "cursor_at": cursor_at,
+            "cursor_id": cursor_id,
+            "limit": limit,
         }
         stragglers, straggled = conn.execute(_MOVE_STRAGGLERS, params).fetchone()  # type: ignore[misc]
         # After the stragglers: they have no index in due order, and priced-out sorting would make the planner
@@ -267,11 +300,18 @@ def _advance(conn: psycopg.Connection, cache: PartitionCache, now: datetime | No
             (entry + 1, new_at, new_id, xmin, total + delivered),
         )
         if (entry + 1) % TRIM_EVERY == 0:
-            conn.execute("DELETE FROM delaywheel.wheel_cursor WHERE pass >= %s AND pass < %s",
-                         (entry + 1 - 2 * TRIM_EVERY, entry + 1 - TRIM_EVERY))
-        head = (clock,) if full else conn.execute(  # full: more is due now, the caller looks again at once
-            _HEAD_AFTER, {"at": new_at, "id": new_id, "clock": clock, "xmin": xmin},
-        ).fetchone()
+            conn.execute(
+                "DELETE FROM delaywheel.wheel_cursor WHERE pass >= %s AND pass < %s",
+                (entry + 1 - 2 * TRIM_EVERY, entry + 1 - TRIM_EVERY),
+            )
+        head = (
+            (clock,)
+            if full
+            else conn.execute(  # full: more is due now, the caller looks again at once
+                _HEAD_AFTER,
+                {"at": new_at, "id": new_id, "clock": clock, "xmin": xmin},
+            ).fetchone()
+        )
     topics = topic_spans(straggled)  # stragglers were written first, in the same transaction
     for topic, span in topic_spans(summary).items():
         topics[topic] = topics[topic].merge(span) if topic in topics else span

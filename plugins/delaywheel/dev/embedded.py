@@ -61,10 +61,14 @@ def server_options(cluster: Cluster, bindir: Path) -> dict[str, str]:
     text = limit.read_text().strip() if limit.exists() else ""
     if text.isdigit():
         memory = min(memory, int(text))
-    probe = _run_as_owner([str(bindir / "postgres"), "-D", str(cluster.data_dir), "-C", "wal_compression",
-                           "-c", "wal_compression=lz4"])
-    return {**SERVER_OPTIONS, "shared_buffers": f"{max(128, min(8192, memory // 4 // 2**20))}MB",
-            "wal_compression": "lz4" if probe.returncode == 0 else "on"}
+    probe = _run_as_owner(
+        [str(bindir / "postgres"), "-D", str(cluster.data_dir), "-C", "wal_compression", "-c", "wal_compression=lz4"]
+    )
+    return {
+        **SERVER_OPTIONS,
+        "shared_buffers": f"{max(128, min(8192, memory // 4 // 2**20))}MB",
+        "wal_compression": "lz4" if probe.returncode == 0 else "on",
+    }
 
 
 class EmbeddedError(RuntimeError):
@@ -208,8 +212,18 @@ def start(cluster: Cluster | None = None) -> Cluster:
     _prepare_dirs(cluster)
     if not (cluster.data_dir / "PG_VERSION").exists():
         result = _run_as_owner(
-            [str(bindir / "initdb"), "-D", str(cluster.data_dir), "-U", "postgres", "-A", "trust", "-E", "UTF8",
-             "--no-instructions"]
+            [
+                str(bindir / "initdb"),
+                "-D",
+                str(cluster.data_dir),
+                "-U",
+                "postgres",
+                "-A",
+                "trust",
+                "-E",
+                "UTF8",
+                "--no-instructions",
+            ]
         )
         if result.returncode != 0:
             raise EmbeddedError(f"initdb failed:\n{result.stderr.strip()}")
@@ -217,8 +231,19 @@ def start(cluster: Cluster | None = None) -> Cluster:
         options = " ".join(f"-c {k}={v}" for k, v in server_options(cluster, bindir).items())
         options += f" -p {cluster.port} -k {cluster.socket_dir}"
         result = _run_as_owner(
-            [str(bindir / "pg_ctl"), "start", "-w", "-t", "60", "-D", str(cluster.data_dir),
-             "-l", str(cluster.log_file), "-o", options]
+            [
+                str(bindir / "pg_ctl"),
+                "start",
+                "-w",
+                "-t",
+                "60",
+                "-D",
+                str(cluster.data_dir),
+                "-l",
+                str(cluster.log_file),
+                "-o",
+                options,
+            ]
         )
         if result.returncode != 0:
             tail = cluster.log_file.read_text()[-2000:] if cluster.log_file.exists() else ""
@@ -258,8 +283,13 @@ def _create_databases(cluster: Cluster) -> None:
 _ADOPTED: set[tuple[Path, int]] = set()
 
 
-def create_roles(conn: psycopg.Connection, *, databases: tuple[str, ...] = (),
-                 owner_login: str = OWNER_LOGIN, runtime_login: str = RUNTIME_LOGIN) -> None:
+def create_roles(
+    conn: psycopg.Connection,
+    *,
+    databases: tuple[str, ...] = (),
+    owner_login: str = OWNER_LOGIN,
+    runtime_login: str = RUNTIME_LOGIN,
+) -> None:
     """The store's roles (README, "Roles"), idempotently, as a superuser: the group roles `delaywheel_owner` and
     `delaywheel_runtime` (NOLOGIN; what migrations/017 grants to), a login for each (no password: the embedded cluster
     trusts loopback), the owner's CREATE on `databases` (it creates the schemas), and nothing for the runtime beyond
@@ -269,20 +299,33 @@ def create_roles(conn: psycopg.Connection, *, databases: tuple[str, ...] = (),
     wanted = ((OWNER_ROLE, owner_login), (RUNTIME_ROLE, runtime_login))
     names = [name for pair in wanted for name in pair]
     powers = ("pg_read_server_files", "pg_write_server_files", "pg_execute_server_program")
-    attributes = {r[0]: r[1] for r in conn.execute(
-        "SELECT rolname, rolsuper OR rolcreatedb OR rolcreaterole OR rolreplication OR rolbypassrls FROM pg_roles"
-        " WHERE rolname = ANY(%s)", (names,))}
-    memberships = {(r[0], r[1]) for r in conn.execute(
-        "SELECT m.rolname, g.rolname FROM pg_auth_members a JOIN pg_roles m ON m.oid = a.member"
-        " JOIN pg_roles g ON g.oid = a.roleid WHERE m.rolname = ANY(%s)", (names,))}
+    attributes = {
+        r[0]: r[1]
+        for r in conn.execute(
+            "SELECT rolname, rolsuper OR rolcreatedb OR rolcreaterole OR rolreplication OR rolbypassrls FROM pg_roles"
+            " WHERE rolname = ANY(%s)",
+            (names,),
+        )
+    }
+    memberships = {
+        (r[0], r[1])
+        for r in conn.execute(
+            "SELECT m.rolname, g.rolname FROM pg_auth_members a JOIN pg_roles m ON m.oid = a.member"
+            " JOIN pg_roles g ON g.oid = a.roleid WHERE m.rolname = ANY(%s)",
+            (names,),
+        )
+    }
     for role, login in wanted:
         for name, options in ((role, "NOLOGIN"), (login, "LOGIN INHERIT")):
             if name not in attributes:
                 with contextlib.suppress(psycopg.errors.DuplicateObject):  # another process, just now
                     conn.execute(sql.SQL("CREATE ROLE {} " + options).format(sql.Identifier(name)))
             elif attributes[name]:
-                conn.execute(sql.SQL("ALTER ROLE {} NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION NOBYPASSRLS")
-                             .format(sql.Identifier(name)))
+                conn.execute(
+                    sql.SQL("ALTER ROLE {} NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION NOBYPASSRLS").format(
+                        sql.Identifier(name)
+                    )
+                )
         if (login, role) not in memberships:
             conn.execute(sql.SQL("GRANT {} TO {}").format(sql.Identifier(role), sql.Identifier(login)))
         for power in powers:
@@ -290,8 +333,11 @@ def create_roles(conn: psycopg.Connection, *, databases: tuple[str, ...] = (),
                 if (name, power) in memberships:
                     conn.execute(sql.SQL("REVOKE {} FROM {}").format(sql.Identifier(power), sql.Identifier(name)))
     for database in databases:
-        conn.execute(sql.SQL("GRANT CREATE, CONNECT ON DATABASE {} TO {}").format(
-            sql.Identifier(database), sql.Identifier(OWNER_ROLE)))
+        conn.execute(
+            sql.SQL("GRANT CREATE, CONNECT ON DATABASE {} TO {}").format(
+                sql.Identifier(database), sql.Identifier(OWNER_ROLE)
+            )
+        )
 
 
 def stop(cluster: Cluster | None = None) -> str:

@@ -126,8 +126,14 @@ def shared_secrets(home: Path) -> dict[str, str]:
     return values
 
 
-def configure(store_url: str, *, metadata_db: str = "airflow", home: Path | None = None,
-              replace: bool = False, store_connection: bool = True) -> dict[str, str]:
+def configure(
+    store_url: str,
+    *,
+    metadata_db: str = "airflow",
+    home: Path | None = None,
+    replace: bool = False,
+    store_connection: bool = True,
+) -> dict[str, str]:
     """Point this process's Airflow at the store and a migrated metadata database (created if missing);
     returns Airflow's settings as applied (for subprocesses that need the same Airflow).
 

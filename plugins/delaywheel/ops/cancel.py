@@ -29,6 +29,7 @@ MATCH_TIMEOUT = timedelta(minutes=5)  # the default of Settings.match_timeout
 
 Outcome = Literal["cancelled", "already_cancelled", "already_delivered", "not_found"]
 
+
 @dataclass(frozen=True)
 class CancelResult:
     message_id: int | None
@@ -49,8 +50,12 @@ def _lock_level_lanes(conn: psycopg.Connection, how: str, params: dict[str, obje
     """The wheel and every level with a segment that may hold the message (a superset is harmless)."""
     conn.execute("SELECT pg_advisory_xact_lock(%s, %s)", WHEEL_LOCK)
     first, segments, _ = _LOOKUP[how]
-    levels = conn.execute(sql.SQL("{} SELECT DISTINCT level FROM delaywheel.level_segments s WHERE {} ORDER BY 1").format(
-        first, segments), params).fetchall()
+    levels = conn.execute(
+        sql.SQL("{} SELECT DISTINCT level FROM delaywheel.level_segments s WHERE {} ORDER BY 1").format(
+            first, segments
+        ),
+        params,
+    ).fetchall()
     for (level,) in levels:
         conn.execute("SELECT pg_advisory_xact_lock(%s, %s)", (LEVEL_LOCK, level))
 
@@ -64,7 +69,8 @@ def _lock_level_lanes(conn: psycopg.Connection, how: str, params: dict[str, obje
 # those ranges a segment's own filter is tested before its keys are read (CASE fixes the order: the planner would
 # run the cheaper-looking `@>` first, reading every segment's keys).
 _MAY_HOLD_KEY = sql.SQL(
-    "CASE WHEN delaywheel.bloom_may_hold(s.key_bloom, %(h1)s, %(h2)s) THEN s.keys @> ARRAY[%(v)s::text] END")
+    "CASE WHEN delaywheel.bloom_may_hold(s.key_bloom, %(h1)s, %(h2)s) THEN s.keys @> ARRAY[%(v)s::text] END"
+)
 _KEY_CANDIDATES = sql.SQL("""
 WITH candidates AS MATERIALIZED (
     SELECT range_agg(m.r) AS ranges FROM (
@@ -81,24 +87,44 @@ WITH candidates AS MATERIALIZED (
 _LOOKUP: dict[str, tuple[sql.Composable, sql.Composable, sql.Composable]] = {
     # how -> (WITH clause, condition on segments s, condition on messages q)
     "id": (sql.SQL(""), sql.SQL("int8range(s.id_first, s.id_last, '[]') @> %(v)s::bigint"), sql.SQL("q.id = %(v)s")),
-    "key": (_KEY_CANDIDATES, sql.SQL("int8range(s.id_first, s.id_last, '[]') && (SELECT ranges FROM candidates) AND {}"
-                                     ).format(_MAY_HOLD_KEY), sql.SQL("q.key = %(v)s")),
+    "key": (
+        _KEY_CANDIDATES,
+        sql.SQL("int8range(s.id_first, s.id_last, '[]') && (SELECT ranges FROM candidates) AND {}").format(
+            _MAY_HOLD_KEY
+        ),
+        sql.SQL("q.key = %(v)s"),
+    ),
 }
 # The lookup itself (as text: prepared, and rendered once), and its planner settings (db.LOOKUP_PLAN) with a generic
 # plan for its transaction.
-_FIND_ONE = {how: sql.SQL("{} SELECT p.id, p.deliver_at, p.key, p.lane, p.level, p.xid::text FROM ({}) p").format(
-    first, pending(segments, rows)).as_string() for how, (first, segments, rows) in _LOOKUP.items()}
+_FIND_ONE = {
+    how: sql.SQL("{} SELECT p.id, p.deliver_at, p.key, p.lane, p.level, p.xid::text FROM ({}) p")
+    .format(first, pending(segments, rows))
+    .as_string()
+    for how, (first, segments, rows) in _LOOKUP.items()
+}
 _LOOKUP_PLAN = sql.SQL("SELECT {}").format(sql.SQL(LOOKUP_PLAN)).as_string()
-_GENERIC_LOOKUP_PLAN = sql.SQL("SELECT {}, set_config('plan_cache_mode', 'force_generic_plan', true)").format(
-    sql.SQL(LOOKUP_PLAN)).as_string()
+_GENERIC_LOOKUP_PLAN = (
+    sql.SQL("SELECT {}, set_config('plan_cache_mode', 'force_generic_plan', true)")
+    .format(sql.SQL(LOOKUP_PLAN))
+    .as_string()
+)
 # The messages with the id or key delivered into a topic (cancel reports them), by message_id's B-tree or key's BRIN.
-_DELIVERED = {how: sql.SQL("SELECT DISTINCT message_id FROM delaywheel.topic_messages WHERE {} = %(v)s"
-                           " AND origin <> 'replay'").format(sql.Identifier(column)).as_string()
-              for how, column in (("id", "message_id"), ("key", "key"))}
+_DELIVERED = {
+    how: sql.SQL("SELECT DISTINCT message_id FROM delaywheel.topic_messages WHERE {} = %(v)s AND origin <> 'replay'")
+    .format(sql.Identifier(column))
+    .as_string()
+    for how, column in (("id", "message_id"), ("key", "key"))
+}
 
 
 def cancel(
-    conn: psycopg.Connection, cache: PartitionCache, *, message_id: int | None = None, key: str | None = None, reason: str = "cancelled"
+    conn: psycopg.Connection,
+    cache: PartitionCache,
+    *,
+    message_id: int | None = None,
+    key: str | None = None,
+    reason: str = "cancelled",
 ) -> list[CancelResult]:
     """Cancel one message by id, or every message with a key; one result per message found.
 
@@ -146,7 +172,8 @@ def find(conn: psycopg.Connection, how: str, params: dict[str, object]) -> list[
 
 # The cancellations of messages found, for those the cursors still show pending; one per message (migrations/018: a
 # concurrent cancel of the same message is waited for, and then this one inserts nothing).
-_MARK = sql.SQL("""
+_MARK = (
+    sql.SQL("""
 INSERT INTO delaywheel.cancellations (message_id, due_at, key, reason)
 SELECT t.id, t.deliver_at, t.key, %(reason)s
 FROM unnest(%(ids)s::bigint[], %(dues)s::timestamptz[], %(keys)s::text[], %(lanes)s::text[],
@@ -154,7 +181,10 @@ FROM unnest(%(ids)s::bigint[], %(dues)s::timestamptz[], %(keys)s::text[], %(lane
 WHERE {}
 ON CONFLICT (message_id, due_at) DO NOTHING
 RETURNING message_id
-""").format(STILL_PENDING).as_string()
+""")
+    .format(STILL_PENDING)
+    .as_string()
+)
 
 
 def mark(conn: psycopg.Connection, cache: PartitionCache, found: Sequence[Found], reason: str) -> set[int]:
@@ -172,7 +202,9 @@ def _mark(conn: psycopg.Connection, found: Sequence[Found], reason: str) -> psyc
 
 
 def _columns(found: Sequence[Sequence[object]]) -> dict[str, list[object]]:
-    return {name: [row[i] for row in found] for i, name in enumerate(("ids", "dues", "keys", "lanes", "levels", "xids"))}
+    return {
+        name: [row[i] for row in found] for i, name in enumerate(("ids", "dues", "keys", "lanes", "levels", "xids"))
+    }
 
 
 def lane_locks(found: Sequence[Sequence[object]]) -> list[tuple[int, int]]:
@@ -194,8 +226,14 @@ def await_passes(conn: psycopg.Connection, locks: Sequence[tuple[int, int]]) -> 
         conn.execute(sql.SQL("SELECT {} FROM (SELECT {} OFFSET 0) waited").format(release, take), keys + keys)
 
 
-def mark_and_settle(conn: psycopg.Connection, cache: PartitionCache, how: str, params: dict[str, object],
-                    found: Sequence[Found], reason: str) -> list[CancelResult]:
+def mark_and_settle(
+    conn: psycopg.Connection,
+    cache: PartitionCache,
+    how: str,
+    params: dict[str, object],
+    found: Sequence[Found],
+    reason: str,
+) -> list[CancelResult]:
     """`mark`, then `settle`, outside a transaction, in one round trip: the insert, then a Sync, which commits it
     before the wait starts (the server runs what it is sent in order)."""
     if found:
@@ -207,8 +245,9 @@ def mark_and_settle(conn: psycopg.Connection, cache: PartitionCache, how: str, p
     return _outcomes(how, params, found, {mid for (mid,) in marking.fetchall()} if marking else set(), delivered)
 
 
-def settle(conn: psycopg.Connection, how: str, params: dict[str, object], found: Sequence[Found],
-           marked: set[int]) -> list[CancelResult]:
+def settle(
+    conn: psycopg.Connection, how: str, params: dict[str, object], found: Sequence[Found], marked: set[int]
+) -> list[CancelResult]:
     """The true outcome of each message found, once every pass that may have read it without its cancellation has
     ended (await_passes), and the messages with the id or key delivered earlier: `mark_and_settle`'s second half on
     its own, for a caller that commits the cancellations itself (tests hold a pass open between the two)."""
@@ -217,8 +256,7 @@ def settle(conn: psycopg.Connection, how: str, params: dict[str, object], found:
     return _outcomes(how, params, found, marked, delivered)
 
 
-def _settling(conn: psycopg.Connection, how: str, params: dict[str, object],
-              found: Sequence[Found]) -> psycopg.Cursor:  # type: ignore[type-arg]
+def _settling(conn: psycopg.Connection, how: str, params: dict[str, object], found: Sequence[Found]) -> psycopg.Cursor:  # type: ignore[type-arg]
     """In a pipeline, one implicit transaction: the wait, then (a statement of its own, so a snapshot taken after
     the wait) the search of the topics, by B-tree on message_id or by the BRIN bloom summaries on key (LOOKUP_PLAN).
     Returns the cursor of the ids delivered."""
@@ -227,11 +265,16 @@ def _settling(conn: psycopg.Connection, how: str, params: dict[str, object],
     return conn.execute(_DELIVERED[how], {"v": params["v"]}, prepare=True)  # planned once per connection, as `find`
 
 
-def _outcomes(how: str, params: dict[str, object], found: Sequence[Found], marked: set[int],
-              delivering: psycopg.Cursor) -> list[CancelResult]:  # type: ignore[type-arg]
+def _outcomes(
+    how: str, params: dict[str, object], found: Sequence[Found], marked: set[int], delivering: psycopg.Cursor
+) -> list[CancelResult]:  # type: ignore[type-arg]
     delivered = {mid for (mid,) in delivering.fetchall()}
-    results = [CancelResult(mid, "already_delivered" if mid in delivered else
-                            "cancelled" if mid in marked else "already_cancelled") for mid, *_ in found]
+    results = [
+        CancelResult(
+            mid, "already_delivered" if mid in delivered else "cancelled" if mid in marked else "already_cancelled"
+        )
+        for mid, *_ in found
+    ]
     seen = {mid for mid, *_ in found}
     results += [CancelResult(mid, "already_delivered") for mid in sorted(delivered - seen)]
     if not results:
@@ -239,8 +282,9 @@ def _outcomes(how: str, params: dict[str, object], found: Sequence[Found], marke
     return results
 
 
-def _cancel_locked(conn: psycopg.Connection, cache: PartitionCache, how: str, params: dict[str, object],
-                   reason: str) -> list[CancelResult]:
+def _cancel_locked(
+    conn: psycopg.Connection, cache: PartitionCache, how: str, params: dict[str, object], reason: str
+) -> list[CancelResult]:
     """Inside a caller's transaction: the lanes' locks, held until the caller ends it (deliverers of those lanes
     wait for that, or report busy)."""
     with conn.transaction():
@@ -299,10 +343,16 @@ class KeysFrom:
             else:
                 params[f"{name}_{i}"] = value
                 conditions.append(sql.SQL("{} = {}").format(ident, sql.Placeholder(f"{name}_{i}")))
-        query = sql.SQL("p.key IN (SELECT {prefix} || b.{column}::text || {suffix} FROM {schema}.{table} b WHERE {where})"
-                        ).format(prefix=sql.Placeholder(f"{name}_prefix"), suffix=sql.Placeholder(f"{name}_suffix"),
-                                 column=sql.Identifier(column), schema=sql.Identifier(schema), table=sql.Identifier(table),
-                                 where=sql.SQL(" AND ").join(conditions) if conditions else sql.SQL("true"))
+        query = sql.SQL(
+            "p.key IN (SELECT {prefix} || b.{column}::text || {suffix} FROM {schema}.{table} b WHERE {where})"
+        ).format(
+            prefix=sql.Placeholder(f"{name}_prefix"),
+            suffix=sql.Placeholder(f"{name}_suffix"),
+            column=sql.Identifier(column),
+            schema=sql.Identifier(schema),
+            table=sql.Identifier(table),
+            where=sql.SQL(" AND ").join(conditions) if conditions else sql.SQL("true"),
+        )
         return Match(query, params)
 
 
@@ -312,13 +362,21 @@ def where_match(where: str) -> Match:
     try:
         checked = check_expression(where, CANCEL_COLUMNS, qualifier="p", what="--where predicate")
     except UnsafeSQL as exc:
-        hint = " (to match keys from another table, use keys_from / --keys-from-table)" if "subquery" in str(exc) else ""
+        hint = (
+            " (to match keys from another table, use keys_from / --keys-from-table)" if "subquery" in str(exc) else ""
+        )
         raise UnsafeSQL(f"{exc}{hint}") from None
     return Match(sql.SQL(checked.replace("%", "%%")))
 
 
-def matching(conn: psycopg.Connection, *, keys: list[str] | None = None, where: str | None = None,
-             keys_from: KeysFrom | None = None, match: Match | None = None) -> Match:
+def matching(
+    conn: psycopg.Connection,
+    *,
+    keys: list[str] | None = None,
+    where: str | None = None,
+    keys_from: KeysFrom | None = None,
+    match: Match | None = None,
+) -> Match:
     """Every condition given, ANDed: a key list, a checked predicate, keys from another table, a library Match."""
     parts: list[Match] = []
     if keys is not None:
@@ -331,8 +389,10 @@ def matching(conn: psycopg.Connection, *, keys: list[str] | None = None, where: 
         parts.append(match)
     if not parts:
         raise ValueError("bulk cancel needs keys, where, keys_from or a match")
-    return Match(sql.SQL(" AND ").join(sql.SQL("({})").format(m.sql) for m in parts),
-                 {k: v for m in parts for k, v in m.params.items()})
+    return Match(
+        sql.SQL(" AND ").join(sql.SQL("({})").format(m.sql) for m in parts),
+        {k: v for m in parts for k, v in m.params.items()},
+    )
 
 
 @contextmanager
@@ -360,20 +420,36 @@ def read_only(conn: psycopg.Connection, timeout: timedelta | None) -> Iterator[N
 _FIND = sql.SQL("SELECT {columns} FROM ({pending}) p WHERE ({match}) AND {not_cancelled}")
 
 
-def count_matching(conn: psycopg.Connection, *, keys: list[str] | None = None, where: str | None = None,
-                   keys_from: KeysFrom | None = None, match: Match | None = None, timeout: timedelta | None = None) -> int:
+def count_matching(
+    conn: psycopg.Connection,
+    *,
+    keys: list[str] | None = None,
+    where: str | None = None,
+    keys_from: KeysFrom | None = None,
+    match: Match | None = None,
+    timeout: timedelta | None = None,
+) -> int:
     """How many pending, not yet cancelled messages a bulk cancel would hit (for the CLI's guard); read-only."""
     m = matching(conn, keys=keys, where=where, keys_from=keys_from, match=match)
     with read_only(conn, timeout):
-        row = conn.execute(_FIND.format(columns=sql.SQL("count(*)"), pending=sql.SQL(PENDING), match=m.sql,
-                                        not_cancelled=not_cancelled("p")),
-                           m.params).fetchone()
+        row = conn.execute(
+            _FIND.format(
+                columns=sql.SQL("count(*)"), pending=sql.SQL(PENDING), match=m.sql, not_cancelled=not_cancelled("p")
+            ),
+            m.params,
+        ).fetchone()
     return int(row[0]) if row else 0
 
 
 def cancel_matching(
-    conn: psycopg.Connection, cache: PartitionCache, *, keys: list[str] | None = None, where: str | None = None,
-    keys_from: KeysFrom | None = None, match: Match | None = None, reason: str = "bulk cancel",
+    conn: psycopg.Connection,
+    cache: PartitionCache,
+    *,
+    keys: list[str] | None = None,
+    where: str | None = None,
+    keys_from: KeysFrom | None = None,
+    match: Match | None = None,
+    reason: str = "bulk cancel",
     timeout: timedelta | None = None,
 ) -> int:
     """Cancel, in one set-based statement, every pending message that meets every condition given: its key is in
@@ -385,9 +461,15 @@ def cancel_matching(
     # statistics). Then each row found is checked again against the cursors and the cancellations only, so one
     # delivered or cancelled meanwhile is left alone.
     with read_only(conn, timeout):
-        found = conn.execute(_FIND.format(columns=sql.SQL("p.id, p.deliver_at, p.key, p.lane, p.level, p.xid::text"),
-                                          pending=sql.SQL(PENDING), match=m.sql, not_cancelled=not_cancelled("p")),
-                             m.params).fetchall()
+        found = conn.execute(
+            _FIND.format(
+                columns=sql.SQL("p.id, p.deliver_at, p.key, p.lane, p.level, p.xid::text"),
+                pending=sql.SQL(PENDING),
+                match=m.sql,
+                not_cancelled=not_cancelled("p"),
+            ),
+            m.params,
+        ).fetchall()
     if not found:
         return 0
     if not _commits_each_statement(conn):  # in the caller's transaction: lock as cancel does
@@ -402,6 +484,7 @@ def cancel_matching(
     await_passes(conn, lane_locks([row for row in found if row[0] in marked]))
     row = conn.execute(
         "SELECT count(DISTINCT message_id) FROM delaywheel.topic_messages"
-        " WHERE message_id = ANY(%s::bigint[]) AND origin <> 'replay'", (sorted(marked),),
+        " WHERE message_id = ANY(%s::bigint[]) AND origin <> 'replay'",
+        (sorted(marked),),
     ).fetchone()
     return len(marked) - (int(row[0]) if row else 0)

@@ -37,64 +37,264 @@ CANCEL_COLUMNS = ("id", "deliver_at", "key", "topic", "tags", "properties", "lan
 MAX_LENGTH = 20_000
 MAX_DEPTH = 200
 
-_OPERATORS = frozenset({
-    "=", "<>", "!=", "<", ">", "<=", ">=",  # comparison
-    "+", "-", "*", "/", "%", "||",  # arithmetic, concatenation
-    "->", "->>", "#>", "#>>", "?", "?|", "?&", "@>", "<@", "&&",  # jsonb and arrays
-    "~~", "!~~", "~~*", "!~~*", "~", "!~", "~*", "!~*",  # LIKE / ILIKE / regular expressions
-})
+_OPERATORS = frozenset(
+    {
+        "=",
+        "<>",
+        "!=",
+        "<",
+        ">",
+        "<=",
+        ">=",  # comparison
+        "+",
+        "-",
+        "*",
+        "/",
+        "%",
+        "||",  # arithmetic, concatenation
+        "->",
+        "->>",
+        "#>",
+        "#>>",
+        "?",
+        "?|",
+        "?&",
+        "@>",
+        "<@",
+        "&&",  # jsonb and arrays
+        "~~",
+        "!~~",
+        "~~*",
+        "!~~*",
+        "~",
+        "!~",
+        "~*",
+        "!~*",  # LIKE / ILIKE / regular expressions
+    }
+)
 # Pure (immutable or stable, no side effect, no file, network, catalog or setting access) built-in functions.
-_FUNCTIONS = frozenset({
-    "lower", "upper", "length", "char_length", "character_length", "octet_length", "btrim", "ltrim", "rtrim",
-    "trim", "substr", "substring", "left", "right", "strpos", "position", "replace", "split_part", "starts_with",
-    "concat", "concat_ws", "md5", "reverse", "lpad", "rpad", "initcap", "similar_to_escape",
-    "abs", "ceil", "ceiling", "floor", "round", "trunc", "mod", "greatest", "least",
-    "now", "clock_timestamp", "statement_timestamp", "transaction_timestamp", "date_trunc", "date_part", "extract",
-    "to_timestamp", "make_interval", "age", "timezone",
-    "jsonb_typeof", "json_typeof", "jsonb_array_length", "jsonb_exists", "jsonb_extract_path_text",
-    "array_length", "cardinality", "array_to_string", "string_to_array",
-})
+_FUNCTIONS = frozenset(
+    {
+        "lower",
+        "upper",
+        "length",
+        "char_length",
+        "character_length",
+        "octet_length",
+        "btrim",
+        "ltrim",
+        "rtrim",
+        "trim",
+        "substr",
+        "substring",
+        "left",
+        "right",
+        "strpos",
+        "position",
+        "replace",
+        "split_part",
+        "starts_with",
+        "concat",
+        "concat_ws",
+        "md5",
+        "reverse",
+        "lpad",
+        "rpad",
+        "initcap",
+        "similar_to_escape",
+        "abs",
+        "ceil",
+        "ceiling",
+        "floor",
+        "round",
+        "trunc",
+        "mod",
+        "greatest",
+        "least",
+        "now",
+        "clock_timestamp",
+        "statement_timestamp",
+        "transaction_timestamp",
+        "date_trunc",
+        "date_part",
+        "extract",
+        "to_timestamp",
+        "make_interval",
+        "age",
+        "timezone",
+        "jsonb_typeof",
+        "json_typeof",
+        "jsonb_array_length",
+        "jsonb_exists",
+        "jsonb_extract_path_text",
+        "array_length",
+        "cardinality",
+        "array_to_string",
+        "string_to_array",
+    }
+)
 # A bulk-enqueue query may also build rows: aggregates, JSON builders and set-returning generators.
-_QUERY_FUNCTIONS = _FUNCTIONS | frozenset({
-    "count", "sum", "min", "max", "avg", "bool_and", "bool_or", "array_agg", "string_agg", "json_agg", "jsonb_agg",
-    "json_build_object", "jsonb_build_object", "json_build_array", "jsonb_build_array", "to_json", "to_jsonb",
-    "row_to_json", "json_object_agg", "jsonb_object_agg", "generate_series", "unnest", "row_number", "rank",
-    "dense_rank", "random", "gen_random_uuid", "to_char", "format", "coalesce", "nullif",
-})
-_TYPES = frozenset({
-    "text", "varchar", "bpchar", "char", "character", "name", "bool", "boolean", "int2", "int4", "int8", "smallint",
-    "integer", "int", "bigint", "numeric", "decimal", "float4", "float8", "real", "double precision", "timestamptz",
-    "timestamp", "date", "time", "timetz", "interval", "json", "jsonb", "uuid", "bytea",
-})
-_TIME_VALUES = frozenset({
-    SQLValueFunctionOp.SVFOP_CURRENT_DATE, SQLValueFunctionOp.SVFOP_CURRENT_TIME,
-    SQLValueFunctionOp.SVFOP_CURRENT_TIME_N, SQLValueFunctionOp.SVFOP_CURRENT_TIMESTAMP,
-    SQLValueFunctionOp.SVFOP_CURRENT_TIMESTAMP_N, SQLValueFunctionOp.SVFOP_LOCALTIME,
-    SQLValueFunctionOp.SVFOP_LOCALTIME_N, SQLValueFunctionOp.SVFOP_LOCALTIMESTAMP,
-    SQLValueFunctionOp.SVFOP_LOCALTIMESTAMP_N,
-})
-_A_EXPR_KINDS = frozenset({
-    A_Expr_Kind.AEXPR_OP, A_Expr_Kind.AEXPR_OP_ANY, A_Expr_Kind.AEXPR_OP_ALL, A_Expr_Kind.AEXPR_DISTINCT,
-    A_Expr_Kind.AEXPR_NOT_DISTINCT, A_Expr_Kind.AEXPR_NULLIF, A_Expr_Kind.AEXPR_IN, A_Expr_Kind.AEXPR_LIKE,
-    A_Expr_Kind.AEXPR_ILIKE, A_Expr_Kind.AEXPR_SIMILAR, A_Expr_Kind.AEXPR_BETWEEN, A_Expr_Kind.AEXPR_NOT_BETWEEN,
-    A_Expr_Kind.AEXPR_BETWEEN_SYM, A_Expr_Kind.AEXPR_NOT_BETWEEN_SYM,
-})
+_QUERY_FUNCTIONS = _FUNCTIONS | frozenset(
+    {
+        "count",
+        "sum",
+        "min",
+        "max",
+        "avg",
+        "bool_and",
+        "bool_or",
+        "array_agg",
+        "string_agg",
+        "json_agg",
+        "jsonb_agg",
+        "json_build_object",
+        "jsonb_build_object",
+        "json_build_array",
+        "jsonb_build_array",
+        "to_json",
+        "to_jsonb",
+        "row_to_json",
+        "json_object_agg",
+        "jsonb_object_agg",
+        "generate_series",
+        "unnest",
+        "row_number",
+        "rank",
+        "dense_rank",
+        "random",
+        "gen_random_uuid",
+        "to_char",
+        "format",
+        "coalesce",
+        "nullif",
+    }
+)
+_TYPES = frozenset(
+    {
+        "text",
+        "varchar",
+        "bpchar",
+        "char",
+        "character",
+        "name",
+        "bool",
+        "boolean",
+        "int2",
+        "int4",
+        "int8",
+        "smallint",
+        "integer",
+        "int",
+        "bigint",
+        "numeric",
+        "decimal",
+        "float4",
+        "float8",
+        "real",
+        "double precision",
+        "timestamptz",
+        "timestamp",
+        "date",
+        "time",
+        "timetz",
+        "interval",
+        "json",
+        "jsonb",
+        "uuid",
+        "bytea",
+    }
+)
+_TIME_VALUES = frozenset(
+    {
+        SQLValueFunctionOp.SVFOP_CURRENT_DATE,
+        SQLValueFunctionOp.SVFOP_CURRENT_TIME,
+        SQLValueFunctionOp.SVFOP_CURRENT_TIME_N,
+        SQLValueFunctionOp.SVFOP_CURRENT_TIMESTAMP,
+        SQLValueFunctionOp.SVFOP_CURRENT_TIMESTAMP_N,
+        SQLValueFunctionOp.SVFOP_LOCALTIME,
+        SQLValueFunctionOp.SVFOP_LOCALTIME_N,
+        SQLValueFunctionOp.SVFOP_LOCALTIMESTAMP,
+        SQLValueFunctionOp.SVFOP_LOCALTIMESTAMP_N,
+    }
+)
+_A_EXPR_KINDS = frozenset(
+    {
+        A_Expr_Kind.AEXPR_OP,
+        A_Expr_Kind.AEXPR_OP_ANY,
+        A_Expr_Kind.AEXPR_OP_ALL,
+        A_Expr_Kind.AEXPR_DISTINCT,
+        A_Expr_Kind.AEXPR_NOT_DISTINCT,
+        A_Expr_Kind.AEXPR_NULLIF,
+        A_Expr_Kind.AEXPR_IN,
+        A_Expr_Kind.AEXPR_LIKE,
+        A_Expr_Kind.AEXPR_ILIKE,
+        A_Expr_Kind.AEXPR_SIMILAR,
+        A_Expr_Kind.AEXPR_BETWEEN,
+        A_Expr_Kind.AEXPR_NOT_BETWEEN,
+        A_Expr_Kind.AEXPR_BETWEEN_SYM,
+        A_Expr_Kind.AEXPR_NOT_BETWEEN_SYM,
+    }
+)
 # Node types an expression may hold (values, names and the expression forms above); everything else is refused.
-_EXPRESSION_NODES = frozenset({
-    "A_Const", "Integer", "Float", "Boolean", "String", "BitString", "ColumnRef", "BoolExpr", "A_Expr", "NullTest",
-    "BooleanTest", "TypeCast", "TypeName", "FuncCall", "CoalesceExpr", "MinMaxExpr", "CaseExpr", "CaseWhen",
-    "A_ArrayExpr", "SQLValueFunction",
-})
-_QUERY_NODES = _EXPRESSION_NODES | frozenset({
-    "SelectStmt", "ResTarget", "RangeVar", "JoinExpr", "RangeSubselect", "RangeFunction", "SubLink", "SortBy",
-    "WithClause", "CommonTableExpr", "Alias", "A_Star", "WindowDef", "A_Indirection", "A_Indices", "List",
-})
+_EXPRESSION_NODES = frozenset(
+    {
+        "A_Const",
+        "Integer",
+        "Float",
+        "Boolean",
+        "String",
+        "BitString",
+        "ColumnRef",
+        "BoolExpr",
+        "A_Expr",
+        "NullTest",
+        "BooleanTest",
+        "TypeCast",
+        "TypeName",
+        "FuncCall",
+        "CoalesceExpr",
+        "MinMaxExpr",
+        "CaseExpr",
+        "CaseWhen",
+        "A_ArrayExpr",
+        "SQLValueFunction",
+    }
+)
+_QUERY_NODES = _EXPRESSION_NODES | frozenset(
+    {
+        "SelectStmt",
+        "ResTarget",
+        "RangeVar",
+        "JoinExpr",
+        "RangeSubselect",
+        "RangeFunction",
+        "SubLink",
+        "SortBy",
+        "WithClause",
+        "CommonTableExpr",
+        "Alias",
+        "A_Star",
+        "WindowDef",
+        "A_Indirection",
+        "A_Indices",
+        "List",
+    }
+)
 _SYSTEM_SCHEMAS = frozenset({"pg_catalog", "information_schema", "pg_toast"})
 _DESCRIBE = {  # what a refused node is, in words a caller recognises
-    "SubLink": "a subquery", "ParamRef": "a parameter ($n)", "A_Indirection": "a subscript or field selection",
-    "CollateClause": "COLLATE", "RowExpr": "a row constructor", "GroupingFunc": "GROUPING()",
-    "InsertStmt": "INSERT", "UpdateStmt": "UPDATE", "DeleteStmt": "DELETE", "MergeStmt": "MERGE",
-    "XmlExpr": "an XML expression", "XmlSerialize": "XMLSERIALIZE", "JsonFuncExpr": "a JSON query function",
+    "SubLink": "a subquery",
+    "ParamRef": "a parameter ($n)",
+    "A_Indirection": "a subscript or field selection",
+    "CollateClause": "COLLATE",
+    "RowExpr": "a row constructor",
+    "GroupingFunc": "GROUPING()",
+    "InsertStmt": "INSERT",
+    "UpdateStmt": "UPDATE",
+    "DeleteStmt": "DELETE",
+    "MergeStmt": "MERGE",
+    "XmlExpr": "an XML expression",
+    "XmlSerialize": "XMLSERIALIZE",
+    "JsonFuncExpr": "a JSON query function",
 }
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_$]*$")
 
@@ -136,8 +336,14 @@ class _Checker:
     """Walks a parse tree and raises `UnsafeSQL` at the first node outside the whitelist. In expression mode
     (`columns` given) every column reference must name an allowed column (optionally behind one of `qualifiers`)."""
 
-    def __init__(self, *, columns: Iterable[str] | None, qualifiers: Iterable[str] = (), query: bool = False,
-                 what: str = "predicate") -> None:
+    def __init__(
+        self,
+        *,
+        columns: Iterable[str] | None,
+        qualifiers: Iterable[str] = (),
+        query: bool = False,
+        what: str = "predicate",
+    ) -> None:
         self.columns = None if columns is None else frozenset(columns)
         self.qualifiers = frozenset(qualifiers)
         self.query = query
@@ -199,8 +405,15 @@ class _Checker:
         name = _func_name(node)
         if name not in self.functions:
             raise self.refuse(f"the function {name}()")
-        if not self.query and (node.agg_star or node.agg_distinct or node.agg_order or node.agg_filter or node.over
-                               or node.agg_within_group or node.func_variadic):
+        if not self.query and (
+            node.agg_star
+            or node.agg_distinct
+            or node.agg_order
+            or node.agg_filter
+            or node.over
+            or node.agg_within_group
+            or node.func_variadic
+        ):
             raise self.refuse(f"an aggregate, window or VARIADIC call of {name}()")
 
     def _TypeName(self, node: ast.TypeName) -> None:
@@ -210,7 +423,7 @@ class _Checker:
 
     def _SQLValueFunction(self, node: ast.SQLValueFunction) -> None:
         if node.op not in _TIME_VALUES:
-            raise self.refuse(str(getattr(node.op, 'name', node.op)).removeprefix("SVFOP_"))
+            raise self.refuse(str(getattr(node.op, "name", node.op)).removeprefix("SVFOP_"))
 
     def _SelectStmt(self, node: ast.SelectStmt) -> None:
         if node.intoClause:
@@ -220,7 +433,11 @@ class _Checker:
 
     def _RangeVar(self, node: ast.RangeVar) -> None:
         schema = (node.schemaname or "").lower()
-        if node.catalogname or schema in _SYSTEM_SCHEMAS or (not schema and (node.relname or "").lower().startswith("pg_")):
+        if (
+            node.catalogname
+            or schema in _SYSTEM_SCHEMAS
+            or (not schema and (node.relname or "").lower().startswith("pg_"))
+        ):
             raise self.refuse(f"reading the system table {node.relname}")
 
     def _CommonTableExpr(self, node: ast.CommonTableExpr) -> None:
@@ -246,9 +463,27 @@ def _single_expression(stmts: list[ast.RawStmt], what: str) -> ast.Node:
     stmt = stmts[0].stmt
     if not isinstance(stmt, ast.SelectStmt) or len(stmt.targetList or ()) != 1:
         raise UnsafeSQL(f"{what} must be one expression")
-    extra = [slot for slot in ("distinctClause", "intoClause", "fromClause", "whereClause", "groupClause",
-                               "havingClause", "windowClause", "valuesLists", "sortClause", "limitOffset", "limitCount",
-                               "lockingClause", "withClause", "larg", "rarg") if getattr(stmt, slot, None)]
+    extra = [
+        slot
+        for slot in (
+            "distinctClause",
+            "intoClause",
+            "fromClause",
+            "whereClause",
+            "groupClause",
+            "havingClause",
+            "windowClause",
+            "valuesLists",
+            "sortClause",
+            "limitOffset",
+            "limitCount",
+            "lockingClause",
+            "withClause",
+            "larg",
+            "rarg",
+        )
+        if getattr(stmt, slot, None)
+    ]
     if extra or stmt.op not in (None, SetOperation.SETOP_NONE):
         raise UnsafeSQL(f"{what} must be one expression; found {', '.join(extra) or 'a set operation'} after it")
     target = (stmt.targetList or ())[0]
@@ -257,8 +492,14 @@ def _single_expression(stmts: list[ast.RawStmt], what: str) -> ast.Node:
     return target.val  # type: ignore[no-any-return]
 
 
-def check_expression(text: str, columns: Iterable[str] | None, *, qualifier: str | None = None,
-                     accept_qualifiers: Iterable[str] = (), what: str = "predicate") -> str:
+def check_expression(
+    text: str,
+    columns: Iterable[str] | None,
+    *,
+    qualifier: str | None = None,
+    accept_qualifiers: Iterable[str] = (),
+    what: str = "predicate",
+) -> str:
     """`text` as one checked expression over `columns`, rendered from its parse tree with every column behind
     `qualifier` (or unqualified). `columns=None` checks everything but the column names (for a reconcile predicate
     before its table's columns are known). Raises `UnsafeSQL`."""
@@ -351,6 +592,10 @@ def read_only_session(timeout_ms: int) -> str:
     driver's transaction may have begun already: it is made read-only too (outside one, that is only a warning).
     The timeout is the session's (SET, not set_config(..., true)): a transaction-local one would end with the
     transaction the init statement may run in, before Spark's reads. Text, not parameters: JDBC runs it as is."""
-    return sql.SQL(
-        "SET SESSION CHARACTERISTICS AS TRANSACTION READ ONLY; SET TRANSACTION READ ONLY; SET statement_timeout = {}"
-    ).format(sql.Literal(int(timeout_ms))).as_string()
+    return (
+        sql.SQL(
+            "SET SESSION CHARACTERISTICS AS TRANSACTION READ ONLY; SET TRANSACTION READ ONLY; SET statement_timeout = {}"
+        )
+        .format(sql.Literal(int(timeout_ms)))
+        .as_string()
+    )

@@ -16,8 +16,15 @@ from typing import TextIO
 class Progress:
     """A running count as a line on stderr every `every` seconds and once at the end."""
 
-    def __init__(self, label: str, unit: str, every: float = 10.0, *, clock: Callable[[], float] = time.monotonic,
-                 out: TextIO | None = None) -> None:
+    def __init__(
+        self,
+        label: str,
+        unit: str,
+        every: float = 10.0,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        out: TextIO | None = None,
+    ) -> None:
         self.label, self.unit, self.every, self.clock, self.out = label, unit, every, clock, out
         self.started = self.reported = clock()
 
@@ -27,5 +34,9 @@ class Progress:
             return
         self.reported = now
         rate = count / (now - self.started) if now > self.started else 0.0
-        print(f"{self.label}: {count:,} {self.unit}{', ' + detail if detail else ''}; {rate:,.0f} {self.unit}/s"
-              + (", done" if done else ""), file=self.out or sys.stderr, flush=True)
+        print(
+            f"{self.label}: {count:,} {self.unit}{', ' + detail if detail else ''}; {rate:,.0f} {self.unit}/s"
+            + (", done" if done else ""),
+            file=self.out or sys.stderr,
+            flush=True,
+        )

@@ -64,10 +64,13 @@ def collect(conn: psycopg.Connection, settings: Settings, now: datetime | None, 
             conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
         # Each statement here reads a few index ranges: never worth compiling (db.connect turns JIT off too).
         conn.execute("SET LOCAL jit = off")
-        state = _rows(conn, """
+        state = _rows(
+            conn,
+            """
             SELECT clock_timestamp() AS clock, cursor_at, cursor_id,
                    horizon_xid::text::bigint AS horizon_xid, near_until, delivered, updated_at
-            FROM delaywheel.wheel_state""")[0]
+            FROM delaywheel.wheel_state""",
+        )[0]
         now = now or state["clock"]
         lateness = _lateness_by_lane(conn, now - window)
         return {
@@ -80,12 +83,16 @@ def collect(conn: psycopg.Connection, settings: Settings, now: datetime | None, 
         }
 
 
-_LATENESS_BY_LANE = sql.SQL("""
+_LATENESS_BY_LANE = (
+    sql.SQL("""
     SELECT origin, level, n, p[1] AS p50, p[2] AS p99
     FROM (SELECT origin, CASE WHEN origin = 'level' THEN level END AS level, count(*) AS n, {p50_p99} AS p
           FROM delaywheel.topic_messages
           WHERE origin IN ('level', 'wheel') AND delivered_at >= %(since)s
-          GROUP BY 1, 2) l""").format(p50_p99=LATENESS_P50_P99).as_string()
+          GROUP BY 1, 2) l""")
+    .format(p50_p99=LATENESS_P50_P99)
+    .as_string()
+)
 
 
 def _lateness_by_lane(conn: psycopg.Connection, since: datetime) -> dict[tuple[str, int | None], dict[str, Any]]:
@@ -101,7 +108,8 @@ def _seconds(later: datetime, earlier: datetime | None) -> float | None:
 
 # Per level: its checkpoint, its backlog (pending segments' n, and the part of the one its checkpoint sits in) and its
 # head (pending.level_head).
-_LEVELS = sql.SQL("""
+_LEVELS = (
+    sql.SQL("""
         SELECT l.level, (%(delays)s::float8[])[l.level] AS delay,
                coalesce(c.cursor_id, 0) AS checkpoint_id, coalesce(c.cursor_xid::text, '0')::bigint AS checkpoint_xid,
                coalesce(c.delivered, 0) AS delivered, c.updated_at AS checkpoint_at,
@@ -112,11 +120,15 @@ _LEVELS = sql.SQL("""
                ({head}) AS head_due
         FROM generate_series(1, greatest(%(n)s, (SELECT max(level) FROM delaywheel.level_segments))) AS l(level)
         LEFT JOIN delaywheel.level_checkpoint c ON c.level = l.level
-        ORDER BY l.level""").format(head=level_head(sql.SQL("l.level"))).as_string()
+        ORDER BY l.level""")
+    .format(head=level_head(sql.SQL("l.level")))
+    .as_string()
+)
 
 
-def level_stats(conn: psycopg.Connection, settings: Settings, now: datetime,
-                lateness: dict[tuple[str, int | None], dict[str, Any]]) -> list[dict[str, Any]]:
+def level_stats(
+    conn: psycopg.Connection, settings: Settings, now: datetime, lateness: dict[tuple[str, int | None], dict[str, Any]]
+) -> list[dict[str, Any]]:
     """Per configured level, and per level removed from the table that still holds messages (its delay is
     None): backlog, checkpoint, head due time, lag (age of the oldest message due and not delivered, 0 when none
     is), lateness p50/p99 over the window. The backlog counts messages not yet passed by the checkpoint (cancelled
@@ -128,10 +140,16 @@ def level_stats(conn: psycopg.Connection, settings: Settings, now: datetime,
             continue
         due = row["head_due"] is not None and row["head_due"] <= now
         late = lateness.get(("level", row["level"]), {})
-        out.append({**row, "oldest_overdue_s": _seconds(now, row["head_due"]) if due else None,
-                    "lag_s": _seconds(now, row["head_due"]) if due else 0.0,
-                    "lateness_p50_s": late.get("p50"), "lateness_p99_s": late.get("p99"),
-                    "delivered_in_window": late.get("n", 0)})
+        out.append(
+            {
+                **row,
+                "oldest_overdue_s": _seconds(now, row["head_due"]) if due else None,
+                "lag_s": _seconds(now, row["head_due"]) if due else 0.0,
+                "lateness_p50_s": late.get("p50"),
+                "lateness_p99_s": late.get("p99"),
+                "delivered_in_window": late.get("n", 0),
+            }
+        )
     return out
 
 
@@ -167,22 +185,30 @@ _NEAR_PARTITIONS = """
 # The queries below find each row's interval (lo, hi] by binary search in the intervals' starts: width_bucket gives
 # the i with lo_i <= x < lo_i+1, so x less one microsecond (timestamptz's resolution) lands in (lo_i, lo_i+1].
 # Rows behind the cursor committed after its pass (xid >= horizon_xid): the next pass delivers them first.
-_STRAGGLERS = sql.SQL("""
+_STRAGGLERS = (
+    sql.SQL("""
     SELECT width_bucket(w.deliver_at - interval '1 microsecond', %(lo)s::timestamptz[]) AS i, count(*) AS n,
            min(w.deliver_at) AS first
     FROM delaywheel.wheel w
     WHERE w.xid >= %(horizon)s::text::xid8 AND w.deliver_at <= %(cursor_at)s AND (w.deliver_at, w.id) <= (%(cursor_at)s, %(cursor_id)s)
       AND {not_cancelled}
     GROUP BY 1
-""").format(not_cancelled=not_cancelled("w")).as_string()
+""")
+    .format(not_cancelled=not_cancelled("w"))
+    .as_string()
+)
 # The first near-wheel row ahead of the cursor that is not cancelled (the lag's start; pending.wheel_head, what
 # waiters read, counts a cancelled row too: a pass wakes for it and skips it).
-_HEAD = sql.SQL("""
+_HEAD = (
+    sql.SQL("""
     SELECT w.deliver_at FROM delaywheel.wheel w
     WHERE w.deliver_at >= %(cursor_at)s AND (w.deliver_at, w.id) > (%(cursor_at)s, %(cursor_id)s)
       AND {not_cancelled}
     ORDER BY w.deliver_at, w.id LIMIT 1
-""").format(not_cancelled=not_cancelled("w")).as_string()
+""")
+    .format(not_cancelled=not_cancelled("w"))
+    .as_string()
+)
 # Far blocks due wholly after `later`: counted by their segments. Any other block (the roll is overdue) by its rows.
 _FAR = """
     SELECT NULL::int AS i, coalesce(sum(s.n), 0)::bigint AS n, NULL::timestamptz AS first
@@ -212,12 +238,23 @@ _CANCELLED = """
 """
 
 
-def wheel_stats(conn: psycopg.Connection, settings: Settings, state: dict[str, Any], now: datetime,
-                lateness: dict[tuple[str, int | None], dict[str, Any]]) -> dict[str, Any]:
+def wheel_stats(
+    conn: psycopg.Connection,
+    settings: Settings,
+    state: dict[str, Any],
+    now: datetime,
+    lateness: dict[tuple[str, int | None], dict[str, Any]],
+) -> dict[str, Any]:
     """Pending by horizon, overdue and lag, the last pass, lateness, and the due-time histogram of the next 24 h."""
     axis = intervals(now)
-    params = {"lo": [lo for lo, _ in axis], "hi": [hi for _, hi in axis], "later": now + HOUR * HISTOGRAM_HOURS,
-              "cursor_at": state["cursor_at"], "cursor_id": state["cursor_id"], "horizon": state["horizon_xid"]}
+    params = {
+        "lo": [lo for lo, _ in axis],
+        "hi": [hi for _, hi in axis],
+        "later": now + HOUR * HISTOGRAM_HOURS,
+        "cursor_at": state["cursor_at"],
+        "cursor_id": state["cursor_id"],
+        "horizon": state["horizon_xid"],
+    }
     counts: list[float] = [0] * len(axis)
     firsts: list[datetime] = []
     estimated = _near_estimates(conn, params, now, axis, counts)
@@ -242,23 +279,36 @@ def wheel_stats(conn: psycopg.Connection, settings: Settings, state: dict[str, A
     due_now = head_due is not None and head_due <= now and overdue > 0
     return {
         "estimated_after": estimated,
-        "pending": sum(whole), "overdue": overdue, "next_minute": whole[1], "next_hour": whole[2],
-        "next_day": sum(whole[3:-1]), "later": whole[-1],
+        "pending": sum(whole),
+        "overdue": overdue,
+        "next_minute": whole[1],
+        "next_hour": whole[2],
+        "next_day": sum(whole[3:-1]),
+        "later": whole[-1],
         "head_due": head_due,
         "oldest_overdue_s": _seconds(now, head_due) if due_now else None,
         "lag_s": _seconds(now, head_due) if due_now else 0.0,
-        "cursor_at": state["cursor_at"], "cursor_slot": int(state["cursor_at"].timestamp() // settings.wheel_precision.total_seconds()),
-        "near_until": state["near_until"], "delivered": state["delivered"],
+        "cursor_at": state["cursor_at"],
+        "cursor_slot": int(state["cursor_at"].timestamp() // settings.wheel_precision.total_seconds()),
+        "near_until": state["near_until"],
+        "delivered": state["delivered"],
         "last_pass_at": state["updated_at"] if started else None,
         # by the database clock even when `now` is injected: the pass stamped its commit with that clock
         "since_last_pass_s": _seconds(state["clock"], state["updated_at"]) if started else None,
-        "lateness_p50_s": late.get("p50"), "lateness_p99_s": late.get("p99"), "delivered_in_window": late.get("n", 0),
+        "lateness_p50_s": late.get("p50"),
+        "lateness_p99_s": late.get("p99"),
+        "delivered_in_window": late.get("n", 0),
         "histogram_24h": histogram(now, whole),
     }
 
 
-def _near_estimates(conn: psycopg.Connection, params: dict[str, Any], now: datetime,
-                    axis: list[tuple[datetime, datetime]], counts: list[float]) -> datetime | None:
+def _near_estimates(
+    conn: psycopg.Connection,
+    params: dict[str, Any],
+    now: datetime,
+    axis: list[tuple[datetime, datetime]],
+    counts: list[float],
+) -> datetime | None:
     """Decide how far the near wheel is counted row by row, and add the statistics' figure for the partitions after
     that to `counts`. Returns where estimates start (None: every count exact).
 
@@ -289,34 +339,44 @@ def _near_estimates(conn: psycopg.Connection, params: dict[str, Any], now: datet
 
 def histogram(now: datetime, counts: list[int]) -> list[dict[str, Any]]:
     """24 buckets of one hour from `now`, each (start, end]: the first adds the next minute and the rest of its hour."""
-    hourly = [counts[1] + counts[2], *counts[3:3 + HISTOGRAM_HOURS - 1]]
+    hourly = [counts[1] + counts[2], *counts[3 : 3 + HISTOGRAM_HOURS - 1]]
     return [{"start": now + HOUR * i, "end": now + HOUR * (i + 1), "due": n} for i, n in enumerate(hourly)]
 
 
 def topic_stats(conn: psycopg.Connection) -> list[dict[str, Any]]:
     """Per topic: depth (messages held) and, per consumer group, its lag behind the topic's end."""
-    return _rows(conn, """
+    return _rows(
+        conn,
+        """
         SELECT t.topic, t.depth, o.grp AS consumer_group, o.acked,
                (SELECT count(*) FROM delaywheel.topic_messages m WHERE m.topic = t.topic
                   AND (m.xid, m.queue_offset) > (o.cursor_xid, o.cursor_offset)) AS lag
         FROM (SELECT topic, count(*) AS depth FROM delaywheel.topic_messages GROUP BY topic) t
         LEFT JOIN delaywheel.consumer_offsets o ON o.topic = t.topic
         ORDER BY t.topic, o.grp
-    """)
+    """,
+    )
 
 
 def quarantine_stats(conn: psycopg.Connection) -> dict[str, Any]:
     """Bulk-enqueue input rows refused (migrations/004): counts by reason and the most recent few, through the
     (reason, quarantined_at) index."""
-    by_reason = _rows(conn, """
+    by_reason = _rows(
+        conn,
+        """
         SELECT reason, count(*) AS count, max(quarantined_at) AS last_at
-        FROM delaywheel.quarantine GROUP BY reason ORDER BY count(*) DESC, reason""")
-    recent = _rows(conn, """
+        FROM delaywheel.quarantine GROUP BY reason ORDER BY count(*) DESC, reason""",
+    )
+    recent = _rows(
+        conn,
+        """
         SELECT q.* FROM unnest(%(reasons)s::text[]) AS r(reason)
         CROSS JOIN LATERAL (
             SELECT source, source_file, row_number, reason, left(detail, 300) AS detail, quarantined_at
             FROM delaywheel.quarantine q WHERE q.reason = r.reason ORDER BY quarantined_at DESC LIMIT %(n)s) q
-        ORDER BY q.quarantined_at DESC LIMIT %(n)s""", {"reasons": [r["reason"] for r in by_reason], "n": RECENT})
+        ORDER BY q.quarantined_at DESC LIMIT %(n)s""",
+        {"reasons": [r["reason"] for r in by_reason], "n": RECENT},
+    )
     return {"total": sum(r["count"] for r in by_reason), "by_reason": by_reason, "recent": recent}
 
 
@@ -326,12 +386,19 @@ def set_aside_stats(conn: psycopg.Connection) -> dict[str, Any]:
     row = conn.execute("SELECT to_regclass('delaywheel.set_aside') IS NOT NULL").fetchone()
     if not row or not row[0]:
         return {"total": 0, "by_reason": [], "recent": []}
-    by_reason = _rows(conn, """
+    by_reason = _rows(
+        conn,
+        """
         SELECT reason, count(*) AS count, max(set_aside_at) AS last_at
-        FROM delaywheel.set_aside GROUP BY reason ORDER BY count(*) DESC, reason""")
-    recent = _rows(conn, """
+        FROM delaywheel.set_aside GROUP BY reason ORDER BY count(*) DESC, reason""",
+    )
+    recent = _rows(
+        conn,
+        """
         SELECT message_id, lane, level, topic, key, deliver_at, reason, left(detail, 300) AS detail, set_aside_at
-        FROM delaywheel.set_aside ORDER BY set_aside_at DESC LIMIT %(n)s""", {"n": RECENT})
+        FROM delaywheel.set_aside ORDER BY set_aside_at DESC LIMIT %(n)s""",
+        {"n": RECENT},
+    )
     return {"total": sum(r["count"] for r in by_reason), "by_reason": by_reason, "recent": recent}
 
 
@@ -355,15 +422,18 @@ def as_json(value: Any) -> Any:
     return str(value)
 
 
-_LATENESS = sql.SQL("""
+_LATENESS = (
+    sql.SQL("""
     SELECT delivered, early, p[1] AS p50_s, p[2] AS p99_s, max_s
     FROM (SELECT count(*) AS delivered, count(*) FILTER (WHERE delivered_at < deliver_at) AS early,
                  {p50_p99} AS p, max({lateness})::float8 AS max_s
           FROM delaywheel.topic_messages WHERE origin IN ('level', 'wheel') AND delivered_at >= %(since)s) l
-""").format(p50_p99=LATENESS_P50_P99, lateness=LATENESS_S).as_string()
+""")
+    .format(p50_p99=LATENESS_P50_P99, lateness=LATENESS_S)
+    .as_string()
+)
 
 
 def lateness(conn: psycopg.Connection, since: datetime) -> dict[str, Any]:
     """Lateness of every delivery since a time, in seconds (the demo's and the benchmarks' figure)."""
     return _rows(conn, _LATENESS, {"since": since})[0]
-

@@ -32,7 +32,11 @@ UTC_WALL_TIME = pa.timestamp("us")  # far blocks' due times: `timestamp`, read A
 
 
 def write_columns(
-    conn: psycopg.Connection, settings: Settings, cache: PartitionCache, ids: Sequence[int] | np.ndarray, columns: Columns,
+    conn: psycopg.Connection,
+    settings: Settings,
+    cache: PartitionCache,
+    ids: Sequence[int] | np.ndarray,
+    columns: Columns,
     clock: datetime,
 ) -> None:
     """COPY validated messages into their lanes (inside the caller's transaction)."""
@@ -46,31 +50,64 @@ def write_columns(
 
 
 def _write_direct(
-    conn: psycopg.Connection, settings: Settings, cache: PartitionCache, ids: np.ndarray, c: Columns, clock: datetime,
+    conn: psycopg.Connection,
+    settings: Settings,
+    cache: PartitionCache,
+    ids: np.ndarray,
+    c: Columns,
+    clock: datetime,
 ) -> None:
     """Level 0, a zero delay or a due time already past: straight into the topic (its lateness shows)."""
     n = len(ids)
     cache.ensure(conn, "topic_messages", [clock])
-    copy_arrow(conn, "topic_messages", pa.RecordBatch.from_pydict({
-        "topic": c.topic, "message_id": ids, "origin": pa.repeat("direct", n), "level": pa.repeat(pa.scalar(0, pa.int16()), n),
-        "key": c.key, "tags": c.tags, "properties": _jsonb(c.properties), "body": c.body, "is_json": c.is_json,
-        "reconsume_times": c.reconsume_times, "deliver_at": _timestamps(c.due), "delivered_at": _timestamps(np.full(n, micros(clock))),
-    }))
+    copy_arrow(
+        conn,
+        "topic_messages",
+        pa.RecordBatch.from_pydict(
+            {
+                "topic": c.topic,
+                "message_id": ids,
+                "origin": pa.repeat("direct", n),
+                "level": pa.repeat(pa.scalar(0, pa.int16()), n),
+                "key": c.key,
+                "tags": c.tags,
+                "properties": _jsonb(c.properties),
+                "body": c.body,
+                "is_json": c.is_json,
+                "reconsume_times": c.reconsume_times,
+                "deliver_at": _timestamps(c.due),
+                "delivered_at": _timestamps(np.full(n, micros(clock))),
+            }
+        ),
+    )
     _notify_topics(conn, pc.unique(c.topic).to_pylist())
 
 
 def _write_levels(
-    conn: psycopg.Connection, settings: Settings, cache: PartitionCache, ids: np.ndarray, c: Columns, clock: datetime,
+    conn: psycopg.Connection,
+    settings: Settings,
+    cache: PartitionCache,
+    ids: np.ndarray,
+    c: Columns,
+    clock: datetime,
 ) -> None:
     """Segments of each level's messages (migrations/011)."""
     ids, c, starts, counts = _segments(ids, c, c.level, c.requested_level, c.reconsume_times, c.due)
     cache.ensure(conn, "level_segments", [clock])
-    copy_arrow(conn, "level_segments", pa.RecordBatch.from_pydict({
-        "level": c.level[starts], "requested_level": c.requested_level[starts],
-        "reconsume_times": c.reconsume_times[starts], "deliver_at": _timestamps(c.due[starts]),
-        "enqueued_at": _timestamps(np.full(len(starts), micros(clock))),
-        **_segment_columns(ids, c, starts, counts, segment_blooms(c.key, counts)),
-    }))
+    copy_arrow(
+        conn,
+        "level_segments",
+        pa.RecordBatch.from_pydict(
+            {
+                "level": c.level[starts],
+                "requested_level": c.requested_level[starts],
+                "reconsume_times": c.reconsume_times[starts],
+                "deliver_at": _timestamps(c.due[starts]),
+                "enqueued_at": _timestamps(np.full(len(starts), micros(clock))),
+                **_segment_columns(ids, c, starts, counts, segment_blooms(c.key, counts)),
+            }
+        ),
+    )
     _notify(conn, {int(level): int(c.due[c.level == level].min()) for level in np.unique(c.level)})
 
 
@@ -89,16 +126,23 @@ def _segments(ids: np.ndarray, c: Columns, *keys: np.ndarray) -> tuple[np.ndarra
     return ids, c, starts, np.diff(np.append(starts, n))
 
 
-def _segment_columns(ids: np.ndarray, c: Columns, starts: np.ndarray, counts: np.ndarray,
-                     blooms: pa.Array) -> dict[str, pa.Array]:
+def _segment_columns(
+    ids: np.ndarray, c: Columns, starts: np.ndarray, counts: np.ndarray, blooms: pa.Array
+) -> dict[str, pa.Array]:
     """The columns every segment table has: its id range and count, its messages as lists, its keys' filter."""
     offsets = pa.array(np.append(starts, len(ids)).astype(np.int32))
     return {
-        "id_first": ids[starts], "id_last": ids[starts + counts - 1], "n": counts.astype(np.int32),
-        "ids": pa.ListArray.from_arrays(offsets, pa.array(ids)), "keys": pa.ListArray.from_arrays(offsets, c.key),
-        "bodies": pa.ListArray.from_arrays(offsets, c.body), "topics": _spread(c.topic, starts, counts),
-        "tags": _spread(c.tags, starts, counts), "properties": _spread(c.properties, starts, counts),
-        "is_json": _spread(c.is_json, starts, counts), "key_bloom": blooms,
+        "id_first": ids[starts],
+        "id_last": ids[starts + counts - 1],
+        "n": counts.astype(np.int32),
+        "ids": pa.ListArray.from_arrays(offsets, pa.array(ids)),
+        "keys": pa.ListArray.from_arrays(offsets, c.key),
+        "bodies": pa.ListArray.from_arrays(offsets, c.body),
+        "topics": _spread(c.topic, starts, counts),
+        "tags": _spread(c.tags, starts, counts),
+        "properties": _spread(c.properties, starts, counts),
+        "is_json": _spread(c.is_json, starts, counts),
+        "key_bloom": blooms,
     }
 
 
@@ -114,12 +158,18 @@ def _spread(values: pa.Array, starts: np.ndarray, counts: np.ndarray) -> pa.List
     keep = ~np.repeat(uniform, counts)
     keep[starts] = True
     lengths = np.where(uniform, 1, counts)
-    return pa.ListArray.from_arrays(pa.array(np.append(0, np.cumsum(lengths)).astype(np.int32)),
-                                    values.filter(pa.array(keep)))
+    return pa.ListArray.from_arrays(
+        pa.array(np.append(0, np.cumsum(lengths)).astype(np.int32)), values.filter(pa.array(keep))
+    )
 
 
 def _write_wheel(
-    conn: psycopg.Connection, settings: Settings, cache: PartitionCache, ids: np.ndarray, c: Columns, clock: datetime,
+    conn: psycopg.Connection,
+    settings: Settings,
+    cache: PartitionCache,
+    ids: np.ndarray,
+    c: Columns,
+    clock: datetime,
 ) -> None:
     """Timers due within the near window as rows of the near wheel; later ones as segments of far blocks, one per
     far day (migrations/012)."""
@@ -144,11 +194,26 @@ def _write_wheel(
     far = functools.cache(lambda: _far_segments(ids[split:], c.slice(split, len(ids)), place[split:], enqueued))
     if split:
         near = c.slice(0, split)
-        _copy_wheel_part(conn, cache, "wheel", near.due, pa.RecordBatch.from_pydict({
-            "id": ids[:split], "topic": near.topic, "key": near.key, "tags": near.tags,
-            "properties": _jsonb(near.properties), "body": near.body, "is_json": near.is_json,
-            "deliver_at": _timestamps(near.due), "enqueued_at": _timestamps(np.full(split, enqueued)),
-        }), meanwhile=far if split < len(ids) else None)  # far segments built while the server stores near rows
+        _copy_wheel_part(
+            conn,
+            cache,
+            "wheel",
+            near.due,
+            pa.RecordBatch.from_pydict(
+                {
+                    "id": ids[:split],
+                    "topic": near.topic,
+                    "key": near.key,
+                    "tags": near.tags,
+                    "properties": _jsonb(near.properties),
+                    "body": near.body,
+                    "is_json": near.is_json,
+                    "deliver_at": _timestamps(near.due),
+                    "enqueued_at": _timestamps(np.full(split, enqueued)),
+                }
+            ),
+            meanwhile=far if split < len(ids) else None,
+        )  # far segments built while the server stores near rows
     if split < len(ids):
         due, segments, summary = far()
         _copy_wheel_part(conn, cache, "wheel_far_segments", due, segments)
@@ -170,8 +235,9 @@ SELECT t.slot, %(lo)s, %(hi)s, %(last)s, t.bloom FROM unnest(%(slots)s::int[], %
 """
 
 
-def _far_segments(ids: np.ndarray, c: Columns, day_of: np.ndarray,
-                  enqueued: int) -> tuple[np.ndarray, pa.RecordBatch, dict[str, object] | None]:
+def _far_segments(
+    ids: np.ndarray, c: Columns, day_of: np.ndarray, enqueued: int
+) -> tuple[np.ndarray, pa.RecordBatch, dict[str, object] | None]:
     """(due times, segment rows, summary rows' parameters or None) of far timers: one segment per far day, in input
     order within it; the summaries cover the segments with a key filter."""
     ids, c, starts, counts = _segments(ids, c, day_of)
@@ -182,18 +248,37 @@ def _far_segments(ids: np.ndarray, c: Columns, day_of: np.ndarray,
     if slots:
         summarized = counts >= MIN_MESSAGES
         covered = ids[np.repeat(summarized, counts)]
-        summary = {"slots": slots, "blooms": filters, "lo": int(covered.min()), "hi": int(covered.max()),
-                   "last": EPOCH + timedelta(microseconds=int(blocks[summarized].max()))}
-    return c.due, pa.RecordBatch.from_pydict({
-        "block": _timestamps(blocks), "enqueued_at": _timestamps(np.full(len(starts), enqueued)),
-        "deliver_ats": pa.ListArray.from_arrays(pa.array(np.append(starts, len(ids)).astype(np.int32)),
-                                                _timestamps(c.due, UTC_WALL_TIME)),
-        **_segment_columns(ids, c, starts, counts, blooms),
-    }), summary
+        summary = {
+            "slots": slots,
+            "blooms": filters,
+            "lo": int(covered.min()),
+            "hi": int(covered.max()),
+            "last": EPOCH + timedelta(microseconds=int(blocks[summarized].max())),
+        }
+    return (
+        c.due,
+        pa.RecordBatch.from_pydict(
+            {
+                "block": _timestamps(blocks),
+                "enqueued_at": _timestamps(np.full(len(starts), enqueued)),
+                "deliver_ats": pa.ListArray.from_arrays(
+                    pa.array(np.append(starts, len(ids)).astype(np.int32)), _timestamps(c.due, UTC_WALL_TIME)
+                ),
+                **_segment_columns(ids, c, starts, counts, blooms),
+            }
+        ),
+        summary,
+    )
 
 
-def _copy_wheel_part(conn: psycopg.Connection, cache: PartitionCache, table: str, due: np.ndarray, batch: pa.RecordBatch,
-                     meanwhile: Callable[[], object] | None = None) -> None:
+def _copy_wheel_part(
+    conn: psycopg.Connection,
+    cache: PartitionCache,
+    table: str,
+    due: np.ndarray,
+    batch: pa.RecordBatch,
+    meanwhile: Callable[[], object] | None = None,
+) -> None:
     partitions = _one_per_partition(table, due)
     for attempt in range(3):
         try:
@@ -228,13 +313,16 @@ def _jsonb(json_text: pa.Array) -> pa.Array:
 @functools.cache
 def _copy_statement(table: str, columns: tuple[str, ...]) -> str:
     """`COPY delaywheel.<table> (<columns>) FROM STDIN (FORMAT BINARY)`, names quoted, rendered once per shape."""
-    return sql.SQL("COPY {} ({}) FROM STDIN (FORMAT BINARY)").format(
-        sql.Identifier("delaywheel", table), sql.SQL(", ").join(map(sql.Identifier, columns))
-    ).as_string()
+    return (
+        sql.SQL("COPY {} ({}) FROM STDIN (FORMAT BINARY)")
+        .format(sql.Identifier("delaywheel", table), sql.SQL(", ").join(map(sql.Identifier, columns)))
+        .as_string()
+    )
 
 
-def copy_arrow(conn: psycopg.Connection, table: str, batch: pa.RecordBatch,
-               meanwhile: Callable[[], object] | None = None) -> None:
+def copy_arrow(
+    conn: psycopg.Connection, table: str, batch: pa.RecordBatch, meanwhile: Callable[[], object] | None = None
+) -> None:
     """COPY a record batch into delaywheel.<table>, its columns by name, in slices of about SLICE_BYTES.
     `meanwhile` runs once every slice is sent, before the COPY ends: client work the server's storing hides."""
     encoder = pgpq.ArrowToPostgresBinaryEncoder(batch.schema)
@@ -254,8 +342,10 @@ def copy_arrow(conn: psycopg.Connection, table: str, batch: pa.RecordBatch,
 def _notify(conn: psycopg.Connection, earliest: dict[Lane, int]) -> None:
     """Tell each lane's sleeping deliverers its earliest new due time (µs; sent at COMMIT), so they can wake sooner;
     the other lanes' deliverers sleep on (producer.lane_channel)."""
-    conn.execute("SELECT pg_notify(c, d) FROM unnest(%s::text[], %s::text[]) AS n(c, d)",
-                 ([lane_channel(lane) for lane in earliest], [str(due / 1e6) for due in earliest.values()]))
+    conn.execute(
+        "SELECT pg_notify(c, d) FROM unnest(%s::text[], %s::text[]) AS n(c, d)",
+        ([lane_channel(lane) for lane in earliest], [str(due / 1e6) for due in earliest.values()]),
+    )
 
 
 def _notify_topics(conn: psycopg.Connection, topics: Iterable[str]) -> None:

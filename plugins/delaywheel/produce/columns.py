@@ -75,8 +75,12 @@ class Columns(NamedTuple):
 
 
 def prepare_columns(
-    messages: Sequence[Message], now: datetime, settings: Settings, reconsume_times: Sequence[int] | None = None,
-    *, internal: bool = False,
+    messages: Sequence[Message],
+    now: datetime,
+    settings: Settings,
+    reconsume_times: Sequence[int] | None = None,
+    *,
+    internal: bool = False,
 ) -> Columns:
     """Every message checked against every rule; raises InvalidMessage naming the first bad one. `internal`: the
     store's own retry path, which may use reserved topics and properties (validation.prepare)."""
@@ -86,20 +90,31 @@ def prepare_columns(
 
 
 def _one_by_one(
-    messages: Sequence[Message], now: datetime, settings: Settings, retries: np.ndarray, *, internal: bool = False,
+    messages: Sequence[Message],
+    now: datetime,
+    settings: Settings,
+    retries: np.ndarray,
+    *,
+    internal: bool = False,
 ) -> Columns:
     placements: dict[int, Placement] = {}
-    rows = [prepare(m, now, settings, int(r), placements, internal=internal)
-            for m, r in zip(messages, retries, strict=True)]
+    rows = [
+        prepare(m, now, settings, int(r), placements, internal=internal) for m, r in zip(messages, retries, strict=True)
+    ]
     topic, key, tags, properties, body, is_json, placement, _ = zip(*rows, strict=True)
     lane, due, level, requested = zip(*placement, strict=True)
     return Columns(
-        pa.array(topic, pa.string()), pa.array(key, pa.string()), pa.array(tags, pa.string()),
-        pa.array([json.dumps(p) if p else None for p in properties], pa.string()), pa.array(body, pa.binary()),
-        pa.array(is_json, pa.bool_()), np.fromiter((LANES[x] for x in lane), np.int8, len(rows)),
+        pa.array(topic, pa.string()),
+        pa.array(key, pa.string()),
+        pa.array(tags, pa.string()),
+        pa.array([json.dumps(p) if p else None for p in properties], pa.string()),
+        pa.array(body, pa.binary()),
+        pa.array(is_json, pa.bool_()),
+        np.fromiter((LANES[x] for x in lane), np.int8, len(rows)),
         pa.array(due, TIMESTAMP).cast(pa.int64()).to_numpy(),
         np.fromiter((x or 0 for x in level), np.int16, len(rows)),
-        np.fromiter((x or 0 for x in requested), np.int32, len(rows)), retries,
+        np.fromiter((x or 0 for x in requested), np.int32, len(rows)),
+        retries,
     )
 
 
@@ -108,7 +123,12 @@ class Irregular(Exception):
 
 
 def _simple(
-    messages: Sequence[Message], now: datetime, settings: Settings, retries: np.ndarray, *, internal: bool = False,
+    messages: Sequence[Message],
+    now: datetime,
+    settings: Settings,
+    retries: np.ndarray,
+    *,
+    internal: bool = False,
 ) -> Columns | None:
     n = len(messages)
     if n == 0 or set(map(type, messages)) != {Message}:
@@ -116,22 +136,38 @@ def _simple(
     topic, body, level, delay, deliver_at, key, tags, properties = zip(*messages, strict=True)
     try:
         topics = _text_column(topic, check=checked_any_topic if internal else checked_topic)
-        if not set(map(type, key)) <= {str, type(None)} or "" in key \
-                or max(map(len, filter(None, key)), default=0) > MAX_KEY_CHARS:
+        if (
+            not set(map(type, key)) <= {str, type(None)}
+            or "" in key
+            or max(map(len, filter(None, key)), default=0) > MAX_KEY_CHARS
+        ):
             raise Irregular
         keys = pa.array(key, pa.string())  # a lone surrogate raises (UnicodeEncodeError): the rules name it
         if pc.any(pc.match_substring(keys, "\x00")).as_py():
             raise Irregular
         lane, due, levels, requested = _placed(level, delay, deliver_at, micros(now), settings)
         data, flags = _bodies(body, settings.max_body_bytes)
-        columns = Columns(topics, keys, _text_column(tags, nullable=True, check=_tags_ok),
-                          _properties(properties, internal), data, flags, lane, due, levels, requested, retries)
+        columns = Columns(
+            topics,
+            keys,
+            _text_column(tags, nullable=True, check=_tags_ok),
+            _properties(properties, internal),
+            data,
+            flags,
+            lane,
+            due,
+            levels,
+            requested,
+            retries,
+        )
     except Exception:  # any surprise at all: the per-message rules decide, and name it
         return None
     return columns
 
 
-def _text_column(values: tuple[Any, ...], nullable: bool = False, check: Callable[[str], object] | None = None) -> pa.Array:
+def _text_column(
+    values: tuple[Any, ...], nullable: bool = False, check: Callable[[str], object] | None = None
+) -> pa.Array:
     """A column of str (or None), each distinct value passed to `check`; one repeated value, as topics and tags
     usually are, is not converted n times."""
     distinct = set(values)
@@ -196,8 +232,10 @@ def _properties(properties: tuple[Any, ...], internal: bool = False) -> pa.Array
         if p and not internal and not RESERVED_PROPERTIES.isdisjoint(p):
             raise Irregular
     column = pa.array([json.dumps(p) if p else None for p in properties], pa.string())
-    if pc.max(pc.binary_length(column)).as_py() > MAX_PROPERTIES_BYTES \
-            or pc.any(pc.match_substring_regex(column, _ODD_ESCAPE)).as_py():
+    if (
+        pc.max(pc.binary_length(column)).as_py() > MAX_PROPERTIES_BYTES
+        or pc.any(pc.match_substring_regex(column, _ODD_ESCAPE)).as_py()
+    ):
         raise Irregular
     return column
 
@@ -212,7 +250,11 @@ Placed = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]  # (lane, due, le
 
 
 def _placed(
-    level: tuple[Any, ...], delay: tuple[Any, ...], deliver_at: tuple[Any, ...], now: int, settings: Settings,
+    level: tuple[Any, ...],
+    delay: tuple[Any, ...],
+    deliver_at: tuple[Any, ...],
+    now: int,
+    settings: Settings,
 ) -> Placed:
     """(lane, due, level, requested level) for a batch with one kind of delay, as `validation.place` decides."""
     n = len(level)
@@ -239,6 +281,7 @@ def _placed(
 
 # One kind of delay for a whole batch, as numpy arrays (also what `bulk` reads from Arrow columns); each raises
 # Irregular for anything `validation.place` might refuse, so that it names the reason.
+
 
 def placed_now(n: int, now: int) -> Placed:
     """No delay: straight into the topic."""

@@ -44,7 +44,7 @@ def key_hashes(keys: pa.Array) -> tuple[np.ndarray, np.ndarray]:
 
     keys = keys.cast(pa.string())
     n = len(keys)
-    offsets = np.frombuffer(keys.buffers()[1], np.int32)[keys.offset:keys.offset + n + 1].astype(np.int64)
+    offsets = np.frombuffer(keys.buffers()[1], np.int32)[keys.offset : keys.offset + n + 1].astype(np.int64)
     data = np.frombuffer(keys.buffers()[2], np.uint8) if keys.buffers()[2] is not None else np.zeros(0, np.uint8)
     starts, lengths = offsets[:-1], np.diff(offsets)
     h1 = np.full(n, _FNV_OFFSET, np.uint64)
@@ -85,8 +85,9 @@ def slots(h2: int) -> list[int]:
     return [(1 << b) + (h2 >> (32 - b) if b else 0) for b in range(GROUP_BITS + 1)]
 
 
-def _filters(h1: np.ndarray, h2: np.ndarray, group: np.ndarray, counts: np.ndarray,
-             bits_per_key: int = BITS_PER_KEY) -> tuple[np.ndarray, np.ndarray]:
+def _filters(
+    h1: np.ndarray, h2: np.ndarray, group: np.ndarray, counts: np.ndarray, bits_per_key: int = BITS_PER_KEY
+) -> tuple[np.ndarray, np.ndarray]:
     """One filter per group with keys (hashes h1, h2; `group` of each key; `counts` of keys per group, 0: none):
     bits (h1 + i * h2) mod m for i < HASHES, numbered as PostgreSQL's get_bit numbers them (byte by byte, least
     significant bit first). Returns the byte offsets of the filters (len(counts) + 1) and their packed bytes."""
@@ -136,7 +137,11 @@ def far_filters(keys: pa.Array, counts: np.ndarray) -> tuple[pa.Array, list[int]
     found = np.bincount(group, minlength=1 << bucket_bits)
     offsets, packed = _filters(h1, h2, group, found, SUMMARY_BITS_PER_KEY)
     rows = np.flatnonzero(found)
-    return blooms, [int((1 << bucket_bits) + g) for g in rows], [packed[offsets[g]:offsets[g + 1]].tobytes() for g in rows]
+    return (
+        blooms,
+        [int((1 << bucket_bits) + g) for g in rows],
+        [packed[offsets[g] : offsets[g + 1]].tobytes() for g in rows],
+    )
 
 
 def _segment_blooms(filtered: np.ndarray, segment: np.ndarray, h1: np.ndarray, h2: np.ndarray) -> pa.Array:
@@ -149,5 +154,6 @@ def _segment_blooms(filtered: np.ndarray, segment: np.ndarray, h1: np.ndarray, h
     found = np.where(filtered, np.maximum(np.bincount(segment, minlength=len(filtered)), 1), 0)
     offsets, packed = _filters(h1, h2, segment, found)
     validity = None if filtered.all() else pa.py_buffer(np.packbits(filtered, bitorder="little"))
-    return pa.Array.from_buffers(pa.binary(), len(filtered), [validity, pa.py_buffer(offsets.astype(np.int32)),
-                                                              pa.py_buffer(packed)])
+    return pa.Array.from_buffers(
+        pa.binary(), len(filtered), [validity, pa.py_buffer(offsets.astype(np.int32)), pa.py_buffer(packed)]
+    )

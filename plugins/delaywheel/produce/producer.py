@@ -81,7 +81,10 @@ def send_many(
 
 
 def send_for_store(
-    conn: psycopg.Connection, settings: Settings, cache: PartitionCache, messages: Iterable[Message],
+    conn: psycopg.Connection,
+    settings: Settings,
+    cache: PartitionCache,
+    messages: Iterable[Message],
     reconsume_times: Sequence[int],
 ) -> list[int]:
     """The store's own sends (the retry ladder, `topics._reconsume_later`): the same rules, except that reserved
@@ -90,8 +93,14 @@ def send_for_store(
 
 
 def _send(
-    conn: psycopg.Connection, settings: Settings, cache: PartitionCache, messages: Iterable[Message],
-    now: datetime | None, reconsume_times: Sequence[int] | None, *, internal: bool,
+    conn: psycopg.Connection,
+    settings: Settings,
+    cache: PartitionCache,
+    messages: Iterable[Message],
+    now: datetime | None,
+    reconsume_times: Sequence[int] | None,
+    *,
+    internal: bool,
 ) -> list[int]:
     batch = list(messages)
     if not batch:
@@ -111,16 +120,23 @@ def _send(
 # at an offset from the clock, which is all send_one needs.
 _REFERENCE = datetime(2000, 1, 1, tzinfo=UTC)
 _US = timedelta(microseconds=1)
-_SEND_ONE_ARGS = ("(%s::text, %s::bytea, %s::boolean, %s::text, %s::text, %s::text, %s::text, %s::smallint, %s::integer,"
-                  " %s::integer, %s::bigint, %s::timestamptz, %s::timestamptz, %s::bigint, %s::bigint, %s::bigint)")
+_SEND_ONE_ARGS = (
+    "(%s::text, %s::bytea, %s::boolean, %s::text, %s::text, %s::text, %s::text, %s::smallint, %s::integer,"
+    " %s::integer, %s::bigint, %s::timestamptz, %s::timestamptz, %s::bigint, %s::bigint, %s::bigint)"
+)
 SEND_ONE = "SELECT message_id, clock, NULL, NULL FROM delaywheel.send_one" + _SEND_ONE_ARGS
 # In the caller's transaction: the same, as a subtransaction that returns its error rather than raising it (migrations/019)
-SEND_ONE_SAVEPOINT = ("SELECT message_id, clock, error_state, error_message FROM delaywheel.send_one_savepoint"
-                      + _SEND_ONE_ARGS)
+SEND_ONE_SAVEPOINT = (
+    "SELECT message_id, clock, error_state, error_message FROM delaywheel.send_one_savepoint" + _SEND_ONE_ARGS
+)
 
 
 def send_one(
-    conn: psycopg.Connection, settings: Settings, cache: PartitionCache, message: Message, *,
+    conn: psycopg.Connection,
+    settings: Settings,
+    cache: PartitionCache,
+    message: Message,
+    *,
     now: datetime | None = None,
 ) -> int:
     """Send one message in one statement (`delaywheel.send_one`, migrations/019); returns its id. The same rules, verdicts
@@ -129,24 +145,42 @@ def send_one(
     (`send_one_savepoint`): an error rolls back the send alone and is raised here as its SQLSTATE's psycopg error
     (its message; no further diagnostics), and the caller's transaction goes on."""
     deliver_at = message.deliver_at
-    absolute = (now is None and message.delay_level is None and message.delay is None
-                and isinstance(deliver_at, datetime) and deliver_at.utcoffset() is not None)
+    absolute = (
+        now is None
+        and message.delay_level is None
+        and message.delay is None
+        and isinstance(deliver_at, datetime)
+        and deliver_at.utcoffset() is not None
+    )
     probe = now if now is not None else deliver_at if absolute else _REFERENCE
     assert probe is not None
     prepared = prepare(message, probe, settings)  # raises InvalidMessage: nothing sent
     placement = prepared.placement
     params: tuple[Any, ...] = (
-        prepared.topic, prepared.body, prepared.is_json, prepared.key, prepared.tags,
+        prepared.topic,
+        prepared.body,
+        prepared.is_json,
+        prepared.key,
+        prepared.tags,
         json.dumps(prepared.properties) if prepared.properties else None,  # as columns.py writes them
-        "at" if absolute else placement.lane, placement.level or 0, placement.requested_level or 0,
-        prepared.reconsume_times, None if absolute else (placement.deliver_at - probe) // _US,
-        deliver_at if absolute else None, now, settings.wheel_max_delay // _US, settings.past_tolerance // _US,
+        "at" if absolute else placement.lane,
+        placement.level or 0,
+        placement.requested_level or 0,
+        prepared.reconsume_times,
+        None if absolute else (placement.deliver_at - probe) // _US,
+        deliver_at if absolute else None,
+        now,
+        settings.wheel_max_delay // _US,
+        settings.past_tolerance // _US,
         settings.wheel_near_window // _US,
     )
     if conn.info.transaction_status == pq.TransactionStatus.IDLE:
         try:
             row = conn.execute(SEND_ONE, params).fetchone()
-        except (errors.UndefinedFunction, errors.InvalidSchemaName):  # a store not migrated to migrations/019 (or at all):
+        except (
+            errors.UndefinedFunction,
+            errors.InvalidSchemaName,
+        ):  # a store not migrated to migrations/019 (or at all):
             return send_many(conn, settings, cache, [message], now=now)[0]  # the batch path, or what is missing
     else:
         row = conn.execute(SEND_ONE_SAVEPOINT, params).fetchone()

@@ -29,6 +29,7 @@ RESERVED_TOPIC_PREFIXES = (RETRY_PREFIX, DLQ_PREFIX)  # written by the store's r
 _ZERO = timedelta(0)
 MAX_REQUESTED_LEVEL = 2**31 - 1  # the stored requested level is an int4; above the table's maximum it is clamped
 
+
 class InvalidMessage(ValueError):
     """A message delaywheel refuses; nothing of the call that raised it was written."""
 
@@ -79,8 +80,10 @@ def check_sendable_topic(topic: object) -> str:
     assert isinstance(topic, str)
     if topic.startswith(RESERVED_TOPIC_PREFIXES):
         raise InvalidMessage(
-            "reserved_topic", f"topic {topic!r} is reserved: topics starting with %RETRY% or %DLQ% are written by the"
-            " store's retry ladder only")
+            "reserved_topic",
+            f"topic {topic!r} is reserved: topics starting with %RETRY% or %DLQ% are written by the"
+            " store's retry ladder only",
+        )
     return topic
 
 
@@ -99,8 +102,10 @@ def storable(text: str) -> bool:
 
 
 def _unstorable(reason: str, what: str, value: str) -> InvalidMessage:
-    return InvalidMessage(reason, f"{what} {value[:40]!r} cannot be stored: it holds NUL or a lone surrogate"
-                                  " (PostgreSQL text holds neither)")
+    return InvalidMessage(
+        reason,
+        f"{what} {value[:40]!r} cannot be stored: it holds NUL or a lone surrogate (PostgreSQL text holds neither)",
+    )
 
 
 # A \u0000 escape in JSON text (ASCII, as json.dumps writes it): preceded by an even run of backslashes, so it is an
@@ -133,8 +138,9 @@ def _check_json_text(data: bytes, body: object) -> None:
     try:  # the same text without escapes: a surrogate, paired or not, has no UTF-8 form
         json.dumps(body, allow_nan=False, ensure_ascii=False).encode()
     except UnicodeEncodeError:
-        raise InvalidMessage("bad_body", "body holds a lone surrogate in a string: PostgreSQL's jsonb cannot"
-                                         " store it") from None
+        raise InvalidMessage(
+            "bad_body", "body holds a lone surrogate in a string: PostgreSQL's jsonb cannot store it"
+        ) from None
 
 
 def check_key(key: object) -> str | None:
@@ -180,8 +186,10 @@ def check_properties(properties: object, internal: bool = False) -> dict[str, st
         raise InvalidMessage("reserved_property", f"properties {names} are reserved: the store writes them")
     size = 0 if internal else len(json.dumps(properties))
     if size > MAX_PROPERTIES_BYTES:
-        raise InvalidMessage("properties_too_large", f"properties are {size} bytes as stored (JSON text), above the"
-                                                     f" limit of {MAX_PROPERTIES_BYTES} bytes")
+        raise InvalidMessage(
+            "properties_too_large",
+            f"properties are {size} bytes as stored (JSON text), above the limit of {MAX_PROPERTIES_BYTES} bytes",
+        )
     return properties
 
 
@@ -199,7 +207,9 @@ def _delay_as_timedelta(delay: object) -> timedelta:
 
 
 def _too_far(ahead: timedelta, settings: Settings) -> InvalidMessage:
-    return InvalidMessage("too_far", f"due time is {ahead} ahead, more than {settings.wheel_max_delay} (wheel_max_delay)")
+    return InvalidMessage(
+        "too_far", f"due time is {ahead} ahead, more than {settings.wheel_max_delay} (wheel_max_delay)"
+    )
 
 
 def place(
@@ -212,8 +222,14 @@ def place(
 ) -> Placement:
     """Decide the lane and due time. `now` is the database clock (or a test's injected one)."""
     if (delay_level is not None) + (delay is not None) + (deliver_at is not None) > 1:  # once per message: no list
-        given = [name for name, v in (("delay_level", delay_level), ("delay", delay), ("deliver_at", deliver_at)) if v is not None]
-        raise InvalidMessage("conflicting_delay", f"give only one of delay_level, delay, deliver_at (got {', '.join(given)})")
+        given = [
+            name
+            for name, v in (("delay_level", delay_level), ("delay", delay), ("deliver_at", deliver_at))
+            if v is not None
+        ]
+        raise InvalidMessage(
+            "conflicting_delay", f"give only one of delay_level, delay, deliver_at (got {', '.join(given)})"
+        )
     if delay is not None:  # the common bulk case, kept short: a due time from a delay is never in the past
         ahead = delay if type(delay) is timedelta else _delay_as_timedelta(delay)
         if ahead < _ZERO:
@@ -225,14 +241,17 @@ def place(
         if not isinstance(deliver_at, datetime):
             raise InvalidMessage("bad_deliver_at", f"deliver_at must be a datetime, got {deliver_at!r}")
         if deliver_at.tzinfo is None or deliver_at.utcoffset() is None:
-            raise InvalidMessage("naive_deliver_at", "deliver_at must be timezone-aware (e.g. datetime.now(timezone.utc))")
+            raise InvalidMessage(
+                "naive_deliver_at", "deliver_at must be timezone-aware (e.g. datetime.now(timezone.utc))"
+            )
         ahead = deliver_at - now
         if ahead > settings.wheel_max_delay:
             raise _too_far(ahead, settings)
         due = deliver_at
         if now - due > settings.past_tolerance:
             raise InvalidMessage(
-                "too_old", f"due time {due.isoformat()} is more than {settings.past_tolerance} in the past (past_tolerance)"
+                "too_old",
+                f"due time {due.isoformat()} is more than {settings.past_tolerance} in the past (past_tolerance)",
             )
         # a due time already past goes straight to its topic, keeping its due time (its lateness shows)
         return Placement("direct", due) if due <= now else Placement("wheel", due)
@@ -262,8 +281,13 @@ class Prepared(NamedTuple):
 
 
 def prepare(
-    message: Message, now: datetime, settings: Settings, reconsume_times: int = 0,
-    level_placements: dict[int, Placement] | None = None, *, internal: bool = False,
+    message: Message,
+    now: datetime,
+    settings: Settings,
+    reconsume_times: int = 0,
+    level_placements: dict[int, Placement] | None = None,
+    *,
+    internal: bool = False,
 ) -> Prepared:
     """Apply every rule to one message; raises InvalidMessage naming the first it breaks.
     `level_placements` lets one batch (one clock reading) share the placement of each delay level.
@@ -276,7 +300,8 @@ def prepare(
         topic_rule(message.topic) if isinstance(message.topic, str) else check_topic(message.topic),
         check_key(message.key),
         check_tags(message.tags, internal),
-        _NO_PROPERTIES if message.properties is None or (type(message.properties) is dict and not message.properties)
+        _NO_PROPERTIES
+        if message.properties is None or (type(message.properties) is dict and not message.properties)
         else check_properties(message.properties, internal),
         body,
         is_json,

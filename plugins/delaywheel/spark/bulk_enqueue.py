@@ -57,19 +57,34 @@ def read_files(spark: SparkSession, path: str, fmt: str) -> DataFrame:
     Unparsable CSV/JSON records are kept, with their text in `_corrupt_record`."""
     if fmt == "parquet":
         df = spark.read.parquet(path)
-        return df.select("*", F.col("_metadata.file_path").alias(input_rows.FILE_COLUMN),
-                         (F.col("_metadata.row_index") + 1).alias(input_rows.ROW_COLUMN))
+        return df.select(
+            "*",
+            F.col("_metadata.file_path").alias(input_rows.FILE_COLUMN),
+            (F.col("_metadata.row_index") + 1).alias(input_rows.ROW_COLUMN),
+        )
     if fmt == "csv":
-        csv = spark.read.option("header", True).option("escape", "\"")  # RFC 4180 quoting: "" inside quotes
+        csv = spark.read.option("header", True).option("escape", '"')  # RFC 4180 quoting: "" inside quotes
         header = csv.csv(path).schema  # every column as text
         schema = StructType([*header.fields, StructField(input_rows.CORRUPT_COLUMN, StringType())])
-        df = (csv.option("mode", "PERMISSIVE").schema(schema)
-              .option("columnNameOfCorruptRecord", input_rows.CORRUPT_COLUMN).csv(path))
+        df = (
+            csv.option("mode", "PERMISSIVE")
+            .schema(schema)
+            .option("columnNameOfCorruptRecord", input_rows.CORRUPT_COLUMN)
+            .csv(path)
+        )
     else:
-        df = spark.read.option("mode", "PERMISSIVE").option("columnNameOfCorruptRecord", input_rows.CORRUPT_COLUMN).json(path)
+        df = (
+            spark.read.option("mode", "PERMISSIVE")
+            .option("columnNameOfCorruptRecord", input_rows.CORRUPT_COLUMN)
+            .json(path)
+        )
     # A file may be split over tasks: order by the split's offset, then by position within the split.
-    df = df.select("*", F.col("_metadata.file_path").alias(input_rows.FILE_COLUMN),
-                   F.col("_metadata.file_block_start").alias("_block"), F.monotonically_increasing_id().alias("_pos"))
+    df = df.select(
+        "*",
+        F.col("_metadata.file_path").alias(input_rows.FILE_COLUMN),
+        F.col("_metadata.file_block_start").alias("_block"),
+        F.monotonically_increasing_id().alias("_pos"),
+    )
     order = Window.partitionBy(input_rows.FILE_COLUMN).orderBy("_block", "_pos")
     return df.withColumn(input_rows.ROW_COLUMN, F.row_number().over(order)).drop("_block", "_pos")
 
@@ -78,7 +93,9 @@ def read_query(spark: SparkSession, url: str, query: str, timeout: timedelta) ->
     """A checked query (`predicate.check_query`: one read-only SELECT), read in a READ ONLY session."""
     df = sparkjob.read_only_sql(spark, url, query, timeout)
     order = Window.orderBy(F.monotonically_increasing_id())
-    return df.select("*", F.lit("query").alias(input_rows.FILE_COLUMN), F.row_number().over(order).alias(input_rows.ROW_COLUMN))
+    return df.select(
+        "*", F.lit("query").alias(input_rows.FILE_COLUMN), F.row_number().over(order).alias(input_rows.ROW_COLUMN)
+    )
 
 
 def mapped(df: DataFrame, mapping: input_rows.ColumnMap) -> tuple[DataFrame, input_rows.ColumnMap]:
@@ -90,19 +107,23 @@ def mapped(df: DataFrame, mapping: input_rows.ColumnMap) -> tuple[DataFrame, inp
     return df.select(*keep), mapping
 
 
-def row_group_tasks(spark: SparkSession, df: DataFrame, mapping: input_rows.ColumnMap, writers: int, batch_rows: int
-                    ) -> tuple[DataFrame, Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]] | None:
+def row_group_tasks(
+    spark: SparkSession, df: DataFrame, mapping: input_rows.ColumnMap, writers: int, batch_rows: int
+) -> tuple[DataFrame, Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]] | None:
     """A Parquet input as its row groups over `writers` partitions and the reader that turns them into rows in the
     workers (`delaywheel.row_groups`); None when Spark's reader should read it: files `row_groups.plan` leaves to
     Spark, or fewer row groups than writers (Spark's reader and a repartition keep every writer busy)."""
     wanted = to_arrow_schema(
-        df.select(*mapping.input_columns).schema, timezone=spark.conf.get("spark.sql.session.timeZone"),
-        prefers_large_types=spark.conf.get("spark.sql.execution.arrow.useLargeVarTypes") == "true")
+        df.select(*mapping.input_columns).schema,
+        timezone=spark.conf.get("spark.sql.session.timeZone"),
+        prefers_large_types=spark.conf.get("spark.sql.execution.arrow.useLargeVarTypes") == "true",
+    )
     groups = row_groups.plan(df.inputFiles(), wanted)
     if groups is None or len(groups) < writers:
         return None
-    tasks = spark.createDataFrame(spark.sparkContext.parallelize([astuple(g) for g in groups], writers),
-                                  row_groups.SCHEMA)
+    tasks = spark.createDataFrame(
+        spark.sparkContext.parallelize([astuple(g) for g in groups], writers), row_groups.SCHEMA
+    )
     return tasks, functools.partial(row_groups.read, wanted=wanted, batch_rows=batch_rows)
 
 
@@ -112,19 +133,38 @@ def main(argv: list[str] | None = None) -> bulk.Counts:
     p.add_argument("--query", type=sparkjob.text, help="or: a PostgreSQL query (over JDBC, from --source-url)")
     p.add_argument("--source-url", type=sparkjob.text, help="database of --query (default: the store's)")
     p.add_argument("--format", type=sparkjob.text, help="csv, json or parquet (default, or auto: from the file name)")
-    p.add_argument("--map", default="", help="FIELD=COLUMN,… for topic, key, body, tags, properties, "
-                                             "delay_level | delay_ms | deliver_at (default: same-named columns)")
+    p.add_argument(
+        "--map",
+        default="",
+        help="FIELD=COLUMN,… for topic, key, body, tags, properties, "
+        "delay_level | delay_ms | deliver_at (default: same-named columns)",
+    )
     p.add_argument("--topic", type=sparkjob.text, help="the topic of every row, when no topic column is mapped")
-    p.add_argument("--body-format", choices=["json", "text", "bytes"], default="json",
-                   help="a text body column holds JSON (default), plain text, or raw bytes as UTF-8")
-    p.add_argument("--source", type=sparkjob.text, help="idempotency source: a re-run with the same source skips rows already "
-                                    "enqueued (default: the input path or the query)")
+    p.add_argument(
+        "--body-format",
+        choices=["json", "text", "bytes"],
+        default="json",
+        help="a text body column holds JSON (default), plain text, or raw bytes as UTF-8",
+    )
+    p.add_argument(
+        "--source",
+        type=sparkjob.text,
+        help="idempotency source: a re-run with the same source skips rows already "
+        "enqueued (default: the input path or the query)",
+    )
     p.add_argument("--chunk", type=int, default=50_000, help="rows per transaction in each partition")
-    p.add_argument("--partitions", type=sparkjob.integer,
-                   help="repartition the input to this many writers (default: at least one per core)")
-    p.add_argument("--parquet-reader", choices=["auto", "spark"], default="auto",
-                   help="auto (default): local Parquet files are read by pyarrow in the Python workers, by row "
-                        "group, when their columns read as Spark would read them; spark: always Spark's reader")
+    p.add_argument(
+        "--partitions",
+        type=sparkjob.integer,
+        help="repartition the input to this many writers (default: at least one per core)",
+    )
+    p.add_argument(
+        "--parquet-reader",
+        choices=["auto", "spark"],
+        default="auto",
+        help="auto (default): local Parquet files are read by pyarrow in the Python workers, by row "
+        "group, when their columns read as Spark would read them; spark: always Spark's reader",
+    )
     p.add_argument("--now", type=sparkjob.instant, help="inject the clock (tests); default: the database's")
     args = p.parse_args(argv)
     if (args.input is None) == (args.query is None):
@@ -143,12 +183,18 @@ def main(argv: list[str] | None = None) -> bulk.Counts:
     spark = sparkjob.session("delaywheel bulk enqueue")
     spark.sparkContext.setJobDescription(f"delaywheel bulk enqueue of {args.input or 'query'}")
     fmt = input_format(args.input, args.format) if args.input else "query"
-    df = (read_files(spark, args.input, fmt) if args.input
-          else read_query(spark, source_url or url, str(query), settings.match_timeout))
+    df = (
+        read_files(spark, args.input, fmt)
+        if args.input
+        else read_query(spark, source_url or url, str(query), settings.match_timeout)
+    )
     df, mapping = mapped(df, input_rows.ColumnMap.parse(args.map, args.topic, args.body_format))
     writers = args.partitions or spark.sparkContext.defaultParallelism
-    by_row_group = (row_group_tasks(spark, df, mapping, writers, args.chunk)
-                    if fmt == "parquet" and args.parquet_reader == "auto" else None)
+    by_row_group = (
+        row_group_tasks(spark, df, mapping, writers, args.chunk)
+        if fmt == "parquet" and args.parquet_reader == "auto"
+        else None
+    )
     if by_row_group:
         df, read = by_row_group
         partitions, how = writers, "row groups read by pyarrow"
@@ -156,13 +202,27 @@ def main(argv: list[str] | None = None) -> bulk.Counts:
         read, partitions, how = None, df.rdd.getNumPartitions(), "Spark's reader"
         if args.partitions or partitions < writers:  # e.g. one Parquet row group: use every core
             df, partitions = df.repartition(writers), writers
-    print(f"bulk enqueue of {args.input or 'a query'}: {partitions} partitions ({how}), {args.chunk:,} rows "
-          "per transaction; each partition reports its counts every 10 s", flush=True)
-    counts = sparkjob.write_rows(df, url, settings, mapping, args.source or args.input or args.query,
-                                 now=args.now, chunk=args.chunk, read=read)
-    print(json.dumps({"job": "bulk_enqueue", "rows": counts.rows, "enqueued": counts.enqueued,
-                      "skipped_already_enqueued": counts.skipped, "quarantined": counts.rejected,
-                      "reasons": dict(counts.reasons)}), flush=True)
+    print(
+        f"bulk enqueue of {args.input or 'a query'}: {partitions} partitions ({how}), {args.chunk:,} rows "
+        "per transaction; each partition reports its counts every 10 s",
+        flush=True,
+    )
+    counts = sparkjob.write_rows(
+        df, url, settings, mapping, args.source or args.input or args.query, now=args.now, chunk=args.chunk, read=read
+    )
+    print(
+        json.dumps(
+            {
+                "job": "bulk_enqueue",
+                "rows": counts.rows,
+                "enqueued": counts.enqueued,
+                "skipped_already_enqueued": counts.skipped,
+                "quarantined": counts.rejected,
+                "reasons": dict(counts.reasons),
+            }
+        ),
+        flush=True,
+    )
     return counts
 
 

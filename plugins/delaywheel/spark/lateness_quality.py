@@ -31,8 +31,12 @@ def main(argv: list[str] | None = None) -> quality.ContractResult:
     p.add_argument("--start", type=sparkjob.instant, help="window start (due time); default: --end - window")
     p.add_argument("--end", type=sparkjob.instant, help="window end, exclusive; default: now - --settle-seconds")
     p.add_argument("--window-minutes", type=float, default=15.0)
-    p.add_argument("--settle-seconds", type=float, default=60.0,
-                   help="leave out the most recent due times: their deliveries may still be in flight")
+    p.add_argument(
+        "--settle-seconds",
+        type=float,
+        default=60.0,
+        help="leave out the most recent due times: their deliveries may still be in flight",
+    )
     p.add_argument("--p99-ms", default="5000", help="p99 lateness limit: MS, or default=MS,LEVEL=MS,wheel=MS")
     p.add_argument("--report-dir", type=sparkjob.text, help=f"where the HTML report goes (default: {DEFAULT_REPORTS})")
     args = p.parse_args(argv)
@@ -46,8 +50,7 @@ def main(argv: list[str] | None = None) -> quality.ContractResult:
     spark = sparkjob.session("delaywheel lateness quality")
     spark.sparkContext.setJobDescription(f"delaywheel lateness [{start.isoformat()}, {end.isoformat()})")
     deliveries = sparkjob.read_sql(spark, url, quality.deliveries_sql(start, end), split_column="message_id").cache()
-    due = sparkjob.read_sql(spark, url, quality.due_sql(start, end, max(load_settings().levels)),
-                            split_column="split")
+    due = sparkjob.read_sql(spark, url, quality.due_sql(start, end, max(load_settings().levels)), split_column="split")
     deliveries.createOrReplaceTempView("deliveries")
     due.createOrReplaceTempView("due")
     minutes = [tuple(r) for r in spark.sql(quality.MINUTES_SQL).collect()]
@@ -56,17 +59,28 @@ def main(argv: list[str] | None = None) -> quality.ContractResult:
     histogram = [(b.x, b.y) for b in (spark.sql(quality.HISTOGRAM_SQL).first().bins or [])]  # type: ignore[union-attr]
 
     outcomes = spark.sql(quality.OUTCOMES_SQL).cache()
-    result = quality.validate({"deliveries": deliveries, "outcomes": outcomes, "levels": levels_frame}, levels,
-                              start, end)
+    result = quality.validate(
+        {"deliveries": deliveries, "outcomes": outcomes, "levels": levels_frame}, levels, start, end
+    )
     name = f"lateness_{start:%Y%m%dT%H%M%S}_{end:%Y%m%dT%H%M%S}.html"
     report = quality.render_report(Path(args.report_dir or DEFAULT_REPORTS) / name, result, levels, histogram)
     with connect(url, autocommit=True) as conn:
         quality.store_minutes(conn, minutes)
         result_id = quality.save_result(conn, result, str(report))
-    print(json.dumps({"job": "lateness_quality", "window": [start.isoformat(), end.isoformat()],
-                      "deliveries": sum(r["deliveries"] for r in levels), "minutes_rows": len(minutes),
-                      "success": result.success, "failed": [c.name for c in result.failed],
-                      "validation_result_id": result_id}), flush=True)
+    print(
+        json.dumps(
+            {
+                "job": "lateness_quality",
+                "window": [start.isoformat(), end.isoformat()],
+                "deliveries": sum(r["deliveries"] for r in levels),
+                "minutes_rows": len(minutes),
+                "success": result.success,
+                "failed": [c.name for c in result.failed],
+                "validation_result_id": result_id,
+            }
+        ),
+        flush=True,
+    )
     print(f"lateness report: {report}", flush=True)
     if not result.success:
         raise quality.ContractBroken(result.message())

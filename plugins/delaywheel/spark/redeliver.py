@@ -42,19 +42,28 @@ SAMPLE = 20
 
 def catch_up(spark: SparkSession, url: str, settings: Settings, now: datetime | None, limit: int) -> dict[str, Any]:
     lanes = all_lanes(settings)  # one partition each
-    results = (spark.sparkContext.parallelize(lanes, len(lanes))
-               .map(lambda lane: catchup.catch_up_lane(url, settings, lane, now=now, limit=limit)).collect())
-    return {"mode": "catch-up", "delivered": sum(r.delivered for r in results),
-            "skipped_cancelled": sum(r.skipped_cancelled for r in results),
-            "lanes": {lane_key(r.lane): r.delivered for r in results if r.delivered}}
+    results = (
+        spark.sparkContext.parallelize(lanes, len(lanes))
+        .map(lambda lane: catchup.catch_up_lane(url, settings, lane, now=now, limit=limit))
+        .collect()
+    )
+    return {
+        "mode": "catch-up",
+        "delivered": sum(r.delivered for r in results),
+        "skipped_cancelled": sum(r.skipped_cancelled for r in results),
+        "lanes": {lane_key(r.lane): r.delivered for r in results if r.delivered},
+    }
 
 
 def replay(spark: SparkSession, url: str, request: ReplayRequest, requested_by: str) -> dict[str, Any]:
     with connect(url, autocommit=True) as conn:
         replay_id = start_replay(conn, request, requested_by)
     slices = request.slices()
-    counts = (spark.sparkContext.parallelize(slices, len(slices))
-              .map(lambda s: replay_slice(url, replay_id, request, *s)).collect())
+    counts = (
+        spark.sparkContext.parallelize(slices, len(slices))
+        .map(lambda s: replay_slice(url, replay_id, request, *s))
+        .collect()
+    )
     replayed, skipped = sum(c[0] for c in counts), sum(c[1] for c in counts)
     with connect(url, autocommit=True) as conn:
         finish_replay(conn, replay_id, replayed, skipped)
@@ -65,8 +74,12 @@ def missing_timers(needed: DataFrame, pending: DataFrame, job: Reconcile) -> Dat
     """Business rows with no pending timer, as bulk-writer input rows (key, due time or delay, body)."""
     rows = needed.where(~F.col("delivered")).join(pending, "key", "left_anti")
     body = F.to_json(F.struct(F.col("key"), F.lit(job.table).alias("table"), F.lit("reconcile").alias("origin")))
-    columns = [F.col("key"), body.alias("body"), F.lit(job.table).alias(input_rows.FILE_COLUMN),
-               F.monotonically_increasing_id().alias(input_rows.ROW_COLUMN)]
+    columns = [
+        F.col("key"),
+        body.alias("body"),
+        F.lit(job.table).alias(input_rows.FILE_COLUMN),
+        F.monotonically_increasing_id().alias(input_rows.ROW_COLUMN),
+    ]
     if job.due_column:
         columns.append(F.col("deliver_at"))
     else:
@@ -74,8 +87,9 @@ def missing_timers(needed: DataFrame, pending: DataFrame, job: Reconcile) -> Dat
     return rows.select(*columns)
 
 
-def reconcile(spark: SparkSession, url: str, settings: Settings, job: Reconcile, requested_by: str,
-              now: datetime | None) -> dict[str, Any]:
+def reconcile(
+    spark: SparkSession, url: str, settings: Settings, job: Reconcile, requested_by: str, now: datetime | None
+) -> dict[str, Any]:
     with connect(url, autocommit=True) as conn:  # names checked against the catalog, the predicate over its columns
         needed_sql, pending_sql = job.needed_sql(conn), job.pending_sql(conn)
     needed = sparkjob.read_only_sql(spark, url, needed_sql, settings.match_timeout).cache()
@@ -83,19 +97,45 @@ def reconcile(spark: SparkSession, url: str, settings: Settings, job: Reconcile,
     missing = missing_timers(needed, pending, job).cache()
     stale = pending.join(needed.select("key"), "key", "left_anti").cache()
     missing_count, stale_count = missing.count(), stale.count()
-    sample = {"missing": [r.key for r in missing.limit(SAMPLE).collect()],
-              "stale": [r.key for r in stale.limit(SAMPLE).collect()]}
+    sample = {
+        "missing": [r.key for r in missing.limit(SAMPLE).collect()],
+        "stale": [r.key for r in stale.limit(SAMPLE).collect()],
+    }
     run_source = f"reconcile:{job.table}:{datetime.now().isoformat()}"  # dedup within this run only
-    mapping = input_rows.ColumnMap.parse("", job.topic).with_defaults(c for c in missing.columns if not c.startswith("_"))
-    created = (sparkjob.write_rows(missing, url, settings, mapping, run_source, now=now, job="reconcile: missing timers")
-               if missing_count else bulk.Counts())
+    mapping = input_rows.ColumnMap.parse("", job.topic).with_defaults(
+        c for c in missing.columns if not c.startswith("_")
+    )
+    created = (
+        sparkjob.write_rows(missing, url, settings, mapping, run_source, now=now, job="reconcile: missing timers")
+        if missing_count
+        else bulk.Counts()
+    )
     with Store(url, settings) as store:
-        cancelled = (store.cancel_matching(match=job.stale_match(store.conn), reason=f"reconcile {job.table}")
-                     if stale_count else 0)
-        run_id = record_reconcile(store.conn, job, requested_by, missing=missing_count, stale=stale_count,
-                                            created=created.enqueued, cancelled=cancelled, sample=sample)
-    return {"mode": "reconcile", "run_id": run_id, "missing": missing_count, "created": created.enqueued,
-            "rejected": created.rejected, "stale": stale_count, "cancelled": cancelled, "sample": sample}
+        cancelled = (
+            store.cancel_matching(match=job.stale_match(store.conn), reason=f"reconcile {job.table}")
+            if stale_count
+            else 0
+        )
+        run_id = record_reconcile(
+            store.conn,
+            job,
+            requested_by,
+            missing=missing_count,
+            stale=stale_count,
+            created=created.enqueued,
+            cancelled=cancelled,
+            sample=sample,
+        )
+    return {
+        "mode": "reconcile",
+        "run_id": run_id,
+        "missing": missing_count,
+        "created": created.enqueued,
+        "rejected": created.rejected,
+        "stale": stale_count,
+        "cancelled": cancelled,
+        "sample": sample,
+    }
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -112,9 +152,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     k = p.add_argument_group("reconcile: create missing and cancel stale timers against a business table")
     k.add_argument("--table", type=sparkjob.text, help="schema.table of the business rows")
     k.add_argument("--key-column", type=sparkjob.text, help="the column whose text is the timer's key")
-    k.add_argument("--predicate", type=sparkjob.text,
-                   help="which rows need a timer: one expression over the table's columns, e.g. status = 'pending'"
-                        " (checked: no subqueries, only pure functions; empty: every row)")
+    k.add_argument(
+        "--predicate",
+        type=sparkjob.text,
+        help="which rows need a timer: one expression over the table's columns, e.g. status = 'pending'"
+        " (checked: no subqueries, only pure functions; empty: every row)",
+    )
     k.add_argument("--topic", type=sparkjob.text, help="the timers' topic")
     k.add_argument("--due-column", type=sparkjob.text, help="timestamptz column: when the timer fires")
     k.add_argument("--delay-seconds", type=sparkjob.number, help="or: fire this long after the timer is created")

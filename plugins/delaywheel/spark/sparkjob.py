@@ -148,8 +148,11 @@ def jdbc_options(url: str) -> dict[str, str]:
     """The Spark JDBC options (url, user, password, driver) for a libpq URL."""
     p = conninfo_to_dict(url)
     host, port, db = p.get("host", "localhost"), p.get("port", "5432"), p.get("dbname", "postgres")
-    options = {"url": f"jdbc:postgresql://{host}:{port}/{db}", "driver": "org.postgresql.Driver",
-               "user": str(p.get("user", "postgres"))}
+    options = {
+        "url": f"jdbc:postgresql://{host}:{port}/{db}",
+        "driver": "org.postgresql.Driver",
+        "user": str(p.get("user", "postgres")),
+    }
     if p.get("password"):
         options["password"] = str(p["password"])
     if p.get("sslmode"):
@@ -157,8 +160,9 @@ def jdbc_options(url: str) -> dict[str, str]:
     return options
 
 
-def read_sql(spark: SparkSession, url: str, sql: str, *, split_column: str | None = None,
-             partitions: int | None = None) -> DataFrame:
+def read_sql(
+    spark: SparkSession, url: str, sql: str, *, split_column: str | None = None, partitions: int | None = None
+) -> DataFrame:
     """A PostgreSQL query as a DataFrame; with `split_column` (an integer column) it is read by
     `partitions` parallel connections, each taking the rows where split_column % partitions = i."""
     reader = spark.read.format("jdbc").options(**jdbc_options(url)).option("fetchsize", "20000")
@@ -175,13 +179,28 @@ def read_only_sql(spark: SparkSession, url: str, sql: str, timeout: timedelta) -
     """A query shaped by a caller (a checked bulk-enqueue query, reconcile's business rows) as a DataFrame, read in
     a READ ONLY session with a statement timeout (`predicate.read_only_session`)."""
     init = read_only_session(int(timeout.total_seconds() * 1000))
-    return (spark.read.format("jdbc").options(**jdbc_options(url)).option("fetchsize", "20000")
-            .option("sessionInitStatement", init).option("query", sql).load())
+    return (
+        spark.read.format("jdbc")
+        .options(**jdbc_options(url))
+        .option("fetchsize", "20000")
+        .option("sessionInitStatement", init)
+        .option("query", sql)
+        .load()
+    )
 
 
-def write_rows(df: DataFrame, url: str, settings: Settings, mapping: bulk.ColumnMap, source: str, *,
-               now: datetime | None = None, chunk: int = 50_000, job: str = "bulk enqueue",
-               read: Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]] | None = None) -> bulk.Counts:
+def write_rows(
+    df: DataFrame,
+    url: str,
+    settings: Settings,
+    mapping: bulk.ColumnMap,
+    source: str,
+    *,
+    now: datetime | None = None,
+    chunk: int = 50_000,
+    job: str = "bulk enqueue",
+    read: Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]] | None = None,
+) -> bulk.Counts:
     """Write every partition of input rows through `bulk.write_chunk`: its own connection per partition,
     `chunk` rows per transaction, its counts on stderr as it goes (`progress.Progress`, lines starting with
     `job`); returns the summed counts. With `read`, a partition holds what `read` turns into its input rows
@@ -195,8 +214,9 @@ def write_rows(df: DataFrame, url: str, settings: Settings, mapping: bulk.Column
                 total.add(bulk.write_chunk(conn, settings, cache, rows, mapping, source, now=now))
                 progress.update(total.rows, total.summary())
         progress.update(total.rows, total.summary(), done=True)
-        yield pa.RecordBatch.from_pylist([{"kind": k, "reason": r, "n": n} for k, r, n in total.as_rows()],
-                                         schema=_COUNTS_ARROW)
+        yield pa.RecordBatch.from_pylist(
+            [{"kind": k, "reason": r, "n": n} for k, r, n in total.as_rows()], schema=_COUNTS_ARROW
+        )
 
     rows = df.mapInArrow(write_partition, COUNTS).collect()
     return bulk.Counts.from_rows((r.kind, r.reason, r.n) for r in rows)

@@ -76,15 +76,30 @@ def page(request: Request, user: AuthorizedUser) -> HTMLResponse:
     """The dashboard, server-rendered; it reloads itself every REFRESH_S seconds."""
     stats = current_stats()
     wheel = stats["wheel"]
-    horizons = [("overdue", wheel["overdue"]), ("≤ 1 min", wheel["next_minute"]), ("≤ 1 h", wheel["next_hour"]),
-                ("≤ 24 h", wheel["next_day"]), ("later", wheel["later"])]
-    return templates.TemplateResponse(request, "dashboard.html", {
-        "stats": stats, "user": user.get_name(), "window_min": int(WINDOW.total_seconds() // 60),
-        "refresh_s": REFRESH_S, "api_url": f"{request.scope.get('root_path', '')}/api/stats",
-        "horizon_chart": bar_chart(horizons, width=420),
-        "histogram_chart": bar_chart(hourly(wheel["histogram_24h"]), width=960),
-        "fmt_time": fmt_time, "fmt_clock": fmt_clock, "fmt_ms": fmt_ms, "fmt_delay": fmt_delay,
-    })
+    horizons = [
+        ("overdue", wheel["overdue"]),
+        ("≤ 1 min", wheel["next_minute"]),
+        ("≤ 1 h", wheel["next_hour"]),
+        ("≤ 24 h", wheel["next_day"]),
+        ("later", wheel["later"]),
+    ]
+    return templates.TemplateResponse(
+        request,
+        "dashboard.html",
+        {
+            "stats": stats,
+            "user": user.get_name(),
+            "window_min": int(WINDOW.total_seconds() // 60),
+            "refresh_s": REFRESH_S,
+            "api_url": f"{request.scope.get('root_path', '')}/api/stats",
+            "horizon_chart": bar_chart(horizons, width=420),
+            "histogram_chart": bar_chart(hourly(wheel["histogram_24h"]), width=960),
+            "fmt_time": fmt_time,
+            "fmt_clock": fmt_clock,
+            "fmt_ms": fmt_ms,
+            "fmt_delay": fmt_delay,
+        },
+    )
 
 
 def fmt_time(value: datetime | None) -> str:
