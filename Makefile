@@ -18,8 +18,9 @@ demo: setup       ## the main job on the embedded default (README's first comman
 test: setup-test lint  ## the gates, then the test suite (README's second command)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-lint:             ## ruff, mypy and the layer contracts (pyproject.toml's [tool.importlinter])
+lint:             ## ruff (lint and format), mypy and the layer contracts (pyproject.toml's [tool.importlinter])
 	$(PY) -m ruff check plugins examples dags tests bench
+	$(PY) -m ruff format --check plugins examples dags tests bench
 	$(PY) -m mypy
 	.venv/bin/lint-imports
 
