@@ -5,10 +5,12 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta
 
+import psycopg
 import pytest
 
 from delaywheel import Store
 from delaywheel.cli import main
+from delaywheel.locks import LEVEL_LOCK, WHEEL_LOCK
 from delaywheel.ops.cancel import KeysFrom
 from delaywheel.ops.predicate import UnsafeSQL
 from delaywheel.produce.validation import Message
@@ -304,3 +306,23 @@ def test_a_key_is_looked_up_in_the_summary_its_send_wrote(count: int) -> None:
         bloom = by_slot[slot]
         m = 8 * len(bloom)
         assert all(bloom[(h1 + i * h2) % m // 8] >> ((h1 + i * h2) % m % 8) & 1 for i in range(HASHES))
+
+
+def test_a_lane_wait_that_fails_leaves_no_lane_locked(store: Store, db_url: str, t0: datetime) -> None:
+    """A cancel whose lane wait is cut short (here by statement_timeout, while a pass holds the wheel's lane) keeps
+    none of the shared lane locks it had taken: the level's lane is free for its deliverer at once."""
+    level = store.send("orders", b"a", delay_level=2, key="k", now=t0)
+    store.send("orders", b"b", delay=timedelta(days=2), key="k", now=t0)
+    with psycopg.connect(db_url, autocommit=True) as pass_:
+        pass_.execute("SELECT pg_advisory_lock(%s, %s)", WHEEL_LOCK)  # a wheel pass in progress
+        store.conn.execute("SET statement_timeout = 300")
+        with pytest.raises(psycopg.errors.QueryCanceled):
+            store.cancel(key="k")  # the level's lane is taken first (sorted), then the wheel's wait times out
+        store.conn.execute("RESET statement_timeout")
+        held = store.conn.execute(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid()"
+        ).fetchone()
+        assert held == (0,)
+        lane = pass_.execute("SELECT pg_try_advisory_lock(%s, %s)", (LEVEL_LOCK, 2)).fetchone()
+        assert lane == (True,)  # a deliverer of level 2 gets its lane
+    assert [(r.message_id, r.outcome) for r in store.cancel(message_id=level)] == [(level, "already_cancelled")]

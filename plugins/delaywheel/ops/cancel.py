@@ -226,6 +226,29 @@ def await_passes(conn: psycopg.Connection, locks: Sequence[tuple[int, int]]) -> 
         conn.execute(sql.SQL("SELECT {} FROM (SELECT {} OFFSET 0) waited").format(release, take), keys + keys)
 
 
+# The lane locks of `await_passes` this session still holds (shared, session level; objsubid 2: two int4 keys).
+_RELEASE_LEFT = """
+SELECT pg_advisory_unlock_shared(k.class, k.key)
+FROM unnest(%s::int[], %s::int[]) AS k(class, key)
+JOIN pg_locks l ON l.locktype = 'advisory' AND l.pid = pg_backend_pid() AND l.objsubid = 2 AND l.granted
+ AND l.mode = 'ShareLock' AND l.classid = k.class::oid AND l.objid = k.key::oid
+"""
+
+
+@contextmanager
+def _released_on_error(conn: psycopg.Connection, found: Sequence[Found]) -> Iterator[None]:
+    """If the lane wait fails part-way (a `statement_timeout`, a cancel from outside), the locks it had taken are
+    session locks and would stay held by the connection, and their lanes' deliverers would report busy until it
+    closes: for as long as a pooler keeps a server connection (docs/poolers.md). Release them, then re-raise."""
+    try:
+        yield
+    except psycopg.Error:
+        locks = lane_locks(found)
+        if locks and not conn.broken and not conn.closed:
+            conn.execute(_RELEASE_LEFT, ([c for c, _ in locks], [k for _, k in locks]))
+        raise
+
+
 def mark_and_settle(
     conn: psycopg.Connection,
     cache: PartitionCache,
@@ -238,7 +261,7 @@ def mark_and_settle(
     before the wait starts (the server runs what it is sent in order)."""
     if found:
         cache.ensure(conn, "cancellations", [row[1] for row in found])
-    with conn.pipeline() as pipeline:
+    with _released_on_error(conn, found), conn.pipeline() as pipeline:
         marking = _mark(conn, found, reason) if found else None
         pipeline.sync()
         delivered = _settling(conn, how, params, found)
@@ -251,7 +274,7 @@ def settle(
     """The true outcome of each message found, once every pass that may have read it without its cancellation has
     ended (await_passes), and the messages with the id or key delivered earlier: `mark_and_settle`'s second half on
     its own, for a caller that commits the cancellations itself (tests hold a pass open between the two)."""
-    with conn.pipeline():
+    with _released_on_error(conn, found), conn.pipeline():
         delivered = _settling(conn, how, params, found)
     return _outcomes(how, params, found, marked, delivered)
 
