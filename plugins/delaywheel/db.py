@@ -63,7 +63,7 @@ def with_session_options(url: str, extra: str = SESSION_OPTIONS) -> str:
     """`url` with `extra` appended to its libpq `options` (any the URL already sets are kept)."""
     params = conninfo_to_dict(url)
     params["options"] = " ".join(str(o) for o in (params.get("options"), extra) if o)
-    return make_conninfo(**params)  # type: ignore[arg-type]
+    return make_conninfo("", **params)
 
 
 def connect(url: str, *, autocommit: bool = False) -> psycopg.Connection:

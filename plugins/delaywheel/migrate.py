@@ -100,7 +100,9 @@ def ensure_roles(conn: psycopg.Connection) -> None:
                 with contextlib.suppress(psycopg.errors.DuplicateObject):  # another migrator, just now
                     conn.execute(sql.SQL("CREATE ROLE {} NOLOGIN").format(sql.Identifier(role)))
     if superuser:
-        database = conn.execute("SELECT current_database()").fetchone()[0]  # type: ignore[index]
+        row = conn.execute("SELECT current_database()").fetchone()
+        assert row is not None
+        database = row[0]
         conn.execute(
             sql.SQL("GRANT CREATE ON DATABASE {} TO {}").format(sql.Identifier(database), sql.Identifier(OWNER_ROLE))
         )
@@ -154,7 +156,7 @@ def adopt(conn: psycopg.Connection, schemas: tuple[str, ...] = STORE.schemas) ->
     try:
         with conn.transaction():
             for statement in statements:
-                conn.execute(statement)  # type: ignore[arg-type]  # (built by format() with %I above)
+                conn.execute(statement)
     except psycopg.errors.InsufficientPrivilege as exc:
         raise MigrationError(
             f"objects of the store's schemas belong to another role, and this one may not give them to {OWNER_ROLE}"
@@ -253,7 +255,7 @@ def migrate(url: str, line: Line | Traversable = STORE) -> list[str]:
                 )
                 with _as_the_owner_only(), conn.transaction():
                     if was is None:
-                        conn.execute(migration.path.read_text())  # type: ignore[arg-type]
+                        conn.execute(migration.path.read_text())
                     conn.execute(
                         "INSERT INTO delaywheel.schema_migrations (line, version, name, checksum)"
                         " VALUES (%s, %s, %s, %s)",

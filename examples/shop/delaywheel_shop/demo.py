@@ -377,6 +377,6 @@ def _run_dag(
 
 
 def _latest(store: Store, sql: str, since: datetime) -> dict[str, Any]:
-    cur = store.conn.execute(sql, (since,))  # type: ignore[arg-type]
+    cur = store.conn.execute(sql, (since,))
     row = cur.fetchone()
     return {} if row is None else dict(zip([c.name for c in cur.description or []], row, strict=True))

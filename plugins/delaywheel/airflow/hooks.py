@@ -72,7 +72,7 @@ class DelayWheelHook(PostgresHook):
         with psycopg.connect(
             with_session_options(self.url), autocommit=True, application_name="delaywheel-sensor"
         ) as conn:
-            head = conn.execute(sql, params).fetchone()  # type: ignore[arg-type]
+            head = conn.execute(sql, params).fetchone()
             clock = conn.execute(CLOCK, {"offset": now_offset_s}).fetchone()
         assert clock is not None
         return (head[0] if head else None), clock[0]
@@ -117,7 +117,7 @@ async def next_due_async(
 ) -> tuple[datetime | None, datetime]:
     """`DelayWheelHook.next_due` on an open AsyncConnection."""
     sql, params = head_query(level)
-    head = await (await conn.execute(sql, params)).fetchone()  # type: ignore[arg-type]
+    head = await (await conn.execute(sql, params)).fetchone()
     clock = await (await conn.execute(CLOCK, {"offset": now_offset_s})).fetchone()
     assert clock is not None
     return (head[0] if head else None), clock[0]

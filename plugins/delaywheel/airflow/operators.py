@@ -372,7 +372,7 @@ class ConsumeOperator(BaseOperator):
         kwargs = dict(self.apply_function_kwargs or {})
         assert self._fn is not None
         if self.apply_function_batch is not None:
-            return self._fn(messages, **kwargs)  # type: ignore[no-any-return]
+            return self._fn(messages, **kwargs)
         failed = []
         for message in messages:
             try:
@@ -677,7 +677,7 @@ class CancelOperator(BaseOperator):
                 keys = [self.keys] if isinstance(self.keys, str) else self.keys
                 if self.max_matches not in (None, ""):
                     matching = store.count_matching(keys=keys, where=self.where)
-                    if matching > int(self.max_matches):  # type: ignore[arg-type]
+                    if matching > int(self.max_matches):
                         raise ValueError(
                             f"{matching} pending messages match, more than max_matches={self.max_matches};"
                             " nothing cancelled"

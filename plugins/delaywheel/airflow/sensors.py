@@ -67,7 +67,10 @@ class DueMessagesSensor(BaseSensorOperator):
 
     @property
     def lane(self) -> int | None:
-        return None if self.wheel else int(self.level)  # type: ignore[arg-type]
+        if self.wheel:
+            return None
+        assert self.level is not None  # __init__ takes exactly one of level and wheel
+        return int(self.level)
 
     def poke(self, context: Context) -> PokeReturnValue:
         """Each poke connects afresh; a poke that finds the database unreachable (a restart) is "not yet",

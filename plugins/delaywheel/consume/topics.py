@@ -172,7 +172,7 @@ def _read(conn: psycopg.Connection, group: str, sources: tuple[str, ...], max_me
     (_READ_PLAN set earlier in the transaction), results in binary (bodies as they are, not hex text)."""
     params: dict[str, Any] = {"group": group, "limit": max_messages}
     params.update({f"s{i}": source for i, source in enumerate(sources)})
-    return conn.execute(_READS[len(sources)], params, binary=True, prepare=True)  # type: ignore[arg-type]
+    return conn.execute(_READS[len(sources)], params, binary=True, prepare=True)
 
 
 def _batch(group: str, sources: tuple[str, ...], rows: list[tuple[Any, ...]], max_messages: int) -> Batch:
@@ -268,7 +268,7 @@ def _move(
             values += [topic, xid, offset, len(mine), str(mine[0][0]), mine[0][1]]
         sources = len(batch.cursors)
         values.append(batch.group)
-    row = conn.execute(_move_statement(sources, tries), values + (params or [])).fetchone()  # type: ignore[arg-type]
+    row = conn.execute(_move_statement(sources, tries), values + (params or [])).fetchone()
     assert row is not None
     return set(row[0]), row
 
@@ -374,7 +374,7 @@ def _ack(
 
 
 def _lock_offset(conn: psycopg.Connection, group: str, topic: str) -> tuple[str, int] | None:
-    return conn.execute(  # type: ignore[return-value]
+    return conn.execute(
         "SELECT cursor_xid::text, cursor_offset FROM delaywheel.consumer_offsets WHERE grp = %s AND topic = %s"
         " FOR UPDATE",
         (group, topic),
@@ -432,7 +432,7 @@ async def announce_new(conn: psycopg.AsyncConnection, topic: str) -> TopicSpan |
     """Claim the messages that reached `topic` since the last announcement: returns their span and moves
     the mark past them, in one transaction; None when there is nothing new. A watcher calls this every
     second per topic, so the common case (nothing new) is one read-only query that writes and locks nothing."""
-    look = await (await conn.execute(_LOOK, {"topic": topic})).fetchone()  # type: ignore[arg-type]
+    look = await (await conn.execute(_LOOK, {"topic": topic})).fetchone()
     has_mark, has_new = look if look else (False, False)
     if has_mark and not has_new:
         return None
@@ -441,7 +441,7 @@ async def announce_new(conn: psycopg.AsyncConnection, topic: str) -> TopicSpan |
             await conn.execute(
                 "INSERT INTO delaywheel.topic_watch (topic) VALUES (%s) ON CONFLICT DO NOTHING", (topic,)
             )
-        row = await (await conn.execute(_CLAIM, {"topic": topic})).fetchone()  # type: ignore[arg-type]
+        row = await (await conn.execute(_CLAIM, {"topic": topic})).fetchone()
         if row is None or not row[0]:
             return None
         count, first, last = int(row[0]), row[1], row[2]

@@ -34,7 +34,9 @@ LANE_WAIT = "250ms"
 def take_lane(conn: psycopg.Connection, lock: tuple[int, int]) -> bool:
     """After `pg_try_advisory_xact_lock(lock)` failed in the caller's transaction: wait up to LANE_WAIT for it (in a
     savepoint, so a timeout leaves the transaction usable); True once held."""
-    before = conn.execute("SELECT current_setting('lock_timeout')").fetchone()[0]  # type: ignore[index]
+    row = conn.execute("SELECT current_setting('lock_timeout')").fetchone()
+    assert row is not None
+    before = row[0]
     try:
         with conn.transaction():
             conn.execute("SELECT set_config('lock_timeout', %s, true)", (LANE_WAIT,))
@@ -237,15 +239,17 @@ def _deliver_level(
         if not locked:
             if not take_lane(conn, (LEVEL_LOCK, level)):
                 return PassResult(0, 0, None, busy=True)
-            xmin, clock = conn.execute(_HORIZON_AND_CLOCK, (now,)).fetchone()  # type: ignore[misc]
+            horizon = conn.execute(_HORIZON_AND_CLOCK, (now,)).fetchone()
+            assert horizon is not None
+            xmin, clock = horizon
         cache.ensure(conn, "topic_messages", [clock])
         conn.execute("INSERT INTO delaywheel.level_checkpoint (level) VALUES (%s) ON CONFLICT DO NOTHING", (level,))
         cursor = conn.execute(
             "SELECT cursor_xid::text, cursor_id FROM delaywheel.level_checkpoint WHERE level = %s", (level,)
         ).fetchone()
         assert cursor is not None
-        moved, due, scanned, last, summary = conn.execute(  # type: ignore[misc]
-            statement,  # type: ignore[arg-type]
+        result = conn.execute(
+            statement,
             {
                 "now": clock,
                 "injected": now,
@@ -256,6 +260,8 @@ def _deliver_level(
                 "limit": limit,
             },
         ).fetchone()
+        assert result is not None
+        moved, due, scanned, last, summary = result
         if last is not None:
             conn.execute(
                 "UPDATE delaywheel.level_checkpoint SET cursor_xid = %s::xid8, cursor_id = %s,"

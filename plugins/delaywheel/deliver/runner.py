@@ -322,7 +322,7 @@ def _heads(conn: psycopg.Connection, lanes: Sequence[Lane]) -> dict[Lane, float 
     levels = [lane for lane in lanes if lane is not None]
     heads: dict[Lane, float | None] = {}
     if levels:
-        row = conn.execute(_HEADS, {"levels": levels}).fetchone()  # type: ignore[arg-type]
+        row = conn.execute(_HEADS, {"levels": levels}).fetchone()
         assert row is not None
         heads.update(zip(levels, row[0], strict=True))
     if None in lanes:

@@ -167,7 +167,7 @@ def _major(path: str) -> int:
         return 0
 
 
-def _run_as_owner(cmd: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
+def _run_as_owner(cmd: list[str]) -> subprocess.CompletedProcess[str]:
     if os.geteuid() == 0:
         try:
             pwd.getpwnam("postgres")
@@ -177,7 +177,7 @@ def _run_as_owner(cmd: list[str], **kwargs: object) -> subprocess.CompletedProce
                 "(`apt-get install postgresql` does) or run as a normal user."
             ) from None
         cmd = ["runuser", "-u", "postgres", "--", *cmd]
-    return subprocess.run(cmd, text=True, capture_output=True, **kwargs)  # type: ignore[call-overload]
+    return subprocess.run(cmd, text=True, capture_output=True)
 
 
 def _prepare_dirs(cluster: Cluster) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
+import psycopg
 from pglast import ast, parse_sql
 from pglast.enums import A_Expr_Kind, BoolExprType, SetOperation, SQLValueFunctionOp
 from pglast.parser import ParseError
@@ -489,7 +490,7 @@ def _single_expression(stmts: list[ast.RawStmt], what: str) -> ast.Node:
     target = (stmt.targetList or ())[0]
     if target.name or target.indirection:
         raise UnsafeSQL(f"{what} must be one expression (no AS)")
-    return target.val  # type: ignore[no-any-return]
+    return target.val
 
 
 def check_expression(
@@ -563,17 +564,17 @@ WHERE n.nspname = %s AND c.relname = %s AND a.attnum > 0 AND NOT a.attisdropped 
 """
 
 
-def catalog_table(conn: object, name: str, *, what: str = "table") -> tuple[str, str, tuple[str, ...]]:
+def catalog_table(conn: psycopg.Connection, name: str, *, what: str = "table") -> tuple[str, str, tuple[str, ...]]:
     """(schema, table, its columns) of an existing table or view named `schema.table` (or `table`, found on the
     search path), from the catalog; `UnsafeSQL` if it does not exist or is a system table. System columns
     (xmin, ctid, …) are not among the columns."""
     schema, table = split_table(name, what=what)
-    row = conn.execute(_FIND_TABLE, {"schema": schema, "table": table}).fetchone()  # type: ignore[attr-defined]
+    row = conn.execute(_FIND_TABLE, {"schema": schema, "table": table}).fetchone()
     if row is None:
         raise UnsafeSQL(f"{what} {name!r} does not exist (or is not a table or view)")
     if row[0] in _SYSTEM_SCHEMAS:
         raise UnsafeSQL(f"{what} {name!r} is a system table")
-    columns = tuple(r[0] for r in conn.execute(_COLUMNS, (row[0], row[1])).fetchall())  # type: ignore[attr-defined]
+    columns = tuple(r[0] for r in conn.execute(_COLUMNS, (row[0], row[1])).fetchall())
     return row[0], row[1], columns
 
 

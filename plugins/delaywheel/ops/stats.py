@@ -51,7 +51,7 @@ LATENESS_P50_P99 = sql.SQL("percentile_cont(ARRAY[0.5, 0.99]) WITHIN GROUP (ORDE
 
 
 def _rows(conn: psycopg.Connection, query: str, params: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-    cur = conn.execute(query, params or {})  # type: ignore[arg-type]
+    cur = conn.execute(query, params or {})
     names = [d.name for d in cur.description or []]
     return [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
 
@@ -266,7 +266,7 @@ def wheel_stats(
         counts[(row["i"] or len(axis)) - 1] += row["n"]
         if row["first"] is not None:
             firsts.append(row["first"])
-    head = conn.execute(_HEAD, params).fetchone()  # type: ignore[arg-type]
+    head = conn.execute(_HEAD, params).fetchone()
     if head:
         firsts.append(head[0])
     head_due = min(firsts, default=None)

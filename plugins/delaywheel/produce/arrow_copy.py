@@ -327,7 +327,7 @@ def copy_arrow(
     `meanwhile` runs once every slice is sent, before the COPY ends: client work the server's storing hides."""
     encoder = pgpq.ArrowToPostgresBinaryEncoder(batch.schema)
     step = max(1, batch.num_rows * SLICE_BYTES // max(batch.nbytes, 1))
-    with conn.cursor().copy(_copy_statement(table, tuple(batch.schema.names))) as copy:  # type: ignore[call-overload]
+    with conn.cursor().copy(_copy_statement(table, tuple(batch.schema.names))) as copy:
         data = encoder.write_header()  # a small batch goes out in one write: each write waits on the socket
         for offset in range(0, batch.num_rows, step):
             data += encoder.write_batch(batch.slice(offset, step))

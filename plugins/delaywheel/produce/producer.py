@@ -197,6 +197,6 @@ def send_one(
 def _error(sqlstate: str, message: str) -> psycopg.Error:
     """The psycopg exception a statement failing with this SQLSTATE raises (DatabaseError for one psycopg lacks)."""
     try:
-        return errors.lookup(sqlstate)(message)  # type: ignore[no-any-return]
+        return errors.lookup(sqlstate)(message)
     except KeyError:
         return psycopg.DatabaseError(f"{message} (SQLSTATE {sqlstate})")
