@@ -208,7 +208,7 @@ def _text(column: pa.Array) -> pa.Array:
 
 def _arrow_topics(column: pa.Array | None, default: str | None, n: int) -> pa.Array:
     if column is None:
-        return pa.repeat(pa.scalar(checked_topic(default), pa.string()), n)  # type: ignore[arg-type]
+        return pa.repeat(pa.scalar(checked_topic(default), pa.string()), n)
     column = _text(column)
     if column.null_count:
         raise Irregular

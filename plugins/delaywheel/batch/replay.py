@@ -89,8 +89,8 @@ def replay_slice(url: str, replay_id: int, request: ReplayRequest, lo: datetime,
         conn.execute("SELECT pg_advisory_xact_lock(%s, %s)", (REPLAY_LOCK, int(floor_to(lo, HOUR).timestamp() // 3600)))
         clock = conn.execute("SELECT clock_timestamp()").fetchone()[0]  # type: ignore[index]
         PartitionCache().ensure(conn, "topic_messages", [clock])
-        replayed = conn.execute(_REPLAY_REPORTED, params).fetchone()[0]  # type: ignore[arg-type, index]
-        candidates = conn.execute(_ALREADY, params).fetchone()[0]  # type: ignore[arg-type, index]
+        replayed = conn.execute(_REPLAY_REPORTED, params).fetchone()[0]  # type: ignore[index]
+        candidates = conn.execute(_ALREADY, params).fetchone()[0]  # type: ignore[index]
     return replayed, candidates - replayed
 
 

@@ -167,7 +167,7 @@ def find(conn: psycopg.Connection, how: str, params: dict[str, object]) -> list[
     with conn.pipeline():  # one round trip; outside a transaction, one implicit transaction for both statements
         conn.execute(_GENERIC_LOOKUP_PLAN)
         cur = conn.execute(_FIND_ONE[how], params, prepare=True)
-    return cur.fetchall()  # type: ignore[return-value]
+    return cur.fetchall()
 
 
 # The cancellations of messages found, for those the cursors still show pending; one per message (migrations/018: a
@@ -197,8 +197,8 @@ def mark(conn: psycopg.Connection, cache: PartitionCache, found: Sequence[Found]
     return {mid for (mid,) in _mark(conn, found, reason).fetchall()}
 
 
-def _mark(conn: psycopg.Connection, found: Sequence[Found], reason: str) -> psycopg.Cursor:  # type: ignore[type-arg]
-    return conn.execute(_MARK, {"reason": reason, **_columns(found)}, prepare=True)  # type: ignore[arg-type]
+def _mark(conn: psycopg.Connection, found: Sequence[Found], reason: str) -> psycopg.Cursor:
+    return conn.execute(_MARK, {"reason": reason, **_columns(found)}, prepare=True)
 
 
 def _columns(found: Sequence[Sequence[object]]) -> dict[str, list[object]]:
@@ -279,7 +279,7 @@ def settle(
     return _outcomes(how, params, found, marked, delivered)
 
 
-def _settling(conn: psycopg.Connection, how: str, params: dict[str, object], found: Sequence[Found]) -> psycopg.Cursor:  # type: ignore[type-arg]
+def _settling(conn: psycopg.Connection, how: str, params: dict[str, object], found: Sequence[Found]) -> psycopg.Cursor:
     """In a pipeline, one implicit transaction: the wait, then (a statement of its own, so a snapshot taken after
     the wait) the search of the topics, by B-tree on message_id or by the BRIN bloom summaries on key (LOOKUP_PLAN).
     Returns the cursor of the ids delivered."""
@@ -290,7 +290,7 @@ def _settling(conn: psycopg.Connection, how: str, params: dict[str, object], fou
 
 def _outcomes(
     how: str, params: dict[str, object], found: Sequence[Found], marked: set[int], delivering: psycopg.Cursor
-) -> list[CancelResult]:  # type: ignore[type-arg]
+) -> list[CancelResult]:
     delivered = {mid for (mid,) in delivering.fetchall()}
     results = [
         CancelResult(
