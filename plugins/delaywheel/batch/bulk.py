@@ -4,6 +4,9 @@ A chunk of input rows becomes messages as `input_rows` says (the column mapping,
 the producer's COPY path, bad rows go to `delaywheel.quarantine` with the rule's reason, the source file and the row
 number. A chunk is one transaction: ids, idempotency claims, the COPY and the quarantine rows commit together, so a
 retried Spark task or a re-run of the same input enqueues nothing twice (claims are keyed by (source, key)).
+
+With several stores (docs/stores.md) each row goes to its topic's store (`StoreSplit`), and a chunk becomes one
+transaction in each store it has rows for, with that store's claims and quarantine: exactly once holds store by store.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from delaywheel.config import Settings
 from delaywheel.partitions import PartitionCache
 from delaywheel.produce.arrow_copy import copy_arrow, write_columns
 from delaywheel.produce.producer import clock_and_ids, collector_paused
+from delaywheel.produce.validation import InvalidMessage
+from delaywheel.routing import Router
 
 
 @dataclass
@@ -62,6 +67,61 @@ class Counts:
             else:
                 setattr(total, kind, getattr(total, kind) + n)
         return total
+
+    @classmethod
+    def total(cls, parts: Iterable[Counts]) -> Counts:
+        """The sum of several stores' counts: a job's figures."""
+        total = cls()
+        for part in parts:
+            total.add(part)
+        return total
+
+
+class StoreSplit:
+    """Which store each input row goes to, with several stores: its topic's (`Router.store_for`, so a topic moving
+    `a>b` goes to b, as `Stores.send` sends it). Every executor builds the same split from the same names and routes,
+    and a re-run of the same input with the same routing sends each row to the same store, whose claims of the source
+    then skip it: that is what keeps a re-run from enqueueing twice. (A topic's route changed between two runs would
+    send its rows to a store whose claims have not seen them: re-run an input only under the routing it ran with.)
+    Claims are per store, so two rows of one input with the same key in topics of different stores are each enqueued
+    once, in their own store; with one store the second would count as already enqueued.
+
+    A row whose topic is refused by the topic rule (missing, not text, malformed) has no store: it goes to the
+    first configured store, whose quarantine then holds it with its reason. Every other row, good or bad, goes to
+    its topic's store, so a topic's rejected rows sit in the quarantine beside the topic's messages, where whoever
+    owns the topic looks, and a re-run finds each quarantined row in the same store (its `ON CONFLICT` skips it)."""
+
+    def __init__(self, names: Iterable[str], routes: Iterable[tuple[str, tuple[str, ...]]], mapping: ColumnMap):
+        self.router = Router(tuple(names), routes)
+        self.first = self.router.names[0]
+        self.mapping = mapping
+
+    def store_of(self, topic: object) -> str:
+        """The store of a row's topic value; the first store for a value the topic rule refuses."""
+        if not isinstance(topic, str):
+            return self.first
+        try:
+            return self.router.store_for(topic)
+        except InvalidMessage:
+            return self.first
+
+    def split(self, rows: pa.RecordBatch) -> list[tuple[str, pa.RecordBatch]]:
+        """The rows by store, in input order within each: one (store, rows) pair per store that gets rows."""
+        column = self.mapping.sources[0]
+        if column is None:
+            return [(self.store_of(self.mapping.default_topic), rows)]
+        topics = rows.column(column)
+        if not (pa.types.is_string(topics.type) or pa.types.is_large_string(topics.type)):
+            return [(self.first, rows)]  # no text topic: each row is refused, as `input_rows` says why
+        by_store: dict[str, list[str | None]] = {}
+        for topic in pc.unique(topics).to_pylist():
+            by_store.setdefault(self.store_of(topic), []).append(topic)
+        if len(by_store) == 1:
+            return [(next(iter(by_store)), rows)]
+        return [
+            (name, rows.filter(pc.is_in(topics, value_set=pa.array(values, topics.type), skip_nulls=False)))
+            for name, values in by_store.items()
+        ]
 
 
 def chunks(batches: Iterable[pa.RecordBatch], size: int) -> Iterator[pa.RecordBatch]:

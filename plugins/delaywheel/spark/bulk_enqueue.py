@@ -14,6 +14,12 @@ Spark's reader, which also reads whatever that path leaves to it).
 What a form may give is checked first (`delaywheel.inputs`, `delaywheel.predicate`): `--input` only under the
 configured input roots (DELAYWHEEL_INPUT_ROOTS), `--query` only one read-only SELECT (run in a READ ONLY session with
 a statement timeout), `--source-url` only an allowed source (DELAYWHEEL_ALLOWED_SOURCES; empty: the store).
+
+With several stores (DELAYWHEEL_STORES, docs/stores.md) the job takes no --db-url: each row goes to its topic's
+store, by the routing table (DELAYWHEEL_ROUTES) and the hash, each store keeping its own claims of the source and the
+quarantine of the rows it was sent (`delaywheel.batch.bulk.StoreSplit`), so a re-run under the same routing
+enqueues nothing twice in any store. A query is then read from the first configured store unless --source-url says
+otherwise. The printed counts add each store's.
 """
 
 from __future__ import annotations
@@ -127,11 +133,24 @@ def row_group_tasks(
     return tasks, functools.partial(row_groups.read, wanted=wanted, batch_rows=batch_rows)
 
 
+def figures(counts: bulk.Counts) -> dict[str, object]:
+    """The printed figures of a job, or of one store's part of it."""
+    return {
+        "rows": counts.rows,
+        "enqueued": counts.enqueued,
+        "skipped_already_enqueued": counts.skipped,
+        "quarantined": counts.rejected,
+        "reasons": dict(counts.reasons),
+    }
+
+
 def main(argv: list[str] | None = None) -> bulk.Counts:
     p = sparkjob.parser("Enqueue delayed messages in bulk from files or a query.")
     p.add_argument("--input", type=sparkjob.text, help="a file, directory or glob")
     p.add_argument("--query", type=sparkjob.text, help="or: a PostgreSQL query (over JDBC, from --source-url)")
-    p.add_argument("--source-url", type=sparkjob.text, help="database of --query (default: the store's)")
+    p.add_argument(
+        "--source-url", type=sparkjob.text, help="database of --query (default: the store's; several: the first's)"
+    )
     p.add_argument("--format", type=sparkjob.text, help="csv, json or parquet (default, or auto: from the file name)")
     p.add_argument(
         "--map",
@@ -171,8 +190,13 @@ def main(argv: list[str] | None = None) -> bulk.Counts:
         p.error("give exactly one of --input and --query")
     if args.source_url and not args.query:
         p.error("--source-url is the database of --query; give --query too")
-    url = sparkjob.db_url(args.db_url)
     settings = load_settings()
+    if len(settings.stores) > 1 and (args.db_url or args.store):
+        p.error(
+            f"several stores are configured ({', '.join(n for n, _ in settings.stores)}): bulk enqueue sends each"
+            " row to its topic's store; give neither --db-url nor --store (their URLs come from DELAYWHEEL_STORES)"
+        )
+    urls = sparkjob.stores(p, args, settings, every=True)
     try:  # what the form gave, checked before Spark starts: a clear error, never a traceback
         query = predicate.check_query(args.query) if args.query else None
         source_url = inputs.check_source(args.source_url, settings, to_url=sparkjob.db_url) if query else None
@@ -186,7 +210,7 @@ def main(argv: list[str] | None = None) -> bulk.Counts:
     df = (
         read_files(spark, args.input, fmt)
         if args.input
-        else read_query(spark, source_url or url, str(query), settings.match_timeout)
+        else read_query(spark, source_url or next(iter(urls.values())), str(query), settings.match_timeout)
     )
     df, mapping = mapped(df, input_rows.ColumnMap.parse(args.map, args.topic, args.body_format))
     writers = args.partitions or spark.sparkContext.defaultParallelism
@@ -207,22 +231,14 @@ def main(argv: list[str] | None = None) -> bulk.Counts:
         "per transaction; each partition reports its counts every 10 s",
         flush=True,
     )
-    counts = sparkjob.write_rows(
-        df, url, settings, mapping, args.source or args.input or args.query, now=args.now, chunk=args.chunk, read=read
+    by_store = sparkjob.write_rows(
+        df, urls, settings, mapping, args.source or args.input or args.query, now=args.now, chunk=args.chunk, read=read
     )
-    print(
-        json.dumps(
-            {
-                "job": "bulk_enqueue",
-                "rows": counts.rows,
-                "enqueued": counts.enqueued,
-                "skipped_already_enqueued": counts.skipped,
-                "quarantined": counts.rejected,
-                "reasons": dict(counts.reasons),
-            }
-        ),
-        flush=True,
-    )
+    counts = bulk.Counts.total(by_store.values())
+    report = figures(counts)
+    if len(urls) > 1:
+        report["stores"] = {name: figures(c) for name, c in by_store.items()}
+    print(json.dumps({"job": "bulk_enqueue", **report}), flush=True)
     return counts
 
 

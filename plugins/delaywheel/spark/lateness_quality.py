@@ -40,7 +40,8 @@ def main(argv: list[str] | None = None) -> quality.ContractResult:
     p.add_argument("--p99-ms", default="5000", help="p99 lateness limit: MS, or default=MS,LEVEL=MS,wheel=MS")
     p.add_argument("--report-dir", type=sparkjob.text, help=f"where the HTML report goes (default: {DEFAULT_REPORTS})")
     args = p.parse_args(argv)
-    url = sparkjob.db_url(args.db_url)
+    settings = load_settings()
+    ((_, url),) = sparkjob.stores(p, args, settings).items()  # one store: --db-url, or --store NAME with several
     thresholds = quality.Thresholds.parse(args.p99_ms)
     with connect(url, autocommit=True) as conn:
         clock = conn.execute("SELECT clock_timestamp()").fetchone()[0]  # type: ignore[index]
@@ -50,13 +51,13 @@ def main(argv: list[str] | None = None) -> quality.ContractResult:
     spark = sparkjob.session("delaywheel lateness quality")
     spark.sparkContext.setJobDescription(f"delaywheel lateness [{start.isoformat()}, {end.isoformat()})")
     deliveries = sparkjob.read_sql(spark, url, quality.deliveries_sql(start, end), split_column="message_id").cache()
-    due = sparkjob.read_sql(spark, url, quality.due_sql(start, end, max(load_settings().levels)), split_column="split")
+    due = sparkjob.read_sql(spark, url, quality.due_sql(start, end, max(settings.levels)), split_column="split")
     deliveries.createOrReplaceTempView("deliveries")
     due.createOrReplaceTempView("due")
     minutes = [tuple(r) for r in spark.sql(quality.MINUTES_SQL).collect()]
     levels_frame = spark.sql(thresholds.levels_sql()).cache()
     levels = [r.asDict() for r in levels_frame.collect()]
-    histogram = [(b.x, b.y) for b in (spark.sql(quality.HISTOGRAM_SQL).first().bins or [])]  # type: ignore[union-attr]
+    histogram = [(b.x, b.y) for b in (spark.sql(quality.HISTOGRAM_SQL).first().bins or [])]
 
     outcomes = spark.sql(quality.OUTCOMES_SQL).cache()
     result = quality.validate(

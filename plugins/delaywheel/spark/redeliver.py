@@ -16,6 +16,13 @@ runs the deliverers' own passes, one partition per level and one for the wheel; 
 the range; reconcile joins the business keys with the pending timers and writes the missing ones with the bulk
 writer (`delaywheel.batch.bulk`).
 Each prints one JSON line with its figures.
+
+With several stores (DELAYWHEEL_STORES, docs/stores.md) each mode works on one store's own backlog, history and
+timers: `--store NAME` (its URL from the configuration; an Airflow task passes its connections there), or `--db-url`
+for a database given by URL. Catch-up without either drains every store's lanes in one job, one partition per
+store and lane, each store's passes under that store's own lane locks (the same exactly-once passes, so running it on
+a store with no backlog costs a pass per lane and delivers nothing). Replay and reconcile refuse a store their
+topic's consumers do not read (`routed_to`).
 """
 
 from __future__ import annotations
@@ -36,23 +43,48 @@ from delaywheel.batch.replay import ReplayRequest, finish_replay, replay_slice, 
 from delaywheel.config import Settings, load_settings
 from delaywheel.db import connect
 from delaywheel.lanes import all_lanes, lane_key
+from delaywheel.routing import Router
 
 SAMPLE = 20
 
 
-def catch_up(spark: SparkSession, url: str, settings: Settings, now: datetime | None, limit: int) -> dict[str, Any]:
-    lanes = all_lanes(settings)  # one partition each
+def catch_up(
+    spark: SparkSession, urls: dict[str, str], settings: Settings, now: datetime | None, limit: int
+) -> dict[str, Any]:
+    """Every lane of every store in `urls`, one partition each; the figures of each store too when there are
+    several."""
+    work = [(name, lane) for name in urls for lane in all_lanes(settings)]
     results = (
-        spark.sparkContext.parallelize(lanes, len(lanes))
-        .map(lambda lane: catchup.catch_up_lane(url, settings, lane, now=now, limit=limit))
+        spark.sparkContext.parallelize(work, len(work))
+        .map(lambda job: (job[0], catchup.catch_up_lane(urls[job[0]], settings, job[1], now=now, limit=limit)))
         .collect()
     )
-    return {
-        "mode": "catch-up",
-        "delivered": sum(r.delivered for r in results),
-        "skipped_cancelled": sum(r.skipped_cancelled for r in results),
-        "lanes": {lane_key(r.lane): r.delivered for r in results if r.delivered},
-    }
+
+    def figures(results: list[catchup.LaneResult]) -> dict[str, Any]:
+        return {
+            "delivered": sum(r.delivered for r in results),
+            "skipped_cancelled": sum(r.skipped_cancelled for r in results),
+            "lanes": {lane_key(r.lane): r.delivered for r in results if r.delivered},
+        }
+
+    report = {"mode": "catch-up", **figures([r for _, r in results])}
+    if len(urls) > 1:
+        report["stores"] = {name: figures([r for n, r in results if n == name]) for name in urls}
+    return report
+
+
+def routed_to(settings: Settings, store: str, topic: str, *, current: bool) -> str | None:
+    """Why `store` is the wrong one for writing `topic` (None when it is, or when no stores are configured or the
+    store was given by URL): replay writes into a topic, which its consumers read only in the topic's sources
+    (`Router.sources`); reconcile creates timers, which belong in the topic's current store (`current`)."""
+    names = [name for name, _ in settings.stores]
+    if store not in names or len(names) < 2:
+        return None
+    router = Router(names, settings.routes)
+    wanted = (router.store_for(topic),) if current else router.sources(topic)
+    if store in wanted:
+        return None
+    return f"topic {topic!r} lives in store {' / '.join(wanted)}, not {store!r}: run it with --store {wanted[0]}"
 
 
 def replay(spark: SparkSession, url: str, request: ReplayRequest, requested_by: str) -> dict[str, Any]:
@@ -106,7 +138,11 @@ def reconcile(
         c for c in missing.columns if not c.startswith("_")
     )
     created = (
-        sparkjob.write_rows(missing, url, settings, mapping, run_source, now=now, job="reconcile: missing timers")
+        bulk.Counts.total(
+            sparkjob.write_rows(
+                missing, {"reconcile": url}, settings, mapping, run_source, now=now, job="reconcile: missing timers"
+            ).values()
+        )
         if missing_count
         else bulk.Counts()
     )
@@ -168,8 +204,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         p.error(f"--mode {args.mode} needs {', '.join(missing)}")
     if args.mode == "reconcile" and (args.due_column is None) == (args.delay_seconds is None):
         p.error("--mode reconcile needs exactly one of --due-column and --delay-seconds")
-    url = sparkjob.db_url(args.db_url)
     settings = load_settings()
+    urls = sparkjob.stores(p, args, settings, every=args.mode == "catch-up")  # several stores: catch-up drains all
+    name, url = next(iter(urls.items()))  # replay and reconcile: the one store
+    topic = args.topic if args.mode == "reconcile" else args.target_topic or args.source_topic
+    wrong = topic and args.mode != "catch-up" and routed_to(settings, name, topic, current=args.mode == "reconcile")
+    if wrong:
+        p.error(f"--mode {args.mode}: {wrong}")
     job = None
     if args.mode == "reconcile":
         delay = timedelta(seconds=args.delay_seconds) if args.delay_seconds is not None else None
@@ -182,7 +223,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     spark = sparkjob.session(f"delaywheel redeliver ({args.mode})")
     spark.sparkContext.setJobDescription(f"delaywheel {args.mode}")
     if args.mode == "catch-up":
-        report = catch_up(spark, url, settings, args.now, args.batch)
+        report = catch_up(spark, urls, settings, args.now, args.batch)
     elif args.mode == "replay":
         request = ReplayRequest(args.due_from, args.due_until, args.source_topic, args.target_topic)
         report = replay(spark, url, request, args.requested_by)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import functools
 import importlib.util
 import os
@@ -17,7 +18,7 @@ import shutil
 import sys
 import tempfile
 import zipfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -56,6 +57,7 @@ def _run_driver_under_library_python() -> None:
 _run_driver_under_library_python()
 
 # The imports below need the library's Python, which the call above has made sure of.
+import psycopg  # noqa: E402
 import pyarrow as pa  # noqa: E402
 from psycopg.conninfo import conninfo_to_dict, make_conninfo  # noqa: E402
 from pyspark import TaskContext  # noqa: E402
@@ -63,19 +65,20 @@ from pyspark.sql import DataFrame, SparkSession  # noqa: E402
 
 import delaywheel  # noqa: E402
 from delaywheel.batch import bulk  # noqa: E402
-from delaywheel.config import Settings  # noqa: E402
+from delaywheel.config import ConfigError, Settings  # noqa: E402
 from delaywheel.db import connect  # noqa: E402
 from delaywheel.ops.predicate import read_only_session  # noqa: E402
 from delaywheel.ops.progress import Progress  # noqa: E402
 from delaywheel.partitions import PartitionCache  # noqa: E402
 
 JDBC_JAR = os.environ.get("DELAYWHEEL_JDBC_JAR", "/usr/share/java/postgresql.jar")  # Debian libpostgresql-jdbc-java
-COUNTS = "kind string, reason string, n long"
-_COUNTS_ARROW = pa.schema([("kind", pa.string()), ("reason", pa.string()), ("n", pa.int64())])
+COUNTS = "store string, kind string, reason string, n long"
+_COUNTS_ARROW = pa.schema([("store", pa.string()), ("kind", pa.string()), ("reason", pa.string()), ("n", pa.int64())])
 # The jobs' JVM logging (spark/log4j2.properties): WARN unless DELAYWHEEL_SPARK_LOG_LEVEL says otherwise.
 LOG4J2 = Path(__file__).resolve().with_name("log4j2.properties")
 LOG4J2_OPTION = f"-Dlog4j2.configurationFile=file:{LOG4J2}"
 _LIBPQ_EXTRAS = {"sslmode", "sslrootcert", "sslcert", "sslkey", "connect_timeout", "options", "application_name"}
+ONE_STORE = "default"  # the name of the one store a --db-url gives, as `Stores` names the single store
 
 
 def executor_python() -> str:
@@ -189,9 +192,34 @@ def read_only_sql(spark: SparkSession, url: str, sql: str, timeout: timedelta) -
     )
 
 
+def stores(
+    p: argparse.ArgumentParser, args: argparse.Namespace, settings: Settings, *, every: bool = False
+) -> dict[str, str]:
+    """The stores a job works on, name -> libpq URL (docs/stores.md). `--db-url URL`: that database alone, named
+    `default`, as with one store. `--store NAME`: that configured store, at its URL in `stores` (DELAYWHEEL_STORES;
+    an Airflow task builds it from the stores' connections, `delaywheel.airflow.spark`). Neither: every configured
+    store when `every` (bulk enqueue routes rows over them, catch-up drains them all), else the only one. Anything
+    else stops the job with the reason (`p.error`), before Spark starts."""
+    configured = dict(settings.stores)
+    names = ", ".join(configured) or "none"
+    if args.store and args.store not in configured:
+        p.error(f"--store {args.store!r}: not a configured store (stores: {names}; DELAYWHEEL_STORES)")
+    if args.db_url and args.store:
+        p.error("give --db-url or --store, not both")
+    if args.db_url:
+        return {ONE_STORE: db_url(args.db_url)}
+    if args.store:
+        return {args.store: db_url(configured[args.store])}
+    if not configured:
+        p.error("give --db-url (or configure stores: DELAYWHEEL_STORES, and name one with --store)")
+    if every or len(configured) == 1:
+        return {name: db_url(url) for name, url in configured.items()}
+    p.error(f"several stores are configured ({names}): name one with --store NAME")
+
+
 def write_rows(
     df: DataFrame,
-    url: str,
+    urls: Mapping[str, str],
     settings: Settings,
     mapping: bulk.ColumnMap,
     source: str,
@@ -200,26 +228,45 @@ def write_rows(
     chunk: int = 50_000,
     job: str = "bulk enqueue",
     read: Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]] | None = None,
-) -> bulk.Counts:
-    """Write every partition of input rows through `bulk.write_chunk`: its own connection per partition,
-    `chunk` rows per transaction, its counts on stderr as it goes (`progress.Progress`, lines starting with
-    `job`); returns the summed counts. With `read`, a partition holds what `read` turns into its input rows
-    (`row_groups.read`: Parquet row groups)."""
+) -> dict[str, bulk.Counts]:
+    """Write every partition of input rows through `bulk.write_chunk`: `chunk` rows per transaction, its counts on
+    stderr as it goes (`progress.Progress`, lines starting with `job`); returns the counts of each store written to.
+    `urls` names the stores (name -> URL): with one, every row goes there; with several, each row goes to its topic's
+    store by `settings.routes` (`bulk.StoreSplit`), and a chunk is one transaction in each store it has rows for, a
+    partition connecting to a store when it first has rows for it. With `read`, a partition holds what `read` turns
+    into its input rows (`row_groups.read`: Parquet row groups)."""
+    if not urls:
+        raise ConfigError("write_rows: no store to write to")
+    urls = dict(urls)
 
     def write_partition(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        total, cache = bulk.Counts(), PartitionCache()
+        total, counts = bulk.Counts(), dict[str, bulk.Counts]()
+        split = bulk.StoreSplit(urls, settings.routes, mapping) if len(urls) > 1 else None  # made here: not pickled
         progress = Progress(f"{job}, partition {TaskContext.get().partitionId()}", "rows")  # type: ignore[union-attr]
-        with connect(url, autocommit=True) as conn:
+        with contextlib.ExitStack() as opened:
+            conns: dict[str, tuple[psycopg.Connection, PartitionCache]] = {}
             for rows in bulk.chunks(read(batches) if read else batches, chunk):
-                total.add(bulk.write_chunk(conn, settings, cache, rows, mapping, source, now=now))
+                for name, part in split.split(rows) if split else [(next(iter(urls)), rows)]:
+                    if name not in conns:
+                        conns[name] = opened.enter_context(connect(urls[name], autocommit=True)), PartitionCache()
+                    conn, cache = conns[name]
+                    done = bulk.write_chunk(conn, settings, cache, part, mapping, source, now=now)
+                    counts.setdefault(name, bulk.Counts()).add(done)
+                    total.add(done)
                 progress.update(total.rows, total.summary())
         progress.update(total.rows, total.summary(), done=True)
         yield pa.RecordBatch.from_pylist(
-            [{"kind": k, "reason": r, "n": n} for k, r, n in total.as_rows()], schema=_COUNTS_ARROW
+            [{"store": name, "kind": k, "reason": r, "n": n} for name, c in counts.items() for k, r, n in c.as_rows()],
+            schema=_COUNTS_ARROW,
         )
 
     rows = df.mapInArrow(write_partition, COUNTS).collect()
-    return bulk.Counts.from_rows((r.kind, r.reason, r.n) for r in rows)
+    written = {r.store for r in rows}
+    return {
+        name: bulk.Counts.from_rows((r.kind, r.reason, r.n) for r in rows if r.store == name)
+        for name in urls
+        if name in written
+    }
 
 
 def instant(text: str) -> datetime | None:
@@ -247,6 +294,9 @@ def number(value: str) -> float | None:
 
 def parser(description: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description)
-    p.add_argument("--db-url", required=True, help="the store's PostgreSQL URL (libpq or Airflow's get_uri())")
+    p.add_argument(
+        "--db-url", type=text, help="the store's PostgreSQL URL (libpq or Airflow's get_uri()), with one store"
+    )
+    p.add_argument("--store", type=text, help="with several stores (DELAYWHEEL_STORES): the one to work on")
     p.add_argument("--requested-by", default=os.environ.get("USER", "spark"), help="who asked (audit rows)")
     return p
