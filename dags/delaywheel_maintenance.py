@@ -23,6 +23,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from airflow.sdk import DAG, TaskGroup, task
+from psycopg import sql
 
 from delaywheel.airflow.hooks import DelayWheelHook, store_conn_id, store_names
 
@@ -89,7 +90,7 @@ with DAG(
         with DelayWheelHook(conn_id).get_store() as store:
             tables = [r[0] for r in store.conn.execute(NEEDS_VACUUM, {"min": DEAD_ROWS_MIN, "fraction": DEAD_FRACTION})]
             for table in tables:  # store.conn is autocommit: VACUUM refuses to run in a transaction block
-                store.conn.execute(f'VACUUM (ANALYZE) delaywheel."{table}"')  # type: ignore[arg-type]
+                store.conn.execute(sql.SQL("VACUUM (ANALYZE) {}").format(sql.Identifier("delaywheel", table)))
         return tables
 
     for store in store_names():

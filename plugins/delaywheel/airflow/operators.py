@@ -31,6 +31,7 @@ from urllib.parse import quote
 import psycopg
 from airflow.sdk import Asset, AssetAlias, AssetWatcher, BaseOperator, Context
 from airflow.sdk.module_loading import import_string
+from psycopg import sql
 
 from delaywheel import Message, Store, load_settings
 from delaywheel.consume.consumer import SAFETY_WAKE_S, Abandon
@@ -255,6 +256,21 @@ class AdvanceWheelOperator(_LeaseOperator):
 
 TURN_WAIT_S = 0.2  # a lease consumer waiting for its turn looks at its stop event this often
 
+# A lease consumer's locks on (group, topic), composed once from the lock classes and the shared key expression
+# (`locks.GROUP_TOPIC_KEY`): parameters group, then topic.
+_PRESENCE_KEYS = sql.SQL("{}, {}").format(sql.Literal(CONSUMER_PRESENCE_LOCK), sql.SQL(GROUP_TOPIC_KEY))
+_TURN_KEYS = sql.SQL("{}, {}").format(sql.Literal(CONSUMER_TURN_LOCK), sql.SQL(GROUP_TOPIC_KEY))
+_BE_PRESENT = sql.SQL("SELECT pg_advisory_lock_shared({})").format(_PRESENCE_KEYS)
+_TAKE_TURN = sql.SQL("SELECT pg_advisory_lock({})").format(_TURN_KEYS)
+_GIVE_TURN = sql.SQL("SELECT pg_advisory_unlock({})").format(_TURN_KEYS)
+# How many other live lease consumers of (group, topic) hold their presence lock in this database.
+_SUCCESSORS = sql.SQL(
+    """SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted AND objsubid = 2
+         AND pid <> pg_backend_pid() AND classid::bigint = {presence}
+         AND objid = ({key})::oid
+         AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"""
+).format(presence=sql.Literal(CONSUMER_PRESENCE_LOCK), key=sql.SQL(GROUP_TOPIC_KEY))
+
 
 class ConsumeOperator(BaseOperator):
     """A long-running consumer: holds `group` on `topic` for a lease, waiting on the topic's notifications
@@ -405,9 +421,7 @@ class ConsumeOperator(BaseOperator):
         conn_id = self.delaywheel_conn_id or topic_conn_ids(self.topic)[0]
         with DelayWheelHook(conn_id).get_store() as store, connect(store.url, autocommit=True) as presence:
             self.store = store
-            presence.execute(
-                f"SELECT pg_advisory_lock_shared({CONSUMER_PRESENCE_LOCK}, {GROUP_TOPIC_KEY})", (self.group, self.topic)
-            )
+            presence.execute(_BE_PRESENT, (self.group, self.topic))
             watchdog = threading.Thread(
                 target=self._watch,
                 args=(presence, lease, grace, stop, handed_over),
@@ -432,9 +446,7 @@ class ConsumeOperator(BaseOperator):
                 )
             finally:
                 with contextlib.suppress(psycopg.Error):  # the successor waiting for its turn gets it now
-                    presence.execute(
-                        f"SELECT pg_advisory_unlock({CONSUMER_TURN_LOCK}, {GROUP_TOPIC_KEY})", (self.group, self.topic)
-                    )
+                    presence.execute(_GIVE_TURN, (self.group, self.topic))
                 stop.set()
                 watchdog.join()
                 self.store = None
@@ -461,13 +473,11 @@ class ConsumeOperator(BaseOperator):
         """Block until this task holds the turn of (group, topic) or `stop` is set. The lock is waited for in
         slices of TURN_WAIT_S (lock_timeout), so a stop is seen that soon; a lost connection goes on to consume
         (the group lock still decides who handles)."""
-        presence.execute(f"SET lock_timeout = '{int(TURN_WAIT_S * 1000)}ms'")
+        presence.execute("SELECT set_config('lock_timeout', %s, false)", (f"{int(TURN_WAIT_S * 1000)}ms",))
         waited = time.monotonic()
         while not stop.is_set():
             try:
-                presence.execute(
-                    f"SELECT pg_advisory_lock({CONSUMER_TURN_LOCK}, {GROUP_TOPIC_KEY})", (self.group, self.topic)
-                )
+                presence.execute(_TAKE_TURN, (self.group, self.topic))
             except psycopg.errors.LockNotAvailable:
                 continue
             except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
@@ -477,7 +487,12 @@ class ConsumeOperator(BaseOperator):
             return
 
     def _watch(
-        self, presence: Any, lease: float, grace: float, stop: threading.Event, handed_over: threading.Event
+        self,
+        presence: psycopg.Connection,
+        lease: float,
+        grace: float,
+        stop: threading.Event,
+        handed_over: threading.Event,
     ) -> None:
         """Set `stop` at the lease end, or past it once a successor is present (at most `grace` later)."""
         end = time.monotonic() + lease
@@ -485,13 +500,7 @@ class ConsumeOperator(BaseOperator):
             return
         while time.monotonic() < end + grace:  # the lease is over: hand over to a live successor
             try:
-                row = presence.execute(
-                    f"""SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted AND objsubid = 2
-                          AND pid <> pg_backend_pid() AND classid::bigint = {CONSUMER_PRESENCE_LOCK}
-                          AND objid = ({GROUP_TOPIC_KEY})::oid
-                          AND database = (SELECT oid FROM pg_database WHERE datname = current_database())""",
-                    (self.group, self.topic),
-                ).fetchone()
+                row = presence.execute(_SUCCESSORS, (self.group, self.topic)).fetchone()
             except psycopg.Error as exc:  # cannot tell: hand over as without a grace
                 self.log.warning("cannot look for a successor (%s); stopping at the lease end", exc)
                 break
