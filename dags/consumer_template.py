@@ -63,7 +63,8 @@ with DAG(
 ):
 
     @task
-    def consume(params: dict[str, Any], triggering_asset_events: Any = None) -> dict[str, Any]:
+    def consume(params: dict[str, Any] | None = None, triggering_asset_events: Any = None) -> dict[str, Any]:
+        assert params is not None  # Airflow passes the run's params (a context key named in the signature)
         for asset, events in (triggering_asset_events or {}).items():
             for event in events:
                 log.info("triggered by %s: %s", getattr(asset, "uri", asset), event.extra)

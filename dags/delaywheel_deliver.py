@@ -41,6 +41,7 @@ Spark.
 from __future__ import annotations
 
 from datetime import datetime, timedelta
+from typing import Any
 
 from airflow.sdk import DAG, Param, TaskGroup, conf
 
@@ -87,7 +88,7 @@ def deliver_dag(dag_id: str, conn_id: str, pool: str) -> None:
         },
         default_args={"pool": pool, "retries": 2, "retry_delay": timedelta(seconds=5)},
     ):
-        common = {
+        common: dict[str, Any] = {
             "lease_seconds": "{{ params.lease_seconds }}",
             "until_idle": "{{ params.until_idle }}",
             "handover_grace_seconds": "{{ params.handover_grace_seconds }}",
@@ -110,7 +111,7 @@ def deliver_dag(dag_id: str, conn_id: str, pool: str) -> None:
                 )
         with TaskGroup("lane_wheel", group_display_name="timing wheel", prefix_group_id=False):
             lanes.append(AdvanceWheelOperator(task_id="advance_wheel", task_display_name="timing wheel", **common))
-        lanes >> PublishTopicEventsOperator(  # type: ignore[operator]
+        lanes >> PublishTopicEventsOperator(
             task_id="publish_topic_events",
             task_display_name="topic Asset events",
             lane_task_ids=[lane.task_id for lane in lanes],

@@ -69,7 +69,8 @@ with DAG(
 ):
 
     @task
-    def act(params: dict[str, Any]) -> dict[str, int]:
+    def act(params: dict[str, Any] | None = None) -> dict[str, int]:
+        assert params is not None  # Airflow passes the run's params (a context key named in the signature)
         with DelayWheelHook().get_store() as store:
             return orders.run_customers(
                 store, stop=threading.Event(), every_s=0.2, duration_s=int(params["lease_seconds"])
