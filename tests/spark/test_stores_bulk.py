@@ -13,13 +13,16 @@ from datetime import datetime, timedelta
 from pathlib import Path
 
 import bulk_enqueue
+import pyarrow as pa
 import pytest
 import redeliver
 
 from delaywheel import Store
+from delaywheel.batch import bulk
+from delaywheel.batch.input_rows import ColumnMap
 from delaywheel.config import ConfigError
 from delaywheel.dev.local_airflow import as_url
-from delaywheel.routing import Router
+from delaywheel.routing import Router, home
 from tests.conftest import fresh_database
 
 TOPICS = 40
@@ -32,13 +35,14 @@ MESSAGES = (
 )
 
 
-def hashed_to(store: str, count: int) -> list[str]:
-    """`count` topic names the hash alone gives `store` (of a and b)."""
-    router = Router(["a", "b"])
-    return [t for t in (f"moved{n}" for n in range(200)) if router.store_for(t) == store][:count]
+def hashed(topic: str) -> str:
+    """The store the hash alone gives `topic`, of a and b."""
+    return home(topic, ["a", "b"])
 
 
-PINNED, MOVING = hashed_to("a", 2)  # routed to b by the table: `PINNED=b`, `MOVING=a>b`
+PINNED, MOVING = [t for t in (f"moved{n}" for n in range(200)) if hashed(t) == "a"][
+    :2
+]  # routed to b by the table: `PINNED=b`, `MOVING=a>b`
 ROUTES = f"{PINNED}=b,{MOVING}=a>b"
 
 
@@ -163,13 +167,30 @@ def test_bulk_enqueue_routes_each_row_to_its_topic_store_once_then_catch_up_per_
         assert len(ids) == len(set(ids)) == due[name]  # exactly once, in its own store
 
 
+def test_split_sends_a_row_with_a_refused_topic_to_the_first_store() -> None:
+    """A fixed topic sends every row to its store; a topic column that is not text, or a null or malformed topic,
+    has no store: the first store's quarantine gets the row (it is refused there, with the reason)."""
+    a_topic, b_topic = (next(f"topic{n}" for n in range(TOPICS) if hashed(f"topic{n}") == s) for s in "ab")
+    rows = pa.record_batch({"topic": [a_topic, None, b_topic, "bad topic!", b_topic], "key": list("vwxyz")})
+
+    split = bulk.StoreSplit(["b", "a"], [], ColumnMap({"topic": "topic", "key": "key"}))
+    assert {name: part.column("key").to_pylist() for name, part in split.split(rows)} == {
+        "a": ["v"],
+        "b": ["w", "x", "y", "z"],  # b: the first configured store
+    }
+    fixed = bulk.StoreSplit(["a", "b"], [(a_topic, ("a", "b"))], ColumnMap({"key": "key"}, a_topic))
+    assert [(name, part.num_rows) for name, part in fixed.split(rows)] == [("b", 5)]  # moving a>b: sent to b
+    numbers = pa.record_batch({"topic": [1, 2], "key": ["p", "q"]})
+    assert [(name, part.num_rows) for name, part in split.split(numbers)] == [("b", 2)]
+
+
 def test_store_choices_refused_before_spark_starts(
     two_stores: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Whatever would send rows or messages to a store their topic's consumers do not read, or leave the store to a
     guess, stops with the reason."""
     (tmp_path / "x.csv").write_text("topic,key\norders,1\n")
-    b_topic = next(f"topic{n}" for n in range(TOPICS) if Router(["a", "b"]).store_for(f"topic{n}") == "b")
+    b_topic = next(f"topic{n}" for n in range(TOPICS) if hashed(f"topic{n}") == "b")
     replay = "--mode replay --from 2030-01-01 --until 2030-01-02"
     refused = [
         (bulk_enqueue.main, f"--store a --input {tmp_path / 'x.csv'}", "bulk enqueue sends each row to its topic's"),

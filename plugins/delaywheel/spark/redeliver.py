@@ -140,7 +140,13 @@ def reconcile(
     created = (
         bulk.Counts.total(
             sparkjob.write_rows(
-                missing, {"reconcile": url}, settings, mapping, run_source, now=now, job="reconcile: missing timers"
+                missing,
+                {sparkjob.ONE_STORE: url},
+                settings,
+                mapping,
+                run_source,
+                now=now,
+                job="reconcile: missing timers",
             ).values()
         )
         if missing_count
