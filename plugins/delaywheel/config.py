@@ -136,6 +136,9 @@ class Settings:
     past_tolerance: timedelta = timedelta(days=1)
     topic_retention: timedelta = timedelta(days=7)
     batch_size: int = 5000
+    # The most messages one slice of the wheel's daily roll moves (wheel.roll): a slice holds the wheel's lane, so
+    # this bounds how long the roll holds up a pass (10,000 rows, 0.1-0.5 s: under the default wheel_precision).
+    wheel_roll_slice: int = 10_000
     # Caller-supplied text (issue 18): how long a checked predicate or bulk query may read (read-only, with this
     # statement_timeout); which databases a bulk query may read besides the store (Airflow connection ids or URLs;
     # empty: the store only); and the folders bulk enqueue may read files from (symlinks and .. resolved first).
@@ -150,8 +153,8 @@ class Settings:
     def __post_init__(self) -> None:
         if not timedelta(milliseconds=100) <= self.wheel_precision <= timedelta(minutes=1):
             raise ConfigError(f"wheel_precision: {self.wheel_precision} is outside 100ms..1m")
-        if self.max_body_bytes <= 0 or self.batch_size <= 0:
-            raise ConfigError("max_body_bytes and batch_size must be positive")
+        if self.max_body_bytes <= 0 or self.batch_size <= 0 or self.wheel_roll_slice <= 0:
+            raise ConfigError("max_body_bytes, batch_size and wheel_roll_slice must be positive")
 
     @property
     def max_level(self) -> int:
@@ -189,7 +192,7 @@ def load_settings() -> Settings:
         values["owner_url"] = url
     if (levels := _raw("levels", cfg)) is not None:
         values["levels"] = parse_levels(levels)
-    for name in ("max_body_bytes", "max_reconsume_times", "batch_size"):
+    for name in ("max_body_bytes", "max_reconsume_times", "batch_size", "wheel_roll_slice"):
         if (raw := _raw(name, cfg)) is not None:
             try:
                 values[name] = int(raw)

@@ -14,7 +14,12 @@ primary key read backwards, so the pass's one read of it costs the same few buff
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
+import weakref
+from collections.abc import Callable
 from datetime import datetime
+from typing import TypeVar
 
 import psycopg
 from psycopg import errors, sql
@@ -111,26 +116,71 @@ _QUEUE_PLAN = sql.SQL("SELECT {}").format(sql.SQL(QUEUE_PLAN)).as_string()
 _ALL = ("id", "topic", "key", "tags", "properties", "body", "is_json", "due")
 
 
-def _roll_block(block: str, only: sql.Composable) -> sql.Composed:
-    """A far block's messages (`only` those) into the near wheel (the roll); `block`: its partition's name."""
+def _roll_rows(segments: sql.Composable, only: sql.Composable) -> sql.Composed:
+    """Far segments' messages (`only` those) into the near wheel: the roll's one insert. `segments`: a far block's
+    partition, or the rows a slice took out of one."""
     return sql.SQL("""
 INSERT INTO delaywheel.wheel (id, topic, key, tags, properties, body, is_json, deliver_at, enqueued_at)
 SELECT m.id, m.topic, m.key, m.tags, m.properties::jsonb, m.body, m.is_json, m.due AT TIME ZONE 'UTC', s.enqueued_at
-FROM {block} s, {messages}
+FROM {segments} s, {messages}
 {only}
-""").format(block=sql.Identifier("delaywheel", block), messages=segment_messages(*_ALL), only=only)
+""").format(segments=segments, messages=segment_messages(*_ALL), only=only)
 
 
 # After a roll failed on a row it cannot deliver: the same, without the rows set aside (setaside.py).
 _NOT_SET_ASIDE = sql.SQL("WHERE NOT EXISTS (SELECT 1 FROM delaywheel.set_aside x WHERE x.message_id = m.id)")
-# The far blocks' messages the roll would move that cannot be delivered.
+# A slice of far block %(block)s: its next segments in table order after %(after)s (a position, _RESUME), at most
+# %(messages)s of them, and of those the ones read before the messages counted reached %(messages)s; so fewer than
+# %(messages)s messages plus one segment's (at most 1,000: producer.SEGMENT_MAX). A TID range scan from the position: the segments earlier slices moved,
+# dead in the block until the roll drops it, are not read again.
+_PICKED = sql.SQL("""
+    SELECT ctid FROM (
+        SELECT ctid, n, sum(n) OVER (ROWS UNBOUNDED PRECEDING) AS upto
+        FROM (SELECT ctid, n FROM delaywheel.wheel_far_segments
+              WHERE block = %(block)s AND ctid > %(after)s::tid LIMIT %(messages)s) c) w
+    WHERE upto - n < %(messages)s""")
+# One slice into the near wheel, in one statement: (rows moved, messages taken out of the block, the last segment's
+# position), all zero and NULL when the block has nothing after the position.
+_SLICE = sql.SQL("""
+WITH
+-- the slice's segments
+picked AS ({picked}),
+-- out of the block, by the statement that moves them: a message is in its far segment or in the wheel, never both
+gone AS (
+    DELETE FROM delaywheel.wheel_far_segments s
+    WHERE s.block = %(block)s AND s.ctid = ANY(ARRAY(SELECT ctid FROM picked))
+    RETURNING s.*),
+-- their messages into the near wheel, as the last step moves what is left of the block
+moved AS ({move} RETURNING 1)
+SELECT (SELECT count(*) FROM moved), (SELECT coalesce(sum(n), 0) FROM gone), (SELECT max(ctid)::text FROM picked)
+""")
+_SLICES = {
+    only: _SLICE.format(picked=_PICKED, move=_roll_rows(sql.Identifier("gone"), sql.SQL(only))).as_string()
+    for only in ("", _NOT_SET_ASIDE.as_string())
+}
+# The far segments' messages the roll would move that cannot be delivered ({segments}: which segments).
 _FAR_UNDELIVERABLE = sql.SQL("""
 SELECT m.id, 'wheel', NULL::smallint, m.topic, m.key, m.due AT TIME ZONE 'UTC', u.reason, u.detail, m.tags,
        m.properties, m.body, m.is_json, 0
 FROM delaywheel.wheel_far_segments s, {messages},
      LATERAL delaywheel.undeliverable(m.topic, m.body, m.is_json, m.properties) u
-WHERE s.block < %(target)s AND u.reason IS NOT NULL
-""").format(messages=segment_messages(*_ALL))
+WHERE {segments} AND u.reason IS NOT NULL
+""")
+# ... in every far block the roll moves (its last step), and in a slice's segments.
+_BLOCKS_UNDELIVERABLE = _FAR_UNDELIVERABLE.format(
+    messages=segment_messages(*_ALL), segments=sql.SQL("s.block < %(target)s")
+).as_string()
+_SLICE_UNDELIVERABLE = _FAR_UNDELIVERABLE.format(
+    messages=segment_messages(*_ALL),
+    segments=sql.SQL("s.block = %(block)s AND s.ctid = ANY(ARRAY({}))").format(_PICKED),
+).as_string()
+# Where this process's last slice of each block (by partition name) ended, per connection: the next slice reads on
+# from there rather than walking the dead rows of the slices before (a quadratic walk over a block of single sends).
+# Only a hint: a block that looks empty from its position is read again from its start before the last step, and
+# the last step moves whatever is left, so a stale or lost position (another process's slices, a restart) costs
+# one read of the block, never a message.
+_RESUME: weakref.WeakKeyDictionary[psycopg.Connection, dict[str, str]] = weakref.WeakKeyDictionary()
+_START = "(0,0)"  # before every row: line pointers count from 1
 # The rows a wheel pass would read ({rows}: its stragglers, or its due batch) that cannot be delivered and are not
 # cancelled.
 _UNDELIVERABLE = sql.SQL("""
@@ -142,50 +192,155 @@ WHERE u.reason IS NOT NULL AND {not_cancelled}
 _UNDELIVERABLE_STRAGGLERS = _UNDELIVERABLE.format(rows=_STRAGGLERS, not_cancelled=not_cancelled("d"))
 _UNDELIVERABLE_DUE = _UNDELIVERABLE.format(rows=_DUE, not_cancelled=not_cancelled("d"))
 
+T = TypeVar("T")
+
 
 def roll(conn: psycopg.Connection, settings: Settings, cache: PartitionCache, now: datetime | None = None) -> int:
-    """Move far blocks that entered the near window into the fine wheel; returns rows moved. A row that cannot be
-    delivered is set aside (setaside.py) instead of stopping the roll, hence every wheel pass."""
-    try:
-        return _roll(conn, settings, cache, now, sql.SQL(""))
-    except POISON:
-        if not _set_aside_far(conn, settings, cache, now):
-            raise  # nothing the store can name: the roll fails, as before, rather than skip a row
-    return _roll(conn, settings, cache, now, _NOT_SET_ASIDE)
+    """One step of the roll, which moves the far blocks that entered the near window into the fine wheel; returns
+    rows moved. A row that cannot be delivered is set aside (setaside.py) instead of stopping the roll, hence every
+    wheel pass.
+
+    The roll of a day block once ran in one transaction holding the wheel's lane lock and ACCESS EXCLUSIVE on both
+    wheel parents: at a billion pending timers, minutes a day with no wheel delivery and every timer send waiting
+    (docs/capacity.md, "The roll"). Now a step is: a short transaction creating the hourly partitions the blocks fill;
+    then slices, each its own transaction under the lane's lock (a pass never sees half of one) moving at most
+    `settings.wheel_roll_slice` messages (plus one segment) and deleting their segments, with no lock on the parents
+    beyond what a send takes; and, once a slice finds its block empty, the last step as before (parents locked,
+    what producers added since moved, the block dropped, `near_until` set), which has only a few sends left to move.
+    Until then producers go on sending into the block (`near_until` has not moved), and the slices take those too.
+
+    A step does at most one full slice, and a wheel pass is one step and then its delivery, returning "due now"
+    while the roll is not done (advance_wheel): the roll goes on at the runner's pace, a pass of the near wheel (and
+    of the runner's other lanes) between any two slices, and never a whole block ahead of them. Looping slices here
+    instead would free the lock between slices for nobody, since the lane's one deliverer would be the one looping.
+    The slack is large: the roll starts as the near window's end crosses the block's first day, so its first
+    message is due `wheel_near_window` (3 days) later, against minutes of slices for a 30-million-row block."""
+    return _roll_step(conn, settings, cache, now)[0]
 
 
 def _roll_target(clock: datetime, settings: Settings) -> datetime:
     return floor_to(clock + settings.wheel_near_window, DAY) + DAY
 
 
-def _set_aside_far(conn: psycopg.Connection, settings: Settings, cache: PartitionCache, now: datetime | None) -> int:
-    """Set aside the messages of the far blocks the roll moves that cannot be delivered; returns how many."""
-    with conn.transaction():
-        conn.execute("SELECT pg_advisory_xact_lock(%s, %s)", WHEEL_LOCK)
-        row = conn.execute("SELECT coalesce(%s::timestamptz, clock_timestamp())", (now,)).fetchone()
-        assert row is not None
-        bad = conn.execute(_FAR_UNDELIVERABLE, {"target": _roll_target(row[0], settings)}).fetchall()
-        return record(conn, cache, bad)
-
-
-def _roll(
-    conn: psycopg.Connection, settings: Settings, cache: PartitionCache, now: datetime | None, only: sql.Composable
-) -> int:
-    moved = 0
+def _roll_step(
+    conn: psycopg.Connection, settings: Settings, cache: PartitionCache, now: datetime | None
+) -> tuple[int, datetime | None]:
+    """(rows moved, the clock while the roll has more to do, else None)."""
     clock, near_until = conn.execute(  # type: ignore[misc]
         "SELECT coalesce(%s::timestamptz, clock_timestamp()), near_until FROM delaywheel.wheel_roll", (now,)
     ).fetchone()
     target = _roll_target(clock, settings)
-    if near_until >= target:  # nothing to roll (the common case): skip the locking transaction below
-        return 0
+    if near_until >= target:  # nothing to roll (the common case): skip the locking transactions below
+        return 0, None
+    moved = 0
+    resume = _RESUME.setdefault(conn, {})
+    for name, lo in _roll_partitions(conn, cache, clock, near_until, target):
+        while True:
+            after = resume.get(name, _START)
+            params = {"block": lo, "after": after, "messages": settings.wheel_roll_slice}
+            sliced = _setting_aside(conn, cache, _SLICE_UNDELIVERABLE, params, functools.partial(_slice, conn, params))
+            if sliced is None:  # the lane is busy: roll next pass
+                return moved, clock
+            rows, taken, last = sliced
+            moved += rows
+            if taken >= settings.wheel_roll_slice:  # a full slice: the next step goes on from its end
+                resume[name] = last
+                return moved, clock
+            resume.pop(name, None)
+            if after == _START:
+                break  # nothing left that this slice could see: on to the next block, then the last step
+    rows, done = _setting_aside(
+        conn,
+        cache,
+        _BLOCKS_UNDELIVERABLE,
+        {"target": target},
+        lambda only: _roll(conn, settings, cache, clock, target, only),
+    )
+    return moved + rows, None if done else clock
+
+
+def _setting_aside(
+    conn: psycopg.Connection,
+    cache: PartitionCache,
+    undeliverable: str,
+    params: dict[str, object],
+    move: Callable[[str], T],
+) -> T:
+    """`move("")`; if a row it moves cannot be delivered, `undeliverable`'s rows (with `params`) set aside and then
+    `move(_NOT_SET_ASIDE)`, which leaves them out."""
+    try:
+        return move("")
+    except POISON:
+        if not _set_aside_far(conn, cache, undeliverable, params):
+            raise  # nothing the store can name: the roll fails, as before, rather than skip a row
+    return move(_NOT_SET_ASIDE.as_string())
+
+
+def _set_aside_far(
+    conn: psycopg.Connection, cache: PartitionCache, undeliverable: str, params: dict[str, object]
+) -> int:
+    """Set aside the far messages the roll moves next that cannot be delivered; returns how many."""
+    with conn.transaction():
+        conn.execute("SELECT pg_advisory_xact_lock(%s, %s)", WHEEL_LOCK)
+        return record(conn, cache, conn.execute(undeliverable, params).fetchall())
+
+
+def _roll_partitions(
+    conn: psycopg.Connection, cache: PartitionCache, clock: datetime, near_until: datetime, target: datetime
+) -> list[tuple[str, datetime]]:
+    """Create the hourly wheel partitions the roll fills, in a short transaction of its own (creating one locks the
+    wheel's parent, as a send that creates one does); returns the far blocks to roll, (name, lower bound) by day."""
+    with conn.transaction():
+        conn.execute("SET LOCAL lock_timeout = '5s'")
+        blocks = conn.execute(_BLOCKS, (target,)).fetchall()
+        start = max(floor_to(clock, HOUR), near_until)
+        hours = [start + HOUR * i for i in range(int((target - start) / HOUR))]
+        hours += [lo + HOUR * i for _, lo, hi in blocks for i in range(int((hi - lo) / HOUR))]
+        cache.ensure(conn, "wheel", hours)
+    return [(name, lo) for name, lo, _ in blocks]
+
+
+def _slice(conn: psycopg.Connection, params: dict[str, object], only: str) -> tuple[int, int, str] | None:
+    """One slice (_SLICE) in its own transaction under the wheel's lane lock: (rows moved, messages taken out of the
+    block, the position after them); None if the lane is busy."""
+    with conn.transaction():
+        locked = conn.execute("SELECT pg_try_advisory_xact_lock(%s, %s)", WHEEL_LOCK).fetchone()
+        if not locked or not locked[0]:
+            return None
+        conn.execute("SET LOCAL lock_timeout = '5s'")
+        # The parents in the order producers lock them (_roll): the wheel's first. The statement below would lock
+        # the far one first (its DELETE), and wait for the wheel's (its INSERT) behind a producer that created a wheel
+        # partition and now waits to create a far block behind this slice. ONLY: the parent, not its partitions.
+        conn.execute("LOCK TABLE ONLY delaywheel.wheel IN ROW EXCLUSIVE MODE")
+        row = conn.execute(_SLICES[only], params).fetchone()
+    assert row is not None
+    return row[0], row[1], row[2]
+
+
+_BLOCKS = "SELECT name, lo, hi FROM delaywheel.partitions WHERE parent = 'wheel_far_segments' AND lo < %s ORDER BY lo"
+
+
+def _roll(
+    conn: psycopg.Connection,
+    settings: Settings,
+    cache: PartitionCache,
+    clock: datetime,
+    target: datetime,
+    only: str,
+) -> tuple[int, bool]:
+    """The roll's last step: what is left of the blocks into the wheel, the blocks dropped, `near_until` set, in one
+    transaction; (rows moved, whether it ran)."""
+    moved = 0
     with conn.transaction():
         locked = conn.execute("SELECT pg_try_advisory_xact_lock(%s, %s)", WHEEL_LOCK).fetchone()
         # a producer still in its transaction (it holds wheel_roll's row FOR KEY SHARE, through wheel_state, or a
         # far block): roll next pass
         conn.execute("SET LOCAL lock_timeout = '5s'")
         state = conn.execute("SELECT near_until FROM delaywheel.wheel_roll FOR UPDATE").fetchone()
-        if not locked or not locked[0] or state is None or state[0] >= target:
-            return 0
+        if not locked or not locked[0] or state is None:
+            return 0, False
+        if state[0] >= target:  # another process finished it
+            return 0, True
         # Creating and dropping partitions takes ACCESS EXCLUSIVE on the parents: take it first, in the order
         # producers lock them (wheel, then wheel_far_segments). Taken later, after a far block's lock, it deadlocks
         # with a producer that holds the parent and waits for the block (seen in bench/airflow_lateness).
@@ -195,19 +350,16 @@ def _roll(
         start = max(floor_to(clock, HOUR), state[0])
         hours = int((target - start) / HOUR) if target > start else 0
         cache.ensure(conn, "wheel", [start + HOUR * i for i in range(hours)])
-        blocks = conn.execute(
-            "SELECT name, lo, hi FROM delaywheel.partitions WHERE parent = 'wheel_far_segments' AND lo < %s ORDER BY lo",
-            (target,),
-        ).fetchall()
+        blocks = conn.execute(_BLOCKS, (target,)).fetchall()
         for name, lo, hi in blocks:
             conn.execute("SELECT delaywheel.lock_partition('wheel_far_segments', %s)", (lo,))  # migrations/017
             cache.ensure(conn, "wheel", [lo + HOUR * i for i in range(int((hi - lo) / HOUR))])
-            cur = conn.execute(_roll_block(name, only))
+            cur = conn.execute(_roll_rows(sql.Identifier("delaywheel", name), sql.SQL(only)))
             moved += cur.rowcount
             conn.execute("SELECT delaywheel.drop_partition('wheel_far_segments', %s)", (lo,))
             cache.forget("wheel_far_segments", lo)
         conn.execute("UPDATE delaywheel.wheel_roll SET near_until = %s", (target,))
-    return moved
+    return moved, True
 
 
 def advance_wheel(
@@ -220,8 +372,16 @@ def advance_wheel(
 ) -> PassResult:
     """One pass over the wheel; see the module docstring for the guarantees. A row the pass cannot deliver is set
     aside (setaside.py) and the pass runs again: the wheel never stops on it."""
+    rolling = None
     with contextlib.suppress(errors.LockNotAvailable):  # a producer holds a far block: roll next pass
-        roll(conn, settings, cache, now)
+        rolling = _roll_step(conn, settings, cache, now)[1]
+    result = _deliver(conn, cache, now, limit)
+    if rolling is None or result.busy or (result.next_due is not None and result.next_due <= rolling):
+        return result
+    return dataclasses.replace(result, next_due=rolling)  # the roll is not done: pass again at once (roll says why)
+
+
+def _deliver(conn: psycopg.Connection, cache: PartitionCache, now: datetime | None, limit: int) -> PassResult:
     for _ in range(3):  # more rows may turn up in the next try's batch (a newer horizon)
         try:
             return _advance(conn, cache, now, limit)
