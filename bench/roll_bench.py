@@ -3,22 +3,25 @@
 Two far day blocks of `--rows` timers each (sends of 20,000, so segments of 1,000), in a database of its own. The
 first is rolled the old way, the whole block in one transaction holding the wheel's lane lock and ACCESS EXCLUSIVE
 on both wheel parents (that is the roll's last step, `wheel._roll`, given the whole block); the second by
-`wheel.roll` steps, as the wheel's passes drive it, `--slice` messages a slice. Meanwhile two probes stand for
-what the roll holds up: a pass taking the lane's lock (a 1 ms transaction under it, every 10 ms) and a producer
-sending a near timer (every 10 ms). Printed: each roll's longest transaction (the longest hold of the lane's lock;
-of the parents' lock, the last step's), the probes' longest waits, and the ratios whole / sliced.
+`wheel.roll` steps, as the wheel's passes drive it, `--slice` messages a slice. Each of the roll's transactions
+is timed (wheel's functions wrapped): the slices and the last step hold the lane's lock; the last step and the one
+creating the block's hourly partitions hold a parent's. Meanwhile two probes stand for what the roll holds up: a
+pass taking the lane's lock (a 1 ms transaction under it, every 10 ms) and a producer sending a near timer (every
+10 ms). Printed: the longest hold of each lock, the probes' longest waits, and the ratios whole / sliced.
 
-    flock /tmp/delaywheel-bench.lock .venv/bin/python -m bench.roll_bench [--rows 300000] [--slice 10000]
+    flock /tmp/delaywheel-bench.lock .venv/bin/python -m bench.roll_bench [--rows 1000000] [--slice 10000]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import threading
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import psycopg
 
@@ -32,6 +35,23 @@ from .common import chunks, drop_database, fresh_database, log
 DB = "delaywheel_roll_bench"
 T0 = datetime(2031, 3, 1, tzinfo=UTC)
 CALL = 20_000
+# Each timed transaction of the roll: wheel function -> seconds of each call.
+TIMES: dict[str, list[float]] = {}
+
+
+def _timed(name: str) -> None:
+    """Wrap wheel.`name` (looked up at each call by the roll) to record each call's seconds in TIMES[name]."""
+    inner = getattr(wheel, name)
+
+    @functools.wraps(inner)
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            TIMES.setdefault(name, []).append(time.perf_counter() - started)
+
+    setattr(wheel, name, timed)
 
 
 class Probe:
@@ -73,7 +93,8 @@ def _near_until(store: Store) -> datetime:
 
 
 def _measure(url: str, clock: datetime, roll_step: Callable[[], float | None]) -> dict[str, float]:
-    """Run `roll_step` (one transaction or step; returns its seconds, or None when done) under both probes."""
+    """Run `roll_step` (one call; returns its seconds, or None when the roll is done) under both probes."""
+    TIMES.clear()
     lane = psycopg.connect(url, autocommit=True)
 
     def take_lane() -> None:
@@ -94,11 +115,15 @@ def _measure(url: str, clock: datetime, roll_step: Callable[[], float | None]) -
                 steps.append(seconds)
         total = time.perf_counter() - started
     lane.close()
+    held = {name: max(seconds) for name, seconds in TIMES.items()}
     return {
+        "lane_s": max(held.get("_slice", 0.0), held["_roll"]),
+        "parents_s": max(held.get("_roll_partitions", 0.0), held["_roll"]),
+        "slice_s": held.get("_slice", held["_roll"]),
+        "last_s": held["_roll"],
+        "partitions_s": held.get("_roll_partitions", 0.0),
         "total_s": total,
-        "transactions": len(steps),
-        "longest_s": max(steps),
-        "last_s": steps[-1],
+        "steps": len(steps),
         "pass_wait_max_s": max(passes.waits),
         "pass_wait_p50_ms": 1000 * statistics.median(passes.waits),
         "send_wait_max_s": max(sends.waits),
@@ -110,9 +135,11 @@ def _measure(url: str, clock: datetime, roll_step: Callable[[], float | None]) -
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, default=300_000, help="timers in each far block")
+    parser.add_argument("--rows", type=int, default=1_000_000, help="timers in each far block")
     parser.add_argument("--slice", type=int, default=Settings().wheel_roll_slice, help="wheel_roll_slice")
     args = parser.parse_args()
+    for name in ("_roll_partitions", "_slice", "_roll"):
+        _timed(name)
     url = fresh_database(DB)
     settings = Settings(wheel_roll_slice=args.slice)
     try:
@@ -156,12 +183,15 @@ def main() -> None:
     print("| measure | whole | sliced | whole / sliced |")
     print("|---|---:|---:|---:|")
     for key, label in (
-        ("longest_s", "longest transaction under the lane's lock, s"),
-        ("last_s", "the step holding the parents' lock, s"),
+        ("lane_s", "longest hold of the lane's lock, s"),
+        ("parents_s", "longest hold of a wheel parent's lock, s"),
         ("pass_wait_max_s", "longest wait of a pass for the lane, s"),
         ("send_wait_max_s", "longest near-timer send, s"),
+        ("slice_s", "longest slice, s"),
+        ("last_s", "last step (lane + both parents), s"),
+        ("partitions_s", "hourly partitions created (wheel parent; whole: inside its one transaction), s"),
         ("total_s", "whole roll, s"),
-        ("transactions", "roll calls (steps)"),
+        ("steps", "roll calls (steps)"),
         ("pass_wait_p50_ms", "pass wait, median, ms"),
         ("send_wait_p50_ms", "send, median, ms"),
         ("passes", "probe passes"),
