@@ -4,8 +4,8 @@ Two far day blocks of `--rows` timers each (sends of 20,000, so segments of 1,00
 first is rolled the old way, the whole block in one transaction holding the wheel's lane lock and ACCESS EXCLUSIVE
 on both wheel parents (that is the roll's last step, `wheel._roll`, given the whole block); the second by
 `wheel.roll` steps, as the wheel's passes drive it, `--slice` messages a slice. Each of the roll's transactions
-is timed (wheel's functions wrapped): the slices and the last step hold the lane's lock; the last step and the one
-creating the block's hourly partitions hold a parent's. Meanwhile two probes stand for what the roll holds up: a
+is timed (wheel's functions wrapped): each holds the lane's lock; the last step and the one creating the block's
+hourly partitions also hold a wheel parent's. Meanwhile two probes stand for what the roll holds up: a
 pass taking the lane's lock (a 1 ms transaction under it, every 10 ms) and a producer sending a near timer (every
 10 ms). Printed: the longest hold of each lock, the probes' longest waits, and the ratios whole / sliced.
 
@@ -117,7 +117,7 @@ def _measure(url: str, clock: datetime, roll_step: Callable[[], float | None]) -
     lane.close()
     held = {name: max(seconds) for name, seconds in TIMES.items()}
     return {
-        "lane_s": max(held.get("_slice", 0.0), held["_roll"]),
+        "lane_s": max(held.get("_slice", 0.0), held.get("_roll_partitions", 0.0), held["_roll"]),
         "parents_s": max(held.get("_roll_partitions", 0.0), held["_roll"]),
         "slice_s": held.get("_slice", held["_roll"]),
         "last_s": held["_roll"],

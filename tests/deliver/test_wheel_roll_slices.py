@@ -28,7 +28,9 @@ def _near_until(store: Store) -> datetime:
 
 
 def _far_messages(store: Store) -> int:
-    return store.conn.execute("SELECT coalesce(sum(n), 0) FROM delaywheel.wheel_far_segments").fetchone()[0]  # type: ignore[index]
+    row = store.conn.execute("SELECT coalesce(sum(n), 0) FROM delaywheel.wheel_far_segments").fetchone()
+    assert row is not None
+    return int(row[0])
 
 
 def _pending_ids(store: Store, topic: str) -> list[int]:
@@ -151,7 +153,7 @@ def test_the_runtime_role_rolls_in_slices(role_db: tuple[str, str]) -> None:  # 
         _check_delivered(store, "far", due, set())
 
 
-def test_prepare_does_one_step_and_a_busy_lane_none(db_url: str, t0: datetime) -> None:
+def test_prepare_does_one_step_and_a_busy_lane_stops_none(db_url: str, t0: datetime) -> None:
     """`prepare` (the runner calls it every few minutes) does one step, not the whole roll; a step that cannot take
     the lane (another process's pass, or a cancel) moves nothing, and the roll goes on from where it was."""
     with Store(db_url, Settings(wheel_roll_slice=4)) as store:

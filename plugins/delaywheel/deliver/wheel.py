@@ -131,8 +131,8 @@ FROM {segments} s, {messages}
 _NOT_SET_ASIDE = sql.SQL("WHERE NOT EXISTS (SELECT 1 FROM delaywheel.set_aside x WHERE x.message_id = m.id)")
 # A slice of far block %(block)s: its next segments in table order after %(after)s (a position, _RESUME), at most
 # %(messages)s of them, and of those the ones read before the messages counted reached %(messages)s; so fewer than
-# %(messages)s messages plus one segment's (at most 1,000: producer.SEGMENT_MAX). A TID range scan from the position: the segments earlier slices moved,
-# dead in the block until the roll drops it, are not read again.
+# %(messages)s messages plus one segment's (at most 1,000: producer.SEGMENT_MAX). A TID range scan from the position:
+# the segments earlier slices moved, dead in the block until the roll drops it, are not read again.
 _PICKED = sql.SQL("""
     SELECT ctid FROM (
         SELECT ctid, n, sum(n) OVER (ROWS UNBOUNDED PRECEDING) AS upto
@@ -203,11 +203,12 @@ def roll(conn: psycopg.Connection, settings: Settings, cache: PartitionCache, no
     The roll of a day block once ran in one transaction holding the wheel's lane lock and ACCESS EXCLUSIVE on both
     wheel parents: at a billion pending timers, minutes a day with no wheel delivery and every timer send waiting
     (docs/capacity.md, "The roll"). Now a step is: a short transaction creating the hourly partitions the blocks fill;
-    then slices, each its own transaction under the lane's lock (a pass never sees half of one) moving at most
-    `settings.wheel_roll_slice` messages (plus one segment) and deleting their segments, with no lock on the parents
-    beyond what a send takes; and, once a slice finds its block empty, the last step as before (parents locked,
-    what producers added since moved, the block dropped, `near_until` set), which has only a few sends left to move.
-    Until then producers go on sending into the block (`near_until` has not moved), and the slices take those too.
+    then slices, each moving at most `settings.wheel_roll_slice` messages (plus one segment) and deleting their
+    segments, with no lock on the parents beyond what a send takes; and, once a slice finds its block empty, the last
+    step as before (parents locked, what producers added since moved, the block dropped, `near_until` set), which has
+    only a few sends left to move. Each is its own transaction under the lane's lock (a pass never sees half of one;
+    a roll does nothing while another holds the lane). Until the last step producers go on sending into the block
+    (`near_until` has not moved), and the slices take those too.
 
     A step does at most one full slice, and a wheel pass is one step and then its delivery, returning "due now"
     while the roll is not done (advance_wheel): the roll goes on at the runner's pace, a pass of the near wheel (and
@@ -233,8 +234,11 @@ def _roll_step(
     if near_until >= target:  # nothing to roll (the common case): skip the locking transactions below
         return 0, None
     moved = 0
+    blocks = _roll_partitions(conn, cache, clock, near_until, target)
+    if blocks is None:  # the lane is busy: roll next pass
+        return 0, clock
     resume = _RESUME.setdefault(conn, {})
-    for name, lo in _roll_partitions(conn, cache, clock, near_until, target):
+    for name, lo in blocks:
         while True:
             after = resume.get(name, _START)
             params = {"block": lo, "after": after, "messages": settings.wheel_roll_slice}
@@ -287,10 +291,15 @@ def _set_aside_far(
 
 def _roll_partitions(
     conn: psycopg.Connection, cache: PartitionCache, clock: datetime, near_until: datetime, target: datetime
-) -> list[tuple[str, datetime]]:
-    """Create the hourly wheel partitions the roll fills, in a short transaction of its own (creating one locks the
-    wheel's parent, as a send that creates one does); returns the far blocks to roll, (name, lower bound) by day."""
+) -> list[tuple[str, datetime]] | None:
+    """Create the hourly wheel partitions the roll fills, in a short transaction of its own under the lane's lock
+    (creating one locks the wheel's parent, as a send that creates one does); returns the far blocks to roll, (name,
+    lower bound) by day, or None if the lane is busy: a roll does nothing while another holds the lane, so a pass
+    waiting for it queues at once."""
     with conn.transaction():
+        locked = conn.execute("SELECT pg_try_advisory_xact_lock(%s, %s)", WHEEL_LOCK).fetchone()
+        if not locked or not locked[0]:
+            return None
         conn.execute("SET LOCAL lock_timeout = '5s'")
         blocks = conn.execute(_BLOCKS, (target,)).fetchall()
         start = max(floor_to(clock, HOUR), near_until)
