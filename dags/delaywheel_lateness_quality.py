@@ -29,6 +29,12 @@ with DAG(
     tags=["delaywheel", "spark", "data-quality"],
     doc_md=__doc__,
     params={
+        "store": Param(
+            None,
+            type=["null", "string"],
+            pattern=r"^([a-z][a-z0-9_]{0,39})?$",
+            description="with several stores (docs/stores.md): the store to work on (empty: the only store; needed with several)",
+        ),
         "window_minutes": Param(15, type="number", minimum=0.1, description="length of the due-time window"),
         "settle_seconds": Param(60, type="number", minimum=0, description="leave out the most recent due times"),
         # Optional fields are nullable: the form sends an empty field as null (a plain "string" would be required).

@@ -34,6 +34,12 @@ with DAG(
     doc_md=__doc__,
     access_control=OPERATOR_ACCESS,
     params={
+        "store": Param(
+            None,
+            type=["null", "string"],
+            pattern=r"^([a-z][a-z0-9_]{0,39})?$",
+            description="with several stores (docs/stores.md): the store to work on (empty: catch-up drains every store; replay and reconcile need one)",
+        ),
         "mode": Param("catch-up", type="string", enum=["catch-up", "replay", "reconcile"]),
         "batch": Param(50000, type="integer", minimum=1, description="catch-up: messages per delivery pass"),
         # Optional fields are nullable: the form sends an empty field as null (a plain "string" would be required).

@@ -19,12 +19,20 @@ from typing import Any
 from airflow.sdk import DAG, Param, task
 from delaywheel_shop import orders
 
-from delaywheel.airflow.hooks import DelayWheelHook
+from delaywheel import load_settings
+from delaywheel.airflow.hooks import DelayWheelHook, store_conn_id
 from delaywheel.airflow.spark import spark_job
+from delaywheel.routing import Router
 
 START = datetime(2025, 1, 1)
 ORDER_GENERATOR = Path(orders.__file__).with_name("order_generator.py")  # the shop's Spark job
 DURATION = r"^\d+(ms|s|m|h|d)$"  # the level table's notation (config.parse_duration), checked in the form
+SETTINGS = load_settings()
+# With several stores (docs/stores.md) the shop lives in the store of its timeouts' topic: its tables beside its timers
+# (an order and its timer are written in one transaction), and the sweep (ConsumeOperator) reads that store too.
+SHOP_STORE = (
+    Router([name for name, _ in SETTINGS.stores], SETTINGS.routes).store_for(orders.TOPIC) if SETTINGS.stores else None
+)
 
 with DAG(
     dag_id="shop_place_orders",
@@ -55,6 +63,7 @@ with DAG(
             "--first-id",
             "{{ params.first_id }}",
         ],
+        store=SHOP_STORE,
     )
 
 with DAG(
@@ -71,7 +80,7 @@ with DAG(
     @task
     def act(params: dict[str, Any] | None = None) -> dict[str, int]:
         assert params is not None  # Airflow passes the run's params (a context key named in the signature)
-        with DelayWheelHook().get_store() as store:
+        with DelayWheelHook(store_conn_id(SHOP_STORE)).get_store() as store:
             return orders.run_customers(
                 store, stop=threading.Event(), every_s=0.2, duration_s=int(params["lease_seconds"])
             )
@@ -104,4 +113,5 @@ with DAG(
             "--due-column",
             "deadline",
         ],
+        store=SHOP_STORE,
     )

@@ -42,6 +42,9 @@ print(json.dumps({
     "publish_pools": {i: d.get_task("publish_topic_events").pool for i, d in deliver.items()},
     "maintenance": sorted(t.task_id for t in bag.dags["delaywheel_maintenance"].tasks),
     "maintenance_conns": sorted({t.op_args[0] for t in bag.dags["delaywheel_maintenance"].tasks}),
+    "shop_args": [bag.dags["shop_place_orders"].get_task("place_orders").application_args,
+                  bag.dags["shop_reconcile"].get_task("reconcile").application_args],
+    "store_fields": [d for d in ("delaywheel_redeliver", "delaywheel_lateness_quality") if "store" in bag.dags[d].params],
     "watchers": [(w.name, w.trigger.delaywheel_conn_id) for a in
                  bag.dags["delaywheel_consumer_template"].timetable.asset_condition.objects for w in a.watchers],
 }))
@@ -92,6 +95,11 @@ def test_one_deliver_dag_per_store_on_its_connection_and_pool(airflow_db: dict[s
     assert result["maintenance"] == sorted(f"store_{s}.{step}" for s in ("a", "b") for step in steps)
     assert result["maintenance_conns"] == ["delaywheel_a", "delaywheel_b"]
     assert result["watchers"] == [["delaywheel_topic_orders_b", "delaywheel_b"]]
+    # the shop's Spark jobs work on the store of its timeouts' topic; the store jobs' forms have a store field
+    shop_store = Router(["a", "b"]).store_for("shop.order-timeout")
+    for args in result["shop_args"]:
+        assert "--db-url" not in args and args[args.index("--store") + 1] == shop_store
+    assert result["store_fields"] == ["delaywheel_redeliver", "delaywheel_lateness_quality"]
 
 
 def test_watchers_and_consumers_follow_the_topic_store(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -12,7 +12,7 @@ from datetime import timedelta
 
 import sparkjob
 
-from delaywheel.config import parse_duration
+from delaywheel.config import load_settings, parse_duration
 from delaywheel.store import Store
 from delaywheel_shop import orders
 
@@ -51,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     sc = spark.sparkContext
     # read by the demo, which says how long the orders waited for Spark (deadlines count from each placement)
     print(f"order generator: Spark started in {time.monotonic() - began:.1f} s", flush=True)
-    db_url, seed = sparkjob.db_url(args.db_url), args.seed
+    ((_, db_url),) = sparkjob.stores(parser, args, load_settings()).items()  # the shop's store: --db-url or --store
+    seed = args.seed
 
     def place(share: tuple[int, int]) -> int:
         return place_range(db_url, share[0], share[1], timeout, seed) if share[1] else 0
