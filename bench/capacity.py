@@ -450,8 +450,15 @@ def roll(store: Store, meter: Meter, real0: datetime) -> dict[str, float]:
             "SELECT count(*) FROM delaywheel.partitions WHERE parent = 'wheel_far_segments'"
         ).fetchone()[0]  # type: ignore[index]
         usage: list[Usage] = []
-        with meter.measure(usage):
-            store.prepare(now=real0 + days * DAY)
+        roll_state = "SELECT near_until FROM delaywheel.wheel_roll"
+        start = conn.execute(roll_state).fetchone()
+        with meter.measure(usage):  # prepare does one step of the roll (a slice, or the last step): to its end
+            left = before
+            while True:  # until the last step moved near_until, or a step moved nothing (nothing to roll)
+                store.prepare(now=real0 + days * DAY)
+                left, was = conn.execute(far).fetchone()[0], left  # type: ignore[index]
+                if conn.execute(roll_state).fetchone() != start or left == was:
+                    break
         moved += before - conn.execute(far).fetchone()[0]  # type: ignore[index]
         blocks += (
             parts
@@ -691,9 +698,9 @@ def extrapolate(f: Figures, cores_per_store: int) -> dict[str, Any]:
         spare = ceiling - TARGET_RATE / n
         out[f"catch_up_1h_outage_{label}_hours"] = TARGET_RATE / n * 3600 / spare / 3600 if spare > 0 else math.inf
     # The roll holds the wheel's lane lock and both wheel parents' ACCESS EXCLUSIVE locks for its whole transaction.
-    out["roll_pause_per_day_minutes_30d_horizon"] = out["roll_seconds_per_day_30d_horizon"] / 60
-    out["roll_pause_per_day_minutes_30d_horizon_per_store"] = (
-        out["roll_pause_per_day_minutes_30d_horizon"] / out["stores"]
+    out["roll_work_per_day_minutes_30d_horizon"] = out["roll_seconds_per_day_30d_horizon"] / 60
+    out["roll_work_per_day_minutes_30d_horizon_per_store"] = (
+        out["roll_work_per_day_minutes_30d_horizon"] / out["stores"]
     )
     out["cores_per_store_assumed"] = cores_per_store
     out["headroom"] = headroom
