@@ -697,7 +697,8 @@ def extrapolate(f: Figures, cores_per_store: int) -> dict[str, Any]:
     for label, n in (("one_store", 1), ("planned_stores", out["stores"])):
         spare = ceiling - TARGET_RATE / n
         out[f"catch_up_1h_outage_{label}_hours"] = TARGET_RATE / n * 3600 / spare / 3600 if spare > 0 else math.inf
-    # The roll holds the wheel's lane lock and both wheel parents' ACCESS EXCLUSIVE locks for its whole transaction.
+    # The roll's work a day: done in slices (deliver/wheel.py), each wheel pass moving one, so it is not a stop; the
+    # longest hold of the lane's lock is bench/roll_bench.py's figure.
     out["roll_work_per_day_minutes_30d_horizon"] = out["roll_seconds_per_day_30d_horizon"] / 60
     out["roll_work_per_day_minutes_30d_horizon_per_store"] = (
         out["roll_work_per_day_minutes_30d_horizon"] / out["stores"]
