@@ -134,7 +134,7 @@ RUN="$$-$(date +%s%N)"
 STOP_SECONDS="${DELAYWHEEL_AIRFLOW_STOP_SECONDS:-60}"
 declare -A pid=()
 service() { DELAYWHEEL_AIRFLOW_RUN="$RUN" setsid airflow "$1" & pid[$1]=$!; }
-note() { echo "scripts/airflow.sh: $*" >&2; }
+note() { echo "scripts/airflow.sh: $* ($(date -u +%H:%M:%S))" >&2; }  # the time: how long each step of a stop took
 # "pid pgid sid" of every live process (from /proc/<pid>/stat: after "pid (comm) ", state ppid pgrp session).
 procs() {
   local f line

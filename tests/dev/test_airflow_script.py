@@ -38,7 +38,10 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "airflow.sh"
 LANES = {"deliver_level_1", "deliver_level_2", "advance_wheel"}  # DELAYWHEEL_LEVELS="1s 5s": two levels + the wheel
 STARTED_WITHIN_S = 150  # script start -> lane tasks running (about 25 s alone here; 2 busy cores are slower)
-STOPPED_WITHIN_S = 60  # SIGINT -> the script has exited (about 12 s here)
+# SIGINT -> the script has exited: 15-25 s here; the script allows tasks STOP_SECONDS (60) to end, then the triggerer
+# and DAG processor 20 s and the API server 20 s (one CI run on a quiet machine took 63.6 s, cause not seen: the
+# failure message now lists the timed notes and shutdown lines)
+STOPPED_WITHIN_S = 100
 
 
 def free_ports(n: int) -> list[int]:
@@ -185,7 +188,17 @@ def test_ctrl_c_stops_every_service_in_order_leaving_nothing_and_tasks_succeed(
         script.wait(timeout=STOPPED_WITHIN_S + 30)
         took = time.monotonic() - stopping
         text = output.read_text()
-        assert took < STOPPED_WITHIN_S, (took, text[-5000:])
+        # the script's own notes (each with its time) and the services' shutdown lines: where a slow stop went
+        shutdown = [
+            line[:200]
+            for line in text.splitlines()
+            if "airflow.sh:" in line
+            or "signal" in line
+            or "Workload finished" in line
+            or "clean up" in line
+            or "Exited" in line
+        ]
+        assert took < STOPPED_WITHIN_S, (took, shutdown[-40:])
         assert ours(run_dir, sessions) == {}  # nothing left: no worker, task, log server or service
 
         with psycopg.connect(meta) as conn:
