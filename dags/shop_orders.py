@@ -19,20 +19,15 @@ from typing import Any
 from airflow.sdk import DAG, Param, task
 from delaywheel_shop import orders
 
-from delaywheel import load_settings
-from delaywheel.airflow.hooks import DelayWheelHook, store_conn_id
+from delaywheel.airflow.hooks import DelayWheelHook, store_conn_id, topic_stores
 from delaywheel.airflow.spark import spark_job
-from delaywheel.routing import Router
 
 START = datetime(2025, 1, 1)
 ORDER_GENERATOR = Path(orders.__file__).with_name("order_generator.py")  # the shop's Spark job
 DURATION = r"^\d+(ms|s|m|h|d)$"  # the level table's notation (config.parse_duration), checked in the form
-SETTINGS = load_settings()
 # With several stores (docs/stores.md) the shop lives in the store of its timeouts' topic: its tables beside its timers
 # (an order and its timer are written in one transaction), and the sweep (ConsumeOperator) reads that store too.
-SHOP_STORE = (
-    Router([name for name, _ in SETTINGS.stores], SETTINGS.routes).store_for(orders.TOPIC) if SETTINGS.stores else None
-)
+SHOP_STORE = topic_stores(orders.TOPIC)[0]
 
 with DAG(
     dag_id="shop_place_orders",

@@ -530,7 +530,7 @@ def cmd_route(args: argparse.Namespace) -> int:
     """Where each topic goes and which stores hold it (the configuration only, no database). With `--adding NAME`:
     the topics the new store would take, each with the route that keeps it where it is (docs/stores.md)."""
     settings = load_settings()
-    router = Router([name for name, _ in settings.stores], settings.routes)
+    router = Router.configured(settings)
     if args.adding is not None and (not STORE_NAME.fullmatch(args.adding) or args.adding in router.names):
         raise UsageError(
             f"--adding {args.adding!r}: not a new store's name (a lower-case identifier, not one of"

@@ -86,6 +86,11 @@ class Router:
                     f" (stores: {', '.join(self.names)})"
                 )
 
+    @classmethod
+    def configured(cls, settings: Settings) -> Router:
+        """The configured stores' rule and routing table (`stores`, `routes`)."""
+        return cls([name for name, _ in settings.stores], settings.routes)
+
     def store_for(self, topic: str) -> str:
         """Where `topic`'s new messages go: its route's current store, else its hashed one. Remembered for the last
         4,096 topics: a batch has few topics, and hashing each message's over 4 store names took 6 µs a message

@@ -101,15 +101,17 @@ def store_names(settings: Settings | None = None) -> tuple[str | None, ...]:
     return names or (None,)
 
 
-def topic_conn_ids(topic: str, settings: Settings | None = None) -> tuple[str, ...]:
-    """The connections of the stores that may hold `topic`'s messages, its current store first
-    (`routing.Router.sources`; a moving topic has two); ``delaywheel_default`` alone with no stores configured.
-    Read from the settings when called (DAG parsing, a task's start): every process must see the same routes."""
+def topic_stores(topic: str, settings: Settings | None = None) -> tuple[str | None, ...]:
+    """The stores that may hold `topic`'s messages, its current store first (`routing.Router.sources`; a moving topic
+    has two); (None,), the single store, with no stores configured. Read from the settings when called (DAG parsing,
+    a task's start): every process must see the same routes."""
     settings = settings or load_settings()
-    if not settings.stores:
-        return (DelayWheelHook.default_conn_name,)
-    router = Router([name for name, _ in settings.stores], settings.routes)
-    return tuple(store_conn_id(name) for name in router.sources(topic))
+    return Router.configured(settings).sources(topic) if settings.stores else (None,)
+
+
+def topic_conn_ids(topic: str, settings: Settings | None = None) -> tuple[str, ...]:
+    """The connections of `topic_stores`: ``delaywheel_<store>`` each, or ``delaywheel_default`` alone."""
+    return tuple(store_conn_id(store) for store in topic_stores(topic, settings))
 
 
 async def next_due_async(

@@ -43,7 +43,7 @@ from delaywheel.locks import CONSUMER_PRESENCE_LOCK, CONSUMER_TURN_LOCK, GROUP_T
 from delaywheel.routing import Stores
 from delaywheel.types import TopicSpan, add_spans, event_extra
 
-from .hooks import DelayWheelHook, store_conn_id, topic_conn_ids
+from .hooks import DelayWheelHook, store_conn_id, topic_conn_ids, topic_stores
 from .triggers import TopicMessagesTrigger
 
 TOPICS_ALIAS = AssetAlias("delaywheel_topics")
@@ -61,17 +61,13 @@ def topic_asset(topic: str) -> Asset:
     same Asset: consumers do not care which store delivered."""
     quoted = quote(topic, safe="")
     uri = ASSET_PREFIX + quoted
-    settings = load_settings()
-    if not settings.stores:
-        watchers = [AssetWatcher(name=f"delaywheel_topic_{quoted}", trigger=TopicMessagesTrigger(topic))]
-    else:
-        watchers = [
-            AssetWatcher(
-                name=f"delaywheel_topic_{quoted}_{conn_id.removeprefix('delaywheel_')}",
-                trigger=TopicMessagesTrigger(topic, conn_id),
-            )
-            for conn_id in topic_conn_ids(topic, settings)
-        ]
+    watchers = [
+        AssetWatcher(
+            name=f"delaywheel_topic_{quoted}" if store is None else f"delaywheel_topic_{quoted}_{store}",
+            trigger=TopicMessagesTrigger(topic, store_conn_id(store)),
+        )
+        for store in topic_stores(topic)
+    ]
     return Asset(name=uri, uri=uri, group="delaywheel", watchers=watchers)
 
 

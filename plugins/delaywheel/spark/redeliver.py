@@ -80,7 +80,7 @@ def routed_to(settings: Settings, store: str, topic: str, *, current: bool) -> s
     names = [name for name, _ in settings.stores]
     if store not in names or len(names) < 2:
         return None
-    router = Router(names, settings.routes)
+    router = Router.configured(settings)
     wanted = (router.store_for(topic),) if current else router.sources(topic)
     if store in wanted:
         return None
