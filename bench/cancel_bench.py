@@ -1,10 +1,12 @@
 """Cancels beside deliveries (issue 19, item 4), measured in one run on one server.
 
 1. cancel(key=…) latency with the near wheel full (hourly partitions over the next ~4 days) and `10M x scale`
-   timers pending (due 1 min - 30 days ahead, sent by send_many: near ones in the wheel, the rest in far segments):
+   timers pending (due 1 min - 30 days ahead, sent by send_many: near ones in the wheel, the rest in far segments;
+   or, `--near-only`, every one of them in the near wheel, as order timeouts are):
    the library's cancel (no lane lock; prepared lookup, generic plan) against the previous way (the lanes' locks,
    the lookup planned per call), interleaved key by key; the new cancel's three steps timed apart; EXPLAIN
-   (ANALYZE, SUMMARY) of the lookup, planned per call and as a generic prepared plan.
+   (ANALYZE, SUMMARY) of the lookup, planned per call and as a generic prepared plan; with `--parts`, where the
+   lookup's time goes, and a day-partitioned key table for the near wheel measured as an alternative.
 2. Delivery lateness on the real clock: timers at `--rate` msg/s (delays 1-10 s) delivered by the library's loop
    (runner.run, wheel lane), `--seconds` long, without cancels and then with `--cancels` cancels/s by key of timers
    due within the next second or just due (racing the passes), from several processes with a connection each (threads
@@ -49,6 +51,7 @@ from delaywheel.deliver import runner
 from delaywheel.deliver import wheel as wheel_module
 from delaywheel.ops import cancel as cancel_module
 from delaywheel.ops.cancel import find, key_params, mark_and_settle
+from delaywheel.pending import WHEEL_PENDING
 
 from .common import body, chunks, drop_database, fresh_database, log
 
@@ -62,10 +65,16 @@ def pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))] if s else float("nan")
 
 
-def fill(store: Store, count: int, batch: int) -> None:
+def fill(store: Store, count: int, batch: int, near_only: bool = False) -> None:
+    """`count` timers due from a minute ahead to 30 days ahead, or (`near_only`, the order-timeout profile) all in
+    the near wheel: up to `near_until`, which a first wheel pass (the roll) sets 3-4 days ahead."""
     rng = random.Random(7)
     first = store.clock() + timedelta(minutes=1)
     span = timedelta(days=30)
+    if near_only:
+        store.advance_wheel()
+        (near_until,) = store.conn.execute("SELECT near_until FROM delaywheel.wheel_state").fetchone()  # type: ignore[misc]
+        span = near_until - first - timedelta(minutes=1)
     for start, size in chunks(count, batch):
         store.send_many(
             [
@@ -118,6 +127,8 @@ def latency(store: Store, other: psycopg.Connection, per_lane: int) -> list[str]
     lines = []
     for lane, sample in SAMPLES.items():
         keys = [k for (k,) in other.execute(sample, (2 * per_lane,))]  # type: ignore[arg-type]
+        if not keys:  # the near-only profile has no far timers
+            continue
         new, old, steps = [], [], {"find": [], "mark and settle": []}  # type: ignore[var-annotation]
         for i, key in enumerate(keys):
             started = time.perf_counter()
@@ -181,6 +192,97 @@ def explain(store: Store, other: psycopg.Connection, verbose: bool = False) -> l
         partitions = conn.execute("SELECT count(*) FROM delaywheel.partitions WHERE parent = 'wheel'").fetchone()[0]  # type: ignore[index]
         far = conn.execute("SELECT count(*) FROM delaywheel.wheel_far_segments").fetchone()[0]  # type: ignore[index]
         lines.append(f"- near wheel: {partitions} hourly partitions; far blocks: {far:,} segments")
+    return lines
+
+
+# --- Where a cancel's lookup goes (--parts) -----------------------------------------------------------------------
+# The lookup's parts, each as its own prepared statement with the lookup's generic plan, timed key by key beside the
+# whole lookup and an empty round trip; and one alternative for the near wheel, measured rather than argued: its keys
+# in one table partitioned by due *day* (a few B-trees to probe instead of one per hour), filled by a statement
+# trigger on `wheel` (so every writer of the wheel keeps it: COPY, send_one, the roll), at the price of a second row
+# per keyed near message, which the near-timer sends below pay.
+_NEAR_ROWS = sql.SQL("SELECT q.id, q.deliver_at, q.xid FROM {} q, delaywheel.wheel_state s WHERE q.key = %(v)s AND {}")
+_UNUSED = sql.SQL(" AND %(h1)s::int8 IS NOT NULL AND %(h2)s::int8 IS NOT NULL AND %(slots)s::int[] IS NOT NULL")
+_PARTS = {
+    "round trip (no table)": sql.SQL("SELECT %(v)s, %(h1)s::int8, %(h2)s::int8, %(slots)s::int[]"),
+    "near rows: hourly key indexes": _NEAR_ROWS.format(sql.Identifier("delaywheel", "wheel"), WHEEL_PENDING) + _UNUSED,
+    "near rows: one key table by day (alternative)": _NEAR_ROWS.format(
+        sql.Identifier("public", "wheel_keys"), WHEEL_PENDING
+    )
+    + _UNUSED,
+    "far candidates: summaries and unfiltered segments": cancel_module._KEY_CANDIDATES
+    + sql.SQL(" SELECT ranges FROM candidates WHERE %(v)s IS NOT NULL"),
+    "whole lookup (the library's find)": sql.SQL(cancel_module._FIND_ONE["key"]),
+}
+_KEY_TABLE = """
+CREATE TABLE public.wheel_keys (key text NOT NULL, id bigint NOT NULL, deliver_at timestamptz NOT NULL, xid xid8 NOT NULL)
+    PARTITION BY RANGE (deliver_at);
+CREATE INDEX ON public.wheel_keys (key);
+DO $$ DECLARE d timestamptz; BEGIN
+  FOR d IN SELECT generate_series(date_trunc('day', now(), 'UTC'), (SELECT max(deliver_at) FROM delaywheel.wheel),
+                                  interval '1 day') LOOP  -- the near wheel's days, as a store would keep them
+    EXECUTE format('CREATE TABLE public.%I PARTITION OF public.wheel_keys FOR VALUES FROM (%L) TO (%L)',
+                   'wheel_keys_' || to_char(d AT TIME ZONE 'UTC', 'YYYYMMDD'), d, d + interval '1 day');
+  END LOOP; END $$;
+INSERT INTO public.wheel_keys SELECT key, id, deliver_at, xid FROM delaywheel.wheel WHERE key IS NOT NULL;
+ANALYZE public.wheel_keys;
+CREATE FUNCTION public.wheel_keys_add() RETURNS trigger LANGUAGE plpgsql AS $f$
+BEGIN
+    INSERT INTO public.wheel_keys SELECT a.key, a.id, a.deliver_at, a.xid FROM added a WHERE a.key IS NOT NULL;
+    RETURN NULL;
+END $f$;
+"""
+_TRIGGER = {
+    True: "CREATE TRIGGER wheel_keys_add AFTER INSERT ON delaywheel.wheel REFERENCING NEW TABLE AS added"
+    " FOR EACH STATEMENT EXECUTE FUNCTION public.wheel_keys_add()",
+    False: "DROP TRIGGER IF EXISTS wheel_keys_add ON delaywheel.wheel",
+}
+
+
+def parts(store: Store, other: psycopg.Connection, calls: int, sends: int) -> list[str]:
+    """The lookup's parts (p50 of `calls` keys, interleaved), and near-timer send_many with and without the
+    alternative's trigger (`sends` calls of 20,000 each, alternating)."""
+    other.execute(_KEY_TABLE)
+    keys = [k for (k,) in other.execute(SAMPLES["near"], (calls + 20,))]  # type: ignore[arg-type]
+    times: dict[str, list[float]] = {name: [] for name in _PARTS}
+    with psycopg.connect(store.url, autocommit=True) as conn:
+        conn.execute(
+            sql.SQL("SELECT {}, set_config('plan_cache_mode', 'force_generic_plan', false)").format(
+                sql.SQL(LOOKUP_PLAN.replace("true)", "false)"))
+            )
+        )
+        order = list(_PARTS.items())
+        for i, key in enumerate(keys):
+            params = key_params(key)
+            # rotated key by key: the first statement after a pause runs slower (a backend woken, caches cold)
+            for name, query in order[i % len(order) :] + order[: i % len(order)]:
+                started = time.perf_counter()
+                conn.execute(query, params, prepare=True).fetchall()
+                if i >= 20:  # the first executions prepare and plan
+                    times[name].append(1000 * (time.perf_counter() - started))
+    lines = [
+        f"- lookup by key of a near timer, its parts as prepared statements (generic plan), p50 of {calls} keys: "
+        + "; ".join(f"{name} {statistics.median(v):.2f} ms" for name, v in times.items())
+    ]
+    first = store.clock() + timedelta(minutes=1)
+    sent: dict[bool, list[float]] = {False: [], True: []}
+    for i in range(2 * sends + 2):
+        with_table = bool(i % 2)
+        other.execute(_TRIGGER[with_table])
+        batch = [
+            Message("bench.near", body(0), deliver_at=first + timedelta(seconds=(j * 7) % (40 * 3600)), key=f"n{i}-{j}")
+            for j in range(20_000)
+        ]
+        started = time.perf_counter()
+        store.send_many(batch)
+        if i >= 2:
+            sent[with_table].append(time.perf_counter() - started)
+    other.execute(_TRIGGER[False])
+    without, with_ = (1e6 * statistics.median(sent[k]) / 20_000 for k in (False, True))
+    lines.append(
+        f"- send_many of 20,000 near timers with keys, {sends} calls each, alternating: {without:.2f} us a message "
+        f"today, {with_:.2f} us with the key table's trigger ({with_ / without:.2f} x)"
+    )
     return lines
 
 
@@ -416,6 +518,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--scale", type=float, default=1.0, help="pending timers = 10M x scale")
     parser.add_argument("--batch", type=int, default=20_000)
+    parser.add_argument(
+        "--near-only", action="store_true", help="every pending timer in the near wheel (order timeouts), not 30 days"
+    )
     parser.add_argument("--per-lane", type=int, default=100, help="cancels timed per lane (near, far)")
     parser.add_argument("--seconds", type=float, default=60)
     parser.add_argument("--rate", type=int, default=1000)
@@ -425,6 +530,7 @@ def main() -> None:
     parser.add_argument("--skip-latency", action="store_true")
     parser.add_argument("--plan", action="store_true", help="print the lookup's generic plan (EXPLAIN ANALYZE)")
     parser.add_argument("--skip-race", action="store_true")
+    parser.add_argument("--parts", action="store_true", help="time the lookup's parts and a day-partitioned key table")
     parser.add_argument("--control", action="store_true", help="a run whose cancels race no pass (same load)")
     parser.add_argument("--before", action="store_true", help="a third race run with the code before (990e562)")
     args = parser.parse_args()
@@ -440,12 +546,14 @@ def main() -> None:
                 n = int(10_000_000 * args.scale)
                 log(f"1. fill {n:,} pending")
                 t = time.perf_counter()
-                fill(store, n, args.batch)
+                fill(store, n, args.batch, args.near_only)
                 other.execute("ANALYZE")
                 log(f"   {time.perf_counter() - t:.0f} s")
                 lines += explain(store, other, args.plan)
                 lines += latency(store, other, args.per_lane)
-                lines.insert(0, f"- pending: {n:,} timers (10M x {args.scale}), due 1 min - 30 days ahead")
+                lines += parts(store, other, args.per_lane, 5) if args.parts else []
+                due = "all in the near wheel (up to near_until)" if args.near_only else "due 1 min - 30 days ahead"
+                lines.insert(0, f"- pending: {n:,} timers (10M x {args.scale}), {due}")
                 for line in lines:
                     log(line)
             runs = (
