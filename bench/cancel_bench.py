@@ -4,9 +4,10 @@
    timers pending (due 1 min - 30 days ahead, sent by send_many: near ones in the wheel, the rest in far segments;
    or, `--near-only`, every one of them in the near wheel, as order timeouts are):
    the library's cancel (no lane lock; prepared lookup, generic plan) against the previous way (the lanes' locks,
-   the lookup planned per call), interleaved key by key; the new cancel's three steps timed apart; EXPLAIN
-   (ANALYZE, SUMMARY) of the lookup, planned per call and as a generic prepared plan; with `--parts`, where the
-   lookup's time goes, and a day-partitioned key table for the near wheel measured as an alternative.
+   the lookup planned per call), interleaved key by key; the library's cancel again, not interleaved, its two steps
+   timed apart; EXPLAIN (ANALYZE, SUMMARY) of the lookup, planned per call and as a generic prepared plan; with
+   `--parts`, where the lookup's time goes, two alternatives measured (a day-partitioned key table for the near
+   wheel; one round trip instead of two), and what a durable commit costs here.
 2. Delivery lateness on the real clock: timers at `--rate` msg/s (delays 1-10 s) delivered by the library's loop
    (runner.run, wheel lane), `--seconds` long, without cancels and then with `--cancels` cancels/s by key of timers
    due within the next second or just due (racing the passes), from several processes with a connection each (threads
@@ -50,8 +51,8 @@ from delaywheel.db import LOOKUP_PLAN
 from delaywheel.deliver import runner
 from delaywheel.deliver import wheel as wheel_module
 from delaywheel.ops import cancel as cancel_module
-from delaywheel.ops.cancel import find, key_params, mark_and_settle
-from delaywheel.pending import WHEEL_PENDING
+from delaywheel.ops.cancel import await_passes, find, key_params, lane_locks, mark_and_settle
+from delaywheel.pending import STILL_PENDING, WHEEL_PENDING
 
 from .common import body, chunks, drop_database, fresh_database, log
 
@@ -84,10 +85,15 @@ def fill(store: Store, count: int, batch: int, near_only: bool = False) -> None:
         )
 
 
+# Random keys of timers not cancelled yet (a cancelled message stays in its queue until its partition is retired).
+_UNCANCELLED = " AND {} NOT IN (SELECT key FROM delaywheel.cancellations WHERE key IS NOT NULL)"
 SAMPLES = {
-    "near": "SELECT key FROM delaywheel.wheel w WHERE key LIKE 'backdrop-%%' ORDER BY random() LIMIT %s",
+    "near": "SELECT key FROM delaywheel.wheel w WHERE key LIKE 'backdrop-%%'"
+    + _UNCANCELLED.format("key")
+    + " ORDER BY random() LIMIT %s",
     "far": "SELECT k FROM delaywheel.wheel_far_segments, unnest(keys) u(k) WHERE k LIKE 'backdrop-%%'"
-    " ORDER BY random() LIMIT %s",
+    + _UNCANCELLED.format("k")
+    + " ORDER BY random() LIMIT %s",
 }
 
 
@@ -140,19 +146,26 @@ def latency(store: Store, other: psycopg.Connection, per_lane: int) -> list[str]
                 old.append(1000 * (time.perf_counter() - started))
             if outcome != ["cancelled"]:
                 raise RuntimeError(f"cancel {key}: {outcome}")
+        # The library's cancel again, call after call (with far timers pending the old cancel, planning over every
+        # partition, slowed the call after it by 0.4-1.3 ms), in its two steps.
+        alone: list[float] = []
         for key in [k for (k,) in other.execute(sample, (per_lane,))]:  # type: ignore[arg-type]
-            params = key_params(key)
             t = [time.perf_counter()]
+            params = key_params(key)
             found = find(store.conn, "key", params)
             t.append(time.perf_counter())
-            mark_and_settle(store.conn, store._cache, "key", params, found, "bench")
+            outcome = [r.outcome for r in mark_and_settle(store.conn, store._cache, "key", params, found, "bench")]
             t.append(time.perf_counter())
+            if outcome != ["cancelled"]:
+                raise RuntimeError(f"cancel {key}: {outcome}")
             for name, a, b in zip(steps, t, t[1:], strict=False):
                 steps[name].append(1000 * (b - a))
+            alone.append(1000 * (t[-1] - t[0]))
         lines.append(
             f"- {lane} timer, cancel(key=…), {len(new)} calls: p50 {statistics.median(new):.2f} ms, "
             f"p99 {pct(new, 0.99):.2f} ms; the code before (990e562: lanes' locks), {len(old)} calls "
-            f"interleaved: p50 {statistics.median(old):.2f} ms, p99 {pct(old, 0.99):.2f} ms; steps p50: "
+            f"interleaved: p50 {statistics.median(old):.2f} ms, p99 {pct(old, 0.99):.2f} ms; not interleaved, "
+            f"{len(alone)} calls: p50 {statistics.median(alone):.2f} ms, p99 {pct(alone, 0.99):.2f} ms, steps p50: "
             + ", ".join(f"{n} {statistics.median(v):.2f} ms" for n, v in steps.items())
         )
     return lines
@@ -284,6 +297,87 @@ def parts(store: Store, other: psycopg.Connection, calls: int, sends: int) -> li
         f"today, {with_:.2f} us with the key table's trigger ({with_ / without:.2f} x)"
     )
     return lines
+
+
+# --- One round trip (--parts) -------------------------------------------------------------------------------------
+# The other alternative, measured against the library's two round trips (find; then mark and settle): the lookup and
+# the insert of its cancellations in one statement, then, after the Sync that commits it, the lane wait and the
+# topics' search, all in one pipeline. Its costs, which the library does not pay: the wait is sent before the client
+# has seen what was found, so it waits for a pass of every lane (and every lane's deliverer meets its shared lock), and
+# a due day without a `cancellations` partition fails the insert (here they are made first; the library makes them
+# between its two round trips).
+_ONE_TRIP = (
+    sql.SQL("""
+WITH f AS MATERIALIZED ({find}),
+marked AS (
+    INSERT INTO delaywheel.cancellations (message_id, due_at, key, reason)
+    SELECT t.id, t.deliver_at, t.key, 'bench'
+    FROM (SELECT id, deliver_at, key, lane, level::smallint AS level, xid::xid8 AS xid FROM f) t
+    WHERE {still_pending}
+    ON CONFLICT (message_id, due_at) DO NOTHING
+    RETURNING message_id)
+SELECT f.id, marked.message_id IS NOT NULL FROM f LEFT JOIN marked ON marked.message_id = f.id
+""")
+    .format(find=sql.SQL(cancel_module._FIND_ONE["key"]), still_pending=STILL_PENDING)
+    .as_string()
+)
+
+
+def one_trip(store: Store, other: psycopg.Connection, calls: int) -> list[str]:
+    """cancel(key=…) of near timers in one round trip against the library's cancel, interleaved call by call."""
+    conn = store.conn
+    (last,) = other.execute("SELECT max(deliver_at) FROM delaywheel.wheel").fetchone()  # type: ignore[misc]
+    first = store.clock()
+    store._cache.ensure(conn, "cancellations", [first + timedelta(days=d) for d in range((last - first).days + 2)])
+    every_lane = lane_locks([("", None, None, "wheel")] + [("", None, None, "level", n) for n in range(1, 19)])
+    keys = [k for (k,) in other.execute(SAMPLES["near"], (2 * calls + 40,))]  # type: ignore[arg-type]
+    times: dict[str, list[float]] = {"one round trip": [], "the library's two": []}
+    for i, key in enumerate(keys):
+        started = time.perf_counter()
+        if i % 2:
+            with conn.pipeline() as pipeline:
+                conn.execute(cancel_module._GENERIC_LOOKUP_PLAN)
+                marking = conn.execute(_ONE_TRIP, key_params(key), prepare=True)
+                pipeline.sync()
+                await_passes(conn, every_lane)
+                conn.execute(cancel_module._GENERIC_LOOKUP_PLAN)
+                conn.execute(cancel_module._DELIVERED["key"], {"v": key}, prepare=True).fetchall()
+            outcome = ["cancelled" if marked else "already_cancelled" for _, marked in marking.fetchall()]
+            name = "one round trip"
+        else:
+            outcome = [r.outcome for r in store.cancel(key=key)]
+            name = "the library's two"
+        if outcome != ["cancelled"]:
+            raise RuntimeError(f"cancel {key}: {outcome}")
+        if i >= 40:  # the first executions prepare and plan
+            times[name].append(1000 * (time.perf_counter() - started))
+    return [
+        f"- near timer, cancel(key=…) in one round trip (alternative), interleaved with the library's, {calls} calls "
+        "each: "
+        + "; ".join(f"{n} p50 {statistics.median(v):.2f} ms, p99 {pct(v, 0.99):.2f} ms" for n, v in times.items())
+    ]
+
+
+def commit_cost(url: str, calls: int = 400) -> list[str]:
+    """What a durable commit costs here, against one that does not wait for its WAL flush and a bare round trip:
+    a cancel's mark commits, and beside busy loops that part grows while its lookup does not."""
+    times: dict[str, list[float]] = {"on": [], "off": [], "SELECT 1": []}
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("CREATE TABLE public.commit_cost (id bigserial PRIMARY KEY, v text)")
+        for i in range(3 * (calls + 10)):
+            name = list(times)[i % 3]
+            if name != "SELECT 1":
+                conn.execute("SELECT set_config('synchronous_commit', %s, false)", (name,))
+            started = time.perf_counter()
+            conn.execute("SELECT 1" if name == "SELECT 1" else "INSERT INTO public.commit_cost (v) VALUES ('x')")
+            if i >= 30:
+                times[name].append(1000 * (time.perf_counter() - started))
+        conn.execute("DROP TABLE public.commit_cost")
+    return [
+        f"- a one-row INSERT, committed, {calls} calls each, interleaved: synchronous_commit on p50 "
+        f"{statistics.median(times['on']):.3f} ms, off {statistics.median(times['off']):.3f} ms; SELECT 1 "
+        f"{statistics.median(times['SELECT 1']):.3f} ms"
+    ]
 
 
 def cpu_seconds(pid: int) -> float:
@@ -551,7 +645,11 @@ def main() -> None:
                 log(f"   {time.perf_counter() - t:.0f} s")
                 lines += explain(store, other, args.plan)
                 lines += latency(store, other, args.per_lane)
-                lines += parts(store, other, args.per_lane, 5) if args.parts else []
+                lines += (
+                    parts(store, other, args.per_lane, 5) + one_trip(store, other, args.per_lane) + commit_cost(url)
+                    if args.parts
+                    else []
+                )
                 due = "all in the near wheel (up to near_until)" if args.near_only else "due 1 min - 30 days ahead"
                 lines.insert(0, f"- pending: {n:,} timers (10M x {args.scale}), {due}")
                 for line in lines:
