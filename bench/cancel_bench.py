@@ -50,8 +50,10 @@ from delaywheel import Message, Store
 from delaywheel.db import LOOKUP_PLAN
 from delaywheel.deliver import runner
 from delaywheel.deliver import wheel as wheel_module
+from delaywheel.lanes import all_lanes
+from delaywheel.locks import LEVEL_LOCK, WHEEL_LOCK
 from delaywheel.ops import cancel as cancel_module
-from delaywheel.ops.cancel import await_passes, find, key_params, lane_locks, mark_and_settle
+from delaywheel.ops.cancel import await_passes, find, key_params, mark_and_settle
 from delaywheel.pending import STILL_PENDING, WHEEL_PENDING
 
 from .common import body, chunks, drop_database, fresh_database, log
@@ -329,7 +331,7 @@ def one_trip(store: Store, other: psycopg.Connection, calls: int) -> list[str]:
     (last,) = other.execute("SELECT max(deliver_at) FROM delaywheel.wheel").fetchone()  # type: ignore[misc]
     first = store.clock()
     store._cache.ensure(conn, "cancellations", [first + timedelta(days=d) for d in range((last - first).days + 2)])
-    every_lane = lane_locks([("", None, None, "wheel")] + [("", None, None, "level", n) for n in range(1, 19)])
+    every_lane = [WHEEL_LOCK] + [(LEVEL_LOCK, level) for level in all_lanes(store.settings, wheel=False)]
     keys = [k for (k,) in other.execute(SAMPLES["near"], (2 * calls + 40,))]  # type: ignore[arg-type]
     times: dict[str, list[float]] = {"one round trip": [], "the library's two": []}
     for i, key in enumerate(keys):
@@ -339,6 +341,7 @@ def one_trip(store: Store, other: psycopg.Connection, calls: int) -> list[str]:
                 conn.execute(cancel_module._GENERIC_LOOKUP_PLAN)
                 marking = conn.execute(_ONE_TRIP, key_params(key), prepare=True)
                 pipeline.sync()
+                # cancel._settling, waiting for every lane rather than those of the rows found
                 await_passes(conn, every_lane)
                 conn.execute(cancel_module._GENERIC_LOOKUP_PLAN)
                 conn.execute(cancel_module._DELIVERED["key"], {"v": key}, prepare=True).fetchall()
@@ -362,10 +365,11 @@ def commit_cost(url: str, calls: int = 400) -> list[str]:
     """What a durable commit costs here, against one that does not wait for its WAL flush and a bare round trip:
     a cancel's mark commits, and beside busy loops that part grows while its lookup does not."""
     times: dict[str, list[float]] = {"on": [], "off": [], "SELECT 1": []}
+    names = list(times)
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute("CREATE TABLE public.commit_cost (id bigserial PRIMARY KEY, v text)")
         for i in range(3 * (calls + 10)):
-            name = list(times)[i % 3]
+            name = names[i % 3]
             if name != "SELECT 1":
                 conn.execute("SELECT set_config('synchronous_commit', %s, false)", (name,))
             started = time.perf_counter()
@@ -624,7 +628,11 @@ def main() -> None:
     parser.add_argument("--skip-latency", action="store_true")
     parser.add_argument("--plan", action="store_true", help="print the lookup's generic plan (EXPLAIN ANALYZE)")
     parser.add_argument("--skip-race", action="store_true")
-    parser.add_argument("--parts", action="store_true", help="time the lookup's parts and a day-partitioned key table")
+    parser.add_argument(
+        "--parts",
+        action="store_true",
+        help="time the lookup's parts, two alternatives (a near key table, one round trip) and a durable commit",
+    )
     parser.add_argument("--control", action="store_true", help="a run whose cancels race no pass (same load)")
     parser.add_argument("--before", action="store_true", help="a third race run with the code before (990e562)")
     args = parser.parse_args()
