@@ -238,3 +238,37 @@ def test_a_missed_lateness_contract_names_the_figure(store: Store, t0, tmp_path)
         assert not verdict.success
         assert verdict.failures == [expected], verdict.text
         assert verdict.summary["cancellation_lateness_max_ms"] == straggler_s * 1000
+
+
+def test_customers_tick_stays_fast_when_first_planned_on_tables_recorded_empty(store: Store, db_url: str, t0) -> None:
+    """`make demo` right after a restart: autovacuum had recorded the reset tables as empty (0 pages, 0 rows), the
+    customers ticked on them from the start, and a statement psycopg had prepared settled on a plan for empty tables
+    that rescanned its locking subquery once per row. With the tables filled, one tick held its transaction for two
+    minutes (and the commit horizon with it). Every shop statement is planned for the rows there are now."""
+    orders.reset(store, stock_per_sku=1000)
+    with psycopg.connect(db_url, autocommit=True) as admin:
+        admin.execute("VACUUM shop.orders, shop.customer_plan")
+        recorded = admin.execute(
+            "SELECT relpages, reltuples FROM pg_class WHERE oid = 'shop.customer_plan'::regclass"
+        ).fetchone()
+    assert recorded == (0, 0)
+    for _ in range(12):  # enough runs on empty tables for psycopg to prepare and PostgreSQL to go generic
+        orders.act_customers(store, now=t0)
+    with store.conn.transaction():  # 50,000 payments due, straight into the tables
+        store.conn.execute(
+            "INSERT INTO shop.orders (order_id, customer, placed_at, deadline)"
+            " SELECT g, 'c', %s, %s FROM generate_series(1, 50000) g",
+            (t0, t0 + TIMEOUT),
+        )
+        store.conn.execute(
+            "INSERT INTO shop.customer_plan (order_id, action, act_at)"
+            " SELECT g, 'pay', %s FROM generate_series(1, 50000) g",
+            (t0 + timedelta(seconds=1),),
+        )
+    store.conn.execute("SET statement_timeout = '60s'")  # the quadratic plan takes minutes: fail, do not hang
+    started = time.monotonic()
+    acted = orders.act_customers(store, now=t0 + timedelta(seconds=2))
+    assert acted == {"payments": 50000, "accepted": 50000, "customer_cancels": 0}
+    assert time.monotonic() - started < 60
+    prepared = store.conn.execute("SELECT statement FROM pg_prepared_statements WHERE statement LIKE '%shop.%'")
+    assert prepared.fetchall() == []

@@ -14,9 +14,11 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from typing import Any
 
 import psycopg
 from psycopg import sql
+from psycopg.abc import Params
 
 from delaywheel.consume.topics import Delivered
 from delaywheel.produce.validation import Message
@@ -36,6 +38,20 @@ def order_of(key: str | None) -> int | None:
     if key and key.startswith("order-") and key[6:].isdigit():
         return int(key[6:])
     return None
+
+
+def _execute(conn: psycopg.Connection, query: str | sql.Composed, params: Params | None = None) -> psycopg.Cursor[Any]:
+    """Run one of the shop's statements unprepared, so that PostgreSQL plans it for the rows its tables hold now.
+
+    psycopg prepares a statement after its fifth run, and PostgreSQL then settles on a generic plan if it costs no
+    more than the custom ones. The demo's tables start empty (reset): the customers' tick runs every 0.1 s from the
+    start, so its generic plan was made for empty tables, and when autovacuum had recorded them as empty (0 pages,
+    0 rows, as after a restart) that plan rescans the locking subquery once per row, quadratic in the rows. With
+    30,000 due plans it took 86 s instead of 0.1 s, and in the demo it held the customers' transaction open for two
+    minutes, and with it the commit horizon that the deliverer and the sweep wait behind. Planning these statements
+    each time costs a fraction of a millisecond.
+    """
+    return conn.execute(query, params, prepare=False)
 
 
 @dataclass(frozen=True)
@@ -81,10 +97,12 @@ def reset(store: Store, stock_per_sku: int) -> None:
     conn = store.conn
     with conn.transaction():
         store.cancel_matching(where=f"p.topic = '{TOPIC}'", reason="demo reset")
-        conn.execute(
-            "TRUNCATE shop.processed_messages, shop.customer_plan, shop.payments, shop.order_lines, shop.orders, shop.products"
+        _execute(
+            conn,
+            "TRUNCATE shop.processed_messages, shop.customer_plan, shop.payments, shop.order_lines, shop.orders, shop.products",
         )
-        conn.execute(
+        _execute(
+            conn,
             "INSERT INTO shop.products (sku, initial_stock, on_hand)"
             " SELECT format('sku-%%s', lpad(n::text, 3, '0')), %(s)s, %(s)s FROM generate_series(0, %(k)s - 1) n",
             {"s": stock_per_sku, "k": SKUS},
@@ -100,7 +118,8 @@ def place_orders(store: Store, plans: list[OrderPlan], timeout: timedelta, *, no
         placed = now or store.clock()
         deadline = placed + timeout
         ids = [p.order_id for p in plans]
-        conn.execute(
+        _execute(
+            conn,
             "INSERT INTO shop.orders (order_id, customer, placed_at, deadline)"
             " SELECT unnest(%s::bigint[]), unnest(%s::text[]), %s, %s",
             (ids, [p.customer for p in plans], placed, deadline),
@@ -111,18 +130,21 @@ def place_orders(store: Store, plans: list[OrderPlan], timeout: timedelta, *, no
                 line_orders.append(p.order_id)
                 line_skus.append(sku)
                 line_qty.append(qty)
-        conn.execute(
+        _execute(
+            conn,
             "INSERT INTO shop.order_lines (order_id, sku, qty) SELECT unnest(%s::bigint[]), unnest(%s::text[]), unnest(%s::int[])",
             (line_orders, line_skus, line_qty),
         )
         _lock_stock(conn, ids)
-        conn.execute(
+        _execute(
+            conn,
             """UPDATE shop.products p SET on_hand = p.on_hand - l.qty, reserved = p.reserved + l.qty
                FROM (SELECT sku, sum(qty) AS qty FROM shop.order_lines WHERE order_id = ANY(%s::bigint[]) GROUP BY sku) l
                WHERE p.sku = l.sku""",
             (ids,),
         )
-        conn.execute(
+        _execute(
+            conn,
             "INSERT INTO shop.customer_plan (order_id, action, act_at)"
             " SELECT unnest(%s::bigint[]), unnest(%s::text[]), %s::timestamptz + unnest(%s::interval[])",
             (ids, [p.action for p in plans], placed, [p.act_after for p in plans]),
@@ -131,7 +153,8 @@ def place_orders(store: Store, plans: list[OrderPlan], timeout: timedelta, *, no
             [Message(TOPIC, {"order_id": p.order_id}, deliver_at=deadline, key=timer_key(p.order_id)) for p in plans],
             now=placed,
         )
-        conn.execute(
+        _execute(
+            conn,
             "UPDATE shop.orders o SET timeout_message_id = m.mid FROM unnest(%s::bigint[], %s::bigint[]) AS m(oid, mid)"
             " WHERE o.order_id = m.oid",
             (ids, message_ids),
@@ -147,13 +170,16 @@ def place_orders(store: Store, plans: list[OrderPlan], timeout: timedelta, *, no
 
 
 def _lock_orders(conn: psycopg.Connection, order_ids: list[int]) -> None:
-    conn.execute(
-        "SELECT 1 FROM shop.orders WHERE order_id = ANY(%s::bigint[]) ORDER BY order_id FOR NO KEY UPDATE", (order_ids,)
+    _execute(
+        conn,
+        "SELECT 1 FROM shop.orders WHERE order_id = ANY(%s::bigint[]) ORDER BY order_id FOR NO KEY UPDATE",
+        (order_ids,),
     )
 
 
 def _lock_stock(conn: psycopg.Connection, order_ids: list[int]) -> None:
-    conn.execute(
+    _execute(
+        conn,
         "SELECT 1 FROM shop.products WHERE sku IN (SELECT sku FROM shop.order_lines WHERE order_id = ANY(%s::bigint[]))"
         " ORDER BY sku FOR NO KEY UPDATE",
         (order_ids,),
@@ -164,7 +190,8 @@ def _release(conn: psycopg.Connection, order_ids: list[int], sell: bool) -> None
     """Move the orders' reserved stock to sold (paid) or back on hand (cancelled)."""
     target = "sold" if sell else "on_hand"
     _lock_stock(conn, order_ids)
-    conn.execute(
+    _execute(
+        conn,
         sql.SQL("""UPDATE shop.products p SET reserved = p.reserved - l.qty, {target} = p.{target} + l.qty
             FROM (SELECT sku, sum(qty) AS qty FROM shop.order_lines WHERE order_id = ANY(%s::bigint[]) GROUP BY sku) l
             WHERE p.sku = l.sku""").format(target=sql.Identifier(target)),
@@ -180,7 +207,8 @@ def _settle_in_time(
     _lock_orders(conn, [o for o, _ in requests])
     return [
         r[0]
-        for r in conn.execute(
+        for r in _execute(
+            conn,
             sql.SQL("""UPDATE shop.orders o SET status = %s, {stamp} = r.at
             FROM unnest(%s::bigint[], %s::timestamptz[]) AS r(id, at)
             WHERE o.order_id = r.id AND o.status = 'pending' AND r.at < o.deadline RETURNING o.order_id""").format(
@@ -198,7 +226,8 @@ def pay(store: Store, payments: list[tuple[int, datetime]], *, cancel_timers: bo
     conn = store.conn
     with conn.transaction():
         accepted = _settle_in_time(conn, payments, "paid", "paid_at")
-        conn.execute(
+        _execute(
+            conn,
             "INSERT INTO shop.payments (order_id, paid_at, accepted)"
             " SELECT p.id, p.at, p.id = ANY(%s::bigint[]) FROM unnest(%s::bigint[], %s::timestamptz[]) AS p(id, at)",
             (accepted, [o for o, _ in payments], [t for _, t in payments]),
@@ -235,7 +264,8 @@ def act_customers(store: Store, *, now: datetime | None = None) -> dict[str, int
     conn = store.conn
     with conn.transaction():
         when = now or store.clock()
-        due = conn.execute(
+        due = _execute(
+            conn,
             "UPDATE shop.customer_plan SET done = true WHERE order_id IN ("
             " SELECT order_id FROM shop.customer_plan WHERE NOT done AND act_at <= %s FOR UPDATE SKIP LOCKED)"
             " RETURNING order_id, action, act_at",
@@ -273,7 +303,8 @@ def apply_timeouts(
     message_ids = [m for m, _ in timers]
     order_ids = [o for _, o in timers]
     with conn.transaction():
-        fresh = conn.execute(
+        fresh = _execute(
+            conn,
             "SELECT m, o FROM unnest(%s::bigint[], %s::bigint[]) AS t(m, o)"
             " WHERE NOT EXISTS (SELECT 1 FROM shop.processed_messages p WHERE p.message_id = t.m)",
             (message_ids, order_ids),
@@ -284,7 +315,8 @@ def apply_timeouts(
         # message (a replay, a timer created by reconcile, another run's) never cancels too soon
         cancelled = [
             r[0]
-            for r in conn.execute(
+            for r in _execute(
+                conn,
                 """UPDATE shop.orders SET status = 'cancelled_timeout', cancelled_at = coalesce(%(now)s, clock_timestamp())
                WHERE order_id = ANY(%(ids)s::bigint[]) AND status = 'pending' AND deadline <= coalesce(%(now)s, clock_timestamp())
                RETURNING order_id""",
@@ -292,7 +324,8 @@ def apply_timeouts(
             ).fetchall()
         ]
         _release(conn, cancelled, sell=False)
-        conn.execute(
+        _execute(
+            conn,
             "INSERT INTO shop.processed_messages (message_id, order_id, cancelled)"
             " SELECT m, o, o = ANY(%s::bigint[]) FROM unnest(%s::bigint[], %s::bigint[]) AS t(m, o)",
             (cancelled, [m for m, _ in fresh], [o for _, o in fresh]),
