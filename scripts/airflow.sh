@@ -167,12 +167,21 @@ task_groups() {
     echo "$p"
   done
 }
+# Each pid given, with what it is (its command line, as the process titles itself: a LocalExecutor worker says
+# whether it is idle or which task it runs), so that a note about killing says what was killed.
+named() {
+  local p t
+  for p; do
+    t="$(tr '\0' ' ' 2>/dev/null <"/proc/$p/cmdline" | cut -c1-100)" || t=
+    printf '%s (%s) ' "$p" "${t% }"
+  done
+}
 # Wait up to $1 seconds (less after a second Ctrl-C) for the sessions that follow to empty; kill what is left.
 drain() {
   local limit=$(($1 + SECONDS)); shift
   while [[ -n "$(in_sessions "$@")" ]] && ((SECONDS < limit && !hurry)); do sleep 0.5; done
   local left; left="$(in_sessions "$@")"
-  [[ -z "$left" ]] || { note "killing what is left of ${*/#/session }: $(echo $left)"; kill -KILL $left 2>/dev/null; }
+  [[ -z "$left" ]] || { note "killing what is left of ${*/#/session }: $(named $left)"; kill -KILL $left 2>/dev/null; }
 }
 
 # The order lets running tasks end cleanly: the scheduler first, while the API server is still up to receive
@@ -201,7 +210,7 @@ stop() {
     done
     t="$(task_groups "$s")"
     if [[ -n "$t" ]]; then
-      note "tasks still running, killed: $(echo $t)"
+      note "tasks still running, killed: $(named $t)"
       for g in $t; do kill -KILL -- "-$g" 2>/dev/null; done
     fi
     drain 0 "$s"
@@ -216,7 +225,7 @@ stop() {
     drain 20 "${pid[api-server]}"
   fi
   t="$(marked)"
-  [[ -z "$t" ]] || { note "killing processes that left their service: $(echo $t)"; kill -KILL $t 2>/dev/null; }
+  [[ -z "$t" ]] || { note "killing processes that left their service: $(named $t)"; kill -KILL $t 2>/dev/null; }
   wait 2>/dev/null
   note "stopped"
 }

@@ -439,8 +439,9 @@ def read_only(conn: psycopg.Connection, timeout: timedelta | None) -> Iterator[N
             conn.execute("SELECT pg_catalog.set_config('statement_timeout', %s, true)", (before,))
 
 
-# The pending, not cancelled messages `p` that match (pending.cancelled: the deliverers' own test).
+# The pending, not cancelled messages `p` that match (pending.cancelled: the deliverers' own test, probed per row).
 _FIND = sql.SQL("SELECT {columns} FROM ({pending}) p WHERE ({match}) AND {not_cancelled}")
+_NOT_CANCELLED = not_cancelled("p", probe=True)
 
 
 def count_matching(
@@ -457,7 +458,7 @@ def count_matching(
     with read_only(conn, timeout):
         row = conn.execute(
             _FIND.format(
-                columns=sql.SQL("count(*)"), pending=sql.SQL(PENDING), match=m.sql, not_cancelled=not_cancelled("p")
+                columns=sql.SQL("count(*)"), pending=sql.SQL(PENDING), match=m.sql, not_cancelled=_NOT_CANCELLED
             ),
             m.params,
         ).fetchone()
@@ -489,7 +490,7 @@ def cancel_matching(
                 columns=sql.SQL("p.id, p.deliver_at, p.key, p.lane, p.level, p.xid::text"),
                 pending=sql.SQL(PENDING),
                 match=m.sql,
-                not_cancelled=not_cancelled("p"),
+                not_cancelled=_NOT_CANCELLED,
             ),
             m.params,
         ).fetchall()
