@@ -127,10 +127,17 @@ def test_ctrl_c_stops_every_service_in_order_leaving_nothing_and_tasks_succeed(
     output = tmp_path / "airflow.sh.log"
     meta = make_conninfo(server_url, dbname=metadata_db)
     sessions: set[int] = set()
-    with output.open("wb") as out:
-        script = subprocess.Popen(
-            [str(SCRIPT)], cwd=run_dir, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )  # a terminal's job: Ctrl-C signals this group
+    # A terminal's job takes Ctrl-C, even when this test run was itself started with SIGINT ignored (a background job
+    # of a non-interactive shell, `cmd &`): a signal ignored when bash starts cannot be trapped, and the script would
+    # not see the Ctrl-C below. A handled signal is reset to its default in the child; an ignored one stays ignored.
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with output.open("wb") as out:
+            script = subprocess.Popen(
+                [str(SCRIPT)], cwd=run_dir, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )  # a terminal's job: Ctrl-C signals this group
+    finally:
+        signal.signal(signal.SIGINT, inherited)
     try:
         started = time.monotonic()
         running: dict[str, str] = {}
