@@ -53,7 +53,7 @@ from delaywheel.deliver import wheel as wheel_module
 from delaywheel.lanes import all_lanes
 from delaywheel.locks import LEVEL_LOCK, WHEEL_LOCK
 from delaywheel.ops import cancel as cancel_module
-from delaywheel.ops.cancel import await_passes, find, key_params, mark_and_settle
+from delaywheel.ops.cancel import find, key_params, mark_and_settle
 from delaywheel.pending import STILL_PENDING, WHEEL_PENDING
 
 from .common import body, chunks, drop_database, fresh_database, log
@@ -341,10 +341,8 @@ def one_trip(store: Store, other: psycopg.Connection, calls: int) -> list[str]:
                 conn.execute(cancel_module._GENERIC_LOOKUP_PLAN)
                 marking = conn.execute(_ONE_TRIP, key_params(key), prepare=True)
                 pipeline.sync()
-                # cancel._settling, waiting for every lane rather than those of the rows found
-                await_passes(conn, every_lane)
-                conn.execute(cancel_module._GENERIC_LOOKUP_PLAN)
-                conn.execute(cancel_module._DELIVERED["key"], {"v": key}, prepare=True).fetchall()
+                # waiting for every lane: the rows found are not known before the round trip ends
+                cancel_module._settling(conn, "key", key_params(key), every_lane).fetchall()
             outcome = ["cancelled" if marked else "already_cancelled" for _, marked in marking.fetchall()]
             name = "one round trip"
         else:

@@ -264,7 +264,7 @@ def mark_and_settle(
     with _released_on_error(conn, found), conn.pipeline() as pipeline:
         marking = _mark(conn, found, reason) if found else None
         pipeline.sync()
-        delivered = _settling(conn, how, params, found)
+        delivered = _settling(conn, how, params, lane_locks(found))
     return _outcomes(how, params, found, {mid for (mid,) in marking.fetchall()} if marking else set(), delivered)
 
 
@@ -275,15 +275,17 @@ def settle(
     ended (await_passes), and the messages with the id or key delivered earlier: `mark_and_settle`'s second half on
     its own, for a caller that commits the cancellations itself (tests hold a pass open between the two)."""
     with _released_on_error(conn, found), conn.pipeline():
-        delivered = _settling(conn, how, params, found)
+        delivered = _settling(conn, how, params, lane_locks(found))
     return _outcomes(how, params, found, marked, delivered)
 
 
-def _settling(conn: psycopg.Connection, how: str, params: dict[str, object], found: Sequence[Found]) -> psycopg.Cursor:
-    """In a pipeline, one implicit transaction: the wait, then (a statement of its own, so a snapshot taken after
-    the wait) the search of the topics, by B-tree on message_id or by the BRIN bloom summaries on key (LOOKUP_PLAN).
-    Returns the cursor of the ids delivered."""
-    await_passes(conn, lane_locks(found))
+def _settling(
+    conn: psycopg.Connection, how: str, params: dict[str, object], locks: Sequence[tuple[int, int]]
+) -> psycopg.Cursor:
+    """In a pipeline, one implicit transaction: the wait for the passes holding `locks` (those of the lanes found,
+    `lane_locks`), then (a statement of its own, so a snapshot taken after the wait) the search of the topics, by
+    B-tree on message_id or by the BRIN bloom summaries on key (LOOKUP_PLAN). Returns the cursor of the ids delivered."""
+    await_passes(conn, locks)
     conn.execute(_GENERIC_LOOKUP_PLAN)
     return conn.execute(_DELIVERED[how], {"v": params["v"]}, prepare=True)  # planned once per connection, as `find`
 
@@ -439,9 +441,12 @@ def read_only(conn: psycopg.Connection, timeout: timedelta | None) -> Iterator[N
             conn.execute("SELECT pg_catalog.set_config('statement_timeout', %s, true)", (before,))
 
 
-# The pending, not cancelled messages `p` that match (pending.cancelled: the deliverers' own test, probed per row).
-_FIND = sql.SQL("SELECT {columns} FROM ({pending}) p WHERE ({match}) AND {not_cancelled}")
-_NOT_CANCELLED = not_cancelled("p", probe=True)
+def _find(columns: str, match: sql.Composable) -> sql.Composed:
+    """The pending, not cancelled messages `p` that match (pending.cancelled: the deliverers' own test, probed per
+    row found)."""
+    return sql.SQL("SELECT {} FROM ({}) p WHERE ({}) AND {}").format(
+        sql.SQL(columns), sql.SQL(PENDING), match, not_cancelled("p", probe=True)
+    )
 
 
 def count_matching(
@@ -457,9 +462,7 @@ def count_matching(
     m = matching(conn, keys=keys, where=where, keys_from=keys_from, match=match)
     with read_only(conn, timeout):
         row = conn.execute(
-            _FIND.format(
-                columns=sql.SQL("count(*)"), pending=sql.SQL(PENDING), match=m.sql, not_cancelled=_NOT_CANCELLED
-            ),
+            _find("count(*)", m.sql),
             m.params,
         ).fetchone()
     return int(row[0]) if row else 0
@@ -486,12 +489,7 @@ def cancel_matching(
     # delivered or cancelled meanwhile is left alone.
     with read_only(conn, timeout):
         found = conn.execute(
-            _FIND.format(
-                columns=sql.SQL("p.id, p.deliver_at, p.key, p.lane, p.level, p.xid::text"),
-                pending=sql.SQL(PENDING),
-                match=m.sql,
-                not_cancelled=_NOT_CANCELLED,
-            ),
+            _find("p.id, p.deliver_at, p.key, p.lane, p.level, p.xid::text", m.sql),
             m.params,
         ).fetchall()
     if not found:
