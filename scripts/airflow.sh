@@ -133,7 +133,11 @@ fi
 RUN="$$-$(date +%s%N)"
 STOP_SECONDS="${DELAYWHEEL_AIRFLOW_STOP_SECONDS:-60}"
 declare -A pid=()
-service() { DELAYWHEEL_AIRFLOW_RUN="$RUN" setsid airflow "$1" & pid[$1]=$!; }
+# PYTHONFAULTHANDLER: a Python process of a service that has to be killed is sent SIGABRT first, and writes the
+# stack of each of its threads to this script's output (`drain`), so a stop that hangs says where; with no core
+# file left behind.
+ulimit -c 0
+service() { DELAYWHEEL_AIRFLOW_RUN="$RUN" PYTHONFAULTHANDLER=1 setsid airflow "$1" & pid[$1]=$!; }
 note() { echo "scripts/airflow.sh: $* ($(date -u +%H:%M:%S))" >&2; }  # the time: how long each step of a stop took
 # "pid pgid sid" of every live process (from /proc/<pid>/stat: after "pid (comm) ", state ppid pgrp session).
 procs() {
@@ -176,12 +180,17 @@ named() {
     printf '%s (%s) ' "$p" "${t% }"
   done
 }
-# Wait up to $1 seconds (less after a second Ctrl-C) for the sessions that follow to empty; kill what is left.
+# Wait up to $1 seconds (less after a second Ctrl-C) for the sessions that follow to empty; kill what is left:
+# SIGABRT first (each Python process writes its threads' stacks, PYTHONFAULTHANDLER), then SIGKILL.
 drain() {
   local limit=$(($1 + SECONDS)); shift
   while [[ -n "$(in_sessions "$@")" ]] && ((SECONDS < limit && !hurry)); do sleep 0.5; done
   local left; left="$(in_sessions "$@")"
-  [[ -z "$left" ]] || { note "killing what is left of ${*/#/session }: $(named $left)"; kill -KILL $left 2>/dev/null; }
+  [[ -n "$left" ]] || return 0
+  note "killing what is left of ${*/#/session }: $(named $left)(their stacks follow)"
+  kill -ABRT $left 2>/dev/null
+  sleep 1
+  kill -KILL $(in_sessions "$@") 2>/dev/null
 }
 
 # The order lets running tasks end cleanly: the scheduler first, while the API server is still up to receive

@@ -225,7 +225,8 @@ def test_ctrl_c_stops_every_service_in_order_leaving_nothing_and_tasks_succeed(
         assert script.returncode == 130, text[-5000:]
         assert "scripts/airflow.sh: stopped" in text
         assert "Exiting gracefully upon receiving signal 15" in text  # TERM, in order, not killed
-        assert "scripts/airflow.sh: killing" not in text, text[-5000:]
+        # (a process killed at the deadline wrote its threads' stacks after the note: where the stop hung)
+        assert "scripts/airflow.sh: killing" not in text, text[text.find("scripts/airflow.sh: killing") :][:30000]
     finally:
         if script.poll() is None:
             os.killpg(script.pid, signal.SIGKILL)
