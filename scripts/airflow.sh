@@ -7,7 +7,9 @@
 #                                      are asked to stop, the operator's on_kill, and report their end to the API
 #                                      server), then the triggerer and DAG processor, the API server last. Whatever
 #                                      has not ended after DELAYWHEEL_AIRFLOW_STOP_SECONDS (60; 20 for the other
-#                                      services) or at a second Ctrl-C is killed.
+#                                      services) or at a second Ctrl-C is killed; so are LocalExecutor workers left
+#                                      idle once no task is left (the scheduler would wait for ever for one that
+#                                      never takes its stop message).
 #   scripts/airflow.sh standalone      set up, then `airflow standalone` instead (same services; it starts the
 #                                      scheduler before the API server, so the first task tries may fail and retry)
 #   scripts/airflow.sh <command...>    any other airflow command in the same environment, e.g. `dags list`,
@@ -132,6 +134,7 @@ fi
 # what /proc shows of their environment; their sessions find those).
 RUN="$$-$(date +%s%N)"
 STOP_SECONDS="${DELAYWHEEL_AIRFLOW_STOP_SECONDS:-60}"
+IDLE_SECONDS=10  # no task left in the scheduler's session for this long: its idle workers are ended (`stop`)
 declare -A pid=()
 # PYTHONFAULTHANDLER: a Python process of a service that has to be killed is sent SIGABRT first, and writes the
 # stack of each of its threads to this script's output (`drain`), so a stop that hangs says where; with no core
@@ -180,6 +183,15 @@ named() {
     printf '%s (%s) ' "$p" "${t% }"
   done
 }
+# The scheduler's LocalExecutor workers in session $1 that wait for work: their title ends in `<idle>` (a worker
+# running a task is titled with it).
+idle_workers() {
+  local p
+  for p in $(in_sessions "$1"); do
+    [[ "$(tr '\0' ' ' 2>/dev/null <"/proc/$p/cmdline")" == *LocalExecutor*": <idle>"* ]] && echo "$p"
+  done
+  return 0
+}
 # Wait up to $1 seconds (less after a second Ctrl-C) for the sessions that follow to empty; kill what is left:
 # SIGABRT first (each Python process writes its threads' stacks, PYTHONFAULTHANDLER), then SIGKILL.
 drain() {
@@ -211,10 +223,26 @@ stop() {
   if [[ -n "$s" ]]; then
     note "stopping: the scheduler first; running tasks are asked to stop (up to ${STOP_SECONDS}s; Ctrl-C again kills them)"
     kill -TERM "$s" 2>/dev/null
-    limit=$((SECONDS + STOP_SECONDS))
+    limit=$((SECONDS + STOP_SECONDS)) idle=$SECONDS
     while [[ -n "$(in_sessions "$s")" ]] && ((SECONDS < limit && !hurry)); do
       t="$(task_groups "$s" ready)"
       [[ -z "$t" ]] || kill -TERM $t 2>/dev/null
+      # Airflow's LocalExecutor.end() sends each live worker a stop message and then joins every one with no bound:
+      # a worker that never takes its message keeps the scheduler waiting for ever (seen in CI: one titled <idle>,
+      # every task already ended). Once no task has been left for IDLE_SECONDS, such workers run nothing, and
+      # ending them loses nothing: each writes its stacks first (SIGABRT; they ignore TERM), then SIGKILL.
+      if [[ -n "$(task_groups "$s")" ]]; then
+        idle=$SECONDS
+      elif ((SECONDS - idle >= IDLE_SECONDS)); then
+        t="$(idle_workers "$s")"
+        if [[ -n "$t" ]]; then
+          note "no task left, and the scheduler still waits for idle LocalExecutor workers: ending $(named $t)(their stacks follow)"
+          kill -ABRT $t 2>/dev/null
+          sleep 1
+          kill -KILL $t 2>/dev/null
+        fi
+        idle=$SECONDS
+      fi
       sleep 1
     done
     t="$(task_groups "$s")"

@@ -107,9 +107,23 @@ def metadata_db(server_url: str) -> Iterator[str]:
         conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
 
 
+def idle_worker(scheduler: int) -> int:
+    """One of the scheduler's LocalExecutor workers waiting for work (its title ends in `<idle>`)."""
+    return next(
+        pid
+        for pid, (_, sid, cmd) in processes().items()
+        if sid == scheduler and "LocalExecutor" in cmd and cmd.endswith(": <idle>")
+    )
+
+
+@pytest.mark.parametrize("stuck_worker", [False, True], ids=["workers-exit", "a-worker-never-exits"])
 def test_ctrl_c_stops_every_service_in_order_leaving_nothing_and_tasks_succeed(
-    tmp_path: Path, server_url: str, db_url: str, metadata_db: str
+    tmp_path: Path, server_url: str, db_url: str, metadata_db: str, stuck_worker: bool
 ) -> None:
+    """With `stuck_worker`, one idle LocalExecutor worker is stopped (SIGSTOP) before the Ctrl-C, so it never takes
+    its stop message: as Airflow's scheduler was seen to wait for ever in CI for a worker titled <idle> (every task
+    ended, LocalExecutor.end() joining it with no bound). The script must end such workers once no task is left,
+    with a note of its own, and still stop everything in order with every task a success."""
     home, run_dir = tmp_path / "airflow", tmp_path / "run"
     run_dir.mkdir()
     api_port, worker_log_port, trigger_log_port = free_ports(3)
@@ -189,6 +203,12 @@ def test_ctrl_c_stops_every_service_in_order_leaving_nothing_and_tasks_succeed(
         assert "secret_key" not in log and "Could not read served logs" not in log, log[-3000:]
         assert f":{worker_log_port}/log/" in log, log[-3000:]  # the served log is among the sources
 
+        stopped = None
+        if stuck_worker:
+            scheduler = next(pid for pid, cmd in services.items() if "scheduler" in cmd)
+            stopped = idle_worker(scheduler)
+            os.kill(stopped, signal.SIGSTOP)
+
         # Ctrl-C: SIGINT to the terminal's foreground group, the script's. The services are not in it.
         os.killpg(script.pid, signal.SIGINT)
         stopping = time.monotonic()
@@ -206,6 +226,9 @@ def test_ctrl_c_stops_every_service_in_order_leaving_nothing_and_tasks_succeed(
             or "Exited" in line
         ]
         assert took < STOPPED_WITHIN_S, (took, shutdown[-40:])
+        if stopped is not None:  # ended once no task was left (the tasks' state is checked below)
+            ended = [line for line in text.splitlines() if "scheduler still waits for idle LocalExecutor" in line]
+            assert ended and f" {stopped} (" in ended[0], shutdown[-40:]
         assert ours(run_dir, sessions) == {}  # nothing left: no worker, task, log server or service
 
         with psycopg.connect(meta) as conn:
