@@ -13,7 +13,7 @@ from datetime import timedelta
 import psycopg
 import pytest
 
-from delaywheel import Message, Store
+from delaywheel import Message, Store, partitions
 from delaywheel.deliver import runner
 from delaywheel.produce.producer import NOTIFY_CHANNEL
 from tests.conftest import deliveries
@@ -67,6 +67,18 @@ def test_the_loop_keeps_brin_summaries_up_to_date(store: Store, monkeypatch: pyt
     monkeypatch.setattr(runner, "SUMMARIZE_EVERY_S", 0.2)
     runner.run(store, [1], 1.5)
     assert store.summarize() == 0  # the loop left nothing to summarize, not even the topic's last, partial range
+
+
+def test_the_loop_summarizes_the_topic_it_delivers_into_within_seconds(store: Store) -> None:
+    """Every cancel by key reads the delivered rows no summary covers: the loop summarizes the current topic
+    partitions each second it delivered (not only with its every-minute pass over every partition), so that tail is
+    a second of deliveries, not a minute's."""
+    store.send_many([Message("orders", b"x" * 100, delay_level=1, key=f"order-{i}") for i in range(5000)])
+    assert runner.SUMMARIZE_EVERY_S >= 60  # only the topics' pass runs in this test
+    assert runner.run(store, [1], 4.0).delivered == 5000  # due after 1 s, then 2-3 seconds of the loop
+    topics = partitions.current_topic_indexes(store.conn)
+    assert topics
+    assert partitions.summarize(store.conn, topics) == 0  # the loop left nothing, not even the last, partial range
 
 
 def test_due_hint_parses_due_times_and_nothing_else() -> None:

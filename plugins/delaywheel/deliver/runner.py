@@ -34,6 +34,7 @@ BUSY_RETRY_S = 0.02  # another deliverer or a canceller holds the lane: look aga
 CLOCK_EVERY_S = 60.0  # measure the database clock's offset from ours this often
 PREPARE_EVERY_S = 600.0  # partitions are created hours ahead; refresh them this often
 SUMMARIZE_EVERY_S = 60.0  # BRIN summaries autovacuum dropped (partitions.summarize): a cancel stays fast
+SUMMARIZE_TOPICS_EVERY_S = 1.0  # ... and the current topic partitions' newest rows, which every cancel by key reads
 SAFETY_WAKE_S = 5.0  # without a known next due time, look anyway this often (a missed NOTIFY costs this much)
 HANDOVER_POLL_S = 0.5  # past the duration, waiting for a successor: look for one this often
 RECONNECT_FIRST_S = 0.2  # after a lost connection, the first retry comes this soon; later ones back off ...
@@ -87,7 +88,7 @@ def run(
     announced: list[float] = []  # due times producers announced and not yet looked at (a heap)
     look_all_at = time.monotonic() + SAFETY_WAKE_S
     clock = _Clock(store)
-    with _summarizing(store.url), _Listener(store.url, lanes) as listener:
+    with _summarizing(store.url, lambda: totals.delivered), _Listener(store.url, lanes) as listener:
         if ready:
             ready()
         while not stop.is_set():
@@ -246,15 +247,40 @@ class _Listener:
 
 
 @contextlib.contextmanager
-def _summarizing(url: str) -> Iterator[None]:
-    """partitions.summarize every SUMMARIZE_EVERY_S while the run lasts, on a thread with its own connection: after
-    a burst it may summarize thousands of ranges (a second or more), which would otherwise hold up the passes."""
+def _summarizing(url: str, delivered: Callable[[], int]) -> Iterator[None]:
+    """partitions.summarize while the run lasts: every partition's BRIN indexes every SUMMARIZE_EVERY_S, the current
+    topic partitions' every SUMMARIZE_TOPICS_EVERY_S after this run `delivered` more (a cancel by key reads every
+    delivered row no summary covers yet: a second's deliveries instead of a minute's). On a thread with a
+    connection of its own: after a burst it may summarize thousands of ranges (a second or more), which would
+    otherwise hold up the passes."""
     finished = threading.Event()
 
     def loop() -> None:
-        while not finished.wait(SUMMARIZE_EVERY_S):
-            with contextlib.suppress(psycopg.Error), connect(url, autocommit=True) as conn:
-                partitions.summarize(conn)
+        conn: psycopg.Connection | None = None
+        every_at = time.monotonic() + SUMMARIZE_EVERY_S
+        topics: list[str] | None = None  # the current topic partitions' indexes, looked up again with every full pass
+        seen = 0  # `delivered` when the topics were last summarized
+        while not finished.wait(SUMMARIZE_TOPICS_EVERY_S):
+            if delivered() == seen and time.monotonic() < every_at:
+                continue
+            try:
+                conn = conn if conn is not None and not conn.closed else connect(url, autocommit=True)
+                if time.monotonic() >= every_at:
+                    every_at = time.monotonic() + SUMMARIZE_EVERY_S
+                    partitions.summarize(conn)
+                    topics = None
+                if topics is None:
+                    topics = partitions.current_topic_indexes(conn)
+                seen = delivered()
+                partitions.summarize(conn, topics)
+            except psycopg.Error:  # the server went away or restarts: a new connection next time
+                with contextlib.suppress(psycopg.Error):
+                    if conn is not None:
+                        conn.close()
+                conn, topics = None, None
+        if conn is not None:
+            with contextlib.suppress(psycopg.Error):
+                conn.close()
 
     thread = threading.Thread(target=loop, name="delaywheel-summarize", daemon=True)
     thread.start()
