@@ -475,8 +475,9 @@ def race(
     """One real-clock run; `cancels` = 0 is the baseline. The deliverer (runner.run on the wheel) and the producer
     are threads of this process; the cancels come from `workers` processes (spawned), each handed its share of the
     keys sent, picking timers due within `window` seconds of now. With `summarize_every`, a thread also brings the
-    BRIN summaries up to date that often (store.summarize; the deliverer does it every minute): a cancel's search of
-    the topics by key reads every row delivered since the last summary."""
+    BRIN summaries up to date that often (store.summarize; the deliverer does it every minute, and for the current
+    topic partitions every `runner.SUMMARIZE_TOPICS_EVERY_S`, `--topic-summaries`): a cancel's search of the topics
+    by key reads every row delivered since the last summary."""
     stop = threading.Event()
     sent: dict[str, tuple[int, float]] = {}  # key -> (id, due as epoch seconds)
     errors: list[BaseException] = []
@@ -623,6 +624,12 @@ def main() -> None:
     parser.add_argument("--cancels", type=int, default=700)
     parser.add_argument("--workers", type=int, default=4, help="cancelling processes, a connection each")
     parser.add_argument("--summarize-every", type=float, help="seconds between BRIN summaries during a race run")
+    parser.add_argument(
+        "--topic-summaries",
+        type=float,
+        help="seconds between the deliverer's summaries of the current topic partitions (runner.SUMMARIZE_TOPICS_EVERY_S"
+        ", 1 s; 3600 as before a70bfeb, when only the every-minute pass over every partition summarized them)",
+    )
     parser.add_argument("--skip-latency", action="store_true")
     parser.add_argument("--plan", action="store_true", help="print the lookup's generic plan (EXPLAIN ANALYZE)")
     parser.add_argument("--skip-race", action="store_true")
@@ -666,6 +673,8 @@ def main() -> None:
                 else [(0, False), (args.cancels, False)] + ([(args.cancels, True)] if args.before else [])
             )
             runs += [(args.cancels, "control")] if args.control and not args.skip_race else []
+            if args.topic_summaries is not None:
+                runner.SUMMARIZE_TOPICS_EVERY_S = args.topic_summaries
             for cancels, before in runs:
                 log(f"2. race: {args.rate} msg/s, {cancels} cancels/s, {args.seconds:.0f} s, {before}")
                 control = before == "control"
@@ -691,6 +700,7 @@ def main() -> None:
                 line = (
                     f"- {'code before (990e562): ' if before else ''}"
                     f"{f'BRIN summaries every {args.summarize_every:g} s: ' if args.summarize_every else ''}"
+                    f"topic summaries every {runner.SUMMARIZE_TOPICS_EVERY_S:g} s: "
                     f"{'control (cancels of timers due 5-10 s ahead, racing no pass): ' if control else ''}"
                     f"{args.rate} msg/s, {cancels} cancels/s asked ({r['cancel_rate']:.0f}/s done, "
                     f"{r['cancels']} calls, p50 {r['cancel_p50']:.2f} ms, p99 {r['cancel_p99']:.2f} ms): "

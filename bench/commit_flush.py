@@ -97,6 +97,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=int, default=1000, help="timed calls per arm")
     parser.add_argument("--busy", type=int, default=0, help="`yes > /dev/null` loops to run beside it")
+    parser.add_argument(
+        "--stacks",
+        action="store_true",
+        help="sample the backend's kernel stack every millisecond (root only; the sampling thread's wake-ups change "
+        "the timings: take figures from a run without it)",
+    )
     args = parser.parse_args()
     started = datetime.now(UTC)
     server = server_url()
@@ -117,10 +123,12 @@ def main() -> None:
                 stop = threading.Event()
                 pid = conn.info.backend_pid
                 sampler = threading.Thread(target=sample_stacks, args=(pid, stop, stacks), daemon=True)
-                sampler.start()
+                if args.stacks:
+                    sampler.start()
                 figures[f"commit, wal_sync_method={method}"] = commits(conn, insert, args.calls)
                 stop.set()
-                sampler.join()
+                if args.stacks:
+                    sampler.join()
             conn.execute("SET synchronous_commit = off")
             figures["commit, synchronous_commit=off"] = commits(conn, insert, args.calls)
             figures["SELECT 1 (round trip)"] = commits(conn, "SELECT 1", args.calls)
