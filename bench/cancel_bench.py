@@ -56,16 +56,11 @@ from delaywheel.ops import cancel as cancel_module
 from delaywheel.ops.cancel import find, key_params, mark_and_settle
 from delaywheel.pending import STILL_PENDING, WHEEL_PENDING
 
-from .common import body, chunks, drop_database, fresh_database, log
+from .common import body, chunks, drop_database, fresh_database, log, pct
 
 DB = "delaywheel_bench_cancel"
 _OLD: types.ModuleType
 TOPIC = "bench.cancel"
-
-
-def pct(values: list[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q * len(s)))] if s else float("nan")
 
 
 def fill(store: Store, count: int, batch: int, near_only: bool = False) -> None:

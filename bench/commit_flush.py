@@ -5,8 +5,9 @@ A cancel commits its cancellations durably (a lost one would let a message be de
 `cancelled`), and beside two busy loops its p50 grew from ~2 ms to ~4 ms while its lookup did not (DESIGN, "Lookup
 cost"). This asks where a commit's time goes there: a one-row INSERT committed under each `wal_sync_method`, with
 `synchronous_commit = off` and a `SELECT 1` for the round trip, and, as the baseline, this process writing 8 kB to
-a file in the cluster's filesystem and calling fdatasync, with a pause of a client's round trip between calls. While
-the commits run, the backend's kernel stack is sampled (`/proc/<pid>/stack`, root only) to name where it sleeps.
+a file in the cluster's filesystem and calling fdatasync, with a pause of a client's round trip between calls. With
+`--stacks`, the backend's kernel stack is sampled while the commits run (`/proc/<pid>/stack`, root only) to name
+where it sleeps.
 
 `--busy N` starts N `yes > /dev/null` loops for the run (the contract's background load) and stops them after.
 The cluster's `wal_sync_method` is set with ALTER SYSTEM and reset at the end (a superuser's URL: `server_url`).
@@ -31,15 +32,10 @@ import psycopg
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
-from .common import log, server_url
+from .common import log, pct, server_url
 
 DB = "delaywheel_commit_bench"
 METHODS = ("fdatasync", "open_datasync", "fsync")
-
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 @contextmanager
@@ -71,16 +67,30 @@ def bare_fdatasync(folder: Path, calls: int, pause_s: float) -> list[float]:
     return times
 
 
-def sample_stacks(pid: int, stop: threading.Event, seen: collections.Counter[str]) -> None:
-    """The innermost kernel frames the backend is in, every millisecond (empty while it runs: nothing to read)."""
-    path = Path(f"/proc/{pid}/stack")
-    while not stop.is_set():
-        try:
-            frames = [line.split("] ", 1)[-1].split("+")[0] for line in path.read_text().splitlines()[:3]]
-        except OSError:  # not root, or gone
-            return
-        seen[" < ".join(frames) or "(running)"] += 1
-        time.sleep(0.001)
+@contextmanager
+def sampling_stacks(pid: int, seen: collections.Counter[str], enabled: bool) -> Iterator[None]:
+    """While the block runs, count the innermost kernel frames the backend is in, every millisecond ("(running)":
+    nothing to read); root only. Off unless `enabled`: the sampler's wake-ups change the timings."""
+    stop = threading.Event()
+
+    def sample() -> None:
+        path = Path(f"/proc/{pid}/stack")
+        while not stop.wait(0.001):
+            try:
+                frames = [line.split("] ", 1)[-1].split("+")[0] for line in path.read_text().splitlines()[:3]]
+            except OSError:  # not root, or gone
+                return
+            seen[" < ".join(frames) or "(running)"] += 1
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    if enabled:
+        sampler.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        if enabled:
+            sampler.join()
 
 
 def commits(conn: psycopg.Connection, statement: str, calls: int) -> list[float]:
@@ -120,15 +130,8 @@ def main() -> None:
                 conn.execute(sql.SQL("ALTER SYSTEM SET wal_sync_method = {}").format(sql.Literal(method)))
                 conn.execute("SELECT pg_reload_conf()")
                 time.sleep(0.3)
-                stop = threading.Event()
-                pid = conn.info.backend_pid
-                sampler = threading.Thread(target=sample_stacks, args=(pid, stop, stacks), daemon=True)
-                if args.stacks:
-                    sampler.start()
-                figures[f"commit, wal_sync_method={method}"] = commits(conn, insert, args.calls)
-                stop.set()
-                if args.stacks:
-                    sampler.join()
+                with sampling_stacks(conn.info.backend_pid, stacks, args.stacks):
+                    figures[f"commit, wal_sync_method={method}"] = commits(conn, insert, args.calls)
             conn.execute("SET synchronous_commit = off")
             figures["commit, synchronous_commit=off"] = commits(conn, insert, args.calls)
             figures["SELECT 1 (round trip)"] = commits(conn, "SELECT 1", args.calls)
@@ -151,7 +154,8 @@ def main() -> None:
     log(f"done ({args.busy} busy loops)")
     print(f"\n### A durable commit against a bare fdatasync, {args.busy} busy loops beside it\n")
     print(
-        f"Command: `python -m bench.commit_flush --calls {args.calls} --busy {args.busy}` — started {started:%Y-%m-%d %H:%M} UTC\n"
+        f"Command: `python -m bench.commit_flush --calls {args.calls} --busy {args.busy}{' --stacks' * args.stacks}` — "
+        f"started {started:%Y-%m-%d %H:%M} UTC\n"
     )
     print(f"- durable commit p50 / bare fdatasync p50: {durable / baseline:.1f} x ({durable:.3f} / {baseline:.3f} ms)")
     for note in notes:

@@ -50,6 +50,12 @@ def load_options(
     return parser
 
 
+def pct(values: list[float], q: float) -> float:
+    """The `q` quantile (0-1) of `values`, by rank; nan for none."""
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))] if s else float("nan")
+
+
 def scaled(count: int, scale: float, minimum: int = 1000) -> int:
     return max(minimum, int(count * scale))
 

@@ -176,10 +176,12 @@ task_groups() {
 }
 # Each pid given, with what it is (its command line, as the process titles itself: a LocalExecutor worker says
 # whether it is idle or which task it runs), so that a note about killing says what was killed.
+# The command line of process $1, as it titles itself.
+title() { tr '\0' ' ' 2>/dev/null <"/proc/$1/cmdline"; }
 named() {
   local p t
   for p; do
-    t="$(tr '\0' ' ' 2>/dev/null <"/proc/$p/cmdline" | cut -c1-100)" || t=
+    t="$(title "$p" | cut -c1-100)" || t=
     printf '%s (%s) ' "$p" "${t% }"
   done
 }
@@ -188,7 +190,7 @@ named() {
 idle_workers() {
   local p
   for p in $(in_sessions "$1"); do
-    [[ "$(tr '\0' ' ' 2>/dev/null <"/proc/$p/cmdline")" == *LocalExecutor*": <idle>"* ]] && echo "$p"
+    [[ "$(title "$p")" == *LocalExecutor*": <idle>"* ]] && echo "$p"
   done
   return 0
 }
@@ -231,7 +233,7 @@ stop() {
       # a worker that never takes its message keeps the scheduler waiting for ever (seen in CI: one titled <idle>,
       # every task already ended). Once no task has been left for IDLE_SECONDS, such workers run nothing, and
       # ending them loses nothing: each writes its stacks first (SIGABRT; they ignore TERM), then SIGKILL.
-      if [[ -n "$(task_groups "$s")" ]]; then
+      if [[ -n "$t" || -n "$(task_groups "$s")" ]]; then
         idle=$SECONDS
       elif ((SECONDS - idle >= IDLE_SECONDS)); then
         t="$(idle_workers "$s")"

@@ -179,9 +179,7 @@ _BRIN_INDEXES = """
 # of the database's clock (today's, and around midnight the day's before or after).
 _CURRENT_TOPIC_BRIN_INDEXES = """
     SELECT c.oid::regclass::text FROM delaywheel.partitions p
-    JOIN pg_namespace n ON n.nspname = 'delaywheel'
-    JOIN pg_class t ON t.relname = p.name AND t.relnamespace = n.oid
-    JOIN pg_index i ON i.indrelid = t.oid
+    JOIN pg_index i ON i.indrelid = to_regclass(format('delaywheel.%I', p.name))
     JOIN pg_class c ON c.oid = i.indexrelid
     JOIN pg_am a ON a.oid = c.relam AND a.amname = 'brin'
     WHERE p.parent = 'topic_messages' AND p.lo < now() + interval '1 minute' AND p.hi > now() - interval '1 minute'

@@ -264,7 +264,7 @@ def _summarizing(url: str, delivered: Callable[[], int]) -> Iterator[None]:
             if delivered() == seen and time.monotonic() < every_at:
                 continue
             try:
-                conn = conn if conn is not None and not conn.closed else connect(url, autocommit=True)
+                conn = conn or connect(url, autocommit=True)
                 if time.monotonic() >= every_at:
                     every_at = time.monotonic() + SUMMARIZE_EVERY_S
                     partitions.summarize(conn)
@@ -274,13 +274,9 @@ def _summarizing(url: str, delivered: Callable[[], int]) -> Iterator[None]:
                 seen = delivered()
                 partitions.summarize(conn, topics)
             except psycopg.Error:  # the server went away or restarts: a new connection next time
-                with contextlib.suppress(psycopg.Error):
-                    if conn is not None:
-                        conn.close()
+                _close(conn)
                 conn, topics = None, None
-        if conn is not None:
-            with contextlib.suppress(psycopg.Error):
-                conn.close()
+        _close(conn)
 
     thread = threading.Thread(target=loop, name="delaywheel-summarize", daemon=True)
     thread.start()
@@ -289,6 +285,12 @@ def _summarizing(url: str, delivered: Callable[[], int]) -> Iterator[None]:
     finally:
         finished.set()
         thread.join()
+
+
+def _close(conn: psycopg.Connection | None) -> None:
+    if conn is not None:
+        with contextlib.suppress(psycopg.Error):
+            conn.close()
 
 
 def _keep_going(listener: psycopg.Connection, lanes: Sequence[Lane], deadline: float, grace_s: float) -> bool:
