@@ -125,6 +125,17 @@ def test_a_cancel_by_key_finds_a_delivered_message_by_page_summaries(store: Stor
     assert rows_read(store, "topic_messages_p%") - before < BACKLOG / 5
 
 
+def test_a_message_delivered_into_a_summarized_partial_range_is_still_found(store: Store, t0: datetime) -> None:
+    """The delivery loop summarizes the topic it delivers into every second, the last, partly filled range included
+    (partitions.summarize): rows delivered into that range afterwards must update its summary, or a cancel by key
+    would answer `not_found` for a message already in its topic."""
+    store.send_many([Message("orders", b"x" * 100, key=f"early-{i}") for i in range(BACKLOG)], now=t0)  # delivered
+    assert store.summarize() >= 1  # the last range is partial (as in the test above) and now summarized
+    store.send_many([Message("orders", b"x" * 100, key=f"late-{i}") for i in range(50)], now=t0)  # into that range
+    for key in ("late-0", "late-49", "early-7"):
+        assert [r.outcome for r in store.cancel(key=key)] == ["already_delivered"], key
+
+
 def test_a_cancel_by_key_reads_the_keys_of_the_segments_its_filter_lets_through(store: Store, t0: datetime) -> None:
     """Each segment carries a Bloom filter of its keys (keyblooms.py): of 40 segments (20 level, 20 far) only the
     one holding a key passes it, give or take a false positive, and no key that is there is ever missed."""
