@@ -6,6 +6,7 @@ every test run and every helper on this machine, so it is never stopped here.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import socket
@@ -76,6 +77,30 @@ def test_start_status_stop_are_idempotent(second_cluster: embedded.Cluster) -> N
     assert embedded.status(second_cluster) == "running"
     with psycopg.connect(second_cluster.url("delaywheel")) as conn:
         assert conn.execute("SELECT 1").fetchone() == (1,)
+
+
+def test_a_stopped_cluster_whose_remembered_port_was_taken_starts_on_the_next_free_one(
+    second_cluster: embedded.Cluster,
+) -> None:
+    """Another clone's cluster (here a listening socket) took the port while this one was stopped: a given port is
+    refused with the reason, a remembered one (`default_cluster`'s) moves on, and the move is remembered."""
+    embedded.start(second_cluster)
+    embedded.stop(second_cluster)
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", second_cluster.port))
+        squatter.listen()
+        with pytest.raises(embedded.EmbeddedError, match=f"port {second_cluster.port} in use"):
+            embedded.start(second_cluster)
+
+        moved = embedded.start(dataclasses.replace(second_cluster, movable=True))
+
+        assert moved.port != second_cluster.port
+        assert (second_cluster.root / "port").read_text() == str(moved.port)
+        assert embedded.status(moved) == "running"
+        with psycopg.connect(moved.url("delaywheel")) as conn:
+            assert conn.execute("SELECT 1").fetchone() == (1,)
+        assert embedded.start(moved) == moved  # running: stays where it is
+    embedded.stop(moved)
 
 
 def test_start_creates_the_roles_and_the_store_runs_as_the_runtime(second_cluster: embedded.Cluster) -> None:

@@ -150,7 +150,7 @@ def _store(args: argparse.Namespace) -> Store:
 def cmd_db(args: argparse.Namespace) -> int:
     cluster = embedded.default_cluster()
     if args.action == "start":
-        embedded.start(cluster)
+        cluster = embedded.start(cluster)
         print(f"running: {cluster.url()} (data in {cluster.data_dir})")
     elif args.action == "stop":
         print(embedded.stop(cluster))

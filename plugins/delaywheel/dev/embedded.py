@@ -77,8 +77,13 @@ class EmbeddedError(RuntimeError):
 
 @dataclass(frozen=True)
 class Cluster:
+    """:param movable: the port is only remembered (the project's cluster, `default_cluster`), not chosen by the
+    user (`DELAYWHEEL_PG_PORT`) or a caller: a start that finds it taken by another program moves to the next free
+    port and remembers that one."""
+
     root: Path
     port: int
+    movable: bool = False
 
     @property
     def data_dir(self) -> Path:
@@ -114,7 +119,8 @@ DEFAULT_PORT = 54329
 def default_cluster() -> Cluster:
     """The project's cluster: in `.delaywheel/pg`, or, when running as root in a folder the `postgres`
     user cannot reach (e.g. under /root), in /var/tmp keyed by the project path. Its port is the first
-    free one from 54329, remembered in the cluster folder so later runs find it again."""
+    free one from 54329, remembered in the cluster folder so later runs find it again; a start that finds it taken by
+    another program (another clone's cluster, started while this one was stopped) moves to the next free one."""
     if "DELAYWHEEL_PG_DIR" in os.environ:
         root = Path(os.environ["DELAYWHEEL_PG_DIR"])
     elif os.geteuid() == 0 and not _reachable_by_others(PROJECT_ROOT):
@@ -128,21 +134,25 @@ def default_cluster() -> Cluster:
     if pid_file.exists():  # a running (or crashed) server: its port is line 4
         lines = pid_file.read_text().splitlines()
         if len(lines) > 3 and lines[3].strip().isdigit():
-            return Cluster(root=root, port=int(lines[3]))
+            return Cluster(root=root, port=int(lines[3]), movable=True)
     if port_file.exists():
-        return Cluster(root=root, port=int(port_file.read_text()))
-    return Cluster(root=root, port=_free_port(DEFAULT_PORT))
+        return Cluster(root=root, port=int(port_file.read_text()), movable=True)
+    return Cluster(root=root, port=_free_port(DEFAULT_PORT), movable=True)
 
 
 def _reachable_by_others(path: Path) -> bool:
     return all(os.stat(p).st_mode & 0o001 for p in [path, *path.parents])
 
 
+def _port_taken(port: int) -> bool:
+    with socket.socket() as probe:
+        return probe.connect_ex(("127.0.0.1", port)) == 0
+
+
 def _free_port(start: int) -> int:
     for port in range(start, start + 100):
-        with socket.socket() as probe:
-            if probe.connect_ex(("127.0.0.1", port)) != 0:
-                return port
+        if not _port_taken(port):
+            return port
     raise EmbeddedError(f"no free port in {start}..{start + 99}; set DELAYWHEEL_PG_PORT")
 
 
@@ -208,6 +218,9 @@ def start(cluster: Cluster | None = None) -> Cluster:
     cluster = cluster or default_cluster()
     bindir = find_bindir()
     cluster.root.mkdir(parents=True, exist_ok=True)
+    if cluster.movable and _port_taken(cluster.port) and status(cluster) != "running":
+        # another program (often another clone's cluster) took the remembered port while this one was stopped
+        cluster = Cluster(root=cluster.root, port=_free_port(cluster.port + 1), movable=True)
     (cluster.root / "port").write_text(str(cluster.port))
     _prepare_dirs(cluster)
     if not (cluster.data_dir / "PG_VERSION").exists():
