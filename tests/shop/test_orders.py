@@ -328,3 +328,20 @@ def test_customers_tick_stays_fast_when_first_planned_on_tables_recorded_empty(s
     assert time.monotonic() - started < 60
     prepared = store.conn.execute("SELECT statement FROM pg_prepared_statements WHERE statement LIKE '%shop.%'")
     assert prepared.fetchall() == []
+
+
+def test_a_customers_transaction_carries_out_at_most_its_tick_of_actions_earliest_first(store: Store, t0) -> None:
+    """`run_customers` caps each transaction at `TICK_ACTIONS` (a transaction holds the commit horizon while it runs,
+    and one taking a whole backlog grew with it): the earliest due go first, and a full tick says so, so that the
+    next runs at once."""
+    orders.reset(store, stock_per_sku=1000)
+    plans = [
+        orders.OrderPlan(i, "c", [("sku-001", 1)], "pay", timedelta(milliseconds=10 * (601 - i))) for i in range(1, 601)
+    ]
+    orders.place_orders(store, plans, TIMEOUT, now=t0)
+    now = t0 + timedelta(seconds=10)
+    ticks = [orders._act(store, now, orders.TICK_ACTIONS)]
+    paid = {o for (o,) in store.conn.execute("SELECT order_id FROM shop.orders WHERE status = 'paid'").fetchall()}
+    assert paid == set(range(351, 601))  # order 600 fell due first
+    ticks += [orders._act(store, now, orders.TICK_ACTIONS) for _ in range(2)]
+    assert [(acted["accepted"], full) for acted, full in ticks] == [(250, True), (250, True), (100, False)]

@@ -303,9 +303,10 @@ def _act(store: Store, now: datetime | None, limit: int | None) -> tuple[dict[st
         cancellers = [(o, at) for o, a, at in due if a == "cancel"]
         paid = _accept_payments(conn, payers) if payers else []
         cancelled = _settle_in_time(conn, cancellers, "cancelled_customer", "cancelled_at") if cancellers else []
-        _lock_stock(conn, paid + cancelled)  # last, both releases' products at once (see "Lock order")
-        _release(conn, paid, sell=True, locked=True)
-        _release(conn, cancelled, sell=False, locked=True)
+        if paid or cancelled:
+            _lock_stock(conn, paid + cancelled)  # last, both releases' products at once (see "Lock order")
+            _release(conn, paid, sell=True, locked=True)
+            _release(conn, cancelled, sell=False, locked=True)
     _cancel_timers(store, paid, "order paid")
     _cancel_timers(store, cancelled, "cancelled by customer")
     acted = {"payments": len(payers), "accepted": len(paid), "customer_cancels": len(cancelled)}
