@@ -577,13 +577,18 @@ def cmd_shop(args: argparse.Namespace) -> int:
     try:
         with _store(args) as store:
             if args.role == "sweep":
-                totals, stopped_by = orders.run_sweep(store, stop=stop, max_messages=args.batch, ready=ready)
+                totals, consumed = orders.run_sweep(store, stop=stop, max_messages=args.batch, ready=ready)
                 result: dict[str, Any] = {
                     "batches": totals.batches,
                     "messages": totals.messages,
                     "cancelled": totals.cancelled,
                     "already_processed": totals.duplicates,
-                    "stopped_by": stopped_by,
+                    # how the consumer waited: woken by a delivery, pulls again of rows not yet readable (the
+                    # commit horizon), pulls after the safety wake
+                    "notified_wakes": consumed.notified_wakes,
+                    "repulls": consumed.repulls,
+                    "safety_wakes": consumed.safety_wakes,
+                    "stopped_by": consumed.stopped_by,
                 }
             else:
                 result = orders.run_customers(store, stop=stop, every_s=args.every, ready=ready)

@@ -328,26 +328,3 @@ def test_customers_tick_stays_fast_when_first_planned_on_tables_recorded_empty(s
     assert time.monotonic() - started < 60
     prepared = store.conn.execute("SELECT statement FROM pg_prepared_statements WHERE statement LIKE '%shop.%'")
     assert prepared.fetchall() == []
-
-
-def test_a_customers_transaction_carries_out_at_most_its_tick_of_actions_earliest_first(store: Store, t0) -> None:
-    """`run_customers` caps each transaction at `TICK_ACTIONS` (a transaction holds the commit horizon while it runs,
-    and one taking a whole backlog grew with it): the earliest due go first, one transaction after another until none
-    is left, and the timers of the orders paid are cancelled once, after the last."""
-    orders.reset(store, stock_per_sku=1000)
-    plans = [
-        orders.OrderPlan(i, "c", [("sku-001", 1)], "pay", timedelta(milliseconds=10 * (601 - i))) for i in range(1, 601)
-    ]
-    orders.place_orders(store, plans, TIMEOUT, now=t0)
-    now = t0 + timedelta(seconds=10)
-    due, paid, cancelled = orders._act(store.conn, now, orders.TICK_ACTIONS)
-    assert (len(due), sorted(paid), cancelled) == (250, list(range(351, 601)), [])  # order 600 fell due first
-
-    assert orders.act_customers(store, now=now, limit=orders.TICK_ACTIONS) == {
-        "payments": 350,
-        "accepted": 350,
-        "customer_cancels": 0,
-    }
-    assert store.conn.execute("SELECT count(*) FROM shop.orders WHERE status = 'paid'").fetchone() == (600,)
-    left = store.cancel_matching(keys=[orders.timer_key(o) for o in range(1, 351)])
-    assert left == 0  # cancelled by act_customers (those of 351-600 were left to the caller of _act)

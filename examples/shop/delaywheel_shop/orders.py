@@ -14,13 +14,16 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 from psycopg import sql
 from psycopg.abc import Params
 
 from delaywheel.consume.topics import Delivered
+
+if TYPE_CHECKING:
+    from delaywheel.consume.consumer import ConsumeTotals
 from delaywheel.produce.validation import Message
 from delaywheel.store import Store
 
@@ -273,44 +276,17 @@ def customer_cancel(store: Store, cancels: list[tuple[int, datetime]], *, cancel
     return cancelled
 
 
-def act_customers(store: Store, *, now: datetime | None = None, limit: int | None = None) -> dict[str, int]:
-    """Carry out the planned customer actions that have fallen due (the simulation's clock tick): every one, or
-    with `limit` the earliest due first, at most `limit` a transaction, one transaction after another until none is
-    left; then the timers of the orders paid or cancelled."""
-    totals: Counter[str] = Counter(payments=0, accepted=0, customer_cancels=0)
-    settled: dict[str, list[int]] = {"order paid": [], "cancelled by customer": []}
-    while True:
-        due, paid, cancelled = _act(store.conn, now or store.clock(), limit)
-        totals.update(
-            payments=sum(1 for _, a, _ in due if a == "pay"), accepted=len(paid), customer_cancels=len(cancelled)
-        )
-        settled["order paid"] += paid
-        settled["cancelled by customer"] += cancelled
-        if limit is None or len(due) < limit:
-            break
-    for reason, order_ids in settled.items():  # one call each: a cancel's cost is mostly per call, not per key
-        _cancel_timers(store, order_ids, reason)
-    return dict(totals)
-
-
-# The most actions one customers' transaction carries out (`run_customers`' ticks). Like every writing transaction it
-# holds back the store's commit horizon while it runs (see "Lock order"), and one that took every action due after a
-# slow tick grew with the backlog (to 0.9 s in a `make demo`).
-TICK_ACTIONS = 250
-
-
-def _act(
-    conn: psycopg.Connection, when: datetime, limit: int | None
-) -> tuple[list[tuple[int, str, datetime]], list[int], list[int]]:
-    """One transaction of `act_customers`: the actions due (order, action, time), the orders paid, those cancelled."""
+def act_customers(store: Store, *, now: datetime | None = None) -> dict[str, int]:
+    """Carry out every planned customer action that has fallen due (the simulation's clock tick)."""
+    conn = store.conn
     with conn.transaction():
+        when = now or store.clock()
         due = _execute(
             conn,
             "UPDATE shop.customer_plan SET done = true WHERE order_id IN ("
-            " SELECT order_id FROM shop.customer_plan WHERE NOT done AND act_at <= %s ORDER BY act_at LIMIT %s"
-            " FOR UPDATE SKIP LOCKED)"
+            " SELECT order_id FROM shop.customer_plan WHERE NOT done AND act_at <= %s FOR UPDATE SKIP LOCKED)"
             " RETURNING order_id, action, act_at",
-            (when, limit),
+            (when,),
         ).fetchall()
         # payments and cancellations settle in one transaction: all their orders' locks at once, in order
         _lock_orders(conn, [o for o, _, _ in due])
@@ -322,7 +298,9 @@ def _act(
             _lock_stock(conn, paid + cancelled)  # last, both releases' products at once (see "Lock order")
             _release(conn, paid, sell=True, locked=True)
             _release(conn, cancelled, sell=False, locked=True)
-    return due, paid, cancelled
+    _cancel_timers(store, paid, "order paid")
+    _cancel_timers(store, cancelled, "cancelled by customer")
+    return {"payments": len(payers), "accepted": len(paid), "customer_cancels": len(cancelled)}
 
 
 @dataclass
@@ -393,12 +371,12 @@ def sweep(store: Store, *, max_messages: int = 5000, group: str = GROUP, now: da
 
 def run_sweep(
     store: Store, *, stop: threading.Event, max_messages: int = 1000, ready: Callable[[], None] | None = None
-) -> tuple[SweepTotals, str]:
+) -> tuple[SweepTotals, ConsumeTotals]:
     """The continuous sweep (`delaywheel shop sweep`): the waiting consumer of the order timeouts, asleep until
     the topic's delivery notification (consume.py), one `apply_timeouts` transaction per batch, acked after it
     commits. Runs until `stop`; the batch in hand is applied and acked first. `ready` is called once connected:
-    a timer delivered before the consumer LISTENs is found by its first pull. Returns the totals and what
-    stopped it."""
+    a timer delivered before the consumer LISTENs is found by its first pull. Returns the totals, and the
+    consumer's (how it waited, what stopped it)."""
     from delaywheel.consume.consumer import consume
 
     totals = SweepTotals()
@@ -414,8 +392,7 @@ def run_sweep(
     store.conn  # noqa: B018  # connect (and fail on a wrong URL) before saying ready
     if ready is not None:
         ready()
-    consumed = consume(store, TOPIC, GROUP, handler, max_messages=max_messages, stop=stop)
-    return totals, consumed.stopped_by
+    return totals, consume(store, TOPIC, GROUP, handler, max_messages=max_messages, stop=stop)
 
 
 def run_customers(
@@ -427,8 +404,7 @@ def run_customers(
     ready: Callable[[], None] | None = None,
 ) -> dict[str, int]:
     """The simulated customers (`delaywheel shop customers`, the `shop_customers` DAG): every `every_s`, carry out
-    the planned actions that have fallen due, at most `TICK_ACTIONS` a transaction, until `stop` (or
-    `duration_s`). A tick in progress finishes first.
+    the planned actions that have fallen due, until `stop` (or `duration_s`). A tick in progress finishes first.
     Plans are timed from each order's placement (place_orders), so a slow tick delays a payment's processing,
     never the time the customer paid (`_settle_in_time`)."""
     totals: Counter[str] = Counter(payments=0, accepted=0, customer_cancels=0)
@@ -437,6 +413,6 @@ def run_customers(
     if ready is not None:
         ready()
     while not stop.is_set() and (until is None or time.monotonic() < until):
-        totals.update(act_customers(store, limit=TICK_ACTIONS))
+        totals.update(act_customers(store))
         stop.wait(every_s)
     return dict(totals)
