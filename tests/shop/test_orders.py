@@ -217,62 +217,6 @@ def test_customers_take_all_their_order_locks_in_one_ascending_pass(db_url: str,
     assert outcome == [{"payments": 1, "accepted": 1, "customer_cancels": 1}]
 
 
-@pytest.mark.parametrize(
-    ("step", "wrote_first"),
-    [("place_orders", "customer_plan"), ("act_customers", "payments"), ("apply_timeouts", "processed_messages")],
-)
-def test_each_transaction_takes_the_products_last(db_url: str, t0, step: str, wrote_first: str) -> None:
-    """The products are every shop transaction's hot rows: the order generator's, the customers' and the sweep's
-    transactions each lock them as their last step, so that none holds them (and, waiting for them, the store's commit
-    horizon) while it still does anything else. Held by another transaction, they stop each step with everything
-    else of its transaction already written (its last other table's lock held), and the step completes once they
-    are free."""
-    with Store(db_url) as setup:
-        orders.reset(setup, stock_per_sku=100)
-        plans = [orders.OrderPlan(1, "c", [("sku-001", 1)], "pay", timedelta(seconds=1))]
-        plans.append(orders.OrderPlan(2, "c", [("sku-001", 1)], "abandon", None))
-        if step != "place_orders":
-            orders.place_orders(setup, plans, TIMEOUT, now=t0)
-        setup.deliver_due(now=t0 + TIMEOUT)
-        timeouts = setup.pull(orders.TOPIC, "test").messages
-    runs = {
-        "place_orders": lambda store: orders.place_orders(store, plans, TIMEOUT, now=t0),
-        "act_customers": lambda store: orders.act_customers(store, now=t0 + TIMEOUT / 2),
-        "apply_timeouts": lambda store: orders.apply_timeouts(store.conn, timeouts, now=t0 + TIMEOUT),
-    }
-    outcome: list[object] = []
-    with psycopg.connect(db_url, autocommit=True) as other, Store(db_url) as store:
-        pid = store.conn.info.backend_pid
-        worker = threading.Thread(target=lambda: outcome.append(runs[step](store)))
-        with other.transaction(), psycopg.connect(db_url, autocommit=True) as watch:
-            # watched from a connection of its own: pg_stat_activity stays as first read for a transaction
-            other.execute("SELECT 1 FROM shop.products WHERE sku = 'sku-001' FOR NO KEY UPDATE")
-            worker.start()
-            for _ in range(200):  # until the step waits for the product
-                waiting = watch.execute(
-                    "SELECT query FROM pg_stat_activity WHERE pid = %s AND %s = ANY(pg_blocking_pids(pid))",
-                    (pid, other.info.backend_pid),
-                ).fetchone()
-                if waiting:
-                    break
-                time.sleep(0.05)
-            else:
-                pytest.fail(f"{step} never waited for the product")
-            assert "FROM shop.products" in waiting[0]
-            held = watch.execute(
-                "SELECT 1 FROM pg_locks WHERE pid = %s AND relation = %s::regclass AND mode = 'RowExclusiveLock'",
-                (pid, f"shop.{wrote_first}"),
-            ).fetchone()
-            assert held, f"{step} waited for the products before writing shop.{wrote_first}"
-        worker.join(30)
-    expected = {
-        "place_orders": 2,
-        "act_customers": {"payments": 1, "accepted": 1, "customer_cancels": 0},
-        "apply_timeouts": (2, 0),
-    }
-    assert outcome == [expected[step]]
-
-
 def test_a_missed_lateness_contract_names_the_figure(store: Store, t0, tmp_path) -> None:
     """The demo prints verify()'s failures on stderr and exits 1: each names the figure, its value and the limit."""
     plans = [orders.OrderPlan(i, "c", [("sku-001", 1)], "abandon", None) for i in range(1, 102)]

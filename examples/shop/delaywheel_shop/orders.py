@@ -138,6 +138,14 @@ def place_orders(store: Store, plans: list[OrderPlan], timeout: timedelta, *, no
             "INSERT INTO shop.order_lines (order_id, sku, qty) SELECT unnest(%s::bigint[]), unnest(%s::text[]), unnest(%s::int[])",
             (line_orders, line_skus, line_qty),
         )
+        _lock_stock(conn, ids)
+        _execute(
+            conn,
+            """UPDATE shop.products p SET on_hand = p.on_hand - l.qty, reserved = p.reserved + l.qty
+               FROM (SELECT sku, sum(qty) AS qty FROM shop.order_lines WHERE order_id = ANY(%s::bigint[]) GROUP BY sku) l
+               WHERE p.sku = l.sku""",
+            (ids,),
+        )
         _execute(
             conn,
             "INSERT INTO shop.customer_plan (order_id, action, act_at)"
@@ -154,14 +162,6 @@ def place_orders(store: Store, plans: list[OrderPlan], timeout: timedelta, *, no
             " WHERE o.order_id = m.oid",
             (ids, message_ids),
         )
-        _lock_stock(conn, ids)  # last (see "Lock order" below)
-        _execute(
-            conn,
-            """UPDATE shop.products p SET on_hand = p.on_hand - l.qty, reserved = p.reserved + l.qty
-               FROM (SELECT sku, sum(qty) AS qty FROM shop.order_lines WHERE order_id = ANY(%s::bigint[]) GROUP BY sku) l
-               WHERE p.sku = l.sku""",
-            (ids,),
-        )
     return len(plans)
 
 
@@ -170,12 +170,6 @@ def place_orders(store: Store, plans: list[OrderPlan], timeout: timedelta, *, no
 # below, whatever order the ids come in), before it updates any of them: an UPDATE ... FROM locks rows in
 # whatever order its join yields them. The locks are the ones those UPDATEs take (FOR NO KEY UPDATE): FOR UPDATE
 # would also wait on the key-share locks that inserting order lines takes on their products, unordered.
-# The products come last in each transaction too, right before its commit: they are every transaction's hot rows
-# (a few SKUs, in nearly every order), so whatever a transaction still did after taking them, every other one waited
-# for, and a transaction waiting for a lock holds back the store's commit horizon (DESIGN.md) for as long: the sweep
-# reads a delivered timeout only once every older transaction has ended. Taken first, the order generator's
-# transactions spent a third of their time waiting for the products and lasted up to 0.66 s (pg_stat_activity
-# sampled every 10 ms through a `make demo`), and the sweep's cancellations came as late.
 
 
 def _lock_orders(conn: psycopg.Connection, order_ids: list[int]) -> None:
@@ -195,12 +189,10 @@ def _lock_stock(conn: psycopg.Connection, order_ids: list[int]) -> None:
     )
 
 
-def _release(conn: psycopg.Connection, order_ids: list[int], sell: bool, *, locked: bool = False) -> None:
-    """Move the orders' reserved stock to sold (paid) or back on hand (cancelled): the last thing a transaction
-    does (see "Lock order"). `locked`: their products are locked already."""
+def _release(conn: psycopg.Connection, order_ids: list[int], sell: bool) -> None:
+    """Move the orders' reserved stock to sold (paid) or back on hand (cancelled)."""
     target = "sold" if sell else "on_hand"
-    if not locked:
-        _lock_stock(conn, order_ids)
+    _lock_stock(conn, order_ids)
     _execute(
         conn,
         sql.SQL("""UPDATE shop.products p SET reserved = p.reserved - l.qty, {target} = p.{target} + l.qty
@@ -236,22 +228,16 @@ def pay(store: Store, payments: list[tuple[int, datetime]], *, cancel_timers: bo
     outcome never depends on how late the sweep runs. Returns the ids accepted."""
     conn = store.conn
     with conn.transaction():
-        accepted = _accept_payments(conn, payments)
+        accepted = _settle_in_time(conn, payments, "paid", "paid_at")
+        _execute(
+            conn,
+            "INSERT INTO shop.payments (order_id, paid_at, accepted)"
+            " SELECT p.id, p.at, p.id = ANY(%s::bigint[]) FROM unnest(%s::bigint[], %s::timestamptz[]) AS p(id, at)",
+            (accepted, [o for o, _ in payments], [t for _, t in payments]),
+        )
         _release(conn, accepted, sell=True)
     if cancel_timers:
         _cancel_timers(store, accepted, "order paid")
-    return accepted
-
-
-def _accept_payments(conn: psycopg.Connection, payments: list[tuple[int, datetime]]) -> list[int]:
-    """`pay`'s orders and payments, not yet its products: the payments accepted."""
-    accepted = _settle_in_time(conn, payments, "paid", "paid_at")
-    _execute(
-        conn,
-        "INSERT INTO shop.payments (order_id, paid_at, accepted)"
-        " SELECT p.id, p.at, p.id = ANY(%s::bigint[]) FROM unnest(%s::bigint[], %s::timestamptz[]) AS p(id, at)",
-        (accepted, [o for o, _ in payments], [t for _, t in payments]),
-    )
     return accepted
 
 
@@ -288,16 +274,14 @@ def act_customers(store: Store, *, now: datetime | None = None) -> dict[str, int
             " RETURNING order_id, action, act_at",
             (when,),
         ).fetchall()
-        # payments and cancellations settle in one transaction: all their orders' locks at once, in order
-        _lock_orders(conn, [o for o, _, _ in due])
+        # payments and cancellations settle in one transaction: take all their locks at once, in order
+        asked = [o for o, _, _ in due]
+        _lock_orders(conn, asked)
+        _lock_stock(conn, asked)
         payers = [(o, at) for o, a, at in due if a == "pay"]
         cancellers = [(o, at) for o, a, at in due if a == "cancel"]
-        paid = _accept_payments(conn, payers) if payers else []
-        cancelled = _settle_in_time(conn, cancellers, "cancelled_customer", "cancelled_at") if cancellers else []
-        if paid or cancelled:
-            _lock_stock(conn, paid + cancelled)  # last, both releases' products at once (see "Lock order")
-            _release(conn, paid, sell=True, locked=True)
-            _release(conn, cancelled, sell=False, locked=True)
+        paid = pay(store, payers, cancel_timers=False) if payers else []
+        cancelled = customer_cancel(store, cancellers, cancel_timers=False) if cancellers else []
     _cancel_timers(store, paid, "order paid")
     _cancel_timers(store, cancelled, "cancelled by customer")
     return {"payments": len(payers), "accepted": len(paid), "customer_cancels": len(cancelled)}
@@ -342,13 +326,13 @@ def apply_timeouts(
                 {"now": now, "ids": touched},
             ).fetchall()
         ]
+        _release(conn, cancelled, sell=False)
         _execute(
             conn,
             "INSERT INTO shop.processed_messages (message_id, order_id, cancelled)"
             " SELECT m, o, o = ANY(%s::bigint[]) FROM unnest(%s::bigint[], %s::bigint[]) AS t(m, o)",
             (cancelled, [m for m, _ in fresh], [o for _, o in fresh]),
         )
-        _release(conn, cancelled, sell=False)  # last (see "Lock order")
     return len(cancelled), len(message_ids) - len(fresh)
 
 

@@ -5,8 +5,8 @@ messages sent without delay). A consumer LISTENs on a connection of its own and 
 group's retry topic) is named, or after `safety_wake_s` without a word: a notification can be lost (a reconnect)
 or forged, so it only ever says "look now". Rows become readable once below the commit horizon (DESIGN.md), which
 may lag the notification by a producer transaction still open: a pull that finds nothing readable while rows past
-the group's offset exist (`Batch.behind`) looks again after 2, 5, 10 ms, then every 20 ms up to ~0.1 s, then
-backing off to every 200 ms while they stay unreadable; one that finds nothing past the offset waits for the next notification or the safety wake.
+the group's offset exist (`Batch.behind`) looks again after 2, 5, 10, 20 ... ms (then every 200 ms while they stay
+unreadable); one that finds nothing past the offset waits for the next notification or the safety wake.
 
 Per batch, the ack of the batch just handled and the pull of the next are one transaction of four round trips
 (`topics.ack_and_pull`: BEGIN; the offset's move with the pull's plan settings; one read of the topic and the retry
@@ -40,10 +40,7 @@ from delaywheel.store import Store
 
 SAFETY_WAKE_S = 1.0  # with no notification, look anyway this often (what a lost notification costs at most)
 BUSY_RETRY_S = 0.25  # another consumer of the group holds the topic: try again this soon (or when notified)
-# Notified, yet nothing readable (commit horizon): look again after these. Every 20 ms for the first ~0.1 s, which
-# covers a producer's usual transaction (the demo's order generator: 20-70 ms), then backing off to 200 ms for a long
-# one. Doubling on from 20 ms, a delivery held back 40-60 ms was seen only at the look 87 ms after the first.
-REPULL_S = (0.002, 0.005, 0.01, 0.02, 0.02, 0.02, 0.02, 0.05, 0.1, 0.2)
+REPULL_S = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2)  # notified, yet nothing readable (horizon): look again after
 
 log = logging.getLogger(__name__)
 
