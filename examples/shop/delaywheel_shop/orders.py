@@ -21,11 +21,11 @@ from psycopg import sql
 from psycopg.abc import Params
 
 from delaywheel.consume.topics import Delivered
-
-if TYPE_CHECKING:
-    from delaywheel.consume.consumer import ConsumeTotals
 from delaywheel.produce.validation import Message
 from delaywheel.store import Store
+
+if TYPE_CHECKING:  # imported where it runs (run_sweep), like consume itself
+    from delaywheel.consume.consumer import ConsumeTotals
 
 TOPIC = "shop.order-timeout"
 GROUP = "shop-sweeper"

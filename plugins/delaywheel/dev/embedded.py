@@ -16,7 +16,7 @@ import shutil
 import socket
 import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import psycopg
@@ -218,9 +218,10 @@ def start(cluster: Cluster | None = None) -> Cluster:
     cluster = cluster or default_cluster()
     bindir = find_bindir()
     cluster.root.mkdir(parents=True, exist_ok=True)
-    if cluster.movable and _port_taken(cluster.port) and status(cluster) != "running":
+    running = status(cluster) == "running"  # (one pg_ctl call: every command without a database URL comes here)
+    if not running and cluster.movable and _port_taken(cluster.port):
         # another program (often another clone's cluster) took the remembered port while this one was stopped
-        cluster = Cluster(root=cluster.root, port=_free_port(cluster.port + 1), movable=True)
+        cluster = replace(cluster, port=_free_port(cluster.port + 1))
     (cluster.root / "port").write_text(str(cluster.port))
     _prepare_dirs(cluster)
     if not (cluster.data_dir / "PG_VERSION").exists():
@@ -240,7 +241,7 @@ def start(cluster: Cluster | None = None) -> Cluster:
         )
         if result.returncode != 0:
             raise EmbeddedError(f"initdb failed:\n{result.stderr.strip()}")
-    if status(cluster) != "running":
+    if not running:
         options = " ".join(f"-c {k}={v}" for k, v in server_options(cluster, bindir).items())
         options += f" -p {cluster.port} -k {cluster.socket_dir}"
         result = _run_as_owner(
