@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta, timezone
@@ -32,6 +34,24 @@ def test_send_and_send_many_return_ids_in_order(store: Store, t0: datetime) -> N
     assert queued == {one: 1, **{mid: 1 + i % 3 for i, mid in enumerate(many[:5])}}
     assert table_counts(store)["topic_messages"] == 1  # the level-0 one
     assert store.send_many([], now=t0) == []
+
+
+def test_a_first_batch_imports_nothing_inside_its_transaction(db_url: str) -> None:
+    """A new producer's first send_many, inside the caller's transaction, runs no import: pyarrow's one-time pandas
+    import (about half a second) happens when the columns module loads, before send_many opens its transaction."""
+    script = f"""
+import sys
+from delaywheel import Store
+from delaywheel.produce import arrow_copy, columns
+from delaywheel.produce.validation import Message
+with Store({db_url!r}) as store, store.conn.transaction():
+    loaded = set(sys.modules)
+    store.send_many([Message("orders", {{"n": i}}, delay=10 + i) for i in range(3)])
+    print(sorted(set(sys.modules) - loaded))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
 
 
 def test_level_zero_delivers_immediately(store: Store, t0: datetime) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from datetime import timedelta
+from typing import Any
 
 import psycopg
 import pytest
@@ -95,6 +96,30 @@ def test_redelivered_batch_changes_nothing(store: Store, t0) -> None:
     assert snapshot == (1000, 0, 0)
     store.ack(again)
     assert len(store.pull(orders.TOPIC, orders.GROUP, 100)) == 0
+
+
+def test_placing_orders_writes_nothing_before_the_timers_are_built(
+    store: Store, t0, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An order's transaction holds back the commit horizon the sweep reads behind from its first write to its
+    commit: send_many's Python work (checking the timers, building their columns) comes before any write, and the
+    order rows follow it, carrying their timers' ids."""
+    orders.reset(store, stock_per_sku=100)
+    seen: list[object] = []
+    send_many = Store.send_many
+
+    def observed(self: Store, messages: Any, **kwargs: Any) -> list[int]:
+        seen.append(self.conn.execute("SELECT pg_current_xact_id_if_assigned()").fetchone()[0])
+        return send_many(self, messages, **kwargs)
+
+    monkeypatch.setattr(Store, "send_many", observed)
+    plans = [orders.OrderPlan(i, "c", [("sku-004", 1)], "abandon", None) for i in range(1, 4)]
+    assert orders.place_orders(store, plans, TIMEOUT, now=t0) == 3
+    assert seen == [None]  # inside the order's transaction, which had no transaction id yet: nothing written
+    timers = dict(store.conn.execute("SELECT key, id FROM delaywheel.wheel").fetchall())
+    rows = store.conn.execute("SELECT order_id, timeout_message_id FROM shop.orders ORDER BY order_id").fetchall()
+    assert rows == [(i, timers[orders.timer_key(i)]) for i in range(1, 4)]
+    assert store.conn.execute("SELECT on_hand, reserved FROM shop.products WHERE sku = 'sku-004'").fetchone() == (97, 3)
 
 
 def test_early_stray_timer_does_not_cancel_the_order(store: Store, t0) -> None:

@@ -113,55 +113,51 @@ def reset(store: Store, stock_per_sku: int) -> None:
 
 
 def place_orders(store: Store, plans: list[OrderPlan], timeout: timedelta, *, now: datetime | None = None) -> int:
-    """Place orders and enqueue each one's timeout message in the same transaction."""
+    """Place orders and enqueue each one's timeout message in the same transaction.
+
+    The transaction holds back the store's commit horizon from its first write to its commit (a delivered timeout
+    becomes readable to the sweep only once every older writing transaction has ended), so it is kept to its
+    statements: the timers go first, so that send_many's Python work (checking them, building their Arrow columns)
+    runs before this transaction has written anything, and the order rows follow in one pipelined round trip.
+    On a busy machine each round trip waits for this process to be scheduled again, while the horizon waits too.
+    """
     if not plans:
         return 0
     conn = store.conn
+    placed = now or store.clock()
+    deadline = placed + timeout
+    timers = [Message(TOPIC, {"order_id": p.order_id}, deliver_at=deadline, key=timer_key(p.order_id)) for p in plans]
+    ids = [p.order_id for p in plans]
+    lines = [(p.order_id, sku, qty) for p in plans for sku, qty in p.lines]
     with conn.transaction():
-        placed = now or store.clock()
-        deadline = placed + timeout
-        ids = [p.order_id for p in plans]
-        _execute(
-            conn,
-            "INSERT INTO shop.orders (order_id, customer, placed_at, deadline)"
-            " SELECT unnest(%s::bigint[]), unnest(%s::text[]), %s, %s",
-            (ids, [p.customer for p in plans], placed, deadline),
-        )
-        line_orders, line_skus, line_qty = [], [], []
-        for p in plans:
-            for sku, qty in p.lines:
-                line_orders.append(p.order_id)
-                line_skus.append(sku)
-                line_qty.append(qty)
-        _execute(
-            conn,
-            "INSERT INTO shop.order_lines (order_id, sku, qty) SELECT unnest(%s::bigint[]), unnest(%s::text[]), unnest(%s::int[])",
-            (line_orders, line_skus, line_qty),
-        )
-        _lock_stock(conn, ids)
-        _execute(
-            conn,
-            """UPDATE shop.products p SET on_hand = p.on_hand - l.qty, reserved = p.reserved + l.qty
+        message_ids = store.send_many(timers, now=placed)
+        with conn.pipeline():
+            _execute(
+                conn,
+                "INSERT INTO shop.orders (order_id, customer, placed_at, deadline, timeout_message_id)"
+                " SELECT unnest(%s::bigint[]), unnest(%s::text[]), %s, %s, unnest(%s::bigint[])",
+                (ids, [p.customer for p in plans], placed, deadline, message_ids),
+            )
+            _execute(
+                conn,
+                "INSERT INTO shop.order_lines (order_id, sku, qty)"
+                " SELECT unnest(%s::bigint[]), unnest(%s::text[]), unnest(%s::int[])",
+                ([o for o, _, _ in lines], [s for _, s, _ in lines], [q for _, _, q in lines]),
+            )
+            _lock_stock(conn, ids)
+            _execute(
+                conn,
+                """UPDATE shop.products p SET on_hand = p.on_hand - l.qty, reserved = p.reserved + l.qty
                FROM (SELECT sku, sum(qty) AS qty FROM shop.order_lines WHERE order_id = ANY(%s::bigint[]) GROUP BY sku) l
                WHERE p.sku = l.sku""",
-            (ids,),
-        )
-        _execute(
-            conn,
-            "INSERT INTO shop.customer_plan (order_id, action, act_at)"
-            " SELECT unnest(%s::bigint[]), unnest(%s::text[]), %s::timestamptz + unnest(%s::interval[])",
-            (ids, [p.action for p in plans], placed, [p.act_after for p in plans]),
-        )
-        message_ids = store.send_many(
-            [Message(TOPIC, {"order_id": p.order_id}, deliver_at=deadline, key=timer_key(p.order_id)) for p in plans],
-            now=placed,
-        )
-        _execute(
-            conn,
-            "UPDATE shop.orders o SET timeout_message_id = m.mid FROM unnest(%s::bigint[], %s::bigint[]) AS m(oid, mid)"
-            " WHERE o.order_id = m.oid",
-            (ids, message_ids),
-        )
+                (ids,),
+            )
+            _execute(
+                conn,
+                "INSERT INTO shop.customer_plan (order_id, action, act_at)"
+                " SELECT unnest(%s::bigint[]), unnest(%s::text[]), %s::timestamptz + unnest(%s::interval[])",
+                (ids, [p.action for p in plans], placed, [p.act_after for p in plans]),
+            )
     return len(plans)
 
 

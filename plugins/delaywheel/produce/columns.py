@@ -42,6 +42,11 @@ LANES = {"direct": DIRECT, "level": LEVEL, "wheel": WHEEL}
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 US = timedelta(microseconds=1)
 TIMESTAMP = pa.timestamp("us", "UTC")
+# pyarrow imports pandas, when it is installed (0.4-0.6 s here), the first time it converts a Python sequence:
+# pa.array asks whether the sequence is a pandas object. Done here, at import, which send_many does before it opens its
+# transaction. Left to the first batch, it ran inside a caller's transaction (the shop's order generator sends its
+# timers inside the order's), holding back the store's commit horizon for that long in every new producer process.
+pa.array((), pa.string())
 
 
 def micros(ts: datetime) -> int:
