@@ -155,6 +155,32 @@ def test_customer_actions_processed_late_keep_the_time_they_were_asked(store: St
     assert verdict.success, verdict.text
 
 
+def test_a_payment_made_in_time_but_processed_after_the_sweep_fails_the_quality_check(
+    store: Store, t0, tmp_path
+) -> None:
+    """The customers' worker falls so far behind that the sweep applies an order's timeout before it processes that
+    order's on-time payment: the outcome rules allow the refusal (the order was unpaid at its deadline), but a customer
+    who paid in time was refused, so the check fails, naming it, and the summary counts it apart from late payers."""
+    orders.reset(store, stock_per_sku=100)
+    plans = [
+        orders.OrderPlan(1, "c", [("sku-005", 1)], "pay", TIMEOUT / 2),
+        orders.OrderPlan(2, "c", [("sku-005", 1)], "pay", TIMEOUT * 1.5),
+    ]
+    orders.place_orders(store, plans, TIMEOUT, now=t0)
+    swept = t0 + TIMEOUT + timedelta(seconds=0.5)
+    store.deliver_due(now=swept)
+    assert orders.sweep(store, now=swept).cancelled == 2  # before the customers' worker got to either payment
+    late = t0 + TIMEOUT * 2
+    assert orders.act_customers(store, now=late) == {"payments": 2, "accepted": 0, "customer_cancels": 0}
+    verdict = verify(store, tmp_path, since=t0)
+    assert not verdict.success
+    assert verdict.failures == [
+        "QUALITY FAILED: no payment made in time is refused: the customers kept up with their plan"
+    ]
+    assert (verdict.summary["late_payments_refused"], verdict.summary["in_time_payments_refused"]) == (1, 1)
+    assert "1 payments made in time were refused" in verdict.text
+
+
 @pytest.mark.parametrize("round_", range(3))
 def test_payment_racing_the_timeout_ends_paid_or_cancelled_never_both(db_url: str, t0, round_: int) -> None:
     n = 200

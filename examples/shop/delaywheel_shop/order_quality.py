@@ -1,7 +1,8 @@
 """The order-timeout outcome as a data contract, checked with Great Expectations, reported in words and charts.
 
-Rules: every order unpaid at its deadline is cancelled by the timeout; no paid order is cancelled; stock is
-conserved (initial = on hand + reserved + sold) and nothing stays reserved once every order is settled;
+Rules: every order unpaid at its deadline is cancelled by the timeout; no paid order is cancelled; no payment made in
+time is refused (which happens when the customers' worker processes it only after the sweep applied the order's
+timeout: the outcome rules allow it, a customer who paid in time would not); stock is conserved (initial = on hand + reserved + sold) and nothing stays reserved once every order is settled;
 timeout cancellations are never early and their lateness is within the contract.
 """
 
@@ -30,6 +31,8 @@ CONTRACT_MAX_S = 3.0
 _ORDERS = """
 SELECT o.order_id, o.status,
        EXISTS (SELECT 1 FROM shop.payments p WHERE p.order_id = o.order_id AND p.accepted AND p.paid_at < o.deadline) AS paid_in_time,
+       EXISTS (SELECT 1 FROM shop.payments p WHERE p.order_id = o.order_id AND NOT p.accepted AND p.paid_at < o.deadline)
+           AS refused_in_time,
        (o.status = 'cancelled_customer' AND o.cancelled_at < o.deadline) AS customer_cancelled_in_time,
        extract(epoch FROM o.cancelled_at - o.deadline)::float8 AS cancel_lateness_s
 FROM shop.orders o
@@ -53,6 +56,7 @@ def _frames(store: Store) -> tuple[pd.DataFrame, pd.DataFrame]:
         orders.paid_in_time | orders.customer_cancelled_in_time | (orders.status == "cancelled_timeout")
     ).astype(int)
     orders["paid_rule_ok"] = ((orders.status == "paid") == orders.paid_in_time).astype(int)
+    orders["in_time_payment_rule_ok"] = (~orders.refused_in_time).astype(int)
     cur = store.conn.execute(
         "SELECT sku, initial_stock - on_hand - reserved - sold AS stock_gap, reserved FROM shop.products"
     )
@@ -85,6 +89,11 @@ def _validate(orders: pd.DataFrame, products: pd.DataFrame) -> list[dict[str, An
                     column="paid_rule_ok",
                     value_set=[1],
                     meta={"rule": "an order is paid exactly when it was paid in time: no paid order is cancelled"},
+                ),
+                gxe.ExpectColumnValuesToBeInSet(
+                    column="in_time_payment_rule_ok",
+                    value_set=[1],
+                    meta={"rule": "no payment made in time is refused: the customers kept up with their plan"},
                 ),
                 gxe.ExpectColumnValuesToBeUnique(column="order_id", meta={"rule": "each order once"}),
             ],
@@ -190,13 +199,21 @@ _TIMER_LATENESS = sql.SQL("""
 """).format(p50_p99=LATENESS_P50_P99)
 
 
+# Refused payments: made after their order's deadline (the plan's late payers), and made in time but processed after
+# the order's timeout was applied (the customers fell behind).
+_REFUSED = """
+SELECT count(*) FILTER (WHERE p.paid_at >= o.deadline), count(*) FILTER (WHERE p.paid_at < o.deadline)
+FROM shop.payments p JOIN shop.orders o USING (order_id) WHERE NOT p.accepted
+"""
+
+
 def verify(store: Store, out: Path, *, since: datetime) -> Verdict:
     """Check the outcome and write report.html and validation.json under `out`."""
     orders, products = _frames(store)
     results = _validate(orders, products)
     success = all(r["success"] for r in results)
     lateness = orders.loc[orders.status == "cancelled_timeout", "cancel_lateness_s"].dropna()
-    refused = store.conn.execute("SELECT count(*) FROM shop.payments WHERE NOT accepted").fetchone()
+    refused = store.conn.execute(_REFUSED).fetchone()
     delivery = store.conn.execute(_TIMER_LATENESS, {"topic": TOPIC, "since": since}).fetchone()
     counts = orders.status.value_counts().to_dict()
     summary = {
@@ -206,6 +223,7 @@ def verify(store: Store, out: Path, *, since: datetime) -> Verdict:
         "cancelled_by_customer": counts.get("cancelled_customer", 0),
         "still_pending": counts.get("pending", 0),
         "late_payments_refused": int(refused[0]) if refused else 0,
+        "in_time_payments_refused": int(refused[1]) if refused else 0,
         "cancellation_lateness_p50_ms": round(float(lateness.quantile(0.5)) * 1000, 1) if len(lateness) else None,
         "cancellation_lateness_p99_ms": round(float(lateness.quantile(0.99)) * 1000, 1) if len(lateness) else None,
         "cancellation_lateness_max_ms": round(float(lateness.max()) * 1000, 1) if len(lateness) else None,
@@ -264,7 +282,13 @@ def _words(s: dict[str, Any], results: list[dict[str, Any]]) -> str:
     lines = [
         f"{s['placed']} orders were placed: {s['paid']} were paid in time, {s['cancelled_by_timeout']} were cancelled "
         f"by their timeout and their stock released, {s['cancelled_by_customer']} were cancelled by the customer; "
-        f"{s['still_pending']} are still pending. {s['late_payments_refused']} payments arrived after the deadline and were refused.",
+        f"{s['still_pending']} are still pending. {s['late_payments_refused']} payments arrived after the deadline and were refused."
+        + (
+            f" {s['in_time_payments_refused']} payments made in time were refused: the customers' worker processed"
+            " them after the sweep had applied their orders' timeouts."
+            if s["in_time_payments_refused"]
+            else ""
+        ),
         f"Timeout cancellations happened {s['cancellation_lateness_p50_ms']} ms after the deadline at the median and "
         f"{s['cancellation_lateness_p99_ms']} ms at the 99th percentile, {s['cancellation_lateness_max_ms']} ms at most "
         f"(contract: p99 within {CONTRACT_P99_S:g} s, "
