@@ -283,7 +283,7 @@ def test_shop_migrate_applies_the_shops_own_line(
         out = capsys.readouterr().out
         assert out.startswith("applied: 001_store.sql, ") and "shop" not in out
         assert main(["shop", "migrate"]) == 0
-        assert capsys.readouterr().out == "applied: 001_shop.sql\n"
+        assert capsys.readouterr().out == "applied: 001_shop.sql, 002_shop_functions.sql\n"
         assert main(["shop", "migrate"]) == 0
         assert capsys.readouterr().out == "schema up to date\n"
     finally:

@@ -338,14 +338,15 @@ def test_the_store_line_has_no_shop_and_the_shop_brings_its_own(empty_db: str) -
     with psycopg.connect(empty_db) as conn:
         assert conn.execute("SELECT to_regnamespace('shop')").fetchone() == (None,)
     assert current_version(empty_db, "shop") == 0
-    assert shop_schema.migrate(empty_db) == ["001_shop.sql"]
+    assert shop_schema.migrate(empty_db) == ["001_shop.sql", "002_shop_functions.sql"]
     assert shop_schema.migrate(empty_db) == []
     assert [(line, v) for line, v, _ in _lines(empty_db)] == [
         *[("delaywheel", m.version) for m in available()],
         ("shop", 1),
+        ("shop", 2),
     ]
     assert current_version(empty_db) == available()[-1].version
-    assert current_version(empty_db, "shop") == 1
+    assert current_version(empty_db, "shop") == 2
     with psycopg.connect(empty_db) as conn:
         assert conn.execute("SELECT to_regclass('shop.orders') IS NOT NULL").fetchone() == (True,)
 
@@ -366,9 +367,12 @@ def test_a_store_migrated_when_the_shop_was_its_006_stays_valid(empty_db: str, s
     assert current_version(empty_db) == available()[-1].version
     assert migrate(empty_db) == []
     assert ("delaywheel", 6, "006_shop.sql") in _lines(empty_db)
-    assert shop_schema.migrate(empty_db) == ["001_shop.sql (applied before as 006_shop.sql of line delaywheel)"]
+    assert shop_schema.migrate(empty_db) == [
+        "001_shop.sql (applied before as 006_shop.sql of line delaywheel)",
+        "002_shop_functions.sql",
+    ]
     assert shop_schema.migrate(empty_db) == []
-    assert _lines(empty_db)[-1] == ("shop", 1, "001_shop.sql")
+    assert _lines(empty_db)[-2:] == [("shop", 1, "001_shop.sql"), ("shop", 2, "002_shop_functions.sql")]
     with psycopg.connect(empty_db) as conn:
         assert conn.execute("SELECT sku FROM shop.products").fetchall() == [("kept",)]
 
@@ -379,10 +383,10 @@ def test_each_line_checks_its_own_versions(db_url: str) -> None:
     with psycopg.connect(db_url, autocommit=True) as conn:
         conn.execute(
             "INSERT INTO delaywheel.schema_migrations (line, version, name, checksum)"
-            " VALUES ('shop', 2, '002_later.sql', 'x')"
+            " VALUES ('shop', 99, '099_later.sql', 'x')"
         )
     assert migrate(db_url) == []
-    with pytest.raises(MigrationError, match=r"version 2 \(002_later.sql\) of line shop, newer than this code"):
+    with pytest.raises(MigrationError, match=r"version 99 \(099_later.sql\) of line shop, newer than this code"):
         migrate(db_url, shop_schema.LINE)
 
 
@@ -391,7 +395,7 @@ def test_migrations_are_read_as_package_data() -> None:
     (tests/test_wheel_install.py runs them from one)."""
     assert str(SQL_DIR) == str(resources.files("delaywheel") / "migrations")
     assert str(shop_schema.LINE.folder) == str(resources.files("delaywheel_shop") / "migrations")
-    assert [m.path.name for m in available(shop_schema.LINE.folder)] == ["001_shop.sql"]
+    assert [m.path.name for m in available(shop_schema.LINE.folder)] == ["001_shop.sql", "002_shop_functions.sql"]
 
 
 def test_the_embedded_cluster_is_an_explicit_choice(monkeypatch: pytest.MonkeyPatch) -> None:

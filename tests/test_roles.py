@@ -135,7 +135,7 @@ def test_the_shop_line_grants_the_runtime_its_own_tables(role_db: tuple[str, str
     owner, runtime = role_db
     with psycopg.connect(runtime) as conn:
         assert conn.execute("SELECT to_regnamespace('shop')").fetchone() == (None,)
-    assert shop_schema.migrate(owner) == ["001_shop.sql"]
+    assert shop_schema.migrate(owner) == ["001_shop.sql", "002_shop_functions.sql"]
     timeout = timedelta(seconds=30)
     with Store(runtime, Settings()) as store:
         orders.reset(store, stock_per_sku=100)

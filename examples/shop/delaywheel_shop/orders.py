@@ -17,7 +17,6 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 import psycopg
-from psycopg import sql
 from psycopg.abc import Params
 
 from delaywheel.consume.topics import Delivered
@@ -43,7 +42,7 @@ def order_of(key: str | None) -> int | None:
     return None
 
 
-def _execute(conn: psycopg.Connection, query: str | sql.Composed, params: Params | None = None) -> psycopg.Cursor[Any]:
+def _execute(conn: psycopg.Connection, query: str, params: Params | None = None) -> psycopg.Cursor[Any]:
     """Run one of the shop's statements unprepared, so that PostgreSQL plans it for the rows its tables hold now.
 
     psycopg prepares a statement after its fifth run, and PostgreSQL then settles on a generic plan if it costs no
@@ -52,7 +51,7 @@ def _execute(conn: psycopg.Connection, query: str | sql.Composed, params: Params
     0 rows, as after a restart) that plan rescans the locking subquery once per row, quadratic in the rows. With
     30,000 due plans it took 86 s instead of 0.1 s, and in the demo it held the customers' transaction open for two
     minutes, and with it the commit horizon that the deliverer and the sweep wait behind. Planning these statements
-    each time costs a fraction of a millisecond.
+    each time costs a fraction of a millisecond. The shop's functions (migrations/002) plan theirs the same way.
     """
     return conn.execute(query, params, prepare=False)
 
@@ -144,7 +143,7 @@ def place_orders(store: Store, plans: list[OrderPlan], timeout: timedelta, *, no
                 " SELECT unnest(%s::bigint[]), unnest(%s::text[]), unnest(%s::int[])",
                 ([o for o, _, _ in lines], [s for _, s, _ in lines], [q for _, _, q in lines]),
             )
-            _lock_stock(conn, ids)
+            _execute(conn, "SELECT shop.lock_stock(%s::bigint[])", (ids,))
             _execute(
                 conn,
                 """UPDATE shop.products p SET on_hand = p.on_hand - l.qty, reserved = p.reserved + l.qty
@@ -161,80 +160,26 @@ def place_orders(store: Store, plans: list[OrderPlan], timeout: timedelta, *, no
     return len(plans)
 
 
-# Lock order, so that the sweep, the customers and the order generator never deadlock one another: every
-# transaction takes the orders it may change first, then their products, each in ascending order (the ORDER BY
-# below, whatever order the ids come in), before it updates any of them: an UPDATE ... FROM locks rows in
-# whatever order its join yields them. The locks are the ones those UPDATEs take (FOR NO KEY UPDATE): FOR UPDATE
-# would also wait on the key-share locks that inserting order lines takes on their products, unordered.
-
-
-def _lock_orders(conn: psycopg.Connection, order_ids: list[int]) -> None:
-    _execute(
-        conn,
-        "SELECT 1 FROM shop.orders WHERE order_id = ANY(%s::bigint[]) ORDER BY order_id FOR NO KEY UPDATE",
-        (order_ids,),
-    )
-
-
-def _lock_stock(conn: psycopg.Connection, order_ids: list[int]) -> None:
-    _execute(
-        conn,
-        "SELECT 1 FROM shop.products WHERE sku IN (SELECT sku FROM shop.order_lines WHERE order_id = ANY(%s::bigint[]))"
-        " ORDER BY sku FOR NO KEY UPDATE",
-        (order_ids,),
-    )
-
-
-def _release(conn: psycopg.Connection, order_ids: list[int], sell: bool) -> None:
-    """Move the orders' reserved stock to sold (paid) or back on hand (cancelled)."""
-    target = "sold" if sell else "on_hand"
-    _lock_stock(conn, order_ids)
-    _execute(
-        conn,
-        sql.SQL("""UPDATE shop.products p SET reserved = p.reserved - l.qty, {target} = p.{target} + l.qty
-            FROM (SELECT sku, sum(qty) AS qty FROM shop.order_lines WHERE order_id = ANY(%s::bigint[]) GROUP BY sku) l
-            WHERE p.sku = l.sku""").format(target=sql.Identifier(target)),
-        (order_ids,),
-    )
-
-
-def _settle_in_time(
-    conn: psycopg.Connection, requests: list[tuple[int, datetime]], status: str, stamp: str
-) -> list[int]:
-    """Move the orders still pending whose deadline had not passed when the customer asked (the request's
-    own time, not when it is processed) to `status`, stamping `stamp` with that time; returns their ids."""
-    _lock_orders(conn, [o for o, _ in requests])
-    return [
-        r[0]
-        for r in _execute(
-            conn,
-            sql.SQL("""UPDATE shop.orders o SET status = %s, {stamp} = r.at
-            FROM unnest(%s::bigint[], %s::timestamptz[]) AS r(id, at)
-            WHERE o.order_id = r.id AND o.status = 'pending' AND r.at < o.deadline RETURNING o.order_id""").format(
-                stamp=sql.Identifier(stamp)
-            ),
-            (status, [o for o, _ in requests], [t for _, t in requests]),
-        ).fetchall()
-    ]
-
-
 def pay(store: Store, payments: list[tuple[int, datetime]], *, cancel_timers: bool = True) -> list[int]:
     """Payments (order id, time paid) arrive: accepted for orders still pending whose deadline had not
     passed when the customer paid (their timers are cancelled); refused otherwise (a refund), so the
-    outcome never depends on how late the sweep runs. Returns the ids accepted."""
-    conn = store.conn
-    with conn.transaction():
-        accepted = _settle_in_time(conn, payments, "paid", "paid_at")
-        _execute(
-            conn,
-            "INSERT INTO shop.payments (order_id, paid_at, accepted)"
-            " SELECT p.id, p.at, p.id = ANY(%s::bigint[]) FROM unnest(%s::bigint[], %s::timestamptz[]) AS p(id, at)",
-            (accepted, [o for o, _ in payments], [t for _, t in payments]),
-        )
-        _release(conn, accepted, sell=True)
+    outcome never depends on how late the sweep runs. Returns the ids accepted. One statement
+    (`shop.pay`, migrations/002)."""
+    (accepted,) = _call(store.conn, "SELECT shop.pay(%s::bigint[], %s::timestamptz[])", _columns(payments))
     if cancel_timers:
         _cancel_timers(store, accepted, "order paid")
     return accepted
+
+
+def _columns(requests: list[tuple[int, datetime]]) -> tuple[list[int], list[datetime]]:
+    return [o for o, _ in requests], [t for _, t in requests]
+
+
+def _call(conn: psycopg.Connection, query: str, params: Params) -> tuple[Any, ...]:
+    """The one row a shop function returns."""
+    row = _execute(conn, query, params).fetchone()
+    assert row is not None
+    return tuple(row)
 
 
 def _cancel_timers(store: Store, order_ids: list[int], reason: str) -> None:
@@ -248,39 +193,24 @@ def _cancel_timers(store: Store, order_ids: list[int], reason: str) -> None:
 def customer_cancel(store: Store, cancels: list[tuple[int, datetime]], *, cancel_timers: bool = True) -> list[int]:
     """Cancellations (order id, time asked) arrive: honoured for orders still pending whose deadline had
     not passed when the customer asked, like payments, so a slow front end never turns a timeout into a
-    customer cancellation. Returns the ids cancelled."""
-    conn = store.conn
-    with conn.transaction():
-        cancelled = _settle_in_time(conn, cancels, "cancelled_customer", "cancelled_at")
-        _release(conn, cancelled, sell=False)
+    customer cancellation. Returns the ids cancelled. One statement (`shop.customer_cancel`)."""
+    (cancelled,) = _call(store.conn, "SELECT shop.customer_cancel(%s::bigint[], %s::timestamptz[])", _columns(cancels))
     if cancel_timers:
         _cancel_timers(store, cancelled, "cancelled by customer")
     return cancelled
 
 
 def act_customers(store: Store, *, now: datetime | None = None) -> dict[str, int]:
-    """Carry out every planned customer action that has fallen due (the simulation's clock tick)."""
-    conn = store.conn
-    with conn.transaction():
-        when = now or store.clock()
-        due = _execute(
-            conn,
-            "UPDATE shop.customer_plan SET done = true WHERE order_id IN ("
-            " SELECT order_id FROM shop.customer_plan WHERE NOT done AND act_at <= %s FOR UPDATE SKIP LOCKED)"
-            " RETURNING order_id, action, act_at",
-            (when,),
-        ).fetchall()
-        # payments and cancellations settle in one transaction: take all their locks at once, in order
-        asked = [o for o, _, _ in due]
-        _lock_orders(conn, asked)
-        _lock_stock(conn, asked)
-        payers = [(o, at) for o, a, at in due if a == "pay"]
-        cancellers = [(o, at) for o, a, at in due if a == "cancel"]
-        paid = pay(store, payers, cancel_timers=False) if payers else []
-        cancelled = customer_cancel(store, cancellers, cancel_timers=False) if cancellers else []
+    """Carry out every planned customer action that has fallen due (the simulation's clock tick): one statement
+    (`shop.act_customers`), so the tick's transaction never waits on this process between its steps."""
+    payments, paid, cancelled = _call(
+        store.conn,
+        "SELECT payments, paid, cancelled FROM shop.act_customers(coalesce(%s::timestamptz, clock_timestamp()))",
+        (now,),
+    )
     _cancel_timers(store, paid, "order paid")
     _cancel_timers(store, cancelled, "cancelled by customer")
-    return {"payments": len(payers), "accepted": len(paid), "customer_cancels": len(cancelled)}
+    return {"payments": payments, "accepted": len(paid), "customer_cancels": len(cancelled)}
 
 
 @dataclass
@@ -295,41 +225,16 @@ class SweepTotals:
 def apply_timeouts(
     conn: psycopg.Connection, messages: Sequence[Delivered], *, now: datetime | None = None
 ) -> tuple[int, int]:
-    """One set-based transaction for a delivered batch's messages: cancel the orders still unpaid and release
-    their stock; paid or already cancelled orders stay as they are; a message seen before changes nothing.
-    Returns (orders cancelled, messages already processed)."""
+    """One statement for a delivered batch's messages (`shop.apply_timeouts`, migrations/002): cancel the orders
+    still unpaid and release their stock; paid or already cancelled orders stay as they are; a message seen before
+    changes nothing. Returns (orders cancelled, messages already processed)."""
     timers = [(m.idempotency_id, order_of(m.key)) for m in messages if order_of(m.key) is not None]
-    message_ids = [m for m, _ in timers]
-    order_ids = [o for _, o in timers]
-    with conn.transaction():
-        fresh = _execute(
-            conn,
-            "SELECT m, o FROM unnest(%s::bigint[], %s::bigint[]) AS t(m, o)"
-            " WHERE NOT EXISTS (SELECT 1 FROM shop.processed_messages p WHERE p.message_id = t.m)",
-            (message_ids, order_ids),
-        ).fetchall()
-        touched = sorted({o for _, o in fresh})
-        _lock_orders(conn, touched)
-        # a timer cancels its order only once the order's own deadline has passed: a stray or early
-        # message (a replay, a timer created by reconcile, another run's) never cancels too soon
-        cancelled = [
-            r[0]
-            for r in _execute(
-                conn,
-                """UPDATE shop.orders SET status = 'cancelled_timeout', cancelled_at = coalesce(%(now)s, clock_timestamp())
-               WHERE order_id = ANY(%(ids)s::bigint[]) AND status = 'pending' AND deadline <= coalesce(%(now)s, clock_timestamp())
-               RETURNING order_id""",
-                {"now": now, "ids": touched},
-            ).fetchall()
-        ]
-        _release(conn, cancelled, sell=False)
-        _execute(
-            conn,
-            "INSERT INTO shop.processed_messages (message_id, order_id, cancelled)"
-            " SELECT m, o, o = ANY(%s::bigint[]) FROM unnest(%s::bigint[], %s::bigint[]) AS t(m, o)",
-            (cancelled, [m for m, _ in fresh], [o for _, o in fresh]),
-        )
-    return len(cancelled), len(message_ids) - len(fresh)
+    cancelled, duplicates = _call(
+        conn,
+        "SELECT orders_cancelled, duplicates FROM shop.apply_timeouts(%s::bigint[], %s::bigint[], %s::timestamptz)",
+        ([m for m, _ in timers], [o for _, o in timers], now),
+    )
+    return cancelled, duplicates
 
 
 def sweep(store: Store, *, max_messages: int = 5000, group: str = GROUP, now: datetime | None = None) -> SweepTotals:
@@ -386,7 +291,7 @@ def run_customers(
     """The simulated customers (`delaywheel shop customers`, the `shop_customers` DAG): every `every_s`, carry out
     the planned actions that have fallen due, until `stop` (or `duration_s`). A tick in progress finishes first.
     Plans are timed from each order's placement (place_orders), so a slow tick delays a payment's processing,
-    never the time the customer paid (`_settle_in_time`)."""
+    never the time the customer paid (`shop.settle_in_time`)."""
     totals: Counter[str] = Counter(payments=0, accepted=0, customer_cancels=0)
     until = None if duration_s is None else time.monotonic() + duration_s
     store.conn  # noqa: B018
