@@ -181,6 +181,24 @@ def test_a_payment_made_in_time_but_processed_after_the_sweep_fails_the_quality_
     assert "1 payments made in time were refused" in verdict.text
 
 
+def test_the_customers_loop_cancels_the_settled_orders_timers_before_it_returns(store: Store) -> None:
+    """`run_customers` cancels timers on a second connection, off the tick's path: every paid or customer-cancelled
+    order's timer is cancelled by the time it returns, and none of them is delivered."""
+    orders.reset(store, stock_per_sku=1000)
+    plans = [
+        orders.OrderPlan(i, "c", [("sku-006", 1)], "pay" if i % 3 else "cancel", timedelta(milliseconds=10 * i))
+        for i in range(1, 31)
+    ]
+    orders.place_orders(store, plans, TIMEOUT)
+    totals = orders.run_customers(store, stop=threading.Event(), every_s=0.05, duration_s=1.0)
+    assert totals == {"payments": 20, "accepted": 20, "customer_cancels": 10}
+    cancelled = store.conn.execute("SELECT count(*) FROM delaywheel.cancellations").fetchone()[0]
+    assert cancelled == 30
+    far = store.clock() + 2 * TIMEOUT
+    store.deliver_due(now=far)
+    assert len(store.pull(orders.TOPIC, orders.GROUP, 100)) == 0
+
+
 @pytest.mark.parametrize("round_", range(3))
 def test_payment_racing_the_timeout_ends_paid_or_cancelled_never_both(db_url: str, t0, round_: int) -> None:
     n = 200

@@ -160,6 +160,10 @@ def _validate(orders: pd.DataFrame, products: pd.DataFrame) -> list[dict[str, An
     return results
 
 
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(float(seconds) * 1000, 1)
+
+
 def _plain(value: Any) -> Any:
     """numpy scalars as Python numbers, for the report and the JSON file."""
     return value.item() if hasattr(value, "item") else value
@@ -200,10 +204,14 @@ _TIMER_LATENESS = sql.SQL("""
 
 
 # Refused payments: made after their order's deadline (the plan's late payers), and made in time but processed after
-# the order's timeout was applied (the customers fell behind).
-_REFUSED = """
-SELECT count(*) FILTER (WHERE p.paid_at >= o.deadline), count(*) FILTER (WHERE p.paid_at < o.deadline)
-FROM shop.payments p JOIN shop.orders o USING (order_id) WHERE NOT p.accepted
+# the order's timeout was applied (the customers fell behind); and how long after it was made each payment was
+# processed (p99, max).
+_PAYMENTS = """
+SELECT count(*) FILTER (WHERE NOT p.accepted AND p.paid_at >= o.deadline),
+       count(*) FILTER (WHERE NOT p.accepted AND p.paid_at < o.deadline),
+       percentile_cont(0.99) WITHIN GROUP (ORDER BY extract(epoch FROM p.processed_at - p.paid_at)),
+       max(extract(epoch FROM p.processed_at - p.paid_at))
+FROM shop.payments p JOIN shop.orders o USING (order_id)
 """
 
 
@@ -213,7 +221,7 @@ def verify(store: Store, out: Path, *, since: datetime) -> Verdict:
     results = _validate(orders, products)
     success = all(r["success"] for r in results)
     lateness = orders.loc[orders.status == "cancelled_timeout", "cancel_lateness_s"].dropna()
-    refused = store.conn.execute(_REFUSED).fetchone()
+    payments = store.conn.execute(_PAYMENTS).fetchone()
     delivery = store.conn.execute(_TIMER_LATENESS, {"topic": TOPIC, "since": since}).fetchone()
     counts = orders.status.value_counts().to_dict()
     summary = {
@@ -222,8 +230,10 @@ def verify(store: Store, out: Path, *, since: datetime) -> Verdict:
         "cancelled_by_timeout": counts.get("cancelled_timeout", 0),
         "cancelled_by_customer": counts.get("cancelled_customer", 0),
         "still_pending": counts.get("pending", 0),
-        "late_payments_refused": int(refused[0]) if refused else 0,
-        "in_time_payments_refused": int(refused[1]) if refused else 0,
+        "late_payments_refused": int(payments[0]) if payments else 0,
+        "in_time_payments_refused": int(payments[1]) if payments else 0,
+        "payment_processing_p99_ms": _ms(payments[2]) if payments else None,
+        "payment_processing_max_ms": _ms(payments[3]) if payments else None,
         "cancellation_lateness_p50_ms": round(float(lateness.quantile(0.5)) * 1000, 1) if len(lateness) else None,
         "cancellation_lateness_p99_ms": round(float(lateness.quantile(0.99)) * 1000, 1) if len(lateness) else None,
         "cancellation_lateness_max_ms": round(float(lateness.max()) * 1000, 1) if len(lateness) else None,
@@ -287,6 +297,12 @@ def _words(s: dict[str, Any], results: list[dict[str, Any]]) -> str:
             f" {s['in_time_payments_refused']} payments made in time were refused: the customers' worker processed"
             " them after the sweep had applied their orders' timeouts."
             if s["in_time_payments_refused"]
+            else ""
+        )
+        + (
+            f" The customers' worker processed payments {s['payment_processing_p99_ms']} ms (p99) /"
+            f" {s['payment_processing_max_ms']} ms (max) after they were made."
+            if s["payment_processing_max_ms"] is not None
             else ""
         ),
         f"Timeout cancellations happened {s['cancellation_lateness_p50_ms']} ms after the deadline at the median and "

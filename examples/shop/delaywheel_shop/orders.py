@@ -7,6 +7,7 @@ Stock is conserved: initial = on_hand + reserved + sold (placing reserves, payin
 
 from __future__ import annotations
 
+import queue
 import random
 import threading
 import time
@@ -201,16 +202,23 @@ def customer_cancel(store: Store, cancels: list[tuple[int, datetime]], *, cancel
 
 
 def act_customers(store: Store, *, now: datetime | None = None) -> dict[str, int]:
-    """Carry out every planned customer action that has fallen due (the simulation's clock tick): one statement
-    (`shop.act_customers`), so the tick's transaction never waits on this process between its steps."""
+    """Carry out every planned customer action that has fallen due (the simulation's clock tick), then cancel the
+    timers of the orders it settled."""
+    payments, paid, cancelled = _settle_due(store, now)
+    _cancel_timers(store, paid, "order paid")
+    _cancel_timers(store, cancelled, "cancelled by customer")
+    return {"payments": payments, "accepted": len(paid), "customer_cancels": len(cancelled)}
+
+
+def _settle_due(store: Store, now: datetime | None) -> tuple[int, list[int], list[int]]:
+    """One statement (`shop.act_customers`), so the tick's transaction never waits on this process between its
+    steps. Returns how many payments were made, and the orders paid and cancelled."""
     payments, paid, cancelled = _call(
         store.conn,
         "SELECT payments, paid, cancelled FROM shop.act_customers(coalesce(%s::timestamptz, clock_timestamp()))",
         (now,),
     )
-    _cancel_timers(store, paid, "order paid")
-    _cancel_timers(store, cancelled, "cancelled by customer")
-    return {"payments": payments, "accepted": len(paid), "customer_cancels": len(cancelled)}
+    return payments, paid, cancelled
 
 
 @dataclass
@@ -291,13 +299,37 @@ def run_customers(
     """The simulated customers (`delaywheel shop customers`, the `shop_customers` DAG): every `every_s`, carry out
     the planned actions that have fallen due, until `stop` (or `duration_s`). A tick in progress finishes first.
     Plans are timed from each order's placement (place_orders), so a slow tick delays a payment's processing,
-    never the time the customer paid (`shop.settle_in_time`)."""
+    never the time the customer paid (`shop.settle_in_time`); but a payment processed after the sweep applied its
+    order's timeout is refused. So the settled orders' timers are cancelled by a second connection, in a thread,
+    and a slow cancel never holds back the next tick; the last cancels finish before this returns."""
     totals: Counter[str] = Counter(payments=0, accepted=0, customer_cancels=0)
     until = None if duration_s is None else time.monotonic() + duration_s
+    settled: queue.Queue[tuple[list[int], list[int]] | None] = queue.Queue()
+    failed: list[BaseException] = []
+
+    def cancel_timers() -> None:
+        try:
+            with Store(store.url, store.settings) as canceller:
+                while (done := settled.get()) is not None:
+                    _cancel_timers(canceller, done[0], "order paid")
+                    _cancel_timers(canceller, done[1], "cancelled by customer")
+        except BaseException as exc:  # handed to the ticking thread, which raises it
+            failed.append(exc)
+
     store.conn  # noqa: B018
+    canceller = threading.Thread(target=cancel_timers, name="shop-customers-timer-cancels", daemon=True)
+    canceller.start()
     if ready is not None:
         ready()
-    while not stop.is_set() and (until is None or time.monotonic() < until):
-        totals.update(act_customers(store))
-        stop.wait(every_s)
+    try:
+        while not stop.is_set() and (until is None or time.monotonic() < until) and not failed:
+            payments, paid, cancelled = _settle_due(store, None)
+            totals.update(payments=payments, accepted=len(paid), customer_cancels=len(cancelled))
+            settled.put((paid, cancelled))
+            stop.wait(every_s)
+    finally:
+        settled.put(None)
+        canceller.join()
+    if failed:
+        raise failed[0]
     return dict(totals)

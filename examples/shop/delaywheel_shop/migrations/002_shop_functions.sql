@@ -16,6 +16,9 @@
 -- Every function is planned afresh on each call (plan_cache_mode): the demo's tables start empty, and a plan cached
 -- for empty tables rescanned the customers' locking subquery once per row (DESIGN.md, "Order timeouts").
 
+-- When each payment was processed, beside when it was made (paid_at): how far the customers' worker runs behind.
+ALTER TABLE shop.payments ADD COLUMN processed_at timestamptz NOT NULL DEFAULT clock_timestamp();
+
 CREATE FUNCTION shop.lock_orders(ids bigint[]) RETURNS void LANGUAGE plpgsql
 SET plan_cache_mode = force_custom_plan AS $$
 BEGIN
