@@ -766,7 +766,8 @@ def main(argv: list[str] | None = None) -> int:
     except (InvalidMessage, ConfigError, MigrationError, embedded.EmbeddedError, UsageError, ValueError) as exc:
         print(f"delaywheel: error: {_one_line(exc)}", file=sys.stderr)
         return 2
-    except psycopg.errors.UndefinedTable as exc:  # (or an unmigrated database)
+    except (psycopg.errors.UndefinedTable, psycopg.errors.InvalidSchemaName, psycopg.errors.UndefinedFunction) as exc:
+        # an unmigrated database: a table, the schema or one of its functions (the shop's) is missing
         print(
             f"delaywheel: database error: {_one_line(exc)} (is the schema migrated? `delaywheel migrate`;"
             " the shop's: `delaywheel shop migrate`)",
