@@ -2,8 +2,8 @@
 
 Rules: every order unpaid at its deadline is cancelled by the timeout; no paid order is cancelled; no payment made in
 time is refused (which happens when the customers' worker processes it only after the sweep applied the order's
-timeout: the outcome rules allow it, a customer who paid in time would not); stock is conserved (initial = on hand + reserved + sold) and nothing stays reserved once every order is settled;
-timeout cancellations are never early and their lateness is within the contract.
+timeout: the outcome rules allow it, a customer who paid in time would not); stock is conserved (initial = on hand +
+reserved + sold) and nothing stays reserved once every order is settled; timeout cancellations are never early and their lateness is within the contract.
 """
 
 from __future__ import annotations
@@ -161,6 +161,7 @@ def _validate(orders: pd.DataFrame, products: pd.DataFrame) -> list[dict[str, An
 
 
 def _ms(seconds: float | None) -> float | None:
+    """A figure in seconds (from SQL or pandas) as milliseconds, to 0.1 ms, for the summary."""
     return None if seconds is None else round(float(seconds) * 1000, 1)
 
 
@@ -234,15 +235,11 @@ def verify(store: Store, out: Path, *, since: datetime) -> Verdict:
         "in_time_payments_refused": int(payments[1]) if payments else 0,
         "payment_processing_p99_ms": _ms(payments[2]) if payments else None,
         "payment_processing_max_ms": _ms(payments[3]) if payments else None,
-        "cancellation_lateness_p50_ms": round(float(lateness.quantile(0.5)) * 1000, 1) if len(lateness) else None,
-        "cancellation_lateness_p99_ms": round(float(lateness.quantile(0.99)) * 1000, 1) if len(lateness) else None,
-        "cancellation_lateness_max_ms": round(float(lateness.max()) * 1000, 1) if len(lateness) else None,
-        "timer_delivery_lateness_p50_ms": round(delivery[0] * 1000, 1)
-        if delivery and delivery[0] is not None
-        else None,
-        "timer_delivery_lateness_p99_ms": round(delivery[1] * 1000, 1)
-        if delivery and delivery[1] is not None
-        else None,
+        "cancellation_lateness_p50_ms": _ms(lateness.quantile(0.5)) if len(lateness) else None,
+        "cancellation_lateness_p99_ms": _ms(lateness.quantile(0.99)) if len(lateness) else None,
+        "cancellation_lateness_max_ms": _ms(lateness.max()) if len(lateness) else None,
+        "timer_delivery_lateness_p50_ms": _ms(delivery[0]) if delivery else None,
+        "timer_delivery_lateness_p99_ms": _ms(delivery[1]) if delivery else None,
         "timers_delivered_early": int(delivery[2]) if delivery else None,
         "quality": "passed" if success else "FAILED",
         "expectations_passed": f"{sum(r['success'] for r in results)}/{len(results)}",
