@@ -70,3 +70,10 @@ def connect(url: str, *, autocommit: bool = False) -> psycopg.Connection:
     """A connection tagged with our application name, so `pg_stat_activity` shows who holds what, with the store's
     session settings (SESSION_OPTIONS)."""
     return psycopg.connect(with_session_options(url), autocommit=autocommit, application_name="delaywheel")
+
+
+def commits_each_statement(conn: psycopg.Connection) -> bool:
+    """Autocommit and outside a transaction (a Store's connection): what a statement writes is committed when it
+    ends, and the statements of one pipeline before its Sync form one implicit transaction. Cancel commits its
+    cancellations before it waits for the passes in flight; a consumer sends its ack and next pull as one."""
+    return conn.autocommit and conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE

@@ -17,10 +17,12 @@ from pathlib import Path
 
 import psycopg
 import pytest
+from psycopg import pq
 
 from delaywheel import Message, Store
 from delaywheel.cli import main
 from delaywheel.consume import consumer as consume
+from delaywheel.consume import topics
 from delaywheel.consume.topics import retry_topic
 from delaywheel.produce.producer import TOPIC_CHANNEL
 from tests.conftest import ROOT, deliveries, delivering
@@ -312,3 +314,46 @@ def test_after_a_batch_with_nothing_behind_it_the_consumer_waits_for_the_next_no
         store.send("t", {"n": 2})
         held_back = store.pull("t", "g")
         assert len(held_back) == 0 and held_back.behind
+
+
+def _ack_and_pull(store: Store, done: topics.Batch | None, held: frozenset[str], n: int = 2) -> tuple:
+    return topics.ack_and_pull(store.conn, store.settings, store._cache, done, None, "t", "g", n, held)
+
+
+def test_in_the_steady_state_the_ack_and_the_next_pull_are_one_round_trip(store: Store, tmp_path: Path) -> None:
+    """Every round trip costs the consumer and its server process a wake-up, and each waits for a CPU on a busy
+    machine. With the group's locks held and nothing failed, the ack and the read are sent before the server's first
+    answer and end in one Sync, so they are one implicit transaction (libpq's trace: no line from the server
+    between the client's)."""
+    ids = store.send_many([Message("t", {"n": i}) for i in range(6)])
+    _, first, held = _ack_and_pull(store, None, frozenset())  # takes the group's locks
+    assert held == {"t", retry_topic("g")}
+    result, second, held = _ack_and_pull(store, first, held)  # the group's first ack: its offset row is written
+    assert result.acked == 2
+    trace = tmp_path / "libpq.trace"
+    with trace.open("w") as f:
+        store.conn.pgconn.trace(f.fileno())
+        store.conn.pgconn.set_trace_flags(pq.Trace.SUPPRESS_TIMESTAMPS)
+        try:
+            result, third, _ = _ack_and_pull(store, second, held)
+        finally:
+            store.conn.pgconn.untrace()
+    lines = [line.split("\t")[:4] for line in trace.read_text().splitlines() if line[:2] in ("F\t", "B\t")]
+    sides = [line[0] for line in lines]
+    assert "B" in sides and "F" not in sides[sides.index("B") :], "the client waited for an answer in between"
+    assert [line[2] for line in lines].count("Sync") == 1
+    assert (result.acked, result.already_acked) == (2, 0)
+    assert [m.message_id for b in (first, second, third) for m in b.messages] == ids
+
+
+def test_a_batch_acked_meanwhile_is_counted_and_not_handed_out_again(store: Store) -> None:
+    """The one-trip pull reads before it learns whether its ack moved the offset. When it did not (another consumer
+    of the group acked past the batch), that read is dropped and the ack takes the general path: the batch counts as
+    already acked and the next pull starts after it."""
+    ids = store.send_many([Message("t", {"n": i}) for i in range(6)])
+    _, first, held = _ack_and_pull(store, None, frozenset())
+    _, second, held = _ack_and_pull(store, first, held)
+    store.ack(second)  # by hand, as another consumer of the group would
+    result, third, _ = _ack_and_pull(store, second, held)
+    assert (result.acked, result.already_acked) == (0, 2)
+    assert [m.message_id for m in third.messages] == ids[4:]

@@ -19,7 +19,7 @@ import psycopg
 from psycopg import sql
 
 from delaywheel.config import Settings
-from delaywheel.db import COMMIT_HORIZON, QUEUE_PLAN
+from delaywheel.db import COMMIT_HORIZON, QUEUE_PLAN, commits_each_statement
 from delaywheel.locks import GROUP_LOCK, GROUP_TOPIC_KEY
 from delaywheel.partitions import PartitionCache
 from delaywheel.produce.producer import send_for_store
@@ -260,6 +260,18 @@ def _move(
     """In one statement, `_MOVE` for each source of `batch` (if any), then for a pull (`tries` not None) its plan
     settings and `tries` tries of the group lock (with `params`) after the moves' column. Returns the sources moved
     and the row."""
+    row = _moving(conn, batch, tries, params).fetchone()
+    assert row is not None
+    return set(row[0]), row
+
+
+def _moving(
+    conn: psycopg.Connection,
+    batch: Batch | None,
+    tries: int | None = None,
+    params: list[Any] | None = None,
+) -> psycopg.Cursor[Any]:
+    """`_move`'s statement, sent (in a pipeline, not yet answered): its cursor."""
     values: list[Any] = []
     sources = 0
     if batch is not None and batch.cursors:
@@ -268,9 +280,7 @@ def _move(
             values += [topic, xid, offset, len(mine), str(mine[0][0]), mine[0][1]]
         sources = len(batch.cursors)
         values.append(batch.group)
-    row = conn.execute(_move_statement(sources, tries), values + (params or [])).fetchone()
-    assert row is not None
-    return set(row[0]), row
+    return conn.execute(_move_statement(sources, tries), values + (params or []))
 
 
 def ack_and_pull(
@@ -284,10 +294,10 @@ def ack_and_pull(
     max_messages: int,
     held: frozenset[str] = frozenset(),
 ) -> tuple[AckResult, Batch, frozenset[str]]:
-    """Ack `done` (as `ack`) and pull the group's next batch from `topic` and its retry topic, in one transaction of
-    four round trips: BEGIN; the ack's common move (`_MOVE`) with the pull's plan settings and lock tries; the read
-    of both sources; COMMIT. A source the common move did not cover, and failed messages, take `ack`'s general path
-    in between.
+    """Ack `done` (as `ack`) and pull the group's next batch from `topic` and its retry topic, in one transaction:
+    BEGIN; the ack's common move (`_MOVE`) with the pull's plan settings and lock tries; the read of both sources;
+    COMMIT. A source the common move did not cover, and failed messages, take `ack`'s general path in between. In
+    the steady state (the group's locks held, nothing failed) the four go in one round trip (`_ack_and_pull_held`).
 
     The group lock (GROUP_LOCK) is tried for each source not in `held` in the statement that sets the pull's plan;
     a source whose lock another consumer of the group holds is not read. The read is a later statement, so its
@@ -297,6 +307,12 @@ def ack_and_pull(
     failed = _checked_failures(done, failed) if done is not None else set()
     sources = (topic, retry_topic(group))
     wanted = [s for s in sources if s not in held]
+    if not wanted and not failed and commits_each_statement(conn):
+        result, pulled = _ack_and_pull_held(conn, settings, cache, done, group, sources, max_messages)
+        if pulled is not None:
+            return result, pulled, held
+        _, batch, now_held = ack_and_pull(conn, settings, cache, None, None, topic, group, max_messages, held)
+        return result, batch, now_held
     params = [v for s in wanted for v in (group, s)]
     with conn.transaction():
         moved, row = _move(conn, done, len(wanted), params)
@@ -306,6 +322,36 @@ def ack_and_pull(
         rows = _read(conn, group, readable, max_messages).fetchall() if readable else []
         batch = _batch(group, readable, rows, max_messages)
     return result, batch, frozenset(now_held)
+
+
+def _ack_and_pull_held(
+    conn: psycopg.Connection,
+    settings: Settings,
+    cache: PartitionCache,
+    done: Batch | None,
+    group: str,
+    sources: tuple[str, ...],
+    max_messages: int,
+) -> tuple[AckResult, Batch | None]:
+    """`ack_and_pull` with both sources' group locks held and nothing failed, in one round trip: the common move
+    with the pull's plan settings and the read, sent together and ended by one Sync, so one implicit transaction
+    (the connection commits each statement: `db.commits_each_statement`). BEGIN, the two statements and COMMIT
+    awaited one by one were four round trips, and each costs a wake-up of the consumer and of its server process,
+    which wait for a CPU on a busy machine (`bench/results/2026-11-26-consumer-one-trip.json`). When the common
+    move did not cover every source of `done` (the group's first ack of a source, or another consumer acked past
+    it), the read saw that source's offset unmoved: it is dropped (no batch), and the rest of the ack is done by
+    `ack`'s general path in a transaction of its own (at least once either way: acks are idempotent)."""
+    with conn.pipeline():
+        moving = _moving(conn, done, 0)
+        reading = _read(conn, group, sources, max_messages)
+    row = moving.fetchone()
+    assert row is not None
+    moved = set(row[0])
+    if done is not None and not moved >= done.cursors.keys():
+        with conn.transaction():
+            return _ack(conn, settings, cache, done, set(), moved), None
+    result = _ack(conn, settings, cache, done, set(), moved) if done is not None else AckResult()
+    return result, _batch(group, sources, reading.fetchall(), max_messages)
 
 
 def release_group_locks(conn: psycopg.Connection, group: str, sources: frozenset[str] | set[str]) -> None:

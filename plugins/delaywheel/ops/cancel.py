@@ -18,7 +18,7 @@ from typing import Literal
 import psycopg
 from psycopg import sql
 
-from delaywheel.db import LOOKUP_PLAN
+from delaywheel.db import LOOKUP_PLAN, commits_each_statement
 from delaywheel.locks import LEVEL_LOCK, WHEEL_LOCK
 from delaywheel.ops.predicate import CANCEL_COLUMNS, UnsafeSQL, catalog_table, check_column, check_expression
 from delaywheel.partitions import PartitionCache
@@ -138,7 +138,7 @@ def cancel(
         raise ValueError("cancel needs exactly one of message_id or key")
     params: dict[str, object] = key_params(key) if key is not None else {"v": message_id}
     how = "id" if message_id is not None else "key"
-    if not _commits_each_statement(conn):
+    if not commits_each_statement(conn):  # a cancellation cannot be committed before the wait: lock the lanes instead
         return _cancel_locked(conn, cache, how, params, reason)
     return mark_and_settle(conn, cache, how, params, find(conn, how, params), reason)
 
@@ -147,12 +147,6 @@ def key_params(key: str) -> dict[str, object]:
     """The parameters of the lookup by key (_LOOKUP): the key, its filter hashes, its summary slots."""
     h1, h2 = probe(key)
     return {"v": key, "h1": h1, "h2": h2, "slots": slots(h2)}
-
-
-def _commits_each_statement(conn: psycopg.Connection) -> bool:
-    """Autocommit and outside a transaction (the Store's connection): a cancellation can be committed before the
-    cancel waits for the passes in flight. Otherwise it cannot, and the cancel takes the lanes' locks instead."""
-    return conn.autocommit and conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
 
 
 # Found pending messages: (id, deliver_at, key, lane, level, xid as text), STILL_PENDING's columns.
@@ -494,7 +488,7 @@ def cancel_matching(
         ).fetchall()
     if not found:
         return 0
-    if not _commits_each_statement(conn):  # in the caller's transaction: lock as cancel does
+    if not commits_each_statement(conn):  # in the caller's transaction: lock as cancel does
         with conn.transaction():
             _lock_all_lanes(conn)
             return len(mark(conn, cache, found, reason))
