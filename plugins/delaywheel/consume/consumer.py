@@ -9,8 +9,9 @@ the group's offset exist (`Batch.behind`) looks again after 2, 5, 10, 20 ... ms 
 unreadable); one that finds nothing past the offset waits for the next notification or the safety wake.
 
 Per batch, the ack of the batch just handled and the pull of the next are one transaction (`topics.ack_and_pull`:
-BEGIN; the offset's move with the pull's plan settings; one read of the topic and the retry topic, in binary;
-COMMIT), sent as one round trip while the consumer holds its group's locks and nothing failed. At most `max_messages` are in hand at a time (the prefetch bound). Two consumers of one group never handle the
+the offset's move with the pull's plan settings, then one read of the topic and the retry topic, in binary): one
+round trip while the consumer holds its group's locks and nothing failed, else four (BEGIN and COMMIT around
+them). At most `max_messages` are in hand at a time (the prefetch bound). Two consumers of one group never handle the
 same batch: a consumer holds the group's lock on a source topic (`topics.GROUP_LOCK`, a session advisory lock)
 from the pull of a batch to the commit of its ack, and keeps it while messages keep coming (a topic is one ordered
 queue per group: a second consumer adds no parallelism, only a standby); it lets go after a safety wake with

@@ -297,7 +297,8 @@ def ack_and_pull(
     """Ack `done` (as `ack`) and pull the group's next batch from `topic` and its retry topic, in one transaction:
     BEGIN; the ack's common move (`_MOVE`) with the pull's plan settings and lock tries; the read of both sources;
     COMMIT. A source the common move did not cover, and failed messages, take `ack`'s general path in between. In
-    the steady state (the group's locks held, nothing failed) the four go in one round trip (`_ack_and_pull_held`).
+    the steady state (the group's locks held, nothing failed) the move and the read go as one round trip, one
+    implicit transaction (`_ack_and_pull_held`).
 
     The group lock (GROUP_LOCK) is tried for each source not in `held` in the statement that sets the pull's plan;
     a source whose lock another consumer of the group holds is not read. The read is a later statement, so its
