@@ -3,7 +3,8 @@
 Rules: every order unpaid at its deadline is cancelled by the timeout; no paid order is cancelled; no payment made in
 time is refused (which happens when the customers' worker processes it only after the sweep applied the order's
 timeout: the outcome rules allow it, a customer who paid in time would not); stock is conserved (initial = on hand +
-reserved + sold) and nothing stays reserved once every order is settled; timeout cancellations are never early and their lateness is within the contract.
+reserved + sold) and nothing stays reserved once every order is settled; timeout cancellations are never early and
+their lateness is within the contract.
 """
 
 from __future__ import annotations
