@@ -7,7 +7,8 @@
    the lookup planned per call), interleaved key by key; the library's cancel again, not interleaved, its two steps
    timed apart; EXPLAIN (ANALYZE, SUMMARY) of the lookup, planned per call and as a generic prepared plan; with
    `--parts`, where the lookup's time goes, two alternatives measured (a day-partitioned key table for the near
-   wheel; one round trip instead of two), and what a durable commit costs here.
+   wheel; one round trip instead of two), the far-key summaries read from their index (migrations/024) against the
+   heap pages they were read from before, interleaved, and what a durable commit costs here.
 2. Delivery lateness on the real clock: timers at `--rate` msg/s (delays 1-10 s) delivered by the library's loop
    (runner.run, wheel lane), `--seconds` long, without cancels and then with `--cancels` cancels/s by key of timers
    due within the next second or just due (racing the passes), from several processes with a connection each (threads
@@ -47,13 +48,12 @@ import psycopg
 from psycopg import sql
 
 from delaywheel import Message, Store
-from delaywheel.db import LOOKUP_PLAN
 from delaywheel.deliver import runner
 from delaywheel.deliver import wheel as wheel_module
 from delaywheel.lanes import all_lanes
 from delaywheel.locks import LEVEL_LOCK, WHEEL_LOCK
 from delaywheel.ops import cancel as cancel_module
-from delaywheel.ops.cancel import find, key_params, mark_and_settle
+from delaywheel.ops.cancel import FIND_PLAN, find, key_params, mark_and_settle
 from delaywheel.pending import STILL_PENDING, WHEEL_PENDING
 
 from .common import body, chunks, drop_database, fresh_database, log, pct
@@ -175,7 +175,7 @@ def explain(store: Store, other: psycopg.Connection, verbose: bool = False) -> l
     for i, name in enumerate(params, 1):
         query = query.replace(f"%({name})s", f"${i}")
     execute = sql.SQL("EXECUTE look({})").format(sql.SQL(", ").join(sql.Literal(v) for v in params.values()))
-    plan_settings = sql.SQL("SELECT {}, set_config('plan_cache_mode', %s, true)").format(sql.SQL(LOOKUP_PLAN))
+    plan_settings = sql.SQL("SELECT {}, set_config('plan_cache_mode', %s, true)").format(sql.SQL(FIND_PLAN))
     lines = []
     with psycopg.connect(store.url, autocommit=True) as conn:
         conn.execute("PREPARE look(text, int8, int8, int[]) AS " + query)
@@ -258,7 +258,7 @@ def parts(store: Store, other: psycopg.Connection, calls: int, sends: int) -> li
     with psycopg.connect(store.url, autocommit=True) as conn:
         conn.execute(
             sql.SQL("SELECT {}, set_config('plan_cache_mode', 'force_generic_plan', false)").format(
-                sql.SQL(LOOKUP_PLAN.replace("true)", "false)"))
+                sql.SQL(FIND_PLAN.replace("true)", "false)"))
             )
         )
         order = list(_PARTS.items())
@@ -320,6 +320,48 @@ SELECT f.id, marked.message_id IS NOT NULL FROM f LEFT JOIN marked ON marked.mes
 )
 
 
+# --- The far-key summaries from their index (--parts) -----------------------------------------------------------------
+# migrations/024 reads the summaries a lookup tests from a B-tree that carries their filters (an index-only scan).
+# Before, each was a heap page of its own: the same rows through a bitmap heap scan, which a connection with
+# index-only scans off reads the same way. Both connections on the same store, key by key, alternating which goes first.
+def summary_reads(store: Store, other: psycopg.Connection, calls: int) -> list[str]:
+    """The far candidates and the whole find, read as before migrations/024 and now, p50 of `calls` keys a lane."""
+    candidates = cancel_module._KEY_CANDIDATES + sql.SQL(" SELECT ranges FROM candidates WHERE %(v)s IS NOT NULL")
+    queries = {"far candidates": candidates, "whole lookup": sql.SQL(cancel_module._FIND_ONE["key"])}
+    conns = {}
+    for name, index_only in (("heap pages (before)", "off"), ("index-only (now)", "on")):
+        conn = psycopg.connect(store.url, autocommit=True)
+        conn.execute(
+            sql.SQL("SELECT {}, set_config('plan_cache_mode', 'force_generic_plan', false)").format(
+                sql.SQL(FIND_PLAN.replace("true)", "false)"))
+            )
+        )
+        conn.execute(sql.SQL("SET enable_indexonlyscan = {}").format(sql.SQL(index_only)))
+        conns[name] = conn
+    figures = []
+    try:
+        for lane in ("near", "far"):
+            keys = [k for (k,) in other.execute(SAMPLES[lane], (calls + 20,))]  # type: ignore[arg-type]
+            for what, query in queries.items():
+                times: dict[str, list[float]] = {name: [] for name in conns}
+                for i, key in enumerate(keys):
+                    order = list(conns.items())
+                    for name, conn in order if i % 2 else order[::-1]:
+                        started = time.perf_counter()
+                        conn.execute(query, key_params(key), prepare=True).fetchall()
+                        if i >= 20:  # the first executions prepare and plan
+                            times[name].append(1000 * (time.perf_counter() - started))
+                before, now = (statistics.median(v) for v in times.values())
+                figures.append(f"{what}, {lane} timer: {before:.2f} / {now:.2f} ms ({now / before:.2f} x)")
+    finally:
+        for conn in conns.values():
+            conn.close()
+    return [
+        f"- far-key summaries read as heap pages (before migrations/024) / from their index (now), p50 of {calls} keys"
+        " each, interleaved: " + "; ".join(figures)
+    ]
+
+
 def one_trip(store: Store, other: psycopg.Connection, calls: int) -> list[str]:
     """cancel(key=…) of near timers in one round trip against the library's cancel, interleaved call by call."""
     conn = store.conn
@@ -333,7 +375,7 @@ def one_trip(store: Store, other: psycopg.Connection, calls: int) -> list[str]:
         started = time.perf_counter()
         if i % 2:
             with conn.pipeline() as pipeline:
-                conn.execute(cancel_module._GENERIC_LOOKUP_PLAN)
+                conn.execute(cancel_module._GENERIC_FIND_PLAN)
                 marking = conn.execute(_ONE_TRIP, key_params(key), prepare=True)
                 pipeline.sync()
                 # waiting for every lane: the rows found are not known before the round trip ends
@@ -631,7 +673,8 @@ def main() -> None:
     parser.add_argument(
         "--parts",
         action="store_true",
-        help="time the lookup's parts, two alternatives (a near key table, one round trip) and a durable commit",
+        help="time the lookup's parts, two alternatives (a near key table, one round trip), the far summaries read as"
+        " before migrations/024 and now, and a durable commit",
     )
     parser.add_argument("--control", action="store_true", help="a run whose cancels race no pass (same load)")
     parser.add_argument("--before", action="store_true", help="a third race run with the code before (990e562)")
@@ -654,7 +697,10 @@ def main() -> None:
                 lines += explain(store, other, args.plan)
                 lines += latency(store, other, args.per_lane)
                 lines += (
-                    parts(store, other, args.per_lane, 5) + one_trip(store, other, args.per_lane) + commit_cost(url)
+                    parts(store, other, args.per_lane, 5)
+                    + summary_reads(store, other, args.per_lane)
+                    + one_trip(store, other, args.per_lane)
+                    + commit_cost(url)
                     if args.parts
                     else []
                 )

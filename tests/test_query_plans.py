@@ -13,8 +13,11 @@ from datetime import datetime, timedelta
 from typing import Any
 
 import pytest
+from psycopg import sql
 
 from delaywheel import Store
+from delaywheel.ops import cancel as cancel_module
+from delaywheel.ops.cancel import key_params
 from delaywheel.pending import WHEEL_HEAD
 from delaywheel.produce.keyblooms import probe
 from delaywheel.produce.validation import Message
@@ -155,6 +158,25 @@ def test_a_cancel_by_key_reads_the_keys_of_the_segments_its_filter_lets_through(
     assert sum(passed) <= 0.05 * len(passed) * 20  # false positives: about 1 % of the segments without the key
     assert [r.outcome for r in store.cancel(key="far-12345")] == ["cancelled"]
     assert [r.outcome for r in store.cancel(key="order-54321")] == ["not_found"]
+
+
+def test_a_cancel_by_key_reads_the_far_summaries_from_their_index(store: Store, t0: datetime) -> None:
+    """A lookup tests one far-key summary of each send; those rows lie a page apart in the table, side by side in the
+    index that carries their id ranges and filters (migrations/024): the lookup reads them from there alone, with the
+    settings a cancel's find runs it under (cancel.FIND_PLAN, a generic plan), before any VACUUM."""
+    for send in range(4):
+        store.send_many(
+            [Message("orders", b"x", deliver_at=t0 + timedelta(days=20), key=f"far-{send}-{i}") for i in range(3000)],
+            now=t0,
+        )
+    store.conn.execute("ANALYZE delaywheel.far_key_summaries")
+    candidates = cancel_module._KEY_CANDIDATES + sql.SQL(" SELECT ranges FROM candidates")
+    with store.conn.transaction():
+        store.conn.execute(cancel_module._GENERIC_FIND_PLAN)
+        plan = "\n".join(
+            row[0] for row in store.conn.execute(sql.SQL("EXPLAIN (COSTS OFF) ") + candidates, key_params("far-2-17"))
+        )
+    assert "Index Only Scan using far_key_summaries_lookup on far_key_summaries" in plan, plan
 
 
 def index_entries_read(store: Store, indexes: str) -> int:

@@ -308,6 +308,43 @@ def test_a_key_is_looked_up_in_the_summary_its_send_wrote(count: int) -> None:
         assert all(bloom[(h1 + i * h2) % m // 8] >> ((h1 + i * h2) % m % 8) & 1 for i in range(HASHES))
 
 
+def _crowded_keys(count: int) -> list[str]:
+    """`count` keys that all fall in the first of 4 summary groups (the top 2 bits of h2 zero): a send of them has 4
+    groups, and all its keys in one, so that group's filter would need 20 bits x `count` (keys a caller chose)."""
+    from delaywheel.produce.keyblooms import probe
+
+    keys = (f"crowd-{i}" for i in range(100 * count))
+    return [k for k in keys if probe(k)[1] >> 30 == 0][:count]
+
+
+def test_a_crowded_summary_group_keeps_its_filter_small_and_its_keys_found(store: Store, t0: datetime) -> None:
+    """A summary filter is read from a B-tree entry (migrations/024), so it is capped at SUMMARY_MAX_BYTES whatever the
+    keys: a group crowded by keys chosen to share it gets a capped filter (more false positives), and every one of its
+    keys is still found by a cancel. The table refuses a larger filter with a reason."""
+    import numpy as np
+    import pyarrow as pa
+
+    from delaywheel.produce.keyblooms import SUMMARY_MAX_BYTES, far_filters
+
+    keys = _crowded_keys(1200)  # 20 bits a key: 3,000 bytes uncapped
+    _, _, filters = far_filters(pa.array(keys), np.array([len(keys)]))
+    assert max(len(f) for f in filters) == SUMMARY_MAX_BYTES
+    ids = store.send_many(
+        [Message("orders", {"i": i}, key=k, delay=timedelta(days=10)) for i, k in enumerate(keys)], now=t0
+    )
+    assert store.conn.execute("SELECT max(octet_length(bloom)) FROM delaywheel.far_key_summaries").fetchone() == (
+        SUMMARY_MAX_BYTES,
+    )
+    for i in (0, 599, 1199):
+        assert [(r.message_id, r.outcome) for r in store.cancel(key=keys[i])] == [(ids[i], "cancelled")]
+    with pytest.raises(psycopg.errors.CheckViolation, match="far_key_summaries_bloom_size"):
+        store.conn.execute(
+            "INSERT INTO delaywheel.far_key_summaries (slot, id_lo, id_hi, last_block, bloom)"
+            " VALUES (1, 1, 2, now(), %s)",
+            (b"\xff" * (SUMMARY_MAX_BYTES + 1),),
+        )
+
+
 def test_a_lane_wait_that_fails_leaves_no_lane_locked(store: Store, db_url: str, t0: datetime) -> None:
     """A cancel whose lane wait is cut short (here by statement_timeout, while a pass holds the wheel's lane) keeps
     none of the shared lane locks it had taken: the level's lane is free for its deliverer at once."""

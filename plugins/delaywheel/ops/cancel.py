@@ -64,7 +64,7 @@ def _lock_level_lanes(conn: psycopg.Connection, how: str, params: dict[str, obje
 # the range holds the id. By key, segments carry no key index (a per-message entry is what they avoid, migrations/011):
 # `candidates` are the id ranges of the far sends whose summary filter of the key's group lets the key through
 # (migrations/020: about one filter per send, where testing every far segment's filter took 9-11 ms with 10 million
-# pending), of the far segments too small for a filter that hold the key (their partial GIN index), and of the
+# pending; read from the index that holds them, migrations/024, and FIND_PLAN below), of the far segments too small for a filter that hold the key (their partial GIN index), and of the
 # pending level segments whose filter lets it through (levels hold few segments: a send writes one per level). In
 # those ranges a segment's own filter is tested before its keys are read (CASE fixes the order: the planner would
 # run the cheaper-looking `@>` first, reading every segment's keys).
@@ -104,11 +104,16 @@ _FIND_ONE = {
     for how, (first, segments, rows) in _LOOKUP.items()
 }
 _LOOKUP_PLAN = sql.SQL("SELECT {}").format(sql.SQL(LOOKUP_PLAN)).as_string()
-_GENERIC_LOOKUP_PLAN = (
-    sql.SQL("SELECT {}, set_config('plan_cache_mode', 'force_generic_plan', true)")
-    .format(sql.SQL(LOOKUP_PLAN))
-    .as_string()
-)
+_GENERIC = "SELECT {}, set_config('plan_cache_mode', 'force_generic_plan', true)"
+_GENERIC_LOOKUP_PLAN = sql.SQL(_GENERIC).format(sql.SQL(LOOKUP_PLAN)).as_string()
+# The find's settings: bitmap scans priced out as well. The far-key summaries it tests, one row per send, are read
+# from the index that holds their filters (migrations/024); until autovacuum has marked their pages all-visible the
+# planner prices that index-only scan at a heap page a row and picks a bitmap scan, which is then one page a row
+# indeed, and the connection's generic plan keeps that choice for its life. GIN's bitmap scans (the small far
+# segments' keys) stay: GIN has no other index scan. Not for the topics' search: a BRIN index has only bitmap scans,
+# and with those priced out a small partition would be read whole.
+FIND_PLAN = LOOKUP_PLAN + ", set_config('enable_bitmapscan', 'off', true)"
+_GENERIC_FIND_PLAN = sql.SQL(_GENERIC).format(sql.SQL(FIND_PLAN)).as_string()
 # The messages with the id or key delivered into a topic (cancel reports them), by message_id's B-tree or key's BRIN.
 _DELIVERED = {
     how: sql.SQL("SELECT DISTINCT message_id FROM delaywheel.topic_messages WHERE {} = %(v)s AND origin <> 'replay'")
@@ -159,7 +164,7 @@ def find(conn: psycopg.Connection, how: str, params: dict[str, object]) -> list[
     running it (`bench/RESULTS.md`, cancel), and a generic plan loses nothing, since no partition is pruned by id or
     key."""
     with conn.pipeline():  # one round trip; outside a transaction, one implicit transaction for both statements
-        conn.execute(_GENERIC_LOOKUP_PLAN)
+        conn.execute(_GENERIC_FIND_PLAN)
         cur = conn.execute(_FIND_ONE[how], params, prepare=True)
     return cur.fetchall()
 

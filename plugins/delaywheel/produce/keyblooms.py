@@ -34,6 +34,10 @@ _FNV_OFFSET, _FNV_PRIME, _MASK32 = 2166136261, 16777619, 0xFFFFFFFF
 GROUP_BITS = 10
 GROUP_KEYS = 512
 SUMMARY_BITS_PER_KEY = 20
+# A summary's filter is read from a B-tree entry (migrations/024), which holds at most ~2.7 kB: a group of more than
+# ~800 keys (a send of more than ~800,000 far keys, or keys chosen to share a group) gets a filter of this size, with
+# more false positives, never a miss.
+SUMMARY_MAX_BYTES = 2000
 
 
 def key_hashes(keys: pa.Array) -> tuple[np.ndarray, np.ndarray]:
@@ -86,14 +90,22 @@ def slots(h2: int) -> list[int]:
 
 
 def _filters(
-    h1: np.ndarray, h2: np.ndarray, group: np.ndarray, counts: np.ndarray, bits_per_key: int = BITS_PER_KEY
+    h1: np.ndarray,
+    h2: np.ndarray,
+    group: np.ndarray,
+    counts: np.ndarray,
+    bits_per_key: int = BITS_PER_KEY,
+    max_bytes: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """One filter per group with keys (hashes h1, h2; `group` of each key; `counts` of keys per group, 0: none):
-    bits (h1 + i * h2) mod m for i < HASHES, numbered as PostgreSQL's get_bit numbers them (byte by byte, least
-    significant bit first). Returns the byte offsets of the filters (len(counts) + 1) and their packed bytes."""
+    """One filter per group with keys (hashes h1, h2; `group` of each key; `counts` of keys per group, 0: none) of
+    `bits_per_key` bits a key, at most `max_bytes`: bits (h1 + i * h2) mod m for i < HASHES, numbered as PostgreSQL's
+    get_bit numbers them (byte by byte, least significant bit first). Returns the byte offsets of the filters
+    (len(counts) + 1) and their packed bytes."""
     import numpy as np
 
     sizes = np.where(counts > 0, np.maximum(MIN_BYTES, -(-counts * bits_per_key // 8)), 0)
+    if max_bytes is not None:
+        sizes = np.minimum(sizes, max_bytes)
     offsets = np.concatenate(([0], np.cumsum(sizes)))
     bits = np.zeros(int(offsets[-1]) * 8, bool)
     m = (sizes * 8).astype(np.uint64)[group]
@@ -135,7 +147,7 @@ def far_filters(keys: pa.Array, counts: np.ndarray) -> tuple[pa.Array, list[int]
     bucket_bits = min(GROUP_BITS, int(np.ceil(np.log2(len(h1) / GROUP_KEYS)))) if len(h1) > GROUP_KEYS else 0
     group = (h2 >> np.uint64(32 - bucket_bits)).astype(np.int64) if bucket_bits else np.zeros(len(h1), np.int64)
     found = np.bincount(group, minlength=1 << bucket_bits)
-    offsets, packed = _filters(h1, h2, group, found, SUMMARY_BITS_PER_KEY)
+    offsets, packed = _filters(h1, h2, group, found, SUMMARY_BITS_PER_KEY, SUMMARY_MAX_BYTES)
     rows = np.flatnonzero(found)
     return (
         blooms,
