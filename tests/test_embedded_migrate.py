@@ -325,6 +325,32 @@ def test_bulk_claims_survive_the_move_to_source_ids(empty_db: str, sql_copy: Pat
     assert claims == [("a.csv", 5), ("b.csv", 3)]
 
 
+def test_a_far_summary_too_large_for_its_index_lets_every_key_through(
+    empty_db: str, sql_copy: Path, tmp_path: Path
+) -> None:
+    """migrations/024 reads the far-key summaries from a B-tree carrying their filters, whose entries hold ~2.7 kB at
+    most: a filter written before, larger than the cap (here 3,000 bytes that hold no key), becomes one that lets
+    every key through, so the send it covers is still searched, never missed; one within the cap is kept as it was."""
+    put_back = _hold_back_after(23, sql_copy, tmp_path)
+    migrate(empty_db, sql_copy)
+    small = bytes(range(256)) * 4
+    with psycopg.connect(empty_db) as conn:
+        conn.execute(
+            "INSERT INTO delaywheel.far_key_summaries (slot, id_lo, id_hi, last_block, bloom)"
+            " VALUES (1, 1, 10, now(), %s), (1, 11, 20, now(), %s)",
+            (bytes(3000), small),
+        )
+    put_back()
+    migrate(empty_db, sql_copy)
+    with psycopg.connect(empty_db) as conn:
+        rows = conn.execute(
+            "SELECT id_lo, bloom, delaywheel.bloom_may_hold(bloom, 12345, 6789)"
+            " FROM delaywheel.far_key_summaries ORDER BY id_lo"
+        ).fetchall()
+    assert [(lo, bytes(bloom)) for lo, bloom, _ in rows] == [(1, b"\xff" * 8), (11, small)]
+    assert rows[0][2] is True
+
+
 def _lines(url: str) -> list[tuple[str, int, str]]:
     with psycopg.connect(url) as conn:
         return conn.execute("SELECT line, version, name FROM delaywheel.schema_migrations ORDER BY 1, 2").fetchall()
