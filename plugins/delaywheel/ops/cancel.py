@@ -64,10 +64,11 @@ def _lock_level_lanes(conn: psycopg.Connection, how: str, params: dict[str, obje
 # the range holds the id. By key, segments carry no key index (a per-message entry is what they avoid, migrations/011):
 # `candidates` are the id ranges of the far sends whose summary filter of the key's group lets the key through
 # (migrations/020: about one filter per send, where testing every far segment's filter took 9-11 ms with 10 million
-# pending; read from the index that holds them, migrations/024, and FIND_PLAN below), of the far segments too small for a filter that hold the key (their partial GIN index), and of the
-# pending level segments whose filter lets it through (levels hold few segments: a send writes one per level). In
-# those ranges a segment's own filter is tested before its keys are read (CASE fixes the order: the planner would
-# run the cheaper-looking `@>` first, reading every segment's keys).
+# pending; read from the index that holds them, migrations/024, and FIND_PLAN below), of the far segments too small
+# for a filter that hold the key (their partial GIN index), and of the pending level segments whose filter lets it
+# through (levels hold few segments: a send writes one per level). In those ranges a segment's own filter is tested
+# before its keys are read (CASE fixes the order: the planner would run the cheaper-looking `@>` first, reading every
+# segment's keys).
 _MAY_HOLD_KEY = sql.SQL(
     "CASE WHEN delaywheel.bloom_may_hold(s.key_bloom, %(h1)s, %(h2)s) THEN s.keys @> ARRAY[%(v)s::text] END"
 )
