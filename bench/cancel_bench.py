@@ -249,6 +249,16 @@ _TRIGGER = {
 }
 
 
+def find_settings(conn: psycopg.Connection) -> None:
+    """The find's planner settings (cancel.FIND_PLAN) and a generic plan, for the session rather than a transaction:
+    parts timed as statements of their own run as the find runs them."""
+    conn.execute(
+        sql.SQL("SELECT {}, set_config('plan_cache_mode', 'force_generic_plan', false)").format(
+            sql.SQL(FIND_PLAN.replace("true)", "false)"))
+        )
+    )
+
+
 def parts(store: Store, other: psycopg.Connection, calls: int, sends: int) -> list[str]:
     """The lookup's parts (p50 of `calls` keys, interleaved), and near-timer send_many with and without the
     alternative's trigger (`sends` calls of 20,000 each, alternating)."""
@@ -256,11 +266,7 @@ def parts(store: Store, other: psycopg.Connection, calls: int, sends: int) -> li
     keys = [k for (k,) in other.execute(SAMPLES["near"], (calls + 20,))]  # type: ignore[arg-type]
     times: dict[str, list[float]] = {name: [] for name in _PARTS}
     with psycopg.connect(store.url, autocommit=True) as conn:
-        conn.execute(
-            sql.SQL("SELECT {}, set_config('plan_cache_mode', 'force_generic_plan', false)").format(
-                sql.SQL(FIND_PLAN.replace("true)", "false)"))
-            )
-        )
+        find_settings(conn)
         order = list(_PARTS.items())
         for i, key in enumerate(keys):
             params = key_params(key)
@@ -331,11 +337,7 @@ def summary_reads(store: Store, other: psycopg.Connection, calls: int) -> list[s
     conns = {}
     for name, index_only in (("heap pages (before)", "off"), ("index-only (now)", "on")):
         conn = psycopg.connect(store.url, autocommit=True)
-        conn.execute(
-            sql.SQL("SELECT {}, set_config('plan_cache_mode', 'force_generic_plan', false)").format(
-                sql.SQL(FIND_PLAN.replace("true)", "false)"))
-            )
-        )
+        find_settings(conn)
         conn.execute(sql.SQL("SET enable_indexonlyscan = {}").format(sql.SQL(index_only)))
         conns[name] = conn
     figures = []
