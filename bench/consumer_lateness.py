@@ -169,7 +169,8 @@ def run(args: argparse.Namespace) -> tuple[list[Check], list[str]]:
         if len(handoff)
         else "nothing received",
         f"consumer: {totals['batches']:,} batches, {totals['notified_wakes']:,} woken by NOTIFY,"
-        f" {totals['safety_wakes']} safety wakes, {totals['empty_pulls']:,} empty pulls"
+        f" {totals['safety_wakes']} safety wakes, {totals.get('held_acks', 0):,} acks held in vain,"
+        f" {totals['empty_pulls']:,} empty pulls"
         f" ({totals['repulls']:,} looks again after a notified pull found nothing readable), {totals['busy']} busy,"
         f" {totals['reconnects']} reconnects",
         cpu_note("consumer process", consumer_cpu) + "; " + cpu_note("deliverer process", deliverer_cpu),

@@ -148,6 +148,7 @@ class Store:
         duration_s: float | None = None,
         idle_s: float | None = None,
         safety_wake_s: float | None = None,
+        ack_hold_s: float | None = None,
     ) -> ConsumeTotals:
         """Wait for `topic`'s deliveries and hand them to `handler(messages)` in batches of up to `max_messages`,
         acking each after it (consume.py): returns `consume.ConsumeTotals`. `handler` returns None or the ids that
@@ -160,7 +161,7 @@ class Store:
             topic,
             group,
             handler,
-            **_consumer_options(max_messages, stop, limit, duration_s, idle_s, safety_wake_s),
+            **_consumer_options(max_messages, stop, limit, duration_s, idle_s, safety_wake_s, ack_hold_s),
         )
 
     def messages(
@@ -174,13 +175,13 @@ class Store:
         duration_s: float | None = None,
         idle_s: float | None = None,
         safety_wake_s: float | None = None,
+        ack_hold_s: float | None = None,
     ) -> Iterator[topics.Delivered]:
         """`consume` as an iterator of messages: a message is acked once the loop asks for the next one (or ends)."""
         from delaywheel.consume import consumer as consume
 
-        return consume.messages(
-            self, topic, group, **_consumer_options(max_messages, stop, limit, duration_s, idle_s, safety_wake_s)
-        )
+        options = _consumer_options(max_messages, stop, limit, duration_s, idle_s, safety_wake_s, ack_hold_s)
+        return consume.messages(self, topic, group, **options)
 
     # cancelling
     def cancel(
@@ -252,6 +253,7 @@ def _consumer_options(
     duration_s: float | None,
     idle_s: float | None,
     safety_wake_s: float | None,
+    ack_hold_s: float | None,
 ) -> dict[str, Any]:
     options: dict[str, Any] = {
         "max_messages": max_messages,
@@ -262,4 +264,6 @@ def _consumer_options(
     }
     if safety_wake_s is not None:
         options["safety_wake_s"] = safety_wake_s
+    if ack_hold_s is not None:
+        options["ack_hold_s"] = ack_hold_s
     return options

@@ -307,6 +307,7 @@ def test_after_a_batch_with_nothing_behind_it_the_consumer_waits_for_the_next_no
     with Store(db_url) as own:
         totals = own.consume("t", "g", lambda ms: None, duration_s=1.5, safety_wake_s=30)
     assert totals.messages == 1 and totals.repulls == 0 and totals.empty_pulls == 1
+    assert totals.held_acks == 1  # its ack waited for a notification that did not come, then went with a pull
     batch = store.pull("t", "g")
     assert len(batch) == 0 and not batch.behind
     with psycopg.connect(db_url) as holder:  # rows past the offset that no read can take yet: behind
@@ -314,6 +315,43 @@ def test_after_a_batch_with_nothing_behind_it_the_consumer_waits_for_the_next_no
         store.send("t", {"n": 2})
         held_back = store.pull("t", "g")
         assert len(held_back) == 0 and held_back.behind
+
+
+def test_a_batch_that_left_rows_unread_says_so(store: Store) -> None:
+    """`Batch.behind` with messages: rows past the offset that the batch does not hold (beyond its room), so the
+    consumer pulls again at once instead of holding the ack for a notification that came already."""
+    store.send_many([Message("t", {"n": i}) for i in range(5)])
+    assert store.pull("t", "g", max_messages=2).behind
+    whole = store.pull("t", "g", max_messages=5)
+    assert len(whole) == 5 and not whole.behind
+    assert not store.pull("t", "g", max_messages=6).behind
+
+
+def test_a_caught_up_consumer_acks_a_batch_with_the_pull_of_the_next_delivery(db_url: str, store: Store) -> None:
+    """A batch that read every readable row is acked with the pull the next notification asks for (one round trip
+    for both), not with an empty pull of its own; meanwhile its offset has not moved, and a crash then would hand
+    it out again (at least once)."""
+    first = store.send("t", {"n": 1})
+    offsets: list[object] = []
+
+    def second_delivery() -> None:
+        time.sleep(0.5)  # the consumer is holding the first batch's ack by now
+        offsets.append(store.conn.execute("SELECT count(*) FROM delaywheel.consumer_offsets").fetchone())
+        store.send("t", {"n": 2})
+
+    got: list[int] = []
+
+    def handler(messages: list) -> None:
+        got.extend(m.message_id for m in messages)
+        if len(got) == 1:
+            threading.Thread(target=second_delivery).start()
+
+    with Store(db_url) as own:
+        totals = own.consume("t", "g", handler, limit=2, duration_s=20, ack_hold_s=30, safety_wake_s=30)
+    assert got[0] == first and len(got) == 2
+    assert offsets == [(0,)]  # the group's first ack had not been written half a second after the handler
+    assert totals.empty_pulls == 0 and totals.held_acks == 0 and totals.notified_wakes == 1
+    assert len(store.pull("t", "g")) == 0  # both acked
 
 
 def _ack_and_pull(store: Store, done: topics.Batch | None, held: frozenset[str], n: int = 2) -> tuple:

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from datetime import timedelta
+from pathlib import Path
 
 import psycopg
 import pytest
-from psycopg import errors
+from psycopg import errors, pq
 
 from delaywheel import Store
 from delaywheel.deliver.wheel import CURSOR, TRIM_EVERY
@@ -99,3 +101,27 @@ def test_the_runtime_appends_and_trims_but_never_rewrites(db_url: str) -> None:
                 conn.execute(statement)  # type: ignore[arg-type]
         assert conn.execute("DELETE FROM delaywheel.wheel_cursor WHERE pass >= 0 AND pass < 1").rowcount == 1
         assert conn.execute("SELECT near_until FROM delaywheel.wheel_state FOR KEY SHARE").fetchone() is not None
+
+
+def test_a_wheel_pass_is_three_round_trips(store: Store, tmp_path: Path) -> None:
+    """Each round trip costs the deliverer and its server process a wake-up, which waits for a CPU on a busy machine,
+    and the third stands between the rows' delivered_at and the commit that makes them readable. A pass that
+    delivers is three pipelines (BEGIN, lock and cursor; the moves; the next entry, the head and COMMIT), after the
+    roll's one look at `wheel_roll`: four Syncs."""
+    store.send_many([Message("t", {"n": 1}, delay=timedelta(milliseconds=50))])
+    time.sleep(0.2)
+    assert store.advance_wheel().delivered == 1  # creates the topic's partition,
+    store.advance_wheel()  # which the next pass sees committed: from here on, a pass's common case
+    ids = store.send_many([Message("t", {"n": i}, delay=timedelta(milliseconds=50)) for i in range(3)])
+    time.sleep(0.2)
+    trace = tmp_path / "libpq.trace"
+    with trace.open("w") as f:
+        store.conn.pgconn.trace(f.fileno())
+        store.conn.pgconn.set_trace_flags(pq.Trace.SUPPRESS_TIMESTAMPS)
+        try:
+            result = store.advance_wheel()
+        finally:
+            store.conn.pgconn.untrace()
+    assert result.delivered == 3 and sorted(m[0] for m in deliveries(store, "t"))[-3:] == sorted(ids)
+    messages = [line.split("\t")[2] for line in trace.read_text().splitlines() if line[:2] in ("F\t", "B\t")]
+    assert messages.count("Sync") == 4

@@ -67,8 +67,9 @@ class Batch:
     messages: list[Delivered]
     cursors: dict[str, tuple[str, int]] = field(default_factory=dict)  # topic -> (xid, offset) of its last message
     positions: list[tuple[int, int]] = field(default_factory=list)  # each message's (xid, queue_offset) in its topic
-    # Rows past the group's offset existed when it was read: with no messages, rows not readable yet (committed above
-    # the commit horizon, or committed just after the read): the waiting consumer looks again within milliseconds.
+    # Rows past the group's offset that the batch does not hold existed when it was read: rows not readable yet
+    # (committed above the commit horizon, or just after the read) or beyond the batch's room. The consumer then
+    # looks again within milliseconds rather than wait for the next notification (which may have come already).
     behind: bool = False
 
     def __len__(self) -> int:
@@ -133,9 +134,10 @@ _SOURCE = sql.SQL("""(
     ORDER BY t.xid, t.queue_offset
     LIMIT %(limit)s
 )""")
-# Is there any row past the group's offset in the source, readable or not (what `Batch.behind` reports)?
-_PAST = sql.SQL("""EXISTS (SELECT 1 FROM delaywheel.topic_messages t WHERE t.topic = {source}
-                  AND (t.xid, t.queue_offset) > {offset})""")
+# How many rows past the group's offset the source holds, readable or not, counted up to one more than a read takes:
+# more than the read returned is what `Batch.behind` reports.
+_PAST = sql.SQL("""(SELECT count(*) FROM (SELECT FROM delaywheel.topic_messages t WHERE t.topic = {source}
+                  AND (t.xid, t.queue_offset) > {offset} LIMIT %(limit)s + 1) p)""")
 _READ = sql.SQL("""WITH h AS MATERIALIZED (SELECT {horizon} AS x)
 SELECT r.*, e.behind FROM (SELECT {past} AS behind) e
 LEFT JOIN LATERAL ({sources}) r ON true
@@ -148,7 +150,7 @@ def _read_statement(n: int) -> str:
     sources = [(sql.Literal(i), sql.Placeholder(f"s{i}")) for i in range(n)]
     return _READ.format(
         horizon=sql.SQL(COMMIT_HORIZON),
-        past=sql.SQL(" OR ").join(_PAST.format(source=s, offset=_OFFSET.format(source=s)) for _, s in sources),
+        past=sql.SQL(" + ").join(_PAST.format(source=s, offset=_OFFSET.format(source=s)) for _, s in sources),
         sources=sql.SQL("\nUNION ALL\n").join(
             _SOURCE.format(index=i, source=s, offset=_OFFSET.format(source=s)) for i, s in sources
         ),
@@ -197,7 +199,8 @@ def _batch(group: str, sources: tuple[str, ...], rows: list[tuple[Any, ...]], ma
             batch.positions.append((r[n + 2], r[1]))
         if taken:
             batch.cursors[source] = (str(taken[-1][n + 2]), taken[-1][1])
-    batch.behind = bool(rows) and bool(rows[0][n + 3])
+    read = sum(1 for r in rows if r[n + 1] is not None)  # (no rows: one row of NULLs but `behind`)
+    batch.behind = bool(rows) and rows[0][n + 3] > read
     return batch
 
 

@@ -25,7 +25,7 @@ import psycopg
 from psycopg import errors, sql
 
 from delaywheel.config import Settings
-from delaywheel.db import COMMIT_HORIZON, QUEUE_PLAN
+from delaywheel.db import COMMIT_HORIZON, QUEUE_PLAN, commits_each_statement
 from delaywheel.deliver.levels import TOPIC_SUMMARY, take_lane, topic_spans
 from delaywheel.deliver.setaside import POISON, record
 from delaywheel.locks import WHEEL_LOCK
@@ -425,44 +425,80 @@ def _set_aside_due(conn: psycopg.Connection, cache: PartitionCache, now: datetim
 
 
 def _advance(conn: psycopg.Connection, cache: PartitionCache, now: datetime | None, limit: int) -> PassResult:
-    with conn.transaction():
-        row = conn.execute(_TRY_LOCK, (*WHEEL_LOCK, now)).fetchone()
-        assert row is not None
-        locked, xmin, clock = row
-        if not locked:
-            if not take_lane(conn, WHEEL_LOCK):
-                return PassResult(0, 0, None, busy=True)
-            xmin, clock = conn.execute(_HORIZON_AND_CLOCK, (now,)).fetchone()  # type: ignore[misc]
-        # Read once, after the lock: the previous holder's entry is visible to this statement's snapshot. Nothing
-        # locks it (producers lock wheel_roll's row, not the cursor): the entry this pass appends is keyed by the
-        # one read here, so a second pass that read the same entry could not commit.
-        state = conn.execute(CURSOR).fetchone()
-        assert state is not None
-        entry, cursor_at, cursor_id, horizon, total = state
-        # The horizon only moves forward. Every xid below the stored horizon had ended when it was taken, so
-        # the larger of the two is still a valid horizon; taking a smaller one (the commit horizon can dip, see
-        # db.COMMIT_HORIZON) would make rows already delivered by the due step look like stragglers again.
-        xmin = str(max(int(xmin), int(horizon)))
-        if clock < cursor_at:  # an injected clock went backwards: deliver nothing rather than early
-            return PassResult(0, 0, cursor_at)
-        cache.ensure(conn, "topic_messages", [clock])
-        params = {
-            "injected": now,
-            "now": clock,
-            "xmin": xmin,
-            "horizon": horizon,
-            "cursor_at": cursor_at,
-            "cursor_id": cursor_id,
-            "limit": limit,
-        }
-        stragglers, straggled = conn.execute(_MOVE_STRAGGLERS, params).fetchone()  # type: ignore[misc]
+    """One pass in a transaction of its own: BEGIN and COMMIT go in the pass's pipelines on a Store's connection
+    (autocommit, idle), and the pass runs inside the caller's transaction (a savepoint) otherwise."""
+    if not commits_each_statement(conn):
+        with conn.transaction():
+            return _pass(conn, cache, now, limit, own=False)
+    try:
+        return _pass(conn, cache, now, limit, own=True)
+    except BaseException:
+        with contextlib.suppress(psycopg.Error):
+            conn.rollback()
+        raise
+
+
+def _pass(
+    conn: psycopg.Connection, cache: PartitionCache, now: datetime | None, limit: int, *, own: bool
+) -> PassResult:
+    """The pass's statements in three pipelines, each one round trip (a Sync inside a transaction block does not
+    commit): the lock, horizon and clock with the cursor (BEGIN first when `own`); the stragglers' move, the queue
+    plan and the due batch's move; the cursor's next entry and the head after it (COMMIT last when `own`). It was
+    nine round trips, and each costs the deliverer and its server process a wake-up, which waits for a CPU on a
+    busy machine; the rows' delivered_at is taken in the second, so the third is also between it and the commit
+    that makes them readable (`bench/results/2026-11-27-pipelined-pass.json`). Statements still run one after
+    another, each with its own snapshot, so the cursor is read after the lock is held, as before."""
+    with conn.pipeline():
+        if own:
+            conn.execute("BEGIN")
+        locking = conn.execute(_TRY_LOCK, (*WHEEL_LOCK, now))
+        reading = conn.execute(CURSOR)
+    row = locking.fetchone()
+    assert row is not None
+    locked, xmin, clock = row
+    if not locked:
+        if not take_lane(conn, WHEEL_LOCK):
+            if own:
+                conn.execute("ROLLBACK")
+            return PassResult(0, 0, None, busy=True)
+        xmin, clock = conn.execute(_HORIZON_AND_CLOCK, (now,)).fetchone()  # type: ignore[misc]
+        reading = conn.execute(CURSOR)
+    # Read after the lock: the previous holder's entry is visible to this statement's snapshot. Nothing locks it
+    # (producers lock wheel_roll's row, not the cursor): the entry this pass appends is keyed by the one read here,
+    # so a second pass that read the same entry could not commit.
+    state = reading.fetchone()
+    assert state is not None
+    entry, cursor_at, cursor_id, horizon, total = state
+    # The horizon only moves forward. Every xid below the stored horizon had ended when it was taken, so
+    # the larger of the two is still a valid horizon; taking a smaller one (the commit horizon can dip, see
+    # db.COMMIT_HORIZON) would make rows already delivered by the due step look like stragglers again.
+    xmin = str(max(int(xmin), int(horizon)))
+    if clock < cursor_at:  # an injected clock went backwards: deliver nothing rather than early
+        if own:
+            conn.execute("ROLLBACK")
+        return PassResult(0, 0, cursor_at)
+    cache.ensure(conn, "topic_messages", [clock])
+    params = {
+        "injected": now,
+        "now": clock,
+        "xmin": xmin,
+        "horizon": horizon,
+        "cursor_at": cursor_at,
+        "cursor_id": cursor_id,
+        "limit": limit,
+    }
+    with conn.pipeline():
+        straggling = conn.execute(_MOVE_STRAGGLERS, params)
         # After the stragglers: they have no index in due order, and priced-out sorting would make the planner
         # walk the whole due index up to the cursor to avoid sorting them.
         conn.execute(_QUEUE_PLAN)
-        moved, due_count, last_at, last_id, summary = conn.execute(_MOVE_DUE, params).fetchone()  # type: ignore[misc]
-        full = due_count == limit
-        new_at, new_id = (last_at, last_id) if full else (clock, MAX_ID)
-        delivered = stragglers + moved
+        moving = conn.execute(_MOVE_DUE, params)
+    stragglers, straggled = straggling.fetchone()  # type: ignore[misc]
+    moved, due_count, last_at, last_id, summary = moving.fetchone()  # type: ignore[misc]
+    full = due_count == limit
+    new_at, new_id = (last_at, last_id) if full else (clock, MAX_ID)
+    delivered = stragglers + moved
+    with conn.pipeline():
         conn.execute(
             "INSERT INTO delaywheel.wheel_cursor (pass, cursor_at, cursor_id, horizon_xid, delivered)"
             " VALUES (%s, %s, %s, %s::xid8, %s)",
@@ -473,14 +509,14 @@ def _advance(conn: psycopg.Connection, cache: PartitionCache, now: datetime | No
                 "DELETE FROM delaywheel.wheel_cursor WHERE pass >= %s AND pass < %s",
                 (entry + 1 - 2 * TRIM_EVERY, entry + 1 - TRIM_EVERY),
             )
-        head = (
-            (clock,)
+        heading = (
+            None  # full: more is due now, the caller looks again at once
             if full
-            else conn.execute(  # full: more is due now, the caller looks again at once
-                _HEAD_AFTER,
-                {"at": new_at, "id": new_id, "clock": clock, "xmin": xmin},
-            ).fetchone()
+            else conn.execute(_HEAD_AFTER, {"at": new_at, "id": new_id, "clock": clock, "xmin": xmin})
         )
+        if own:
+            conn.execute("COMMIT")
+    head = (clock,) if heading is None else heading.fetchone()
     topics = topic_spans(straggled)  # stragglers were written first, in the same transaction
     for topic, span in topic_spans(summary).items():
         topics[topic] = topics[topic].merge(span) if topic in topics else span
