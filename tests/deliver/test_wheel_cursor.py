@@ -125,3 +125,17 @@ def test_a_wheel_pass_is_three_round_trips(store: Store, tmp_path: Path) -> None
     assert result.delivered == 3 and sorted(m[0] for m in deliveries(store, "t"))[-3:] == sorted(ids)
     messages = [line.split("\t")[2] for line in trace.read_text().splitlines() if line[:2] in ("F\t", "B\t")]
     assert messages.count("Sync") == 4
+
+
+def test_a_wheel_pass_inside_the_callers_transaction_commits_with_it(store: Store) -> None:
+    """On a connection already in a transaction the pass runs in a savepoint, with the same pipelines and no BEGIN or
+    COMMIT of its own: what it delivered is the caller's to commit or roll back."""
+    ids = store.send_many([Message("t", {"n": i}, delay=timedelta(milliseconds=50)) for i in range(2)])
+    time.sleep(0.2)
+    with store.conn.transaction(force_rollback=True):
+        assert store.advance_wheel().delivered == 2
+        assert len(deliveries(store, "t")) == 2
+    assert deliveries(store, "t") == []  # rolled back with the caller's transaction
+    with store.conn.transaction():
+        assert store.advance_wheel().delivered == 2
+    assert sorted(m[0] for m in deliveries(store, "t")) == sorted(ids)
