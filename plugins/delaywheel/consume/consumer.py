@@ -10,15 +10,15 @@ unreadable); one that finds nothing past the offset waits for the next notificat
 
 Per batch, the ack of the batch just handled and the pull of the next are one transaction (`topics.ack_and_pull`:
 the offset's move with the pull's plan settings, then one read of the topic and the retry topic, in binary): one
-round trip while the consumer holds its group's locks and nothing failed, else four (BEGIN and COMMIT around
-them). A batch that took every readable row waits up to `ack_hold_s` for the next notification before that round
-trip, so its ack goes with the pull of the next delivery rather than with a pull that finds nothing. At most `max_messages` are in hand at a time (the prefetch bound). Two consumers of one group never handle the
-same batch: a consumer holds the group's lock on a source topic (`topics.GROUP_LOCK`, a session advisory lock)
-from the pull of a batch to the commit of its ack, and keeps it while messages keep coming (a topic is one ordered
-queue per group: a second consumer adds no parallelism, only a standby); it lets go after a safety wake with
-nothing to do, and a standby consumer takes over then. Delivery to the
-handler is at least once: a batch whose ack did not commit (a crash, a kill, a lost connection) is handled again,
-by this consumer or another; deduplicate on `Delivered.idempotency_id`.
+round trip while the consumer holds its group's locks and nothing failed, else four (BEGIN and COMMIT around them).
+A batch that took every readable row waits up to `ack_hold_s` for the next notification before that round trip, so
+its ack goes with the pull of the next delivery rather than with a pull that finds nothing. At most `max_messages`
+are in hand at a time (the prefetch bound). Two consumers of one group never handle the same batch: a consumer holds
+the group's lock on a source topic (`topics.GROUP_LOCK`, a session advisory lock) from the pull of a batch to the
+commit of its ack, and keeps it while messages keep coming (a topic is one ordered queue per group: a second
+consumer adds no parallelism, only a standby); it lets go after a safety wake with nothing to do, and a standby
+consumer takes over then. Delivery to the handler is at least once: a batch whose ack did not commit (a crash, a
+kill, a lost connection) is handled again, by this consumer or another; deduplicate on `Delivered.idempotency_id`.
 """
 
 from __future__ import annotations
@@ -227,10 +227,10 @@ class Consumer:
             self._listener = conn
 
     def _hold_ack(self) -> None:
-        """Wait up to `ack_hold_s` (ACK_HOLD_S) for a notification before acking the batch just handled, which read every row
-        readable past the offset: its ack then travels with the pull of the next delivery, one round trip and one
-        wake-up of the consumer and its server process instead of two. The handled batch stays unacked that much
-        longer (at least once either way: a crash meanwhile hands it out again)."""
+        """Wait up to `ack_hold_s` (ACK_HOLD_S) for a notification before acking the batch just handled, which read
+        every row readable past the offset: its ack then travels with the pull of the next delivery, one round trip
+        and one wake-up of the consumer and its server process instead of two. The handled batch stays unacked that
+        much longer (at least once either way: a crash meanwhile hands it out again)."""
         if self._wait_or_lose(self.ack_hold_s):
             self.totals.notified_wakes += 1
         elif not self.stop.is_set():
