@@ -384,6 +384,37 @@ def test_in_the_steady_state_the_ack_and_the_next_pull_are_one_round_trip(store:
     assert [m.message_id for b in (first, second, third) for m in b.messages] == ids
 
 
+def _wal_syncs(conn: psycopg.Connection) -> int:
+    """The cluster's WAL syncs so far, with this session's own counts flushed first (they are sent to the
+    statistics at most once a second otherwise)."""
+    conn.execute("SELECT pg_stat_force_next_flush()")
+    conn.execute("SELECT pg_stat_clear_snapshot()")
+    row = conn.execute("SELECT wal_sync FROM pg_stat_wal").fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def test_an_ack_that_rides_a_pull_does_not_wait_for_its_wal_flush(store: Store) -> None:
+    """Beside busy loops a durable commit waits a scheduler tick, and the pull's rows come back only after its
+    ack commits: an ack that travels with a pull commits asynchronously (a crash can undo it, and the batch is
+    handed out again, as after a crash before the ack). `ack` on its own stays durable: one WAL sync per ack."""
+    store.send_many([Message("t", {"n": i}) for i in range(61)])
+    _, batch, held = _ack_and_pull(store, None, frozenset(), n=1)  # the group's locks and its offset row
+    batch = _ack_and_pull(store, batch, held, n=1)[1]
+    before = _wal_syncs(store.conn)
+    for _ in range(30):
+        store.ack(batch)
+        batch = store.pull("t", "g", 1)
+    durable = _wal_syncs(store.conn) - before
+    before = _wal_syncs(store.conn)
+    for _ in range(29):
+        result, batch, held = _ack_and_pull(store, batch, held, n=1)
+        assert result.acked == 1
+    riding = _wal_syncs(store.conn) - before
+    assert durable >= 30 and riding < 10, (durable, riding)
+    assert len(store.pull("t", "g")) == 1  # every ack took: only the last batch is still unacked
+
+
 def test_a_batch_acked_meanwhile_is_counted_and_not_handed_out_again(store: Store) -> None:
     """The one-trip pull reads before it learns whether its ack moved the offset. When it did not (another consumer
     of the group acked past the batch), that read is dropped and the ack takes the general path: the batch counts as

@@ -12,7 +12,8 @@ Per batch, the ack of the batch just handled and the pull of the next are one tr
 the offset's move with the pull's plan settings, then one read of the topic and the retry topic, in binary): one
 round trip while the consumer holds its group's locks and nothing failed, else four (BEGIN and COMMIT around them).
 A batch that took every readable row waits up to `ack_hold_s` for the next notification before that round trip, so
-its ack goes with the pull of the next delivery rather than with a pull that finds nothing. At most `max_messages`
+its ack goes with the pull of the next delivery rather than with a pull that finds nothing. An ack that goes with a
+pull commits asynchronously (`topics._ASYNC_ACK`); the loop's last ack is durable. At most `max_messages`
 are in hand at a time (the prefetch bound). Two consumers of one group never handle the same batch: a consumer holds
 the group's lock on a source topic (`topics.GROUP_LOCK`, a session advisory lock) from the pull of a batch to the
 commit of its ack, and keeps it while messages keep coming (a topic is one ordered queue per group: a second

@@ -164,6 +164,12 @@ assert fields(Delivered)[-1].name == "source_topic"
 # the read planned once per connection (a prepared generic plan): it names topic_messages four times, and planning
 # it for each batch took 3.3 ms against 1.2 ms to run it for 1,000 rows. Nothing is pruned by its parameters.
 _READ_PLAN = sql.SQL("{}, set_config('plan_cache_mode', 'force_generic_plan', true)").format(sql.SQL(QUEUE_PLAN))
+# An ack that travels with a pull commits without waiting for its WAL to reach the disk: the pull's rows come back
+# only after the commit, and beside busy loops that wait is a 4-ms scheduler tick (`bench.commit_flush`), on the
+# path from a delivery's notification to the handler. A PostgreSQL crash in the next ~0.6 s (3 x wal_writer_delay)
+# can undo such an ack, and the batch is handed out again: the same at-least-once contract as a crash before the
+# ack. A later durable commit (the deliverer's) flushes it anyway. `ack` on its own, the loop's last, stays durable.
+_ASYNC_ACK = sql.SQL("set_config('synchronous_commit', 'off', true)")
 _SET_READ_PLAN = sql.SQL("SELECT {}").format(_READ_PLAN).as_string()
 # The group lock's keys on (group, source): parameters group, then source.
 _GROUP_LOCK_KEYS = sql.SQL("{}, {}").format(sql.Literal(GROUP_LOCK), sql.SQL(GROUP_TOPIC_KEY))
@@ -241,14 +247,15 @@ _NO_MOVE = sql.SQL("SELECT ARRAY[]::text[]{extra}")
 
 
 @functools.cache
-def _move_statement(sources: int, tries: int | None) -> str:
+def _move_statement(sources: int, tries: int | None, durable: bool = True) -> str:
     """`_MOVE` for a batch's `sources` sources (0: nothing to move), then, for a pull (`tries` not None), the pull's
-    plan settings and `tries` tries of the group lock. As text, rendered once per shape: psycopg prepares a statement
-    it runs often by its text, as it did when these were joined strings."""
+    plan settings, `_ASYNC_ACK` unless `durable`, and `tries` tries of the group lock. As text, rendered once per
+    shape: psycopg prepares a statement it runs often by its text, as it did when these were joined strings."""
     extra: sql.Composable = sql.SQL("")
     if tries is not None:
         try_lock = sql.SQL("pg_try_advisory_lock({})").format(_GROUP_LOCK_KEYS)
-        extra = sql.SQL(", {}").format(sql.SQL(", ").join([_READ_PLAN, *[try_lock] * tries]))
+        settings = [_READ_PLAN] if durable else [_READ_PLAN, _ASYNC_ACK]
+        extra = sql.SQL(", {}").format(sql.SQL(", ").join([*settings, *[try_lock] * tries]))
     if not sources:
         return _NO_MOVE.format(extra=extra).as_string()
     return _MOVE.format(values=sql.SQL(", ").join([_MOVE_VALUE] * sources), extra=extra).as_string()
@@ -259,11 +266,12 @@ def _move(
     batch: Batch | None,
     tries: int | None = None,
     params: list[Any] | None = None,
+    durable: bool = True,
 ) -> tuple[set[str], tuple[Any, ...]]:
     """In one statement, `_MOVE` for each source of `batch` (if any), then for a pull (`tries` not None) its plan
-    settings and `tries` tries of the group lock (with `params`) after the moves' column. Returns the sources moved
-    and the row."""
-    row = _moving(conn, batch, tries, params).fetchone()
+    settings (`_move_statement`) and `tries` tries of the group lock (with `params`) after the moves' column.
+    Returns the sources moved and the row."""
+    row = _moving(conn, batch, tries, params, durable).fetchone()
     assert row is not None
     return set(row[0]), row
 
@@ -273,6 +281,7 @@ def _moving(
     batch: Batch | None,
     tries: int | None = None,
     params: list[Any] | None = None,
+    durable: bool = True,
 ) -> psycopg.Cursor[Any]:
     """`_move`'s statement, sent (in a pipeline, not yet answered): its cursor."""
     values: list[Any] = []
@@ -283,7 +292,7 @@ def _moving(
             values += [topic, xid, offset, len(mine), str(mine[0][0]), mine[0][1]]
         sources = len(batch.cursors)
         values.append(batch.group)
-    return conn.execute(_move_statement(sources, tries), values + (params or []))
+    return conn.execute(_move_statement(sources, tries, durable), values + (params or []))
 
 
 def ack_and_pull(
@@ -301,7 +310,8 @@ def ack_and_pull(
     BEGIN; the ack's common move (`_MOVE`) with the pull's plan settings and lock tries; the read of both sources;
     COMMIT. A source the common move did not cover, and failed messages, take `ack`'s general path in between. In
     the steady state (the group's locks held, nothing failed) the move and the read go as one round trip, one
-    implicit transaction (`_ack_and_pull_held`).
+    implicit transaction (`_ack_and_pull_held`). On a connection of its own (not in a caller's transaction) the
+    transaction commits without waiting for its WAL flush (`_ASYNC_ACK`).
 
     The group lock (GROUP_LOCK) is tried for each source not in `held` in the statement that sets the pull's plan;
     a source whose lock another consumer of the group holds is not read. The read is a later statement, so its
@@ -311,7 +321,8 @@ def ack_and_pull(
     failed = _checked_failures(done, failed) if done is not None else set()
     sources = (topic, retry_topic(group))
     wanted = [s for s in sources if s not in held]
-    if not wanted and not failed and commits_each_statement(conn):
+    own = commits_each_statement(conn)  # its own transaction: the ack may commit asynchronously (_ASYNC_ACK)
+    if not wanted and not failed and own:
         result, pulled = _ack_and_pull_held(conn, settings, cache, done, group, sources, max_messages)
         if pulled is not None:
             return result, pulled, held
@@ -319,7 +330,7 @@ def ack_and_pull(
         return result, batch, now_held
     params = [v for s in wanted for v in (group, s)]
     with conn.transaction():
-        moved, row = _move(conn, done, len(wanted), params)
+        moved, row = _move(conn, done, len(wanted), params, durable=not own)
         now_held = held | {s for s, got in zip(wanted, row[len(row) - len(wanted) :], strict=True) if got}
         result = _ack(conn, settings, cache, done, failed, moved) if done is not None else AckResult()
         readable = tuple(s for s in sources if s in now_held)
@@ -346,7 +357,7 @@ def _ack_and_pull_held(
     it), the read saw that source's offset unmoved: it is dropped (no batch), and the rest of the ack is done by
     `ack`'s general path in a transaction of its own (at least once either way: acks are idempotent)."""
     with conn.pipeline():
-        moving = _moving(conn, done, 0)
+        moving = _moving(conn, done, 0, durable=False)
         reading = _read(conn, group, sources, max_messages)
     row = moving.fetchone()
     assert row is not None
