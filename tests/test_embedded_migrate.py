@@ -103,6 +103,18 @@ def test_a_stopped_cluster_whose_remembered_port_was_taken_starts_on_the_next_fr
     embedded.stop(moved)
 
 
+def test_a_port_a_client_connection_holds_is_not_free() -> None:
+    """A client's connection takes its local port from the range test clusters once picked theirs from: nothing
+    listens there, yet a server's bind fails (a CI run lost a module's cluster to it). Such a port counts as taken."""
+    with socket.socket() as server, socket.socket() as client:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        client.connect(server.getsockname())
+        local = client.getsockname()[1]
+        assert embedded._port_taken(local)
+        assert embedded._free_port(local) != local
+
+
 def test_start_creates_the_roles_and_the_store_runs_as_the_runtime(second_cluster: embedded.Cluster) -> None:
     """`db start` creates the owner and runtime roles (docs/operations.md, "Roles"); the store's URL is the runtime login's, a
     non-superuser, and `migrate` given it runs as the owner's login."""

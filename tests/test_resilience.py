@@ -30,7 +30,7 @@ pytestmark = pytest.mark.timeout(120)
 def own_cluster() -> Iterator[embedded.Cluster]:
     root = Path(tempfile.mkdtemp(prefix="delaywheel-restart-", dir="/var/tmp"))
     root.chmod(0o755)  # the postgres user (we may be root) must reach it
-    cluster = embedded.Cluster(root=root, port=embedded._free_port(55400 + random.randrange(500)))
+    cluster = embedded.Cluster(root=root, port=embedded._free_port(29400 + random.randrange(500)))
     embedded.start(cluster)
     try:
         migrate(cluster.url())

@@ -39,7 +39,7 @@ def second_cluster() -> Iterator[embedded.Cluster]:
     """A throwaway PostgreSQL cluster on a loopback port of its own (never the shared one), migrated; stopped after."""
     root = Path(tempfile.mkdtemp(prefix="delaywheel-store-b-", dir="/var/tmp"))
     root.chmod(0o755)  # the postgres user (we may be root) must reach it
-    cluster = embedded.Cluster(root=root, port=embedded._free_port(55900 + random.randrange(500)))
+    cluster = embedded.Cluster(root=root, port=embedded._free_port(29900 + random.randrange(500)))
     embedded.start(cluster)
     try:
         migrate(cluster.url())
