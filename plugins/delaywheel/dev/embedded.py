@@ -145,11 +145,9 @@ def _reachable_by_others(path: Path) -> bool:
 
 
 def _port_taken(port: int) -> bool:
-    """Something listens on the loopback port, or a socket is bound to it: a client's connection takes its local port
-    from the same range (32768-60999 here), and a server's bind then fails although no connect would succeed."""
-    with socket.socket() as probe:
-        if probe.connect_ex(("127.0.0.1", port)) == 0:
-            return True
+    """The loopback port cannot be bound: something listens there, or a socket is bound to it. A connect alone
+    misses the second: a client's connection takes its local port from the same range (32768-60999 here), and a
+    server's bind then fails although no connect would succeed."""
     with socket.socket() as probe:
         try:
             probe.bind(("127.0.0.1", port))
