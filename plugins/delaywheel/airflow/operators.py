@@ -461,6 +461,7 @@ class ConsumeOperator(BaseOperator):
             "handler_errors": totals.handler_errors,
             "already_acked": totals.already_acked,
             "busy_pulls": totals.busy,
+            "repulls": totals.repulls,  # pulls that found rows past the offset not yet readable (commit horizon)
         }
         self.log.info("consumed: %s", result)
         return result
