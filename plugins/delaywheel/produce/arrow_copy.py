@@ -41,6 +41,7 @@ def write_columns(
 ) -> None:
     """COPY validated messages into their lanes (inside the caller's transaction)."""
     all_ids = np.asarray(ids, np.int64)
+    _notify(conn, _earliest(columns))
     for lane, write in ((DIRECT, _write_direct), (LEVEL, _write_levels), (WHEEL, _write_wheel)):
         rows = np.flatnonzero(columns.lane == lane)
         if len(rows) == len(all_ids):
@@ -93,7 +94,6 @@ def _write_levels(
 ) -> None:
     """Segments of each level's messages (migrations/011)."""
     ids, c, starts, counts = _segments(ids, c, c.level, c.requested_level, c.reconsume_times, c.due)
-    _notify(conn, {int(level): int(c.due[c.level == level].min()) for level in np.unique(c.level)})
     cache.ensure(conn, "level_segments", [clock])
     copy_arrow(
         conn,
@@ -173,7 +173,6 @@ def _write_wheel(
 ) -> None:
     """Timers due within the near window as rows of the near wheel; later ones as segments of far blocks, one per
     far day (migrations/012)."""
-    _notify(conn, {None: int(c.due.min())})
     # FOR KEY SHARE waits for a roll in progress (it holds the row FOR UPDATE) and then reads its new near_until:
     # a stale value would put rows into a far block after the roll moved it, stranding them until the next roll.
     # The wheel deliverer's per-pass UPDATE does not conflict with it.
@@ -339,12 +338,27 @@ def copy_arrow(
             meanwhile()
 
 
+def _earliest(c: Columns) -> dict[Lane, int]:
+    """Each delayed lane's earliest due time (µs) among the messages: a level lane's per level, the wheel's."""
+    levels = c.lane == LEVEL
+    earliest: dict[Lane, int] = {
+        int(level): int(c.due[levels & (c.level == level)].min()) for level in np.unique(c.level[levels])
+    }
+    wheel = c.lane == WHEEL
+    if wheel.any():
+        earliest[None] = int(c.due[wheel].min())
+    return earliest
+
+
 def _notify(conn: psycopg.Connection, earliest: dict[Lane, int]) -> None:
     """Tell each lane's sleeping deliverers its earliest new due time (µs; sent at COMMIT), so they can wake sooner;
-    the other lanes' deliverers sleep on (producer.lane_channel). Called before the lane's first write: a NOTIFY
-    takes no transaction id, and from its first write to its commit a producer's transaction holds back every
-    consumer (the commit horizon), so a round trip spent before it costs them nothing. Beside busy loops a
-    `send_many` of 1,000 msg/s held an xid 44 % of the time (bench/results/2026-11-27-producer-xid-window.json)."""
+    the other lanes' deliverers sleep on (producer.lane_channel). One statement for a send's lanes, before its first
+    write: a NOTIFY takes no transaction id, and from its first write to its commit a producer's transaction holds
+    back every consumer (the commit horizon), so a round trip spent before it costs them nothing. Beside busy loops
+    a `send_many` of 1,000 msg/s held an xid 44 % of the time with the NOTIFY after its COPY, 29 % with it before
+    (bench/results/2026-11-27-producer-xid-window.json)."""
+    if not earliest:
+        return
     conn.execute(
         "SELECT pg_notify(c, d) FROM unnest(%s::text[], %s::text[]) AS n(c, d)",
         ([lane_channel(lane) for lane in earliest], [str(due / 1e6) for due in earliest.values()]),
