@@ -5,6 +5,7 @@ fails."""
 from __future__ import annotations
 
 import shutil
+import time
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -224,6 +225,64 @@ def test_other_databases_transactions_do_not_hold_the_runtime_back(role_db: tupl
         assert store.send("orders", b"y", delay=timedelta(seconds=3), now=T0)
         assert store.advance_wheel(now=T0 + timedelta(seconds=3)).delivered == 1
         other.rollback()
+
+
+def test_an_autovacuum_workers_transaction_does_not_hold_the_runtime_back(
+    role_db: tuple[str, str], server_url: str
+) -> None:
+    """The commit horizon also leaves out transactions of processes that run as no role (usesysid NULL in
+    pg_stat_activity, visible to every role): an autovacuum worker's ANALYZE holds an xid while it writes
+    pg_statistic, and never writes a topic row. To hold one open for seconds, a table's extended statistics
+    evaluate a slow expression after the ANALYZE has written its columns' statistics; autovacuum is made to visit
+    every second. The runtime sees that worker's xid in its own database, and delivers past it."""
+    _, runtime = role_db
+    admin = make_conninfo(server_url, dbname=conninfo_to_dict(runtime)["dbname"])
+    with psycopg.connect(admin, autocommit=True) as conn, psycopg.connect(server_url, autocommit=True) as cluster:
+        conn.execute(
+            "CREATE FUNCTION public.slowly(i int) RETURNS int LANGUAGE plpgsql IMMUTABLE"
+            " AS $$ BEGIN PERFORM pg_sleep(0.002); RETURN i; END $$"
+        )
+        conn.execute(
+            "CREATE TABLE public.analyzed_slowly (i int) WITH (autovacuum_analyze_threshold = 1,"
+            " autovacuum_analyze_scale_factor = 0, autovacuum_vacuum_insert_threshold = 2000000000)"
+        )
+        conn.execute(
+            "CREATE STATISTICS public.analyzed_slowly_stats ON (public.slowly(i)), (i + 1) FROM public.analyzed_slowly"
+        )
+        conn.execute("INSERT INTO public.analyzed_slowly SELECT g FROM generate_series(1, 10000) g")
+        cluster.execute("ALTER SYSTEM SET autovacuum_naptime = 1")
+        cluster.execute("SELECT pg_reload_conf()")
+        try:
+            worker = None
+            deadline = time.monotonic() + 60
+            while worker is None and time.monotonic() < deadline:
+                worker = conn.execute(
+                    "SELECT pid, backend_xid::text FROM pg_stat_activity WHERE backend_type = 'autovacuum worker'"
+                    " AND datname = current_database() AND backend_xid IS NOT NULL"
+                    " AND query LIKE '%%analyzed_slowly%%'"
+                ).fetchone()
+                time.sleep(0.1)
+            assert worker is not None, "no autovacuum worker analysed the table within 60 s"
+            with Store(runtime, Settings()) as store:
+                seen = store.conn.execute(
+                    "SELECT usesysid, backend_type, backend_xid::text FROM pg_stat_activity WHERE pid = %s",
+                    (worker[0],),
+                ).fetchone()
+                assert seen == (None, None, worker[1])
+                store.conn.commit()
+                store.send("orders", b"x", delay_level=1, now=T0)
+                assert store.deliver_level(1, now=T0 + timedelta(seconds=1)).delivered == 1
+                assert store.send("orders", b"y", delay=timedelta(seconds=3), now=T0)
+                assert store.advance_wheel(now=T0 + timedelta(seconds=3)).delivered == 1
+            still = conn.execute("SELECT backend_xid::text FROM pg_stat_activity WHERE pid = %s", (worker[0],))
+            assert still.fetchone() == (worker[1],), "the worker's transaction ended before the deliveries"
+        finally:
+            cluster.execute("ALTER SYSTEM RESET autovacuum_naptime")
+            cluster.execute("SELECT pg_reload_conf()")
+            conn.execute(
+                "SELECT pg_cancel_backend(pid) FROM pg_stat_activity WHERE backend_type = 'autovacuum worker'"
+                " AND datname = current_database()"
+            )
 
 
 def test_migrate_hands_a_store_of_a_single_role_to_the_owner(server_url: str, roles: None) -> None:

@@ -10,17 +10,21 @@ from delaywheel.config import ConfigError, Settings
 
 # The commit horizon (DESIGN.md §5), an SQL expression of type xid8: every transaction below it that could
 # have written to *this* database has ended, so a cursor may pass rows below it. Unlike
-# pg_snapshot_xmin(pg_current_snapshot()) it leaves out transactions that pg_stat_activity shows connected to
-# another database of the cluster (Airflow's metadata database, a benchmark's bulk load): they cannot write our
-# tables, yet would hold every delivery back for as long as they run. Anything not positively shown to be
-# elsewhere (prepared transactions, sessions this role may not see) still holds the horizon.
+# pg_snapshot_xmin(pg_current_snapshot()) it leaves out two kinds of transaction that pg_stat_activity shows and
+# that cannot write our tables, yet would hold every delivery back for as long as they run: those connected to
+# another database of the cluster (Airflow's metadata database, a benchmark's bulk load), and those of processes
+# that run as no role (usesysid NULL: autovacuum workers, whose ANALYZE of a hot table such as wheel_cursor holds
+# an xid while it writes pg_statistic, once for 1.1 s beside busy loops; every client session, parallel worker
+# and replication apply worker runs as a role). Anything not positively shown to be one of those (prepared
+# transactions, sessions this role may not see) still holds the horizon.
 COMMIT_HORIZON = """(
     SELECT coalesce(min(x), min(pg_snapshot_xmax(s.snap)))
     FROM (SELECT pg_current_snapshot() AS snap) s
     LEFT JOIN LATERAL pg_snapshot_xip(s.snap) x ON mod(x::text::bigint, 4294967296) NOT IN (
         SELECT a.backend_xid::text::bigint FROM pg_stat_activity a
         WHERE a.backend_xid IS NOT NULL
-          AND a.datid <> (SELECT oid FROM pg_database WHERE datname = current_database())))"""
+          AND (a.usesysid IS NULL
+               OR a.datid <> (SELECT oid FROM pg_database WHERE datname = current_database()))))"""
 
 # Planner settings for reading a queue in cursor order, as SQL to SELECT at the start of the reading transaction
 # (set_config(..., true) = SET LOCAL). The rows past a cursor arrived after the last ANALYZE, so the planner

@@ -377,6 +377,48 @@ def test_a_single_send_in_the_callers_transaction_is_a_savepoint(db_url: str, t0
         assert table_counts(store)["level_queue"] == 1
 
 
+def test_a_batch_of_near_timers_takes_no_lock_and_a_far_one_waits_for_a_roll(db_url: str, t0: datetime) -> None:
+    """send_many reads the roll's bound (near_until) unlocked: a batch of near timers goes through while a roll holds
+    the wheel's state, so its transaction takes an xid only at its COPY. A batch with a far timer locks the bound
+    FOR KEY SHARE before any far write, waits for the roll, and places its timers by the bound the roll left: a
+    timer whose day the roll moved into the near window goes to the near wheel, not into a far block the roll
+    has already moved."""
+    import threading
+
+    import psycopg
+
+    with Store(db_url) as store, psycopg.connect(db_url) as roll, psycopg.connect(db_url, autocommit=True) as watch:
+        store.advance_wheel(now=t0)  # the first roll sets near_until
+        (near_until,) = store.conn.execute("SELECT near_until FROM delaywheel.wheel_roll").fetchone()  # type: ignore[misc]
+        store.conn.execute("SET lock_timeout = '10s'")
+        store.conn.commit()
+        roll.execute("SELECT FROM delaywheel.wheel_roll FOR UPDATE")  # a roll in progress, as wheel._roll holds it
+        roll.execute("UPDATE delaywheel.wheel_roll SET near_until = near_until + interval '1 day'")
+        near = store.send_many([Message("timers", b"near", delay=timedelta(seconds=5))], now=t0)
+        assert store.conn.execute("SELECT count(*) FROM delaywheel.wheel WHERE id = %s", near).fetchone() == (1,)
+        due = near_until + timedelta(hours=2)
+        sent: list[int] = []
+        producer = threading.Thread(
+            target=lambda: sent.extend(store.send_many([Message("timers", b"rolled", deliver_at=due)], now=t0))
+        )
+        producer.start()
+        pid = store.conn.info.backend_pid
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and watch.execute(
+            "SELECT wait_event_type IS DISTINCT FROM 'Lock' FROM pg_stat_activity WHERE pid = %s", (pid,)
+        ).fetchone() == (True,):
+            time.sleep(0.01)
+        roll.commit()
+        producer.join(timeout=20)
+        assert len(sent) == 1
+        placed = store.conn.execute(
+            "SELECT (SELECT deliver_at FROM delaywheel.wheel WHERE id = %(id)s),"
+            " (SELECT count(*) FROM delaywheel.wheel_far WHERE id = %(id)s)",
+            {"id": sent[0]},
+        ).fetchone()
+        assert placed == (due, 0)
+
+
 def test_a_single_send_creates_its_partitions_as_the_runtime_role(db_url: str) -> None:
     """The runtime role may create partitions only through ensure_partition (migrations/017); send_one does, for every lane,
     on a store none of whose partitions exist yet for those times."""

@@ -41,8 +41,9 @@ def write_columns(
 ) -> None:
     """COPY validated messages into their lanes (inside the caller's transaction)."""
     all_ids = np.asarray(ids, np.int64)
-    _notify(conn, _earliest(columns))
-    for lane, write in ((DIRECT, _write_direct), (LEVEL, _write_levels), (WHEEL, _write_wheel)):
+    near_until = _announce(conn, _earliest(columns))  # (None: no delayed lane, so no wheel timer)
+    wheel = functools.partial(_write_wheel, near_until=near_until)
+    for lane, write in ((DIRECT, _write_direct), (LEVEL, _write_levels), (WHEEL, wheel)):
         rows = np.flatnonzero(columns.lane == lane)
         if len(rows) == len(all_ids):
             write(conn, settings, cache, all_ids, columns, clock)
@@ -170,26 +171,26 @@ def _write_wheel(
     ids: np.ndarray,
     c: Columns,
     clock: datetime,
+    *,
+    near_until: datetime | None,
 ) -> None:
     """Timers due within the near window as rows of the near wheel; later ones as segments of far blocks, one per
-    far day (migrations/012)."""
-    # FOR KEY SHARE waits for a roll in progress (it holds the row FOR UPDATE) and then reads its new near_until:
-    # a stale value would put rows into a far block after the roll moved it, stranding them until the next roll.
-    # The wheel deliverer's per-pass UPDATE does not conflict with it.
-    row = conn.execute("SELECT near_until FROM delaywheel.wheel_state FOR KEY SHARE").fetchone()
-    assert row is not None
-    # Far blocks only hold rows beyond the near window, even before the first roll or after days without one
-    # (near_until behind the clock): the wheel's head takes near_until as the far blocks' lower bound
-    # (pending.WHEEL_HEAD), so a timer due within the window must be in the near wheel to be waited for exactly.
-    near_until = micros(max(row[0], floor_to(clock + settings.wheel_near_window, DAY)))
-    # Near timers first, in due order (a COPY into ~72 hourly partitions then fills one partition at a time, and
-    # the due-time index in order), then far ones by day, each day in input order (its segments' id ranges).
-    day = DAY // US
-    place = np.where(c.due < near_until, c.due, c.due // day * day)
-    order = np.argsort(place, kind="stable")
-    if (order[1:] < order[:-1]).any():
-        ids, c, place = ids[order], c.take(order), place[order]
-    split = int(np.searchsorted(place, near_until))
+    far day (migrations/012). `near_until`: the roll's bound as read, unlocked, before the send's first write
+    (`_announce`)."""
+    assert near_until is not None  # (read with the wheel lane's notification)
+    ids, c, place, split = _place(settings, ids, c, clock, near_until)
+    if split < len(ids):
+        # A far timer goes into a far block, so the bound must be the roll's current one, and stay so until the
+        # send commits: FOR KEY SHARE waits for a roll in progress (it holds the row FOR UPDATE), reads its new
+        # near_until and keeps the next roll out (a stale bound would put rows into a far block after the roll
+        # moved it, stranding them until the next roll). The wheel deliverer's per-pass UPDATE does not conflict.
+        # A send of near timers only takes no lock: a near row is in the right place whatever the roll does (it
+        # only moves far blocks in), so its transaction takes its xid, and holds every consumer back (the commit
+        # horizon), only from its COPY to its commit.
+        locked = conn.execute("SELECT near_until FROM delaywheel.wheel_state FOR KEY SHARE").fetchone()
+        assert locked is not None
+        if locked[0] != near_until:
+            ids, c, place, split = _place(settings, ids, c, clock, locked[0])
     enqueued = micros(clock)
     far = functools.cache(lambda: _far_segments(ids[split:], c.slice(split, len(ids)), place[split:], enqueued))
     if split:
@@ -219,6 +220,26 @@ def _write_wheel(
         _copy_wheel_part(conn, cache, "wheel_far_segments", due, segments)
         if summary:
             conn.execute(_SUMMARIZE, summary)
+
+
+def _place(
+    settings: Settings, ids: np.ndarray, c: Columns, clock: datetime, near_until: datetime
+) -> tuple[np.ndarray, Columns, np.ndarray, int]:
+    """(ids, columns, place, split): the timers in writing order, each one's place (its due time in the near wheel,
+    its far day's start in a far block) and how many lead as near rows."""
+    # Far blocks only hold rows beyond the near window, even before the first roll or after days without one
+    # (near_until behind the clock): the wheel's head takes near_until as the far blocks' lower bound
+    # (pending.WHEEL_HEAD), so a timer due within the window must be in the near wheel to be waited for exactly.
+    bound = micros(max(near_until, floor_to(clock + settings.wheel_near_window, DAY)))
+    # Near timers first, in due order (a COPY into ~72 hourly partitions then fills one partition at a time, and
+    # the due-time index in order), then far ones by day, each day in input order (its segments' id ranges).
+    day = DAY // US
+    place = np.where(c.due < bound, c.due, c.due // day * day)
+    order = np.argsort(place, kind="stable")
+    if (order[1:] < order[:-1]).any():
+        ids, c, place = ids[order], c.take(order), place[order]
+    split = int(np.searchsorted(place, bound))
+    return ids, c, place, split
 
 
 # A send's far-key summaries (migrations/020), and out with summaries whose far days were all rolled into the near wheel
@@ -350,19 +371,23 @@ def _earliest(c: Columns) -> dict[Lane, int]:
     return earliest
 
 
-def _notify(conn: psycopg.Connection, earliest: dict[Lane, int]) -> None:
-    """Tell each lane's sleeping deliverers its earliest new due time (µs; sent at COMMIT), so they can wake sooner;
-    the other lanes' deliverers sleep on (producer.lane_channel). One statement for a send's lanes, before its first
-    write: a NOTIFY takes no transaction id, and from its first write to its commit a producer's transaction holds
-    back every consumer (the commit horizon), so a round trip spent before it costs them nothing. Beside busy loops
-    a `send_many` of 1,000 msg/s held an xid 44 % of the time with the NOTIFY after its COPY, 29 % with it before
+def _announce(conn: psycopg.Connection, earliest: dict[Lane, int]) -> datetime | None:
+    """Tell each lane's sleeping deliverers its earliest new due time (µs; sent at COMMIT), so they can wake sooner
+    (the other lanes' deliverers sleep on, producer.lane_channel), and read the roll's near_until, unlocked, for
+    the wheel's writer. One statement for a send's lanes, before its first write: neither a NOTIFY nor a read takes a
+    transaction id, and from its first write to its commit a producer's transaction holds back every consumer (the
+    commit horizon), so a round trip spent before it costs them nothing. Beside busy loops a `send_many` of
+    1,000 msg/s held an xid 44 % of the time with its NOTIFY after its COPY, 29 % with it before
     (bench/results/2026-11-27-producer-xid-window.json)."""
     if not earliest:
-        return
-    conn.execute(
-        "SELECT pg_notify(c, d) FROM unnest(%s::text[], %s::text[]) AS n(c, d)",
+        return None
+    row = conn.execute(
+        "SELECT (SELECT near_until FROM delaywheel.wheel_roll),"
+        " (SELECT count(pg_notify(c, d)) FROM unnest(%s::text[], %s::text[]) AS n(c, d))",
         ([lane_channel(lane) for lane in earliest], [str(due / 1e6) for due in earliest.values()]),
-    )
+    ).fetchone()
+    assert row is not None
+    return row[0]
 
 
 def _notify_topics(conn: psycopg.Connection, topics: Iterable[str]) -> None:
