@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -111,6 +112,18 @@ def t0() -> datetime:
 
 def at(t: datetime, seconds: float) -> datetime:
     return t + timedelta(seconds=seconds)
+
+
+def wait_for_lock(conn: psycopg.Connection, pid: int, what: str, seconds: float = 10.0) -> None:
+    """Until the backend `pid` waits for a lock (a test's thread blocked where the test means it to be); fails,
+    naming `what`, after `seconds`."""
+    deadline = time.monotonic() + seconds
+    while conn.execute(
+        "SELECT wait_event_type IS DISTINCT FROM 'Lock' FROM pg_stat_activity WHERE pid = %s", (pid,)
+    ).fetchone() != (False,):
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what} never waited for a lock")
+        time.sleep(0.01)
 
 
 def dbname(url: str) -> str:

@@ -205,6 +205,14 @@ def test_the_runtime_drops_only_partitions(role_db: tuple[str, str]) -> None:
         assert conn.execute("SELECT to_regclass('delaywheel.topic_messages')").fetchone() != (None,)
 
 
+def _deliver_one_per_lane(store: Store) -> None:
+    """A level message and a wheel timer, each delivered by its lane's next pass: nothing held the horizon back."""
+    store.send("orders", b"x", delay_level=1, now=T0)
+    assert store.deliver_level(1, now=T0 + timedelta(seconds=1)).delivered == 1
+    assert store.send("orders", b"y", delay=timedelta(seconds=3), now=T0)
+    assert store.advance_wheel(now=T0 + timedelta(seconds=3)).delivered == 1
+
+
 def test_other_databases_transactions_do_not_hold_the_runtime_back(role_db: tuple[str, str], server_url: str) -> None:
     """The commit horizon (db.COMMIT_HORIZON) leaves out transactions of other databases (Airflow's metadata) by their
     backend_xid in pg_stat_activity. PostgreSQL shows every role a session's database and backend_xid (query text
@@ -220,10 +228,7 @@ def test_other_databases_transactions_do_not_hold_the_runtime_back(role_db: tupl
         ).fetchone()
         assert seen == (xid, "<insufficient privilege>", False)
         store.conn.commit()
-        store.send("orders", b"x", delay_level=1, now=T0)
-        assert store.deliver_level(1, now=T0 + timedelta(seconds=1)).delivered == 1
-        assert store.send("orders", b"y", delay=timedelta(seconds=3), now=T0)
-        assert store.advance_wheel(now=T0 + timedelta(seconds=3)).delivered == 1
+        _deliver_one_per_lane(store)
         other.rollback()
 
 
@@ -270,10 +275,7 @@ def test_an_autovacuum_workers_transaction_does_not_hold_the_runtime_back(
                 ).fetchone()
                 assert seen == (None, None, worker[1])
                 store.conn.commit()
-                store.send("orders", b"x", delay_level=1, now=T0)
-                assert store.deliver_level(1, now=T0 + timedelta(seconds=1)).delivered == 1
-                assert store.send("orders", b"y", delay=timedelta(seconds=3), now=T0)
-                assert store.advance_wheel(now=T0 + timedelta(seconds=3)).delivered == 1
+                _deliver_one_per_lane(store)
             still = conn.execute("SELECT backend_xid::text FROM pg_stat_activity WHERE pid = %s", (worker[0],))
             assert still.fetchone() == (worker[1],), "the worker's transaction ended before the deliveries"
         finally:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import itertools
 import threading
-import time
 from datetime import datetime, timedelta
 
 import psycopg
@@ -17,7 +16,7 @@ from delaywheel import Settings, Store
 from delaywheel.partitions import DAY, floor_to
 from delaywheel.pending import PENDING
 from delaywheel.produce.validation import Message
-from tests.conftest import deliveries
+from tests.conftest import deliveries, wait_for_lock
 from tests.test_roles import role_db, roles  # noqa: F401  (fixtures)
 
 WINDOW = Settings().wheel_near_window
@@ -257,10 +256,7 @@ def test_a_slice_killed_midway_moves_nothing(db_url: str, t0: datetime) -> None:
                     other.execute(f"LOCK TABLE delaywheel.{name} IN SHARE MODE")
                 thread = threading.Thread(target=step)
                 thread.start()
-                while other.execute(
-                    "SELECT wait_event_type IS DISTINCT FROM 'Lock' FROM pg_stat_activity WHERE pid = %s", (pid,)
-                ).fetchone() != (False,):
-                    time.sleep(0.01)
+                wait_for_lock(other, pid, "the slice's insert")
                 other.execute("SELECT pg_terminate_backend(%s)", (pid,))
                 thread.join()
             assert failed

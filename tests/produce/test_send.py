@@ -15,7 +15,7 @@ import pytest
 from delaywheel import Settings, Store
 from delaywheel.deliver.runner import listen_channels
 from delaywheel.produce.validation import InvalidMessage, Message
-from tests.conftest import at, deliveries, fresh_database, table_counts
+from tests.conftest import at, deliveries, fresh_database, table_counts, wait_for_lock
 from tests.produce.test_columns import batches
 
 EMPTY = {"level_queue": 0, "wheel": 0, "wheel_far": 0, "topic_messages": 0, "cancellations": 0}
@@ -402,12 +402,7 @@ def test_a_batch_of_near_timers_takes_no_lock_and_a_far_one_waits_for_a_roll(db_
             target=lambda: sent.extend(store.send_many([Message("timers", b"rolled", deliver_at=due)], now=t0))
         )
         producer.start()
-        pid = store.conn.info.backend_pid
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and watch.execute(
-            "SELECT wait_event_type IS DISTINCT FROM 'Lock' FROM pg_stat_activity WHERE pid = %s", (pid,)
-        ).fetchone() == (True,):
-            time.sleep(0.01)
+        wait_for_lock(watch, store.conn.info.backend_pid, "the far timer's send")
         roll.commit()
         producer.join(timeout=20)
         assert len(sent) == 1

@@ -13,6 +13,7 @@ from delaywheel_shop import orders
 from delaywheel_shop.order_quality import verify
 
 from delaywheel import Store
+from tests.conftest import wait_for_lock
 
 TIMEOUT = timedelta(seconds=30)
 
@@ -272,14 +273,7 @@ def test_customers_take_all_their_order_locks_in_one_ascending_pass(db_url: str,
         with sweep.transaction():
             sweep.execute("SELECT 1 FROM shop.orders WHERE order_id = 1 FOR NO KEY UPDATE")
             worker.start()
-            for _ in range(200):  # until the customers' transaction waits for order 1
-                if sweep.execute(
-                    "SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = %s", (pid,)
-                ).fetchone()[0]:
-                    break
-                time.sleep(0.05)
-            else:
-                pytest.fail("the customers' transaction never waited for order 1")
+            wait_for_lock(sweep, pid, "the customers' transaction (for order 1)")
             sweep.execute("SET LOCAL lock_timeout = '5s'")  # order 2 must be free: the customers hold nothing yet
             sweep.execute("SELECT 1 FROM shop.orders WHERE order_id = 2 FOR NO KEY UPDATE")
         worker.join(30)

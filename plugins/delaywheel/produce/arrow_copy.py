@@ -378,7 +378,8 @@ def _announce(conn: psycopg.Connection, earliest: dict[Lane, int]) -> datetime |
     transaction id, and from its first write to its commit a producer's transaction holds back every consumer (the
     commit horizon), so a round trip spent before it costs them nothing. Beside busy loops a `send_many` of
     1,000 msg/s held an xid 44 % of the time with its NOTIFY after its COPY, 29 % with it before
-    (bench/results/2026-11-27-producer-xid-window.json)."""
+    (bench/results/2026-11-27-producer-xid-window.json), and about 1 % once a batch of near timers took no lock
+    (bench/results/2026-11-27-consumer-after-horizon-and-near-lock.json)."""
     if not earliest:
         return None
     row = conn.execute(
