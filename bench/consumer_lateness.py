@@ -5,7 +5,10 @@ Three processes on one store: a producer sending a steady `--rate` (1,000) messa
 (`Store.consume` in a process of its own) recording, per message, when its handler got it (`time.time()`, the same
 clock as the database's on this machine) minus its due time. Reported: the consumer's p50 / p99 / max, early (must
 be 0), duplicates and missing, against the issue's targets, beside the delivery-only lateness (delivered_at -
-deliver_at) of the same messages as the baseline: the ratio is what the consumer adds.
+deliver_at) of the same messages as the baseline: the ratio is what the consumer adds. To tell where a slow message's
+time went, the consumer's process also records its timeline (`Timeline`: each pull with the CPU time and run-queue
+wait of the consumer and of its server process, each wait, each long garbage collection), and the three slowest
+messages are shown against it.
 
 Run: `python -m bench.consumer_lateness --minutes 3` (the issue's figure is for 10 minutes).
 """
@@ -13,18 +16,24 @@ Run: `python -m bench.consumer_lateness --minutes 3` (the issue's figure is for 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import multiprocessing as mp
 import os
 import random
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import numpy as np
 
 from delaywheel import Message, Store
+from delaywheel.consume import consumer as consumer_module
+from delaywheel.consume import topics
 from delaywheel.dev.local_airflow import as_url
 
 from .common import Check, drop_database, fresh_database, load_options, log, print_section
@@ -58,8 +67,10 @@ def produce(url: str, rate: int, seconds: float, seed: int, out: Any) -> None:
 
 
 def consume(url: str, stop: Any, count: Any, out: Any) -> None:
-    """The library consumer; per message (message_id, received, due, delivered) as epoch seconds."""
+    """The library consumer; per message (message_id, received, due, delivered) as epoch seconds, and the consumer's
+    timeline (`Timeline`) to explain its slowest messages."""
     seen: list[tuple[int, float, float, float]] = []
+    timeline = Timeline()
 
     def handler(messages: list) -> None:
         now = time.time()
@@ -67,9 +78,114 @@ def consume(url: str, stop: Any, count: Any, out: Any) -> None:
         count.value = len(seen)
 
     before = schedstat("self")
-    with Store(url) as store:
+    with Store(url) as store, timeline.recording():
         totals = store.consume(TOPIC, GROUP, handler, max_messages=500, stop=stop)
-    out.send((seen, vars(totals), delta(before, schedstat("self"))))
+    out.send((seen, vars(totals), delta(before, schedstat("self")), timeline))
+
+
+@dataclass
+class Timeline:
+    """What the consumer did, as (start, end, detail) in epoch seconds: its pulls (`topics.ack_and_pull`, detail the
+    rows pulled, negative when it found rows past the offset it could not read yet; then the ms the consumer and its
+    server process each spent on a CPU and runnable waiting for one during the pull, from /proc's schedstat), its
+    waits (`Consumer._wait`, detail 1 when a notification ended the wait) and the interpreter's garbage collections
+    of 2 ms or more (detail the generation). Recorded by wrapping the two functions and through `gc.callbacks`, in
+    the consumer's process only; the library itself keeps no such log."""
+
+    pulls: list[tuple[float, float, int, float, float, float, float]] = field(default_factory=list)
+    waits: list[tuple[float, float, int]] = field(default_factory=list)
+    collections: list[tuple[float, float, int]] = field(default_factory=list)
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[None]:
+        real_pull, real_wait = topics.ack_and_pull, consumer_module.Consumer._wait
+        depth = [0]  # ack_and_pull calls itself on a fallback: record the outer call
+
+        def pull(conn: Any, *args: Any, **kwargs: Any) -> Any:
+            backend = str(conn.info.backend_pid)
+            start, mine, theirs = time.time(), schedstat("thread-self"), schedstat(backend)
+            depth[0] += 1
+            try:
+                result = real_pull(conn, *args, **kwargs)
+            finally:
+                depth[0] -= 1
+            if not depth[0]:
+                batch = result[1]
+                (my_run, my_wait, _), (their_run, their_wait, _) = (
+                    delta(mine, schedstat("thread-self")),
+                    delta(theirs, schedstat(backend)),
+                )
+                rows = len(batch.messages) or (-1 if batch.behind else 0)
+                self.pulls.append(
+                    (start, time.time(), rows, my_run / 1e6, my_wait / 1e6, their_run / 1e6, their_wait / 1e6)
+                )
+            return result
+
+        collecting = [0.0]
+
+        def collected(phase: str, info: dict[str, int]) -> None:
+            if phase == "start":
+                collecting[0] = time.time()
+            elif (end := time.time()) - collecting[0] >= 0.002:
+                self.collections.append((collecting[0], end, info["generation"]))
+
+        def wait(consumer: Any, seconds: float) -> bool:
+            start = time.time()
+            woke = real_wait(consumer, seconds)
+            self.waits.append((start, time.time(), int(woke)))
+            return woke
+
+        topics.ack_and_pull, consumer_module.Consumer._wait = pull, wait  # type: ignore[method-assign, assignment]
+        gc.callbacks.append(collected)
+        try:
+            yield
+        finally:
+            gc.callbacks.remove(collected)
+            topics.ack_and_pull, consumer_module.Consumer._wait = real_pull, real_wait  # type: ignore[method-assign]
+
+    def explain(self, received: float, delivered: float, due: float) -> str:
+        """Where one message's time between its delivery and its handler went: the pulls and waits in between."""
+        steps: list[tuple[Any, ...]] = [("pull", *p) for p in self.pulls] + [("wait", *w) for w in self.waits]
+        steps += [("gc", *c) for c in self.collections]
+        between = sorted((s for s in steps if s[2] > delivered - 0.05 and s[1] < received), key=lambda s: s[1])
+        shown = ", ".join(
+            f"{step[0]} {(step[1] - due) * 1000:+.0f}..{(step[2] - due) * 1000:+.0f}{_detail(step)}"
+            for step in between[-8:]
+        )
+        return (
+            f"due {datetime.fromtimestamp(due, UTC):%H:%M:%S.%f}"[:-3] + f" UTC, delivered"
+            f" {(delivered - due) * 1000:+.0f}, received {(received - due) * 1000:+.0f} ms;"
+            f" {len(between)} steps in between{', the last: ' + shown if shown else ''}"
+        )
+
+    def slow_pulls(self, over_s: float) -> str:
+        """The pulls' durations, and where the time of those over `over_s` went (the slow ones' total, of it the
+        server process runnable but waiting for a CPU, and the consumer the same), and the longest collections."""
+        pulls = np.array([p[:2] + p[3:] for p in self.pulls]).reshape(-1, 6)  # start, end, ms: mine run/wait, theirs
+        durations = (pulls[:, 1] - pulls[:, 0]) * 1000
+        if not len(durations):
+            return "no pulls"
+        slow = pulls[durations > over_s * 1000]
+        return (
+            f"pulls: {len(durations):,}, duration p50 {np.percentile(durations, 50):.1f} ms, p99"
+            f" {np.percentile(durations, 99):.1f} ms, max {durations.max():.1f} ms; {len(slow)} over"
+            f" {over_s * 1000:.0f} ms, {(slow[:, 1] - slow[:, 0]).sum() * 1000:.0f} ms in all, of which its server"
+            f" process waited for a CPU {slow[:, 5].sum():.0f} ms and the consumer {slow[:, 3].sum():.0f} ms;"
+            f" garbage collections of 2 ms or more: {len(self.collections)}, longest"
+            f" {max((c[1] - c[0] for c in self.collections), default=0) * 1000:.1f} ms"
+        )
+
+
+def _detail(step: tuple[Any, ...]) -> str:
+    kind, detail = step[0], step[3]
+    if kind == "pull":
+        return (
+            f" ({detail} rows; consumer on a CPU {step[4]:.0f} ms, runnable {step[5]:.0f} ms;"
+            f" its server process {step[6]:.0f} / {step[7]:.0f} ms)"
+        )
+    if kind == "gc":
+        return f" (generation {detail})"
+    return " (notified)" if detail else ""
 
 
 def schedstat(pid: str) -> tuple[int, int, int]:
@@ -128,7 +244,7 @@ def run(args: argparse.Namespace) -> tuple[list[Check], list[str]]:
             time.sleep(0.2)
         time.sleep(2.0)  # anything extra (a duplicate) would show up now
         stop.set()
-        seen, totals, consumer_cpu = consumed_rx.recv()
+        seen, totals, consumer_cpu, timeline = consumed_rx.recv()
         deliverer_cpu = delta(deliverer_before, schedstat(str(deliverer.pid)))
         consumer.join(30)
     finally:
@@ -174,6 +290,11 @@ def run(args: argparse.Namespace) -> tuple[list[Check], list[str]]:
         f" ({totals['repulls']:,} looks again after a notified pull found nothing readable), {totals['busy']} busy,"
         f" {totals['reconnects']} reconnects",
         cpu_note("consumer process", consumer_cpu) + "; " + cpu_note("deliverer process", deliverer_cpu),
+        "consumer " + timeline.slow_pulls(0.1),
+        *(
+            f"slowest message {rank + 1}: " + timeline.explain(received[first][i], delivered[first][i], due[first][i])
+            for rank, i in enumerate(np.argsort(lateness_ms)[::-1][:3])
+        ),
         f"load average before {load_before[0]:.1f}, after {load_after[0]:.1f} (2 cores shared)"
         + (f"; {args.note}" if args.note else ""),
     ]
