@@ -144,7 +144,8 @@ class Timeline:
             topics.ack_and_pull, consumer_module.Consumer._wait = real_pull, real_wait  # type: ignore[method-assign]
 
     def explain(self, received: float, delivered: float, due: float) -> str:
-        """Where one message's time between its delivery and its handler went: the pulls and waits in between."""
+        """Where one message's time between its delivery and its handler went: the pulls, waits and collections in
+        between."""
         steps: list[tuple[Any, ...]] = [("pull", *p) for p in self.pulls] + [("wait", *w) for w in self.waits]
         steps += [("gc", *c) for c in self.collections]
         between = sorted((s for s in steps if s[2] > delivered - 0.05 and s[1] < received), key=lambda s: s[1])
