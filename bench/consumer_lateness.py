@@ -162,16 +162,16 @@ class Timeline:
     def slow_pulls(self, over_s: float) -> str:
         """The pulls' durations, and where the time of those over `over_s` went (the slow ones' total, of it the
         server process runnable but waiting for a CPU, and the consumer the same), and the longest collections."""
-        pulls = np.array([p[:2] + p[3:] for p in self.pulls]).reshape(-1, 6)  # start, end, ms: mine run/wait, theirs
-        durations = (pulls[:, 1] - pulls[:, 0]) * 1000
-        if not len(durations):
+        if not self.pulls:
             return "no pulls"
-        slow = pulls[durations > over_s * 1000]
+        pulls = np.array(self.pulls)  # the columns of `pulls`' tuples
+        durations = (pulls[:, 1] - pulls[:, 0]) * 1000
+        slow = durations > over_s * 1000
         return (
             f"pulls: {len(durations):,}, duration p50 {np.percentile(durations, 50):.1f} ms, p99"
-            f" {np.percentile(durations, 99):.1f} ms, max {durations.max():.1f} ms; {len(slow)} over"
-            f" {over_s * 1000:.0f} ms, {(slow[:, 1] - slow[:, 0]).sum() * 1000:.0f} ms in all, of which its server"
-            f" process waited for a CPU {slow[:, 5].sum():.0f} ms and the consumer {slow[:, 3].sum():.0f} ms;"
+            f" {np.percentile(durations, 99):.1f} ms, max {durations.max():.1f} ms; {int(slow.sum())} over"
+            f" {over_s * 1000:.0f} ms, {durations[slow].sum():.0f} ms in all, of which its server"
+            f" process waited for a CPU {pulls[slow, 6].sum():.0f} ms and the consumer {pulls[slow, 4].sum():.0f} ms;"
             f" garbage collections of 2 ms or more: {len(self.collections)}, longest"
             f" {max((c[1] - c[0] for c in self.collections), default=0) * 1000:.1f} ms"
         )
