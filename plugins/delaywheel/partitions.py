@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from typing import TypeVar
 
 import psycopg
 from psycopg import errors, sql
 
+from delaywheel.db import commits_each_statement
 from delaywheel.locks import SUMMARIZE_LOCK
 from delaywheel.pending import SEGMENT_PENDING, WHEEL_PENDING
 
@@ -18,9 +21,21 @@ DAY = timedelta(days=1)
 WIDTH = {"level_segments": HOUR, "wheel": HOUR, "wheel_far_segments": DAY, "topic_messages": DAY, "cancellations": DAY}
 
 
+T = TypeVar("T")
+
+
 def floor_to(ts: datetime, width: timedelta) -> datetime:
     epoch = datetime(1970, 1, 1, tzinfo=UTC)
     return epoch + ((ts - epoch) // width) * width
+
+
+class PartitionMissing(Exception):
+    """A transaction run by `PartitionCache.without_ddl` needs a partition this process does not know exists."""
+
+    def __init__(self, parent: str, lows: list[datetime]) -> None:
+        super().__init__(f"{parent}: {', '.join(lo.isoformat() for lo in lows)}")
+        self.parent = parent
+        self.lows = lows
 
 
 class PartitionCache:
@@ -35,13 +50,19 @@ class PartitionCache:
     def __init__(self) -> None:
         self._known: set[tuple[str, datetime]] = set()
         self._tentative: dict[tuple[str, datetime], str] = {}  # entry -> xid of the transaction that created it
+        self._deferring = False  # inside `without_ddl`: raise PartitionMissing rather than create
 
     def ensure(self, conn: psycopg.Connection, parent: str, instants: set[datetime] | list[datetime]) -> None:
         width = WIDTH[parent]
-        for lo in sorted({floor_to(ts, width) for ts in instants}):
+        lows = sorted({floor_to(ts, width) for ts in instants})
+        lows = [lo for lo in lows if not self._usable(conn, (parent, lo))]
+        if lows and self._deferring:
+            lows = self._absent(conn, parent, lows)
+            if lows:
+                raise PartitionMissing(parent, lows)
+        committed = commits_each_statement(conn)  # each creation below is a transaction of its own
+        for lo in lows:
             entry = (parent, lo)
-            if entry in self._known or (entry in self._tentative and self._settled(conn, entry)):
-                continue
             # ensure_partition's re-check after its lock can read a stale catalog snapshot (an advisory
             # lock does not refresh it), so a session racing another creator may still get DuplicateTable:
             # the partition exists, which is all we wanted. The savepoint keeps the caller's transaction.
@@ -52,10 +73,47 @@ class PartitionCache:
                     (parent, lo, lo + width),
                 ).fetchone()
                 xid = row[1] if row else None
-            if xid is None:  # this transaction wrote nothing (so created nothing): it existed, committed
+            if xid is None or committed:  # it existed, committed, or was created and committed just now
                 self._known.add(entry)
             else:  # it may have been created just now, by a transaction that can still roll back
                 self._tentative[entry] = xid
+
+    def without_ddl(self, conn: psycopg.Connection, run: Callable[[], T]) -> T:
+        """`run()`, a transaction of the store's own (a delivery pass, a send), with no partition created inside it.
+
+        Creating a partition locks its parent ACCESS EXCLUSIVE until the creator's transaction ends. A level pass
+        that created the day's topic partition, then read level_segments, once waited behind `prepare`, which had
+        created an hour of level_segments and waited for the topic partitions' creation lock the pass held: a
+        deadlock (CI, 2026-11-27, on a fresh database). So when `run` needs a partition this process does not know,
+        `ensure` raises PartitionMissing, `run` rolls back (nothing of it is kept), the partition is created in a
+        transaction of its own, committed, and `run` goes again; it happens once per partition and process. Inside
+        a transaction the caller holds, a partition can only be created there, as before: `prepare` ahead of need
+        (the delivery loop does) keeps that rare."""
+        if not commits_each_statement(conn):
+            return run()
+        for _ in range(len(WIDTH) + 1):  # a try finds one parent's missing partitions (and a day may turn)
+            self._deferring = True
+            try:
+                return run()
+            except PartitionMissing as missing:
+                self._deferring = False
+                self.ensure(conn, missing.parent, missing.lows)
+            finally:
+                self._deferring = False
+        return run()
+
+    def _absent(self, conn: psycopg.Connection, parent: str, lows: list[datetime]) -> list[datetime]:
+        """The partitions of `lows` that do not exist (read only: a partition the catalog shows has committed, as
+        this transaction creates none); those that do are known from now on."""
+        rows = conn.execute(
+            "SELECT lo, delaywheel.partition_named(%s, lo) IS NOT NULL FROM unnest(%s::timestamptz[]) lo",
+            (parent, lows),
+        ).fetchall()
+        self._known.update((parent, lo) for lo, there in rows if there)
+        return [lo for lo, there in rows if not there]
+
+    def _usable(self, conn: psycopg.Connection, entry: tuple[str, datetime]) -> bool:
+        return entry in self._known or (entry in self._tentative and self._settled(conn, entry))
 
     def _settled(self, conn: psycopg.Connection, entry: tuple[str, datetime]) -> bool:
         """Can a tentative entry be used? Yes within the transaction that created it, or once that committed."""

@@ -230,13 +230,15 @@ class Store:
 
     def prepare(self, *, now: datetime | None = None) -> None:
         """Create the partitions the next hours need, so producers and deliverers never wait on DDL.
-        The delivery loop calls this periodically; the maintenance DAG and `migrate` do too."""
+        The delivery loop calls this periodically; the maintenance DAG and `migrate` do too. Each partition is
+        created and committed on its own: one transaction holding a new hour of level_segments (its parent locked
+        ACCESS EXCLUSIVE) while it waited to create the day's topic partition deadlocked with a pass
+        (PartitionCache.without_ddl)."""
         with contextlib.suppress(errors.LockNotAvailable):  # a producer holds a far block: roll next time
             wheel.roll(self.conn, self.settings, self._cache, now)
         clock = now or self.clock()
-        with self.conn.transaction():
-            self._cache.ensure(self.conn, "level_segments", [clock + partitions.HOUR * i for i in range(3)])
-            self._cache.ensure(self.conn, "topic_messages", [clock, clock + partitions.DAY])
+        self._cache.ensure(self.conn, "level_segments", [clock + partitions.HOUR * i for i in range(3)])
+        self._cache.ensure(self.conn, "topic_messages", [clock, clock + partitions.DAY])
 
     def summarize(self) -> int:
         """Bring the BRIN summaries that cancel searches by up to date (partitions.summarize)."""

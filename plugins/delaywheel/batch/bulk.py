@@ -154,32 +154,40 @@ def write_chunk(
     counts = Counts(rows=rows.num_rows)
     if not rows.num_rows:
         return counts
-    with collector_paused(), conn.transaction():
-        clock, ids = clock_and_ids(conn, rows.num_rows, now)
-        columns = arrow_columns(rows, mapping, clock, settings)
-        if columns is not None:
-            positions, bad = np.arange(rows.num_rows), list[Rejected]()
-        else:
-            positions, columns, bad = row_by_row(rows.to_pylist(), mapping, clock, settings)
-        kept = np.asarray(ids, np.int64)[positions]
-        fresh = np.zeros(0, bool)
-        if columns is not None:
-            keys = (
-                columns.key
-                if not columns.key.null_count
-                else pc.coalesce(columns.key, _provenance(rows).take(pa.array(positions)))
-            )
-            fresh = _claim(conn, source, kept, keys)
-            if fresh.any():
-                write_columns(
-                    conn,
-                    settings,
-                    cache,
-                    kept[fresh],
-                    columns if fresh.all() else columns.take(np.flatnonzero(fresh)),
-                    clock,
+
+    ids: list[int] = []  # drawn once: a write that goes again (without_ddl) keeps them (draws never roll back)
+
+    def write() -> tuple[np.ndarray, np.ndarray, list[Rejected]]:
+        with collector_paused(), conn.transaction():
+            clock, drawn = clock_and_ids(conn, 0 if ids else rows.num_rows, now)
+            ids.extend(drawn)
+            columns = arrow_columns(rows, mapping, clock, settings)
+            if columns is not None:
+                positions, bad = np.arange(rows.num_rows), list[Rejected]()
+            else:
+                positions, columns, bad = row_by_row(rows.to_pylist(), mapping, clock, settings)
+            kept = np.asarray(ids, np.int64)[positions]
+            fresh = np.zeros(0, bool)
+            if columns is not None:
+                keys = (
+                    columns.key
+                    if not columns.key.null_count
+                    else pc.coalesce(columns.key, _provenance(rows).take(pa.array(positions)))
                 )
-        _quarantine(conn, source, bad)
+                fresh = _claim(conn, source, kept, keys)
+                if fresh.any():
+                    write_columns(
+                        conn,
+                        settings,
+                        cache,
+                        kept[fresh],
+                        columns if fresh.all() else columns.take(np.flatnonzero(fresh)),
+                        clock,
+                    )
+            _quarantine(conn, source, bad)
+        return positions, fresh, bad
+
+    positions, fresh, bad = cache.without_ddl(conn, write)  # partitions created before the write, each committed
     counts.enqueued = int(fresh.sum())
     counts.skipped = len(positions) - counts.enqueued
     counts.rejected = len(bad)

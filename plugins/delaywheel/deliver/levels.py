@@ -194,7 +194,14 @@ def deliver_level(
     limit: int = 5000,
 ) -> PassResult:
     """Deliver the due head of one level's queue; see the module docstring for the guarantees. A row the pass
-    cannot deliver is set aside (setaside.py) and the pass runs again: the level never stops on it."""
+    cannot deliver is set aside (setaside.py) and the pass runs again: the level never stops on it. The day's topic
+    partition is created before the pass, never inside it (`PartitionCache.without_ddl`)."""
+    return cache.without_ddl(conn, lambda: _deliver_or_set_aside(conn, cache, level, now, limit))
+
+
+def _deliver_or_set_aside(
+    conn: psycopg.Connection, cache: PartitionCache, level: int, now: datetime | None, limit: int
+) -> PassResult:
     statement = _DELIVER
     for _ in range(3):  # more rows may turn up in the next try's batch (a newer horizon)
         try:

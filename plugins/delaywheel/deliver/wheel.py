@@ -384,7 +384,7 @@ def advance_wheel(
     rolling = None
     with contextlib.suppress(errors.LockNotAvailable):  # a producer holds a far block: roll next pass
         rolling = _roll_step(conn, settings, cache, now)[1]
-    result = _deliver(conn, cache, now, limit)
+    result = cache.without_ddl(conn, lambda: _deliver(conn, cache, now, limit))  # no partition created in a pass
     if rolling is None or result.busy or (result.next_due is not None and result.next_due <= rolling):
         return result
     return dataclasses.replace(result, next_due=rolling)  # the roll is not done: pass again at once (roll says why)

@@ -108,11 +108,17 @@ def _send(
     from delaywheel.produce.arrow_copy import write_columns  # Arrow, numpy and pgpq: only once a batch is sent
     from delaywheel.produce.columns import prepare_columns
 
-    with collector_paused(), conn.transaction():
-        clock, ids = clock_and_ids(conn, len(batch), now)
-        columns = prepare_columns(batch, clock, settings, reconsume_times, internal=internal)
-        write_columns(conn, settings, cache, ids, columns, clock)
-    return ids
+    ids: list[int] = []  # drawn once: a write that goes again (without_ddl) keeps them (draws never roll back)
+
+    def write() -> list[int]:
+        with collector_paused(), conn.transaction():
+            clock, drawn = clock_and_ids(conn, 0 if ids else len(batch), now)
+            ids.extend(drawn)
+            columns = prepare_columns(batch, clock, settings, reconsume_times, internal=internal)
+            write_columns(conn, settings, cache, ids, columns, clock)
+        return ids
+
+    return cache.without_ddl(conn, write)  # partitions created before the write, each committed (outside a caller's)
 
 
 # A fixed instant to apply the rules against when the database's clock decides: every rule but an absolute due
