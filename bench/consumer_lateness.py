@@ -10,7 +10,8 @@ time went, the consumer's process also records its timeline (`Timeline`: each pu
 wait of the consumer and of its server process, each wait, each long garbage collection), and the three slowest
 messages are shown against it.
 
-Run: `python -m bench.consumer_lateness --minutes 3` (the issue's figure is for 10 minutes).
+Run: `python -m bench.consumer_lateness --minutes 3` (the issue's figure is for 10 minutes); `--freeze` freezes the
+consumer's start-up heap first, as the CLI's `consume` does.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from delaywheel import Message, Store
 from delaywheel.consume import consumer as consumer_module
 from delaywheel.consume import topics
 from delaywheel.dev.local_airflow import as_url
+from delaywheel.heap import freeze_after_startup
 
 from .common import Check, drop_database, fresh_database, load_options, log, print_section
 
@@ -66,11 +68,14 @@ def produce(url: str, rate: int, seconds: float, seed: int, out: Any) -> None:
     out.send(ids)
 
 
-def consume(url: str, stop: Any, count: Any, out: Any) -> None:
+def consume(url: str, stop: Any, count: Any, out: Any, freeze: bool) -> None:
     """The library consumer; per message (message_id, received, due, delivered) as epoch seconds, and the consumer's
-    timeline (`Timeline`) to explain its slowest messages."""
+    timeline (`Timeline`) to explain its slowest messages. `freeze`: its start-up heap frozen first, as the CLI's
+    `consume` does (heap.py)."""
     seen: list[tuple[int, float, float, float]] = []
     timeline = Timeline()
+    if freeze:
+        freeze_after_startup()
 
     def handler(messages: list) -> None:
         now = time.time()
@@ -228,7 +233,7 @@ def run(args: argparse.Namespace) -> tuple[list[Check], list[str]]:
     stop, count = ctx.Event(), ctx.Value("q", 0)
     consumed_rx, consumed_tx = ctx.Pipe(duplex=False)
     produced_rx, produced_tx = ctx.Pipe(duplex=False)
-    consumer = ctx.Process(target=consume, args=(url, stop, count, consumed_tx))
+    consumer = ctx.Process(target=consume, args=(url, stop, count, consumed_tx, args.freeze))
     producer = ctx.Process(target=produce, args=(url, args.rate, seconds, args.seed, produced_tx))
     load_before = os.getloadavg()
     deliverer_before = schedstat(str(deliverer.pid))
@@ -289,7 +294,8 @@ def run(args: argparse.Namespace) -> tuple[list[Check], list[str]]:
         f" {totals['safety_wakes']} safety wakes, {totals.get('held_acks', 0):,} acks held in vain,"
         f" {totals['empty_pulls']:,} empty pulls"
         f" ({totals['repulls']:,} looks again after a notified pull found nothing readable), {totals['busy']} busy,"
-        f" {totals['reconnects']} reconnects",
+        f" {totals['reconnects']} reconnects; start-up heap "
+        + ("frozen (gc.freeze, as the CLI's consume does)" if args.freeze else "not frozen"),
         cpu_note("consumer process", consumer_cpu) + "; " + cpu_note("deliverer process", deliverer_cpu),
         "consumer " + timeline.slow_pulls(0.1),
         *(
@@ -305,6 +311,7 @@ def run(args: argparse.Namespace) -> tuple[list[Check], list[str]]:
 
 def main(argv: list[str] | None = None) -> list[Check]:
     parser = load_options(argparse.ArgumentParser(description=__doc__), minutes=3.0, seed=19)
+    parser.add_argument("--freeze", action="store_true", help="freeze the consumer's start-up heap, as the CLI does")
     args, _ = parser.parse_known_args(argv)  # run_all passes its own arguments (--scale) to every module
     started = datetime.now(UTC)
     checks, notes = run(args)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -200,6 +201,40 @@ def test_commands_that_need_no_arrow_do_not_import_it(db_url: str) -> None:
     with Store(db_url) as store:
         assert store.conn.execute("SELECT count(*) FROM delaywheel.level_queue").fetchone() == (1,)
         assert store.conn.execute("SELECT count(*) FROM delaywheel.wheel").fetchone() == (1,)
+
+
+# The console script's own call (`main()`, no argv), then how many objects the process froze.
+_FROZEN_BY = """
+import gc, sys
+from delaywheel.cli import main
+sys.argv[0] = "delaywheel"
+code = main()
+print("frozen:", gc.get_freeze_count(), file=sys.stderr)
+sys.exit(code)
+"""
+
+
+def test_long_running_commands_freeze_their_start_up_heap_in_their_own_process_only(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 19 (heap.py): `deliver` and `consume` freeze what start-up made before their loop, so a full collection
+    walks only what the loop made since; a program that calls `main(argv)` keeps its heap as it was."""
+    env = {**os.environ, "DELAYWHEEL_DATABASE_URL": db_url}
+    for argv, frozen in (
+        (["deliver", "--duration", "1s", "--level", "1"], True),
+        (["consume", "--topic", "t", "--group", "g", "--duration", "1s"], True),
+        (["stats"], False),  # one answer, then the process ends: nothing to spare
+    ):
+        done = subprocess.run(
+            [sys.executable, "-c", _FROZEN_BY, *argv], env=env, capture_output=True, text=True, timeout=60
+        )
+        assert done.returncode == 0, done.stderr
+        count = int(done.stderr.rsplit("frozen:", 1)[1])
+        assert count > 10_000 if frozen else count == 0, (argv, count)
+    monkeypatch.setenv("DELAYWHEEL_DATABASE_URL", db_url)
+    before = gc.get_freeze_count()
+    assert main(["consume", "--topic", "t", "--group", "g", "--duration", "1s"]) == 0
+    assert gc.get_freeze_count() == before
 
 
 def test_deliver_says_when_it_is_ready_and_counts_busy_passes(db_url: str) -> None:

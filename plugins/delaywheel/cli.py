@@ -17,6 +17,7 @@ import psycopg
 from delaywheel.config import STORE_NAME, ConfigError, load_settings, parse_duration
 from delaywheel.deliver import runner
 from delaywheel.dev import embedded
+from delaywheel.heap import freeze_after_startup
 from delaywheel.lanes import Lane, all_lanes, lane_name
 from delaywheel.migrate import MigrationError, migrate
 from delaywheel.ops.cancel import KeysFrom
@@ -231,7 +232,15 @@ def _stop_on_signals(stop: threading.Event) -> dict[int, Any]:
     return previous
 
 
+def _long_running(args: argparse.Namespace) -> None:
+    """Before a loop that runs for hours: freeze the start-up heap (heap.py), when this process is the command's own
+    (`delaywheel …`, `python -m delaywheel.cli …`), not a program that called `main(argv)` and keeps its own heap."""
+    if args.own_process:
+        freeze_after_startup()
+
+
 def cmd_deliver(args: argparse.Namespace) -> int:
+    _long_running(args)
     stop = threading.Event()
     previous = _stop_on_signals(stop)
     try:
@@ -348,6 +357,7 @@ def cmd_consume(args: argparse.Namespace) -> int:
     written and flushed. SIGTERM / SIGINT stop after the batch in hand; a closed pipe stops without acking it."""
     from delaywheel.consume.consumer import Abandon
 
+    _long_running(args)
     stop = threading.Event()
     previous = _stop_on_signals(stop)
     out = sys.stdout
@@ -568,6 +578,7 @@ def cmd_shop(args: argparse.Namespace) -> int:
     Each says on stderr when it is ready; SIGTERM / SIGINT stop it after the batch or tick in hand (exit 0)."""
     from delaywheel_shop import orders
 
+    _long_running(args)
     stop = threading.Event()
     previous = _stop_on_signals(stop)
 
@@ -757,6 +768,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.own_process = argv is None  # the console script and `python -m delaywheel.cli` pass none
     try:
         load_settings()
         return int(args.func(args))
