@@ -96,10 +96,10 @@ class PartitionCache:
             try:
                 return run()
             except PartitionMissing as missing:
-                self._deferring = False
-                self.ensure(conn, missing.parent, missing.lows)
+                needed = missing
             finally:
                 self._deferring = False
+            self.ensure(conn, needed.parent, needed.lows)  # `run` rolled back: each its own transaction
         return run()
 
     def _absent(self, conn: psycopg.Connection, parent: str, lows: list[datetime]) -> list[datetime]:
