@@ -10,7 +10,6 @@ failed before the fix (`PartitionCache.without_ddl`; `Store.prepare` committing 
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -21,16 +20,16 @@ import pytest
 
 from delaywheel import Message, Store
 from delaywheel.partitions import WIDTH, floor_to
+from tests.conftest import wait_for_lock
 
 # The locks of a backend that creating a partition takes: its parent's ACCESS EXCLUSIVE, and the per-parent
 # advisory lock of delaywheel.ensure_partition (one bigint key: hashtext of 'delaywheel.partition.' || parent).
 _CREATION_LOCKS = """
 SELECT c.relname FROM pg_locks l JOIN pg_class c ON c.oid = l.relation
-WHERE l.pid = %(pid)s AND l.granted AND l.mode = 'AccessExclusiveLock'
-  AND c.relname IN ('level_segments', 'wheel', 'wheel_far_segments', 'topic_messages', 'cancellations')
+WHERE l.pid = %(pid)s AND l.granted AND l.mode = 'AccessExclusiveLock' AND c.relname = ANY(%(parents)s)
 UNION ALL
 SELECT p.parent FROM pg_locks l
-JOIN unnest(ARRAY['level_segments', 'wheel', 'wheel_far_segments', 'topic_messages', 'cancellations']) p(parent)
+JOIN unnest(%(parents)s::text[]) p(parent)
   ON l.objid::bigint = hashtext('delaywheel.partition.' || p.parent)::bigint & 4294967295
 WHERE l.pid = %(pid)s AND l.granted AND l.locktype = 'advisory' AND l.objsubid = 1
 """
@@ -38,7 +37,8 @@ WHERE l.pid = %(pid)s AND l.granted AND l.locktype = 'advisory' AND l.objsubid =
 
 def creating(watch: psycopg.Connection, pid: int) -> list[str]:
     """The parents `pid` holds a partition creation on (none, when it creates each in a transaction of its own)."""
-    return sorted({r[0] for r in watch.execute(_CREATION_LOCKS, {"pid": pid}).fetchall()})
+    rows = watch.execute(_CREATION_LOCKS, {"pid": pid, "parents": list(WIDTH)}).fetchall()
+    return sorted({r[0] for r in rows})
 
 
 def partition_exists(watch: psycopg.Connection, parent: str, at: datetime) -> bool:
@@ -60,13 +60,7 @@ def blocked(pool: ThreadPoolExecutor, store: Store, call: Callable[[], object], 
     """`call` on the pool's thread, returned once the store's connection waits for a lock."""
     pid = store.conn.info.backend_pid  # (the connection opened here, not by both threads at once)
     running = pool.submit(call)
-    deadline = time.monotonic() + 60
-    while watch.execute("SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchone() != ("Lock",):
-        if running.done():
-            running.result()  # its error, if any
-            pytest.fail("it ended without waiting for a lock")
-        assert time.monotonic() < deadline, "it never waited for a lock"
-        time.sleep(0.01)
+    wait_for_lock(watch, pid, "the call", 60)
     return running
 
 

@@ -155,12 +155,11 @@ def write_chunk(
     if not rows.num_rows:
         return counts
 
-    ids: list[int] = []  # drawn once: a write that goes again (without_ddl) keeps them (draws never roll back)
+    ids: list[int] = []
 
     def write() -> tuple[np.ndarray, np.ndarray, list[Rejected]]:
         with collector_paused(), conn.transaction():
-            clock, drawn = clock_and_ids(conn, 0 if ids else rows.num_rows, now)
-            ids.extend(drawn)
+            clock = clock_and_ids(conn, ids, rows.num_rows, now)
             columns = arrow_columns(rows, mapping, clock, settings)
             if columns is not None:
                 positions, bad = np.arange(rows.num_rows), list[Rejected]()

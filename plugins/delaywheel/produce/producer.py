@@ -53,18 +53,19 @@ def collector_paused() -> Iterator[None]:
             gc.enable()
 
 
-def clock_and_ids(conn: psycopg.Connection, count: int, now: datetime | None) -> tuple[datetime, list[int]]:
-    """The clock for this call and `count` new message ids, ascending (from ceil(count / ID_BLOCK) blocks)."""
+def clock_and_ids(conn: psycopg.Connection, ids: list[int], count: int, now: datetime | None) -> datetime:
+    """The clock for this call; `ids` filled with `count` new message ids, ascending (from ceil(count / ID_BLOCK)
+    blocks), unless it holds them already: a write that goes again (`PartitionCache.without_ddl`) keeps the ids its
+    first try drew, as a sequence's draws are never rolled back."""
     row = conn.execute(
         "SELECT coalesce(%s::timestamptz, clock_timestamp()),"
         " ARRAY(SELECT nextval('delaywheel.message_id_seq') FROM generate_series(1, %s))",
-        (now, -(-count // ID_BLOCK)),
+        (now, 0 if ids else -(-count // ID_BLOCK)),
     ).fetchone()
     assert row is not None
-    ids: list[int] = []
     for block in row[1]:
         ids.extend(range(block, block + min(ID_BLOCK, count - len(ids))))
-    return row[0], ids
+    return row[0]
 
 
 def send_many(
@@ -108,12 +109,11 @@ def _send(
     from delaywheel.produce.arrow_copy import write_columns  # Arrow, numpy and pgpq: only once a batch is sent
     from delaywheel.produce.columns import prepare_columns
 
-    ids: list[int] = []  # drawn once: a write that goes again (without_ddl) keeps them (draws never roll back)
+    ids: list[int] = []
 
     def write() -> list[int]:
         with collector_paused(), conn.transaction():
-            clock, drawn = clock_and_ids(conn, 0 if ids else len(batch), now)
-            ids.extend(drawn)
+            clock = clock_and_ids(conn, ids, len(batch), now)
             columns = prepare_columns(batch, clock, settings, reconsume_times, internal=internal)
             write_columns(conn, settings, cache, ids, columns, clock)
         return ids
