@@ -3,10 +3,16 @@ its connections and the SQL settings they share."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
+from typing import TypeVar
+
 import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from delaywheel.config import ConfigError, Settings
+
+T = TypeVar("T")
 
 # The commit horizon (DESIGN.md §5), an SQL expression of type xid8: every transaction below it that could
 # have written to *this* database has ended, so a cursor may pass rows below it. Unlike
@@ -81,3 +87,18 @@ def commits_each_statement(conn: psycopg.Connection) -> bool:
     ends, and the statements of one pipeline before its Sync form one implicit transaction. Cancel commits its
     cancellations before it waits for the passes in flight; a consumer sends its ack and next pull as one."""
     return conn.autocommit and conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+
+
+def in_own_transaction(conn: psycopg.Connection, body: Callable[[bool], T]) -> T:
+    """`body(own)` in a transaction of its own. On a Store's connection (`commits_each_statement`) `own` is True and
+    `body` sends BEGIN and COMMIT itself, in its pipelines, so they cost no round trip of their own; any failure rolls
+    back here. Inside the caller's transaction `own` is False and `body` runs in a savepoint."""
+    if not commits_each_statement(conn):
+        with conn.transaction():
+            return body(False)
+    try:
+        return body(True)
+    except BaseException:
+        with contextlib.suppress(psycopg.Error):
+            conn.rollback()
+        raise

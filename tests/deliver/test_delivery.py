@@ -86,6 +86,21 @@ def test_second_deliverer_on_a_held_level_is_busy(db_url: str, store: Store, t0:
     assert len(deliveries(store)) == 2
 
 
+def test_a_level_pass_inside_the_callers_transaction_commits_with_it(store: Store, t0: datetime) -> None:
+    """On a connection already in a transaction the level pass runs in a savepoint, with the same pipelines and no
+    BEGIN or COMMIT of its own: what it delivered, and the checkpoint it moved, are the caller's to keep or roll
+    back."""
+    ids = store.send_many([Message("t", {"n": i}, delay_level=1) for i in range(2)], now=t0)
+    with store.conn.transaction(force_rollback=True):
+        assert store.deliver_level(1, now=at(t0, 1)).delivered == 2
+        assert len(deliveries(store, "t")) == 2
+    assert deliveries(store, "t") == []  # rolled back with the caller's transaction, checkpoint included
+    with store.conn.transaction():
+        assert store.deliver_level(1, now=at(t0, 1)).delivered == 2
+    assert [m[0] for m in deliveries(store, "t")] == ids
+    assert store.deliver_level(1, now=at(t0, 2)).delivered == 0  # the checkpoint moved with them
+
+
 def test_wheel_never_early_inside_a_slot(store: Store, t0: datetime) -> None:
     early, late = (store.send("timers", b"a", deliver_at=at(t0, s), now=t0) for s in (0.2, 0.7))
     result = store.advance_wheel(now=at(t0, 0.5))

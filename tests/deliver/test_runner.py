@@ -155,6 +155,39 @@ def test_idle_levels_are_not_passed_while_the_wheel_is_busy(db_url: str, store: 
     assert (late[2] - late[1]).total_seconds() < 2.5  # woken by its announcement, not the 5-s safety wake
 
 
+def test_a_message_whose_announcement_is_lost_is_found_by_the_safety_wake_without_passing_idle_levels(
+    db_url: str, store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A safety wake reads the levels' heads in one query and passes the wheel, so a level message nobody announced
+    is still delivered within the safety wake, and the 17 idle levels are not passed at every wake before the wheel
+    (they were: a periodic stall of every wheel timer due then)."""
+
+    def deaf(listener: object, seconds: float, stop: threading.Event, *args: object) -> None:
+        stop.wait(seconds)  # every notification lost
+
+    monkeypatch.setattr(runner, "_sleep_or_notified", deaf)
+    monkeypatch.setattr(runner, "SAFETY_WAKE_S", 0.5)
+    later = threading.Timer(1.0, lambda: store.send("unannounced", {"n": 1}, delay_level=1))
+    level_passes = []
+    with Store(db_url) as own:
+        deliver_level = own.deliver_level
+
+        def counted(level: int, **kw: object) -> object:
+            level_passes.append(level)
+            return deliver_level(level, **kw)  # type: ignore[arg-type]
+
+        own.deliver_level = counted  # type: ignore[method-assign, assignment]
+        later.start()
+        totals = runner.run(own, [*range(1, 19), None], 5.0)
+    later.join()
+    assert totals.delivered == 1
+    (late,) = deliveries(store, "unannounced")
+    assert late[2] >= late[1]  # never early
+    assert (late[2] - late[1]).total_seconds() < 2.0  # found by a safety wake, every 0.5 s
+    idle = [level for level in level_passes if level != 1]
+    assert len(idle) == len(set(idle)), level_passes  # an idle level at most once (at start), not at every wake
+
+
 def test_a_lane_hears_only_its_own_announcements(db_url: str, store: Store) -> None:
     """A deliverer of level 3 wakes for level 3's new due times and for a producer that does not say the lane, not
     for the wheel's or another level's: under Airflow each lane is a task, and 18 level tasks used to wake for

@@ -13,7 +13,7 @@ from datetime import datetime
 import psycopg
 from psycopg import errors, sql
 
-from delaywheel.db import COMMIT_HORIZON, QUEUE_PLAN
+from delaywheel.db import COMMIT_HORIZON, QUEUE_PLAN, in_own_transaction
 from delaywheel.deliver.setaside import POISON, record
 from delaywheel.locks import LEVEL_LOCK
 from delaywheel.partitions import PartitionCache
@@ -106,11 +106,18 @@ moved AS (
     WHERE {not_cancelled}
     ORDER BY xid, id_last, id
     RETURNING topic, queue_offset, xid
+),
+-- the checkpoint past the due prefix (its row made by the level's first delivery); untouched when nothing was due
+advanced AS (
+    INSERT INTO delaywheel.level_checkpoint AS c (level, cursor_xid, cursor_id, delivered, updated_at)
+    SELECT %(level)s, xid, id, (SELECT count(*) FROM moved), clock_timestamp()
+    FROM (SELECT xid, id FROM due ORDER BY xid DESC, id_last DESC, id DESC LIMIT 1) last
+    ON CONFLICT (level) DO UPDATE SET cursor_xid = excluded.cursor_xid, cursor_id = excluded.cursor_id,
+        delivered = c.delivered + excluded.delivered, updated_at = excluded.updated_at
 )
 SELECT (SELECT count(*) FROM moved),
        (SELECT count(*) FROM due),
        (SELECT count(*) FROM batch),
-       (SELECT ARRAY[xid::text, id::text] FROM due ORDER BY xid DESC, id_last DESC, id DESC LIMIT 1),
        ({topic_summary})
 """)
         .format(
@@ -167,6 +174,11 @@ _HORIZON_AND_CLOCK = (
     .format(horizon=sql.SQL(COMMIT_HORIZON))
     .as_string()
 )
+# The level's checkpoint: where its last pass left its queue, the start before its first delivery.
+_CURSOR = (
+    "SELECT coalesce(c.cursor_xid::text, '0'), coalesce(c.cursor_id, 0)"
+    " FROM (SELECT) start LEFT JOIN delaywheel.level_checkpoint c ON c.level = %s"
+)
 
 
 def levels_above(conn: psycopg.Connection, level: int) -> list[int]:
@@ -221,9 +233,8 @@ def set_aside(conn: psycopg.Connection, cache: PartitionCache, level: int, limit
             _LOCK, (LEVEL_LOCK, level)
         ).fetchone()
         assert row is not None
-        cursor = conn.execute(
-            "SELECT cursor_xid::text, cursor_id FROM delaywheel.level_checkpoint WHERE level = %s", (level,)
-        ).fetchone() or ("0", 0)
+        cursor = conn.execute(_CURSOR, (level,)).fetchone()
+        assert cursor is not None
         bad = conn.execute(
             _UNDELIVERABLE,
             {"level": level, "cxid": cursor[0], "cid": cursor[1], "xmin": row[1], "limit": limit},
@@ -239,43 +250,59 @@ def _deliver_level(
     limit: int,
     statement: str,
 ) -> PassResult:
-    with conn.transaction():
-        row = conn.execute(_TRY_LOCK, (LEVEL_LOCK, level, now)).fetchone()
-        assert row is not None
-        locked, xmin, clock, *_ = row
-        if not locked:
-            if not take_lane(conn, (LEVEL_LOCK, level)):
-                return PassResult(0, 0, None, busy=True)
-            horizon = conn.execute(_HORIZON_AND_CLOCK, (now,)).fetchone()
-            assert horizon is not None
-            xmin, clock = horizon
-        cache.ensure(conn, "topic_messages", [clock])
-        conn.execute("INSERT INTO delaywheel.level_checkpoint (level) VALUES (%s) ON CONFLICT DO NOTHING", (level,))
-        cursor = conn.execute(
-            "SELECT cursor_xid::text, cursor_id FROM delaywheel.level_checkpoint WHERE level = %s", (level,)
-        ).fetchone()
-        assert cursor is not None
-        result = conn.execute(
-            statement,
-            {
-                "now": clock,
-                "injected": now,
-                "level": level,
-                "cxid": cursor[0],
-                "cid": cursor[1],
-                "xmin": xmin,
-                "limit": limit,
-            },
-        ).fetchone()
-        assert result is not None
-        moved, due, scanned, last, summary = result
-        if last is not None:
-            conn.execute(
-                "UPDATE delaywheel.level_checkpoint SET cursor_xid = %s::xid8, cursor_id = %s,"
-                " delivered = delivered + %s, updated_at = clock_timestamp() WHERE level = %s",
-                (last[0], int(last[1]), moved, level),
-            )
-        head = conn.execute(LEVEL_HEAD, {"level": level}).fetchone()  # after the checkpoint just written
+    """One pass in a transaction of its own (db.in_own_transaction: BEGIN and COMMIT in the pass's pipelines)."""
+    return in_own_transaction(conn, lambda own: _pass(conn, cache, level, now, limit, statement, own=own))
+
+
+def _pass(
+    conn: psycopg.Connection,
+    cache: PartitionCache,
+    level: int,
+    now: datetime | None,
+    limit: int,
+    statement: str,
+    *,
+    own: bool,
+) -> PassResult:
+    """The pass's statements in two pipelines, each one round trip, as the wheel's pass (wheel._pass): the lock, the
+    horizon and the clock with the checkpoint (BEGIN first when `own`); the move, which also advances the checkpoint,
+    and the head after it (COMMIT last when `own`). It was eight round trips, and a full deliverer passes every level
+    at each safety wake, the wheel last. Statements still run one after another, each with its own snapshot, so the
+    checkpoint is read after the lock is held."""
+    with conn.pipeline():
+        if own:
+            conn.execute("BEGIN")
+        locking = conn.execute(_TRY_LOCK, (LEVEL_LOCK, level, now))
+        reading = conn.execute(_CURSOR, (level,))
+    row = locking.fetchone()
+    assert row is not None
+    locked, xmin, clock, *_ = row
+    if not locked:
+        if not take_lane(conn, (LEVEL_LOCK, level)):
+            if own:
+                conn.execute("ROLLBACK")
+            return PassResult(0, 0, None, busy=True)
+        xmin, clock = conn.execute(_HORIZON_AND_CLOCK, (now,)).fetchone()  # type: ignore[misc]
+        reading = conn.execute(_CURSOR, (level,))
+    cursor = reading.fetchone()
+    assert cursor is not None
+    cache.ensure(conn, "topic_messages", [clock])
+    params = {
+        "now": clock,
+        "injected": now,
+        "level": level,
+        "cxid": cursor[0],
+        "cid": cursor[1],
+        "xmin": xmin,
+        "limit": limit,
+    }
+    with conn.pipeline():
+        moving = conn.execute(statement, params)
+        heading = conn.execute(LEVEL_HEAD, {"level": level})  # after the checkpoint the move wrote
+        if own:
+            conn.execute("COMMIT")
+    moved, due, scanned, summary = moving.fetchone()  # type: ignore[misc]
+    head = heading.fetchone()
     return PassResult(
         moved,
         due - moved,

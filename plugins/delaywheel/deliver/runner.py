@@ -83,7 +83,8 @@ def run(
     retry_in = backoff_delays()  # waits before reconnecting; starts over once a round succeeds
     # When each lane is next due (database epoch seconds; None: empty as last seen; -inf: look now). A round passes
     # only the lanes due by now: an idle level costs nothing while the wheel is busy (it used to cost a transaction
-    # per level per round). Every lane is looked at once at start, after a reconnect and every SAFETY_WAKE_S.
+    # per level per round). Every lane is passed once at start and after a reconnect; every SAFETY_WAKE_S the levels'
+    # heads are read again (one query) and the wheel is passed.
     due: dict[Lane, float | None] = dict.fromkeys(lanes, -math.inf)
     announced: list[float] = []  # due times producers announced and not yet looked at (a heap)
     look_all_at = time.monotonic() + SAFETY_WAKE_S
@@ -100,13 +101,14 @@ def run(
                     store.prepare()
                     next_prepare = time.monotonic() + PREPARE_EVERY_S
                 now = clock.now()
-                if time.monotonic() >= look_all_at:  # the safety wake: every lane, whatever we believe
-                    due = dict.fromkeys(lanes, -math.inf)
-                    look_all_at = time.monotonic() + SAFETY_WAKE_S
-                elif announced and announced[0] <= now:
-                    # A producer announced a message due by now, on a lane we cannot tell: read every lane's head
-                    # in one query rather than pass every lane.
+                safety = time.monotonic() >= look_all_at
+                if safety or (announced and announced[0] <= now):
+                    # The safety wake (every lane, whatever we believe: a message sent without a notification), or
+                    # a producer announced a message due by now on a lane we cannot tell: read every level's head in
+                    # one query and pass the wheel, rather than pass every level before the wheel.
                     due.update(_heads(store.conn, lanes))
+                    if safety:
+                        look_all_at = time.monotonic() + SAFETY_WAKE_S
                 while announced and announced[0] <= now:
                     heapq.heappop(announced)
                 busy = False
@@ -345,8 +347,8 @@ _HEADS = (
 
 
 def _heads(conn: psycopg.Connection, lanes: Sequence[Lane]) -> dict[Lane, float | None]:
-    """Each lane's head after an announcement fell due: the levels' read in one query; the wheel is passed
-    (the announced message may be the wheel's, and its pass is what reads its head)."""
+    """Each lane's head, at a safety wake or after an announcement fell due: the levels' read in one query; the wheel
+    is passed (the announced message may be the wheel's, and its pass is what reads its head)."""
     levels = [lane for lane in lanes if lane is not None]
     heads: dict[Lane, float | None] = {}
     if levels:

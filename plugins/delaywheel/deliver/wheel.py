@@ -25,7 +25,7 @@ import psycopg
 from psycopg import errors, sql
 
 from delaywheel.config import Settings
-from delaywheel.db import COMMIT_HORIZON, QUEUE_PLAN, commits_each_statement
+from delaywheel.db import COMMIT_HORIZON, QUEUE_PLAN, in_own_transaction
 from delaywheel.deliver.levels import TOPIC_SUMMARY, take_lane, topic_spans
 from delaywheel.deliver.setaside import POISON, record
 from delaywheel.locks import WHEEL_LOCK
@@ -425,17 +425,8 @@ def _set_aside_due(conn: psycopg.Connection, cache: PartitionCache, now: datetim
 
 
 def _advance(conn: psycopg.Connection, cache: PartitionCache, now: datetime | None, limit: int) -> PassResult:
-    """One pass in a transaction of its own: BEGIN and COMMIT go in the pass's pipelines on a Store's connection
-    (autocommit, idle), and the pass runs inside the caller's transaction (a savepoint) otherwise."""
-    if not commits_each_statement(conn):
-        with conn.transaction():
-            return _pass(conn, cache, now, limit, own=False)
-    try:
-        return _pass(conn, cache, now, limit, own=True)
-    except BaseException:
-        with contextlib.suppress(psycopg.Error):
-            conn.rollback()
-        raise
+    """One pass in a transaction of its own (db.in_own_transaction: BEGIN and COMMIT in the pass's pipelines)."""
+    return in_own_transaction(conn, lambda own: _pass(conn, cache, now, limit, own=own))
 
 
 def _pass(
