@@ -33,7 +33,7 @@ from delaywheel import Message, Store
 
 DB = "delaywheel_bench_send"
 TOPIC = "bench.orders"
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]  # the checkout
 RAW_TABLE = """CREATE TABLE raw_timers (id bigserial PRIMARY KEY, topic text NOT NULL, key text, tags text,
     properties jsonb, body bytea NOT NULL, is_json boolean NOT NULL, deliver_at timestamptz NOT NULL,
     enqueued_at timestamptz NOT NULL DEFAULT clock_timestamp())"""

@@ -5,16 +5,19 @@ from __future__ import annotations
 
 import contextlib
 import os
+import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import TypeVar
 
 import psycopg
 import pytest
 from delaywheel_shop import schema as shop_schema
+from psycopg import pq
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from delaywheel import Settings, Store
@@ -25,6 +28,9 @@ from delaywheel.dev.local_airflow import as_url, configure
 TEMPLATE = "delaywheel_test_template"
 ROOT = Path(__file__).resolve().parents[1]
 AIRFLOW_TEST_DB = "airflow_test"
+
+
+T = TypeVar("T")
 
 
 def _with_db(url: str, dbname: str) -> str:
@@ -149,6 +155,27 @@ def deliveries(store: Store, topic: str | None = None) -> list[tuple[int, dateti
         {"topic": topic},
     ).fetchall()
     return [(r[0], r[1], r[2], r[3]) for r in rows]
+
+
+def traced(conn: psycopg.Connection, call: Callable[[], T]) -> tuple[T, list[list[str]]]:
+    """`call()`'s result, and the protocol messages it sent and received on `conn` (libpq's trace: per message, the
+    side, F from the client or B from the server, its length and its type, e.g. Sync): each Sync the client sends is
+    a round trip, a wake-up of the client and of its server process."""
+    with tempfile.TemporaryFile("w+") as f:
+        conn.pgconn.trace(f.fileno())
+        conn.pgconn.set_trace_flags(pq.Trace.SUPPRESS_TIMESTAMPS)
+        try:
+            result = call()
+        finally:
+            conn.pgconn.untrace()
+        f.seek(0)
+        lines = [line.split("\t")[:4] for line in f.read().splitlines() if line[:2] in ("F\t", "B\t")]
+    return result, lines
+
+
+def syncs(lines: list[list[str]]) -> int:
+    """The round trips in `traced`'s lines: the Syncs the client sent."""
+    return sum(1 for line in lines if line[0] == "F" and line[2] == "Sync")
 
 
 def delivering(db_url: str, stop: threading.Event) -> threading.Thread:

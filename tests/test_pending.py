@@ -8,6 +8,7 @@ from datetime import datetime, timedelta
 import pytest
 
 from delaywheel import Store
+from delaywheel.deliver import wheel
 from delaywheel.pending import LEVEL_HEAD, WHEEL_HEAD, segment_messages
 from delaywheel.produce.validation import Message
 from tests.conftest import at
@@ -41,7 +42,11 @@ def test_the_wheel_pass_and_its_waiters_read_the_same_head(store: Store, t0: dat
     result = store.advance_wheel(now=at(t0, 1))
     assert result.next_due is not None and result.next_due > t0  # only far blocks pending: near_until
     assert store.conn.execute(WHEEL_HEAD).fetchone() == (result.next_due,)
-    store.send("orders", b"near", delay=timedelta(minutes=5), now=t0)
+    store.send("orders", b"later", delay=wheel.HEAD_WINDOW * 5, now=t0)  # past the pass's first, bounded look
     result = store.advance_wheel(now=at(t0, 2))
+    assert result.next_due == t0 + wheel.HEAD_WINDOW * 5
+    assert store.conn.execute(WHEEL_HEAD).fetchone() == (result.next_due,)
+    store.send("orders", b"near", delay=timedelta(minutes=5), now=t0)
+    result = store.advance_wheel(now=at(t0, 3))
     assert result.next_due == t0 + timedelta(minutes=5)
     assert store.conn.execute(WHEEL_HEAD).fetchone() == (result.next_due,)

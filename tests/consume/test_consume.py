@@ -17,7 +17,6 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from psycopg import pq
 
 from delaywheel import Message, Store
 from delaywheel.cli import main
@@ -25,7 +24,7 @@ from delaywheel.consume import consumer as consume
 from delaywheel.consume import topics
 from delaywheel.consume.topics import retry_topic
 from delaywheel.produce.producer import TOPIC_CHANNEL
-from tests.conftest import ROOT, deliveries, delivering
+from tests.conftest import ROOT, deliveries, delivering, syncs, traced
 
 
 def test_the_consumer_gets_exactly_the_delivered_messages_in_order_and_none_early(db_url: str, store: Store) -> None:
@@ -358,7 +357,7 @@ def _ack_and_pull(store: Store, done: topics.Batch | None, held: frozenset[str],
     return topics.ack_and_pull(store.conn, store.settings, store._cache, done, None, "t", "g", n, held)
 
 
-def test_in_the_steady_state_the_ack_and_the_next_pull_are_one_round_trip(store: Store, tmp_path: Path) -> None:
+def test_in_the_steady_state_the_ack_and_the_next_pull_are_one_round_trip(store: Store) -> None:
     """Every round trip costs the consumer and its server process a wake-up, and each waits for a CPU on a busy
     machine. With the group's locks held and nothing failed, the ack and the read are sent before the server's first
     answer and end in one Sync, so they are one implicit transaction (libpq's trace: no line from the server
@@ -368,18 +367,10 @@ def test_in_the_steady_state_the_ack_and_the_next_pull_are_one_round_trip(store:
     assert held == {"t", retry_topic("g")}
     result, second, held = _ack_and_pull(store, first, held)  # the group's first ack: its offset row is written
     assert result.acked == 2
-    trace = tmp_path / "libpq.trace"
-    with trace.open("w") as f:
-        store.conn.pgconn.trace(f.fileno())
-        store.conn.pgconn.set_trace_flags(pq.Trace.SUPPRESS_TIMESTAMPS)
-        try:
-            result, third, _ = _ack_and_pull(store, second, held)
-        finally:
-            store.conn.pgconn.untrace()
-    lines = [line.split("\t")[:4] for line in trace.read_text().splitlines() if line[:2] in ("F\t", "B\t")]
+    (result, third, _), lines = traced(store.conn, lambda: _ack_and_pull(store, second, held))
     sides = [line[0] for line in lines]
     assert "B" in sides and "F" not in sides[sides.index("B") :], "the client waited for an answer in between"
-    assert [line[2] for line in lines].count("Sync") == 1
+    assert syncs(lines) == 1
     assert (result.acked, result.already_acked) == (2, 0)
     assert [m.message_id for b in (first, second, third) for m in b.messages] == ids
 

@@ -10,7 +10,7 @@ import psycopg
 
 from delaywheel import Settings, Store
 from delaywheel.produce.validation import Message
-from tests.conftest import at, deliveries, table_counts
+from tests.conftest import at, deliveries, syncs, table_counts, traced
 
 
 def test_level_never_early_fifo_and_countdown(store: Store, t0: datetime) -> None:
@@ -99,6 +99,21 @@ def test_a_level_pass_inside_the_callers_transaction_commits_with_it(store: Stor
         assert store.deliver_level(1, now=at(t0, 1)).delivered == 2
     assert [m[0] for m in deliveries(store, "t")] == ids
     assert store.deliver_level(1, now=at(t0, 2)).delivered == 0  # the checkpoint moved with them
+
+
+def test_a_level_pass_is_two_round_trips(store: Store, t0: datetime) -> None:
+    """As the wheel's pass (test_wheel_cursor): BEGIN, the lock and the checkpoint; the move, which writes the
+    checkpoint itself, COMMIT and the head. It was eight, and a deliverer passes every level at start."""
+    store.send("orders", b"first", delay_level=1, now=t0)
+    assert store.deliver_level(1, now=at(t0, 1)).delivered == 1  # creates the topic's partition: the common case next
+    ids = store.send_many([Message("orders", {"n": i}, delay_level=1) for i in range(3)], now=at(t0, 1))
+    store.send("orders", b"later", delay_level=1, now=at(t0, 5))
+    result, lines = traced(store.conn, lambda: store.deliver_level(1, now=at(t0, 2)))
+    assert (result.delivered, result.next_due) == (3, at(t0, 6))
+    assert [m[0] for m in deliveries(store, "orders")][-3:] == ids
+    assert syncs(lines) == 2
+    idle, lines = traced(store.conn, lambda: store.deliver_level(2, now=at(t0, 2)))
+    assert (idle.delivered, idle.next_due, syncs(lines)) == (0, None, 2)
 
 
 def test_wheel_never_early_inside_a_slot(store: Store, t0: datetime) -> None:

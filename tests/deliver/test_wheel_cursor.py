@@ -7,18 +7,18 @@ from __future__ import annotations
 import json
 import re
 import time
-from datetime import timedelta
-from pathlib import Path
+from datetime import UTC, datetime, timedelta
 
 import psycopg
 import pytest
-from psycopg import errors, pq
+from psycopg import errors
 
 from delaywheel import Store
+from delaywheel.deliver import wheel
 from delaywheel.deliver.wheel import CURSOR, TRIM_EVERY
 from delaywheel.migrate import RUNTIME_ROLE
 from delaywheel.produce.validation import Message
-from tests.conftest import deliveries
+from tests.conftest import deliveries, syncs, traced
 
 PASSES = 2 * TRIM_EVERY + 300  # two trims, and entries past the last one
 # The newest entry through the primary key read backwards: the index's root and rightmost leaf, one heap page.
@@ -103,28 +103,29 @@ def test_the_runtime_appends_and_trims_but_never_rewrites(db_url: str) -> None:
         assert conn.execute("SELECT near_until FROM delaywheel.wheel_state FOR KEY SHARE").fetchone() is not None
 
 
-def test_a_wheel_pass_is_three_round_trips(store: Store, tmp_path: Path) -> None:
+def test_a_wheel_pass_is_three_round_trips(store: Store) -> None:
     """Each round trip costs the deliverer and its server process a wake-up, which waits for a CPU on a busy machine,
     and the third stands between the rows' delivered_at and the commit that makes them readable. A pass that
-    delivers is three pipelines (BEGIN, lock and cursor; the moves; the next entry, the head and COMMIT), after the
-    roll's one look at `wheel_roll`: four Syncs."""
+    delivers is three pipelines (BEGIN, lock and cursor; the moves; the next entry, COMMIT and the head), after the
+    roll's one look at `wheel_roll`: four Syncs. The head looks within an hour of the cursor first; only a wheel with
+    nothing due that soon costs a fifth, after the commit."""
     store.send_many([Message("t", {"n": 1}, delay=timedelta(milliseconds=50))])
     time.sleep(0.2)
     assert store.advance_wheel().delivered == 1  # creates the topic's partition,
     store.advance_wheel()  # which the next pass sees committed: from here on, a pass's common case
-    ids = store.send_many([Message("t", {"n": i}, delay=timedelta(milliseconds=50)) for i in range(3)])
-    time.sleep(0.2)
-    trace = tmp_path / "libpq.trace"
-    with trace.open("w") as f:
-        store.conn.pgconn.trace(f.fileno())
-        store.conn.pgconn.set_trace_flags(pq.Trace.SUPPRESS_TIMESTAMPS)
-        try:
-            result = store.advance_wheel()
-        finally:
-            store.conn.pgconn.untrace()
-    assert result.delivered == 3 and sorted(m[0] for m in deliveries(store, "t"))[-3:] == sorted(ids)
-    messages = [line.split("\t")[2] for line in trace.read_text().splitlines() if line[:2] in ("F\t", "B\t")]
-    assert messages.count("Sync") == 4
+
+    def round_trips(pending: timedelta) -> int:
+        """Syncs of a pass that delivers 3 timers, with one more due `pending` later."""
+        store.send("t", {"n": "later"}, delay=pending)
+        ids = store.send_many([Message("t", {"n": i}, delay=timedelta(milliseconds=50)) for i in range(3)])
+        time.sleep(0.2)
+        result, lines = traced(store.conn, store.advance_wheel)
+        assert result.delivered == 3 and sorted(m[0] for m in deliveries(store, "t"))[-3:] == sorted(ids)
+        assert result.next_due is not None and result.next_due > datetime.now(UTC) + pending - timedelta(seconds=5)
+        return syncs(lines)
+
+    assert round_trips(wheel.HEAD_WINDOW * 3) == 5  # nothing due within the first look's hour
+    assert round_trips(timedelta(minutes=30)) == 4  # the common case: the first look finds the head
 
 
 def test_a_wheel_pass_inside_the_callers_transaction_commits_with_it(store: Store) -> None:

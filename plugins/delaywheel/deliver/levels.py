@@ -265,8 +265,8 @@ def _pass(
     own: bool,
 ) -> PassResult:
     """The pass's statements in two pipelines, each one round trip, as the wheel's pass (wheel._pass): the lock, the
-    horizon and the clock with the checkpoint (BEGIN first when `own`); the move, which also advances the checkpoint,
-    and the head after it (COMMIT last when `own`). It was eight round trips, and a full deliverer passes every level
+    horizon and the clock with the checkpoint (BEGIN first when `own`); the move, which also advances the checkpoint
+    (COMMIT next when `own`), and the head after it. It was eight round trips, and a full deliverer passes every level
     at each safety wake, the wheel last. Statements still run one after another, each with its own snapshot, so the
     checkpoint is read after the lock is held."""
     with conn.pipeline():
@@ -298,9 +298,9 @@ def _pass(
     }
     with conn.pipeline():
         moving = conn.execute(statement, params)
-        heading = conn.execute(LEVEL_HEAD, {"level": level})  # after the checkpoint the move wrote
         if own:
-            conn.execute("COMMIT")
+            conn.execute("COMMIT")  # before the head: the rows are readable without waiting for it
+        heading = conn.execute(LEVEL_HEAD, {"level": level})  # after the checkpoint the move wrote
     moved, due, scanned, summary = moving.fetchone()  # type: ignore[misc]
     head = heading.fetchone()
     return PassResult(

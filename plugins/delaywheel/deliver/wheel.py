@@ -95,13 +95,18 @@ SELECT (SELECT count(*) FROM moved), (SELECT count(*) FROM due),
     )
     .as_string()
 )
-# The head after a pass, from the cursor entry it appended (pending.wheel_head: sensors read it from wheel_state).
-_HEAD_AFTER = wheel_head(
+# The head after a pass, from the cursor entry it appended (pending.wheel_head: sensors read it from wheel_state):
+# first among the near rows due within HEAD_WINDOW of the cursor (one or two hourly partitions), then, only if none is
+# there, among all of them.
+_HEAD_ARGS = (
     sql.Placeholder("at"),
     sql.Placeholder("id"),
     sql.SQL("{}::xid8").format(sql.Placeholder("xmin")),
     sql.SQL("{}::timestamptz").format(sql.Placeholder("clock")),
-).as_string()
+)
+_HEAD_SOON = wheel_head(*_HEAD_ARGS, before=sql.Placeholder("before")).as_string()
+_HEAD_AFTER = wheel_head(*_HEAD_ARGS).as_string()
+HEAD_WINDOW = HOUR
 # The lane's lock (tried by the pass, waited for by the set-aside step), with the commit horizon and the clock.
 _LOCK = sql.SQL("SELECT {lock}(%s, %s), {horizon}::text, coalesce(%s::timestamptz, clock_timestamp())")
 _TRY_LOCK = _LOCK.format(lock=sql.SQL("pg_try_advisory_xact_lock"), horizon=sql.SQL(COMMIT_HORIZON)).as_string()
@@ -434,11 +439,12 @@ def _pass(
 ) -> PassResult:
     """The pass's statements in three pipelines, each one round trip (a Sync inside a transaction block does not
     commit): the lock, horizon and clock with the cursor (BEGIN first when `own`); the stragglers' move, the queue
-    plan and the due batch's move; the cursor's next entry and the head after it (COMMIT last when `own`). It was
+    plan and the due batch's move; the cursor's next entry (COMMIT next when `own`) and the head after it. It was
     nine round trips, and each costs the deliverer and its server process a wake-up, which waits for a CPU on a
     busy machine; the rows' delivered_at is taken in the second, so the third is also between it and the commit
-    that makes them readable (`bench/results/2026-11-27-pipelined-pass.json`). Statements still run one after
-    another, each with its own snapshot, so the cursor is read after the lock is held, as before."""
+    that makes them readable (`bench/results/2026-11-27-pipelined-pass.json`), and the head, which reads only what
+    the pass passes it, comes after that commit. Statements still run one after another, each with its own snapshot,
+    so the cursor is read after the lock is held, as before."""
     with conn.pipeline():
         if own:
             conn.execute("BEGIN")
@@ -489,6 +495,7 @@ def _pass(
     full = due_count == limit
     new_at, new_id = (last_at, last_id) if full else (clock, MAX_ID)
     delivered = stragglers + moved
+    head_params = {"at": new_at, "id": new_id, "clock": clock, "xmin": xmin, "before": new_at + HEAD_WINDOW}
     with conn.pipeline():
         conn.execute(
             "INSERT INTO delaywheel.wheel_cursor (pass, cursor_at, cursor_id, horizon_xid, delivered)"
@@ -500,14 +507,11 @@ def _pass(
                 "DELETE FROM delaywheel.wheel_cursor WHERE pass >= %s AND pass < %s",
                 (entry + 1 - 2 * TRIM_EVERY, entry + 1 - TRIM_EVERY),
             )
-        heading = (
-            None  # full: more is due now, the caller looks again at once
-            if full
-            else conn.execute(_HEAD_AFTER, {"at": new_at, "id": new_id, "clock": clock, "xmin": xmin})
-        )
         if own:
-            conn.execute("COMMIT")
-    head = (clock,) if heading is None else heading.fetchone()
+            conn.execute("COMMIT")  # before the head: the rows are readable without waiting for it
+        # full: more is due now, the caller looks again at once
+        heading = None if full else conn.execute(_HEAD_SOON, head_params)
+    head = (clock,) if heading is None else heading.fetchone() or conn.execute(_HEAD_AFTER, head_params).fetchone()
     topics = topic_spans(straggled)  # stragglers were written first, in the same transaction
     for topic, span in topic_spans(summary).items():
         topics[topic] = topics[topic].merge(span) if topic in topics else span
