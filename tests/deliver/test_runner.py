@@ -123,6 +123,19 @@ def test_a_bad_notify_payload_neither_stops_the_loop_nor_floods_its_log(
     assert len(warnings) == 1  # once per loop, not per notice
 
 
+def _counting_level_passes(store: Store) -> list[int]:
+    """The levels `store` passes from now on, in order (its `deliver_level` wrapped)."""
+    passes: list[int] = []
+    deliver_level = store.deliver_level
+
+    def counted(level: int, **kw: object) -> object:
+        passes.append(level)
+        return deliver_level(level, **kw)  # type: ignore[arg-type]
+
+    store.deliver_level = counted  # type: ignore[method-assign, assignment]
+    return passes
+
+
 def test_idle_levels_are_not_passed_while_the_wheel_is_busy(db_url: str, store: Store) -> None:
     """A round passes only the lanes due by now: with timers falling due every 50 ms on the wheel, the 18 idle
     levels are looked at once at start (and at a safety wake), not once per wheel pass as they used to be. A level
@@ -137,15 +150,8 @@ def test_idle_levels_are_not_passed_while_the_wheel_is_busy(db_url: str, store: 
 
     later = threading.Timer(0.5, send_later)
     later.start()
-    level_passes = []
     with Store(db_url) as own:
-        deliver_level = own.deliver_level
-
-        def counted(level: int, **kw: object) -> object:
-            level_passes.append(level)
-            return deliver_level(level, **kw)  # type: ignore[arg-type]
-
-        own.deliver_level = counted  # type: ignore[method-assign, assignment]
+        level_passes = _counting_level_passes(own)
         totals = runner.run(own, [*range(1, 19), None], 20, until_idle=True)
     assert totals.delivered == 41
     assert len(level_passes) <= 18 * 3, f"{len(level_passes)} level passes"
@@ -168,15 +174,8 @@ def test_a_message_whose_announcement_is_lost_is_found_by_the_safety_wake_withou
     monkeypatch.setattr(runner, "_sleep_or_notified", deaf)
     monkeypatch.setattr(runner, "SAFETY_WAKE_S", 0.5)
     later = threading.Timer(1.0, lambda: store.send("unannounced", {"n": 1}, delay_level=1))
-    level_passes = []
     with Store(db_url) as own:
-        deliver_level = own.deliver_level
-
-        def counted(level: int, **kw: object) -> object:
-            level_passes.append(level)
-            return deliver_level(level, **kw)  # type: ignore[arg-type]
-
-        own.deliver_level = counted  # type: ignore[method-assign, assignment]
+        level_passes = _counting_level_passes(own)
         later.start()
         totals = runner.run(own, [*range(1, 19), None], 5.0)
     later.join()

@@ -267,7 +267,7 @@ def _pass(
     """The pass's statements in two pipelines, each one round trip, as the wheel's pass (wheel._pass): the lock, the
     horizon and the clock with the checkpoint (BEGIN first when `own`); the move, which also advances the checkpoint
     (COMMIT next when `own`), and the head after it. It was eight round trips, and a full deliverer passes every level
-    at each safety wake, the wheel last. Statements still run one after another, each with its own snapshot, so the
+    at start, the wheel last. Statements still run one after another, each with its own snapshot, so the
     checkpoint is read after the lock is held."""
     with conn.pipeline():
         if own:
