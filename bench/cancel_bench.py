@@ -48,8 +48,8 @@ import psycopg
 from psycopg import sql
 
 from delaywheel import Message, Store
+from delaywheel.deliver import levels as lane_locks  # take_lane: a pass's wait for its lane (levels.open_pass)
 from delaywheel.deliver import runner
-from delaywheel.deliver import wheel as wheel_module
 from delaywheel.lanes import all_lanes
 from delaywheel.locks import LEVEL_LOCK, WHEEL_LOCK
 from delaywheel.ops import cancel as cancel_module
@@ -119,7 +119,7 @@ def _before() -> types.ModuleType:
 
 
 BEFORE = "990e562"
-CURRENT = wheel_module.take_lane
+CURRENT = lane_locks.take_lane
 
 
 def old_cancel(store: Store, key: str) -> list:  # type: ignore[type-arg]
@@ -723,7 +723,7 @@ def main() -> None:
                 control = before == "control"
                 before = before is True
                 if before:  # the deliverer of 990e562 (try the lock, else busy); its cancel runs in the workers
-                    wheel_module.take_lane = lambda conn, lock: False
+                    lane_locks.take_lane = lambda conn, lock: False
                 try:
                     r = race(
                         url,
@@ -737,7 +737,7 @@ def main() -> None:
                         args.summarize_every,
                     )
                 finally:
-                    wheel_module.take_lane = CURRENT
+                    lane_locks.take_lane = CURRENT
                 if not cancels:
                     baseline = r
                 line = (

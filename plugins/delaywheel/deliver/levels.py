@@ -9,6 +9,7 @@ COMMIT leaves queue, topics and checkpoint as they were; after COMMIT, all three
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Any
 
 import psycopg
 from psycopg import errors, sql
@@ -45,6 +46,47 @@ def take_lane(conn: psycopg.Connection, lock: tuple[int, int]) -> bool:
         return False
     conn.execute("SELECT set_config('lock_timeout', %s, true)", (before,))  # as it was, for the rest of the pass
     return True
+
+
+_HORIZON_AND_CLOCK = (
+    sql.SQL("SELECT {horizon}::text, coalesce(%s::timestamptz, clock_timestamp())")
+    .format(horizon=sql.SQL(COMMIT_HORIZON))
+    .as_string()
+)
+
+
+def open_pass(
+    conn: psycopg.Connection,
+    own: bool,
+    try_lock: str,
+    lock: tuple[int, int],
+    now: datetime | None,
+    cursor: str,
+    cursor_params: tuple[object, ...] = (),
+) -> tuple[str, datetime, tuple[Any, ...]] | None:
+    """A pass's first round trip, the level's and the wheel's: BEGIN when `own`, the lane's lock tried (`try_lock`
+    with `lock` and `now`; its first columns the lock, the commit horizon and the clock), then the lane's cursor
+    (`cursor`), read after the lock is held. If another holds the lock, wait for it (take_lane) and read the horizon,
+    the clock and the cursor again. Returns (horizon, clock, cursor row), or None if the lane stays busy (the
+    transaction rolled back when `own`)."""
+    with conn.pipeline():
+        if own:
+            conn.execute("BEGIN")
+        locking = conn.execute(try_lock, (*lock, now))
+        reading = conn.execute(cursor, cursor_params)
+    row = locking.fetchone()
+    assert row is not None
+    locked, xmin, clock = row[:3]
+    if not locked:
+        if not take_lane(conn, lock):
+            if own:
+                conn.execute("ROLLBACK")
+            return None
+        xmin, clock = conn.execute(_HORIZON_AND_CLOCK, (now,)).fetchone()  # type: ignore[misc]
+        reading = conn.execute(cursor, cursor_params)
+    state = reading.fetchone()
+    assert state is not None
+    return xmin, clock, state
 
 
 # Per topic, what the `moved` CTE (RETURNING topic, queue_offset, xid) wrote: {topic: [count, xid, first, last]}.
@@ -169,11 +211,6 @@ _LOCK = (
     .format(horizon=sql.SQL(COMMIT_HORIZON), plan=sql.SQL(QUEUE_PLAN))
     .as_string()
 )
-_HORIZON_AND_CLOCK = (
-    sql.SQL("SELECT {horizon}::text, coalesce(%s::timestamptz, clock_timestamp())")
-    .format(horizon=sql.SQL(COMMIT_HORIZON))
-    .as_string()
-)
 # The level's checkpoint: where its last pass left its queue, the start before its first delivery.
 _CURSOR = (
     "SELECT coalesce(c.cursor_xid::text, '0'), coalesce(c.cursor_id, 0)"
@@ -215,14 +252,18 @@ def _deliver_or_set_aside(
     conn: psycopg.Connection, cache: PartitionCache, level: int, now: datetime | None, limit: int
 ) -> PassResult:
     statement = _DELIVER
+
+    def deliver() -> PassResult:  # one pass in a transaction of its own: BEGIN and COMMIT in its pipelines
+        return in_own_transaction(conn, lambda own: _pass(conn, cache, level, now, limit, statement, own=own))
+
     for _ in range(3):  # more rows may turn up in the next try's batch (a newer horizon)
         try:
-            return _deliver_level(conn, cache, level, now, limit, statement)
+            return deliver()
         except POISON:
             if not set_aside(conn, cache, level, limit):
                 raise  # nothing the store can name: the lane stops, as before, rather than skip a row
             statement = _DELIVER_SETTING_ASIDE
-    return _deliver_level(conn, cache, level, now, limit, statement)
+    return deliver()
 
 
 def set_aside(conn: psycopg.Connection, cache: PartitionCache, level: int, limit: int) -> int:
@@ -242,18 +283,6 @@ def set_aside(conn: psycopg.Connection, cache: PartitionCache, level: int, limit
         return record(conn, cache, bad)
 
 
-def _deliver_level(
-    conn: psycopg.Connection,
-    cache: PartitionCache,
-    level: int,
-    now: datetime | None,
-    limit: int,
-    statement: str,
-) -> PassResult:
-    """One pass in a transaction of its own (db.in_own_transaction: BEGIN and COMMIT in the pass's pipelines)."""
-    return in_own_transaction(conn, lambda own: _pass(conn, cache, level, now, limit, statement, own=own))
-
-
 def _pass(
     conn: psycopg.Connection,
     cache: PartitionCache,
@@ -269,23 +298,10 @@ def _pass(
     (COMMIT next when `own`), and the head after it. It was eight round trips, and a full deliverer passes every level
     at start, the wheel last. Statements still run one after another, each with its own snapshot, so the
     checkpoint is read after the lock is held."""
-    with conn.pipeline():
-        if own:
-            conn.execute("BEGIN")
-        locking = conn.execute(_TRY_LOCK, (LEVEL_LOCK, level, now))
-        reading = conn.execute(_CURSOR, (level,))
-    row = locking.fetchone()
-    assert row is not None
-    locked, xmin, clock, *_ = row
-    if not locked:
-        if not take_lane(conn, (LEVEL_LOCK, level)):
-            if own:
-                conn.execute("ROLLBACK")
-            return PassResult(0, 0, None, busy=True)
-        xmin, clock = conn.execute(_HORIZON_AND_CLOCK, (now,)).fetchone()  # type: ignore[misc]
-        reading = conn.execute(_CURSOR, (level,))
-    cursor = reading.fetchone()
-    assert cursor is not None
+    opened = open_pass(conn, own, _TRY_LOCK, (LEVEL_LOCK, level), now, _CURSOR, (level,))
+    if opened is None:
+        return PassResult(0, 0, None, busy=True)
+    xmin, clock, cursor = opened
     cache.ensure(conn, "topic_messages", [clock])
     params = {
         "now": clock,

@@ -26,7 +26,7 @@ from psycopg import errors, sql
 
 from delaywheel.config import Settings
 from delaywheel.db import COMMIT_HORIZON, QUEUE_PLAN, in_own_transaction
-from delaywheel.deliver.levels import TOPIC_SUMMARY, take_lane, topic_spans
+from delaywheel.deliver.levels import TOPIC_SUMMARY, open_pass, topic_spans
 from delaywheel.deliver.setaside import POISON, record
 from delaywheel.locks import WHEEL_LOCK
 from delaywheel.partitions import DAY, HOUR, PartitionCache, floor_to
@@ -111,11 +111,6 @@ HEAD_WINDOW = HOUR
 _LOCK = sql.SQL("SELECT {lock}(%s, %s), {horizon}::text, coalesce(%s::timestamptz, clock_timestamp())")
 _TRY_LOCK = _LOCK.format(lock=sql.SQL("pg_try_advisory_xact_lock"), horizon=sql.SQL(COMMIT_HORIZON)).as_string()
 _WAIT_LOCK = _LOCK.format(lock=sql.SQL("pg_advisory_xact_lock"), horizon=sql.SQL(COMMIT_HORIZON)).as_string()
-_HORIZON_AND_CLOCK = (
-    sql.SQL("SELECT {horizon}::text, coalesce(%s::timestamptz, clock_timestamp())")
-    .format(horizon=sql.SQL(COMMIT_HORIZON))
-    .as_string()
-)
 _QUEUE_PLAN = sql.SQL("SELECT {}").format(sql.SQL(QUEUE_PLAN)).as_string()
 
 _ALL = ("id", "topic", "key", "tags", "properties", "body", "is_json", "due")
@@ -445,27 +440,13 @@ def _pass(
     that makes them readable (`bench/results/2026-11-27-pipelined-pass.json`), and the head, which reads only what
     the pass passes it, comes after that commit. Statements still run one after another, each with its own snapshot,
     so the cursor is read after the lock is held, as before."""
-    with conn.pipeline():
-        if own:
-            conn.execute("BEGIN")
-        locking = conn.execute(_TRY_LOCK, (*WHEEL_LOCK, now))
-        reading = conn.execute(CURSOR)
-    row = locking.fetchone()
-    assert row is not None
-    locked, xmin, clock = row
-    if not locked:
-        if not take_lane(conn, WHEEL_LOCK):
-            if own:
-                conn.execute("ROLLBACK")
-            return PassResult(0, 0, None, busy=True)
-        xmin, clock = conn.execute(_HORIZON_AND_CLOCK, (now,)).fetchone()  # type: ignore[misc]
-        reading = conn.execute(CURSOR)
-    # Read after the lock: the previous holder's entry is visible to this statement's snapshot. Nothing locks it
-    # (producers lock wheel_roll's row, not the cursor): the entry this pass appends is keyed by the one read here,
-    # so a second pass that read the same entry could not commit.
-    state = reading.fetchone()
-    assert state is not None
-    entry, cursor_at, cursor_id, horizon, total = state
+    # The cursor is read after the lock: the previous holder's entry is visible to its statement's snapshot. Nothing
+    # locks it (producers lock wheel_roll's row, not the cursor): the entry this pass appends is keyed by the one read
+    # here, so a second pass that read the same entry could not commit.
+    opened = open_pass(conn, own, _TRY_LOCK, WHEEL_LOCK, now, CURSOR)
+    if opened is None:
+        return PassResult(0, 0, None, busy=True)
+    xmin, clock, (entry, cursor_at, cursor_id, horizon, total) = opened
     # The horizon only moves forward. Every xid below the stored horizon had ended when it was taken, so
     # the larger of the two is still a valid horizon; taking a smaller one (the commit horizon can dip, see
     # db.COMMIT_HORIZON) would make rows already delivered by the due step look like stragglers again.
