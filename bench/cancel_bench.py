@@ -3,12 +3,13 @@
 1. cancel(key=…) latency with the near wheel full (hourly partitions over the next ~4 days) and `10M x scale`
    timers pending (due 1 min - 30 days ahead, sent by send_many: near ones in the wheel, the rest in far segments;
    or, `--near-only`, every one of them in the near wheel, as order timeouts are):
-   the library's cancel (no lane lock; prepared lookup, generic plan) against the previous way (the lanes' locks,
-   the lookup planned per call), interleaved key by key; the library's cancel again, not interleaved, its two steps
-   timed apart; EXPLAIN (ANALYZE, SUMMARY) of the lookup, planned per call and as a generic prepared plan; with
-   `--parts`, where the lookup's time goes, two alternatives measured (a day-partitioned key table for the near
-   wheel; one round trip instead of two), the far-key summaries read from their index (migrations/024) against the
-   heap pages they were read from before, interleaved, and what a durable commit costs here.
+   the library's cancel (no lane lock; prepared lookup, generic plan; one round trip) against the previous way (the
+   lanes' locks, the lookup planned per call), interleaved key by key; the library's cancel again, interleaved with
+   its two-step way (find; mark and settle), whose steps are timed apart; EXPLAIN (ANALYZE, SUMMARY) of the lookup,
+   planned per call and as a generic prepared plan; with `--parts`, where the lookup's time goes, an alternative
+   measured (a day-partitioned key table for the near wheel), the far-key summaries read from their index
+   (migrations/024) against the heap pages they were read from before, interleaved, what taking the lookup's relation
+   locks costs, and what a durable commit costs here.
 2. Delivery lateness on the real clock: timers at `--rate` msg/s (delays 1-10 s) delivered by the library's loop
    (runner.run, wheel lane), `--seconds` long, without cancels and then with `--cancels` cancels/s by key of timers
    due within the next second or just due (racing the passes), from several processes with a connection each (threads
@@ -50,11 +51,9 @@ from psycopg import sql
 from delaywheel import Message, Store
 from delaywheel.deliver import levels as lane_locks  # take_lane: a pass's wait for its lane (levels.open_pass)
 from delaywheel.deliver import runner
-from delaywheel.lanes import all_lanes
-from delaywheel.locks import LEVEL_LOCK, WHEEL_LOCK
 from delaywheel.ops import cancel as cancel_module
 from delaywheel.ops.cancel import FIND_PLAN, find, key_params, mark_and_settle
-from delaywheel.pending import STILL_PENDING, WHEEL_PENDING
+from delaywheel.pending import WHEEL_PENDING
 
 from .common import body, chunks, drop_database, fresh_database, log, pct
 
@@ -143,26 +142,34 @@ def latency(store: Store, other: psycopg.Connection, per_lane: int) -> list[str]
                 old.append(1000 * (time.perf_counter() - started))
             if outcome != ["cancelled"]:
                 raise RuntimeError(f"cancel {key}: {outcome}")
-        # The library's cancel again, call after call (with far timers pending the old cancel, planning over every
-        # partition, slowed the call after it by 0.4-1.3 ms), in its two steps.
-        alone: list[float] = []
-        for key in [k for (k,) in other.execute(sample, (per_lane,))]:  # type: ignore[arg-type]
+        # The library's cancel (one round trip) against its two-step way (find; then mark and settle: what it does when
+        # a cancellations partition is missing, and what it did before), key by key; not beside the code before (with
+        # far timers pending the old cancel, planning over every partition, slowed the call after it by 0.4-1.3 ms).
+        one_trip: list[float] = []
+        two_steps: list[float] = []
+        for i, key in enumerate([k for (k,) in other.execute(sample, (2 * per_lane,))]):  # type: ignore[arg-type]
             t = [time.perf_counter()]
-            params = key_params(key)
-            found = find(store.conn, "key", params)
-            t.append(time.perf_counter())
-            outcome = [r.outcome for r in mark_and_settle(store.conn, store._cache, "key", params, found, "bench")]
-            t.append(time.perf_counter())
+            if i % 2:
+                outcome = [r.outcome for r in store.cancel(key=key)]
+                one_trip.append(1000 * (time.perf_counter() - t[0]))
+            else:
+                params = key_params(key)
+                found = find(store.conn, "key", params)
+                t.append(time.perf_counter())
+                outcome = [r.outcome for r in mark_and_settle(store.conn, store._cache, "key", params, found, "bench")]
+                t.append(time.perf_counter())
+                for name, a, b in zip(steps, t, t[1:], strict=False):
+                    steps[name].append(1000 * (b - a))
+                two_steps.append(1000 * (t[-1] - t[0]))
             if outcome != ["cancelled"]:
                 raise RuntimeError(f"cancel {key}: {outcome}")
-            for name, a, b in zip(steps, t, t[1:], strict=False):
-                steps[name].append(1000 * (b - a))
-            alone.append(1000 * (t[-1] - t[0]))
         lines.append(
             f"- {lane} timer, cancel(key=…), {len(new)} calls: p50 {statistics.median(new):.2f} ms, "
             f"p99 {pct(new, 0.99):.2f} ms; the code before (990e562: lanes' locks), {len(old)} calls "
-            f"interleaved: p50 {statistics.median(old):.2f} ms, p99 {pct(old, 0.99):.2f} ms; not interleaved, "
-            f"{len(alone)} calls: p50 {statistics.median(alone):.2f} ms, p99 {pct(alone, 0.99):.2f} ms, steps p50: "
+            f"interleaved: p50 {statistics.median(old):.2f} ms, p99 {pct(old, 0.99):.2f} ms; not beside it, "
+            f"{len(one_trip)} calls: p50 {statistics.median(one_trip):.2f} ms, p99 {pct(one_trip, 0.99):.2f} ms; "
+            f"interleaved with those, its two-step way (find; mark and settle), {len(two_steps)} calls: p50 "
+            f"{statistics.median(two_steps):.2f} ms, p99 {pct(two_steps, 0.99):.2f} ms, steps p50: "
             + ", ".join(f"{n} {statistics.median(v):.2f} ms" for n, v in steps.items())
         )
     return lines
@@ -302,30 +309,6 @@ def parts(store: Store, other: psycopg.Connection, calls: int, sends: int) -> li
     return lines
 
 
-# --- One round trip (--parts) -------------------------------------------------------------------------------------
-# The other alternative, measured against the library's two round trips (find; then mark and settle): the lookup and
-# the insert of its cancellations in one statement, then, after the Sync that commits it, the lane wait and the
-# topics' search, all in one pipeline. Its costs, which the library does not pay: the wait is sent before the client
-# has seen what was found, so it waits for a pass of every lane (and every lane's deliverer meets its shared lock), and
-# a due day without a `cancellations` partition fails the insert (here they are made first; the library makes them
-# between its two round trips).
-_ONE_TRIP = (
-    sql.SQL("""
-WITH f AS MATERIALIZED ({find}),
-marked AS (
-    INSERT INTO delaywheel.cancellations (message_id, due_at, key, reason)
-    SELECT t.id, t.deliver_at, t.key, 'bench'
-    FROM (SELECT id, deliver_at, key, lane, level::smallint AS level, xid::xid8 AS xid FROM f) t
-    WHERE {still_pending}
-    ON CONFLICT (message_id, due_at) DO NOTHING
-    RETURNING message_id)
-SELECT f.id, marked.message_id IS NOT NULL FROM f LEFT JOIN marked ON marked.message_id = f.id
-""")
-    .format(find=sql.SQL(cancel_module._FIND_ONE["key"]), still_pending=STILL_PENDING)
-    .as_string()
-)
-
-
 # --- The far-key summaries from their index (--parts) -----------------------------------------------------------------
 # migrations/024 reads the summaries a lookup tests from a B-tree that carries their filters (an index-only scan).
 # Before, each was a heap page of its own: the same rows through a bitmap heap scan, which a connection with
@@ -364,37 +347,38 @@ def summary_reads(store: Store, other: psycopg.Connection, calls: int) -> list[s
     ]
 
 
-def one_trip(store: Store, other: psycopg.Connection, calls: int) -> list[str]:
-    """cancel(key=…) of near timers in one round trip against the library's cancel, interleaved call by call."""
-    conn = store.conn
-    (last,) = other.execute("SELECT max(deliver_at) FROM delaywheel.wheel").fetchone()  # type: ignore[misc]
-    first = store.clock()
-    store._cache.ensure(conn, "cancellations", [first + timedelta(days=d) for d in range((last - first).days + 2)])
-    every_lane = [WHEEL_LOCK] + [(LEVEL_LOCK, level) for level in all_lanes(store.settings, wheel=False)]
-    keys = [k for (k,) in other.execute(SAMPLES["near"], (2 * calls + 40,))]  # type: ignore[arg-type]
-    times: dict[str, list[float]] = {"one round trip": [], "the library's two": []}
-    for i, key in enumerate(keys):
-        started = time.perf_counter()
-        if i % 2:
-            with conn.pipeline() as pipeline:
-                conn.execute(cancel_module._GENERIC_FIND_PLAN)
-                marking = conn.execute(_ONE_TRIP, key_params(key), prepare=True)
-                pipeline.sync()
-                # waiting for every lane: the rows found are not known before the round trip ends
-                cancel_module._settling(conn, "key", key_params(key), every_lane).fetchall()
-            outcome = ["cancelled" if marked else "already_cancelled" for _, marked in marking.fetchall()]
-            name = "one round trip"
-        else:
-            outcome = [r.outcome for r in store.cancel(key=key)]
-            name = "the library's two"
-        if outcome != ["cancelled"]:
-            raise RuntimeError(f"cancel {key}: {outcome}")
-        if i >= 40:  # the first executions prepare and plan
-            times[name].append(1000 * (time.perf_counter() - started))
+# --- The lookup's relation locks (--parts) ----------------------------------------------------------------------------
+# The lookup opens every near hourly partition and far day with the index it probes: a few hundred relations, each
+# locked (ACCESS SHARE) for the statement's transaction. A backend keeps 16 such locks in its fast-path slots; the
+# rest go through the shared lock table. Timed as the lookup run again in the transaction that already holds them.
+def relation_locks(store: Store, other: psycopg.Connection, calls: int) -> list[str]:
+    """The lookup by key of a near timer, p50 of `calls` keys: run fresh, and run again with its locks held."""
+    query = sql.SQL(cancel_module._FIND_ONE["key"])
+    keys = [k for (k,) in other.execute(SAMPLES["near"], (calls + 20,))]  # type: ignore[arg-type]
+    times: dict[str, list[float]] = {"fresh": [], "locks held": []}
+    with psycopg.connect(store.url, autocommit=True) as conn:
+        find_settings(conn)
+        for i, key in enumerate(keys):
+            params = key_params(key)
+            started = time.perf_counter()
+            conn.execute(query, params, prepare=True).fetchall()
+            fresh = time.perf_counter() - started
+            with conn.transaction():
+                conn.execute(query, params, prepare=True).fetchall()
+                started = time.perf_counter()
+                conn.execute(query, params, prepare=True).fetchall()
+                held = time.perf_counter() - started
+                (locks,) = conn.execute(  # type: ignore[misc]
+                    "SELECT count(*) FROM pg_locks WHERE pid = pg_backend_pid() AND locktype = 'relation'"
+                    " AND relation <> 'pg_locks'::regclass"
+                ).fetchone()
+            if i >= 20:  # the first executions prepare and plan
+                times["fresh"].append(1000 * fresh)
+                times["locks held"].append(1000 * held)
+    fresh_ms, held_ms = (statistics.median(v) for v in times.values())
     return [
-        f"- near timer, cancel(key=…) in one round trip (alternative), interleaved with the library's, {calls} calls "
-        "each: "
-        + "; ".join(f"{n} p50 {statistics.median(v):.2f} ms, p99 {pct(v, 0.99):.2f} ms" for n, v in times.items())
+        f"- lookup by key of a near timer, {calls} keys: {locks} relations locked; p50 {fresh_ms:.2f} ms fresh, "
+        f"{held_ms:.2f} ms with those locks already held ({fresh_ms - held_ms:.2f} ms taking them)"
     ]
 
 
@@ -675,8 +659,8 @@ def main() -> None:
     parser.add_argument(
         "--parts",
         action="store_true",
-        help="time the lookup's parts, two alternatives (a near key table, one round trip), the far summaries read as"
-        " before migrations/024 and now, and a durable commit",
+        help="time the lookup's parts, an alternative (a near key table), the far summaries read as before"
+        " migrations/024 and now, and a durable commit",
     )
     parser.add_argument("--control", action="store_true", help="a run whose cancels race no pass (same load)")
     parser.add_argument("--before", action="store_true", help="a third race run with the code before (990e562)")
@@ -694,14 +678,16 @@ def main() -> None:
                 log(f"1. fill {n:,} pending")
                 t = time.perf_counter()
                 fill(store, n, args.batch, args.near_only)
-                other.execute("ANALYZE")
+                # as autovacuum leaves a store at rest (hint bits set, pages all-visible), rather than racing it: a
+                # run right after the fill measured autovacuum's work beside the cancels (find 4 ms, against 2)
+                other.execute("VACUUM (ANALYZE)")
                 log(f"   {time.perf_counter() - t:.0f} s")
                 lines += explain(store, other, args.plan)
                 lines += latency(store, other, args.per_lane)
                 lines += (
                     parts(store, other, args.per_lane, 5)
                     + summary_reads(store, other, args.per_lane)
-                    + one_trip(store, other, args.per_lane)
+                    + relation_locks(store, other, args.per_lane)
                     + commit_cost(url)
                     if args.parts
                     else []

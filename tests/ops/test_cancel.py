@@ -14,7 +14,7 @@ from delaywheel.locks import LEVEL_LOCK, WHEEL_LOCK
 from delaywheel.ops.cancel import KeysFrom
 from delaywheel.ops.predicate import UnsafeSQL
 from delaywheel.produce.validation import Message
-from tests.conftest import at, deliveries
+from tests.conftest import at, deliveries, syncs, traced
 
 
 def test_cancel_by_id_and_key(store: Store, t0: datetime) -> None:
@@ -346,20 +346,58 @@ def test_a_crowded_summary_group_keeps_its_filter_small_and_its_keys_found(store
 
 
 def test_a_lane_wait_that_fails_leaves_no_lane_locked(store: Store, db_url: str, t0: datetime) -> None:
-    """A cancel whose lane wait is cut short (here by statement_timeout, while a pass holds the wheel's lane) keeps
-    none of the shared lane locks it had taken: the level's lane is free for its deliverer at once."""
+    """A cancel whose lane wait is cut short (here by statement_timeout, while a pass holds level 2's lane) keeps
+    none of the shared lane locks it had taken: the wheel's lane is free for its deliverer at once."""
     level = store.send("orders", b"a", delay_level=2, key="k", now=t0)
     store.send("orders", b"b", delay=timedelta(days=2), key="k", now=t0)
     with psycopg.connect(db_url, autocommit=True) as pass_:
-        pass_.execute("SELECT pg_advisory_lock(%s, %s)", WHEEL_LOCK)  # a wheel pass in progress
+        pass_.execute("SELECT pg_advisory_lock(%s, %s)", (LEVEL_LOCK, 2))  # a pass of level 2 in progress
         store.conn.execute("SET statement_timeout = 300")
         with pytest.raises(psycopg.errors.QueryCanceled):
-            store.cancel(key="k")  # the level's lane is taken first (sorted), then the wheel's wait times out
+            store.cancel(key="k")  # the wheel's lane is taken first (the cancellers' order), then level 2's times out
         store.conn.execute("RESET statement_timeout")
         held = store.conn.execute(
             "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid()"
         ).fetchone()
         assert held == (0,)
-        lane = pass_.execute("SELECT pg_try_advisory_lock(%s, %s)", (LEVEL_LOCK, 2)).fetchone()
-        assert lane == (True,)  # a deliverer of level 2 gets its lane
+        lane = pass_.execute("SELECT pg_try_advisory_lock(%s, %s)", WHEEL_LOCK).fetchone()
+        assert lane == (True,)  # a deliverer of the wheel gets its lane
     assert [(r.message_id, r.outcome) for r in store.cancel(message_id=level)] == [(level, "already_cancelled")]
+
+
+@pytest.mark.parametrize("how", ["id", "key"])
+def test_a_cancel_outside_a_transaction_is_one_round_trip(store: Store, t0: datetime, how: str) -> None:
+    """Lookup and cancellations, their commit, the wait for the passes in flight and the search of the topics: one
+    pipeline with one Sync (it was three round trips: the lookup, then the insert and its commit, then the rest)."""
+    store._cache.ensure(store.conn, "cancellations", [t0])  # as after the store's first cancel on that day
+    done = store.send("orders", b"d", delay_level=1, key="k", now=t0 - timedelta(minutes=5))
+    assert store.deliver_level(1, now=t0 - timedelta(minutes=4)).delivered == 1
+    wheel = store.send("orders", b"w", delay=timedelta(seconds=5), key="k", now=t0)
+    level = store.send("orders", b"l", delay_level=1, key="k", now=t0)
+    if how == "id":
+        results, lines = traced(store.conn, lambda: store.cancel(message_id=wheel))
+        assert [(r.message_id, r.outcome) for r in results] == [(wheel, "cancelled")]
+    else:
+        results, lines = traced(store.conn, lambda: store.cancel(key="k"))
+        assert sorted((r.message_id, r.outcome) for r in results) == sorted(
+            [(wheel, "cancelled"), (level, "cancelled"), (done, "already_delivered")]
+        )
+    assert syncs(lines) == 1
+    assert store.deliver_due(now=t0 + timedelta(minutes=1)) == (1 if how == "id" else 0)
+
+
+def test_a_cancel_on_a_day_without_cancellations_partition_makes_it(store: Store, t0: datetime) -> None:
+    """A message due on a day no cancellation was made for yet: the one-trip insert fails before anything is
+    committed (no partition for its row), and the cancel goes the two-step way, which makes the partition in a
+    transaction of its own. Both messages are cancelled, and the next cancel of that day needs no second try."""
+    due = t0 + timedelta(days=20)
+    first = store.send("orders", b"a", deliver_at=due, key="far", now=t0)
+    second = store.send("orders", b"b", deliver_at=due, key="far-2", now=t0)
+    day = "cancellations_p" + due.strftime("%Y%m%d") + "t0000"
+    exists = "SELECT to_regclass(%s) IS NOT NULL"
+    assert store.conn.execute(exists, (f"delaywheel.{day}",)).fetchone() == (False,)
+    assert [(r.message_id, r.outcome) for r in store.cancel(key="far")] == [(first, "cancelled")]
+    assert store.conn.execute(exists, (f"delaywheel.{day}",)).fetchone() == (True,)
+    results, lines = traced(store.conn, lambda: store.cancel(message_id=second))
+    assert ([(r.message_id, r.outcome) for r in results], syncs(lines)) == ([(second, "cancelled")], 1)
+    assert store.deliver_due(now=due + timedelta(minutes=1)) == 0

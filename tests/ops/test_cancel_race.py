@@ -89,15 +89,17 @@ def test_cancel_committed_before_the_pass_reads(store: Store, other: Store, t0: 
 
 @pytest.mark.parametrize("lane", ["wheel", "level"])
 @pytest.mark.parametrize("pass_ends", ["commit", "rollback"])
+@pytest.mark.parametrize("how", ["id", "key"])
 def test_pass_in_flight_when_the_cancel_runs(
-    store: Store, other: Store, t0: datetime, lane: str, pass_ends: str
+    store: Store, other: Store, t0: datetime, lane: str, pass_ends: str, how: str
 ) -> None:
     """The pass has read and written the message, uncommitted: the cancel's row commits, then the cancel waits for the
-    pass; committed, the message was delivered; rolled back, it stays cancelled and no later pass delivers it."""
+    pass; committed, the message was delivered; rolled back, it stays cancelled and no later pass delivers it. By id
+    or by key: the wait's statement works the lanes out from each (cancel._AWAIT_MAY_HOLD)."""
     mid = timer(store, t0, "k", lane)
     with other.conn.transaction() as tx:
         assert deliver(other, lane, t0 + NOW).delivered == 1  # a savepoint: the lane's lock stays held
-        cancelling = Background(lambda: store.cancel(message_id=mid))
+        cancelling = Background(lambda: store.cancel(message_id=mid) if how == "id" else store.cancel(key="k"))
         # waiting for the pass: here already in find, for the partitions this first pass created (a relation lock
         # held to its end); with the partitions in place, in await_passes with its cancellation committed (below)
         assert cancelling.blocked()

@@ -16,9 +16,9 @@ from datetime import datetime, timedelta
 from typing import Literal
 
 import psycopg
-from psycopg import sql
+from psycopg import errors, sql
 
-from delaywheel.db import LOOKUP_PLAN, commits_each_statement
+from delaywheel.db import LOOKUP_PLAN, commits_each_statement, in_own_transaction
 from delaywheel.locks import LEVEL_LOCK, WHEEL_LOCK
 from delaywheel.ops.predicate import CANCEL_COLUMNS, UnsafeSQL, catalog_table, check_column, check_expression
 from delaywheel.partitions import PartitionCache
@@ -146,7 +146,10 @@ def cancel(
     how = "id" if message_id is not None else "key"
     if not commits_each_statement(conn):  # a cancellation cannot be committed before the wait: lock the lanes instead
         return _cancel_locked(conn, cache, how, params, reason)
-    return mark_and_settle(conn, cache, how, params, find(conn, how, params), reason)
+    try:
+        return _cancel_in_one_trip(conn, how, params, reason)
+    except errors.CheckViolation:  # a message found is due on a day with no `cancellations` partition yet
+        return mark_and_settle(conn, cache, how, params, find(conn, how, params), reason)
 
 
 def key_params(key: str) -> dict[str, object]:
@@ -208,8 +211,10 @@ def _columns(found: Sequence[Sequence[object]]) -> dict[str, list[object]]:
 
 
 def lane_locks(found: Sequence[Sequence[object]]) -> list[tuple[int, int]]:
-    """The advisory locks held by delivery passes of the lanes of `found` (rows with lane and level at 3 and 4)."""
-    return sorted({WHEEL_LOCK if row[3] == "wheel" else (LEVEL_LOCK, int(row[4])) for row in found})  # type: ignore[call-overload]
+    """The advisory locks held by delivery passes of the lanes of `found` (rows with lane and level at 3 and 4), in
+    the cancellers' one order: the wheel's, then the levels' ascending (locks.py)."""
+    locks = {WHEEL_LOCK if row[3] == "wheel" else (LEVEL_LOCK, int(row[4])) for row in found}  # type: ignore[call-overload]
+    return sorted(locks, key=lambda lock: (lock != WHEEL_LOCK, lock))
 
 
 def await_passes(conn: psycopg.Connection, locks: Sequence[tuple[int, int]]) -> None:
@@ -226,26 +231,25 @@ def await_passes(conn: psycopg.Connection, locks: Sequence[tuple[int, int]]) -> 
         conn.execute(sql.SQL("SELECT {} FROM (SELECT {} OFFSET 0) waited").format(release, take), keys + keys)
 
 
-# The lane locks of `await_passes` this session still holds (shared, session level; objsubid 2: two int4 keys).
+# The lane locks of a lane wait (`await_passes`, `_AWAIT_MAY_HOLD`) this session still holds: shared, session level
+# (objsubid 2: two int4 keys), of the lanes' classes.
 _RELEASE_LEFT = """
-SELECT pg_advisory_unlock_shared(k.class, k.key)
-FROM unnest(%s::int[], %s::int[]) AS k(class, key)
-JOIN pg_locks l ON l.locktype = 'advisory' AND l.pid = pg_backend_pid() AND l.objsubid = 2 AND l.granted
- AND l.mode = 'ShareLock' AND l.classid = k.class::oid AND l.objid = k.key::oid
+SELECT pg_advisory_unlock_shared(l.classid::int, l.objid::int) FROM pg_locks l
+WHERE l.locktype = 'advisory' AND l.pid = pg_backend_pid() AND l.objsubid = 2 AND l.granted AND l.mode = 'ShareLock'
+  AND l.classid = ANY(%s::int[]::oid[])
 """
 
 
 @contextmanager
-def _released_on_error(conn: psycopg.Connection, found: Sequence[Found]) -> Iterator[None]:
+def _released_on_error(conn: psycopg.Connection) -> Iterator[None]:
     """If the lane wait fails part-way (a `statement_timeout`, a cancel from outside), the locks it had taken are
     session locks and would stay held by the connection, and their lanes' deliverers would report busy until it
     closes: for as long as a pooler keeps a server connection (docs/poolers.md). Release them, then re-raise."""
     try:
         yield
     except psycopg.Error:
-        locks = lane_locks(found)
-        if locks and not conn.broken and not conn.closed:
-            conn.execute(_RELEASE_LEFT, ([c for c, _ in locks], [k for _, k in locks]))
+        if not conn.broken and not conn.closed:
+            conn.execute(_RELEASE_LEFT, ([WHEEL_LOCK[0], LEVEL_LOCK],))
         raise
 
 
@@ -261,11 +265,12 @@ def mark_and_settle(
     before the wait starts (the server runs what it is sent in order)."""
     if found:
         cache.ensure(conn, "cancellations", [row[1] for row in found])
-    with _released_on_error(conn, found), conn.pipeline() as pipeline:
+    with _released_on_error(conn), conn.pipeline() as pipeline:
         marking = _mark(conn, found, reason) if found else None
         pipeline.sync()
         delivered = _settling(conn, how, params, lane_locks(found))
-    return _outcomes(how, params, found, {mid for (mid,) in marking.fetchall()} if marking else set(), delivered)
+    marked = {mid for (mid,) in marking.fetchall()} if marking else set()
+    return _outcomes(how, params, [row[0] for row in found], marked, delivered)
 
 
 def settle(
@@ -274,33 +279,117 @@ def settle(
     """The true outcome of each message found, once every pass that may have read it without its cancellation has
     ended (await_passes), and the messages with the id or key delivered earlier: `mark_and_settle`'s second half on
     its own, for a caller that commits the cancellations itself (tests hold a pass open between the two)."""
-    with _released_on_error(conn, found), conn.pipeline():
+    with _released_on_error(conn), conn.pipeline():
         delivered = _settling(conn, how, params, lane_locks(found))
-    return _outcomes(how, params, found, marked, delivered)
+    return _outcomes(how, params, [row[0] for row in found], marked, delivered)
 
 
 def _settling(
     conn: psycopg.Connection, how: str, params: dict[str, object], locks: Sequence[tuple[int, int]]
 ) -> psycopg.Cursor:
     """In a pipeline, one implicit transaction: the wait for the passes holding `locks` (those of the lanes found,
-    `lane_locks`), then (a statement of its own, so a snapshot taken after the wait) the search of the topics, by
-    B-tree on message_id or by the BRIN bloom summaries on key (LOOKUP_PLAN). Returns the cursor of the ids delivered."""
+    `lane_locks`), then the search of the topics (`_delivered`). Returns the cursor of the ids delivered."""
     await_passes(conn, locks)
+    return _delivered(conn, how, params)
+
+
+def _delivered(conn: psycopg.Connection, how: str, params: dict[str, object]) -> psycopg.Cursor:
+    """After the wait for the passes (a statement of its own, so a snapshot taken after it), the search of the topics,
+    by B-tree on message_id or by the BRIN bloom summaries on key (LOOKUP_PLAN)."""
     conn.execute(_GENERIC_LOOKUP_PLAN)
     return conn.execute(_DELIVERED[how], {"v": params["v"]}, prepare=True)  # planned once per connection, as `find`
 
 
-def _outcomes(
-    how: str, params: dict[str, object], found: Sequence[Found], marked: set[int], delivering: psycopg.Cursor
+# --- One round trip ---------------------------------------------------------------------------------------------
+# `cancel` outside a transaction sends one pipeline, one Sync: BEGIN, the lookup and the insert of its cancellations
+# as one statement (`_FIND_AND_MARK`), COMMIT, the wait for the passes in flight (`_AWAIT_MAY_HOLD`), the search of
+# the topics. If the insert fails, the server skips the rest up to the Sync: nothing is committed, no lane is waited
+# for. The two-step way (find; mark and settle: three round trips) waited for the first to learn which lanes the
+# messages found are in; here the wait's statement works out a superset itself, from what it can read cheaply after
+# the commit: the wheel, and the levels with a pending segment that may hold the message (their filters, as the
+# lookup tests them). A level segment the lookup found is still pending there unless a pass that moved past it has
+# committed, and such a pass needs no waiting for: the search of the topics, after, sees what it delivered.
+# In one statement the lookup's rows are pending in the insert's snapshot, so the insert needs no STILL_PENDING.
+_FIND_AND_MARK = {
+    how: sql.SQL("""
+WITH found AS MATERIALIZED ({find}),
+-- the cancellations, one per message (a concurrent cancel's insert is waited for; then this one inserts nothing)
+marked AS (
+    INSERT INTO delaywheel.cancellations (message_id, due_at, key, reason)
+    SELECT f.id, f.deliver_at, f.key, %(reason)s FROM found f
+    ON CONFLICT (message_id, due_at) DO NOTHING
+    RETURNING message_id)
+SELECT f.id, m.message_id IS NOT NULL FROM found f LEFT JOIN marked m ON m.message_id = f.id
+""")
+    .format(find=sql.SQL(query))
+    .as_string()
+    for how, query in _FIND_ONE.items()
+}
+# The pending level segments that may hold the message: by id, their id range; by key, their filter (no far
+# candidates: those are the wheel's).
+_LEVELS_MAY_HOLD = {
+    how: sql.SQL("{} AND {}").format(SEGMENT_PENDING, may_hold)
+    for how, may_hold in (("id", _LOOKUP["id"][1]), ("key", _MAY_HOLD_KEY))
+}
+_AWAIT_MAY_HOLD = {
+    how: sql.SQL("""
+SELECT pg_advisory_unlock_shared(k.class, k.key) FROM (
+    -- taken in the cancellers' one order, the wheel's lane and then the levels' ascending (locks.py), each lock
+    -- taken after the sort (a volatile function), and let go in the outer query (await_passes)
+    SELECT k.class, k.key, pg_advisory_lock_shared(k.class, k.key) FROM (
+        SELECT {wheel_class}, {wheel_key}
+        UNION
+        SELECT {level_class}, s.level::int FROM delaywheel.level_segments s
+        LEFT JOIN delaywheel.level_checkpoint c ON c.level = s.level
+        WHERE {may_hold}) AS k(class, key)
+    ORDER BY k.class = {wheel_class} DESC, k.key
+    OFFSET 0) k
+""")
+    .format(
+        wheel_class=sql.Literal(WHEEL_LOCK[0]),
+        wheel_key=sql.Literal(WHEEL_LOCK[1]),
+        level_class=sql.Literal(LEVEL_LOCK),
+        may_hold=condition,
+    )
+    .as_string()
+    for how, condition in _LEVELS_MAY_HOLD.items()
+}
+
+
+def _cancel_in_one_trip(
+    conn: psycopg.Connection, how: str, params: dict[str, object], reason: str
 ) -> list[CancelResult]:
+    """`cancel` outside a transaction, in one round trip (above). Raises CheckViolation, having committed nothing,
+    when a message found is due on a day whose `cancellations` partition does not exist yet."""
+
+    def one_trip(own: bool) -> tuple[psycopg.Cursor, psycopg.Cursor]:  # own: on a Store's connection, always
+        with conn.pipeline():
+            conn.execute("BEGIN")
+            conn.execute(_GENERIC_FIND_PLAN)
+            marking = conn.execute(_FIND_AND_MARK[how], {**params, "reason": reason}, prepare=True)
+            conn.execute("COMMIT")  # in the pipeline: no Sync, which would wait for the results so far (a round trip)
+            conn.execute(_AWAIT_MAY_HOLD[how], params, prepare=True)
+            return marking, _delivered(conn, how, params)
+
+    with _released_on_error(conn):  # after in_own_transaction's rollback of a failed lookup or insert
+        marking, delivered = in_own_transaction(conn, one_trip)
+    rows = marking.fetchall()
+    return _outcomes(how, params, [mid for mid, _ in rows], {mid for mid, marked in rows if marked}, delivered)
+
+
+def _outcomes(
+    how: str, params: dict[str, object], found: Sequence[int], marked: set[int], delivering: psycopg.Cursor
+) -> list[CancelResult]:
+    """One result per message found (`found`: their ids), and one for each message with the id or key delivered
+    before the lookup; `not_found` when there is neither."""
     delivered = {mid for (mid,) in delivering.fetchall()}
     results = [
         CancelResult(
             mid, "already_delivered" if mid in delivered else "cancelled" if mid in marked else "already_cancelled"
         )
-        for mid, *_ in found
+        for mid in found
     ]
-    seen = {mid for mid, *_ in found}
+    seen = set(found)
     results += [CancelResult(mid, "already_delivered") for mid in sorted(delivered - seen)]
     if not results:
         results.append(CancelResult(params["v"] if how == "id" else None, "not_found"))  # type: ignore[arg-type]
