@@ -101,7 +101,7 @@ def test_pass_in_flight_when_the_cancel_runs(
         assert deliver(other, lane, t0 + NOW).delivered == 1  # a savepoint: the lane's lock stays held
         cancelling = Background(lambda: store.cancel(message_id=mid) if how == "id" else store.cancel(key="k"))
         # waiting for the pass: here already in find, for the partitions this first pass created (a relation lock
-        # held to its end); with the partitions in place, in await_passes with its cancellation committed (below)
+        # held to its end); with the partitions in place, in the lane wait with its cancellation committed (below)
         assert cancelling.blocked()
         if pass_ends == "rollback":
             raise psycopg.Rollback(tx)

@@ -1,9 +1,9 @@
 """Cancel pending messages by id, by key, or in bulk: by a key list, a checked predicate, or keys from another table.
 
-A cancellation is a row in `cancellations` that deliverers anti-join; the message itself stays until
-its partition is retired. A cancel holds no lane lock while deliverers run: it commits its cancellations,
-then waits for the passes of those lanes already running (the only ones that may have read the message
-without its cancellation) and reads what they did. A message is delivered or cancelled, never both, and
+A cancellation is a row in `cancellations` that deliverers anti-join; the message itself stays until its partition
+is retired. A cancel holds no lane lock while deliverers run: it commits its cancellations, then waits for the passes
+already running of the lanes that may hold the messages (the only ones that may have read a message without its
+cancellation) and reads what they did, all in one round trip. A message is delivered or cancelled, never both, and
 the caller is told which: a delivery wins (DESIGN.md, "Cancellation").
 """
 
@@ -135,10 +135,12 @@ def cancel(
     """Cancel one message by id, or every message with a key; one result per message found.
 
     No lane lock is held while deliverers run (DESIGN.md, "Cancellation"): the cancellations are committed first,
-    then the cancel waits for a pass of each found message's lane that may have read the message before that
-    commit, and reads what happened. A delivery wins: the answer is `already_delivered` whenever the message reached
-    its topic, and `cancelled` only when no pass can deliver it any more. Inside a transaction the caller holds
-    (nothing can be committed before the caller's commit), the lanes' locks are taken as before and held until then.
+    then the cancel waits for the passes, of the lanes that may hold the messages found, that may have read them
+    before that commit, and reads what happened; one round trip (`_cancel_in_one_trip`), or, the first time a due day
+    needs its `cancellations` partition, three. A delivery wins: the answer is `already_delivered` whenever the
+    message reached its topic, and `cancelled` only when no pass can deliver it any more. Inside a transaction the
+    caller holds (nothing can be committed before the caller's commit), the lanes' locks are taken as before and held
+    until then.
     """
     if (message_id is None) == (key is None):
         raise ValueError("cancel needs exactly one of message_id or key")
