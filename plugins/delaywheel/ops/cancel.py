@@ -213,24 +213,37 @@ def _columns(found: Sequence[Sequence[object]]) -> dict[str, list[object]]:
 
 
 def lane_locks(found: Sequence[Sequence[object]]) -> list[tuple[int, int]]:
-    """The advisory locks held by delivery passes of the lanes of `found` (rows with lane and level at 3 and 4), in
-    the cancellers' one order: the wheel's, then the levels' ascending (locks.py)."""
-    locks = {WHEEL_LOCK if row[3] == "wheel" else (LEVEL_LOCK, int(row[4])) for row in found}  # type: ignore[call-overload]
-    return sorted(locks, key=lambda lock: (lock != WHEEL_LOCK, lock))
+    """The advisory locks held by delivery passes of the lanes of `found` (rows with lane and level at 3 and 4)."""
+    return sorted({WHEEL_LOCK if row[3] == "wheel" else (LEVEL_LOCK, int(row[4])) for row in found})  # type: ignore[call-overload]
+
+
+def _lane_wait(lanes: sql.Composable) -> str:
+    """The statement that waits for the delivery passes running now of the lanes `lanes` (a query of (class, key)
+    rows; run it after the cancellations committed: a pass that starts later reads them). Shared, so cancels never
+    wait for each other, and held for no time at all: session locks, each released in the statement that waited for
+    it (the inner query takes them, the outer one lets them go), so a deliverer seldom finds one and then waits only
+    that instant (levels.take_lane) rather than report busy. Under a transaction's lock such a wait would have lasted
+    to the end of that transaction: through the search of the topics. Taken in the cancellers' one order, the wheel's
+    lane and then the levels' ascending (locks.py): the lock is a volatile function, evaluated after the sort."""
+    return (
+        sql.SQL("""
+SELECT pg_advisory_unlock_shared(k.class, k.key) FROM (
+    SELECT k.class, k.key, pg_advisory_lock_shared(k.class, k.key) FROM ({lanes}) AS k(class, key)
+    ORDER BY k.class = {wheel_class} DESC, k.key
+    OFFSET 0) k
+""")
+        .format(lanes=lanes, wheel_class=sql.Literal(WHEEL_LOCK[0]))
+        .as_string()
+    )
+
+
+_AWAIT_LANES = _lane_wait(sql.SQL("SELECT * FROM unnest(%(classes)s::int[], %(keys)s::int[])"))
 
 
 def await_passes(conn: psycopg.Connection, locks: Sequence[tuple[int, int]]) -> None:
-    """Wait for the delivery passes of these lanes that are running now (call it after the cancellations committed:
-    a pass that starts later reads them). Shared, so cancels never wait for each other, and held for no time at all:
-    session locks, each released in the statement that waited for it (the inner query takes them, the outer one lets
-    them go), so a deliverer seldom finds one and then waits only that instant (levels.take_lane) rather than report
-    busy. Under a transaction's lock such a wait would have lasted to the end of that transaction: in the pipeline of
-    `settle`, through the search of the topics."""
+    """Wait for the delivery passes of these lanes that are running now (`_lane_wait`)."""
     if locks:
-        keys = [k for lock in locks for k in lock]
-        take = sql.SQL(", ").join([sql.SQL("pg_advisory_lock_shared(%s, %s)")] * len(locks))
-        release = sql.SQL(", ").join([sql.SQL("pg_advisory_unlock_shared(%s, %s)")] * len(locks))
-        conn.execute(sql.SQL("SELECT {} FROM (SELECT {} OFFSET 0) waited").format(release, take), keys + keys)
+        conn.execute(_AWAIT_LANES, {"classes": [c for c, _ in locks], "keys": [k for _, k in locks]}, prepare=True)
 
 
 # The lane locks of a lane wait (`await_passes`, `_AWAIT_MAY_HOLD`) this session still holds: shared, session level
@@ -327,34 +340,24 @@ SELECT f.id, m.message_id IS NOT NULL FROM found f LEFT JOIN marked m ON m.messa
     .as_string()
     for how, query in _FIND_ONE.items()
 }
-# The pending level segments that may hold the message: by id, their id range; by key, their filter (no far
-# candidates: those are the wheel's).
-_LEVELS_MAY_HOLD = {
-    how: sql.SQL("{} AND {}").format(SEGMENT_PENDING, may_hold)
-    for how, may_hold in (("id", _LOOKUP["id"][1]), ("key", _MAY_HOLD_KEY))
-}
+# The lanes that may hold the message: the wheel's, and those of the pending level segments that may (by id, their id
+# range; by key, their filter; no far candidates: those are the wheel's).
 _AWAIT_MAY_HOLD = {
-    how: sql.SQL("""
-SELECT pg_advisory_unlock_shared(k.class, k.key) FROM (
-    -- taken in the cancellers' one order, the wheel's lane and then the levels' ascending (locks.py), each lock
-    -- taken after the sort (a volatile function), and let go in the outer query (await_passes)
-    SELECT k.class, k.key, pg_advisory_lock_shared(k.class, k.key) FROM (
+    how: _lane_wait(
+        sql.SQL("""
         SELECT {wheel_class}, {wheel_key}
         UNION
         SELECT {level_class}, s.level::int FROM delaywheel.level_segments s
         LEFT JOIN delaywheel.level_checkpoint c ON c.level = s.level
-        WHERE {may_hold}) AS k(class, key)
-    ORDER BY k.class = {wheel_class} DESC, k.key
-    OFFSET 0) k
-""")
-    .format(
-        wheel_class=sql.Literal(WHEEL_LOCK[0]),
-        wheel_key=sql.Literal(WHEEL_LOCK[1]),
-        level_class=sql.Literal(LEVEL_LOCK),
-        may_hold=condition,
+        WHERE {segment_pending} AND {may_hold}""").format(
+            wheel_class=sql.Literal(WHEEL_LOCK[0]),
+            wheel_key=sql.Literal(WHEEL_LOCK[1]),
+            level_class=sql.Literal(LEVEL_LOCK),
+            segment_pending=SEGMENT_PENDING,
+            may_hold=may_hold,
+        )
     )
-    .as_string()
-    for how, condition in _LEVELS_MAY_HOLD.items()
+    for how, may_hold in (("id", _LOOKUP["id"][1]), ("key", _MAY_HOLD_KEY))
 }
 
 
@@ -408,13 +411,8 @@ def _cancel_locked(
         _lock_level_lanes(conn, how, params)
         found = conn.execute(_FIND_ONE[how], params).fetchall()
         marked = mark(conn, cache, found, reason)
-        delivered = {mid for (mid,) in conn.execute(_DELIVERED[how], params).fetchall()}
-    results = [CancelResult(mid, "cancelled" if mid in marked else "already_cancelled") for mid, *_ in found]
-    seen = {mid for mid, *_ in found}
-    results += [CancelResult(mid, "already_delivered") for mid in sorted(delivered - seen)]
-    if not results:
-        results.append(CancelResult(params["v"] if how == "id" else None, "not_found"))  # type: ignore[arg-type]
-    return results
+        delivered = conn.execute(_DELIVERED[how], params)  # none of `found`: their lanes are locked
+    return _outcomes(how, params, [row[0] for row in found], marked, delivered)
 
 
 @dataclass(frozen=True)
