@@ -1,6 +1,6 @@
 """Cancels beside deliveries (issue 19, item 4), measured in one run on one server.
 
-1. cancel(key=…) latency with the near wheel full (hourly partitions over the next ~4 days) and `10M x scale`
+1. cancel(key=…) latency with the near wheel full (its partitions over the next ~4 days) and `10M x scale`
    timers pending (due 1 min - 30 days ahead, sent by send_many: near ones in the wheel, the rest in far segments;
    or, `--near-only`, every one of them in the near wheel, as order timeouts are):
    the library's cancel (no lane lock; prepared lookup, generic plan; one round trip) against the previous way (the
@@ -208,7 +208,7 @@ def explain(store: Store, other: psycopg.Connection, verbose: bool = False) -> l
                 log("\n".join(r[0] for r in text))
         partitions = conn.execute("SELECT count(*) FROM delaywheel.partitions WHERE parent = 'wheel'").fetchone()[0]  # type: ignore[index]
         far = conn.execute("SELECT count(*) FROM delaywheel.wheel_far_segments").fetchone()[0]  # type: ignore[index]
-        lines.append(f"- near wheel: {partitions} hourly partitions; far blocks: {far:,} segments")
+        lines.append(f"- near wheel: {partitions} partitions; far blocks: {far:,} segments")
     return lines
 
 
@@ -348,7 +348,7 @@ def summary_reads(store: Store, other: psycopg.Connection, calls: int) -> list[s
 
 
 # --- The lookup's relation locks (--parts) ----------------------------------------------------------------------------
-# The lookup opens every near hourly partition and far day with the index it probes: a few hundred relations, each
+# The lookup opens every near partition and far day with the index it probes: a few hundred relations, each
 # locked (ACCESS SHARE) for the statement's transaction. A backend keeps 16 such locks in its fast-path slots; the
 # rest go through the shared lock table. Timed as the lookup run again in the transaction that already holds them.
 def relation_locks(store: Store, other: psycopg.Connection, calls: int) -> list[str]:

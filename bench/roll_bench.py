@@ -5,7 +5,7 @@ first is rolled the old way, the whole block in one transaction holding the whee
 on both wheel parents (that is the roll's last step, `wheel._roll`, given the whole block); the second by
 `wheel.roll` steps, as the wheel's passes drive it, `--slice` messages a slice. Each of the roll's transactions
 is timed (wheel's functions wrapped): each holds the lane's lock; the last step and the one creating the block's
-hourly partitions also hold a wheel parent's. Meanwhile two probes stand for what the roll holds up: a
+partitions also hold a wheel parent's. Meanwhile two probes stand for what the roll holds up: a
 pass taking the lane's lock (a 1 ms transaction under it, every 10 ms) and a producer sending a near timer (every
 10 ms). Printed: the longest hold of each lock, the probes' longest waits, and the ratios whole / sliced.
 
@@ -189,7 +189,7 @@ def main() -> None:
         ("send_wait_max_s", "longest near-timer send, s"),
         ("slice_s", "longest slice, s"),
         ("last_s", "last step (lane + both parents), s"),
-        ("partitions_s", "hourly partitions created (wheel parent; whole: inside its one transaction), s"),
+        ("partitions_s", "partitions created (wheel parent; whole: inside its one transaction), s"),
         ("total_s", "whole roll, s"),
         ("steps", "roll calls (steps)"),
         ("pass_wait_p50_ms", "pass wait, median, ms"),

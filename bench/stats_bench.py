@@ -2,7 +2,7 @@
 
 Its own database (`delaywheel_stats_bench`, dropped at the end unless `--keep`), loaded by `Store.send_many` as
 producers would leave it: 3M messages over the 18 delay levels, and 7M wheel timers — 1M due within the next
-24 h, 1M in the rest of the near window (hourly partitions) and 5M due 4-30 days out (daily far blocks) — plus
+24 h, 1M in the rest of the near window (4-hour partitions) and 5M due 4-30 days out (daily far blocks) — plus
 1,000 cancellations among them. Nothing delivers while it runs, so the first level and wheel messages fall due
 and stay overdue, as with a stopped deliverer. Each figure is the p50 and max of several calls, beside two
 baselines of the same run: a `SELECT 1` round trip, and counting the pending messages the plain way (one

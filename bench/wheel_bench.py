@@ -326,7 +326,7 @@ def main() -> list[Check]:
         real0 = store.clock()
 
         log(f"1. enqueue vs raw COPY: {n_enqueue} messages, random due 1 s - 30 d")
-        # Untimed, as in 5a: the first batch creates the wheel's partitions (hourly over the near window, daily
+        # Untimed, as in 5a: the first batch creates the wheel's partitions (4-hour over the near window, daily
         # beyond it), once per store; the raw table was created before timing too.
         first = enqueue_vs_copy(store, other, args.batch, args.batch, 8, "raw")
         notes.append(

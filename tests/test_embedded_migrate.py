@@ -23,7 +23,7 @@ import pytest
 from delaywheel_shop import schema as shop_schema
 from psycopg.types.json import Jsonb
 
-from delaywheel import Settings, Store
+from delaywheel import Message, Settings, Store
 from delaywheel.batch import bulk, input_rows
 from delaywheel.dev import embedded
 from delaywheel.migrate import SQL_DIR, MigrationError, available, current_version, migrate
@@ -361,6 +361,47 @@ def test_a_far_summary_too_large_for_its_index_lets_every_key_through(
         ).fetchall()
     assert [(lo, bytes(bloom)) for lo, bloom, _ in rows] == [(1, b"\xff" * 8), (11, small)]
     assert rows[0][2] is True
+
+
+def test_hourly_wheel_partitions_are_kept_and_completed_by_the_move_to_four_hours(
+    empty_db: str, sql_copy: Path, tmp_path: Path
+) -> None:
+    """migrations/025 widens the near wheel's partitions to 4 hours. A store's hourly ones stay: each 4-hour block
+    holding one gets the rest of its hours, so a block is whole or empty; a new block is one partition; a block whose
+    first hour retire dropped gets only what nothing covers. Sends into each (one statement, or a batch) land, and
+    every message is delivered once."""
+    put_back = _hold_back_after(24, sql_copy, tmp_path)
+    migrate(empty_db, sql_copy)
+    t0 = datetime(2030, 1, 1, tzinfo=UTC)
+    with psycopg.connect(empty_db, autocommit=True) as conn:
+        for hour in (1, 6):  # sparse, as sends left them: one hour of the block at 00:00, one of the block at 04:00
+            lo = t0 + timedelta(hours=hour)
+            conn.execute("SELECT delaywheel.ensure_partition('wheel', %s, %s)", (lo, lo + timedelta(hours=1)))
+    put_back()
+    migrate(empty_db, sql_copy)
+
+    def partitions() -> list[tuple[int, int]]:  # (start, end) in hours after t0
+        with psycopg.connect(empty_db) as conn:
+            rows = conn.execute("SELECT lo, hi FROM delaywheel.partitions WHERE parent = 'wheel' ORDER BY lo")
+            return [((lo - t0) // timedelta(hours=1), (hi - t0) // timedelta(hours=1)) for lo, hi in rows]
+
+    assert partitions() == [(h, h + 1) for h in range(8)]
+    with psycopg.connect(empty_db, autocommit=True) as conn:  # retire dropped the hour 04:00 (passed, drained)
+        conn.execute("SELECT delaywheel.drop_partition('wheel', %s)", (t0 + timedelta(hours=4),))
+    with Store(empty_db, Settings()) as store:
+        sent = [
+            store.send("orders", b"a", deliver_at=t0 + timedelta(hours=2, minutes=30), now=t0),
+            *store.send_many(
+                [Message("orders", b"b", deliver_at=t0 + timedelta(hours=h, minutes=30)) for h in (6, 9)], now=t0
+            ),
+        ]
+    with Store(empty_db, Settings()) as store:  # a new process: nothing known of the partitions
+        sent.append(store.send("orders", b"c", deliver_at=t0 + timedelta(hours=5, minutes=30), now=t0))
+        assert partitions() == [*[(h, h + 1) for h in (0, 1, 2, 3, 4, 5, 6, 7)], (8, 12)]
+        assert store.deliver_due(now=t0 + timedelta(hours=12)) == 4
+        with psycopg.connect(empty_db) as conn:
+            delivered = conn.execute("SELECT message_id FROM delaywheel.topic_messages ORDER BY 1").fetchall()
+        assert [mid for (mid,) in delivered] == sorted(sent)
 
 
 def _lines(url: str) -> list[tuple[str, int, str]]:

@@ -247,7 +247,7 @@ def test_stats_reads_segments_and_index_ranges_without_jit(
     assert (wheel["next_hour"], wheel["next_day"], wheel["estimated_after"]) == (
         1000,
         2 * BACKLOG,
-        t0 + timedelta(hours=5),
+        t0 + timedelta(hours=4),  # the start of their partition (4 hours wide, migrations/025)
     )
     assert levels_read <= 2 * (BACKLOG // 1000) + 5  # its segments (backlog and head reads), not its 20,000 messages
     assert wheel_read < 1000 + 100  # the next hour's entries, not the 40,000 of hour 5

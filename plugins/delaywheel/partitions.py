@@ -17,8 +17,15 @@ from delaywheel.pending import SEGMENT_PENDING, WHEEL_PENDING
 
 HOUR = timedelta(hours=1)
 DAY = timedelta(days=1)
-# parent table -> partition width
-WIDTH = {"level_segments": HOUR, "wheel": HOUR, "wheel_far_segments": DAY, "topic_messages": DAY, "cancellations": DAY}
+# parent table -> partition width. The near wheel's is 4 hours (migrations/025): a lookup by key or id opens every
+# partition of it, and ~93 hourly ones were most of a cancel; a wider one keeps delivered rows on disk longer.
+WIDTH = {
+    "level_segments": HOUR,
+    "wheel": 4 * HOUR,
+    "wheel_far_segments": DAY,
+    "topic_messages": DAY,
+    "cancellations": DAY,
+}
 
 
 T = TypeVar("T")

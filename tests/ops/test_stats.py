@@ -131,7 +131,9 @@ def test_counts_beyond_the_exact_budget_come_from_the_statistics(
     store: Store, t0: datetime, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     store.send_many(
-        [Message("timers", {"i": i}, deliver_at=t0 + timedelta(hours=5, seconds=i)) for i in range(300)], now=t0
+        # 75 an hour through the 4-hour partition from t0 + 4 h: the statistics' count, spread evenly, is exact
+        [Message("timers", {"i": i}, deliver_at=t0 + timedelta(hours=4, seconds=24 + 48 * i)) for i in range(300)],
+        now=t0,
     )
     store.send_many(
         [Message("timers", {"i": i}, deliver_at=t0 + timedelta(hours=30, seconds=i)) for i in range(200)], now=t0
@@ -141,14 +143,15 @@ def test_counts_beyond_the_exact_budget_come_from_the_statistics(
     exact = store.stats(now=t0)["wheel"]
     monkeypatch.setattr(stats, "EXACT_ROWS", 10)
     estimated = store.stats(now=t0)["wheel"]
-    assert exact["estimated_after"] is None and estimated["estimated_after"] == t0 + timedelta(hours=5)
+    assert exact["estimated_after"] is None and estimated["estimated_after"] == t0 + timedelta(hours=4)
     keys = ("pending", "overdue", "next_minute", "next_hour", "next_day", "later")
     assert (
         {k: exact[k] for k in keys}
         == {k: estimated[k] for k in keys}
         == {"pending": 507, "overdue": 0, "next_minute": 0, "next_hour": 7, "next_day": 300, "later": 200}
     )
-    assert [b["due"] for b in estimated["histogram_24h"]][:7] == [7, 0, 0, 0, 0, 300, 0]
+    assert [b["due"] for b in exact["histogram_24h"]][:9] == [7, 0, 0, 0, 75, 75, 75, 75, 0]
+    assert [b["due"] for b in estimated["histogram_24h"]] == [b["due"] for b in exact["histogram_24h"]]
 
 
 def test_quarantine_and_set_aside_rows_appear(store: Store, t0: datetime) -> None:

@@ -96,7 +96,7 @@ SELECT (SELECT count(*) FROM moved), (SELECT count(*) FROM due),
     .as_string()
 )
 # The head after a pass, from the cursor entry it appended (pending.wheel_head: sensors read it from wheel_state):
-# first among the near rows due within HEAD_WINDOW of the cursor (one or two hourly partitions), then, only if none is
+# first among the near rows due within HEAD_WINDOW of the cursor (one or two partitions), then, only if none is
 # there, among all of them.
 _HEAD_ARGS = (
     sql.Placeholder("at"),
@@ -202,7 +202,7 @@ def roll(conn: psycopg.Connection, settings: Settings, cache: PartitionCache, no
 
     The roll of a day block once ran in one transaction holding the wheel's lane lock and ACCESS EXCLUSIVE on both
     wheel parents: at a billion pending timers, minutes a day with no wheel delivery and every timer send waiting
-    (docs/capacity.md, "The roll"). Now a step is: a short transaction creating the hourly partitions the blocks fill;
+    (docs/capacity.md, "The roll"). Now a step is: a short transaction creating the partitions the blocks fill;
     then slices, each moving at most `settings.wheel_roll_slice` messages (plus one segment) and deleting their
     segments, with no lock on the parents beyond what a send takes; and, once a slice finds its block empty, the last
     step as before (parents locked, what producers added since moved, the block dropped, `near_until` set), which has
@@ -292,7 +292,7 @@ def _set_aside_far(
 def _roll_partitions(
     conn: psycopg.Connection, cache: PartitionCache, clock: datetime, near_until: datetime, target: datetime
 ) -> list[tuple[str, datetime]] | None:
-    """Create the hourly wheel partitions the roll fills, in a short transaction of its own under the lane's lock
+    """Create the wheel partitions the roll fills, in a short transaction of its own under the lane's lock
     (creating one locks the wheel's parent, as a send that creates one does); returns the far blocks to roll, (name,
     lower bound) by day, or None if the lane is busy: a roll does nothing while another holds the lane, so a pass
     waiting for it queues at once."""

@@ -13,9 +13,10 @@ is exact but one kind (flagged by the wheel's `estimated_after`):
 * the near wheel is counted per interval of the time axis (overdue, the next minute, each hour of the next 24 h,
   later) by index-only range scans of `(deliver_at, id)` from the cursor on, plus the stragglers behind it;
 * cancellations (set-aside rows included) are subtracted per interval, each found from its own side;
-* past a budget of rows counted (EXACT_ROWS, never within the next hour), each later hourly partition of the near
-  wheel adds the live-row count of PostgreSQL's statistics instead: exact while they are intact and flushed (a
-  committed insert reaches them within seconds; a crash resets them until the next ANALYZE).
+* past a budget of rows counted (EXACT_ROWS, never within the next hour), each later partition of the near wheel
+  (4 hours, migrations/025) adds the live-row count of PostgreSQL's statistics instead, spread evenly over its hours:
+  exact in total while they are intact and flushed (a committed insert reaches them within seconds; a crash resets
+  them until the next ANALYZE).
 
 The delivered side (lateness over the window, topic depth, group lag) reads `topic_messages` as before.
 """
@@ -169,7 +170,7 @@ _NEAR_AHEAD = """
     FROM unnest(%(lo)s::timestamptz[], %(hi)s::timestamptz[]) WITH ORDINALITY AS b(lo, hi, i)
     WHERE b.lo < %(exact_until)s
 """
-# The near wheel's hourly partitions ahead of the cursor, with the number of rows the statistics put in each: the
+# The near wheel's partitions ahead of the cursor, with the number of rows the statistics put in each: the
 # live rows the cumulative statistics counted (inserts committed since the last VACUUM or ANALYZE counted them), or
 # what the last VACUUM/ANALYZE found, whichever is more (rows leave a partition only when it is dropped).
 _NEAR_PARTITIONS = """
@@ -315,7 +316,7 @@ def _near_estimates(
     Counting costs about 0.1-0.2 µs an index entry, so a near wheel holding millions of timers would cost stats
     a second. Rows up to the end of the next hour are always counted (what operators act on: overdue, lag, the next
     minute and hour); then whole partitions while the rows counted stay within EXACT_ROWS; each later partition adds
-    its rows from the statistics, spread evenly over its hour."""
+    its rows from the statistics, spread evenly over its range."""
     partitions = _rows(conn, _NEAR_PARTITIONS, params)
     exact_until, budget = _INFINITY, EXACT_ROWS
     for part in partitions:

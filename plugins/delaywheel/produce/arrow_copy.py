@@ -231,7 +231,7 @@ def _place(
     # (near_until behind the clock): the wheel's head takes near_until as the far blocks' lower bound
     # (pending.WHEEL_HEAD), so a timer due within the window must be in the near wheel to be waited for exactly.
     bound = micros(max(near_until, floor_to(clock + settings.wheel_near_window, DAY)))
-    # Near timers first, in due order (a COPY into ~72 hourly partitions then fills one partition at a time, and
+    # Near timers first, in due order (a COPY into the near wheel's partitions then fills one partition at a time, and
     # the due-time index in order), then far ones by day, each day in input order (its segments' id ranges).
     day = DAY // US
     place = np.where(c.due < bound, c.due, c.due // day * day)
