@@ -3,6 +3,8 @@ is never delivered. Attacks through `where` are in test_caller_sql.py."""
 
 from __future__ import annotations
 
+import logging
+import time
 from datetime import datetime, timedelta
 
 import psycopg
@@ -10,6 +12,7 @@ import pytest
 
 from delaywheel import Store
 from delaywheel.cli import main
+from delaywheel.db import pipeline
 from delaywheel.locks import LEVEL_LOCK, WHEEL_LOCK
 from delaywheel.ops.cancel import KeysFrom
 from delaywheel.ops.predicate import UnsafeSQL
@@ -384,6 +387,30 @@ def test_a_cancel_outside_a_transaction_is_one_round_trip(store: Store, t0: date
         )
     assert syncs(lines) == 1
     assert store.deliver_due(now=t0 + timedelta(minutes=1)) == (1 if how == "id" else 0)
+
+
+def test_an_error_read_back_while_a_pipeline_is_still_sending_is_raised_without_a_warning(
+    db_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The one-trip cancel falls back on its insert's error (below). Beside busy loops that error came back while the
+    pipeline was still being sent: psycopg raised it at a later `execute`, then logged a WARNING leaving the block
+    ("error ignored terminating <Pipeline>: pipeline aborted", once in bench.cancel_bench). `db.pipeline` raises
+    the error alone, and the connection stays usable."""
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        for block in (conn.pipeline, lambda: pipeline(conn)):
+            caplog.clear()
+            with (
+                caplog.at_level(logging.WARNING, logger="psycopg"),
+                pytest.raises(psycopg.errors.DivisionByZero),
+                block(),
+            ):
+                conn.execute("SELECT 1 / 0")
+                time.sleep(0.3)  # its result is back: the next execute reads it, and raises
+                conn.execute("SELECT 1")
+                conn.execute("SELECT 2")
+            warned = [r.getMessage() for r in caplog.records if r.name.startswith("psycopg")]
+            assert bool(warned) is (block == conn.pipeline), warned  # psycopg's own block warns; ours does not
+            assert conn.execute("SELECT 3").fetchone() == (3,)
 
 
 def test_a_cancel_on_a_day_without_cancellations_partition_makes_it(store: Store, t0: datetime) -> None:

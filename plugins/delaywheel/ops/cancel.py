@@ -18,7 +18,7 @@ from typing import Literal
 import psycopg
 from psycopg import errors, sql
 
-from delaywheel.db import LOOKUP_PLAN, commits_each_statement, in_own_transaction
+from delaywheel.db import LOOKUP_PLAN, commits_each_statement, in_own_transaction, pipeline
 from delaywheel.locks import LEVEL_LOCK, WHEEL_LOCK
 from delaywheel.ops.predicate import CANCEL_COLUMNS, UnsafeSQL, catalog_table, check_column, check_expression
 from delaywheel.partitions import PartitionCache
@@ -368,7 +368,7 @@ def _cancel_in_one_trip(
     when a message found is due on a day whose `cancellations` partition does not exist yet."""
 
     def one_trip(own: bool) -> tuple[psycopg.Cursor, psycopg.Cursor]:  # own: on a Store's connection, always
-        with conn.pipeline():
+        with pipeline(conn):  # the insert's CheckViolation, however early it comes back, raised without a warning
             conn.execute("BEGIN")
             conn.execute(_GENERIC_FIND_PLAN)
             marking = conn.execute(_FIND_AND_MARK[how], {**params, "reason": reason}, prepare=True)
