@@ -19,7 +19,7 @@ DECLARE
 BEGIN
     FOR hour IN
         SELECT DISTINCT b.block + interval '1 hour' * h.i
-        FROM (SELECT to_timestamp(floor(extract(epoch FROM p.lo) / 14400) * 14400) AS block
+        FROM (SELECT date_bin(interval '4 hours', p.lo, timestamptz '1970-01-01 00:00:00+00') AS block
               FROM delaywheel.partitions p WHERE p.parent = 'wheel' AND p.hi - p.lo < interval '4 hours') b,
              generate_series(0, 3) h(i)
         ORDER BY 1
@@ -28,12 +28,12 @@ BEGIN
     END LOOP;
 END $$;
 
--- The start of the partition of width `width` holding `at`: a multiple of the width since the epoch (UTC). An hour,
--- 4 hours and a day all divide a day, so for those widths this is date_trunc's hour and day.
+-- The start of the partition of width `width` holding `at`: a multiple of the width since the epoch (UTC), as
+-- partitions.floor_to computes it. An hour, 4 hours and a day all divide a day, so for those widths this is
+-- date_trunc's hour and day.
 CREATE OR REPLACE FUNCTION delaywheel.partition_start(at timestamptz, width interval) RETURNS timestamptz
 LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
-    SELECT pg_catalog.to_timestamp(
-        pg_catalog.floor(EXTRACT(epoch FROM at) / EXTRACT(epoch FROM width)) * EXTRACT(epoch FROM width))
+    SELECT pg_catalog.date_bin(width, at, timestamptz '1970-01-01 00:00:00+00')
 $$;
 
 CREATE OR REPLACE FUNCTION delaywheel.partition_width(parent_name text) RETURNS interval
