@@ -25,7 +25,7 @@ import psycopg
 from psycopg import sql
 
 from bench.cancel_bench import SAMPLES, fill
-from bench.common import body, fresh_database, log, pct
+from bench.common import body, drop_database, fresh_database, log, pct
 from delaywheel import Message, Settings, Store
 from delaywheel.deliver import wheel
 from delaywheel.partitions import HOUR, floor_to
@@ -134,6 +134,8 @@ def main() -> None:
     finally:
         for store in stores.values():
             store.close()
+        for name in STORES.values():
+            drop_database(name)
     print(f"\n## partition width ({started:%Y-%m-%d %H:%M} UTC): python -m bench.partition_width --scale {args.scale}")
     for line in lines:
         print(line)

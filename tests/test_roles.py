@@ -183,6 +183,15 @@ def test_the_shop_line_grants_the_runtime_its_own_tables(role_db: tuple[str, str
             "SELECT delaywheel.ensure_partition('wheel', '2030-01-01 00:00+00', '2030-01-09 00:00+00')",
             errors.InvalidParameterValue,
         ),
+        (  # the near wheel's partitions are 4 hours wide (migrations/025): an hour, as code before it asked, or 4 hours
+            # not aligned to the epoch, are refused
+            "SELECT delaywheel.ensure_partition('wheel', '2030-01-01 00:00+00', '2030-01-01 01:00+00')",
+            errors.InvalidParameterValue,
+        ),
+        (
+            "SELECT delaywheel.ensure_partition('wheel', '2030-01-01 02:00+00', '2030-01-01 06:00+00')",
+            errors.InvalidParameterValue,
+        ),
         ("SELECT delaywheel.summarize_brin('delaywheel.topic_messages_message')", errors.InvalidParameterValue),
     ],
 )

@@ -183,7 +183,8 @@ def wheel_head(
     With `before`, only near rows due before it are searched, and there is no row unless one is found there (the
     caller then asks without it). The search for the first near row has no upper bound on the due time, so the
     planner plans, and the executor opens, every partition ahead of the cursor (~96 hourly ones: 2-20 ms a call, most
-    of a wheel pass; ~24 since migrations/025 made them 4 hours). Bounded by an hour or so it touches one or two, and a busy wheel always has a row that close."""
+    of a wheel pass; ~24 since migrations/025 made them 4 hours). Bounded by an hour or so it touches one or two, and
+    a busy wheel always has a row that close."""
     near = sql.SQL("""SELECT w.deliver_at FROM delaywheel.wheel w
           WHERE w.deliver_at >= {at} AND (w.deliver_at, w.id) > ({at}, {id}){bound}
           ORDER BY w.deliver_at, w.id LIMIT 1""").format(

@@ -166,9 +166,9 @@ Found = tuple[int, datetime, str | None, str, int | None, str]
 
 def find(conn: psycopg.Connection, how: str, params: dict[str, object]) -> list[Found]:
     """The pending messages with the id or key (read only, no lane lock). One prepared statement, planned once per
-    connection: planning the lookup over the near wheel's partitions (~24 of 4 hours) and the far blocks cost more than
-    running it (`bench/RESULTS.md`, cancel), and a generic plan loses nothing, since no partition is pruned by id or
-    key."""
+    connection: planning the lookup over the near wheel's partitions (~24 of 4 hours) and the far blocks cost more
+    than running it (`bench/RESULTS.md`, cancel), and a generic plan loses nothing, since no partition is pruned by
+    id or key."""
     with conn.pipeline():  # one round trip; outside a transaction, one implicit transaction for both statements
         conn.execute(_GENERIC_FIND_PLAN)
         cur = conn.execute(_FIND_ONE[how], params, prepare=True)
