@@ -23,8 +23,8 @@ SETUP_LOCK = 0x64770002
 # (`levels.deliver_level`; a second deliverer of the level waits LANE_WAIT for it, then reports busy) and by the
 # setting aside of its undeliverable rows (`levels.set_aside`), so two passes never move the same prefix; shared by a
 # cancel waiting for the passes in flight (`cancel.await_passes`), or held by a cancel inside a caller's
-# transaction until that ends (`cancel._lock_level_lanes`, `_lock_all_lanes`), so a cancelled message is never
-# delivered after the cancel returns.
+# transaction until that ends (`cancel._lane_hold`), so a cancelled message is never delivered after the cancel
+# returns.
 LEVEL_LOCK = 0x64770010
 
 # The timing wheel's lane, as (class, key): the same for the wheel as LEVEL_LOCK for a level. Exclusive by the

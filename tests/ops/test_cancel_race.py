@@ -327,3 +327,15 @@ def test_a_cancel_in_the_callers_transaction_holds_the_lanes(store: Store, other
         assert other.advance_wheel(now=t0 + NOW).busy
     assert other.advance_wheel(now=t0 + NOW).delivered == 0
     assert delivered_ids(store) == []
+
+
+def test_a_bulk_cancel_in_the_callers_transaction_holds_every_lane(store: Store, other: Store, t0: datetime) -> None:
+    """`cancel_matching` inside the caller's transaction takes every lane's lock (wheel, then levels ascending) until
+    the caller ends: passes of the wheel and of a level report busy meanwhile, and skip the messages after."""
+    timers = [timer(store, t0, "k", "wheel"), timer(store, t0, "k", "level")]
+    with store.conn.transaction():
+        assert store.cancel_matching(keys=["k"]) == len(timers)
+        assert deliver(other, "wheel", t0 + NOW).busy
+        assert deliver(other, "level", t0 + NOW).busy
+    assert deliver(other, "wheel", t0 + NOW).delivered == deliver(other, "level", t0 + NOW).delivered == 0
+    assert delivered_ids(store) == []

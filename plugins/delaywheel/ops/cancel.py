@@ -36,30 +36,6 @@ class CancelResult:
     outcome: Outcome
 
 
-def _lock_all_lanes(conn: psycopg.Connection) -> None:
-    """Wheel first, then levels in ascending order: one order for every canceller, so no deadlock."""
-    conn.execute("SELECT pg_advisory_xact_lock(%s, %s)", WHEEL_LOCK)
-    levels = conn.execute(
-        "SELECT generate_series(1, coalesce((SELECT max(level) FROM delaywheel.level_segments), 0))"
-    ).fetchall()
-    for (level,) in levels:
-        conn.execute("SELECT pg_advisory_xact_lock(%s, %s)", (LEVEL_LOCK, level))
-
-
-def _lock_level_lanes(conn: psycopg.Connection, how: str, params: dict[str, object]) -> None:
-    """The wheel and every level with a segment that may hold the message (a superset is harmless)."""
-    conn.execute("SELECT pg_advisory_xact_lock(%s, %s)", WHEEL_LOCK)
-    first, segments, _ = _LOOKUP[how]
-    levels = conn.execute(
-        sql.SQL("{} SELECT DISTINCT level FROM delaywheel.level_segments s WHERE {} ORDER BY 1").format(
-            first, segments
-        ),
-        params,
-    ).fetchall()
-    for (level,) in levels:
-        conn.execute("SELECT pg_advisory_xact_lock(%s, %s)", (LEVEL_LOCK, level))
-
-
 # Finding one message: the segments that may hold it, by their id ranges (GiST), then the message itself. By id,
 # the range holds the id. By key, segments carry no key index (a per-message entry is what they avoid, migrations/011):
 # `candidates` are the id ranges of the far sends whose summary filter of the key's group lets the key through
@@ -217,24 +193,60 @@ def lane_locks(found: Sequence[Sequence[object]]) -> list[tuple[int, int]]:
     return sorted({WHEEL_LOCK if row[3] == "wheel" else (LEVEL_LOCK, int(row[4])) for row in found})  # type: ignore[call-overload]
 
 
+def _in_lock_order(lanes: sql.Composable, lock: str) -> sql.Composed:
+    """The lanes `lanes` (a query of (class, key) rows), each taken with the advisory-lock function `lock`, in the
+    cancellers' one order: the wheel's lane, then the levels' ascending (locks.py), so no two cancels deadlock. The lock
+    is a volatile function in the select list, so PostgreSQL evaluates it after the sort."""
+    return sql.SQL("""
+    SELECT k.class, k.key, {lock}(k.class, k.key) FROM ({lanes}) AS k(class, key)
+    ORDER BY k.class = {wheel_class} DESC, k.key""").format(
+        lock=sql.SQL(lock), lanes=lanes, wheel_class=sql.Literal(WHEEL_LOCK[0])
+    )
+
+
 def _lane_wait(lanes: sql.Composable) -> str:
-    """The statement that waits for the delivery passes running now of the lanes `lanes` (a query of (class, key)
-    rows; run it after the cancellations committed: a pass that starts later reads them). Shared, so cancels never
-    wait for each other, and held for no time at all: session locks, each released in the statement that waited for
-    it (the inner query takes them, the outer one lets them go), so a deliverer seldom finds one and then waits only
-    that instant (levels.take_lane) rather than report busy. Under a transaction's lock such a wait would have lasted
-    to the end of that transaction: through the search of the topics. Taken in the cancellers' one order, the wheel's
-    lane and then the levels' ascending (locks.py): the lock is a volatile function, evaluated after the sort."""
+    """The statement that waits for the delivery passes running now of the lanes `lanes` (run it after the
+    cancellations committed: a pass that starts later reads them). Shared, so cancels never wait for each other, and
+    held for no time at all: session locks, each released in the statement that waited for it (the inner query takes
+    them, the outer one lets them go), so a deliverer seldom finds one and then waits only that instant
+    (levels.take_lane) rather than report busy. Under a transaction's lock such a wait would have lasted to the end of
+    that transaction: through the search of the topics."""
     return (
-        sql.SQL("""
-SELECT pg_advisory_unlock_shared(k.class, k.key) FROM (
-    SELECT k.class, k.key, pg_advisory_lock_shared(k.class, k.key) FROM ({lanes}) AS k(class, key)
-    ORDER BY k.class = {wheel_class} DESC, k.key
-    OFFSET 0) k
-""")
-        .format(lanes=lanes, wheel_class=sql.Literal(WHEEL_LOCK[0]))
+        sql.SQL("SELECT pg_advisory_unlock_shared(k.class, k.key) FROM ({} OFFSET 0) k")
+        .format(_in_lock_order(lanes, "pg_advisory_lock_shared"))
         .as_string()
     )
+
+
+def _lane_hold(lanes: sql.Composable) -> str:
+    """The statement that takes the lanes `lanes` until the caller's transaction ends (a cancel inside it, which
+    cannot commit its cancellations first): deliverers of those lanes wait for that, or report busy."""
+    return _in_lock_order(lanes, "pg_advisory_xact_lock").as_string()
+
+
+# The lanes, as (class, key) rows, that may hold the message: the wheel's, and those of the pending level segments that
+# may (by id, their id range; by key, their filter; no far candidates: those are the wheel's): a superset is harmless.
+# And every lane, for a bulk cancel inside a caller's transaction.
+_WHEEL_LANE = sql.SQL("SELECT {}, {}").format(sql.Literal(WHEEL_LOCK[0]), sql.Literal(WHEEL_LOCK[1]))
+_LANES_MAY_HOLD = {
+    how: sql.SQL("""
+        {wheel}
+        UNION
+        SELECT {level_class}, s.level::int FROM delaywheel.level_segments s
+        LEFT JOIN delaywheel.level_checkpoint c ON c.level = s.level
+        WHERE {segment_pending} AND {may_hold}""").format(
+        wheel=_WHEEL_LANE, level_class=sql.Literal(LEVEL_LOCK), segment_pending=SEGMENT_PENDING, may_hold=may_hold
+    )
+    for how, may_hold in (("id", _LOOKUP["id"][1]), ("key", _MAY_HOLD_KEY))
+}
+_EVERY_LANE = sql.SQL("""
+        {wheel}
+        UNION ALL
+        SELECT {level_class}, generate_series(1, coalesce((SELECT max(level) FROM delaywheel.level_segments), 0))
+""").format(wheel=_WHEEL_LANE, level_class=sql.Literal(LEVEL_LOCK))
+_AWAIT_MAY_HOLD = {how: _lane_wait(lanes) for how, lanes in _LANES_MAY_HOLD.items()}
+_HOLD_MAY_HOLD = {how: _lane_hold(lanes) for how, lanes in _LANES_MAY_HOLD.items()}
+_HOLD_EVERY_LANE = _lane_hold(_EVERY_LANE)
 
 
 _AWAIT_LANES = _lane_wait(sql.SQL("SELECT * FROM unnest(%(classes)s::int[], %(keys)s::int[])"))
@@ -340,25 +352,6 @@ SELECT f.id, m.message_id IS NOT NULL FROM found f LEFT JOIN marked m ON m.messa
     .as_string()
     for how, query in _FIND_ONE.items()
 }
-# The lanes that may hold the message: the wheel's, and those of the pending level segments that may (by id, their id
-# range; by key, their filter; no far candidates: those are the wheel's).
-_AWAIT_MAY_HOLD = {
-    how: _lane_wait(
-        sql.SQL("""
-        SELECT {wheel_class}, {wheel_key}
-        UNION
-        SELECT {level_class}, s.level::int FROM delaywheel.level_segments s
-        LEFT JOIN delaywheel.level_checkpoint c ON c.level = s.level
-        WHERE {segment_pending} AND {may_hold}""").format(
-            wheel_class=sql.Literal(WHEEL_LOCK[0]),
-            wheel_key=sql.Literal(WHEEL_LOCK[1]),
-            level_class=sql.Literal(LEVEL_LOCK),
-            segment_pending=SEGMENT_PENDING,
-            may_hold=may_hold,
-        )
-    )
-    for how, may_hold in (("id", _LOOKUP["id"][1]), ("key", _MAY_HOLD_KEY))
-}
 
 
 def _cancel_in_one_trip(
@@ -408,7 +401,7 @@ def _cancel_locked(
     wait for that, or report busy)."""
     with conn.transaction():
         conn.execute(_LOOKUP_PLAN)
-        _lock_level_lanes(conn, how, params)
+        conn.execute(_HOLD_MAY_HOLD[how], params)
         found = conn.execute(_FIND_ONE[how], params).fetchall()
         marked = mark(conn, cache, found, reason)
         delivered = conn.execute(_DELIVERED[how], params)  # none of `found`: their lanes are locked
@@ -585,7 +578,7 @@ def cancel_matching(
         return 0
     if not commits_each_statement(conn):  # in the caller's transaction: lock as cancel does
         with conn.transaction():
-            _lock_all_lanes(conn)
+            conn.execute(_HOLD_EVERY_LANE)
             return len(mark(conn, cache, found, reason))
     # As a single cancel (see `cancel`): commit the cancellations without the lanes' locks, wait for the passes that
     # may have read them before, and leave out what those delivered.
