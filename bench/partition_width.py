@@ -35,15 +35,15 @@ STORES = {"hourly": "delaywheel_bench_width_hourly", "4-hour": "delaywheel_bench
 
 def hourly_partitions(url: str) -> None:
     """The near wheel's partitions as hourly ones, from this hour to where the first roll puts `near_until` (what
-    the fill fills), named as `ensure_partition` names them; made before the store's first send, which then finds
-    them."""
+    the fill fills), named as `ensure_partition` names them (`partition_name`); made before the store's first send,
+    which then finds them."""
     near_until = wheel._roll_target(datetime.now(UTC), Settings())
     with psycopg.connect(url, autocommit=True) as conn:
         (now,) = conn.execute("SELECT now()").fetchone()  # type: ignore[misc]
         start = floor_to(now, HOUR)
         for i in range(int((near_until - start) / HOUR)):
             lo = start + i * HOUR
-            name = f"wheel_p{lo.astimezone(UTC):%Y%m%dt%H%M}"
+            (name,) = conn.execute("SELECT delaywheel.partition_name('wheel', %s)", (lo,)).fetchone()  # type: ignore[misc]
             conn.execute(
                 sql.SQL("CREATE TABLE {} PARTITION OF delaywheel.wheel FOR VALUES FROM ({}) TO ({})").format(
                     sql.Identifier("delaywheel", name), sql.Literal(lo), sql.Literal(lo + HOUR)

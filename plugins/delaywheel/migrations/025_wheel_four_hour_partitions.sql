@@ -13,21 +13,6 @@
 -- look for). Retire drops only partitions already passed, which no send can need again. ensure_partition, asked for a
 -- block whose start was dropped, creates only what no partition covers.
 
-DO $$
-DECLARE
-    hour timestamptz;
-BEGIN
-    FOR hour IN
-        SELECT DISTINCT b.block + interval '1 hour' * h.i
-        FROM (SELECT date_bin(interval '4 hours', p.lo, timestamptz '1970-01-01 00:00:00+00') AS block
-              FROM delaywheel.partitions p WHERE p.parent = 'wheel' AND p.hi - p.lo < interval '4 hours') b,
-             generate_series(0, 3) h(i)
-        ORDER BY 1
-    LOOP
-        PERFORM delaywheel.ensure_partition('wheel', hour, hour + interval '1 hour');  -- sql/017: if missing
-    END LOOP;
-END $$;
-
 -- The start of the partition of width `width` holding `at`: a multiple of the width since the epoch (UTC), as
 -- partitions.floor_to computes it. An hour, 4 hours and a day all divide a day, so for those widths this is
 -- date_trunc's hour and day.
@@ -35,6 +20,27 @@ CREATE OR REPLACE FUNCTION delaywheel.partition_start(at timestamptz, width inte
 LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
     SELECT pg_catalog.date_bin(width, at, timestamptz '1970-01-01 00:00:00+00')
 $$;
+
+-- The name ensure_partition gives the partition of `parent` starting at `lo` (sql/001's rule).
+CREATE OR REPLACE FUNCTION delaywheel.partition_name(parent text, lo timestamptz) RETURNS text
+LANGUAGE sql STABLE PARALLEL SAFE AS $$
+    SELECT parent || '_p' || pg_catalog.to_char(lo AT TIME ZONE 'UTC', 'YYYYMMDD"t"HH24MI')
+$$;
+
+DO $$
+DECLARE
+    hour timestamptz;
+BEGIN
+    FOR hour IN
+        SELECT DISTINCT b.block + interval '1 hour' * h.i
+        FROM (SELECT delaywheel.partition_start(p.lo, interval '4 hours') AS block
+              FROM delaywheel.partitions p WHERE p.parent = 'wheel' AND p.hi - p.lo < interval '4 hours') b,
+             generate_series(0, 3) h(i)
+        ORDER BY 1
+    LOOP
+        PERFORM delaywheel.ensure_partition('wheel', hour, hour + interval '1 hour');  -- sql/017: if missing
+    END LOOP;
+END $$;
 
 CREATE OR REPLACE FUNCTION delaywheel.partition_width(parent_name text) RETURNS interval
 LANGUAGE sql IMMUTABLE SET search_path = pg_catalog, pg_temp AS $$
@@ -67,7 +73,7 @@ BEGIN
         RAISE EXCEPTION 'a partition of % covers one whole % (UTC), not [%, %)', parent, width, lo, hi
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
-    name := parent || '_p' || to_char(lo AT TIME ZONE 'UTC', 'YYYYMMDD"t"HH24MI');
+    name := delaywheel.partition_name(parent, lo);
     IF to_regclass(format('delaywheel.%I', name)) IS NULL THEN
         PERFORM pg_advisory_xact_lock(hashtext('delaywheel.partition.' || parent));
         IF to_regclass(format('delaywheel.%I', name)) IS NULL THEN
@@ -79,7 +85,7 @@ BEGIN
                                   AND p.lo < ensure_partition.hi AND p.hi > ensure_partition.lo),
                                '{}'::tstzmultirange)) g
             LOOP
-                piece_name := parent || '_p' || to_char(piece.lo AT TIME ZONE 'UTC', 'YYYYMMDD"t"HH24MI');
+                piece_name := delaywheel.partition_name(parent, piece.lo);
                 EXECUTE format('CREATE TABLE delaywheel.%I PARTITION OF delaywheel.%I FOR VALUES FROM (%L) TO (%L)',
                                piece_name, parent, piece.lo, piece.hi);
                 -- Rows go in and out through the parent, whose grants are the ones checked; the store names a
@@ -98,7 +104,7 @@ DECLARE
     width interval := delaywheel.partition_width(parent);
     lo timestamptz := delaywheel.partition_start(at, width);
 BEGIN
-    IF to_regclass(format('delaywheel.%I', parent || '_p' || to_char(lo AT TIME ZONE 'UTC', 'YYYYMMDD"t"HH24MI'))) IS NULL THEN
+    IF to_regclass(format('delaywheel.%I', delaywheel.partition_name(parent, lo))) IS NULL THEN
         BEGIN
             PERFORM delaywheel.ensure_partition(parent, lo, lo + width);
         EXCEPTION WHEN duplicate_table THEN
