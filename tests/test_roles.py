@@ -299,8 +299,8 @@ def test_an_autovacuum_workers_transaction_does_not_hold_the_runtime_back(
 def test_migrate_hands_a_store_of_a_single_role_to_the_owner(server_url: str, roles: None) -> None:
     """A store migrated before the roles existed belongs to the role that migrated it. Its owner's login cannot
     take it over (MigrationError says what to do); a superuser's migrate hands everything to delaywheel_owner and
-    applies migrations/017, after which the runtime role works. (025 is taken back too: it replaces functions 017
-    defines, so it must come after it.)"""
+    applies migrations/017, after which the runtime role works. (025 and 026 are taken back too: they replace
+    functions 017 defines, so they must come after it.)"""
     name = f"dwroles_{uuid.uuid4().hex[:12]}"
     admin = make_conninfo(server_url, dbname=name)
     with psycopg.connect(server_url, autocommit=True) as conn:
@@ -309,7 +309,7 @@ def test_migrate_hands_a_store_of_a_single_role_to_the_owner(server_url: str, ro
     try:
         migrate(make_conninfo(server_url, dbname=name, user=embedded.OWNER_LOGIN))
         with psycopg.connect(admin, autocommit=True) as conn:  # as if an older delaywheel had migrated it as postgres
-            conn.execute("DELETE FROM delaywheel.schema_migrations WHERE version IN (17, 25)")
+            conn.execute("DELETE FROM delaywheel.schema_migrations WHERE version IN (17, 25, 26)")
             conn.execute(
                 "DO $$ DECLARE r record; BEGIN FOR r IN SELECT c.oid::regclass AS t FROM pg_class c"
                 " JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = 'delaywheel'"
@@ -320,7 +320,7 @@ def test_migrate_hands_a_store_of_a_single_role_to_the_owner(server_url: str, ro
         with pytest.raises(MigrationError, match="belong to another role"):
             migrate(make_conninfo(server_url, dbname=name, user=embedded.OWNER_LOGIN))
         # the ones it deleted; the others were applied already
-        assert migrate(admin) == ["017_roles.sql", "025_wheel_four_hour_partitions.sql"]
+        assert migrate(admin) == ["017_roles.sql", "025_wheel_four_hour_partitions.sql", "026_lighter_send_one.sql"]
         with Store(make_conninfo(server_url, dbname=name, user=embedded.RUNTIME_LOGIN), Settings()) as store:
             store.send("orders", b"x", delay=timedelta(days=9), now=T0)
             store.prepare(now=T0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta, timezone
 from typing import Any
 
@@ -359,11 +359,11 @@ def test_a_single_send_in_the_callers_transaction_is_a_savepoint(db_url: str, t0
     with Store(db_url) as store, psycopg.connect(db_url, autocommit=True) as other:
         with store.conn.transaction():
             kept = store.send("orders", b"kept", delay_level=1, now=t0)
-            with other.transaction():  # a roll in progress holds the wheel's state: the wheel send times out
+            with other.transaction():  # a roll in progress holds the wheel's state: a far timer's send times out
                 other.execute("SELECT 1 FROM delaywheel.wheel_state FOR UPDATE")
                 store.conn.execute("SET LOCAL lock_timeout = '50ms'")
                 with pytest.raises(psycopg.errors.LockNotAvailable):
-                    store.send("timers", b"lost", delay=1000, now=t0)
+                    store.send("timers", b"lost", delay=timedelta(days=9), now=t0)
             also = store.send("timers", b"also", delay=1000, now=t0)  # the caller's transaction goes on
         assert sorted(
             r[0]
@@ -377,12 +377,23 @@ def test_a_single_send_in_the_callers_transaction_is_a_savepoint(db_url: str, t0
         assert table_counts(store)["level_queue"] == 1
 
 
-def test_a_batch_of_near_timers_takes_no_lock_and_a_far_one_waits_for_a_roll(db_url: str, t0: datetime) -> None:
-    """send_many reads the roll's bound (near_until) unlocked: a batch of near timers goes through while a roll holds
-    the wheel's state, so its transaction takes an xid only at its COPY. A batch with a far timer locks the bound
-    FOR KEY SHARE before any far write, waits for the roll, and places its timers by the bound the roll left: a
-    timer whose day the roll moved into the near window goes to the near wheel, not into a far block the roll
-    has already moved."""
+def _send_many(store: Store, message: Message, now: datetime) -> int:
+    return store.send_many([message], now=now)[0]
+
+
+def _send_one(store: Store, message: Message, now: datetime) -> int:
+    return store.send(message.topic, message.body, delay=message.delay, deliver_at=message.deliver_at, now=now)
+
+
+@pytest.mark.parametrize("send", [_send_many, _send_one], ids=["send_many", "send"])
+def test_a_near_timer_takes_no_lock_and_a_far_one_waits_for_a_roll(
+    db_url: str, t0: datetime, send: Callable[[Store, Message, datetime], int]
+) -> None:
+    """A send reads the roll's bound (near_until) unlocked: a near timer goes through while a roll holds the wheel's
+    state, so its transaction takes an xid only at its write (send_many) and writes no row lock (send, migrations/026).
+    A far timer locks the bound FOR KEY SHARE before its write, waits for the roll, and is placed by the bound the
+    roll left: a timer whose day the roll moved into the near window goes to the near wheel, not into a far block
+    the roll has already moved."""
     import threading
 
     import psycopg
@@ -394,12 +405,12 @@ def test_a_batch_of_near_timers_takes_no_lock_and_a_far_one_waits_for_a_roll(db_
         store.conn.commit()
         roll.execute("SELECT FROM delaywheel.wheel_roll FOR UPDATE")  # a roll in progress, as wheel._roll holds it
         roll.execute("UPDATE delaywheel.wheel_roll SET near_until = near_until + interval '1 day'")
-        near = store.send_many([Message("timers", b"near", delay=timedelta(seconds=5))], now=t0)
-        assert store.conn.execute("SELECT count(*) FROM delaywheel.wheel WHERE id = %s", near).fetchone() == (1,)
+        near = send(store, Message("timers", b"near", delay=timedelta(seconds=5)), t0)
+        assert store.conn.execute("SELECT count(*) FROM delaywheel.wheel WHERE id = %s", (near,)).fetchone() == (1,)
         due = near_until + timedelta(hours=2)
         sent: list[int] = []
         producer = threading.Thread(
-            target=lambda: sent.extend(store.send_many([Message("timers", b"rolled", deliver_at=due)], now=t0))
+            target=lambda: sent.append(send(store, Message("timers", b"rolled", deliver_at=due), t0))
         )
         producer.start()
         wait_for_lock(watch, store.conn.info.backend_pid, "the far timer's send")
@@ -412,6 +423,38 @@ def test_a_batch_of_near_timers_takes_no_lock_and_a_far_one_waits_for_a_roll(db_
             {"id": sent[0]},
         ).fetchone()
         assert placed == (due, 0)
+
+
+def test_a_single_send_calls_no_sql_function_out_of_line(db_url: str) -> None:
+    """The SQL helpers a single send uses (partition_width, partition_start, partition_name, due_hint) are inlined
+    into send_one's plans (migrations/026). One that is not is planned again in every transaction that calls it:
+    partition_width (kept out of line by a SET clause) and due_hint (a FROM clause, and IMMUTABLE over STABLE
+    extract()) cost a single send 78 us of its 166 on the server. The server counts each function it calls out of
+    line (track_functions): none of them may be SQL."""
+    import psycopg
+
+    with Store(db_url) as store, psycopg.connect(db_url, autocommit=True) as watch:
+        store.conn.execute("SET track_functions = 'all'")
+        for delay in (timedelta(seconds=5), timedelta(days=9)):
+            with store.conn.transaction():  # in a caller's transaction (send_one_savepoint) and on its own
+                store.send("timers", b"x", delay=delay)
+            store.send("timers", b"x", delay=delay)
+        store.send("timers", b"x", delay_level=2)
+        store.conn.execute("SELECT pg_stat_force_next_flush()")  # reported once the session is idle
+        deadline = time.monotonic() + 10
+        while True:
+            watch.execute("SELECT pg_stat_clear_snapshot()")
+            called = dict(
+                watch.execute(
+                    "SELECT f.funcname, l.lanname FROM pg_stat_user_functions f JOIN pg_proc p ON p.oid = f.funcid"
+                    " JOIN pg_language l ON l.oid = p.prolang WHERE f.schemaname = 'delaywheel'"
+                ).fetchall()
+            )
+            if called or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+    assert {"send_one", "send_one_savepoint", "partition_ready"} <= called.keys()
+    assert set(called.values()) == {"plpgsql"}, called
 
 
 def test_a_single_send_creates_its_partitions_as_the_runtime_role(db_url: str) -> None:
