@@ -5,7 +5,9 @@
    or, `--near-only`, every one of them in the near wheel, as order timeouts are):
    the library's cancel (no lane lock; prepared lookup, generic plan; one round trip) against the previous way (the
    lanes' locks, the lookup planned per call), interleaved key by key; the library's cancel again, interleaved with
-   its two-step way (find; mark and settle), whose steps are timed apart; EXPLAIN (ANALYZE, SUMMARY) of the lookup,
+   its two-step way (find; mark and settle), whose steps are timed apart, and a durable single-row INSERT after each
+   of those, the baseline (beside busy loops every durable commit waits for a scheduler tick); with `--pause-ms`, a
+   pause after every call, as cancels come one at a time (an idle CPU wakes for each); EXPLAIN (ANALYZE, SUMMARY) of the lookup,
    planned per call and as a generic prepared plan; with `--parts`, where the lookup's time goes, an alternative
    measured (a day-partitioned key table for the near wheel), the far-key summaries read from their index
    (migrations/024) against the heap pages they were read from before, interleaved, what taking the lookup's relation
@@ -125,8 +127,17 @@ def old_cancel(store: Store, key: str) -> list:  # type: ignore[type-arg]
     return _OLD.cancel(store.conn, store._cache, key=key, reason="bench")
 
 
-def latency(store: Store, other: psycopg.Connection, per_lane: int) -> list[str]:
+# The baseline a cancel's latency is read against: a durable single-row INSERT (autocommit) on the same server,
+# interleaved with the cancels. Beside busy loops every durable commit waits for a scheduler tick, and this shows it.
+BASELINE_TABLE = "CREATE TABLE bench_insert (id bigserial PRIMARY KEY, key text NOT NULL)"
+BASELINE_INSERT = "INSERT INTO bench_insert (key) VALUES (%s)"
+
+
+def latency(store: Store, other: psycopg.Connection, per_lane: int, pause_s: float = 0.0) -> list[str]:
+    """cancel(key=…) latency by lane. `pause_s`: a pause after each call, as a payment handler's cancels come one at a
+    time rather than back to back (an idle CPU then wakes for each, and its caches are cold)."""
     lines = []
+    other.execute(BASELINE_TABLE)
     for lane, sample in SAMPLES.items():
         keys = [k for (k,) in other.execute(sample, (2 * per_lane,))]  # type: ignore[arg-type]
         if not keys:  # the near-only profile has no far timers
@@ -142,11 +153,13 @@ def latency(store: Store, other: psycopg.Connection, per_lane: int) -> list[str]
                 old.append(1000 * (time.perf_counter() - started))
             if outcome != ["cancelled"]:
                 raise RuntimeError(f"cancel {key}: {outcome}")
+            time.sleep(pause_s)
         # The library's cancel (one round trip) against its two-step way (find; then mark and settle: what it does when
         # a cancellations partition is missing, and what it did before), key by key; not beside the code before (with
         # far timers pending the old cancel, planning over every partition, slowed the call after it by 0.4-1.3 ms).
         one_trip: list[float] = []
         two_steps: list[float] = []
+        inserts: list[float] = []
         for i, key in enumerate([k for (k,) in other.execute(sample, (2 * per_lane,))]):  # type: ignore[arg-type]
             t = [time.perf_counter()]
             if i % 2:
@@ -163,6 +176,11 @@ def latency(store: Store, other: psycopg.Connection, per_lane: int) -> list[str]
                 two_steps.append(1000 * (t[-1] - t[0]))
             if outcome != ["cancelled"]:
                 raise RuntimeError(f"cancel {key}: {outcome}")
+            time.sleep(pause_s)
+            started = time.perf_counter()
+            other.execute(BASELINE_INSERT, (key,))
+            inserts.append(1000 * (time.perf_counter() - started))
+            time.sleep(pause_s)
         lines.append(
             f"- {lane} timer, cancel(key=…), {len(new)} calls: p50 {statistics.median(new):.2f} ms, "
             f"p99 {pct(new, 0.99):.2f} ms; the code before (990e562: lanes' locks), {len(old)} calls "
@@ -171,7 +189,12 @@ def latency(store: Store, other: psycopg.Connection, per_lane: int) -> list[str]
             f"interleaved with those, its two-step way (find; mark and settle), {len(two_steps)} calls: p50 "
             f"{statistics.median(two_steps):.2f} ms, p99 {pct(two_steps, 0.99):.2f} ms, steps p50: "
             + ", ".join(f"{n} {statistics.median(v):.2f} ms" for n, v in steps.items())
+            + f"; a durable single-row INSERT after each of those, {len(inserts)} calls: p50"
+            f" {statistics.median(inserts):.2f} ms, p99 {pct(inserts, 0.99):.2f} ms (the cancel's p50 x"
+            f"{statistics.median(one_trip) / statistics.median(inserts):.2f} it)"
+            + (f"; {1000 * pause_s:.0f} ms pause after every call" if pause_s else "")
         )
+    other.execute("DROP TABLE bench_insert")
     return lines
 
 
@@ -642,6 +665,9 @@ def main() -> None:
         "--near-only", action="store_true", help="every pending timer in the near wheel (order timeouts), not 30 days"
     )
     parser.add_argument("--per-lane", type=int, default=100, help="cancels timed per lane (near, far)")
+    parser.add_argument(
+        "--pause-ms", type=float, default=0.0, help="pause after each timed cancel (one at a time, not back to back)"
+    )
     parser.add_argument("--seconds", type=float, default=60)
     parser.add_argument("--rate", type=int, default=1000)
     parser.add_argument("--cancels", type=int, default=700)
@@ -685,7 +711,7 @@ def main() -> None:
                 other.execute("CHECKPOINT")
                 log(f"   {time.perf_counter() - t:.0f} s")
                 lines += explain(store, other, args.plan)
-                lines += latency(store, other, args.per_lane)
+                lines += latency(store, other, args.per_lane, args.pause_ms / 1000)
                 lines += (
                     parts(store, other, args.per_lane, 5)
                     + summary_reads(store, other, args.per_lane)

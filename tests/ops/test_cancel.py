@@ -40,9 +40,12 @@ def test_cancel_after_delivery_and_not_found(store: Store, t0: datetime) -> None
     assert [(r.message_id, r.outcome) for r in store.cancel(message_id=mid)] == [(mid, "already_delivered")]
     assert [r.outcome for r in store.cancel(key="done")] == ["already_delivered"]
     assert [(r.message_id, r.outcome) for r in store.cancel(message_id=10**9)] == [(10**9, "not_found")]
+    assert type(store.cancel(message_id=10**9)[0].message_id) is int  # as given, not the parameter's psycopg type
     assert [r.outcome for r in store.cancel(key="nobody")] == ["not_found"]
     with pytest.raises(ValueError):
         store.cancel()
+    with pytest.raises(ValueError, match="must be a bigint"):  # refused at the door, not by a cast on the server
+        store.cancel(message_id=2**63)
 
 
 def test_skipped_cancelled_is_counted(store: Store, t0: datetime) -> None:
@@ -387,6 +390,25 @@ def test_a_cancel_outside_a_transaction_is_one_round_trip(store: Store, t0: date
         )
     assert syncs(lines) == 1
     assert store.deliver_due(now=t0 + timedelta(minutes=1)) == (1 if how == "id" else 0)
+
+
+def test_a_connection_prepares_each_lookup_once(store: Store, t0: datetime) -> None:
+    """Cancels of many keys and ids run one prepared lookup of each kind, planned once for the connection. psycopg
+    prepares a statement per combination of parameter types, and sends an int as int2, int4 or int8 by its size: the
+    keys' 32-bit hashes made up to eight lookups by key per connection, each planned over every partition."""
+    store._cache.ensure(store.conn, "cancellations", [t0 + timedelta(seconds=5)])
+    ids = store.send_many(
+        [Message("orders", b"x", delay=timedelta(seconds=5), key=f"k-{i}") for i in range(40)], now=t0
+    )
+    for i in range(40):
+        store.cancel(key=f"k-{i}")
+    for mid in (*ids[:5], 1, 70_000, 2**40):
+        store.cancel(message_id=mid)
+    lookups = store.conn.execute(
+        "SELECT count(*) FROM pg_prepared_statements WHERE statement LIKE '%INSERT INTO delaywheel.cancellations%'"
+        " AND statement LIKE '%WITH found AS MATERIALIZED%'"
+    ).fetchone()
+    assert lookups == (2,)  # one by key, one by id
 
 
 def test_an_error_read_back_while_a_pipeline_is_still_sending_is_raised_without_a_warning(

@@ -17,6 +17,7 @@ from typing import Literal
 
 import psycopg
 from psycopg import errors, sql
+from psycopg.types.numeric import Int4, Int8
 
 from delaywheel.db import LOOKUP_PLAN, commits_each_statement, in_own_transaction, pipeline
 from delaywheel.locks import LEVEL_LOCK, WHEEL_LOCK
@@ -120,8 +121,12 @@ def cancel(
     """
     if (message_id is None) == (key is None):
         raise ValueError("cancel needs exactly one of message_id or key")
-    params: dict[str, object] = key_params(key) if key is not None else {"v": message_id}
-    how = "id" if message_id is not None else "key"
+    if key is not None:
+        how, params = "key", key_params(key)
+    elif message_id is not None and message_id in _BIGINT:
+        how, params = "id", {"v": Int8(message_id)}  # (typed as key_params says why)
+    else:
+        raise ValueError(f"message_id must be a bigint (ids are), got {message_id!r}")
     if not commits_each_statement(conn):  # a cancellation cannot be committed before the wait: lock the lanes instead
         return _cancel_locked(conn, cache, how, params, reason)
     try:
@@ -131,10 +136,15 @@ def cancel(
 
 
 def key_params(key: str) -> dict[str, object]:
-    """The parameters of the lookup by key (_LOOKUP): the key, its filter hashes, its summary slots."""
+    """The parameters of the lookup by key (_LOOKUP): the key, its filter hashes, its summary slots. Typed as the
+    columns they meet (bigint hashes, int slots) rather than by value: psycopg sends a Python int as int2, int4 or
+    int8 by its size, and prepares a statement once per combination of types, so a 32-bit hash of either half made
+    up to eight prepared lookups per connection, each planned over every partition (an id, likewise, three)."""
     h1, h2 = probe(key)
-    return {"v": key, "h1": h1, "h2": h2, "slots": slots(h2)}
+    return {"v": key, "h1": Int8(h1), "h2": Int8(h2), "slots": [Int4(slot) for slot in slots(h2)]}
 
+
+_BIGINT = range(-(2**63), 2**63)
 
 # Found pending messages: (id, deliver_at, key, lane, level, xid as text), STILL_PENDING's columns.
 Found = tuple[int, datetime, str | None, str, int | None, str]
@@ -390,7 +400,7 @@ def _outcomes(
     seen = set(found)
     results += [CancelResult(mid, "already_delivered") for mid in sorted(delivered - seen)]
     if not results:
-        results.append(CancelResult(params["v"] if how == "id" else None, "not_found"))  # type: ignore[arg-type]
+        results.append(CancelResult(int(params["v"]) if how == "id" else None, "not_found"))  # type: ignore[call-overload]
     return results
 
 
