@@ -45,6 +45,7 @@ DECLARE
     lane text := p_lane;
     due timestamptz;
     near_until timestamptz;
+    window_end timestamptz;
     block timestamptz;
 BEGIN
     clock := coalesce(p_now, clock_timestamp());
@@ -76,15 +77,13 @@ BEGIN
                 ARRAY[message_id], ARRAY[p_key], ARRAY[p_body], ARRAY[p_topic], ARRAY[p_tags], ARRAY[p_properties],
                 ARRAY[p_is_json], NULL);  -- a segment of fewer than keyblooms.MIN_MESSAGES has no filter
     ELSIF lane = 'wheel' THEN
+        window_end := date_trunc('day', (clock + interval '1 microsecond' * p_near_window_us) AT TIME ZONE 'UTC')
+                      AT TIME ZONE 'UTC';
         -- the roll's bound, unlocked: a near row is in the right place whatever a roll does (arrow_copy._write_wheel)
-        SELECT r.near_until INTO near_until FROM delaywheel.wheel_roll r;
-        near_until := greatest(near_until, date_trunc('day', (clock + interval '1 microsecond' * p_near_window_us)
-                                                      AT TIME ZONE 'UTC') AT TIME ZONE 'UTC');
+        SELECT greatest(r.near_until, window_end) INTO near_until FROM delaywheel.wheel_roll r;
         IF due >= near_until THEN
             -- a far timer: FOR KEY SHARE waits for a roll in progress, reads its bound and keeps the next roll out
-            SELECT r.near_until INTO near_until FROM delaywheel.wheel_roll r FOR KEY SHARE;
-            near_until := greatest(near_until, date_trunc('day', (clock + interval '1 microsecond' * p_near_window_us)
-                                                          AT TIME ZONE 'UTC') AT TIME ZONE 'UTC');
+            SELECT greatest(r.near_until, window_end) INTO near_until FROM delaywheel.wheel_roll r FOR KEY SHARE;
         END IF;
         IF due < near_until THEN
             PERFORM delaywheel.partition_ready('wheel', due);
