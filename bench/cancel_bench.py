@@ -7,9 +7,9 @@
    lanes' locks, the lookup planned per call), interleaved key by key; the library's cancel again, interleaved with
    its two-step way (find; mark and settle), whose steps are timed apart, and a durable single-row INSERT after each
    of those, the baseline (beside busy loops every durable commit waits for a scheduler tick); with `--pause-ms`, a
-   pause after every call, as cancels come one at a time (an idle CPU wakes for each); EXPLAIN (ANALYZE, SUMMARY) of the lookup,
-   planned per call and as a generic prepared plan; with `--parts`, where the lookup's time goes, an alternative
-   measured (a day-partitioned key table for the near wheel), the far-key summaries read from their index
+   pause after every call, as cancels come one at a time (an idle CPU wakes for each); EXPLAIN (ANALYZE, SUMMARY) of
+   the lookup, planned per call and as a generic prepared plan; with `--parts`, where the lookup's time goes, an
+   alternative measured (a day-partitioned key table for the near wheel), the far-key summaries read from their index
    (migrations/024) against the heap pages they were read from before, interleaved, what taking the lookup's relation
    locks costs, and what a durable commit costs here.
 2. Delivery lateness on the real clock: timers at `--rate` msg/s (delays 1-10 s) delivered by the library's loop

@@ -101,6 +101,9 @@ _DELIVERED = {
 }
 
 
+_BIGINT = range(-(2**63), 2**63)  # what a message id can be (a bigint column)
+
+
 def cancel(
     conn: psycopg.Connection,
     cache: PartitionCache,
@@ -143,8 +146,6 @@ def key_params(key: str) -> dict[str, object]:
     h1, h2 = probe(key)
     return {"v": key, "h1": Int8(h1), "h2": Int8(h2), "slots": [Int4(slot) for slot in slots(h2)]}
 
-
-_BIGINT = range(-(2**63), 2**63)
 
 # Found pending messages: (id, deliver_at, key, lane, level, xid as text), STILL_PENDING's columns.
 Found = tuple[int, datetime, str | None, str, int | None, str]
