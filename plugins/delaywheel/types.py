@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+MAX_ID = 2**63 - 1  # the largest message id: ids are bigint
+
 
 @dataclass(frozen=True)
 class TopicSpan:

@@ -24,7 +24,7 @@ from delaywheel.locks import GROUP_LOCK, GROUP_TOPIC_KEY
 from delaywheel.partitions import PartitionCache
 from delaywheel.produce.producer import send_for_store
 from delaywheel.produce.validation import DLQ_PREFIX, RETRY_PREFIX, Message
-from delaywheel.types import TopicSpan
+from delaywheel.types import MAX_ID, TopicSpan
 
 _log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ class Delivered:
         origin = self.properties.get("ORIGIN_MESSAGE_ID") if isinstance(self.properties, dict) else None
         if isinstance(origin, str) and origin.isascii() and origin.isdigit() and len(origin) <= 19:
             value = int(origin)
-            if value <= 2**63 - 1:
+            if value <= MAX_ID:
                 return value
         return self.message_id
 

@@ -31,9 +31,8 @@ from delaywheel.deliver.setaside import POISON, record
 from delaywheel.locks import WHEEL_LOCK
 from delaywheel.partitions import DAY, HOUR, PartitionCache, floor_to
 from delaywheel.pending import not_cancelled, segment_messages, wheel_head
-from delaywheel.types import PassResult
+from delaywheel.types import MAX_ID, PassResult
 
-MAX_ID = 2**63 - 1
 # The cursor as the last pass left it (migrations/021: the first entry of the primary key read backwards).
 CURSOR = (
     "SELECT pass, cursor_at, cursor_id, horizon_xid::text, delivered FROM delaywheel.wheel_cursor"

@@ -4,8 +4,9 @@
 -- be inlined and were not: partition_width (32 us: its `SET search_path` clause keeps it out of line) and due_hint
 -- (46 us: a FROM clause, and declared IMMUTABLE over extract(), which is STABLE). A SQL function that is not inlined is
 -- planned again in each transaction that calls it (plpgsql keeps a simple expression's state per transaction), which
--- is why a loop of calls in one transaction had shown partition_ready at 4 us. Both are now single expressions of the
--- volatility of what they call, and are inlined: send_one_savepoint took 119 us.
+-- is why a loop of calls in one transaction had shown partition_ready at 4 us. partition_width loses its SET clause,
+-- and due_hint is one expression of the volatility of what it calls: both are inlined, and send_one_savepoint took
+-- 119 us.
 --
 -- partition_width runs inside ensure_partition, lock_partition and drop_partition (SECURITY DEFINER, each with its own
 -- `SET search_path = pg_catalog, pg_temp`, under which an inlined body is parsed) and with the caller's rights
@@ -15,16 +16,7 @@
 -- bench/results/2026-11-27-consumer-after-horizon-and-near-lock.json: a near timer's send no longer writes a row lock
 -- (a WAL record) and no longer waits for a roll in progress. The rest of send_one is sql/022's.
 
-CREATE OR REPLACE FUNCTION delaywheel.partition_width(parent_name text) RETURNS interval
-LANGUAGE sql IMMUTABLE AS $$
-    SELECT CASE parent_name
-        WHEN 'level_segments' THEN interval '1 hour'
-        WHEN 'wheel' THEN interval '4 hours'
-        WHEN 'wheel_far_segments' THEN interval '24 hours'
-        WHEN 'topic_messages' THEN interval '24 hours'
-        WHEN 'cancellations' THEN interval '24 hours'
-    END
-$$;
+ALTER FUNCTION delaywheel.partition_width(text) RESET search_path;  -- its body is sql/025's
 
 -- sql/019's due_hint in one expression: Python's str() of the due time's epoch seconds (shortest form, at least one
 -- decimal), as producer._announce writes it. trim_scale drops extract's trailing zeros; an integral value gets '.0'.

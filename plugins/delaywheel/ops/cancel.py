@@ -25,6 +25,7 @@ from delaywheel.ops.predicate import CANCEL_COLUMNS, UnsafeSQL, catalog_table, c
 from delaywheel.partitions import PartitionCache
 from delaywheel.pending import PENDING, SEGMENT_PENDING, STILL_PENDING, not_cancelled, pending
 from delaywheel.produce.keyblooms import probe, slots
+from delaywheel.types import MAX_ID
 
 MATCH_TIMEOUT = timedelta(minutes=5)  # the default of Settings.match_timeout
 
@@ -101,7 +102,7 @@ _DELIVERED = {
 }
 
 
-_BIGINT = range(-(2**63), 2**63)  # what a message id can be (a bigint column)
+_BIGINT = range(-MAX_ID - 1, MAX_ID + 1)  # what a message id can be
 
 
 def cancel(
