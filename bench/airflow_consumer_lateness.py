@@ -7,7 +7,9 @@ lease (a run every `--interval` s, each task consuming until `--interval + --ove
 time), so that several hand-overs fall inside the load. Its handler (`apply_function_batch`) appends, per message,
 (message_id, received, due, delivered_at) to a file per task process, `received` being `time.time()` when the
 batch reached the handler (the database's clock on this machine). A producer sends a steady `--rate` (1,000)
-messages/s with delays uniform in 1-10 s (timing-wheel timers; bench.consumer_lateness's producer).
+messages/s with delays uniform in 1-10 s (timing-wheel timers; bench.consumer_lateness's producer). The DAG file also
+records each full garbage collection of the consumer task processes from their first batch on (one would hold
+messages up).
 
 Reported, against the issue's targets (p50 <= 50 ms, p99 <= 250 ms, max <= 1 s; 0 early, duplicates, missing):
 received - due per message, beside the baseline of the same run, the delivery-only lateness of the same messages
@@ -51,6 +53,7 @@ DAG_TEXT = '''"""Bench copy of delaywheel_consumer_lease_template (bench/airflow
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 from datetime import datetime, timedelta
@@ -62,14 +65,28 @@ from delaywheel.airflow.operators import ConsumeOperator
 
 RECORDS = {records!r}
 _out: IO[str] | None = None
+_full_since = 0.0
+
+
+def _full_collections(phase: str, info: dict[str, int]) -> None:
+    """The duration of each full (generation 2) collection in this task process once it handles, to its own file."""
+    global _full_since
+    if info["generation"] != 2:
+        return
+    if phase == "start":
+        _full_since = time.perf_counter()
+        return
+    with open(os.path.join(RECORDS, f"gc-{{os.getpid()}}.tsv"), "a") as out:
+        out.write(f"{{time.time():.6f}}\\t{{(time.perf_counter() - _full_since) * 1000:.3f}}\\n")
 
 
 def record(messages: list[Any]) -> None:
     """(message_id, received, due, delivered_at) per message, to this task process's own file."""
     global _out
     now = time.time()
-    if _out is None:
+    if _out is None:  # the task's first batch: from now on, its full collections are recorded too
         _out = open(os.path.join(RECORDS, f"consumer-{{os.getpid()}}.tsv"), "a")
+        gc.callbacks.append(_full_collections)
     _out.write("".join(f"{{m.message_id}}\\t{{now:.6f}}\\t{{m.deliver_at.timestamp():.6f}}\\t"
                        f"{{m.delivered_at.timestamp():.6f}}\\n" for m in messages))
     _out.flush()
@@ -101,6 +118,16 @@ def dag_folder(records: Path, interval: float, overlap: float) -> Path:
         )
     )
     return folder
+
+
+def full_collections(records: Path) -> list[float]:
+    """The durations (ms) of the full garbage collections the consumer task processes ran once they handled their
+    first batch (the DAG file records them): the ones that can hold a message up."""
+    return [
+        float(line.split("\t")[1])
+        for path in sorted(records.glob("gc-*.tsv"))
+        for line in path.read_text().splitlines()
+    ]
 
 
 def read_records(records: Path) -> list[tuple[int, float, float, float, int]]:
@@ -226,6 +253,7 @@ def run(args: argparse.Namespace) -> tuple[list[Check], list[str]]:
     near_ms = (received[near] - due[near]) * 1000
     h50, h99, hworst = percentiles(near_ms)
     gaps = sorted(g * 1000 for _, g, _ in moments)
+    collected = full_collections(records)
     ok_counts = early == 0 and duplicates == 0 and missing == 0
     checks = [
         Check("consumer lateness p50 (ms) vs delivery-only p50", p50, d50, "<= 50 ms", p50 <= 50),
@@ -251,6 +279,8 @@ def run(args: argparse.Namespace) -> tuple[list[Check], list[str]]:
         + (f"p50 {np.median(gaps):.0f} ms, max {max(gaps):.0f} ms" if gaps else "-")
         + f"; lateness of the {len(near_ms):,} messages the new task handled in its first {AFTER_HANDOVER_S:g} s: "
         f"p50 {h50:.1f} ms, p99 {h99:.1f} ms, max {hworst:.1f} ms",
+        f"full garbage collections in the consumer task processes once they handled: {len(collected)}"
+        + (f" (longest {max(collected):.1f} ms)" if collected else ""),
         f"consumer tasks started in the window: {tasks['tasks']} (queued -> running p50 {tasks['start_p50']:.2f} s, "
         f"max {tasks['start_max']:.2f} s); failed tries {tasks['failed']}",
         "CPU over the load window (share of one core; 2 cores = 200 %): "
