@@ -107,13 +107,44 @@ def metadata_db(server_url: str) -> Iterator[str]:
         conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
 
 
-def idle_worker(scheduler: int) -> int:
-    """One of the scheduler's LocalExecutor workers waiting for work (its title ends in `<idle>`)."""
-    return next(
+def state(pid: int) -> str | None:
+    """The state letter of a process (`T`: stopped), or None once it has gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat[stat.rindex(")") + 2]
+
+
+def idle_workers(scheduler: int) -> list[int]:
+    """The scheduler's LocalExecutor workers waiting for work (their title ends in `<idle>`)."""
+    return [
         pid
         for pid, (_, sid, cmd) in processes().items()
         if sid == scheduler and "LocalExecutor" in cmd and cmd.endswith(": <idle>")
-    )
+    ]
+
+
+def stop_an_idle_worker(scheduler: int) -> int:
+    """SIGSTOP one of the scheduler's idle LocalExecutor workers, and make sure it was still idle when it stopped.
+
+    A worker titled `<idle>` when listed may take a task before the signal lands: it retitles itself with the task and
+    then starts it, and a task whose worker (its supervisor) is stopped hangs, which is another failure than the one
+    this test makes (CI once failed that way: no note about idle workers, the script's 60-s task bound reached). A
+    stopped process cannot retitle itself, so its title read after the signal is final: if it is no longer `<idle>`,
+    it is let go on (SIGCONT) and another one is taken. (One that took a task but has not retitled yet never starts
+    it, and is an idle worker for the script as for this test.)"""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        for pid in idle_workers(scheduler):
+            os.kill(pid, signal.SIGSTOP)
+            while state(pid) not in {"T", None}:  # the signal is taken when the process next runs
+                time.sleep(0.01)
+            if pid in idle_workers(scheduler):
+                return pid
+            os.kill(pid, signal.SIGCONT)
+        time.sleep(0.2)
+    raise AssertionError(f"no LocalExecutor worker of the scheduler ({scheduler}) stayed idle: {processes()}")
 
 
 @pytest.mark.parametrize("stuck_worker", [False, True], ids=["workers-exit", "a-worker-never-exits"])
@@ -206,8 +237,7 @@ def test_ctrl_c_stops_every_service_in_order_leaving_nothing_and_tasks_succeed(
         stopped = None
         if stuck_worker:
             scheduler = next(pid for pid, cmd in services.items() if "scheduler" in cmd)
-            stopped = idle_worker(scheduler)
-            os.kill(stopped, signal.SIGSTOP)
+            stopped = stop_an_idle_worker(scheduler)
 
         # Ctrl-C: SIGINT to the terminal's foreground group, the script's. The services are not in it.
         os.killpg(script.pid, signal.SIGINT)
