@@ -11,7 +11,12 @@ Also: how soon a topic's Asset watcher (`TopicMessagesTrigger`: LISTEN for the t
 every second, behind a claimed mark) announces a message that reached the topic (sent at level 0, so it is in the topic at commit): the database
 clock when the event is in hand, minus the message's `delivered_at`.
 
-Run: `python -m bench.trigger_wake [--samples 20] [--poll 1.0]`.
+And what one look costs a trigger on a full near wheel (`--look-timers` timers across every near-wheel partition,
+`--looks` looks): `next_due_async` on the trigger's long-lived connection, whose head read is prepared there once,
+against the look as it was before 2026-11-28 (the same two queries, the head planned per call), interleaved look by
+look on one connection each.
+
+Run: `python -m bench.trigger_wake [--samples 20] [--poll 1.0] [--look-timers 200000] [--looks 2000]`.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import asyncio
 import os
 import random
 import statistics
+import time
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -28,7 +34,8 @@ from pathlib import Path
 from delaywheel import Store
 from delaywheel.dev.local_airflow import as_url
 
-from .common import fresh_database, log
+from .cancel_bench import fill
+from .common import fresh_database, log, pct
 
 ROOT = Path(__file__).resolve().parents[2]
 DB = "delaywheel_bench_trigger"
@@ -91,6 +98,25 @@ async def _announced(store: Store, rng: random.Random) -> float:
     return (noticed - row[0]).total_seconds()
 
 
+async def _looks(count: int) -> dict[str, list[float]]:
+    """Milliseconds per look at the wheel's head, the trigger's way and the way before, interleaved."""
+    from delaywheel.airflow.hooks import CLOCK, DelayWheelHook, next_due_async
+    from delaywheel.pending import WHEEL_HEAD
+
+    hook = DelayWheelHook()
+    times: dict[str, list[float]] = {"prepared": [], "planned per call": []}
+    async with await hook.aconnect() as trigger, await hook.aconnect() as before:
+        for _ in range(count):
+            start = time.perf_counter()
+            await next_due_async(trigger, None, 0.0)
+            times["prepared"].append(1000 * (time.perf_counter() - start))
+            start = time.perf_counter()
+            await (await before.execute(WHEEL_HEAD, prepare=False)).fetchone()
+            await (await before.execute(CLOCK, {"offset": 0.0})).fetchone()
+            times["planned per call"].append(1000 * (time.perf_counter() - start))
+    return times
+
+
 def _summary(values: list[float]) -> str:
     ms = sorted(1000 * v for v in values)
     p99 = statistics.quantiles(ms, n=100, method="inclusive")[98] if len(ms) > 1 else ms[0]
@@ -101,6 +127,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--samples", type=int, default=20)
     parser.add_argument("--poll", type=float, default=1.0, help="the short poll's interval (s)")
+    parser.add_argument("--look-timers", type=int, default=200_000, help="timers in the near wheel for the looks")
+    parser.add_argument("--looks", type=int, default=2000, help="looks timed each way (0: none)")
     args = parser.parse_args()
     started = datetime.now(UTC)
     url = fresh_database(DB)
@@ -114,9 +142,17 @@ def main() -> None:
             results["trigger"].append(asyncio.run(_sample(store, lambda: _trigger(5.0), rng)))
             results["poll"].append(asyncio.run(_sample(store, lambda: _short_poll(args.poll), rng)))
             results["watcher"].append(asyncio.run(_announced(store, rng)))
+        if args.looks:
+            log(f"{args.look_timers:,} timers across the near wheel, then {args.looks:,} looks each way")
+            fill(store, args.look_timers, 10_000, near_only=True)
+            partitions = store.conn.execute(
+                "SELECT count(*) FROM pg_inherits WHERE inhparent = 'delaywheel.wheel'::regclass"
+            ).fetchone()[0]  # type: ignore[index]
+            looked = asyncio.run(_looks(args.looks))
     early = sum(v < 0 for v in results["trigger"] + results["poll"])
     print(
-        f"\nCommand: `python -m bench.trigger_wake --samples {args.samples} --poll {args.poll:g}` — started "
+        f"\nCommand: `python -m bench.trigger_wake --samples {args.samples} --poll {args.poll:g}"
+        f" --look-timers {args.look_timers} --looks {args.looks}` — started "
         f"{started:%Y-%m-%d %H:%M} UTC\n"
     )
     print("| waiter | noticed after due | queries per idle minute |")
@@ -133,6 +169,15 @@ def main() -> None:
         f"\nTopic watcher (TopicMessagesTrigger, LISTEN + a look every 1 s): a message in the topic was announced "
         f"{_summary(results['watcher'])} after it landed ({args.samples} samples)."
     )
+    if args.looks:
+        now, then = looked["prepared"], looked["planned per call"]
+        ratio = statistics.median(now) / statistics.median(then)
+        print(
+            f"\nA look at the wheel's head (the head and the clock), {args.look_timers:,} timers in {partitions}"
+            f" near-wheel partitions, {args.looks:,} looks each way, interleaved: on the trigger's connection (prepared)"
+            f" p50 {statistics.median(now):.3f} ms, p99 {pct(now, 0.99):.3f} ms; planned per call (before) p50"
+            f" {statistics.median(then):.3f} ms, p99 {pct(then, 0.99):.3f} ms; p50 {ratio:.2f} x."
+        )
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import Iterator
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 import psycopg
 import pytest
@@ -94,6 +94,28 @@ def test_wheel_trigger_wakes_on_a_sooner_message(store_connection: str, store: S
         "checked_at": event.payload["checked_at"],
     }
     assert event.payload["checked_at"] >= event.payload["due_at"]
+
+
+def test_a_triggers_looks_are_planned_once_on_its_connection(store_connection: str, store: Store) -> None:
+    """A trigger keeps its connection through its wait and looks at the head at every wake: the read is prepared on
+    that connection once per lane, not planned again at each look over every near-wheel partition."""
+    from delaywheel.airflow.hooks import DelayWheelHook, next_due_async
+
+    wheel = store.clock() + timedelta(hours=1)
+    store.send("orders", "later", deliver_at=wheel)
+    level = store.conn.execute(
+        "SELECT deliver_at FROM delaywheel.level_queue WHERE id = %s", (store.send("orders", "l", delay_level=18),)
+    ).fetchone()[0]
+
+    async def looks() -> tuple[list[datetime | None], int]:
+        async with await DelayWheelHook().aconnect() as conn:
+            heads = [(await next_due_async(conn, lane, 0.0))[0] for lane in (None, 18, None, 18)]
+            (prepared,) = await (await conn.execute("SELECT count(*) FROM pg_prepared_statements")).fetchone()
+        return heads, prepared
+
+    heads, prepared = asyncio.run(looks())
+    assert heads == [wheel, level] * 2
+    assert prepared == 2  # the wheel's head and the level's (psycopg would prepare them itself only at a sixth run)
 
 
 def test_a_bad_notify_payload_is_ignored_by_the_trigger(

@@ -117,9 +117,12 @@ def topic_conn_ids(topic: str, settings: Settings | None = None) -> tuple[str, .
 async def next_due_async(
     conn: psycopg.AsyncConnection, level: int | None, now_offset_s: float
 ) -> tuple[datetime | None, datetime]:
-    """`DelayWheelHook.next_due` on an open AsyncConnection."""
+    """`DelayWheelHook.next_due` on an open AsyncConnection, which a trigger keeps through its wait and looks on at
+    every wake: the head's read is prepared there, planned once per connection. Planned per call, the wheel's head
+    is planned over every near-wheel partition ahead of the cursor, most of a look (`bench.trigger_wake`). A sensor's
+    poke (`next_due`) connects afresh each time and has nothing to reuse a plan on."""
     sql, params = head_query(level)
-    head = await (await conn.execute(sql, params)).fetchone()
+    head = await (await conn.execute(sql, params, prepare=True)).fetchone()
     clock = await (await conn.execute(CLOCK, {"offset": now_offset_s})).fetchone()
     assert clock is not None
     return (head[0] if head else None), clock[0]
