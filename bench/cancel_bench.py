@@ -15,10 +15,11 @@
 2. Delivery lateness on the real clock: timers at `--rate` msg/s (delays 1-10 s) delivered by the library's loop
    (runner.run, wheel lane), `--seconds` long, without cancels and then with `--cancels` cancels/s by key of timers
    due within the next second or just due (racing the passes), from several processes with a connection each (threads
-   of one interpreter reached only 141-332 cancels/s). Reported: lateness p50/p99/max of the delivered timers, passes
-   and busy passes, cancel latency, exactly-once checks (no message delivered twice; none both delivered and answered
-   cancelled; every already_delivered answer true), and where the CPU went: the machine's busy share and runnable
-   tasks, and the cores used by the deliverer and producer, the cancel processes and each one's backend.
+   of one interpreter reached only 141-332 cancels/s). Reported: lateness p50/p99/max of the delivered timers,
+   passes, busy passes and passes that waited for their lane (a cancel's momentary hold), cancel latency,
+   exactly-once checks (no message delivered twice; none both delivered and answered cancelled; every
+   already_delivered answer true), and where the CPU went: the machine's busy share and runnable tasks, and the cores
+   used by the deliverer and producer, the cancel processes and each one's backend.
 """
 
 from __future__ import annotations
@@ -645,6 +646,7 @@ def race(
         "max": max(late, default=float("nan")),
         "passes": totals[0].passes,
         "busy": totals[0].busy_passes,
+        "waited": totals[0].waited_passes,
         "cancels": len(cancel_ms),
         "machine_busy": statistics.mean(load.busy) if load.busy else float("nan"),
         "runnable": statistics.mean(load.runnable) if load.runnable else float("nan"),
@@ -763,7 +765,7 @@ def main() -> None:
                     f"{r['cancels']} calls, p50 {r['cancel_p50']:.2f} ms, p99 {r['cancel_p99']:.2f} ms): "
                     f"sent {r['sent']}, delivered {r['delivered']}, cancelled {r['cancelled']}, "
                     f"already_delivered answers {r['already_delivered']}; lateness p50 {r['p50']:.1f} ms, "
-                    f"p99 {r['p99']:.1f} ms, max {r['max']:.1f} ms; passes {r['passes']}, busy {r['busy']}; "
+                    f"p99 {r['p99']:.1f} ms, max {r['max']:.1f} ms; passes {r['passes']}, busy {r['busy']}, waited for the lane {r['waited']}; "
                     f"duplicates {r['duplicates']}, missing {r['missing']}, early {r['early']}, "
                     f"delivered and answered cancelled {r['both']}, already_delivered not delivered "
                     f"{r['false_delivered']}; machine busy {100 * r['machine_busy']:.0f} % of 2 cores, "  # type: ignore[operator]

@@ -274,7 +274,9 @@ def test_deliver_says_when_it_is_ready_and_counts_busy_passes(db_url: str) -> No
     assert loop.returncode == 0, err
     result = json.loads(out)
     assert result["busy_passes"] > 0 and result["busy_passes"] <= result["passes"]
+    assert result["waited_passes"] == 0  # each busy pass waited, but never got the lane: it was held throughout
     assert f"{result['busy_passes']} busy" in err.strip().splitlines()[-1]
+    assert f"{result['waited_passes']} waited for it" in err.strip().splitlines()[-1]
 
 
 def test_shop_parts_say_ready_and_stop_on_sigterm(db_url: str) -> None:

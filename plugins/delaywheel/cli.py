@@ -210,7 +210,8 @@ def cmd_send(args: argparse.Namespace) -> int:
 def _progress(totals: runner.RunTotals) -> None:
     print(
         f"delivered {totals.delivered} (cancelled skipped {totals.skipped_cancelled}) in {totals.passes} passes"
-        f" ({totals.busy_passes} busy: another deliverer or a cancel held the lane) {totals.per_lane}",
+        f" ({totals.busy_passes} busy: another deliverer or a cancel held the lane; {totals.waited_passes} waited for"
+        f" it) {totals.per_lane}",
         file=sys.stderr,
         flush=True,
     )
@@ -282,6 +283,7 @@ def _deliver(args: argparse.Namespace, stop: threading.Event) -> int:
             "skipped_cancelled": totals.skipped_cancelled,
             "passes": totals.passes,
             "busy_passes": totals.busy_passes,
+            "waited_passes": totals.waited_passes,
             "per_lane": totals.per_lane,
             "reconnects": totals.reconnects,
         }

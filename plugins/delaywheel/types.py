@@ -67,6 +67,9 @@ class PassResult:
     busy: bool = False  # another deliverer holds this level
     more: bool = False  # the batch limit stopped the pass while due messages remained
     topics: dict[str, TopicSpan] = field(default_factory=dict)  # what this pass wrote, per topic
+    # the lane's lock was held when the pass began (a cancel's momentary shared hold, or another deliverer's pass) and
+    # the pass waited for it (levels.take_lane): a count of these says how often cancels touch deliveries at all
+    waited: bool = False
 
     def combine(self, other: PassResult) -> PassResult:
         """Two lanes' passes as one lane's (the last level also serves levels removed from the table)."""
@@ -80,4 +83,5 @@ class PassResult:
             self.busy or other.busy,
             self.more or other.more,
             spans,
+            self.waited or other.waited,
         )

@@ -186,20 +186,34 @@ def test_two_cancels_of_one_message(store: Store, other: Store, t0: datetime) ->
     assert deliver(store, "wheel", t0 + NOW).delivered == 0
 
 
+# A session waiting for the wheel's lane lock (an advisory lock on two int4 keys: objsubid 2).
+_WAITING_FOR_WHEEL = """
+SELECT EXISTS (SELECT FROM pg_locks WHERE locktype = 'advisory' AND NOT granted AND objsubid = 2
+               AND classid = %s::int::oid AND objid = %s::int::oid)
+"""
+
+
 def test_a_pass_waits_out_a_cancels_shared_hold(db_url: str, store: Store, t0: datetime) -> None:
-    """A lane held shared (a cancel in await_passes) makes a pass wait, not report busy; held longer than
-    levels.LANE_WAIT (another deliverer), the pass reports busy as before."""
+    """A lane held shared (a cancel in await_passes) makes a pass wait, not report busy, and the pass says it
+    waited; held longer than levels.LANE_WAIT (another deliverer), the pass reports busy as before. A pass that finds
+    its lane free did not wait."""
     mid = timer(store, t0, "k", "wheel")
+    assert store.advance_wheel(now=t0).delivered == 0  # the first pass rolls (near_until): later ones need no roll,
+    # whose own wait for the lane would come before the pass's
     with psycopg.connect(db_url) as holder:
         holder.execute("SELECT pg_advisory_xact_lock_shared(%s, %s)", WHEEL_LOCK)
         passing = Background(lambda: store.advance_wheel(now=t0 + NOW))
-        time.sleep(0.005)
+        with psycopg.connect(db_url, autocommit=True) as watcher:  # released once the pass waits for it, not before
+            while not watcher.execute(_WAITING_FOR_WHEEL, WHEEL_LOCK).fetchone()[0]:  # type: ignore[index]
+                time.sleep(0.002)
         holder.rollback()
         result = passing.result()
-        assert (result.busy, result.delivered) == (False, 1)
+        assert (result.busy, result.waited, result.delivered) == (False, True, 1)
         holder.execute("SELECT pg_advisory_xact_lock_shared(%s, %s)", WHEEL_LOCK)
-        assert store.advance_wheel(now=t0 + NOW).busy
+        late = store.advance_wheel(now=t0 + NOW)
+        assert (late.busy, late.waited) == (True, False)
         holder.rollback()
+    assert not store.advance_wheel(now=t0 + NOW).waited
     assert delivered_ids(store) == [mid]
 
 

@@ -196,7 +196,11 @@ class _LeaseOperator(BaseOperator):
                 until_idle=_truthy(self.until_idle),
                 handover_grace_s=float(self.handover_grace_seconds),
                 progress=lambda t: self.log.info(
-                    "delivered %d in %d passes (%d busy)", t.delivered, t.passes, t.busy_passes
+                    "delivered %d in %d passes (%d busy, %d waited for the lane)",
+                    t.delivered,
+                    t.passes,
+                    t.busy_passes,
+                    t.waited_passes,
                 ),
             )
         name = lane_name(lane)
@@ -211,6 +215,7 @@ class _LeaseOperator(BaseOperator):
             "skipped_cancelled": totals.skipped_cancelled,
             "passes": totals.passes,
             "busy_passes": totals.busy_passes,
+            "waited_passes": totals.waited_passes,  # found the lane's lock held (a cancel's wait) and waited for it
             "reconnects": totals.reconnects,  # connections lost (a PostgreSQL restart) and made again
             "topics": {t: event_extra(t, name, s) for t, s in sorted(totals.per_topic.items())},
         }

@@ -63,12 +63,12 @@ def open_pass(
     now: datetime | None,
     cursor: str,
     cursor_params: tuple[object, ...] = (),
-) -> tuple[str, datetime, tuple[Any, ...]] | None:
+) -> tuple[str, datetime, tuple[Any, ...], bool] | None:
     """A pass's first round trip, the level's and the wheel's: BEGIN when `own`, the lane's lock tried (`try_lock`
     with `lock` and `now`; its first columns the lock, the commit horizon and the clock), then the lane's cursor
     (`cursor`), read after the lock is held. If another holds the lock, wait for it (take_lane) and read the horizon,
-    the clock and the cursor again. Returns (horizon, clock, cursor row), or None if the lane stays busy (the
-    transaction rolled back when `own`)."""
+    the clock and the cursor again. Returns (horizon, clock, cursor row, whether it waited), or None if the lane stays
+    busy (the transaction rolled back when `own`)."""
     with conn.pipeline():
         if own:
             conn.execute("BEGIN")
@@ -86,7 +86,7 @@ def open_pass(
         reading = conn.execute(cursor, cursor_params)
     state = reading.fetchone()
     assert state is not None
-    return xmin, clock, state
+    return xmin, clock, state, not locked
 
 
 # Per topic, what the `moved` CTE (RETURNING topic, queue_offset, xid) wrote: {topic: [count, xid, first, last]}.
@@ -301,7 +301,7 @@ def _pass(
     opened = open_pass(conn, own, _TRY_LOCK, (LEVEL_LOCK, level), now, _CURSOR, (level,))
     if opened is None:
         return PassResult(0, 0, None, busy=True)
-    xmin, clock, cursor = opened
+    xmin, clock, cursor, waited = opened
     cache.ensure(conn, "topic_messages", [clock])
     params = {
         "now": clock,
@@ -325,4 +325,5 @@ def _pass(
         head[0] if head else None,
         more=scanned == limit and due == scanned,
         topics=topic_spans(summary),
+        waited=waited,
     )

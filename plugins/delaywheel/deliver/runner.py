@@ -49,6 +49,7 @@ class RunTotals:
     skipped_cancelled: int = 0
     passes: int = 0
     busy_passes: int = 0
+    waited_passes: int = 0  # passes that found their lane's lock held and waited for it (PassResult.waited)
     reconnects: int = 0  # connections lost (a server restart) and made again
     per_lane: dict[str, int] = field(default_factory=dict)
     per_topic: dict[str, TopicSpan] = field(default_factory=dict)  # what this run wrote, per topic
@@ -129,6 +130,7 @@ def run(
                             )
                             add_spans(totals.per_topic, result.topics)
                         totals.busy_passes += result.busy
+                        totals.waited_passes += result.waited
                         if not result.more or stop.is_set():
                             break
                     if result.busy:  # another deliverer or a canceller holds the lane: look again soon

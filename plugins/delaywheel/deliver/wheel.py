@@ -445,7 +445,7 @@ def _pass(
     opened = open_pass(conn, own, _TRY_LOCK, WHEEL_LOCK, now, CURSOR)
     if opened is None:
         return PassResult(0, 0, None, busy=True)
-    xmin, clock, (entry, cursor_at, cursor_id, horizon, total) = opened
+    xmin, clock, (entry, cursor_at, cursor_id, horizon, total), waited = opened
     # The horizon only moves forward. Every xid below the stored horizon had ended when it was taken, so
     # the larger of the two is still a valid horizon; taking a smaller one (the commit horizon can dip, see
     # db.COMMIT_HORIZON) would make rows already delivered by the due step look like stragglers again.
@@ -453,7 +453,7 @@ def _pass(
     if clock < cursor_at:  # an injected clock went backwards: deliver nothing rather than early
         if own:
             conn.execute("ROLLBACK")
-        return PassResult(0, 0, cursor_at)
+        return PassResult(0, 0, cursor_at, waited=waited)
     cache.ensure(conn, "topic_messages", [clock])
     params = {
         "injected": now,
@@ -495,4 +495,4 @@ def _pass(
     topics = topic_spans(straggled)  # stragglers were written first, in the same transaction
     for topic, span in topic_spans(summary).items():
         topics[topic] = topics[topic].merge(span) if topic in topics else span
-    return PassResult(delivered, due_count - moved, head[0] if head else None, more=full, topics=topics)
+    return PassResult(delivered, due_count - moved, head[0] if head else None, more=full, topics=topics, waited=waited)
