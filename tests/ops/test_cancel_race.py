@@ -193,13 +193,17 @@ SELECT EXISTS (SELECT FROM pg_locks WHERE locktype = 'advisory' AND NOT granted 
 """
 
 
-def test_a_pass_waits_out_a_cancels_shared_hold(db_url: str, store: Store, t0: datetime) -> None:
+def test_a_pass_waits_out_a_cancels_shared_hold(
+    db_url: str, store: Store, t0: datetime, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A lane held shared (a cancel in await_passes) makes a pass wait, not report busy, and the pass says it
     waited; held longer than levels.LANE_WAIT (another deliverer), the pass reports busy as before. A pass that finds
     its lane free did not wait."""
     mid = timer(store, t0, "k", "wheel")
-    assert store.advance_wheel(now=t0).delivered == 0  # the first pass rolls (near_until): later ones need no roll,
-    # whose own wait for the lane would come before the pass's
+    # The first pass rolls the far blocks' window (near_until), and the roll waits for the lane on its own before the
+    # pass tries it: roll now, so the pass below is what meets the held lane.
+    assert store.advance_wheel(now=t0).delivered == 0
+    monkeypatch.setattr(levels, "LANE_WAIT", "5s")  # the hold is released once the pass waits, however slow the machine
     with psycopg.connect(db_url) as holder:
         holder.execute("SELECT pg_advisory_xact_lock_shared(%s, %s)", WHEEL_LOCK)
         passing = Background(lambda: store.advance_wheel(now=t0 + NOW))
@@ -209,6 +213,7 @@ def test_a_pass_waits_out_a_cancels_shared_hold(db_url: str, store: Store, t0: d
         holder.rollback()
         result = passing.result()
         assert (result.busy, result.waited, result.delivered) == (False, True, 1)
+        monkeypatch.setattr(levels, "LANE_WAIT", "100ms")
         holder.execute("SELECT pg_advisory_xact_lock_shared(%s, %s)", WHEEL_LOCK)
         late = store.advance_wheel(now=t0 + NOW)
         assert (late.busy, late.waited) == (True, False)
