@@ -58,7 +58,7 @@ from delaywheel.ops import cancel as cancel_module
 from delaywheel.ops.cancel import FIND_PLAN, find, key_params, mark_and_settle
 from delaywheel.pending import WHEEL_PENDING
 
-from .common import body, chunks, drop_database, fresh_database, log, pct
+from .common import body, chunks, drop_database, fresh_database, log, pct, wheel_partitions
 
 DB = "delaywheel_bench_cancel"
 _OLD: types.ModuleType
@@ -230,7 +230,7 @@ def explain(store: Store, other: psycopg.Connection, verbose: bool = False) -> l
                     conn.execute(plan_settings, (mode,))
                     text = conn.execute(sql.SQL("EXPLAIN (ANALYZE, COSTS OFF) {}").format(execute)).fetchall()
                 log("\n".join(r[0] for r in text))
-        partitions = conn.execute("SELECT count(*) FROM delaywheel.partitions WHERE parent = 'wheel'").fetchone()[0]  # type: ignore[index]
+        partitions = wheel_partitions(conn)
         far = conn.execute("SELECT count(*) FROM delaywheel.wheel_far_segments").fetchone()[0]  # type: ignore[index]
         lines.append(f"- near wheel: {partitions} partitions; far blocks: {far:,} segments")
     return lines

@@ -85,6 +85,12 @@ def fresh_database(name: str = BENCH_DB) -> str:
     return url
 
 
+def wheel_partitions(conn: psycopg.Connection) -> int:
+    """How many partitions the near wheel has now (a cancel by key opens each of them)."""
+    row = conn.execute("SELECT count(*) FROM delaywheel.partitions WHERE parent = 'wheel'").fetchone()
+    return int(row[0]) if row else 0
+
+
 def drop_database(name: str) -> None:
     with psycopg.connect(server_url(), autocommit=True) as conn:
         conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")  # type: ignore[arg-type]

@@ -25,7 +25,7 @@ import psycopg
 from psycopg import sql
 
 from bench.cancel_bench import SAMPLES, fill
-from bench.common import body, drop_database, fresh_database, log, pct
+from bench.common import body, drop_database, fresh_database, log, pct, wheel_partitions
 from delaywheel import Message, Settings, Store
 from delaywheel.deliver import wheel
 from delaywheel.partitions import HOUR, floor_to
@@ -53,8 +53,7 @@ def hourly_partitions(url: str) -> None:
 
 def partitions(url: str) -> int:
     with psycopg.connect(url) as conn:
-        row = conn.execute("SELECT count(*) FROM delaywheel.partitions WHERE parent = 'wheel'").fetchone()
-    return int(row[0]) if row else 0
+        return wheel_partitions(conn)
 
 
 def main() -> None:

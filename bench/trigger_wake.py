@@ -35,7 +35,7 @@ from delaywheel import Store
 from delaywheel.dev.local_airflow import as_url
 
 from .cancel_bench import fill
-from .common import fresh_database, log, pct
+from .common import fresh_database, log, pct, wheel_partitions
 
 ROOT = Path(__file__).resolve().parents[2]
 DB = "delaywheel_bench_trigger"
@@ -145,9 +145,7 @@ def main() -> None:
         if args.looks:
             log(f"{args.look_timers:,} timers across the near wheel, then {args.looks:,} looks each way")
             fill(store, args.look_timers, 10_000, near_only=True)
-            partitions = store.conn.execute(
-                "SELECT count(*) FROM pg_inherits WHERE inhparent = 'delaywheel.wheel'::regclass"
-            ).fetchone()[0]  # type: ignore[index]
+            partitions = wheel_partitions(store.conn)
             looked = asyncio.run(_looks(args.looks))
     early = sum(v < 0 for v in results["trigger"] + results["poll"])
     print(

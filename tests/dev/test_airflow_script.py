@@ -55,6 +55,12 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
+def stat_fields(path: Path) -> list[str]:
+    """A /proc/<pid>/stat's fields after "pid (comm) ": state ppid pgrp session ... (comm may hold spaces)."""
+    stat = path.read_text()
+    return stat[stat.rindex(")") + 2 :].split()
+
+
 def processes() -> dict[int, tuple[str, int, str]]:
     """pid -> (working directory, session id, command line) of every process this user can see."""
     found = {}
@@ -63,11 +69,10 @@ def processes() -> dict[int, tuple[str, int, str]]:
             continue
         try:
             cwd = os.readlink(entry / "cwd")
-            stat = (entry / "stat").read_text()
+            fields = stat_fields(entry / "stat")
             cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
         except OSError:  # gone, or not ours to read
             continue
-        fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ": state ppid pgrp session ...
         if fields[0] == "Z":
             continue
         found[int(entry.name)] = (cwd, int(fields[3]), cmdline)
@@ -110,10 +115,9 @@ def metadata_db(server_url: str) -> Iterator[str]:
 def state(pid: int) -> str | None:
     """The state letter of a process (`T`: stopped), or None once it has gone."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat_fields(Path(f"/proc/{pid}/stat"))[0]
     except OSError:
         return None
-    return stat[stat.rindex(")") + 2]
 
 
 def idle_workers(scheduler: int) -> list[int]:
