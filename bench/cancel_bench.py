@@ -13,13 +13,15 @@
    (migrations/024) against the heap pages they were read from before, interleaved, what taking the lookup's relation
    locks costs, and what a durable commit costs here.
 2. Delivery lateness on the real clock: timers at `--rate` msg/s (delays 1-10 s) delivered by the library's loop
-   (runner.run, wheel lane), `--seconds` long, without cancels and then with `--cancels` cancels/s by key of timers
-   due within the next second or just due (racing the passes), from several processes with a connection each (threads
-   of one interpreter reached only 141-332 cancels/s). Reported: lateness p50/p99/max of the delivered timers,
-   passes, busy passes and passes that waited for their lane (a cancel's momentary hold), cancel latency,
-   exactly-once checks (no message delivered twice; none both delivered and answered cancelled; every
+   (runner.run, wheel lane) in a process of its own, `--seconds` long, without cancels and then with `--cancels`
+   cancels/s by key of timers due within the next second or just due (racing the passes), from several processes with
+   a connection each (threads of one interpreter reached only 141-332 cancels/s). Reported: lateness p50/p99/max of
+   the delivered timers, passes, busy passes and passes that waited for their lane (a cancel's momentary hold), cancel
+   latency, exactly-once checks (no message delivered twice; none both delivered and answered cancelled; every
    already_delivered answer true), and where the CPU went: the machine's busy share and runnable tasks, and the cores
-   used by the deliverer and producer, the cancel processes and each one's backend.
+   used by the producer, the deliverer, the cancel processes and each one's backend. Where the slowdown comes from,
+   by further runs: `--nice N`, the cancels at a lower CPU priority; `--unwaited`, cancels that never make a pass
+   wait (a diagnostic: their answers can be wrong); `--pin`, every run with the deliverer on a core of its own.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import argparse
 import atexit
 import collections
 import contextlib
+import ctypes
 import importlib
 import io
 import multiprocessing
@@ -36,6 +39,7 @@ import queue
 import random
 import resource
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -46,6 +50,7 @@ import time
 import types
 from datetime import UTC, datetime, timedelta
 from multiprocessing.queues import Queue
+from multiprocessing.synchronize import Event
 from pathlib import Path
 
 import psycopg
@@ -121,7 +126,6 @@ def _before() -> types.ModuleType:
 
 
 BEFORE = "990e562"
-CURRENT = lane_locks.take_lane
 
 
 def old_cancel(store: Store, key: str) -> list:  # type: ignore[type-arg]
@@ -467,6 +471,25 @@ class MachineLoad:
         self._thread.join()
 
 
+# With `--pin`: the deliverer and its backend on the first core, the producer, the cancel processes and their backends
+# on the second (the machine has two): the deliverer's CPU is its own, as on a server whose clients run elsewhere.
+DELIVERER_CPUS, OTHERS_CPUS = {0}, {1}
+
+
+def die_with_parent() -> None:
+    """End this spawned process when the bench does, however it ends: the deliverer reconnects after losing its
+    connection (runner.run), so one left by a bench killed mid-run went on delivering in the next run's database,
+    which has the same name (prctl PR_SET_PDEATHSIG, Linux)."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+
+
+def pin(backend: int, cpus: set[int] | None) -> None:
+    """Run the calling thread (a process's only one, or the producer's) and its backend on `cpus` (None: anywhere)."""
+    if cpus is not None:
+        os.sched_setaffinity(0, cpus)
+        os.sched_setaffinity(backend, cpus)
+
+
 def cancel_worker(
     url: str,
     seconds: float,
@@ -476,10 +499,21 @@ def cancel_worker(
     inbox: Queue,
     outbox: Queue,
     before: bool,
+    nice: int = 0,
+    cpus: set[int] | None = None,
+    unwaited: bool = False,
 ) -> None:  # type: ignore[type-arg]
     """One cancelling process with its own connection: cancels by key, at `per_worker` a second, timers due within
     `window` seconds of now, each key once, from the keys the producer hands it; reports its answers, latencies
-    and CPU seconds over its run (its own and its backend's)."""
+    and CPU seconds over its run (its own and its backend's). With `nice`, this process and its backend run at that
+    niceness (the backend reniced from here: the bench runs as root or as the cluster's user), so they take the CPU
+    the deliverer leaves: as cancels from application servers would, whose CPU is not the database's. With `cpus`,
+    this process and its backend run on those cores only (pin). `unwaited`, a diagnostic: the cancels skip their
+    wait for the passes in flight (the lane's shared lock), so no pass ever waits for a cancel; their answers can be
+    wrong (a message answered cancelled and delivered), and only the timing means anything."""
+    die_with_parent()
+    if unwaited:
+        cancel_module._AWAIT_MAY_HOLD = dict.fromkeys(cancel_module._AWAIT_MAY_HOLD, "SELECT %(v)s::text IS NULL")
     rng = random.Random(seed)
     recent: collections.deque[tuple[str, float]] = collections.deque(maxlen=20_000)
     answers: list[tuple[int | None, str]] = []
@@ -487,6 +521,10 @@ def cancel_worker(
     with Store(url) as own:
         cancel = _before().cancel if before else cancel_module.cancel
         backend = own.conn.info.backend_pid
+        pin(backend, cpus)
+        if nice:
+            os.nice(nice)
+            os.setpriority(os.PRIO_PROCESS, backend, nice)
         cpu_start, backend_start = time.process_time(), cpu_seconds(backend)
         done, started = 0, time.monotonic()
         while time.monotonic() - started < seconds:
@@ -508,6 +546,34 @@ def cancel_worker(
         outbox.put((answers, cancel_ms, time.process_time() - cpu_start, cpu_seconds(backend) - backend_start))
 
 
+def deliver_worker(
+    url: str,
+    seconds: float,
+    before: bool,
+    topic_summaries: float,
+    ready: Event,
+    stop: Event,
+    outbox: Queue,  # type: ignore[type-arg]
+    cpus: set[int] | None = None,
+) -> None:
+    """The deliverer in a process of its own, as `delaywheel deliver` runs (runner.run on the wheel): sends its
+    backend's pid, then its passes, busy passes and passes that waited for their lane, or the error that ended it.
+    `before`: the deliverer of 990e562 (try the lock, else busy); `cpus`: see pin."""
+    die_with_parent()
+    try:
+        if before:
+            lane_locks.take_lane = lambda conn, lock: False
+        runner.SUMMARIZE_TOPICS_EVERY_S = topic_summaries
+        with Store(url) as own:
+            pin(own.conn.info.backend_pid, cpus)
+            outbox.put(own.conn.info.backend_pid)
+            totals = runner.run(own, [None], seconds + 12, stop=stop, ready=ready.set)
+        outbox.put((totals.passes, totals.busy_passes, totals.waited_passes))
+    except BaseException as exc:
+        outbox.put(repr(exc))
+        raise
+
+
 def race(
     url: str,
     seconds: float,
@@ -518,38 +584,37 @@ def race(
     label: str = "run",
     before: bool = False,
     summarize_every: float | None = None,
+    nice: int = 0,
+    pinned: bool = False,
+    unwaited: bool = False,
 ) -> dict[str, object]:
-    """One real-clock run; `cancels` = 0 is the baseline. The deliverer (runner.run on the wheel) and the producer
-    are threads of this process; the cancels come from `workers` processes (spawned), each handed its share of the
+    """One real-clock run; `cancels` = 0 is the baseline. The deliverer is a process of its own (deliver_worker: a
+    thread of this process shared the interpreter with the producer and with the queues' feeder threads that hand the
+    cancel processes their keys, which exist only in the runs with cancels); the producer is a thread of this
+    process; the cancels come from `workers` processes (spawned), each handed its share of the
     keys sent, picking timers due within `window` seconds of now. With `summarize_every`, a thread also brings the
     BRIN summaries up to date that often (store.summarize; the deliverer does it every minute, and for the current
     topic partitions every `runner.SUMMARIZE_TOPICS_EVERY_S`, `--topic-summaries`): a cancel's search of the topics
-    by key reads every row delivered since the last summary."""
-    stop = threading.Event()
+    by key reads every row delivered since the last summary. `nice`: the cancel processes' and their backends'
+    niceness (cancel_worker); `pinned`: the processes on cores of their own (pin, DELIVERER_CPUS); `unwaited`: cancels
+    that do not wait for the passes (cancel_worker, a diagnostic)."""
     sent: dict[str, tuple[int, float]] = {}  # key -> (id, due as epoch seconds)
     errors: list[BaseException] = []
     topic = f"{TOPIC}.{label}"
-    totals: list[runner.RunTotals] = []
     backends: dict[str, int] = {}  # backend pids of the deliverer and the producer
     backend_cpu: dict[str, float] = {}
-    ready, producing = threading.Event(), threading.Event()
+    producing = threading.Event()
     spawn = multiprocessing.get_context("spawn")
+    ready, stop = spawn.Event(), spawn.Event()
     inboxes = [spawn.Queue() for _ in range(workers if cancels else 0)]
     outbox = spawn.Queue()
-
-    def deliver() -> None:
-        try:
-            with Store(url) as own:
-                backends["deliverer"] = own.conn.info.backend_pid
-                totals.append(runner.run(own, [None], seconds + 12, stop=stop, ready=ready.set))
-        except BaseException as exc:
-            errors.append(exc)
 
     def produce() -> None:
         rng = random.Random(1)
         try:
             with Store(url) as own:
                 backends["producer"] = own.conn.info.backend_pid
+                pin(own.conn.info.backend_pid, OTHERS_CPUS if pinned else None)
                 producing.set()
                 n, tick, started = 0, 0.02, time.monotonic()
                 while time.monotonic() - started < seconds:
@@ -588,14 +653,41 @@ def race(
         threading.Thread(target=summarize, daemon=True).start()
     procs = [
         spawn.Process(
-            target=cancel_worker, args=(url, seconds, cancels / len(inboxes), window, 10 + w, inbox, outbox, before)
+            target=cancel_worker,
+            args=(
+                url,
+                seconds,
+                cancels / len(inboxes),
+                window,
+                10 + w,
+                inbox,
+                outbox,
+                before,
+                nice,
+                OTHERS_CPUS if pinned else None,
+                unwaited,
+            ),
         )
         for w, inbox in enumerate(inboxes)
     ]
     for p in procs:
         p.start()
-    deliverer = threading.Thread(target=deliver)
+    delivering: Queue = spawn.Queue()  # type: ignore[type-arg]
+    deliverer = spawn.Process(
+        target=deliver_worker,
+        args=(
+            url,
+            seconds,
+            before,
+            runner.SUMMARIZE_TOPICS_EVERY_S,
+            ready,
+            stop,
+            delivering,
+            DELIVERER_CPUS if pinned else None,
+        ),
+    )
     deliverer.start()
+    backends["deliverer"] = delivering.get(timeout=60)
     ready.wait(30)
     producer = threading.Thread(target=produce)
     cpu_before = resource.getrusage(resource.RUSAGE_SELF)
@@ -603,21 +695,27 @@ def race(
         producer.start()
         producing.wait(30)
         backend_cpu.update({name: cpu_seconds(pid) for name, pid in backends.items()})
+        deliverer_cpu = -cpu_seconds(deliverer.pid)
         reports = [outbox.get(timeout=seconds + 120) for _ in procs]
         producer.join()
+        deliverer_cpu += cpu_seconds(deliverer.pid)
     cpu_after = resource.getrusage(resource.RUSAGE_SELF)
     for p in procs:
         p.join()
     time.sleep(11)  # the last timers fall due
     stop.set()
+    totals = delivering.get(timeout=60)
     deliverer.join()
     if errors:
         raise errors[0]
+    if isinstance(totals, str):
+        raise RuntimeError(f"the deliverer failed: {totals}")
     answers = [a for r in reports for a in r[0]]
     cancel_ms = [ms for r in reports for ms in r[1]]
     cpu = {
-        "this process (deliverer, producer)": (cpu_after.ru_utime + cpu_after.ru_stime)
+        "this process (producer)": (cpu_after.ru_utime + cpu_after.ru_stime)
         - (cpu_before.ru_utime + cpu_before.ru_stime),
+        "deliverer process": deliverer_cpu,
         "cancel processes": sum(r[2] for r in reports),
         "their backends": sum(r[3] for r in reports),
         **{f"{name}'s backend": value for name, value in backend_cpu.items()},
@@ -644,9 +742,9 @@ def race(
         "p50": pct(late, 0.5),
         "p99": pct(late, 0.99),
         "max": max(late, default=float("nan")),
-        "passes": totals[0].passes,
-        "busy": totals[0].busy_passes,
-        "waited": totals[0].waited_passes,
+        "passes": totals[0],
+        "busy": totals[1],
+        "waited": totals[2],
         "cancels": len(cancel_ms),
         "machine_busy": statistics.mean(load.busy) if load.busy else float("nan"),
         "runnable": statistics.mean(load.runnable) if load.runnable else float("nan"),
@@ -692,6 +790,25 @@ def main() -> None:
     )
     parser.add_argument("--control", action="store_true", help="a run whose cancels race no pass (same load)")
     parser.add_argument("--before", action="store_true", help="a third race run with the code before (990e562)")
+    parser.add_argument(
+        "--nice",
+        type=int,
+        default=0,
+        help="a race run whose cancel processes and their backends run at this niceness (1-19): the cancels' CPU"
+        " given to the deliverer first, as cancels from other machines would leave it",
+    )
+    parser.add_argument(
+        "--unwaited",
+        action="store_true",
+        help="a diagnostic race run whose cancels skip their wait for the passes in flight: no pass waits for a cancel"
+        " (their answers can be wrong; timing only)",
+    )
+    parser.add_argument(
+        "--pin",
+        action="store_true",
+        help="every race run with the deliverer and its backend on the first core, the producer, the cancel processes"
+        " and their backends on the second: the deliverer's CPU its own",
+    )
     args = parser.parse_args()
     global _OLD
     _OLD = _before()
@@ -726,59 +843,60 @@ def main() -> None:
                 lines.insert(0, f"- pending: {n:,} timers (10M x {args.scale}), {due}")
                 for line in lines:
                     log(line)
-            runs = (
-                []
-                if args.skip_race
-                else [(0, False), (args.cancels, False)] + ([(args.cancels, True)] if args.before else [])
+        arms = [("without cancels", 0), ("cancels", args.cancels)]
+        arms += [("before", args.cancels)] if args.before else []
+        arms += [("control", args.cancels)] if args.control else []
+        arms += [("nice", args.cancels)] if args.nice else []
+        arms += [("unwaited", args.cancels)] if args.unwaited else []
+        if args.topic_summaries is not None:
+            runner.SUMMARIZE_TOPICS_EVERY_S = args.topic_summaries
+        for arm, cancels in [] if args.skip_race else arms:
+            log(f"2. race: {args.rate} msg/s, {cancels} cancels/s, {args.seconds:.0f} s, {arm}")
+            control, before, nice = arm == "control", arm == "before", args.nice if arm == "nice" else 0
+            # each run on a fresh database, so that none inherits the rows of the runs before it (a second
+            # run with cancels in one database measured 10.2 ms p99 where the first had 7.8)
+            r = race(
+                fresh_database(DB),
+                args.seconds,
+                args.rate,
+                cancels,
+                args.workers,
+                (5.0, 10.0) if control else (-0.3, 1.0),
+                f"run{len(lines)}",
+                before,
+                args.summarize_every,
+                nice,
+                args.pin,
+                arm == "unwaited",
             )
-            runs += [(args.cancels, "control")] if args.control and not args.skip_race else []
-            if args.topic_summaries is not None:
-                runner.SUMMARIZE_TOPICS_EVERY_S = args.topic_summaries
-            for cancels, before in runs:
-                log(f"2. race: {args.rate} msg/s, {cancels} cancels/s, {args.seconds:.0f} s, {before}")
-                control = before == "control"
-                before = before is True
-                if before:  # the deliverer of 990e562 (try the lock, else busy); its cancel runs in the workers
-                    lane_locks.take_lane = lambda conn, lock: False
-                try:
-                    r = race(
-                        url,
-                        args.seconds,
-                        args.rate,
-                        cancels,
-                        args.workers,
-                        (5.0, 10.0) if control else (-0.3, 1.0),
-                        f"run{len(lines)}",
-                        before,
-                        args.summarize_every,
-                    )
-                finally:
-                    lane_locks.take_lane = CURRENT
-                if not cancels:
-                    baseline = r
-                line = (
-                    f"- {'code before (990e562): ' if before else ''}"
-                    f"{f'BRIN summaries every {args.summarize_every:g} s: ' if args.summarize_every else ''}"
-                    f"topic summaries every {runner.SUMMARIZE_TOPICS_EVERY_S:g} s: "
-                    f"{'control (cancels of timers due 5-10 s ahead, racing no pass): ' if control else ''}"
-                    f"{args.rate} msg/s, {cancels} cancels/s asked ({r['cancel_rate']:.0f}/s done, "
-                    f"{r['cancels']} calls, p50 {r['cancel_p50']:.2f} ms, p99 {r['cancel_p99']:.2f} ms): "
-                    f"sent {r['sent']}, delivered {r['delivered']}, cancelled {r['cancelled']}, "
-                    f"already_delivered answers {r['already_delivered']}; lateness p50 {r['p50']:.1f} ms, "
-                    f"p99 {r['p99']:.1f} ms, max {r['max']:.1f} ms; passes {r['passes']}, busy {r['busy']}, waited for the lane {r['waited']}; "
-                    f"duplicates {r['duplicates']}, missing {r['missing']}, early {r['early']}, "
-                    f"delivered and answered cancelled {r['both']}, already_delivered not delivered "
-                    f"{r['false_delivered']}; machine busy {100 * r['machine_busy']:.0f} % of 2 cores, "  # type: ignore[operator]
-                    f"{r['runnable']:.1f} runnable tasks on average; cores used: "
-                    + ", ".join(f"{name} {cores:.2f}" for name, cores in r["cpu"].items())  # type: ignore[attr-defined]
-                    + (
-                        f"; lateness p99 {r['p99'] / baseline['p99']:.2f} x the run without cancels"  # type: ignore[operator]
-                        if cancels
-                        else ""
-                    )
+            if not cancels:
+                baseline = r
+            line = (
+                f"- {'code before (990e562): ' if before else ''}"
+                f"{f'BRIN summaries every {args.summarize_every:g} s: ' if args.summarize_every else ''}"
+                f"topic summaries every {runner.SUMMARIZE_TOPICS_EVERY_S:g} s: "
+                f"{'control (cancels of timers due 5-10 s ahead, racing no pass): ' if control else ''}"
+                f"{f'cancel processes and their backends at nice {nice}: ' if nice else ''}"
+                f"{'diagnostic, cancels that skip their wait for the passes: ' if arm == 'unwaited' else ''}"
+                f"{'the deliverer pinned to a core of its own, the rest to the other: ' if args.pin else ''}"
+                f"{args.rate} msg/s, {cancels} cancels/s asked ({r['cancel_rate']:.0f}/s done, "
+                f"{r['cancels']} calls, p50 {r['cancel_p50']:.2f} ms, p99 {r['cancel_p99']:.2f} ms): "
+                f"sent {r['sent']}, delivered {r['delivered']}, cancelled {r['cancelled']}, "
+                f"already_delivered answers {r['already_delivered']}; lateness p50 {r['p50']:.1f} ms, "
+                f"p99 {r['p99']:.1f} ms, max {r['max']:.1f} ms; passes {r['passes']}, busy {r['busy']}, waited for the lane {r['waited']}; "
+                f"duplicates {r['duplicates']}, missing {r['missing']}, early {r['early']}, "
+                f"delivered and answered cancelled {r['both']}, already_delivered not delivered "
+                f"{r['false_delivered']}; machine busy {100 * r['machine_busy']:.0f} % of 2 cores, "  # type: ignore[operator]
+                f"{r['runnable']:.1f} runnable tasks on average; cores used: "
+                + ", ".join(f"{name} {cores:.2f}" for name, cores in r["cpu"].items())  # type: ignore[attr-defined]
+                + (
+                    f"; lateness p99 {r['p99'] / baseline['p99']:.2f} x the run without cancels"  # type: ignore[operator]
+                    if cancels
+                    else ""
                 )
-                log(line)
-                lines.append(line)
+            )
+            log(line)
+            lines.append(line)
     finally:
         drop_database(DB)
     print(f"\n### cancel_bench, started {started:%Y-%m-%d %H:%M} UTC\n")
