@@ -687,7 +687,10 @@ def race(
         ),
     )
     deliverer.start()
-    backends["deliverer"] = delivering.get(timeout=60)
+    first = delivering.get(timeout=60)  # its backend's pid, or why it could not start
+    if isinstance(first, str):
+        raise RuntimeError(f"the deliverer failed: {first}")
+    backends["deliverer"] = first
     ready.wait(30)
     producer = threading.Thread(target=produce)
     cpu_before = resource.getrusage(resource.RUSAGE_SELF)
