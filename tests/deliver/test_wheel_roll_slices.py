@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from datetime import datetime, timedelta
 
 import psycopg
@@ -269,3 +270,30 @@ def test_a_slice_killed_midway_moves_nothing(db_url: str, t0: datetime) -> None:
             again.advance_wheel(now=now)
         _deliver_through(again, block, block + DAY, timedelta(hours=1))
         _check_delivered(again, "far", due, set())
+
+
+def test_on_the_real_clock_a_pass_notices_the_roll_is_due_without_a_new_look(db_url: str) -> None:
+    """A pass looks at `near_until` only when the one it last read may no longer cover the roll's target: it reckons
+    the server's clock as the clock read with it plus the time since. So the roll must still start as the clock
+    crosses into the next target. The near window is set to end 1.5 s before a midnight, so the target moves a day
+    while the test waits: the next pass on the real clock rolls the far day the timer is in."""
+    with Store(db_url) as probe:
+        clock = probe.conn.execute("SELECT clock_timestamp()").fetchone()[0]  # type: ignore[index]
+    midnight = floor_to(clock, DAY) + DAY
+    if midnight - clock < timedelta(seconds=30):  # too close to midnight to place the window before it
+        midnight += DAY
+    window = midnight - clock - timedelta(seconds=1.5)
+    with Store(db_url, settings=Settings(wheel_near_window=window)) as store:
+        store.advance_wheel()  # rolls up to `midnight`, and reads near_until
+        assert _near_until(store) == midnight
+        [far] = store.send_many([Message("roll.real", {"n": 1}, deliver_at=midnight + timedelta(hours=1))])
+        assert _far_messages(store) == 1
+        store.advance_wheel()  # within the window: nothing to roll, and no look
+        assert _near_until(store) == midnight and _far_messages(store) == 1
+        time.sleep(2)
+        for _ in range(10):  # the roll may take a few steps
+            if not _far_messages(store):
+                break
+            store.advance_wheel()
+        assert _near_until(store) == midnight + DAY and _far_messages(store) == 0
+        assert _pending_ids(store, "roll.real") == [far]
