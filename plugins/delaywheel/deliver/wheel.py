@@ -231,12 +231,12 @@ def _roll_target(clock: datetime, settings: Settings) -> datetime:
     return floor_to(clock + settings.wheel_near_window, DAY) + DAY
 
 
-# The last `near_until` this process read on a connection, with the server's clock then (None if the read had an
-# injected clock) and the monotonic time it was read at. `near_until` only grows (the roll's last step sets it to a
-# later target), so while the one read is at or past the target the roll has nothing to do, and the pass needs no
-# round trip to learn it. That read was a round trip of its own before every pass, hence before every due row's
+# The last `near_until` this process read on a connection on the real clock, with the server's clock then and the
+# monotonic time it was read at (a pass with an injected clock always looks). `near_until` only grows (the roll's
+# last step sets it to a later target), so while the one read is at or past the target the roll has nothing to do,
+# and the pass needs no round trip to learn it. That read was a round trip of its own before every pass, hence before every due row's
 # move: a wake-up of the deliverer and of its server process each, which on a busy machine wait for a CPU.
-_NEAR_UNTIL: weakref.WeakKeyDictionary[psycopg.Connection, tuple[datetime, datetime | None, float]] = (
+_NEAR_UNTIL: weakref.WeakKeyDictionary[psycopg.Connection, tuple[datetime, datetime, float]] = (
     weakref.WeakKeyDictionary()
 )
 
@@ -245,19 +245,19 @@ def _roll_step(
     conn: psycopg.Connection, settings: Settings, cache: PartitionCache, now: datetime | None
 ) -> tuple[int, datetime | None]:
     """(rows moved, the clock while the roll has more to do, else None). Nothing to roll is known without asking the
-    server while the `near_until` last read (_NEAR_UNTIL) covers the target at the server's clock, as the clock read
-    then plus the time elapsed here, or at the injected `now`."""
-    known = _NEAR_UNTIL.get(conn)
+    server while the `near_until` last read (_NEAR_UNTIL) covers the target at the server's clock, reckoned as the
+    clock read then plus the time elapsed here."""
+    known = _NEAR_UNTIL.get(conn) if now is None else None
     if known is not None:
-        near_until, read_clock, at = known
-        clock = now if now is not None else read_clock and read_clock + timedelta(seconds=time.monotonic() - at)
-        if clock is not None and near_until >= _roll_target(clock, settings):
+        near_until, clock, at = known
+        if near_until >= _roll_target(clock + timedelta(seconds=time.monotonic() - at), settings):
             return 0, None
     at = time.monotonic()
     clock, near_until = conn.execute(  # type: ignore[misc]
         "SELECT coalesce(%s::timestamptz, clock_timestamp()), near_until FROM delaywheel.wheel_roll", (now,)
     ).fetchone()
-    _NEAR_UNTIL[conn] = (near_until, None if now is not None else clock, at)
+    if now is None:
+        _NEAR_UNTIL[conn] = (near_until, clock, at)
     target = _roll_target(clock, settings)
     if near_until >= target:  # nothing to roll (the common case): skip the locking transactions below
         return 0, None
