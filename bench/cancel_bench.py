@@ -21,16 +21,18 @@
    already_delivered answer true), and where the CPU went: the machine's busy share and runnable tasks, and the cores
    used by the producer, the deliverer, the cancel processes and each one's backend. Where the slowdown comes from,
    by further runs: `--nice N`, the cancels at a lower CPU priority; `--unwaited`, cancels that never make a pass
-   wait (a diagnostic: their answers can be wrong); `--pin`, every run with the deliverer on a core of its own.
+   wait (a diagnostic: their answers can be wrong); `--floor`, the same processes at the same pace making, instead of
+   each cancel, one durable single-row INSERT into a table of their own (the least any cancel that answers truly must
+   write: what no cancel mechanism can go below here); `--pin`, every run with the deliverer on a core of its own.
 """
 
 from __future__ import annotations
 
 import argparse
 import atexit
-import collections
 import contextlib
 import ctypes
+import heapq
 import importlib
 import io
 import multiprocessing
@@ -501,25 +503,31 @@ def cancel_worker(
     before: bool,
     nice: int = 0,
     cpus: set[int] | None = None,
-    unwaited: bool = False,
+    stand_in: str = "",
 ) -> None:  # type: ignore[type-arg]
     """One cancelling process with its own connection: cancels by key, at `per_worker` a second, timers due within
     `window` seconds of now, each key once, from the keys the producer hands it; reports its answers, latencies
     and CPU seconds over its run (its own and its backend's). With `nice`, this process and its backend run at that
     niceness (the backend reniced from here: the bench runs as root or as the cluster's user), so they take the CPU
     the deliverer leaves: as cancels from application servers would, whose CPU is not the database's. With `cpus`,
-    this process and its backend run on those cores only (pin). `unwaited`, a diagnostic: the cancels skip their
-    wait for the passes in flight (the lane's shared lock), so no pass ever waits for a cancel; their answers can be
-    wrong (a message answered cancelled and delivered), and only the timing means anything."""
+    this process and its backend run on those cores only (pin). `stand_in`, a diagnostic in place of the cancels:
+    'unwaited', cancels that skip their wait for the passes in flight (the lane's shared lock), so no pass ever waits
+    for a cancel (their answers can be wrong, a message answered cancelled and delivered: only the timing means
+    anything); 'floor', one durable single-row INSERT into `FLOOR_TABLE` per key, nothing cancelled."""
     die_with_parent()
-    if unwaited:
+    if stand_in == "unwaited":
         cancel_module._AWAIT_MAY_HOLD = dict.fromkeys(cancel_module._AWAIT_MAY_HOLD, "SELECT %(v)s::text IS NULL")
     rng = random.Random(seed)
-    recent: collections.deque[tuple[str, float]] = collections.deque(maxlen=20_000)
+    # The keys handed over, by due time (a heap), and those within the window, picked at random and each taken out in
+    # constant time: the bookkeeping is the bench's, not a cancel's, and shares the two cores with the deliverer. It was
+    # a list of the last 20,000 keys scanned every 20 cancels and each pick removed by a linear search: 0.8 ms of
+    # CPU a cancel, most of the cancel processes' CPU, as much as the cancels themselves.
+    coming: list[tuple[float, str]] = []
+    near: list[tuple[str, float]] = []
     answers: list[tuple[int | None, str]] = []
     cancel_ms: list[float] = []
     with Store(url) as own:
-        cancel = _before().cancel if before else cancel_module.cancel
+        cancel = floor_write if stand_in == "floor" else _before().cancel if before else cancel_module.cancel
         backend = own.conn.info.backend_pid
         pin(backend, cpus)
         for pid in (0, backend) if nice else ():  # this process, and its backend
@@ -529,11 +537,17 @@ def cancel_worker(
         while time.monotonic() - started < seconds:
             with contextlib.suppress(queue.Empty):
                 while True:
-                    recent.extend(inbox.get_nowait())
+                    for key, due in inbox.get_nowait():
+                        heapq.heappush(coming, (due, key))
             now = time.time()
-            near = [(k, due) for k, due in recent if window[0] < due - now < window[1]]
-            for key, due in rng.sample(near, min(len(near), 20)):
-                recent.remove((key, due))
+            while coming and coming[0][0] - now < window[1]:
+                due, key = heapq.heappop(coming)
+                near.append((key, due))
+            near = [(k, due) for k, due in near if due - now > window[0]]  # those past the window are left
+            for _ in range(min(len(near), 20)):
+                i = rng.randrange(len(near))
+                near[i], near[-1] = near[-1], near[i]
+                key, due = near.pop()
                 t = time.perf_counter()
                 results = cancel(own.conn, own._cache, key=key, reason="bench")
                 cancel_ms.append(1000 * (time.perf_counter() - t))
@@ -543,6 +557,17 @@ def cancel_worker(
             if not near:
                 time.sleep(0.01)
         outbox.put((answers, cancel_ms, time.process_time() - cpu_start, cpu_seconds(backend) - backend_start))
+
+
+FLOOR_TABLE = sql.Identifier("bench_floor")
+_FLOOR_INSERT = sql.SQL("INSERT INTO {} (key, reason) VALUES (%s, %s)").format(FLOOR_TABLE)
+
+
+def floor_write(conn: psycopg.Connection, cache: object, *, key: str, reason: str) -> list[object]:
+    """The floor's stand-in for a cancel (cancel_worker): one single-row INSERT, committed durably on its own (the
+    connection commits each statement), into a table with no index; it answers nothing."""
+    conn.execute(_FLOOR_INSERT, (key, reason), prepare=True)
+    return []
 
 
 def deliver_worker(
@@ -585,7 +610,7 @@ def race(
     summarize_every: float | None = None,
     nice: int = 0,
     pinned: bool = False,
-    unwaited: bool = False,
+    stand_in: str = "",
 ) -> dict[str, object]:
     """One real-clock run; `cancels` = 0 is the baseline. The deliverer is a process of its own (deliver_worker: a
     thread of this process shared the interpreter with the producer and with the queues' feeder threads that hand the
@@ -595,8 +620,8 @@ def race(
     BRIN summaries up to date that often (store.summarize; the deliverer does it every minute, and for the current
     topic partitions every `runner.SUMMARIZE_TOPICS_EVERY_S`, `--topic-summaries`): a cancel's search of the topics
     by key reads every row delivered since the last summary. `nice`: the cancel processes' and their backends'
-    niceness (cancel_worker); `pinned`: the processes on cores of their own (pin, DELIVERER_CPUS); `unwaited`: cancels
-    that do not wait for the passes (cancel_worker, a diagnostic)."""
+    niceness (cancel_worker); `pinned`: the processes on cores of their own (pin, DELIVERER_CPUS); `stand_in`: what the
+    cancel processes do instead of cancels (cancel_worker, a diagnostic)."""
     sent: dict[str, tuple[int, float]] = {}  # key -> (id, due as epoch seconds)
     errors: list[BaseException] = []
     topic = f"{TOPIC}.{label}"
@@ -650,6 +675,11 @@ def race(
 
     if summarize_every:
         threading.Thread(target=summarize, daemon=True).start()
+    if stand_in == "floor":
+        with psycopg.connect(url, autocommit=True) as conn:
+            conn.execute(
+                sql.SQL("CREATE TABLE {} (key text, reason text, at timestamptz DEFAULT now())").format(FLOOR_TABLE)
+            )
     procs = [
         spawn.Process(
             target=cancel_worker,
@@ -664,7 +694,7 @@ def race(
                 before,
                 nice,
                 OTHERS_CPUS if pinned else None,
-                unwaited,
+                stand_in,
             ),
         )
         for w, inbox in enumerate(inboxes)
@@ -806,6 +836,12 @@ def main() -> None:
         " (their answers can be wrong; timing only)",
     )
     parser.add_argument(
+        "--floor",
+        action="store_true",
+        help="a race run whose cancel processes make, instead of each cancel, one durable single-row INSERT at the"
+        " same pace: the least any cancel must write, so the least slowdown any cancel mechanism could reach here",
+    )
+    parser.add_argument(
         "--pin",
         action="store_true",
         help="every race run with the deliverer and its backend on the first core, the producer, the cancel processes"
@@ -850,6 +886,7 @@ def main() -> None:
         arms += [("control", args.cancels)] if args.control else []
         arms += [("nice", args.cancels)] if args.nice else []
         arms += [("unwaited", args.cancels)] if args.unwaited else []
+        arms += [("floor", args.cancels)] if args.floor else []
         if args.topic_summaries is not None:
             runner.SUMMARIZE_TOPICS_EVERY_S = args.topic_summaries
         for arm, cancels in [] if args.skip_race else arms:
@@ -869,7 +906,7 @@ def main() -> None:
                 args.summarize_every,
                 nice,
                 args.pin,
-                arm == "unwaited",
+                arm if arm in ("unwaited", "floor") else "",
             )
             if not cancels:
                 baseline = r
@@ -880,6 +917,7 @@ def main() -> None:
                 f"{'control (cancels of timers due 5-10 s ahead, racing no pass): ' if control else ''}"
                 f"{f'cancel processes and their backends at nice {nice}: ' if nice else ''}"
                 f"{'diagnostic, cancels that skip their wait for the passes: ' if arm == 'unwaited' else ''}"
+                f"{'floor, a durable single-row INSERT in place of each cancel: ' if arm == 'floor' else ''}"
                 f"{'the deliverer pinned to a core of its own, the rest to the other: ' if args.pin else ''}"
                 f"{args.rate} msg/s, {cancels} cancels/s asked ({r['cancel_rate']:.0f}/s done, "
                 f"{r['cancels']} calls, p50 {r['cancel_p50']:.2f} ms, p99 {r['cancel_p99']:.2f} ms): "
