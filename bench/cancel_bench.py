@@ -54,6 +54,7 @@ from datetime import UTC, datetime, timedelta
 from multiprocessing.queues import Queue
 from multiprocessing.synchronize import Event
 from pathlib import Path
+from typing import Literal
 
 import psycopg
 from psycopg import sql
@@ -62,7 +63,7 @@ from delaywheel import Message, Store
 from delaywheel.deliver import levels as lane_locks  # take_lane: a pass's wait for its lane (levels.open_pass)
 from delaywheel.deliver import runner
 from delaywheel.ops import cancel as cancel_module
-from delaywheel.ops.cancel import FIND_PLAN, find, key_params, mark_and_settle
+from delaywheel.ops.cancel import FIND_PLAN, CancelResult, find, key_params, mark_and_settle
 from delaywheel.pending import WHEEL_PENDING
 
 from .common import body, chunks, drop_database, fresh_database, log, pct, wheel_partitions
@@ -70,6 +71,7 @@ from .common import body, chunks, drop_database, fresh_database, log, pct, wheel
 DB = "delaywheel_bench_cancel"
 _OLD: types.ModuleType
 TOPIC = "bench.cancel"
+StandIn = Literal["", "unwaited", "floor"]  # what the cancel processes do instead of cancels ("": cancel)
 
 
 def fill(store: Store, count: int, batch: int, near_only: bool = False) -> None:
@@ -503,7 +505,7 @@ def cancel_worker(
     before: bool,
     nice: int = 0,
     cpus: set[int] | None = None,
-    stand_in: str = "",
+    stand_in: StandIn = "",
 ) -> None:  # type: ignore[type-arg]
     """One cancelling process with its own connection: cancels by key, at `per_worker` a second, timers due within
     `window` seconds of now, each key once, from the keys the producer hands it; reports its answers, latencies
@@ -519,9 +521,8 @@ def cancel_worker(
         cancel_module._AWAIT_MAY_HOLD = dict.fromkeys(cancel_module._AWAIT_MAY_HOLD, "SELECT %(v)s::text IS NULL")
     rng = random.Random(seed)
     # The keys handed over, by due time (a heap), and those within the window, picked at random and each taken out in
-    # constant time: the bookkeeping is the bench's, not a cancel's, and shares the two cores with the deliverer. It was
-    # a list of the last 20,000 keys scanned every 20 cancels and each pick removed by a linear search: 0.8 ms of
-    # CPU a cancel, most of the cancel processes' CPU, as much as the cancels themselves.
+    # constant time: this bookkeeping is the bench's, not a cancel's, yet shares the two cores with the deliverer, so
+    # it must cost next to nothing (a scan and a linear remove per pick cost 0.8 ms a cancel: DESIGN, "Cancellation").
     coming: list[tuple[float, str]] = []
     near: list[tuple[str, float]] = []
     answers: list[tuple[int | None, str]] = []
@@ -563,7 +564,7 @@ FLOOR_TABLE = sql.Identifier("bench_floor")
 _FLOOR_INSERT = sql.SQL("INSERT INTO {} (key, reason) VALUES (%s, %s)").format(FLOOR_TABLE)
 
 
-def floor_write(conn: psycopg.Connection, cache: object, *, key: str, reason: str) -> list[object]:
+def floor_write(conn: psycopg.Connection, cache: object, *, key: str, reason: str) -> list[CancelResult]:
     """The floor's stand-in for a cancel (cancel_worker): one single-row INSERT, committed durably on its own (the
     connection commits each statement), into a table with no index; it answers nothing."""
     conn.execute(_FLOOR_INSERT, (key, reason), prepare=True)
@@ -610,7 +611,7 @@ def race(
     summarize_every: float | None = None,
     nice: int = 0,
     pinned: bool = False,
-    stand_in: str = "",
+    stand_in: StandIn = "",
 ) -> dict[str, object]:
     """One real-clock run; `cancels` = 0 is the baseline. The deliverer is a process of its own (deliver_worker: a
     thread of this process shared the interpreter with the producer and with the queues' feeder threads that hand the
@@ -906,7 +907,7 @@ def main() -> None:
                 args.summarize_every,
                 nice,
                 args.pin,
-                arm if arm in ("unwaited", "floor") else "",
+                "unwaited" if arm == "unwaited" else "floor" if arm == "floor" else "",
             )
             if not cancels:
                 baseline = r
