@@ -3,7 +3,7 @@
 1. cancel(key=…) latency with the near wheel full (its partitions over the next ~4 days) and `10M x scale`
    timers pending (due 1 min - 30 days ahead, sent by send_many: near ones in the wheel, the rest in far segments;
    or, `--near-only`, every one of them in the near wheel, as order timeouts are):
-   the library's cancel (no lane lock; prepared lookup, generic plan; one round trip) against the previous way (the
+   the library's cancel (no lane lock; one statement, a procedure: migrations/027) against the previous way (the
    lanes' locks, the lookup planned per call), interleaved key by key; the library's cancel again, interleaved with
    its two-step way (find; mark and settle), whose steps are timed apart, and a durable single-row INSERT after each
    of those, the baseline (beside busy loops every durable commit waits for a scheduler tick); with `--pause-ms`, a
@@ -20,10 +20,10 @@
    latency, exactly-once checks (no message delivered twice; none both delivered and answered cancelled; every
    already_delivered answer true), and where the CPU went: the machine's busy share and runnable tasks, and the cores
    used by the producer, the deliverer, the cancel processes and each one's backend. Where the slowdown comes from,
-   by further runs: `--nice N`, the cancels at a lower CPU priority; `--unwaited`, cancels that never make a pass
-   wait (a diagnostic: their answers can be wrong); `--floor`, the same processes at the same pace making, instead of
-   each cancel, one durable single-row INSERT into a table of their own (the least any cancel that answers truly must
-   write: what no cancel mechanism can go below here); `--pin`, every run with the deliverer on a core of its own.
+   by further runs: `--nice N`, the cancels at a lower CPU priority; `--floor`, the same processes at the same pace
+   making, instead of each cancel, one durable single-row INSERT into a table of their own (the least any cancel that
+   answers truly must write: what no cancel mechanism can go below here); `--pin`, every run with the deliverer on a
+   core of its own.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ from .common import body, chunks, drop_database, fresh_database, log, pct, wheel
 DB = "delaywheel_bench_cancel"
 _OLD: types.ModuleType
 TOPIC = "bench.cancel"
-StandIn = Literal["", "unwaited", "floor"]  # what the cancel processes do instead of cancels ("": cancel)
+StandIn = Literal["", "floor"]  # what the cancel processes do instead of cancels ("": cancel)
 
 
 def fill(store: Store, count: int, batch: int, near_only: bool = False) -> None:
@@ -163,17 +163,17 @@ def latency(store: Store, other: psycopg.Connection, per_lane: int, pause_s: flo
             if outcome != ["cancelled"]:
                 raise RuntimeError(f"cancel {key}: {outcome}")
             time.sleep(pause_s)
-        # The library's cancel (one round trip) against its two-step way (find; then mark and settle: what it does when
+        # The library's cancel (one statement) against its two-step way (find; then mark and settle: what it does when
         # a cancellations partition is missing, and what it did before), key by key; not beside the code before (with
         # far timers pending the old cancel, planning over every partition, slowed the call after it by 0.4-1.3 ms).
-        one_trip: list[float] = []
+        one_call: list[float] = []
         two_steps: list[float] = []
         inserts: list[float] = []
         for i, key in enumerate([k for (k,) in other.execute(sample, (2 * per_lane,))]):  # type: ignore[arg-type]
             t = [time.perf_counter()]
             if i % 2:
                 outcome = [r.outcome for r in store.cancel(key=key)]
-                one_trip.append(1000 * (time.perf_counter() - t[0]))
+                one_call.append(1000 * (time.perf_counter() - t[0]))
             else:
                 params = key_params(key)
                 found = find(store.conn, "key", params)
@@ -194,13 +194,13 @@ def latency(store: Store, other: psycopg.Connection, per_lane: int, pause_s: flo
             f"- {lane} timer, cancel(key=…), {len(new)} calls: p50 {statistics.median(new):.2f} ms, "
             f"p99 {pct(new, 0.99):.2f} ms; the code before (990e562: lanes' locks), {len(old)} calls "
             f"interleaved: p50 {statistics.median(old):.2f} ms, p99 {pct(old, 0.99):.2f} ms; not beside it, "
-            f"{len(one_trip)} calls: p50 {statistics.median(one_trip):.2f} ms, p99 {pct(one_trip, 0.99):.2f} ms; "
+            f"{len(one_call)} calls: p50 {statistics.median(one_call):.2f} ms, p99 {pct(one_call, 0.99):.2f} ms; "
             f"interleaved with those, its two-step way (find; mark and settle), {len(two_steps)} calls: p50 "
             f"{statistics.median(two_steps):.2f} ms, p99 {pct(two_steps, 0.99):.2f} ms, steps p50: "
             + ", ".join(f"{n} {statistics.median(v):.2f} ms" for n, v in steps.items())
             + f"; a durable single-row INSERT after each of those, {len(inserts)} calls: p50"
             f" {statistics.median(inserts):.2f} ms, p99 {pct(inserts, 0.99):.2f} ms (the cancel's p50 x"
-            f"{statistics.median(one_trip) / statistics.median(inserts):.2f} it)"
+            f"{statistics.median(one_call) / statistics.median(inserts):.2f} it)"
             + (f"; {1000 * pause_s:.0f} ms pause after every call" if pause_s else "")
         )
     other.execute("DROP TABLE bench_insert")
@@ -513,12 +513,9 @@ def cancel_worker(
     niceness (the backend reniced from here: the bench runs as root or as the cluster's user), so they take the CPU
     the deliverer leaves: as cancels from application servers would, whose CPU is not the database's. With `cpus`,
     this process and its backend run on those cores only (pin). `stand_in`, a diagnostic in place of the cancels:
-    'unwaited', cancels that skip their wait for the passes in flight (the lane's shared lock), so no pass ever waits
-    for a cancel (their answers can be wrong, a message answered cancelled and delivered: only the timing means
-    anything); 'floor', one durable single-row INSERT into `FLOOR_TABLE` per key, nothing cancelled."""
+    'floor', one durable single-row INSERT into `FLOOR_TABLE` per key, nothing cancelled. (An 'unwaited' stand-in,
+    cancels that skipped their wait for the passes in flight, patched the pipeline that migrations/027 replaced.)"""
     die_with_parent()
-    if stand_in == "unwaited":
-        cancel_module._AWAIT_MAY_HOLD = dict.fromkeys(cancel_module._AWAIT_MAY_HOLD, "SELECT %(v)s::text IS NULL")
     rng = random.Random(seed)
     # The keys handed over, by due time (a heap), and those within the window, picked at random and each taken out in
     # constant time: this bookkeeping is the bench's, not a cancel's, yet shares the two cores with the deliverer, so
@@ -831,12 +828,6 @@ def main() -> None:
         " given to the deliverer first, as cancels from other machines would leave it",
     )
     parser.add_argument(
-        "--unwaited",
-        action="store_true",
-        help="a diagnostic race run whose cancels skip their wait for the passes in flight: no pass waits for a cancel"
-        " (their answers can be wrong; timing only)",
-    )
-    parser.add_argument(
         "--floor",
         action="store_true",
         help="a race run whose cancel processes make, instead of each cancel, one durable single-row INSERT at the"
@@ -886,7 +877,6 @@ def main() -> None:
         arms += [("before", args.cancels)] if args.before else []
         arms += [("control", args.cancels)] if args.control else []
         arms += [("nice", args.cancels)] if args.nice else []
-        arms += [("unwaited", args.cancels)] if args.unwaited else []
         arms += [("floor", args.cancels)] if args.floor else []
         if args.topic_summaries is not None:
             runner.SUMMARIZE_TOPICS_EVERY_S = args.topic_summaries
@@ -907,7 +897,7 @@ def main() -> None:
                 args.summarize_every,
                 nice,
                 args.pin,
-                "unwaited" if arm == "unwaited" else "floor" if arm == "floor" else "",
+                "floor" if arm == "floor" else "",
             )
             if not cancels:
                 baseline = r
@@ -917,7 +907,6 @@ def main() -> None:
                 f"topic summaries every {runner.SUMMARIZE_TOPICS_EVERY_S:g} s: "
                 f"{'control (cancels of timers due 5-10 s ahead, racing no pass): ' if control else ''}"
                 f"{f'cancel processes and their backends at nice {nice}: ' if nice else ''}"
-                f"{'diagnostic, cancels that skip their wait for the passes: ' if arm == 'unwaited' else ''}"
                 f"{'floor, a durable single-row INSERT in place of each cancel: ' if arm == 'floor' else ''}"
                 f"{'the deliverer pinned to a core of its own, the rest to the other: ' if args.pin else ''}"
                 f"{args.rate} msg/s, {cancels} cancels/s asked ({r['cancel_rate']:.0f}/s done, "

@@ -4,7 +4,7 @@ its connections and the SQL settings they share."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TypeVar
 
 import psycopg
@@ -102,23 +102,3 @@ def in_own_transaction(conn: psycopg.Connection, body: Callable[[bool], T]) -> T
         with contextlib.suppress(psycopg.Error):
             conn.rollback()
         raise
-
-
-@contextlib.contextmanager
-def pipeline(conn: psycopg.Connection) -> Iterator[None]:
-    """`conn.pipeline()` for a block whose statements may fail as expected (a caller falls back on the error): the
-    block's error is raised as it is. psycopg raises a statement's error at whichever later `execute` first reads its
-    result, while the block is still sending, and then, leaving the block, logs a WARNING for the statements the
-    server skipped ("error ignored terminating <Pipeline>: pipeline aborted"), which says nothing the error does not."""
-    early: psycopg.Error | None = None
-    try:
-        with conn.pipeline():
-            try:
-                yield
-            except psycopg.Error as error:
-                early = error
-    except psycopg.errors.PipelineAborted:
-        if early is None:
-            raise
-    if early is not None:
-        raise early

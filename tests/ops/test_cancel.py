@@ -3,8 +3,6 @@ is never delivered. Attacks through `where` are in test_caller_sql.py."""
 
 from __future__ import annotations
 
-import logging
-import time
 from datetime import datetime, timedelta
 
 import psycopg
@@ -12,7 +10,6 @@ import pytest
 
 from delaywheel import Store
 from delaywheel.cli import main
-from delaywheel.db import pipeline
 from delaywheel.locks import LEVEL_LOCK, WHEEL_LOCK
 from delaywheel.ops.cancel import KeysFrom
 from delaywheel.ops.predicate import UnsafeSQL
@@ -374,7 +371,9 @@ def test_a_lane_wait_that_fails_leaves_no_lane_locked(store: Store, db_url: str,
 @pytest.mark.parametrize("how", ["id", "key"])
 def test_a_cancel_outside_a_transaction_is_one_round_trip(store: Store, t0: datetime, how: str) -> None:
     """Lookup and cancellations, their commit, the wait for the passes in flight and the search of the topics: one
-    pipeline with one Sync (it was three round trips: the lookup, then the insert and its commit, then the rest)."""
+    statement, a CALL (migrations/027; before it one pipeline of seven statements with one Sync, and before that three
+    round trips: the lookup, then the insert and its commit, then the rest). The CALL is not prepared, so it stays
+    one round trip after psycopg forgets its prepared statements (as it does after a ROLLBACK: the pass below)."""
     store._cache.ensure(store.conn, "cancellations", [t0])  # as after the store's first cancel on that day
     done = store.send("orders", b"d", delay_level=1, key="k", now=t0 - timedelta(minutes=5))
     assert store.deliver_level(1, now=t0 - timedelta(minutes=4)).delivered == 1
@@ -392,51 +391,28 @@ def test_a_cancel_outside_a_transaction_is_one_round_trip(store: Store, t0: date
     assert store.deliver_due(now=t0 + timedelta(minutes=1)) == (1 if how == "id" else 0)
 
 
-def test_a_connection_prepares_each_lookup_once(store: Store, t0: datetime) -> None:
-    """Cancels of many keys and ids run one prepared lookup of each kind, planned once for the connection. psycopg
-    prepares a statement per combination of parameter types, and sends an int as int2, int4 or int8 by its size: the
-    keys' 32-bit hashes made up to eight lookups by key per connection, each planned over every partition."""
+def test_a_connection_plans_each_lookup_once(store: Store, t0: datetime) -> None:
+    """Cancels of many keys and ids, their parameters of every size, run the lookup of each kind planned once for the
+    connection: the CALL is not prepared, and the procedure keeps its statements' plans for the session. Before
+    migrations/027 the lookup was a prepared statement, and psycopg prepares one per combination of parameter types
+    and sends an int as int2, int4 or int8 by its size: the keys' 32-bit hashes made up to eight lookups by key per
+    connection, each planned over every partition. The procedures' parameters have their types."""
     store._cache.ensure(store.conn, "cancellations", [t0 + timedelta(seconds=5)])
     ids = store.send_many(
         [Message("orders", b"x", delay=timedelta(seconds=5), key=f"k-{i}") for i in range(40)], now=t0
     )
-    for i in range(40):
-        store.cancel(key=f"k-{i}")
-    for mid in (*ids[:5], 1, 70_000, 2**40):
-        store.cancel(message_id=mid)
-    lookups = store.conn.execute(
-        "SELECT count(*) FROM pg_prepared_statements WHERE statement LIKE '%INSERT INTO delaywheel.cancellations%'"
-        " AND statement LIKE '%WITH found AS MATERIALIZED%'"
+    assert all(store.cancel(key=f"k-{i}")[0].outcome == "cancelled" for i in range(40))
+    assert [r.outcome for mid in (*ids[:5], 30_000, 70_000, 2**40) for r in store.cancel(message_id=mid)] == [
+        "already_cancelled"
+    ] * 5 + ["not_found"] * 3
+    prepared = store.conn.execute(
+        "SELECT count(*) FROM pg_prepared_statements WHERE statement ~ 'cancellations|cancel_by'"
     ).fetchone()
-    assert lookups == (2,)  # one by key, one by id
-
-
-def test_an_error_read_back_while_a_pipeline_is_still_sending_is_raised_without_a_warning(
-    db_url: str, caplog: pytest.LogCaptureFixture
-) -> None:
-    """The one-trip cancel falls back on its insert's error (below). Beside busy loops that error came back while the
-    pipeline was still being sent: psycopg raised it at a later `execute`, then logged a WARNING leaving the block
-    ("error ignored terminating <Pipeline>: pipeline aborted", once in bench.cancel_bench). `db.pipeline` raises
-    the error alone, and the connection stays usable."""
-    with psycopg.connect(db_url, autocommit=True) as conn:
-        for block in (conn.pipeline, lambda: pipeline(conn)):
-            caplog.clear()
-            with (
-                caplog.at_level(logging.WARNING, logger="psycopg"),
-                pytest.raises(psycopg.errors.DivisionByZero),
-                block(),
-            ):
-                conn.execute("SELECT 1 / 0")
-                time.sleep(0.3)  # its result is back: the next execute reads it, and raises
-                conn.execute("SELECT 1")
-                conn.execute("SELECT 2")
-            warned = [r.getMessage() for r in caplog.records if r.name.startswith("psycopg")]
-            assert bool(warned) is (block == conn.pipeline), warned  # psycopg's own block warns; ours does not
-            assert conn.execute("SELECT 3").fetchone() == (3,)
+    assert prepared == (0,)
 
 
 def test_a_cancel_on_a_day_without_cancellations_partition_makes_it(store: Store, t0: datetime) -> None:
-    """A message due on a day no cancellation was made for yet: the one-trip insert fails before anything is
+    """A message due on a day no cancellation was made for yet: the CALL's insert fails before anything is
     committed (no partition for its row), and the cancel goes the two-step way, which makes the partition in a
     transaction of its own. Both messages are cancelled, and the next cancel of that day needs no second try."""
     due = t0 + timedelta(days=20)

@@ -95,7 +95,7 @@ def test_pass_in_flight_when_the_cancel_runs(
 ) -> None:
     """The pass has read and written the message, uncommitted: the cancel's row commits, then the cancel waits for the
     pass; committed, the message was delivered; rolled back, it stays cancelled and no later pass delivers it. By id
-    or by key: the wait's statement works the lanes out from each (cancel._AWAIT_MAY_HOLD)."""
+    or by key: the wait's statement works the lanes out from each (the procedures of migrations/027)."""
     mid = timer(store, t0, "k", lane)
     with other.conn.transaction() as tx:
         assert deliver(other, lane, t0 + NOW).delivered == 1  # a savepoint: the lane's lock stays held

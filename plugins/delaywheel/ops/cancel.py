@@ -3,8 +3,8 @@
 A cancellation is a row in `cancellations` that deliverers anti-join; the message itself stays until its partition
 is retired. A cancel holds no lane lock while deliverers run: it commits its cancellations, then waits for the passes
 already running of the lanes that may hold the messages (the only ones that may have read a message without its
-cancellation) and reads what they did, all in one round trip. A message is delivered or cancelled, never both, and
-the caller is told which: a delivery wins (DESIGN.md, "Cancellation").
+cancellation) and reads what they did, all in one statement (a procedure, migrations/027). A message is delivered or
+cancelled, never both, and the caller is told which: a delivery wins (DESIGN.md, "Cancellation").
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import psycopg
 from psycopg import errors, sql
 from psycopg.types.numeric import Int4, Int8
 
-from delaywheel.db import LOOKUP_PLAN, commits_each_statement, in_own_transaction, pipeline
+from delaywheel.db import LOOKUP_PLAN, commits_each_statement
 from delaywheel.locks import LEVEL_LOCK, WHEEL_LOCK
 from delaywheel.ops.predicate import CANCEL_COLUMNS, UnsafeSQL, catalog_table, check_column, check_expression
 from delaywheel.partitions import PartitionCache
@@ -117,11 +117,11 @@ def cancel(
 
     No lane lock is held while deliverers run (DESIGN.md, "Cancellation"): the cancellations are committed first,
     then the cancel waits for the passes, of the lanes that may hold the messages found, that may have read them
-    before that commit, and reads what happened; one round trip (`_cancel_in_one_trip`), or, the first time a due day
-    needs its `cancellations` partition, three. A delivery wins: the answer is `already_delivered` whenever the
-    message reached its topic, and `cancelled` only when no pass can deliver it any more. Inside a transaction the
-    caller holds (nothing can be committed before the caller's commit), the lanes' locks are taken as before and held
-    until then.
+    before that commit, and reads what happened; one statement (`_cancel_in_one_call`), or, the first time a due day
+    needs its `cancellations` partition, three round trips. A delivery wins: the answer is `already_delivered`
+    whenever the message reached its topic, and `cancelled` only when no pass can deliver it any more. Inside a
+    transaction the caller holds (nothing can be committed before the caller's commit), the lanes' locks are taken
+    as before and held until then.
     """
     if (message_id is None) == (key is None):
         raise ValueError("cancel needs exactly one of message_id or key")
@@ -134,7 +134,7 @@ def cancel(
     if not commits_each_statement(conn):  # a cancellation cannot be committed before the wait: lock the lanes instead
         return _cancel_locked(conn, cache, how, params, reason)
     try:
-        return _cancel_in_one_trip(conn, how, params, reason)
+        return _cancel_in_one_call(conn, how, params, reason)
     except errors.CheckViolation:  # a message found is due on a day with no `cancellations` partition yet
         return mark_and_settle(conn, cache, how, params, find(conn, how, params), reason)
 
@@ -256,7 +256,6 @@ _EVERY_LANE = sql.SQL("""
         UNION ALL
         SELECT {level_class}, generate_series(1, coalesce((SELECT max(level) FROM delaywheel.level_segments), 0))
 """).format(wheel=_WHEEL_LANE, level_class=sql.Literal(LEVEL_LOCK))
-_AWAIT_MAY_HOLD = {how: _lane_wait(lanes) for how, lanes in _LANES_MAY_HOLD.items()}
 _HOLD_MAY_HOLD = {how: _lane_hold(lanes) for how, lanes in _LANES_MAY_HOLD.items()}
 _HOLD_EVERY_LANE = _lane_hold(_EVERY_LANE)
 
@@ -270,8 +269,8 @@ def await_passes(conn: psycopg.Connection, locks: Sequence[tuple[int, int]]) -> 
         conn.execute(_AWAIT_LANES, {"classes": [c for c, _ in locks], "keys": [k for _, k in locks]}, prepare=True)
 
 
-# The lane locks of a lane wait (`await_passes`, `_AWAIT_MAY_HOLD`) this session still holds: shared, session level
-# (objsubid 2: two int4 keys), of the lanes' classes.
+# The lane locks of a lane wait (`await_passes`, the procedures of migrations/027) this session still holds: shared,
+# session level (objsubid 2: two int4 keys), of the lanes' classes.
 _RELEASE_LEFT = """
 SELECT pg_advisory_unlock_shared(l.classid::int, l.objid::int) FROM pg_locks l
 WHERE l.locktype = 'advisory' AND l.pid = pg_backend_pid() AND l.objsubid = 2 AND l.granted AND l.mode = 'ShareLock'
@@ -309,7 +308,7 @@ def mark_and_settle(
         pipeline.sync()
         delivered = _settling(conn, how, params, lane_locks(found))
     marked = {mid for (mid,) in marking.fetchall()} if marking else set()
-    return _outcomes(how, params, [row[0] for row in found], marked, delivered)
+    return _outcomes(how, params, [row[0] for row in found], marked, _ids(delivered))
 
 
 def settle(
@@ -320,7 +319,7 @@ def settle(
     its own, for a caller that commits the cancellations itself (tests hold a pass open between the two)."""
     with _released_on_error(conn), conn.pipeline():
         delivered = _settling(conn, how, params, lane_locks(found))
-    return _outcomes(how, params, [row[0] for row in found], marked, delivered)
+    return _outcomes(how, params, [row[0] for row in found], marked, _ids(delivered))
 
 
 def _settling(
@@ -332,6 +331,11 @@ def _settling(
     return _delivered(conn, how, params)
 
 
+def _ids(cursor: psycopg.Cursor) -> set[int]:
+    """The message ids of a cursor over (message_id) rows."""
+    return {mid for (mid,) in cursor.fetchall()}
+
+
 def _delivered(conn: psycopg.Connection, how: str, params: dict[str, object]) -> psycopg.Cursor:
     """After the wait for the passes (a statement of its own, so a snapshot taken after it), the search of the topics,
     by B-tree on message_id or by the BRIN bloom summaries on key (LOOKUP_PLAN)."""
@@ -339,60 +343,42 @@ def _delivered(conn: psycopg.Connection, how: str, params: dict[str, object]) ->
     return conn.execute(_DELIVERED[how], {"v": params["v"]}, prepare=True)  # planned once per connection, as `find`
 
 
-# --- One round trip ---------------------------------------------------------------------------------------------
-# `cancel` outside a transaction sends one pipeline, one Sync: BEGIN, the lookup and the insert of its cancellations
-# as one statement (`_FIND_AND_MARK`), COMMIT, the wait for the passes in flight (`_AWAIT_MAY_HOLD`), the search of
-# the topics. If the insert fails, the server skips the rest up to the Sync: nothing is committed, no lane is waited
-# for. The two-step way (find; mark and settle: three round trips) waited for the first to learn which lanes the
-# messages found are in; here the wait's statement works out a superset itself, from what it can read cheaply after
-# the commit: the wheel, and the levels with a pending segment that may hold the message (their filters, as the
-# lookup tests them). A level segment the lookup found is still pending there unless a pass that moved past it has
-# committed, and such a pass needs no waiting for: the search of the topics, after, sees what it delivered.
-# In one statement the lookup's rows are pending in the insert's snapshot, so the insert needs no STILL_PENDING.
-_FIND_AND_MARK = {
-    how: sql.SQL("""
-WITH found AS MATERIALIZED ({find}),
--- the cancellations, one per message (a concurrent cancel's insert is waited for; then this one inserts nothing)
-marked AS (
-    INSERT INTO delaywheel.cancellations (message_id, due_at, key, reason)
-    SELECT f.id, f.deliver_at, f.key, %(reason)s FROM found f
-    ON CONFLICT (message_id, due_at) DO NOTHING
-    RETURNING message_id)
-SELECT f.id, m.message_id IS NOT NULL FROM found f LEFT JOIN marked m ON m.message_id = f.id
-""")
-    .format(find=sql.SQL(query))
-    .as_string()
-    for how, query in _FIND_ONE.items()
+# --- One statement ---------------------------------------------------------------------------------------------
+# `cancel` outside a transaction is one CALL of a procedure (migrations/027), which runs what was a pipeline of
+# seven statements: the lookup and the insert of its cancellations as one statement, COMMIT, the wait for the passes in
+# flight (`_lane_wait` of `_LANES_MAY_HOLD`), the search of the topics. If the insert fails, nothing is committed and
+# no lane is waited for. The wait's statement works out which lanes to wait for itself, a superset, from what it can
+# read cheaply after the commit: the wheel, and the levels with a pending segment that may hold the message (their
+# filters, as the lookup tests them). A level segment the lookup found is still pending there unless a pass that moved
+# past it has committed, and such a pass needs no waiting for: the search of the topics, after, sees what it delivered.
+# The procedures embed `_FIND_ONE`, that wait and `_DELIVERED` as rendered here, each placeholder %(x)s as the
+# parameter p_x (tests/ops/test_cancel_procedures.py checks that they still do).
+_CALL = {
+    "id": "CALL delaywheel.cancel_by_id(%(v)s, %(reason)s)",
+    "key": "CALL delaywheel.cancel_by_key(%(v)s, %(h1)s, %(h2)s, %(slots)s, %(reason)s)",
 }
 
 
-def _cancel_in_one_trip(
+def _cancel_in_one_call(
     conn: psycopg.Connection, how: str, params: dict[str, object], reason: str
 ) -> list[CancelResult]:
-    """`cancel` outside a transaction, in one round trip (above). Raises CheckViolation, having committed nothing,
+    """`cancel` outside a transaction, in one statement (above). Raises CheckViolation, having committed nothing,
     when a message found is due on a day whose `cancellations` partition does not exist yet."""
-
-    def one_trip(own: bool) -> tuple[psycopg.Cursor, psycopg.Cursor]:  # own: on a Store's connection, always
-        with pipeline(conn):  # the insert's CheckViolation, however early it comes back, raised without a warning
-            conn.execute("BEGIN")
-            conn.execute(_GENERIC_FIND_PLAN)
-            marking = conn.execute(_FIND_AND_MARK[how], {**params, "reason": reason}, prepare=True)
-            conn.execute("COMMIT")  # in the pipeline: no Sync, which would wait for the results so far (a round trip)
-            conn.execute(_AWAIT_MAY_HOLD[how], params, prepare=True)
-            return marking, _delivered(conn, how, params)
-
-    with _released_on_error(conn):  # after in_own_transaction's rollback of a failed lookup or insert
-        marking, delivered = in_own_transaction(conn, one_trip)
-    rows = marking.fetchall()
-    return _outcomes(how, params, [mid for mid, _ in rows], {mid for mid, marked in rows if marked}, delivered)
+    with _released_on_error(conn):  # the wait failed part-way (a statement_timeout): the locks it took, released
+        # Not prepared: one round trip always. A prepared CALL costs one more whenever psycopg forgets its prepared
+        # statements (after any ROLLBACK or DROP on the connection: a pass's lane wait, a retire), and saves nothing:
+        # the plans worth keeping are the procedure's own, which the session keeps whatever psycopg does.
+        row = conn.execute(_CALL[how], {**params, "reason": reason}, prepare=False).fetchone()
+    found, marked, delivered = row or (None, None, None)
+    return _outcomes(how, params, found or [], set(marked or ()), set(delivered or ()))
 
 
 def _outcomes(
-    how: str, params: dict[str, object], found: Sequence[int], marked: set[int], delivering: psycopg.Cursor
+    how: str, params: dict[str, object], found: Sequence[int], marked: set[int], delivered: set[int]
 ) -> list[CancelResult]:
     """One result per message found (`found`: their ids), and one for each message with the id or key delivered
-    before the lookup; `not_found` when there is neither."""
-    delivered = {mid for (mid,) in delivering.fetchall()}
+    (`delivered`: their ids, the found ones among them delivered before their cancellation); `not_found` when there
+    is neither."""
     results = [
         CancelResult(
             mid, "already_delivered" if mid in delivered else "cancelled" if mid in marked else "already_cancelled"
@@ -416,7 +402,7 @@ def _cancel_locked(
         conn.execute(_HOLD_MAY_HOLD[how], params)
         found = conn.execute(_FIND_ONE[how], params).fetchall()
         marked = mark(conn, cache, found, reason)
-        delivered = conn.execute(_DELIVERED[how], params)  # none of `found`: their lanes are locked
+        delivered = _ids(conn.execute(_DELIVERED[how], params))  # none of `found`: their lanes are locked
     return _outcomes(how, params, [row[0] for row in found], marked, delivered)
 
 
