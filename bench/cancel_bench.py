@@ -93,6 +93,15 @@ def fill(store: Store, count: int, batch: int, near_only: bool = False) -> None:
         )
 
 
+def fill_at_rest(store: Store, other: psycopg.Connection, count: int, batch: int, near_only: bool = False) -> None:
+    """`fill`, then the store as autovacuum leaves it at rest (hint bits set, pages all-visible), rather than racing
+    it: a run right after the fill measured autovacuum's work beside the cancels (find 4 ms, against 2); and the pages
+    that wrote flushed, rather than by the checkpointer during the run. `other`: an autocommit connection."""
+    fill(store, count, batch, near_only)
+    other.execute("VACUUM (ANALYZE)")
+    other.execute("CHECKPOINT")
+
+
 # Random keys of timers not cancelled yet (a cancelled message stays in its queue until its partition is retired).
 _UNCANCELLED = " AND {} NOT IN (SELECT key FROM delaywheel.cancellations WHERE key IS NOT NULL)"
 SAMPLES = {
@@ -852,12 +861,7 @@ def main() -> None:
                 n = int(10_000_000 * args.scale)
                 log(f"1. fill {n:,} pending")
                 t = time.perf_counter()
-                fill(store, n, args.batch, args.near_only)
-                # as autovacuum leaves a store at rest (hint bits set, pages all-visible), rather than racing it: a
-                # run right after the fill measured autovacuum's work beside the cancels (find 4 ms, against 2); and
-                # the pages that wrote flushed, rather than by the checkpointer during the run
-                other.execute("VACUUM (ANALYZE)")
-                other.execute("CHECKPOINT")
+                fill_at_rest(store, other, n, args.batch, args.near_only)
                 log(f"   {time.perf_counter() - t:.0f} s")
                 lines += explain(store, other, args.plan)
                 lines += latency(store, other, args.per_lane, args.pause_ms / 1000)

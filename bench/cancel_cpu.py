@@ -25,7 +25,7 @@ from pathlib import Path
 
 import psycopg
 
-from bench.cancel_bench import SAMPLES, fill
+from bench.cancel_bench import SAMPLES, fill_at_rest
 from bench.common import drop_database, fresh_database, log
 from bench.send_bench import export_revision
 from delaywheel import Store
@@ -34,7 +34,8 @@ DB = "delaywheel_bench_cancel_cpu"
 ROOT = Path(__file__).resolve().parents[1]  # the checkout
 WARM_UP = 50  # cancels before the block is timed: the connection's prepared statements and plans
 
-# A block of cancels in a process of its own, on the `delaywheel` its PYTHONPATH finds: keys on stdin (one per line,
+# A block of cancels in a process of its own, on the `delaywheel` its PYTHONPATH finds (self-contained, so its `cpu` is
+# bench.cancel_bench.cpu_seconds again: importing the bench would import this checkout's modules beside that code): keys on stdin (one per line,
 # the first WARM_UP untimed), one JSON line out: µs per cancel in the caller, in its server process, and wall.
 WORKER = """
 import json, os, sys, time
@@ -85,9 +86,7 @@ def main() -> None:
     try:
         with Store(url) as store, psycopg.connect(url, autocommit=True) as other:
             log(f"fill {args.timers:,} near-wheel timers")
-            fill(store, args.timers, 20_000, near_only=True)
-            other.execute("VACUUM (ANALYZE)")
-            other.execute("CHECKPOINT")
+            fill_at_rest(store, other, args.timers, 20_000, near_only=True)
             size = WARM_UP + args.per_block
             keys = [k for (k,) in other.execute(SAMPLES["near"], (2 * args.blocks * size,))]
         if len(keys) < 2 * args.blocks * size:
