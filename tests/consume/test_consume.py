@@ -23,7 +23,7 @@ from delaywheel.cli import main
 from delaywheel.consume import consumer as consume
 from delaywheel.consume import topics
 from delaywheel.consume.topics import retry_topic
-from delaywheel.produce.producer import TOPIC_CHANNEL
+from delaywheel.produce.producer import TOPIC_CHANNEL, send_for_store
 from tests.conftest import ROOT, deliveries, delivering, syncs, traced
 
 
@@ -324,6 +324,33 @@ def test_a_batch_that_left_rows_unread_says_so(store: Store) -> None:
     whole = store.pull("t", "g", max_messages=5)
     assert len(whole) == 5 and not whole.behind
     assert not store.pull("t", "g", max_messages=6).behind
+    # the group's retry topic is read after the topic, into the room left: its rows that found none are behind
+    send_for_store(
+        store.conn, store.settings, store._cache, [Message(retry_topic("g"), {"n": i}) for i in range(2)], [1, 1]
+    )
+    assert store.pull("t", "g", max_messages=5).behind
+    assert store.pull("t", "g", max_messages=6).behind
+    both = store.pull("t", "g", max_messages=7)
+    assert len(both) == 7 and not both.behind
+
+
+def test_a_batch_is_in_each_sources_order_whatever_order_its_rows_arrive_in(store: Store) -> None:
+    """The read has no ORDER BY of its own (it sorted whole rows, bodies and all): `_batch` puts each source's rows in
+    (xid, queue_offset) order, so a plan that returned them otherwise would still hand them out in order."""
+    store.send_many([Message("t", {"n": i}) for i in range(4)])
+    store.send_many([Message("t", {"n": i}) for i in range(4, 7)])
+    send_for_store(store.conn, store.settings, store._cache, [Message(retry_topic("g"), {"n": 9})], [1])
+    sources = ("t", retry_topic("g"))
+    with store.conn.transaction():
+        store.conn.execute(topics._SET_READ_PLAN)
+        rows = topics._read(store.conn, "g", sources, 10).fetchall()
+    in_order = topics._batch("g", sources, rows, 10)
+    assert [m.message_id for m in in_order.messages] == [m.message_id for m in store.pull("t", "g", 10).messages]
+    assert [m.body["n"] for m in in_order.messages] == [0, 1, 2, 3, 4, 5, 6, 9]
+    for shuffled in (rows[::-1], rows[3:] + rows[:3]):
+        batch = topics._batch("g", sources, shuffled, 10)
+        assert batch.messages == in_order.messages and batch.positions == in_order.positions
+        assert batch.cursors == in_order.cursors
 
 
 def test_a_caught_up_consumer_acks_a_batch_with_the_pull_of_the_next_delivery(db_url: str, store: Store) -> None:
