@@ -34,9 +34,10 @@ DB = "delaywheel_bench_cancel_cpu"
 ROOT = Path(__file__).resolve().parents[1]  # the checkout
 WARM_UP = 50  # cancels before the block is timed: the connection's prepared statements and plans
 
-# A block of cancels in a process of its own, on the `delaywheel` its PYTHONPATH finds (self-contained, so its `cpu` is
-# bench.cancel_bench.cpu_seconds again: importing the bench would import this checkout's modules beside that code): keys on stdin (one per line,
-# the first WARM_UP untimed), one JSON line out: µs per cancel in the caller, in its server process, and wall.
+# A block of cancels in a process of its own, on the `delaywheel` its PYTHONPATH finds: keys on stdin (one per line,
+# the first WARM_UP untimed), one JSON line out: µs per cancel in the caller, in its server process, and wall. It is
+# self-contained, so its `cpu` is bench.cancel_bench.cpu_seconds again: importing the bench would import this
+# checkout's modules beside the code under test.
 WORKER = """
 import json, os, sys, time
 from pathlib import Path

@@ -368,8 +368,8 @@ def _cancel_in_one_call(
         # Not prepared: one round trip always. A prepared CALL costs one more whenever psycopg forgets its prepared
         # statements (after any ROLLBACK or DROP on the connection: a pass's lane wait, a retire), and saves nothing:
         # the plans worth keeping are the procedure's own, which the session keeps whatever psycopg does.
-        found, marked, delivered = conn.execute(_CALL[how], {**params, "reason": reason}, prepare=False).fetchone()  # type: ignore[misc]
-    # each array NULL when empty (array_agg of no rows)
+        row = conn.execute(_CALL[how], {**params, "reason": reason}, prepare=False).fetchone()
+    found, marked, delivered = row  # type: ignore[misc]  # a CALL returns its one row; each array NULL when empty
     return _outcomes(how, params, found or [], set(marked or ()), set(delivered or ()))
 
 
