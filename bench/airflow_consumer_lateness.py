@@ -152,6 +152,11 @@ def handovers(rows: list[tuple[int, float, float, float, int]]) -> list[tuple[fl
     return [(t, t - t0, task) for (t0, a), (t, task) in pairwise(seq) if task != a]
 
 
+def within(received: np.ndarray, since: float, seconds: float) -> np.ndarray:
+    """Which messages were received in the `seconds` from `since` (a hand-over, a deliver run's start)."""
+    return (received >= since) & (received < since + seconds)
+
+
 def kind_of(tasks: dict[str, str]) -> Callable[[str], str]:
     """What a process on the machine is, from its title: this bench's consumer task, its deliver lane tasks (task
     processes are titled `airflow worker -- <task instance id>`; `tasks`: task instance id -> task id), task
@@ -205,7 +210,7 @@ def task_figures(metadata_url: str, since: datetime) -> dict[str, Any]:
         ]
     starts = sorted((s - q).total_seconds() for q, s in rows if q is not None)
     return {
-        "deliver_starts": sorted(deliver_starts),
+        "deliver_starts": deliver_starts,
         "tasks": len(rows),
         "ids": tis,
         "start_p50": float(np.median(starts)) if starts else float("nan"),
@@ -263,12 +268,12 @@ def run(args: argparse.Namespace) -> tuple[list[Check], list[str]]:
     by_task = np.array([r[4] for r in rows])
     near = np.zeros(len(rows), dtype=bool)
     for t, _gap, task in moments:
-        near |= (received >= t) & (received < t + AFTER_HANDOVER_S) & (by_task == task)
+        near |= within(received, t, AFTER_HANDOVER_S) & (by_task == task)
     near_ms = (received[near] - due[near]) * 1000
     h50, h99, hworst = percentiles(near_ms)
     burst = np.zeros(len(rows), dtype=bool)
     for t in tasks["deliver_starts"]:
-        burst |= (received >= t) & (received < t + AFTER_DELIVER_START_S)
+        burst |= within(received, t, AFTER_DELIVER_START_S)
     _, b99, _ = percentiles((received[burst] - due[burst]) * 1000)
     _, o99, oworst = percentiles((received[~burst] - due[~burst]) * 1000)
     gaps = sorted(g * 1000 for _, g, _ in moments)
