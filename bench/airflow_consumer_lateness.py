@@ -2,7 +2,7 @@
 
 A live Airflow (`scripts/airflow.sh standalone`: API server, scheduler with the LocalExecutor, triggerer, DAG
 processor) on its own metadata database, with a DAG folder of two DAGs: `delaywheel_deliver` (the project's, its
-lanes' leases as configured) and `bench_consumer_lease`, a copy of `delaywheel_consumer_lease_template` with a short
+lanes' leases as configured; `--deliver-tasks one` gives it one task for every lane) and `bench_consumer_lease`, a copy of `delaywheel_consumer_lease_template` with a short
 lease (a run every `--interval` s, each task consuming until `--interval + --overlap` s after its run's scheduled
 time), so that several hand-overs fall inside the load. Its handler (`apply_function_batch`) appends, per message,
 (message_id, received, due, delivered_at) to a file per task process, `received` being `time.time()` when the
@@ -49,9 +49,9 @@ DAG_ID = "bench_consumer_lease"
 GROUP = "bench-airflow"
 WORK = ROOT / ".delaywheel" / "bench" / "airflow_consumer"
 AFTER_HANDOVER_S = 2.0
-# The deliver DAG's next run starts its 19 lane tasks at once: on 2 cores that burst is where the slowest messages
-# come from (DESIGN.md, "What sets its p99 on two cores"), so the lateness of this long after each such start is
-# reported apart from the rest.
+# The deliver DAG's next run starts its 19 lane tasks at once (one task with `--deliver-tasks one`): on 2 cores that
+# burst is where the slowest messages come from (DESIGN.md, "What sets its p99 on two cores"), so the lateness of
+# this long after each such start is reported apart from the rest.
 AFTER_DELIVER_START_S = 20.0
 
 # The consumer DAG: delaywheel_consumer_lease_template with the bench's topic, group, lease and a recording handler.
@@ -173,6 +173,8 @@ def kind_of(tasks: dict[str, str]) -> Callable[[str], str]:
                 if task == "advance_wheel"
                 else "level lane tasks"
                 if task.startswith("deliver_level_")
+                else "every-lane deliver task"
+                if task == "deliver_all_lanes"
                 else "other tasks"
             )
         if title.startswith("airflow supervisor"):
@@ -226,9 +228,10 @@ def run(args: argparse.Namespace) -> tuple[list[Check], list[str]]:
     records.mkdir(parents=True)
     folder = dag_folder(records, args.interval, args.overlap)
     seconds = args.minutes * 60
-    lanes = load_settings().max_level + 1
+    lanes = 1 if args.deliver_tasks == "one" else load_settings().max_level + 1
     ctx = mp.get_context("spawn")
-    with standalone(url, None, {"AIRFLOW__CORE__DAGS_FOLDER": str(folder)}) as (proc, metadata_url):
+    env = {"AIRFLOW__CORE__DAGS_FOLDER": str(folder), "AIRFLOW__DELAYWHEEL__DELIVER_TASKS": args.deliver_tasks}
+    with standalone(url, None, env) as (proc, metadata_url):
         wait_running(metadata_url, lanes, proc, timeout=900)
         wait_running(metadata_url, 1, proc, timeout=300, dag_id=DAG_ID)
         log(f"all {lanes} deliver tasks and a {DAG_ID} task running; settling 10 s")
@@ -288,7 +291,8 @@ def run(args: argparse.Namespace) -> tuple[list[Check], list[str]]:
     handoff = lateness_ms - delivery_ms
     notes = [
         f"{len(ids):,} sent at {args.rate}/s over {args.minutes:g} min, delays uniform 1-10 s (timing wheel); "
-        f"Airflow standalone (LocalExecutor) running `delaywheel_deliver` ({lanes} lane tasks, leases as configured) "
+        f"Airflow standalone (LocalExecutor) running `delaywheel_deliver` (deliver_tasks = {args.deliver_tasks}: "
+        f"{lanes} deliver task(s) a run, leases as configured) "
         f"and `{DAG_ID}` (ConsumeOperator, batches of up to 500, a run every {args.interval:g} s, lease "
         f"{args.interval + args.overlap:g} s, grace {args.overlap:g} s)",
         f"consumer lateness (received - due): p50 {p50:.1f} ms, p99 {p99:.1f} ms, max {worst:.1f} ms; "
@@ -323,6 +327,12 @@ def main(argv: list[str] | None = None) -> list[Check]:
     parser = load_options(argparse.ArgumentParser(description=__doc__), minutes=10.0, seed=19)
     parser.add_argument("--interval", type=float, default=60.0, help="a consumer run (lease) starts this often (s)")
     parser.add_argument("--overlap", type=float, default=20.0, help="each lease lasts this much longer (s)")
+    parser.add_argument(
+        "--deliver-tasks",
+        choices=("per_lane", "one"),
+        default="per_lane",
+        help="the deliver DAG's [delaywheel] deliver_tasks: a task per lane (the default) or one for every lane",
+    )
     args, _ = parser.parse_known_args(argv)
     started = datetime.now(UTC)
     checks, notes = run(args)

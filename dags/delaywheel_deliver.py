@@ -22,6 +22,15 @@ its lane is running, so a successor killed at start-up (measured: API timeouts w
 once on 2 cores) leaves no idle lane while Airflow retries it. The price: twice the task slots during the overlap; the
 `delaywheel_deliver` pool (2 x (levels + 1) slots, created by scripts/airflow.sh) bounds it.
 
+One task for every lane (`[delaywheel] deliver_tasks = one`; default `per_lane`): each run then starts one task,
+`deliver_all_lanes` (`DeliverAllLanesOperator`), that runs the one delivery loop `delaywheel deliver` runs over every
+lane, passing whichever lane falls due next. Airflow starting 19 tasks at once costs a supervisor and a task process
+each, 6-7 CPU-seconds within ~12 s on 2 cores, once per lease: every delivery and every consumer on the machine waits
+for a CPU meanwhile, and a lease consumer's p99 was mostly those seconds (DESIGN.md, "What sets its p99 on two
+cores"). One task starts in a fraction of that. What it gives up: a lane of its own per task in the grid, its own log
+and its own retry, and passes of different lanes running at once on several cores (they take turns in one loop, as
+in `delaywheel deliver`). Prefer it on a machine with few cores.
+
 When every lane's task has ended, `publish_topic_events` records one Asset event per topic for the
 whole run (see PublishTopicEventsOperator for why not one per task).
 
@@ -34,8 +43,8 @@ DAG per store, `delaywheel_deliver_<name>`, on the store's connection `delaywhee
 `delaywheel_deliver_<name>` (2 x (levels + 1) slots each, created by scripts/airflow.sh). With no stores configured it
 makes `delaywheel_deliver` on `delaywheel_default` and pool `delaywheel_deliver`, as always.
 
-Parsing reads only the level table, the store names and two numbers (environment / airflow.cfg): no database, no
-Spark.
+Parsing reads only the level table, the store names, two numbers and `deliver_tasks` (environment / airflow.cfg): no
+database, no Spark.
 """
 
 from __future__ import annotations
@@ -47,7 +56,12 @@ from airflow.sdk import DAG, Param, TaskGroup, conf
 
 from delaywheel import load_settings
 from delaywheel.airflow.hooks import store_conn_id, store_names
-from delaywheel.airflow.operators import AdvanceWheelOperator, DeliverLevelOperator, PublishTopicEventsOperator
+from delaywheel.airflow.operators import (
+    AdvanceWheelOperator,
+    DeliverAllLanesOperator,
+    DeliverLevelOperator,
+    PublishTopicEventsOperator,
+)
 from delaywheel.lanes import delay_label
 
 POOL = "delaywheel_deliver"
@@ -55,6 +69,9 @@ SETTINGS = load_settings()
 LEVELS = SETTINGS.levels
 INTERVAL_S = conf.getfloat("delaywheel", "deliver_lease_seconds", fallback=300.0)
 OVERLAP_S = conf.getfloat("delaywheel", "deliver_overlap_seconds", fallback=120.0)
+TASKS = conf.get("delaywheel", "deliver_tasks", fallback="per_lane")
+if TASKS not in ("per_lane", "one"):
+    raise ValueError(f"[delaywheel] deliver_tasks must be 'per_lane' or 'one', not {TASKS!r}")
 
 
 def deliver_dag(dag_id: str, conn_id: str, pool: str) -> None:
@@ -100,17 +117,20 @@ def deliver_dag(dag_id: str, conn_id: str, pool: str) -> None:
         # task ids stay deliver_level_<n> and advance_wheel (prefix_group_id=False): the grid and graph show the lanes
         # in level order and nothing that names a task changes.
         width = len(str(len(LEVELS)))
-        lanes: list[DeliverLevelOperator | AdvanceWheelOperator] = []
-        for level, delay in enumerate(LEVELS, start=1):
-            name = f"level {level} ({delay_label(delay)})"
-            with TaskGroup(f"lane_{level:0{width}d}", group_display_name=name, prefix_group_id=False):
-                lanes.append(
-                    DeliverLevelOperator(
-                        task_id=f"deliver_level_{level}", task_display_name=name, level=level, **common
+        lanes: list[DeliverLevelOperator | AdvanceWheelOperator | DeliverAllLanesOperator] = []
+        if TASKS == "one":
+            lanes.append(DeliverAllLanesOperator(task_id="deliver_all_lanes", task_display_name="every lane", **common))
+        else:
+            for level, delay in enumerate(LEVELS, start=1):
+                name = f"level {level} ({delay_label(delay)})"
+                with TaskGroup(f"lane_{level:0{width}d}", group_display_name=name, prefix_group_id=False):
+                    lanes.append(
+                        DeliverLevelOperator(
+                            task_id=f"deliver_level_{level}", task_display_name=name, level=level, **common
+                        )
                     )
-                )
-        with TaskGroup("lane_wheel", group_display_name="timing wheel", prefix_group_id=False):
-            lanes.append(AdvanceWheelOperator(task_id="advance_wheel", task_display_name="timing wheel", **common))
+            with TaskGroup("lane_wheel", group_display_name="timing wheel", prefix_group_id=False):
+                lanes.append(AdvanceWheelOperator(task_id="advance_wheel", task_display_name="timing wheel", **common))
         lanes >> PublishTopicEventsOperator(
             task_id="publish_topic_events",
             task_display_name="topic Asset events",

@@ -26,6 +26,9 @@ def all_lanes(settings: Settings, *, wheel: bool = True) -> list[Lane]:
     return [*range(1, settings.max_level + 1), *([None] if wheel else [])]
 
 
+EVERY_LANE = "every lane"  # how results and Asset events name one deliverer of all lanes (DeliverAllLanesOperator)
+
+
 def lane_name(lane: Lane) -> str:
     """How logs, reports and Asset events name a lane: 'level 3', 'wheel'."""
     return "wheel" if lane is None else f"level {lane}"

@@ -30,15 +30,16 @@ import json, sys
 from airflow.dag_processing.dagbag import DagBag
 from airflow.serialization.serialized_objects import DagSerialization
 bag = DagBag(dag_folder=sys.argv[1])
+deliver = bag.dags.get("delaywheel_deliver")
 print(json.dumps({
     "errors": {k: str(v) for k, v in bag.import_errors.items()},
     "dags": {d.dag_id: [t.task_id for t in d.tasks] for d in bag.dags.values()},
-    "levels": {t.task_id: t.level for t in bag.dags["delaywheel_deliver"].tasks if hasattr(t, "level")},
+    "levels": {t.task_id: t.level for t in deliver.tasks if hasattr(t, "level")} if deliver else {},
     "consumer_assets": [a.uri for a in bag.dags["delaywheel_consumer_template"].timetable.asset_condition.objects],
     "spark_loaded": "pyspark" in sys.modules,
     # the deliver DAG's top level as the grid lists it (serialized, sorted by Airflow's grid order)
-    "grid": [n.label for n in DagSerialization.from_dict(DagSerialization.to_dict(bag.dags["delaywheel_deliver"]))
-             .task_group.topological_sort()],
+    "grid": [n.label for n in DagSerialization.from_dict(DagSerialization.to_dict(deliver))
+             .task_group.topological_sort()] if deliver else [],
 }))
 """
 
@@ -103,6 +104,21 @@ def test_every_dag_imports_without_touching_the_store_or_spark(airflow_db: dict[
         "timing wheel",
         "publish_topic_events",
     ]
+
+
+def test_one_deliver_task_for_every_lane_and_a_wrong_value_named(
+    airflow_db: dict[str, str], trap: socket.socket
+) -> None:
+    """`[delaywheel] deliver_tasks = one` makes one deliver task a run; any other value than per_lane or one fails
+    the deliver DAG's import, naming the value, and leaves the other DAGs alone."""
+    result = parse_dags(airflow_db, trap, AIRFLOW__DELAYWHEEL__DELIVER_TASKS="one")
+    assert result["errors"] == {}
+    assert result["dags"]["delaywheel_deliver"] == ["deliver_all_lanes", "publish_topic_events"]
+    result = parse_dags(airflow_db, trap, AIRFLOW__DELAYWHEEL__DELIVER_TASKS="all")
+    ((path, error),) = result["errors"].items()
+    assert path.endswith("delaywheel_deliver.py")
+    assert "deliver_tasks must be 'per_lane' or 'one', not 'all'" in error
+    assert "delaywheel_deliver" not in result["dags"] and "delaywheel_maintenance" in result["dags"]
 
 
 @pytest.mark.parametrize("variable", ["DELAYWHEEL_LEVELS", "AIRFLOW__DELAYWHEEL__LEVELS"])

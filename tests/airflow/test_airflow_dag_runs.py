@@ -31,6 +31,17 @@ def dags(store_connection: str, monkeypatch: pytest.MonkeyPatch) -> dict[str, An
     return bag.dags
 
 
+@pytest.fixture
+def one_task_dags(dags: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """The DAGs parsed again with `[delaywheel] deliver_tasks = one` (Airflow reads its environment at each get)."""
+    monkeypatch.setenv("AIRFLOW__DELAYWHEEL__DELIVER_TASKS", "one")
+    from airflow.dag_processing.dagbag import DagBag
+
+    bag = DagBag(dag_folder=DagBag().dag_folder)
+    assert bag.import_errors == {}
+    return bag.dags
+
+
 def run_dag(dag: Any, **conf: Any) -> tuple[str, dict[str, str], dict[str, Any]]:
     """dag.test(); returns (run id, task states, XCom return values)."""
     from airflow.models import TaskInstance
@@ -116,6 +127,28 @@ def test_deliver_then_consume(dags: dict[str, Any], db_url: str) -> None:
         assert acked == (50,)
         _, _, values = run_dag(dags["delaywheel_consumer_template"])
         assert values["consume"]["consumed"] == 0  # acked: nothing is read twice
+
+
+def test_one_deliver_task_serves_every_lane(one_task_dags: dict[str, Any], db_url: str) -> None:
+    """`deliver_tasks = one`: a run is one task that delivers every level and the wheel, each message once and
+    none early, and the run's Asset events name its lane `every lane`."""
+    deliver = one_task_dags["delaywheel_deliver"]
+    assert [t.task_id for t in deliver.tasks] == ["deliver_all_lanes", "publish_topic_events"]
+    with Store(db_url, Settings(levels=Settings().levels[:2])) as store:
+        now = store.clock()
+        sent = [store.send("orders", n, delay_level=1 + n % 2, now=now - timedelta(seconds=6)) for n in range(20)]
+        sent += [store.send("orders", n, delay=timedelta(seconds=1)) for n in range(20, 30)]  # the wheel
+        store.prepare()
+
+        run_id, states, values = run_dag(deliver, lease_seconds=30, until_idle=True)
+
+        assert set(states.values()) == {"success"}
+        delivered = deliveries(store)
+        assert Counter(d[0] for d in delivered) == Counter(sent)
+        assert all(d[2] >= d[1] for d in delivered)
+        assert values["deliver_all_lanes"]["per_lane"] == {"level 1": 10, "level 2": 10, "wheel": 10}
+        ((uri, extra),) = asset_events(run_id)
+        assert (uri, extra["count"], extra["lanes"]) == ("delaywheel://topics/orders", 30, ["every lane"])
 
 
 def test_maintenance(dags: dict[str, Any], db_url: str) -> None:

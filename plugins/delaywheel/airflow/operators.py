@@ -1,7 +1,7 @@
-"""Operators: deliver a level or advance the wheel for a lease, enqueue, cancel.
+"""Operators: deliver a level, advance the wheel, or serve every lane for a lease; enqueue, cancel.
 
-`DeliverLevelOperator` / `AdvanceWheelOperator` stay alive for `lease_seconds` and run
-`delaywheel.deliver.runner.run` on their lane: deliver what is due, sleep exactly until the next due time
+`DeliverLevelOperator` / `AdvanceWheelOperator` / `DeliverAllLanesOperator` stay alive for `lease_seconds` and run
+`delaywheel.deliver.runner.run` on their lanes: deliver what is due, sleep exactly until the next due time
 (waking on a producer's NOTIFY), repeat. A task start costs Airflow about a second, so one task per
 due time could never give sub-second lateness; a lease amortises that start over many deliveries.
 Each pass is one transaction that moves the messages and the checkpoint together, and the runner stops
@@ -33,12 +33,12 @@ from airflow.sdk import Asset, AssetAlias, AssetWatcher, BaseOperator, Context
 from airflow.sdk.module_loading import import_string
 from psycopg import sql
 
-from delaywheel import Message, Store, load_settings
+from delaywheel import Message, Settings, Store, load_settings
 from delaywheel.consume.consumer import SAFETY_WAKE_S, Abandon
 from delaywheel.consume.topics import Delivered
 from delaywheel.db import connect
 from delaywheel.deliver import runner
-from delaywheel.lanes import Lane, lane_name
+from delaywheel.lanes import EVERY_LANE, Lane, all_lanes, lane_name
 from delaywheel.locks import CONSUMER_PRESENCE_LOCK, CONSUMER_TURN_LOCK, GROUP_TOPIC_KEY
 from delaywheel.routing import Stores
 from delaywheel.types import TopicSpan, add_spans, event_extra
@@ -118,7 +118,7 @@ class PublishTopicEventsOperator(BaseOperator):
 
 
 class _LeaseOperator(BaseOperator):
-    """Runs the delivery loop on one lane for a lease; subclasses say which lane.
+    """Runs the delivery loop on its lanes for a lease; subclasses say which lanes.
 
     With `align_lease_to_run` (the default) the lease ends `lease_seconds` after the DAG run's scheduled
     time (`run_after`), not after this task's start: every lane of a run hands over at the same moment,
@@ -127,10 +127,10 @@ class _LeaseOperator(BaseOperator):
     With `handover_grace_seconds`, a task whose lease ended keeps its lane (up to that much longer) until
     another deliverer of the lane is running: a successor killed at start-up leaves no gap while it retries.
 
-    The lease arguments of `DeliverLevelOperator` and `AdvanceWheelOperator`:
+    The lease arguments of `DeliverLevelOperator`, `AdvanceWheelOperator` and `DeliverAllLanesOperator`:
 
     :param lease_seconds: how long the task delivers, in seconds (templated; default 300).
-    :param until_idle: stop, before the lease end, once nothing is pending on the lane (templated; rendered text
+    :param until_idle: stop, before the lease end, once nothing is pending on its lanes (templated; rendered text
         "true"/"1"/"yes"/"on" is true; default False): a drain-and-stop run.
     :param handover_grace_seconds: past its lease, keep the lane up to this much longer until another deliverer
         of it is running (templated; default 0.0: stop at the lease end whatever happens).
@@ -143,7 +143,8 @@ class _LeaseOperator(BaseOperator):
         alias, when the task ends (not templated; default True). The deliver DAG turns it off and records them
         once per run in `PublishTopicEventsOperator`.
 
-    Returns the lane's totals (``delivered``, ``passes``, ``reconnects``...) and per topic the span delivered.
+    Returns the lanes' totals (``delivered``, ``passes``, ``reconnects``..., ``per_lane``) and per topic the span
+    delivered.
     """
 
     template_fields: tuple[str, ...] = ("lease_seconds", "until_idle", "handover_grace_seconds", "delaywheel_conn_id")
@@ -173,7 +174,8 @@ class _LeaseOperator(BaseOperator):
         self.emit_asset_events = emit_asset_events
         self._stop: threading.Event | None = None
 
-    def lane(self) -> Lane:
+    def lanes(self, settings: Settings) -> list[Lane]:
+        """The lanes this task serves, checked against the store's level table."""
         raise NotImplementedError
 
     def lease_left(self, context: Context) -> float:
@@ -181,16 +183,15 @@ class _LeaseOperator(BaseOperator):
         return _lease_left(context, float(self.lease_seconds), self.align_lease_to_run, self.min_lease_seconds)
 
     def execute(self, context: Context) -> dict[str, Any]:
-        lane = self.lane()
         lease = self.lease_left(context)
         self._stop = threading.Event()
         with DelayWheelHook(self.delaywheel_conn_id).get_store() as store:
-            if lane is not None and not 1 <= lane <= store.settings.max_level:
-                raise ValueError(f"level {lane} is not configured (1..{store.settings.max_level})")
-            self.log.info("delivering on %s for a lease of %.1fs", lane_name(lane), lease)
+            lanes = self.lanes(store.settings)
+            name = lane_name(lanes[0]) if len(lanes) == 1 else EVERY_LANE
+            self.log.info("delivering on %s for a lease of %.1fs", ", ".join(map(lane_name, lanes)), lease)
             totals = runner.run(
                 store,
-                [lane],
+                lanes,
                 lease,
                 stop=self._stop,
                 until_idle=_truthy(self.until_idle),
@@ -203,7 +204,6 @@ class _LeaseOperator(BaseOperator):
                     t.waited_passes,
                 ),
             )
-        name = lane_name(lane)
         if self.emit_asset_events:
             for topic, span in sorted(totals.per_topic.items()):
                 context["outlet_events"][TOPICS_ALIAS].add(topic_asset(topic), extra=event_extra(topic, name, span))
@@ -217,6 +217,7 @@ class _LeaseOperator(BaseOperator):
             "busy_passes": totals.busy_passes,
             "waited_passes": totals.waited_passes,  # found the lane's lock held (a cancel's wait) and waited for it
             "reconnects": totals.reconnects,  # connections lost (a PostgreSQL restart) and made again
+            "per_lane": totals.per_lane,  # delivered per lane name
             "topics": {t: event_extra(t, name, s) for t, s in sorted(totals.per_topic.items())},
         }
 
@@ -241,8 +242,11 @@ class DeliverLevelOperator(_LeaseOperator):
         super().__init__(**kwargs)
         self.level = level
 
-    def lane(self) -> Lane:
-        return int(self.level)
+    def lanes(self, settings: Settings) -> list[Lane]:
+        level = int(self.level)
+        if not 1 <= level <= settings.max_level:
+            raise ValueError(f"level {level} is not configured (1..{settings.max_level})")
+        return [level]
 
 
 class AdvanceWheelOperator(_LeaseOperator):
@@ -251,8 +255,23 @@ class AdvanceWheelOperator(_LeaseOperator):
     Its arguments are the lease's, documented on `_LeaseOperator`.
     """
 
-    def lane(self) -> Lane:
-        return None
+    def lanes(self, settings: Settings) -> list[Lane]:
+        return [None]
+
+
+class DeliverAllLanesOperator(_LeaseOperator):
+    """Deliver every configured level and advance the wheel for a lease, in one task: one delivery loop, as
+    `delaywheel deliver` runs it, that passes whichever lane falls due next.
+
+    The deliver DAG uses it with `[delaywheel] deliver_tasks = one`: a run then starts one task, not one per lane.
+    On a small machine that start is what a lease hand-over costs everyone else (dags/delaywheel_deliver.py).
+    Its Asset event extras name the lane ``every lane``; ``per_lane`` in its result counts each lane's deliveries.
+
+    Its arguments are the lease's, documented on `_LeaseOperator`.
+    """
+
+    def lanes(self, settings: Settings) -> list[Lane]:
+        return all_lanes(settings)
 
 
 TURN_WAIT_S = 0.2  # a lease consumer waiting for its turn looks at its stop event this often
