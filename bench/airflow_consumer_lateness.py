@@ -1,15 +1,15 @@
 """Consumer-observed lateness through the Airflow long-running consumer (issue 19, item 3), lease hand-overs included.
 
-A live Airflow (`scripts/airflow.sh standalone`: API server, scheduler with the LocalExecutor, triggerer, DAG
-processor) on its own metadata database, with a DAG folder of two DAGs: `delaywheel_deliver` (the project's, its
-lanes' leases as configured; `--deliver-tasks one` gives it one task for every lane) and `bench_consumer_lease`, a copy of `delaywheel_consumer_lease_template` with a short
-lease (a run every `--interval` s, each task consuming until `--interval + --overlap` s after its run's scheduled
-time), so that several hand-overs fall inside the load. Its handler (`apply_function_batch`) appends, per message,
-(message_id, received, due, delivered_at) to a file per task process, `received` being `time.time()` when the
-batch reached the handler (the database's clock on this machine). A producer sends a steady `--rate` (1,000)
-messages/s with delays uniform in 1-10 s (timing-wheel timers; bench.consumer_lateness's producer). The DAG file also
-records each full garbage collection of the consumer task processes from their first batch on (one would hold
-messages up).
+A live Airflow (`scripts/airflow.sh standalone`: API server, scheduler with the LocalExecutor, triggerer, DAG processor)
+on its own metadata database, with a DAG folder of two DAGs: `delaywheel_deliver` (the project's, its lanes' leases as
+configured; `--deliver-tasks one` gives it one task for every lane) and `bench_consumer_lease`, a copy of
+`delaywheel_consumer_lease_template` with a short lease (a run every `--interval` s, each task consuming until
+`--interval + --overlap` s after its run's scheduled time), so that several hand-overs fall inside the load. Its handler
+(`apply_function_batch`) appends, per message, (message_id, received, due, delivered_at) to a file per task process,
+`received` being `time.time()` when the batch reached the handler (the database's clock on this machine). A producer
+sends a steady `--rate` (1,000) messages/s with delays uniform in 1-10 s (timing-wheel timers; bench.consumer_lateness's
+producer). The DAG file also records each full garbage collection of the consumer task processes from their first batch
+on (one would hold messages up).
 
 Reported, against the issue's targets (p50 <= 50 ms, p99 <= 250 ms, max <= 1 s; 0 early, duplicates, missing):
 received - due per message, beside the baseline of the same run, the delivery-only lateness of the same messages

@@ -21,25 +21,27 @@ pytestmark = pytest.mark.airflow
 LEVELS = "1s 5s"
 
 
+def parse(monkeypatch: pytest.MonkeyPatch, **env: str) -> dict[str, Any]:
+    """The shipped DAGs, parsed with the short level table and `env` (Airflow reads its environment at each get)."""
+    monkeypatch.setenv("DELAYWHEEL_LEVELS", LEVELS)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    from airflow.dag_processing.dagbag import DagBag
+
+    bag = DagBag(dag_folder=DagBag().dag_folder)
+    assert bag.import_errors == {}
+    return bag.dags
+
+
 @pytest.fixture
 def dags(store_connection: str, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
-    monkeypatch.setenv("DELAYWHEEL_LEVELS", LEVELS)
-    from airflow.dag_processing.dagbag import DagBag
-
-    bag = DagBag(dag_folder=DagBag().dag_folder)
-    assert bag.import_errors == {}
-    return bag.dags
+    return parse(monkeypatch)
 
 
 @pytest.fixture
-def one_task_dags(dags: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
-    """The DAGs parsed again with `[delaywheel] deliver_tasks = one` (Airflow reads its environment at each get)."""
-    monkeypatch.setenv("AIRFLOW__DELAYWHEEL__DELIVER_TASKS", "one")
-    from airflow.dag_processing.dagbag import DagBag
-
-    bag = DagBag(dag_folder=DagBag().dag_folder)
-    assert bag.import_errors == {}
-    return bag.dags
+def one_task_dags(store_connection: str, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """The DAGs with `[delaywheel] deliver_tasks = one`."""
+    return parse(monkeypatch, AIRFLOW__DELAYWHEEL__DELIVER_TASKS="one")
 
 
 def run_dag(dag: Any, **conf: Any) -> tuple[str, dict[str, str], dict[str, Any]]:
