@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import logging
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import DAG, Param, task
 
-from delaywheel import Delivered
-from delaywheel.airflow.hooks import DelayWheelHook
 from delaywheel.airflow.operators import topic_asset
+
+if TYPE_CHECKING:  # for the annotation only: Airflow parses this file every 30 s, and the store's code is not light
+    from delaywheel import Delivered
 
 TOPIC = "orders"  # the topic to consume
 GROUP = "orders-template"  # this consumer's group: each group gets every message; give each consumer its own
@@ -65,6 +66,8 @@ with DAG(
     @task
     def consume(params: dict[str, Any] | None = None, triggering_asset_events: Any = None) -> dict[str, Any]:
         assert params is not None  # Airflow passes the run's params (a context key named in the signature)
+        from delaywheel.airflow.hooks import DelayWheelHook  # the postgres provider and psycopg: when the task runs
+
         for asset, events in (triggering_asset_events or {}).items():
             for event in events:
                 log.info("triggered by %s: %s", getattr(asset, "uri", asset), event.extra)

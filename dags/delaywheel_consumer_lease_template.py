@@ -32,11 +32,14 @@ from __future__ import annotations
 
 import logging
 from datetime import datetime, timedelta
+from typing import TYPE_CHECKING
 
 from airflow.sdk import DAG, Param
 
-from delaywheel import Delivered
 from delaywheel.airflow.operators import ConsumeOperator
+
+if TYPE_CHECKING:  # for the annotation only: Airflow parses this file every 30 s, and the store's code is not light
+    from delaywheel import Delivered
 
 TOPIC = "orders"  # the topic to consume
 GROUP = "orders-lease-template"  # this consumer's group: each group gets every message; give each consumer its own

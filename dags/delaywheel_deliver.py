@@ -55,7 +55,7 @@ from typing import Any
 from airflow.sdk import DAG, Param, TaskGroup, conf
 
 from delaywheel import load_settings
-from delaywheel.airflow.hooks import store_conn_id, store_names
+from delaywheel.airflow.connections import store_conn_id, store_names
 from delaywheel.airflow.operators import (
     AdvanceWheelOperator,
     DeliverAllLanesOperator,

@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import contextlib
 from datetime import datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import DAG, TaskGroup, task
-from psycopg import sql
 
-from delaywheel.airflow.hooks import DelayWheelHook, store_conn_id, store_names
+from delaywheel.airflow.connections import store_conn_id, store_names
+
+if TYPE_CHECKING:
+    from delaywheel import Store
 
 # A table is vacuumed once its dead rows pass both bounds (autovacuum's own rule, with smaller numbers:
 # these tables are tiny, but every delivery pass reads them).
@@ -50,6 +52,15 @@ NEEDS_VACUUM = """
     ORDER BY n_dead_tup DESC
 """
 
+
+def store_on(conn_id: str) -> Store:
+    """The store on Airflow connection `conn_id`. The hook (with the postgres provider, psycopg and the store) is
+    imported when a task runs, not each time the DAG processor parses this file (every 30 s)."""
+    from delaywheel.airflow.hooks import DelayWheelHook
+
+    return DelayWheelHook(conn_id).get_store()
+
+
 with DAG(
     dag_id="delaywheel_maintenance",
     schedule="@hourly",
@@ -64,30 +75,32 @@ with DAG(
 
     @task
     def prepare(conn_id: str) -> None:
-        with DelayWheelHook(conn_id).get_store() as store:
+        with store_on(conn_id) as store:
             store.prepare()
 
     @task
     def retire(conn_id: str) -> list[dict[str, Any]]:
-        with DelayWheelHook(conn_id).get_store() as store:
+        with store_on(conn_id) as store:
             retired = store.retire()
         return [{"parent": r.parent, "partition": r.name, "rows": r.rows} for r in retired]
 
     @task
     def summarize(conn_id: str) -> int:
-        with DelayWheelHook(conn_id).get_store() as store:
+        with store_on(conn_id) as store:
             return store.summarize()
 
     @task
     def table_sizes(conn_id: str) -> list[dict[str, Any]]:
-        with DelayWheelHook(conn_id).get_store() as store:
+        with store_on(conn_id) as store:
             cur = store.conn.execute(SIZES)
             names = [d.name for d in cur.description or []]
             return [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
 
     @task
     def vacuum(conn_id: str) -> list[str]:
-        with DelayWheelHook(conn_id).get_store() as store:
+        from psycopg import sql
+
+        with store_on(conn_id) as store:
             tables = [r[0] for r in store.conn.execute(NEEDS_VACUUM, {"min": DEAD_ROWS_MIN, "fraction": DEAD_FRACTION})]
             for table in tables:  # store.conn is autocommit: VACUUM refuses to run in a transaction block
                 store.conn.execute(sql.SQL("VACUUM (ANALYZE) {}").format(sql.Identifier("delaywheel", table)))

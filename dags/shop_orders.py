@@ -19,7 +19,7 @@ from typing import Any
 from airflow.sdk import DAG, Param, task
 from delaywheel_shop import orders
 
-from delaywheel.airflow.hooks import DelayWheelHook, store_conn_id, topic_stores
+from delaywheel.airflow.connections import store_conn_id, topic_stores
 from delaywheel.airflow.spark import spark_job
 
 START = datetime(2025, 1, 1)
@@ -75,6 +75,8 @@ with DAG(
     @task
     def act(params: dict[str, Any] | None = None) -> dict[str, int]:
         assert params is not None  # Airflow passes the run's params (a context key named in the signature)
+        from delaywheel.airflow.hooks import DelayWheelHook  # the postgres provider: when the task runs
+
         with DelayWheelHook(store_conn_id(SHOP_STORE)).get_store() as store:
             return orders.run_customers(
                 store, stop=threading.Event(), every_s=0.2, duration_s=int(params["lease_seconds"])

@@ -134,3 +134,42 @@ def test_deliver_tasks_follow_a_custom_level_table(
         "advance_wheel",
         "publish_topic_events",
     ]
+
+
+IMPORTS_OF_DAG = """
+import importlib.util, json, sys
+import airflow.sdk  # the DAG processor imports the Airflow modules a file names before it parses the file
+spec = importlib.util.spec_from_file_location("dag_file", sys.argv[1])
+spec.loader.exec_module(importlib.util.module_from_spec(spec))
+heavy = ("psycopg", "pglast", "pyarrow", "delaywheel.store", "airflow.providers.postgres.hooks.postgres")
+print(json.dumps([m for m in heavy if m in sys.modules]))
+"""
+LIGHT_DAGS = (
+    "delaywheel_deliver",
+    "delaywheel_maintenance",
+    "delaywheel_consumer_lease_template",
+    "consumer_template",
+    "delaywheel_bulk_enqueue",
+    "delaywheel_redeliver",
+    "delaywheel_lateness_quality",
+)
+
+
+@pytest.mark.parametrize("dag_file", LIGHT_DAGS)
+def test_dag_files_import_no_driver_and_no_store(
+    airflow_db: dict[str, str], trap: socket.socket, dag_file: str
+) -> None:
+    """The DAG processor parses every file every 30 s: the library's DAG files import neither psycopg, pglast,
+    pyarrow, the store nor the postgres provider to do it (their tasks import them when they run). With them,
+    each parse cost 0.3-0.45 s of CPU, and the DAG processor 13 % of a core on its own."""
+    url = f"postgresql://postgres@127.0.0.1:{trap.getsockname()[1]}/nowhere"
+    env = {**os.environ, **airflow_db, "DELAYWHEEL_DATABASE_URL": url, "AIRFLOW_CONN_DELAYWHEEL_DEFAULT": url}
+    out = subprocess.run(
+        [sys.executable, "-c", IMPORTS_OF_DAG, str(ROOT / "dags" / f"{dag_file}.py")],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == []

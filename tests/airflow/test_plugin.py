@@ -7,8 +7,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
+import sys
 from collections.abc import Iterator
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,6 +22,8 @@ from delaywheel.airflow.web.charts import hourly
 from delaywheel.ops.stats import as_json
 
 pytestmark = pytest.mark.airflow
+
+ROOT = Path(__file__).resolve().parents[2]
 
 USERS = {"admin": ("admin", "admin-pw"), "vera": ("viewer", "viewer-pw")}
 # Figures that depend on the moment they are computed, not on the store's content.
@@ -101,6 +106,28 @@ def test_plugin_is_registered_once_with_its_app_and_nav_link(client: Any) -> Non
     assert (view["destination"], view["url_route"], view["href"]) == ("nav", "delaywheel", "delaywheel/")
     errors = client.get("/api/v2/plugins/importErrors", headers=headers).json()
     assert errors["total_entries"] == 0, errors  # e.g. the same plugin found both in plugins/ and by entry point
+
+
+TASK_CONTEXT = """
+import json, sys
+from airflow.sdk.plugins_manager import _get_plugins, integrate_macros_plugins
+integrate_macros_plugins()  # what every task process does when it builds the task's context
+heavy = ("fastapi", "airflow.api_fastapi.app", "delaywheel.store", "psycopg")
+print(json.dumps({"plugins": [p.name for p in _get_plugins()[0]], "heavy": [m for m in heavy if m in sys.modules]}))
+"""
+
+
+def test_a_task_loads_the_plugin_without_its_app(airflow_db: dict[str, str]) -> None:
+    """Airflow loads every plugin in every task process (macros) and DAG parse (timetables, links). The plugin then
+    imports nothing heavy: building the dashboard app there (FastAPI, Airflow's API app, the store) cost each task
+    start 1.2-1.5 s of CPU. The API server builds it at the first request (`DashboardApp`, served in the tests above)."""
+    env = {**os.environ, **airflow_db, "AIRFLOW__CORE__PLUGINS_FOLDER": str(ROOT / "plugins")}
+    done = subprocess.run(
+        [sys.executable, "-c", TASK_CONTEXT], env=env, capture_output=True, text=True, check=True, timeout=120
+    )
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert "delaywheel" in result["plugins"]
+    assert result["heavy"] == []
 
 
 def test_anonymous_callers_are_refused(client: Any, plugin_store: Store) -> None:

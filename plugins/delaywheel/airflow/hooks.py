@@ -17,10 +17,22 @@ import psycopg
 from airflow.providers.postgres.hooks.postgres import PostgresHook
 from sqlalchemy.engine import URL
 
-from delaywheel import Settings, Store, load_settings
+from delaywheel import Store, load_settings
 from delaywheel.db import with_session_options
 from delaywheel.pending import LEVEL_HEAD, WHEEL_HEAD
-from delaywheel.routing import Router
+
+from .connections import DEFAULT_CONN_ID, store_conn_id, store_names, topic_conn_ids, topic_stores
+
+__all__ = [  # the connection helpers live in `connections` (light for DAG files) and are kept importable from here
+    "CLOCK",
+    "DelayWheelHook",
+    "head_query",
+    "next_due_async",
+    "store_conn_id",
+    "store_names",
+    "topic_conn_ids",
+    "topic_stores",
+]
 
 CLOCK = "SELECT clock_timestamp() + make_interval(secs => %(offset)s)"
 
@@ -38,7 +50,7 @@ class DelayWheelHook(PostgresHook):
     """
 
     conn_name_attr = "delaywheel_conn_id"
-    default_conn_name = "delaywheel_default"
+    default_conn_name = DEFAULT_CONN_ID
     hook_name = "delaywheel"
 
     def __init__(self, delaywheel_conn_id: str = default_conn_name, **kwargs: Any) -> None:
@@ -87,31 +99,6 @@ class DelayWheelHook(PostgresHook):
         return await psycopg.AsyncConnection.connect(
             with_session_options(await self.aurl()), autocommit=True, application_name="delaywheel-trigger"
         )
-
-
-def store_conn_id(store: str | None) -> str:
-    """The Airflow connection of the store called `store` in `stores` (`delaywheel_<name>`, made by
-    scripts/airflow.sh from DELAYWHEEL_STORES); None: the single store's, ``delaywheel_default``."""
-    return DelayWheelHook.default_conn_name if store is None else f"delaywheel_{store}"
-
-
-def store_names(settings: Settings | None = None) -> tuple[str | None, ...]:
-    """The configured stores' names, or (None,) for the single store: what a DAG file makes one DAG or task per."""
-    names = tuple(name for name, _ in (settings or load_settings()).stores)
-    return names or (None,)
-
-
-def topic_stores(topic: str, settings: Settings | None = None) -> tuple[str | None, ...]:
-    """The stores that may hold `topic`'s messages, its current store first (`routing.Router.sources`; a moving topic
-    has two); (None,), the single store, with no stores configured. Read from the settings when called (DAG parsing,
-    a task's start): every process must see the same routes."""
-    settings = settings or load_settings()
-    return Router.configured(settings).sources(topic) if settings.stores else (None,)
-
-
-def topic_conn_ids(topic: str, settings: Settings | None = None) -> tuple[str, ...]:
-    """The connections of `topic_stores`: ``delaywheel_<store>`` each, or ``delaywheel_default`` alone."""
-    return tuple(store_conn_id(store) for store in topic_stores(topic, settings))
 
 
 async def next_due_async(

@@ -15,7 +15,9 @@ messages and which (xid, queue_offset) positions the batch spans: one per task w
 runs alone, one per run from `PublishTopicEventsOperator` in the deliver DAG. Airflow records outlet
 events when a task ends, so consumers scheduled on the Asset start after the lease, not per message.
 
-Nothing here touches the database, Spark or GX before `execute`: DAG parsing stays cheap.
+Nothing here touches the database, Spark or GX before `execute`, and nothing here imports them, psycopg, the store or
+the postgres provider before `execute` either: a DAG file importing these classes is parsed every 30 s by Airflow's DAG
+processor, and those imports were most of each parse (0.3-0.45 s of CPU a file). `execute` imports what it runs.
 """
 
 from __future__ import annotations
@@ -25,26 +27,22 @@ import threading
 import time
 from collections.abc import Callable, Collection
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
-import psycopg
 from airflow.sdk import Asset, AssetAlias, AssetWatcher, BaseOperator, Context
 from airflow.sdk.module_loading import import_string
-from psycopg import sql
 
-from delaywheel import Message, Settings, Store, load_settings
-from delaywheel.consume.consumer import SAFETY_WAKE_S, Abandon
-from delaywheel.consume.topics import Delivered
-from delaywheel.db import connect
-from delaywheel.deliver import runner
+from delaywheel.config import Settings, load_settings
 from delaywheel.lanes import EVERY_LANE, Lane, all_lanes, lane_name
-from delaywheel.locks import CONSUMER_PRESENCE_LOCK, CONSUMER_TURN_LOCK, GROUP_TOPIC_KEY
-from delaywheel.routing import Stores
 from delaywheel.types import TopicSpan, add_spans, event_extra
 
-from .hooks import DelayWheelHook, store_conn_id, topic_conn_ids, topic_stores
-from .triggers import TopicMessagesTrigger
+from .connections import DEFAULT_CONN_ID, store_conn_id, topic_conn_ids, topic_stores
+
+if TYPE_CHECKING:
+    import psycopg
+
+    from delaywheel import Delivered, Message, Store
 
 TOPICS_ALIAS = AssetAlias("delaywheel_topics")
 ASSET_PREFIX = "delaywheel://topics/"
@@ -59,6 +57,8 @@ def topic_asset(topic: str) -> Asset:
     With several stores (docs/stores.md) the watcher is on the topic's store (its connection, `delaywheel_<store>`),
     named `delaywheel_topic_<topic>_<store>`; a moving topic gets one watcher per store that holds it, all on the
     same Asset: consumers do not care which store delivered."""
+    from .triggers import TopicMessagesTrigger  # psycopg and the store's code: only when an Asset is made
+
     quoted = quote(topic, safe="")
     uri = ASSET_PREFIX + quoted
     watchers = [
@@ -158,7 +158,7 @@ class _LeaseOperator(BaseOperator):
         handover_grace_seconds: float | str = 0.0,
         align_lease_to_run: bool = True,
         min_lease_seconds: float = 10.0,
-        delaywheel_conn_id: str = DelayWheelHook.default_conn_name,
+        delaywheel_conn_id: str = DEFAULT_CONN_ID,
         emit_asset_events: bool = True,
         **kwargs: Any,
     ) -> None:
@@ -183,6 +183,10 @@ class _LeaseOperator(BaseOperator):
         return _lease_left(context, float(self.lease_seconds), self.align_lease_to_run, self.min_lease_seconds)
 
     def execute(self, context: Context) -> dict[str, Any]:
+        from delaywheel.deliver import runner
+
+        from .hooks import DelayWheelHook
+
         lease = self.lease_left(context)
         self._stop = threading.Event()
         with DelayWheelHook(self.delaywheel_conn_id).get_store() as store:
@@ -275,21 +279,6 @@ class DeliverAllLanesOperator(_LeaseOperator):
 
 
 TURN_WAIT_S = 0.2  # a lease consumer waiting for its turn looks at its stop event this often
-
-# A lease consumer's locks on (group, topic), composed once from the lock classes and the shared key expression
-# (`locks.GROUP_TOPIC_KEY`): parameters group, then topic.
-_PRESENCE_KEYS = sql.SQL("{}, {}").format(sql.Literal(CONSUMER_PRESENCE_LOCK), sql.SQL(GROUP_TOPIC_KEY))
-_TURN_KEYS = sql.SQL("{}, {}").format(sql.Literal(CONSUMER_TURN_LOCK), sql.SQL(GROUP_TOPIC_KEY))
-_BE_PRESENT = sql.SQL("SELECT pg_advisory_lock_shared({})").format(_PRESENCE_KEYS)
-_TAKE_TURN = sql.SQL("SELECT pg_advisory_lock({})").format(_TURN_KEYS)
-_GIVE_TURN = sql.SQL("SELECT pg_advisory_unlock({})").format(_TURN_KEYS)
-# How many other live lease consumers of (group, topic) hold their presence lock in this database.
-_SUCCESSORS = sql.SQL(
-    """SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted AND objsubid = 2
-         AND pid <> pg_backend_pid() AND classid::bigint = {presence}
-         AND objid = ({key})::oid
-         AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"""
-).format(presence=sql.Literal(CONSUMER_PRESENCE_LOCK), key=sql.SQL(GROUP_TOPIC_KEY))
 
 
 class ConsumeOperator(BaseOperator):
@@ -405,6 +394,8 @@ class ConsumeOperator(BaseOperator):
 
     def handle(self, messages: list[Delivered], context: Context) -> Collection[int] | None:
         """Handle one batch; return None or the ids that failed. Override this, or pass a function."""
+        from delaywheel.consume.consumer import Abandon  # loaded by `execute` already: a dictionary lookup
+
         kwargs = dict(self.apply_function_kwargs or {})
         assert self._fn is not None
         if self.apply_function_batch is not None:
@@ -423,6 +414,14 @@ class ConsumeOperator(BaseOperator):
         return failed
 
     def execute(self, context: Context) -> dict[str, Any]:
+        import psycopg
+
+        from delaywheel.consume.consumer import SAFETY_WAKE_S
+        from delaywheel.db import connect
+
+        from .handover import BE_PRESENT, GIVE_TURN
+        from .hooks import DelayWheelHook
+
         fn = self.apply_function_batch if self.apply_function_batch is not None else self.apply_function
         self._fn = import_string(fn) if isinstance(fn, str) else fn  # a wrong path fails before taking the group
         lease = _lease_left(context, float(self.lease_seconds), self.align_lease_to_run, self.min_lease_seconds)
@@ -441,7 +440,7 @@ class ConsumeOperator(BaseOperator):
         conn_id = self.delaywheel_conn_id or topic_conn_ids(self.topic)[0]
         with DelayWheelHook(conn_id).get_store() as store, connect(store.url, autocommit=True) as presence:
             self.store = store
-            presence.execute(_BE_PRESENT, (self.group, self.topic))
+            presence.execute(BE_PRESENT, (self.group, self.topic))
             watchdog = threading.Thread(
                 target=self._watch,
                 args=(presence, lease, grace, stop, handed_over),
@@ -466,7 +465,7 @@ class ConsumeOperator(BaseOperator):
                 )
             finally:
                 with contextlib.suppress(psycopg.Error):  # the successor waiting for its turn gets it now
-                    presence.execute(_GIVE_TURN, (self.group, self.topic))
+                    presence.execute(GIVE_TURN, (self.group, self.topic))
                 stop.set()
                 watchdog.join()
                 self.store = None
@@ -494,11 +493,15 @@ class ConsumeOperator(BaseOperator):
         """Block until this task holds the turn of (group, topic) or `stop` is set. The lock is waited for in
         slices of TURN_WAIT_S (lock_timeout), so a stop is seen that soon; a lost connection goes on to consume
         (the group lock still decides who handles)."""
+        import psycopg
+
+        from .handover import TAKE_TURN
+
         presence.execute("SELECT set_config('lock_timeout', %s, false)", (f"{int(TURN_WAIT_S * 1000)}ms",))
         waited = time.monotonic()
         while not stop.is_set():
             try:
-                presence.execute(_TAKE_TURN, (self.group, self.topic))
+                presence.execute(TAKE_TURN, (self.group, self.topic))
             except psycopg.errors.LockNotAvailable:
                 continue
             except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
@@ -516,19 +519,25 @@ class ConsumeOperator(BaseOperator):
         handed_over: threading.Event,
     ) -> None:
         """Set `stop` at the lease end, or past it once a successor is present (at most `grace` later)."""
+        import psycopg
+
+        from delaywheel.deliver.runner import HANDOVER_POLL_S
+
+        from .handover import SUCCESSORS
+
         end = time.monotonic() + lease
         if stop.wait(lease):
             return
         while time.monotonic() < end + grace:  # the lease is over: hand over to a live successor
             try:
-                row = presence.execute(_SUCCESSORS, (self.group, self.topic)).fetchone()
+                row = presence.execute(SUCCESSORS, (self.group, self.topic)).fetchone()
             except psycopg.Error as exc:  # cannot tell: hand over as without a grace
                 self.log.warning("cannot look for a successor (%s); stopping at the lease end", exc)
                 break
             if row and row[0] > 0:
                 handed_over.set()
                 break
-            if stop.wait(runner.HANDOVER_POLL_S):
+            if stop.wait(HANDOVER_POLL_S):
                 return
         self._lease_ended = True
         stop.set()
@@ -622,6 +631,10 @@ class EnqueueOperator(BaseOperator):
         ]
 
     def execute(self, context: Context) -> list[int]:
+        from delaywheel.routing import Stores
+
+        from .hooks import DelayWheelHook
+
         batch = [_message(item) for item in self._items()]
         settings = load_settings()
         if self.delaywheel_conn_id is None and settings.stores:  # routed by topic, on each store's connection
@@ -629,13 +642,15 @@ class EnqueueOperator(BaseOperator):
             with Stores(urls, settings) as stores:
                 ids = stores.send_many(batch)
         else:
-            with DelayWheelHook(self.delaywheel_conn_id or DelayWheelHook.default_conn_name).get_store() as store:
+            with DelayWheelHook(self.delaywheel_conn_id or DEFAULT_CONN_ID).get_store() as store:
                 ids = store.send_many(batch)
         self.log.info("enqueued %d message(s), ids %s..%s", len(ids), ids[0] if ids else "-", ids[-1] if ids else "-")
         return ids
 
 
 def _message(item: dict[str, Any]) -> Message:
+    from delaywheel import Message
+
     unknown = set(item) - {"topic", "body", "delay_level", "delay_seconds", "deliver_at", "key", "tags", "properties"}
     if unknown:
         raise ValueError(f"unknown message field(s) {sorted(unknown)}")
@@ -681,7 +696,7 @@ class CancelOperator(BaseOperator):
         where: str | None = None,
         reason: str = "cancelled from Airflow",
         max_matches: int | str | None = None,
-        delaywheel_conn_id: str = DelayWheelHook.default_conn_name,
+        delaywheel_conn_id: str = DEFAULT_CONN_ID,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -692,6 +707,8 @@ class CancelOperator(BaseOperator):
         self.delaywheel_conn_id = delaywheel_conn_id
 
     def execute(self, context: Context) -> dict[str, Any]:
+        from .hooks import DelayWheelHook
+
         with DelayWheelHook(self.delaywheel_conn_id).get_store() as store:
             if self.message_id is not None or self.key is not None:
                 results = store.cancel(

@@ -25,7 +25,7 @@ from airflow.sdk import BaseHook
 from delaywheel.batch.inputs import connection_ids, connection_variable
 from delaywheel.config import ConfigError, load_settings
 
-from .hooks import DelayWheelHook, store_conn_id
+from .connections import store_conn_id
 
 # The job scripts ship inside the package (delaywheel/spark), so an installed delaywheel can submit them.
 SPARK_DIR = Path(__file__).resolve().parents[1] / "spark"
@@ -74,6 +74,8 @@ def _stores() -> dict[str, str]:
     configured order, at the URL of its Airflow connection `delaywheel_<name>` (the one its deliver DAG uses), or at
     its configured URL where this worker has no such connection. The job's routing table is the configuration's
     (DELAYWHEEL_ROUTES, inherited). Nothing with no stores configured: the job gets --db-url."""
+    from .hooks import DelayWheelHook  # the postgres provider: when a job is submitted, not when a DAG is parsed
+
     entries = []
     for name, url in load_settings().stores:
         with contextlib.suppress(Exception):  # no such connection here: the configured URL

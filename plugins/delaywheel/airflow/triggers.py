@@ -15,19 +15,22 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import psycopg
 from airflow.triggers.base import BaseEventTrigger, BaseTrigger, TriggerEvent
-from psycopg import sql
 
-from delaywheel.consume.topics import announce_new
-from delaywheel.deliver.runner import DueHints, backoff_delays, connection_lost, listen_channels
 from delaywheel.lanes import lane_name
-from delaywheel.produce.producer import TOPIC_CHANNEL
 from delaywheel.types import event_extra
 
-from .hooks import DelayWheelHook, next_due_async, topic_conn_ids
+from .connections import DEFAULT_CONN_ID, topic_conn_ids
+
+if TYPE_CHECKING:
+    import psycopg
+
+    from delaywheel.deliver.runner import DueHints
+
+# psycopg, the store's code and the hook are imported by `run`, in the triggerer, not with this module: a DAG file
+# that makes a topic Asset makes its watcher (`operators.topic_asset`) each time Airflow parses it (every 30 s).
 
 
 class DueMessagesTrigger(BaseTrigger):
@@ -53,7 +56,7 @@ class DueMessagesTrigger(BaseTrigger):
     def __init__(
         self,
         level: int | None = None,
-        delaywheel_conn_id: str = DelayWheelHook.default_conn_name,
+        delaywheel_conn_id: str = DEFAULT_CONN_ID,
         poll_interval: float = 5.0,
         now_offset_s: float = 0.0,
     ) -> None:
@@ -86,6 +89,13 @@ class DueMessagesTrigger(BaseTrigger):
 
     async def _wait_due(self) -> dict[str, str]:
         """Wait until the lane has a due message; its `lane`, `due_at` and the clock it was `checked_at`."""
+        import psycopg
+        from psycopg import sql
+
+        from delaywheel.deliver.runner import DueHints, backoff_delays, listen_channels
+
+        from .hooks import DelayWheelHook, next_due_async
+
         hook = DelayWheelHook(self.delaywheel_conn_id)
         hints = DueHints(self.log)
         retry_in = backoff_delays()
@@ -117,6 +127,8 @@ class DueMessagesTrigger(BaseTrigger):
 async def _after_lost_connection(log: Any, exc: psycopg.Error, retry_in: Iterator[float]) -> None:
     """A trigger's connection failed: re-raise unless the connection itself was lost, else wait the next backoff
     delay before the caller reconnects (and looks at once: notifications sent meanwhile are lost)."""
+    from delaywheel.deliver.runner import connection_lost
+
     if not connection_lost(exc):
         raise exc
     delay = next(retry_in)
@@ -182,6 +194,15 @@ class TopicMessagesTrigger(BaseEventTrigger):
         )
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
+        import psycopg
+        from psycopg import sql
+
+        from delaywheel.consume.topics import announce_new
+        from delaywheel.deliver.runner import backoff_delays
+        from delaywheel.produce.producer import TOPIC_CHANNEL
+
+        from .hooks import DelayWheelHook
+
         hook = DelayWheelHook(self.delaywheel_conn_id)
         retry_in = backoff_delays()
         while True:

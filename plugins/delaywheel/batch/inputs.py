@@ -20,8 +20,6 @@ import os
 import re
 from pathlib import Path
 
-from psycopg.conninfo import conninfo_to_dict
-
 from delaywheel.config import Settings
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
@@ -79,6 +77,8 @@ def _files(path: Path) -> list[str]:
 
 
 def _identity(url: str) -> tuple[str, str, str, str]:
+    from psycopg.conninfo import conninfo_to_dict  # psycopg: not for the Airflow DAG files that import this module
+
     p = conninfo_to_dict(url)
     return (str(p.get("host", "")), str(p.get("port", "5432")), str(p.get("dbname", "")), str(p.get("user", "")))
 

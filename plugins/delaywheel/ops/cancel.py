@@ -21,7 +21,6 @@ from psycopg.types.numeric import Int4, Int8
 
 from delaywheel.db import LOOKUP_PLAN, commits_each_statement
 from delaywheel.locks import LEVEL_LOCK, WHEEL_LOCK
-from delaywheel.ops.predicate import CANCEL_COLUMNS, UnsafeSQL, catalog_table, check_column, check_expression
 from delaywheel.partitions import PartitionCache
 from delaywheel.pending import PENDING, SEGMENT_PENDING, STILL_PENDING, not_cancelled, pending
 from delaywheel.produce.keyblooms import probe, slots
@@ -429,6 +428,8 @@ class KeysFrom:
     filters: Mapping[str, object] = field(default_factory=dict)
 
     def match(self, conn: psycopg.Connection, name: str = "kf") -> Match:
+        from delaywheel.ops.predicate import UnsafeSQL, catalog_table, check_column  # pglast: see where_match
+
         schema, table, columns = catalog_table(conn, self.table)
         label = f"{schema}.{table}"
         column = check_column(self.column, columns, label)
@@ -463,7 +464,10 @@ class KeysFrom:
 
 def where_match(where: str) -> Match:
     """A caller's predicate over the pending rows, checked (`predicate.check_expression`) and rendered from its
-    parse tree; the text itself never reaches the server."""
+    parse tree; the text itself never reaches the server. The checker (pglast, PostgreSQL's parser) is imported
+    here, not with the module: every Airflow task, DAG parse and CLI command imports this module, few check text."""
+    from delaywheel.ops.predicate import CANCEL_COLUMNS, UnsafeSQL, check_expression
+
     try:
         checked = check_expression(where, CANCEL_COLUMNS, qualifier="p", what="--where predicate")
     except UnsafeSQL as exc:

@@ -1,6 +1,7 @@
 """The dashboard app: an HTML page and a JSON API over `Store.stats()`, behind Airflow's own auth.
 
-The Airflow API server mounts `app` under `URL_PREFIX`; requests reach it through Airflow's middleware, and
+The Airflow API server mounts `app` under `URL_PREFIX` (`web/__init__.py`), building it at the first request
+(`plugin.DashboardApp`); requests reach it through Airflow's middleware, and
 every route depends on `authorized_user`, which resolves the caller exactly as Airflow's core API does
 (bearer token or the UI's session cookie) and asks the configured auth manager whether the caller may see
 the "DelayWheel" custom view. No credentials: the JSON API answers 401, the page redirects to Airflow's login.
@@ -25,7 +26,6 @@ from delaywheel.ops.stats import as_json
 
 from .charts import bar_chart, hourly
 
-URL_PREFIX = "/delaywheel"
 RESOURCE_NAME = "DelayWheel"  # the custom view auth managers grant (FAB maps it to a permission)
 WINDOW = timedelta(minutes=5)  # lateness window the issue asks for
 REFRESH_S = 15
