@@ -110,9 +110,10 @@ def cli_start(env: dict[str, str], runs: int, pythonpath: str | None = None) -> 
     return out
 
 
-def export_revision(rev: str, into: Path) -> str:
-    """The plugins folder of a git revision, exported under `into`; returns it, for PYTHONPATH."""
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "plugins"], check=True, capture_output=True)
+def export_revision(rev: str, into: Path, paths: tuple[str, ...] = ("plugins",)) -> str:
+    """The plugins folder of a git revision (and any other `paths` of it), exported under `into`; returns the plugins
+    folder, for PYTHONPATH."""
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, *paths], check=True, capture_output=True)
     subprocess.run(["tar", "-x", "-C", str(into)], input=archive.stdout, check=True)
     return str(into / "plugins")
 
