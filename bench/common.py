@@ -142,8 +142,9 @@ class ProcessCpu:
     """CPU seconds (utime + stime, from /proc/<pid>/stat) of processes over the `with` block, sampled every
     `every_s` seconds: a process that exits loses at most its last `every_s`, one born inside the block counts
     whole. `root`: count that process and its descendants (e.g. an Airflow standalone's tree); None: every process
-    on the machine (to see who else shares the cores). Each process is known by its command line as first seen
-    (`title`), which `kind` functions map to what it is."""
+    on the machine (to see who else shares the cores). Each process is known by its command line as last seen
+    (`title`), which `kind` functions map to what it is: a forked Airflow task process first carries its parent's
+    title (`airflow worker -- LocalExecutor: ...`) and names itself after its task instance a moment later."""
 
     def __init__(self, root: int | None = None, every_s: float = 2.0) -> None:
         self.root, self.every = root, every_s
@@ -173,13 +174,13 @@ class ProcessCpu:
     def _sample(self, initial: bool = False) -> None:
         stats = _proc_stats()
         for pid in stats.keys() if self.root is None else _tree(self.root, stats):
+            try:
+                title = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:  # gone since the stat
+                continue
             if pid not in self.first:
-                try:
-                    title = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-                except OSError:  # gone since the stat
-                    continue
                 self.first[pid] = stats[pid][1] if initial else 0
-                self.title[pid] = title
+            self.title[pid] = title
             self.last[pid] = stats[pid][1]
 
     def by_kind(self, kind: Callable[[str], str]) -> dict[str, float]:

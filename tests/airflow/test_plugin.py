@@ -130,6 +130,37 @@ def test_a_task_loads_the_plugin_without_its_app(airflow_db: dict[str, str]) -> 
     assert result["heavy"] == []
 
 
+SHIM = """
+import importlib.metadata as md, runpy, sys
+if sys.argv[1] == "uninstalled":  # only the plugins folder deployed: no delaywheel distribution to find
+    found = md.distribution
+    def without_delaywheel(name):
+        if name == "delaywheel":
+            raise md.PackageNotFoundError(name)
+        return found(name)
+    md.distribution = without_delaywheel
+print("DelayWheelPlugin" in runpy.run_path(sys.argv[2]))
+"""
+
+
+@pytest.mark.parametrize(("deployed", "defines"), [("installed", False), ("uninstalled", True)])
+def test_the_plugins_folder_shim_defines_the_plugin_only_when_the_package_is_not_installed(
+    deployed: str, defines: bool
+) -> None:
+    """Installed, the entry point registers the plugin and the shim must stand down (a second definition is an
+    import error, checked above); deployed as a plugins folder only, the shim is what registers it."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "plugins")}
+    done = subprocess.run(
+        [sys.executable, "-c", SHIM, deployed, str(ROOT / "plugins" / "delaywheel_plugin.py")],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
+    assert done.stdout.split()[-1] == str(defines)
+
+
 def test_anonymous_callers_are_refused(client: Any, plugin_store: Store) -> None:
     seed(plugin_store)
     assert client.get("/delaywheel/api/stats").status_code == 401
