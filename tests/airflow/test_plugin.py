@@ -110,17 +110,21 @@ def test_plugin_is_registered_once_with_its_app_and_nav_link(client: Any) -> Non
 
 TASK_CONTEXT = """
 import json, sys
+from airflow.sdk.execution_time.task_runner import TaskRunnerMarker
+from airflow.sdk.listener import get_listener_manager
 from airflow.sdk.plugins_manager import _get_plugins, integrate_macros_plugins
-integrate_macros_plugins()  # what every task process does when it builds the task's context
+get_listener_manager().hook.on_starting(component=TaskRunnerMarker())  # what every task process does at its start
+integrate_macros_plugins()  # and when it builds the task's context
 heavy = ("fastapi", "airflow.api_fastapi.app", "delaywheel.store", "psycopg")
 print(json.dumps({"plugins": [p.name for p in _get_plugins()[0]], "heavy": [m for m in heavy if m in sys.modules]}))
 """
 
 
 def test_a_task_loads_the_plugin_without_its_app(airflow_db: dict[str, str]) -> None:
-    """Airflow loads every plugin in every task process (macros) and DAG parse (timetables, links). The plugin then
-    imports nothing heavy: building the dashboard app there (FastAPI, Airflow's API app, the store) cost each task
-    start 1.2-1.5 s of CPU. The API server builds it at the first request (`DashboardApp`, served in the tests above)."""
+    """Airflow loads every plugin in every task process (macros, listeners) and DAG parse (timetables, links). The
+    plugin then imports nothing heavy, and its listener imports nothing for a task process (`preload`). Building the
+    dashboard app there (FastAPI, Airflow's API app, the store) cost each task start 1.2-1.5 s of CPU; the API server
+    builds it at the first request (`DashboardApp`, served in the tests above)."""
     env = {**os.environ, **airflow_db, "AIRFLOW__CORE__PLUGINS_FOLDER": str(ROOT / "plugins")}
     done = subprocess.run(
         [sys.executable, "-c", TASK_CONTEXT], env=env, capture_output=True, text=True, check=True, timeout=120
@@ -128,6 +132,29 @@ def test_a_task_loads_the_plugin_without_its_app(airflow_db: dict[str, str]) -> 
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert "delaywheel" in result["plugins"]
     assert result["heavy"] == []
+
+
+JOB_START = """
+import json, sys
+from airflow.jobs.job import Job
+before = [m for m in sys.argv[1:] if m in sys.modules]
+Job()  # Airflow calls the plugins' listeners here: the scheduler does before its executor forks the task workers
+print(json.dumps({"before": before, "after": [m for m in sys.argv[1:] if m in sys.modules]}))
+"""
+
+
+def test_airflow_jobs_preload_what_our_tasks_run(airflow_db: dict[str, str]) -> None:
+    """A task process forked from the scheduler (LocalExecutor) finds these imported instead of importing them itself,
+    0.17-0.25 s of CPU each (`preload`); the test above shows a task process itself imports nothing for it."""
+    from delaywheel.airflow.preload import TASK_MODULES
+
+    env = {**os.environ, **airflow_db, "AIRFLOW__CORE__PLUGINS_FOLDER": str(ROOT / "plugins")}
+    modules = ["psycopg", *TASK_MODULES]
+    done = subprocess.run(
+        [sys.executable, "-c", JOB_START, *modules], env=env, capture_output=True, text=True, check=True, timeout=120
+    )
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result == {"before": [], "after": modules}
 
 
 SHIM = """

@@ -1,4 +1,5 @@
-"""The delaywheel Airflow plugin: the dashboard app on the API server and its entry in the UI's navigation.
+"""The delaywheel Airflow plugin: the dashboard app on the API server, its entry in the UI's navigation, and a listener
+that preloads what our tasks run in the processes that fork them (`preload`).
 
 Registered twice over, by design: by the `airflow.plugins` entry point when the package is installed, and by
 `plugins/delaywheel_plugin.py` when only the plugins folder is deployed (that shim stands down when the entry
@@ -11,6 +12,7 @@ from typing import Any
 
 from airflow.plugins_manager import AirflowPlugin
 
+from . import preload
 from .web import URL_PREFIX
 
 
@@ -37,9 +39,11 @@ class DashboardApp:
 
 
 class DelayWheelPlugin(AirflowPlugin):
-    """Mounts the dashboard under /delaywheel and links it from the Airflow navigation (Browse menu)."""
+    """Mounts the dashboard under /delaywheel and links it from the Airflow navigation (Browse menu), and has Airflow's
+    scheduler, triggerer and DAG processor import what our tasks run before they fork them (`preload`)."""
 
     name = "delaywheel"
+    listeners = [preload]
     fastapi_apps = [{"app": DashboardApp(), "url_prefix": URL_PREFIX, "name": "delaywheel dashboard"}]
     external_views = [
         {
