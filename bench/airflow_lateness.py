@@ -336,7 +336,7 @@ def failed_tries(conn: psycopg.Connection, dag_id: str) -> int:
     return row[0] if row else 0
 
 
-def _kind(cmdline: str) -> str:
+def service_kind(cmdline: str) -> str:
     """Which Airflow service a process of the standalone's tree is, from its command line."""
     for kind, needles in (
         ("triggerer", ("triggerer",)),
@@ -432,10 +432,10 @@ def through_airflow(args: argparse.Namespace) -> Outcome:
         with ProcessCpu(root=proc.pid) as cpu:
             sent, figures = run_load(url, args)
         load1 = os.getloadavg()
-        log(f"processes by kind: {cpu.census(_kind)}")
+        log(f"processes by kind: {cpu.census(service_kind)}")
         overhead = task_overhead(metadata_url, since)
         coverage = split_by_coverage(url, metadata_url)
-    shares = cpu.shares(_kind)
+    shares = cpu.shares(service_kind)
     notes = [
         f"lateness of messages due while their lane's deliver task was running: p50 {_ms(coverage['steady_p50'])}, "
         f"p99 {_ms(coverage['steady_p99'])}, max {_ms(coverage['steady_max'])} ({coverage['steady_n']:,} msgs); "

@@ -172,11 +172,10 @@ class ProcessCpu:
             self._sample()
 
     def _sample(self, initial: bool = False) -> None:
-        stats = _proc_stats()
+        stats = proc_stats()
         for pid in stats.keys() if self.root is None else _tree(self.root, stats):
-            try:
-                title = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:  # gone since the stat
+            title = title_of(pid)
+            if title is None:  # gone since the stat
                 continue
             if pid not in self.first:
                 self.first[pid] = stats[pid][1] if initial else 0
@@ -202,8 +201,17 @@ class ProcessCpu:
         return "; ".join(f"{k}: {len(v)} titles, e.g. {sorted(v)[:3]}" for k, v in sorted(seen.items()))
 
 
-def _proc_stats() -> dict[int, tuple[int, int]]:
-    """pid -> (parent pid, utime + stime ticks) of every process now (one read of each /proc/<pid>/stat)."""
+def title_of(pid: int) -> str | None:
+    """The process's command line as it names itself now, or None once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return None
+
+
+def proc_stats() -> dict[int, tuple[int, int, int]]:
+    """pid -> (parent pid, utime + stime ticks, start time in ticks since boot) of every process now (one read of each
+    /proc/<pid>/stat)."""
     stats = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -211,14 +219,14 @@ def _proc_stats() -> dict[int, tuple[int, int]]:
                 fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
             except OSError:
                 continue
-            stats[int(entry)] = (int(fields[1]), int(fields[11]) + int(fields[12]))
+            stats[int(entry)] = (int(fields[1]), int(fields[11]) + int(fields[12]), int(fields[19]))
     return stats
 
 
-def _tree(root: int, stats: dict[int, tuple[int, int]]) -> set[int]:
+def _tree(root: int, stats: dict[int, tuple[int, int, int]]) -> set[int]:
     """`root` and all its descendants among `stats`' processes."""
     children: dict[int, list[int]] = defaultdict(list)
-    for pid, (ppid, _) in stats.items():
+    for pid, (ppid, *_) in stats.items():
         children[ppid].append(pid)
     members, frontier = {root}, [root]
     while frontier:

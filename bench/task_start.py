@@ -26,8 +26,8 @@ import psycopg
 
 from delaywheel import load_settings
 
-from .airflow_lateness import DAG_ID, ROOT, standalone, wait_running
-from .common import CLK_TCK, Check, ProcessCpu, drop_database, fresh_database, log, print_section
+from .airflow_lateness import DAG_ID, ROOT, service_kind, standalone, wait_running
+from .common import CLK_TCK, Check, ProcessCpu, drop_database, fresh_database, log, print_section, proc_stats, title_of
 
 DB = "delaywheel_bench_task_start"
 FOLDER = ROOT / ".delaywheel" / "bench" / "task_start_dags"
@@ -35,32 +35,24 @@ YOUNG_S = (25.0, 30.0)  # a task process's age at which its CPU is read as its s
 
 
 def kind(title: str) -> str:
-    """What a process of the standalone's tree is, from its title."""
+    """What a process of the standalone's tree is, from its title: a LocalExecutor worker, a deliver task process, or
+    one of the standalone's services (`service_kind`, whose "tasks and other" holds what is left)."""
     if title.startswith("airflow worker -- LocalExecutor"):
         return "LocalExecutor workers (supervisors)"
     if title.startswith("airflow worker -- "):
         return "deliver task processes"
-    for name in ("scheduler", "api-server", "triggerer", "dag-processor"):
-        if name in title or name.replace("-", "_") in title:
-            return name
-    return "other"
+    return service_kind(title)
 
 
 def young_cpu(started_after: float) -> dict[int, float]:
     """CPU seconds of each task process born after `started_after` (seconds since boot) that is now 25-30 s old."""
     now = float(Path("/proc/uptime").read_text().split()[0])
     found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            title = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        born = int(fields[19]) / CLK_TCK
-        if kind(title) == "deliver task processes" and born > started_after and YOUNG_S[0] <= now - born <= YOUNG_S[1]:
-            found[int(entry.name)] = (int(fields[11]) + int(fields[12])) / CLK_TCK
+    for pid, (_, ticks, born_ticks) in proc_stats().items():
+        born = born_ticks / CLK_TCK
+        young = born > started_after and YOUNG_S[0] <= now - born <= YOUNG_S[1]
+        if young and kind(title_of(pid) or "") == "deliver task processes":  # titles read only for the young
+            found[pid] = ticks / CLK_TCK
     return found
 
 
