@@ -15,8 +15,11 @@ Reported, against the issue's targets (p50 <= 50 ms, p99 <= 250 ms, max <= 1 s; 
 received - due per message, beside the baseline of the same run, the delivery-only lateness of the same messages
 (delivered_at - due), as ratios; the hand-overs seen in the records (the task handling changes) with their gaps
 (last message of the old task to the first of the new) and the lateness of the messages the new task handled in
-its first 2 s; the lateness of the messages received in the 20 s after a deliver run queued its lane tasks during the
-load, apart from all the others; Airflow's start latency of the consumer tasks and their failed tries.
+its first 2 s; the lateness of the messages received in the 20 s after a deliver lane task started during the load,
+apart from all the others, how long each deliver run took to start its lane tasks, and how many lanes' old tasks
+ended before their successors ran; Airflow's start latency of the consumer tasks and their failed tries.
+`--handover-slots N` sets the deliver pool's hand-over slots (`[delaywheel] deliver_handover_slots`; 19 starts a run's
+lane tasks all at once, as before 2026-11-30).
 
 Run: `python -m bench.airflow_consumer_lateness --minutes 10` (about 16 minutes; `--minutes 2` for a trial).
 """
@@ -38,6 +41,8 @@ import numpy as np
 import psycopg
 
 from delaywheel import load_settings
+from delaywheel.config import option
+from delaywheel.dev.local_airflow import HANDOVER_SLOTS
 
 from .airflow_lateness import DAG_ID as DELIVER_DAG_ID
 from .airflow_lateness import METADATA_DB, ROOT, failed_tries, standalone, wait_running
@@ -49,9 +54,9 @@ DAG_ID = "bench_consumer_lease"
 GROUP = "bench-airflow"
 WORK = ROOT / ".delaywheel" / "bench" / "airflow_consumer"
 AFTER_HANDOVER_S = 2.0
-# The deliver DAG's next run starts its 19 lane tasks at once (one task with `--deliver-tasks one`): on 2 cores that
-# burst is where the slowest messages come from (DESIGN.md, "What sets its p99 on two cores"), so the lateness of
-# this long after each such start is reported apart from the rest.
+# Starting a deliver lane task is a burst of CPU; 19 at once (the next run's, before the pool's hand-over slots)
+# made the slowest messages on 2 cores (DESIGN.md, "What sets its p99 on two cores"), so the lateness of this long
+# after each deliver task's start is reported apart from the rest.
 AFTER_DELIVER_START_S = 20.0
 
 # The consumer DAG: delaywheel_consumer_lease_template with the bench's topic, group, lease and a recording handler.
@@ -203,21 +208,55 @@ def task_figures(metadata_url: str, since: datetime) -> dict[str, Any]:
         ).fetchall()
         failed = failed_tries(conn, DAG_ID)
         tis = {str(r[0]): r[1] for r in conn.execute("SELECT id, task_id FROM task_instance")}
-        deliver_starts = [  # when each deliver run that started in the window queued its lane tasks
-            r[0].timestamp()
-            for r in conn.execute(
-                "SELECT min(queued_dttm) FROM task_instance WHERE dag_id = %s AND start_date >= %s GROUP BY run_id",
-                (DELIVER_DAG_ID, since),
-            )
-        ]
-    starts = sorted((s - q).total_seconds() for q, s in rows if q is not None)
+        lane_tasks = conn.execute(  # the deliver DAG's lane tasks (not its publish task), by run
+            "SELECT run_id, task_id, queued_dttm, start_date, end_date FROM task_instance"
+            " WHERE dag_id = %s AND task_id <> 'publish_topic_events' AND start_date IS NOT NULL",
+            (DELIVER_DAG_ID,),
+        ).fetchall()
     return {
-        "deliver_starts": deliver_starts,
+        **lane_handovers(lane_tasks, since),
         "tasks": len(rows),
         "ids": tis,
+        **start_delays(rows),
+        "failed": failed,
+    }
+
+
+def start_delays(rows: list[tuple[datetime | None, datetime]]) -> dict[str, float]:
+    """The consumer tasks' waits from queued to running."""
+    starts = sorted((s - q).total_seconds() for q, s in rows if q is not None)
+    return {
         "start_p50": float(np.median(starts)) if starts else float("nan"),
         "start_max": max(starts, default=float("nan")),
-        "failed": failed,
+    }
+
+
+def lane_handovers(lane_tasks: list[tuple[Any, ...]], since: datetime) -> dict[str, Any]:
+    """When the deliver lane tasks that started in the window started (each start is a burst of CPU on two cores),
+    how long each run took to start them all after it queued its first, and how many lanes' old tasks ended before
+    their successor was running (a lane without a deliverer; with the pool's hand-over slots the next run's tasks
+    start a few at a time as the old ones hand over, DESIGN.md "A rolling hand-over")."""
+    by_run: dict[str, list[tuple[Any, ...]]] = {}
+    for task in lane_tasks:
+        by_run.setdefault(task[0], []).append(task)
+    spreads = [
+        (max(t[3] for t in tasks) - min(t[2] or t[3] for t in tasks)).total_seconds()
+        for tasks in by_run.values()
+        if min(t[3] for t in tasks) >= since
+    ]
+    started = {(run_id, task_id): start for run_id, task_id, _queued, start, _end in lane_tasks}
+    ordered = sorted(by_run, key=lambda run: min(t[3] for t in by_run[run]))
+    ended = unserved = 0
+    for old, new in pairwise(ordered):
+        for _run, task_id, _queued, _start, end in by_run[old]:
+            if end is not None and end >= since and (new, task_id) in started:
+                ended += 1
+                unserved += started[(new, task_id)] > end
+    return {
+        "deliver_starts": [t[3].timestamp() for t in lane_tasks if t[3] >= since],
+        "run_spreads": spreads,
+        "lanes_handed": ended,
+        "lanes_unserved": unserved,
     }
 
 
@@ -231,6 +270,9 @@ def run(args: argparse.Namespace) -> tuple[list[Check], list[str]]:
     lanes = 1 if args.deliver_tasks == "one" else load_settings().max_level + 1
     ctx = mp.get_context("spawn")
     env = {"AIRFLOW__CORE__DAGS_FOLDER": str(folder), "AIRFLOW__DELAYWHEEL__DELIVER_TASKS": args.deliver_tasks}
+    if args.handover_slots is not None:
+        env["AIRFLOW__DELAYWHEEL__DELIVER_HANDOVER_SLOTS"] = str(args.handover_slots)
+    slots = args.handover_slots or option("deliver_handover_slots") or HANDOVER_SLOTS
     with standalone(url, None, env) as (proc, metadata_url):
         wait_running(metadata_url, lanes, proc, timeout=900)
         wait_running(metadata_url, 1, proc, timeout=300, dag_id=DAG_ID)
@@ -280,6 +322,7 @@ def run(args: argparse.Namespace) -> tuple[list[Check], list[str]]:
     _, b99, _ = percentiles((received[burst] - due[burst]) * 1000)
     _, o99, oworst = percentiles((received[~burst] - due[~burst]) * 1000)
     gaps = sorted(g * 1000 for _, g, _ in moments)
+    spreads = tasks["run_spreads"]
     collected = full_collections(records)
     ok_counts = early == 0 and duplicates == 0 and missing == 0
     checks = [
@@ -307,9 +350,17 @@ def run(args: argparse.Namespace) -> tuple[list[Check], list[str]]:
         + (f"p50 {np.median(gaps):.0f} ms, max {max(gaps):.0f} ms" if gaps else "-")
         + f"; lateness of the {len(near_ms):,} messages the new task handled in its first {AFTER_HANDOVER_S:g} s: "
         f"p50 {h50:.1f} ms, p99 {h99:.1f} ms, max {hworst:.1f} ms",
-        f"deliver runs whose lane tasks started during the load: {len(tasks['deliver_starts'])}; lateness of the "
-        f"{int(burst.sum()):,} messages received in the {AFTER_DELIVER_START_S:g} s after such a run queued them: p99 "
-        f"{b99:.1f} ms; of all the others: p99 {o99:.1f} ms, max {oworst:.1f} ms",
+        f"deliver lane tasks started during the load: {len(tasks['deliver_starts'])}"
+        + (
+            f" (each run's from its first queued to its last running: {', '.join(f'{s:.0f}' for s in spreads)} s)"
+            if spreads
+            else ""
+        )
+        + f"; lateness of the {int(burst.sum()):,} messages received in the {AFTER_DELIVER_START_S:g} s after any of "
+        f"those starts: p99 {b99:.1f} ms; of all the others: p99 {o99:.1f} ms, max {oworst:.1f} ms",
+        f"lane hand-overs from one deliver run to the next in the window: {tasks['lanes_handed']}, of which "
+        f"{tasks['lanes_unserved']} left a lane without a deliver task (the old one ended before its successor ran); "
+        f"the pool's hand-over slots: {slots}",
         f"full garbage collections in the consumer task processes once they handled: {len(collected)}"
         + (f" (longest {max(collected):.1f} ms)" if collected else ""),
         f"consumer tasks started in the window: {tasks['tasks']} (queued -> running p50 {tasks['start_p50']:.2f} s, "
@@ -332,6 +383,12 @@ def main(argv: list[str] | None = None) -> list[Check]:
         choices=("per_lane", "one"),
         default="per_lane",
         help="the deliver DAG's [delaywheel] deliver_tasks: a task per lane (the default) or one for every lane",
+    )
+    parser.add_argument(
+        "--handover-slots",
+        type=int,
+        help="[delaywheel] deliver_handover_slots: the next deliver run's tasks that may start beside the running "
+        "run's (default: as configured, 3); 19 starts them all at once",
     )
     args, _ = parser.parse_known_args(argv)
     started = datetime.now(UTC)

@@ -19,8 +19,14 @@ during the overlap two tasks share each lane pass by pass, so the hand-over cost
 as a task starts within the overlap. And a task hands its lane over only to a live successor: past
 its lease it keeps delivering (up to another `deliver_overlap_seconds`) until the next run's task for
 its lane is running, so a successor killed at start-up (measured: API timeouts while 19 tasks start at
-once on 2 cores) leaves no idle lane while Airflow retries it. The price: twice the task slots during the overlap; the
-`delaywheel_deliver` pool (2 x (levels + 1) slots, created by scripts/airflow.sh) bounds it.
+once on 2 cores) leaves no idle lane while Airflow retries it.
+
+A rolling hand-over: the `delaywheel_deliver` pool (created by scripts/airflow.sh) has a slot per lane plus
+`[delaywheel] deliver_handover_slots` (3). So the next run starts 3 lane tasks beside the running run's 19, and
+each of the others once an old task has handed its lane over (past its lease, to its successor) and freed a slot:
+a few task starts at a time, not 19 at once, which took both CPUs of a 2-core machine for ~12 s at every lease and
+made the slowest deliveries there (DESIGN.md, "A rolling hand-over"). The old tasks keep their lanes meanwhile
+(`handover_grace_seconds`, the overlap, bounds how long), so no lane is left without a task.
 
 One task for every lane (`[delaywheel] deliver_tasks = one`; default `per_lane`): each run then starts one task,
 `deliver_all_lanes` (`DeliverAllLanesOperator`), that runs the one delivery loop `delaywheel deliver` runs over every
@@ -40,8 +46,8 @@ messages and checkpoint in one transaction, so nothing is delivered twice or los
 
 Several stores (`stores` / DELAYWHEEL_STORES, docs/stores.md): each store has its own lanes, so the file makes one
 DAG per store, `delaywheel_deliver_<name>`, on the store's connection `delaywheel_<name>` and with its own pool
-`delaywheel_deliver_<name>` (2 x (levels + 1) slots each, created by scripts/airflow.sh). With no stores configured it
-makes `delaywheel_deliver` on `delaywheel_default` and pool `delaywheel_deliver`, as always.
+`delaywheel_deliver_<name>` (levels + 1 + deliver_handover_slots slots each, created by scripts/airflow.sh). With no
+stores configured it makes `delaywheel_deliver` on `delaywheel_default` and pool `delaywheel_deliver`, as always.
 
 Parsing reads only the level table, the store names, two numbers and `deliver_tasks` (environment / airflow.cfg): no
 database, no Spark.

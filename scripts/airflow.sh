@@ -112,9 +112,10 @@ DELAYWHEEL_STORES= "$PY" -m delaywheel.cli migrate
 DELAYWHEEL_STORES= "$PY" -m delaywheel.cli shop migrate
 [[ -z "$CONNS" ]] || "$PY" -m delaywheel.cli --all-stores migrate  # each configured store's
 airflow db migrate                                   # Airflow's metadata schema, in database `airflow`
-# The deliver DAGs' pools: delaywheel_deliver, or delaywheel_deliver_<name> per store (2 x (levels + 1) slots each).
+# The deliver DAGs' pools: delaywheel_deliver, or delaywheel_deliver_<name> per store (levels + 1 slots each, plus
+# [delaywheel] deliver_handover_slots for the next run's lane tasks during a hand-over).
 "$PY" -m delaywheel.dev.local_airflow pools | while read -r pool slots; do
-  airflow pools set "$pool" "$slots" "$pool: per level and wheel, two runs during a hand-over" >/dev/null
+  airflow pools set "$pool" "$slots" "$pool: a slot per lane, and a few for the next run during a hand-over" >/dev/null
 done
 
 PASSWORDS="$AIRFLOW_HOME/simple_auth_manager_passwords.json.generated"

@@ -17,7 +17,7 @@ from typing import TypeVar
 import psycopg
 import pytest
 from delaywheel_shop import schema as shop_schema
-from psycopg import pq
+from psycopg import pq, sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from delaywheel import Settings, Store
@@ -97,6 +97,15 @@ def db_url(server_url: str, template_db: str) -> Iterator[str]:
     """A fresh, migrated database for one test; dropped afterwards."""
     with fresh_database(server_url, template_db) as url:
         yield url
+
+
+@pytest.fixture
+def metadata_db(server_url: str) -> Iterator[str]:
+    """The name of an Airflow metadata database for one `scripts/airflow.sh` run, dropped afterwards."""
+    name = f"airflow_sh_{uuid.uuid4().hex[:10]}"
+    yield name
+    with psycopg.connect(server_url, autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
 
 
 @pytest.fixture

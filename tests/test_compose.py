@@ -94,7 +94,7 @@ def test_compose_and_code_agree_on_the_deliver_pool() -> None:
     )
     # the same pools as scripts/airflow.sh makes
     assert '"$PY" -m delaywheel.dev.local_airflow pools | while read -r pool slots' in SCRIPT
-    # the deliver DAG: its tasks run in this pool, at most 2 x (levels + 1) of them at once
+    # the deliver DAG: its tasks run in this pool, at most levels + 1 + deliver_handover_slots of them at once
     dag = (ROOT / "dags" / "delaywheel_deliver.py").read_text()
     assert 'POOL = "delaywheel_deliver"' in dag and '"pool": pool' in dag
     assert "LEVELS = SETTINGS.levels" in dag and "max_active_tasks=2 * (len(LEVELS) + 1)" in dag
@@ -102,7 +102,14 @@ def test_compose_and_code_agree_on_the_deliver_pool() -> None:
     env = {
         k: v
         for k, v in os.environ.items()
-        if k not in ("DELAYWHEEL_LEVELS", "AIRFLOW__DELAYWHEEL__LEVELS", "DELAYWHEEL_STORES")
+        if k
+        not in (
+            "DELAYWHEEL_LEVELS",
+            "AIRFLOW__DELAYWHEEL__LEVELS",
+            "DELAYWHEEL_STORES",
+            "DELAYWHEEL_DELIVER_HANDOVER_SLOTS",
+            "AIRFLOW__DELAYWHEEL__DELIVER_HANDOVER_SLOTS",
+        )
     }
     env["AIRFLOW_CONFIG"] = str(ROOT / "airflow.cfg")
     assert "./airflow.cfg:" + ENV["AIRFLOW_CONFIG"] + ":ro" in SERVICES["airflow-scheduler"]["volumes"]
@@ -116,7 +123,7 @@ def test_compose_and_code_agree_on_the_deliver_pool() -> None:
     pools = {pool: int(slots) for pool, slots in (line.split() for line in out.splitlines())}
     cfg = configparser.ConfigParser(interpolation=None)
     cfg.read(ROOT / "airflow.cfg")
-    slots = 2 * (len(parse_levels(cfg.get("delaywheel", "levels"))) + 1)
+    slots = len(parse_levels(cfg.get("delaywheel", "levels"))) + 1 + cfg.getint("delaywheel", "deliver_handover_slots")
     assert pools == {"delaywheel_deliver": slots}
     assert cfg.getint("core", "parallelism") > slots  # room beside the deliver DAG
 

@@ -181,6 +181,14 @@ def _raw(name: str, cfg: configparser.ConfigParser) -> str | None:
     return None
 
 
+def option(name: str) -> str | None:
+    """One `[delaywheel]` option as the environment or airflow.cfg sets it (None if unset), for the options that are
+    not the store's `Settings` but the Airflow side's (the deliver pool's hand-over slots)."""
+    cfg = configparser.ConfigParser(interpolation=None)
+    cfg.read(_airflow_cfg_path())
+    return _raw(name, cfg)
+
+
 def load_settings() -> Settings:
     """Settings from the environment and airflow.cfg; unset values keep their defaults."""
     cfg = configparser.ConfigParser(interpolation=None)

@@ -27,7 +27,6 @@ import random
 import shutil
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -36,7 +35,6 @@ from typing import Any
 
 import psycopg
 import pytest
-from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
 from delaywheel import Message, Settings, Store
@@ -110,14 +108,6 @@ class Load:
         if n % 3 == 2:  # the wheel: arbitrary due times, off the levels' delays
             return Message("celery.test", {"n": n}, delay=timedelta(seconds=rng.uniform(1.5, 9.5)))
         return Message("celery.test", {"n": n}, delay_level=n % 3 + 1)
-
-
-@pytest.fixture
-def metadata_db(server_url: str) -> Iterator[str]:
-    name = f"airflow_celery_{uuid.uuid4().hex[:10]}"
-    yield name
-    with psycopg.connect(server_url, autocommit=True) as conn:
-        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
 
 
 @pytest.fixture

@@ -21,13 +21,10 @@ import socket
 import subprocess
 import time
 import urllib.request
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import psycopg
 import pytest
-from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
 from delaywheel.dev.local_airflow import SECRETS, as_url
@@ -53,6 +50,21 @@ def free_ports(n: int) -> list[int]:
     finally:
         for s in socks:
             s.close()
+
+
+def script_env(home: Path, db_url: str, metadata_db: str) -> dict[str, str]:
+    """The environment of a `scripts/airflow.sh` run of its own: AIRFLOW_HOME, metadata database, store and free
+    loopback ports, two delay levels and the wheel (`LANES`), and nothing of the tests' own Airflow."""
+    api_port, worker_log_port, trigger_log_port = free_ports(3)
+    return {k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW")} | {
+        "DELAYWHEEL_DATABASE_URL": as_url(db_url),
+        "DELAYWHEEL_AIRFLOW_HOME": str(home),
+        "DELAYWHEEL_AIRFLOW_DB": metadata_db,
+        "AIRFLOW__API__PORT": str(api_port),
+        "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(worker_log_port),
+        "AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT": str(trigger_log_port),
+        "DELAYWHEEL_LEVELS": "1s 5s",
+    }
 
 
 def stat_fields(path: Path) -> list[str]:
@@ -104,14 +116,6 @@ def get(url: str, token: str | None = None, data: dict | None = None) -> str:
         return response.read().decode()
 
 
-@pytest.fixture
-def metadata_db(server_url: str) -> Iterator[str]:
-    name = f"airflow_sh_{uuid.uuid4().hex[:10]}"
-    yield name
-    with psycopg.connect(server_url, autocommit=True) as conn:
-        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
-
-
 def state(pid: int) -> str | None:
     """The state letter of a process (`T`: stopped), or None once it has gone."""
     try:
@@ -161,17 +165,8 @@ def test_ctrl_c_stops_every_service_in_order_leaving_nothing_and_tasks_succeed(
     with a note of its own, and still stop everything in order with every task a success."""
     home, run_dir = tmp_path / "airflow", tmp_path / "run"
     run_dir.mkdir()
-    api_port, worker_log_port, trigger_log_port = free_ports(3)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW")}  # nothing of the tests' own Airflow
-    env |= {
-        "DELAYWHEEL_DATABASE_URL": as_url(db_url),
-        "DELAYWHEEL_AIRFLOW_HOME": str(home),
-        "DELAYWHEEL_AIRFLOW_DB": metadata_db,
-        "AIRFLOW__API__PORT": str(api_port),
-        "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(worker_log_port),
-        "AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT": str(trigger_log_port),
-        "DELAYWHEEL_LEVELS": "1s 5s",
-    }
+    env = script_env(home, db_url, metadata_db)
+    api_port, worker_log_port = env["AIRFLOW__API__PORT"], env["AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT"]
     base = f"http://127.0.0.1:{api_port}"
     output = tmp_path / "airflow.sh.log"
     meta = make_conninfo(server_url, dbname=metadata_db)

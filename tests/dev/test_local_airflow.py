@@ -6,6 +6,7 @@ Fernet key in AIRFLOW_HOME; the demo on the same database must decrypt them, so 
 
 from __future__ import annotations
 
+import os
 import stat
 import subprocess
 import sys
@@ -54,3 +55,36 @@ def test_a_short_signing_key_is_replaced_and_the_fernet_key_kept(tmp_path: Path)
     assert (tmp_path / "jwt_secret").read_text().strip() == values["AIRFLOW__API_AUTH__JWT_SECRET"]
     for name in SECRETS:
         assert stat.S_IMODE((tmp_path / name).stat().st_mode) == 0o600
+
+
+def pools(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """`python -m delaywheel.dev.local_airflow pools` (scripts/airflow.sh's and the compose file's) with the
+    project's airflow.cfg and `env` over it."""
+    base = {k: v for k, v in os.environ.items() if "DELAYWHEEL" not in k}
+    return subprocess.run(
+        [sys.executable, "-m", "delaywheel.dev.local_airflow", "pools"],
+        env={**base, "AIRFLOW_CONFIG": str(ROOT / "airflow.cfg"), **env},
+        capture_output=True,
+        text=True,
+    )
+
+
+def test_the_deliver_pool_has_a_slot_per_lane_and_the_hand_over_slots() -> None:
+    """One slot per lane for the running deliver run, and `deliver_handover_slots` (airflow.cfg: 3) for the next run's
+    lane tasks, which start that many at a time (DESIGN.md, "A rolling hand-over"); per store with several."""
+    assert pools({}).stdout == "delaywheel_deliver 22\n"
+    assert pools({"DELAYWHEEL_LEVELS": "1s 5s", "AIRFLOW__DELAYWHEEL__DELIVER_HANDOVER_SLOTS": "1"}).stdout == (
+        "delaywheel_deliver 4\n"
+    )
+    stores = {"DELAYWHEEL_STORES": "a=postgresql://h/a,b=postgresql://h/b", "DELAYWHEEL_DELIVER_HANDOVER_SLOTS": "19"}
+    assert pools(stores).stdout == "delaywheel_deliver_a 38\ndelaywheel_deliver_b 38\n"
+
+
+def test_a_hand_over_slots_value_the_pool_cannot_have_is_refused_with_a_reason() -> None:
+    for value, reason in [
+        ("three", "deliver_handover_slots: 'three' is not an integer"),
+        ("0", "deliver_handover_slots: 0 is not between 1 and the lanes' number (19)"),
+        ("20", "deliver_handover_slots: 20 is not between 1 and the lanes' number (19)"),
+    ]:
+        done = pools({"AIRFLOW__DELAYWHEEL__DELIVER_HANDOVER_SLOTS": value})
+        assert (done.returncode, done.stdout, done.stderr) == (1, "", f"delaywheel: {reason}\n"), value

@@ -20,7 +20,7 @@ import psycopg
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from delaywheel.config import PROJECT_ROOT, Settings, load_settings
+from delaywheel.config import PROJECT_ROOT, ConfigError, Settings, load_settings, option
 
 SPARK_LOCAL = '{"conn_type": "spark", "host": "local[*]"}'
 
@@ -65,11 +65,24 @@ def store_connections(settings: Settings | None = None) -> dict[str, str]:
     return {f"AIRFLOW_CONN_DELAYWHEEL_{name.upper()}": url for name, url in (settings or load_settings()).stores}
 
 
+HANDOVER_SLOTS = 3  # `[delaywheel] deliver_handover_slots`' default
+
+
 def deliver_pools(settings: Settings | None = None) -> dict[str, int]:
-    """The deliver DAGs' pools and their slots: two per lane (levels + the wheel), for the two runs of a hand-over.
-    `delaywheel_deliver` for the single store; `delaywheel_deliver_<name>` per store with several."""
+    """The deliver DAGs' pools and their slots: one per lane (levels + the wheel) for the running deliver run, and
+    `[delaywheel] deliver_handover_slots` (3) for the next run's tasks while the two overlap. The next run's lane
+    tasks therefore start a few at a time, as the old run's hand over, not all at once (DESIGN.md, "A rolling
+    hand-over"). `delaywheel_deliver` for the single store; `delaywheel_deliver_<name>` per store with several."""
     settings = settings or load_settings()
-    slots = 2 * (settings.max_level + 1)
+    lanes = settings.max_level + 1
+    raw = option("deliver_handover_slots")
+    try:
+        handover = HANDOVER_SLOTS if raw is None else int(raw)
+    except ValueError:
+        raise ConfigError(f"deliver_handover_slots: {raw!r} is not an integer") from None
+    if not 1 <= handover <= lanes:
+        raise ConfigError(f"deliver_handover_slots: {handover} is not between 1 and the lanes' number ({lanes})")
+    slots = lanes + handover
     return {f"delaywheel_deliver_{name}": slots for name, _ in settings.stores} or {"delaywheel_deliver": slots}
 
 
@@ -174,7 +187,11 @@ if __name__ == "__main__":
     elif sys.argv[1:] == ["connections"]:
         lines = store_connections().items()
     elif sys.argv[1:] == ["pools"]:
-        for pool, slots in deliver_pools().items():
+        try:
+            pools = deliver_pools()
+        except ConfigError as exc:
+            sys.exit(f"delaywheel: {exc}")
+        for pool, slots in pools.items():
             print(pool, slots)
         sys.exit(0)
     else:
