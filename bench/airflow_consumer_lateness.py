@@ -41,8 +41,6 @@ import numpy as np
 import psycopg
 
 from delaywheel import load_settings
-from delaywheel.config import option
-from delaywheel.dev.local_airflow import HANDOVER_SLOTS
 
 from .airflow_lateness import DAG_ID as DELIVER_DAG_ID
 from .airflow_lateness import METADATA_DB, ROOT, failed_tries, standalone, wait_running
@@ -213,7 +211,9 @@ def task_figures(metadata_url: str, since: datetime) -> dict[str, Any]:
             " WHERE dag_id = %s AND task_id <> 'publish_topic_events' AND start_date IS NOT NULL",
             (DELIVER_DAG_ID,),
         ).fetchall()
+        pool = conn.execute("SELECT slots FROM slot_pool WHERE pool = 'delaywheel_deliver'").fetchone()
     return {
+        "pool_slots": pool[0] if pool else None,
         **lane_handovers(lane_tasks, since),
         "tasks": len(rows),
         "ids": tis,
@@ -239,13 +239,14 @@ def lane_handovers(lane_tasks: list[tuple[Any, ...]], since: datetime) -> dict[s
     by_run: dict[str, list[tuple[Any, ...]]] = {}
     for task in lane_tasks:
         by_run.setdefault(task[0], []).append(task)
+    first = {run: min(t[3] for t in tasks) for run, tasks in by_run.items()}
     spreads = [
         (max(t[3] for t in tasks) - min(t[2] or t[3] for t in tasks)).total_seconds()
-        for tasks in by_run.values()
-        if min(t[3] for t in tasks) >= since
+        for run, tasks in by_run.items()
+        if first[run] >= since
     ]
     started = {(run_id, task_id): start for run_id, task_id, _queued, start, _end in lane_tasks}
-    ordered = sorted(by_run, key=lambda run: min(t[3] for t in by_run[run]))
+    ordered = sorted(by_run, key=first.__getitem__)
     ended = unserved = 0
     for old, new in pairwise(ordered):
         for _run, task_id, _queued, _start, end in by_run[old]:
@@ -272,7 +273,6 @@ def run(args: argparse.Namespace) -> tuple[list[Check], list[str]]:
     env = {"AIRFLOW__CORE__DAGS_FOLDER": str(folder), "AIRFLOW__DELAYWHEEL__DELIVER_TASKS": args.deliver_tasks}
     if args.handover_slots is not None:
         env["AIRFLOW__DELAYWHEEL__DELIVER_HANDOVER_SLOTS"] = str(args.handover_slots)
-    slots = args.handover_slots or option("deliver_handover_slots") or HANDOVER_SLOTS
     with standalone(url, None, env) as (proc, metadata_url):
         wait_running(metadata_url, lanes, proc, timeout=900)
         wait_running(metadata_url, 1, proc, timeout=300, dag_id=DAG_ID)
@@ -360,7 +360,7 @@ def run(args: argparse.Namespace) -> tuple[list[Check], list[str]]:
         f"those starts: p99 {b99:.1f} ms; of all the others: p99 {o99:.1f} ms, max {oworst:.1f} ms",
         f"lane hand-overs from one deliver run to the next in the window: {tasks['lanes_handed']}, of which "
         f"{tasks['lanes_unserved']} left a lane without a deliver task (the old one ended before its successor ran); "
-        f"the pool's hand-over slots: {slots}",
+        f"the deliver pool's slots (as scripts/airflow.sh set them): {tasks['pool_slots']}",
         f"full garbage collections in the consumer task processes once they handled: {len(collected)}"
         + (f" (longest {max(collected):.1f} ms)" if collected else ""),
         f"consumer tasks started in the window: {tasks['tasks']} (queued -> running p50 {tasks['start_p50']:.2f} s, "

@@ -181,18 +181,21 @@ def _raw(name: str, cfg: configparser.ConfigParser) -> str | None:
     return None
 
 
+def _airflow_cfg() -> configparser.ConfigParser:
+    cfg = configparser.ConfigParser(interpolation=None)
+    cfg.read(_airflow_cfg_path())
+    return cfg
+
+
 def option(name: str) -> str | None:
     """One `[delaywheel]` option as the environment or airflow.cfg sets it (None if unset), for the options that are
     not the store's `Settings` but the Airflow side's (the deliver pool's hand-over slots)."""
-    cfg = configparser.ConfigParser(interpolation=None)
-    cfg.read(_airflow_cfg_path())
-    return _raw(name, cfg)
+    return _raw(name, _airflow_cfg())
 
 
 def load_settings() -> Settings:
     """Settings from the environment and airflow.cfg; unset values keep their defaults."""
-    cfg = configparser.ConfigParser(interpolation=None)
-    cfg.read(_airflow_cfg_path())
+    cfg = _airflow_cfg()
     values: dict[str, object] = {}
     if (url := _raw("database_url", cfg)) is not None:
         values["database_url"] = url
