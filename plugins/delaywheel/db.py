@@ -40,6 +40,20 @@ COMMIT_HORIZON = """(
 # put on the sorts that remain pushes the estimate over jit_above_cost, and compiling takes longer than the pass.
 QUEUE_PLAN = "set_config('enable_sort', 'off', true), set_config('jit', 'off', true)"
 
+# Planner settings added for a delivery pass: its test of each row for a cancellation (pending.not_cancelled) as an
+# index probe, never a hash of the cancellations or a scan of them. A pass keeps the plan its connection made after its
+# first few passes (prepared, generic) while the day's cancellations keep growing: made when they were a few hundred
+# rows, analyzed, the anti-join looked cheapest as a hash of all of them, and every pass then read them all. With 700
+# cancels a second the wheel's due move went from 0.2 to 1.2 ms in 20 s and the deliverer's server process used 0.55
+# of a core instead of 0.26 (tests/test_query_plans.py; bench/results/2026-11-30-pass-probes-its-cancellations.json).
+# Fencing the test as a subquery (probe=True) is no remedy here: that subquery's own plan scanned them per row, and
+# its price per row made the stragglers' move read the due-time index up to now. The pass's statements have no other
+# join that wants a hash or a merge.
+PASS_PLAN = (
+    "set_config('enable_seqscan', 'off', true), set_config('enable_hashjoin', 'off', true),"
+    " set_config('enable_mergejoin', 'off', true)"
+)
+
 # Planner settings for finding one message by id or key (cancel). Far blocks carry BRIN summaries, not B-trees
 # (migrations/008), and the planner prices a BRIN scan by the column's physical correlation: none for random keys, none
 # at all before ANALYZE. It would read whole blocks sequentially; with that priced out it reads the page ranges

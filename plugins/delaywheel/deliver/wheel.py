@@ -26,7 +26,7 @@ import psycopg
 from psycopg import errors, sql
 
 from delaywheel.config import Settings
-from delaywheel.db import COMMIT_HORIZON, QUEUE_PLAN, in_own_transaction
+from delaywheel.db import COMMIT_HORIZON, PASS_PLAN, QUEUE_PLAN, in_own_transaction
 from delaywheel.deliver.levels import TOPIC_SUMMARY, open_pass, topic_spans
 from delaywheel.deliver.setaside import POISON, record
 from delaywheel.locks import WHEEL_LOCK
@@ -112,13 +112,17 @@ HEAD_WINDOW = HOUR
 # 0.21 ms of server time each (pg_stat_statements, the near wheel's ~24 partitions) spent before the due batch's
 # move, hence in every due row's lateness: the planner prices a generic plan as reading every partition, not knowing
 # that executor start-up prunes those past the cursor, so it kept choosing custom plans. The due batch's move
-# already ran on its generic plan.
+# already ran on its generic plan. And the cancellations probed by their index (db.PASS_PLAN).
 _LOCK = sql.SQL(
     "SELECT {lock}(%s, %s), {horizon}::text, coalesce(%s::timestamptz, clock_timestamp()),"
-    " set_config('plan_cache_mode', 'force_generic_plan', true)"
+    " set_config('plan_cache_mode', 'force_generic_plan', true), {pass_plan}"
 )
-_TRY_LOCK = _LOCK.format(lock=sql.SQL("pg_try_advisory_xact_lock"), horizon=sql.SQL(COMMIT_HORIZON)).as_string()
-_WAIT_LOCK = _LOCK.format(lock=sql.SQL("pg_advisory_xact_lock"), horizon=sql.SQL(COMMIT_HORIZON)).as_string()
+_TRY_LOCK = _LOCK.format(
+    lock=sql.SQL("pg_try_advisory_xact_lock"), horizon=sql.SQL(COMMIT_HORIZON), pass_plan=sql.SQL(PASS_PLAN)
+).as_string()
+_WAIT_LOCK = _LOCK.format(
+    lock=sql.SQL("pg_advisory_xact_lock"), horizon=sql.SQL(COMMIT_HORIZON), pass_plan=sql.SQL(PASS_PLAN)
+).as_string()
 _QUEUE_PLAN = sql.SQL("SELECT {}").format(sql.SQL(QUEUE_PLAN)).as_string()
 
 _ALL = ("id", "topic", "key", "tags", "properties", "body", "is_json", "due")
