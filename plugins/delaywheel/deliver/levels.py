@@ -198,17 +198,18 @@ WHERE u.reason IS NOT NULL
 
 # The pass's first statement: the lane's lock (tried; set_aside waits for it), the commit horizon and the clock, and
 # the planner settings for reading the queue in cursor order (QUEUE_PLAN) and probing the cancellations (PASS_PLAN).
+_PLAN = sql.SQL(f"{QUEUE_PLAN}, {PASS_PLAN}")
 _TRY_LOCK = (
     sql.SQL(
         "SELECT pg_try_advisory_xact_lock(%s, %s), {horizon}::text, coalesce(%s::timestamptz,"
         " clock_timestamp()), {plan}"
     )
-    .format(horizon=sql.SQL(COMMIT_HORIZON), plan=sql.SQL(f"{QUEUE_PLAN}, {PASS_PLAN}"))
+    .format(horizon=sql.SQL(COMMIT_HORIZON), plan=_PLAN)
     .as_string()
 )
 _LOCK = (
     sql.SQL("SELECT pg_advisory_xact_lock(%s, %s), {horizon}::text, {plan}")
-    .format(horizon=sql.SQL(COMMIT_HORIZON), plan=sql.SQL(f"{QUEUE_PLAN}, {PASS_PLAN}"))
+    .format(horizon=sql.SQL(COMMIT_HORIZON), plan=_PLAN)
     .as_string()
 )
 # The level's checkpoint: where its last pass left its queue, the start before its first delivery.
