@@ -103,13 +103,11 @@ def test_the_runtime_appends_and_trims_but_never_rewrites(db_url: str) -> None:
         assert conn.execute("SELECT near_until FROM delaywheel.wheel_state FOR KEY SHARE").fetchone() is not None
 
 
-def test_a_wheel_pass_is_three_round_trips(store: Store) -> None:
-    """Each round trip costs the deliverer and its server process a wake-up, which waits for a CPU on a busy machine,
-    and the third stands between the rows' delivered_at and the commit that makes them readable. A pass that
-    delivers is three pipelines (BEGIN, lock and cursor; the moves; the next entry, COMMIT and the head): three
-    Syncs. The roll's look at `wheel_roll` is not one of them while the `near_until` it last read covers the roll's
-    target (it was a fourth, before every pass). The head looks within an hour of the cursor first; only a wheel with
-    nothing due that soon costs a fourth, after the commit."""
+def test_a_wheel_pass_is_one_round_trip(store: Store) -> None:
+    """Each round trip costs the deliverer and its server process a wake-up, which waits for a CPU on a busy machine.
+    A pass that delivers is one CALL (migrations/028: lock, cursor, moves, next entry, COMMIT and head), one Sync, with
+    the head within an hour of the cursor or beyond it. The roll's look at `wheel_roll` is not one of them while the
+    `near_until` it last read covers the roll's target (it was one more, before every pass)."""
     store.send_many([Message("t", {"n": 1}, delay=timedelta(milliseconds=50))])
     time.sleep(0.2)
     assert store.advance_wheel().delivered == 1  # creates the topic's partition,
@@ -125,13 +123,13 @@ def test_a_wheel_pass_is_three_round_trips(store: Store) -> None:
         assert result.next_due is not None and result.next_due > datetime.now(UTC) + pending - timedelta(seconds=5)
         return syncs(lines)
 
-    assert round_trips(wheel.HEAD_WINDOW * 3) == 4  # nothing due within the first look's hour
-    assert round_trips(timedelta(minutes=30)) == 3  # the common case: the first look finds the head
+    assert round_trips(wheel.HEAD_WINDOW * 3) == 1  # nothing due within the first look's hour
+    assert round_trips(timedelta(minutes=30)) == 1  # the first look finds the head
 
 
 def test_a_wheel_pass_inside_the_callers_transaction_commits_with_it(store: Store) -> None:
-    """On a connection already in a transaction the pass runs in a savepoint, with the same pipelines and no BEGIN or
-    COMMIT of its own: what it delivered is the caller's to commit or roll back."""
+    """On a connection already in a transaction the pass runs in a savepoint, with the same CALL committing nothing:
+    what it delivered is the caller's to commit or roll back."""
     ids = store.send_many([Message("t", {"n": i}, delay=timedelta(milliseconds=50)) for i in range(2)])
     time.sleep(0.2)
     with store.conn.transaction(force_rollback=True):

@@ -64,7 +64,7 @@ def open_pass(
     cursor: str,
     cursor_params: tuple[object, ...] = (),
 ) -> tuple[str, datetime, tuple[Any, ...], bool] | None:
-    """A pass's first round trip, the level's and the wheel's: BEGIN when `own`, the lane's lock tried (`try_lock`
+    """A level pass's first round trip: BEGIN when `own`, the lane's lock tried (`try_lock`
     with `lock` and `now`; its first columns the lock, the commit horizon and the clock), then the lane's cursor
     (`cursor`), read after the lock is held. If another holds the lock, wait for it (take_lane) and read the horizon,
     the clock and the cursor again. Returns (horizon, clock, cursor row, whether it waited), or None if the lane stays

@@ -27,12 +27,13 @@ from psycopg import errors, sql
 
 from delaywheel.config import Settings
 from delaywheel.db import COMMIT_HORIZON, PASS_PLAN, QUEUE_PLAN, in_own_transaction
-from delaywheel.deliver.levels import TOPIC_SUMMARY, open_pass, topic_spans
+from delaywheel.deliver import levels
+from delaywheel.deliver.levels import TOPIC_SUMMARY, topic_spans
 from delaywheel.deliver.setaside import POISON, record
 from delaywheel.locks import WHEEL_LOCK
 from delaywheel.partitions import DAY, HOUR, PartitionCache, floor_to
 from delaywheel.pending import not_cancelled, segment_messages, wheel_head
-from delaywheel.types import MAX_ID, PassResult
+from delaywheel.types import PassResult
 
 # The cursor as the last pass left it (migrations/021: the first entry of the primary key read backwards).
 CURSOR = (
@@ -107,22 +108,41 @@ _HEAD_ARGS = (
 _HEAD_SOON = wheel_head(*_HEAD_ARGS, before=sql.Placeholder("before")).as_string()
 _HEAD_AFTER = wheel_head(*_HEAD_ARGS).as_string()
 HEAD_WINDOW = HOUR
-# The lane's lock (tried by the pass, waited for by the set-aside step), with the commit horizon and the clock, and
-# generic plans for the transaction's prepared statements. The stragglers' move was planned again at every pass,
-# 0.21 ms of server time each (pg_stat_statements, the near wheel's ~24 partitions) spent before the due batch's
-# move, hence in every due row's lateness: the planner prices a generic plan as reading every partition, not knowing
-# that executor start-up prunes those past the cursor, so it kept choosing custom plans. The due batch's move
-# already ran on its generic plan. And the cancellations probed by their index (db.PASS_PLAN).
-_LOCK = sql.SQL(
-    "SELECT {lock}(%s, %s), {horizon}::text, coalesce(%s::timestamptz, clock_timestamp()),"
-    " set_config('plan_cache_mode', 'force_generic_plan', true), {pass_plan}"
+# The cursor's next entry, and every TRIM_EVERY entries the trim of an old block of them.
+_APPEND = (
+    "INSERT INTO delaywheel.wheel_cursor (pass, cursor_at, cursor_id, horizon_xid, delivered)"
+    " VALUES (%(pass)s, %(at)s, %(id)s, %(xmin)s::xid8, %(delivered)s)"
 )
-_TRY_LOCK = _LOCK.format(
-    lock=sql.SQL("pg_try_advisory_xact_lock"), horizon=sql.SQL(COMMIT_HORIZON), pass_plan=sql.SQL(PASS_PLAN)
-).as_string()
-_WAIT_LOCK = _LOCK.format(
-    lock=sql.SQL("pg_advisory_xact_lock"), horizon=sql.SQL(COMMIT_HORIZON), pass_plan=sql.SQL(PASS_PLAN)
-).as_string()
+_TRIM = "DELETE FROM delaywheel.wheel_cursor WHERE pass >= %(trim_from)s AND pass < %(trim_to)s"
+# A pass is one CALL of `delaywheel.wheel_pass` (migrations/028), which runs the statements above in this order: the
+# lane's lock (tried, then waited for up to levels.LANE_WAIT), the commit horizon and the clock, CURSOR, the stragglers'
+# move, QUEUE_PLAN, the due batch's move, _APPEND (and _TRIM), COMMIT, then the head (_HEAD_SOON, else _HEAD_AFTER),
+# each placeholder %(x)s as its variable p_x (tests/deliver/test_wheel_pass_procedure.py checks that it still does).
+# QUEUE_PLAN comes after the stragglers' move: they have no index in due order, and priced-out sorting would make the
+# planner walk the whole due index up to the cursor to avoid sorting them.
+# Sent from here they were nine statements in three pipelines: each statement cost the deliverer ~50 us of Python
+# (psycopg builds, binds and reads it) and each pipeline a wake-up of the deliverer and of its server process, which
+# on a busy machine waits for a CPU. Not prepared, as cancel's CALL: the plans worth keeping are the procedure's own.
+_CALL = (
+    "CALL delaywheel.wheel_pass(%(injected)s::timestamptz, %(limit)s::integer, %(commit)s, %(lane_wait)s,"
+    " %(head_window)s::interval, %(trim_every)s::bigint, %(lock_class)s::integer, %(lock_key)s::integer,"
+    " %(topic_days)s::timestamptz[])"
+)
+_CLOCK, _MISSING = 2, 3  # of the CALL's row: the pass's clock, and whether the clock's day has no topic partition
+# The lane's lock, waited for by the set-aside step, with the commit horizon and the clock, and the pass's planner
+# settings (as wheel_pass sets them, below): generic plans, and the cancellations probed by their index
+# (db.PASS_PLAN). Generic, because the stragglers' move was planned again at every pass otherwise, 0.21 ms of server
+# time each (pg_stat_statements, the near wheel's ~24 partitions) spent before the due batch's move, hence in every due
+# row's lateness: the planner prices a generic plan as reading every partition, not knowing that executor start-up
+# prunes those past the cursor, so it kept choosing custom plans.
+_WAIT_LOCK = (
+    sql.SQL(
+        "SELECT pg_advisory_xact_lock(%s, %s), {horizon}::text, coalesce(%s::timestamptz, clock_timestamp()),"
+        " set_config('plan_cache_mode', 'force_generic_plan', true), {pass_plan}"
+    )
+    .format(horizon=sql.SQL(COMMIT_HORIZON), pass_plan=sql.SQL(PASS_PLAN))
+    .as_string()
+)
 _QUEUE_PLAN = sql.SQL("SELECT {}").format(sql.SQL(QUEUE_PLAN)).as_string()
 
 _ALL = ("id", "topic", "key", "tags", "properties", "body", "is_json", "due")
@@ -457,75 +477,46 @@ def _set_aside_due(conn: psycopg.Connection, cache: PartitionCache, now: datetim
 
 
 def _advance(conn: psycopg.Connection, cache: PartitionCache, now: datetime | None, limit: int) -> PassResult:
-    """One pass in a transaction of its own (db.in_own_transaction: BEGIN and COMMIT in the pass's pipelines)."""
+    """One pass in a transaction of its own (db.in_own_transaction: on a Store's connection the CALL commits)."""
     return in_own_transaction(conn, lambda own: _pass(conn, cache, now, limit, own=own))
 
 
 def _pass(
     conn: psycopg.Connection, cache: PartitionCache, now: datetime | None, limit: int, *, own: bool
 ) -> PassResult:
-    """The pass's statements in three pipelines, each one round trip (a Sync inside a transaction block does not
-    commit): the lock, horizon and clock with the cursor (BEGIN first when `own`); the stragglers' move, the queue
-    plan and the due batch's move; the cursor's next entry (COMMIT next when `own`) and the head after it. It was
-    nine round trips, and each costs the deliverer and its server process a wake-up, which waits for a CPU on a
-    busy machine; the rows' delivered_at is taken in the second, so the third is also between it and the commit
-    that makes them readable (`bench/results/2026-11-27-pipelined-pass.json`), and the head, which reads only what
-    the pass passes it, comes after that commit. Statements still run one after another, each with its own snapshot,
-    so the cursor is read after the lock is held, as before."""
-    # The cursor is read after the lock: the previous holder's entry is visible to its statement's snapshot. Nothing
-    # locks it (producers lock wheel_roll's row, not the cursor): the entry this pass appends is keyed by the one read
-    # here, so a second pass that read the same entry could not commit.
-    opened = open_pass(conn, own, _TRY_LOCK, WHEEL_LOCK, now, CURSOR)
-    if opened is None:
-        return PassResult(0, 0, None, busy=True)
-    xmin, clock, (entry, cursor_at, cursor_id, horizon, total), waited = opened
-    # The horizon only moves forward. Every xid below the stored horizon had ended when it was taken, so
-    # the larger of the two is still a valid horizon; taking a smaller one (the commit horizon can dip, see
-    # db.COMMIT_HORIZON) would make rows already delivered by the due step look like stragglers again.
-    xmin = str(max(int(xmin), int(horizon)))
-    if clock < cursor_at:  # an injected clock went backwards: deliver nothing rather than early
-        if own:
-            conn.execute("ROLLBACK")
-        return PassResult(0, 0, cursor_at, waited=waited)
-    cache.ensure(conn, "topic_messages", [clock])
+    """The pass as one CALL (_CALL), which commits before it reads the head when `own` (a Store's connection: the
+    rows are readable without waiting for the head); in the caller's transaction otherwise. The rows' delivered_at
+    and their commit are in the same statement, with no round trip between them.
+
+    Statements in a procedure each take a new snapshot, as the pipelined ones did: the cursor is read after the lock
+    is held. Nothing locks it (producers lock wheel_roll's row, not the cursor): the entry the pass appends is keyed
+    by the one it read, so a second pass that read the same entry could not commit. The horizon only moves forward:
+    every xid below the stored horizon had ended when it was taken, so the larger of the two is still a valid
+    horizon; a smaller one (the commit horizon can dip, see db.COMMIT_HORIZON) would make rows already delivered by
+    the due step look like stragglers again. An injected clock that went backwards delivers nothing rather than
+    early. If the clock's day has no topic partition the procedure returns before its moves (`missing`): created
+    here (or, in a Store's pass, PartitionMissing for cache.without_ddl), then the pass runs again."""
     params = {
         "injected": now,
-        "now": clock,
-        "xmin": xmin,
-        "horizon": horizon,
-        "cursor_at": cursor_at,
-        "cursor_id": cursor_id,
         "limit": limit,
+        "commit": own,
+        "lane_wait": levels.LANE_WAIT,  # read here: the lanes' one setting (tests shorten or lengthen it)
+        "head_window": HEAD_WINDOW,
+        "trim_every": TRIM_EVERY,
+        "lock_class": WHEEL_LOCK[0],
+        "lock_key": WHEEL_LOCK[1],
+        "topic_days": cache.known("topic_messages"),
     }
-    with conn.pipeline():
-        straggling = conn.execute(_MOVE_STRAGGLERS, params)
-        # After the stragglers: they have no index in due order, and priced-out sorting would make the planner
-        # walk the whole due index up to the cursor to avoid sorting them.
-        conn.execute(_QUEUE_PLAN)
-        moving = conn.execute(_MOVE_DUE, params)
-    stragglers, straggled = straggling.fetchone()  # type: ignore[misc]
-    moved, due_count, last_at, last_id, summary = moving.fetchone()  # type: ignore[misc]
-    full = due_count == limit
-    new_at, new_id = (last_at, last_id) if full else (clock, MAX_ID)
-    delivered = stragglers + moved
-    head_params = {"at": new_at, "id": new_id, "clock": clock, "xmin": xmin, "before": new_at + HEAD_WINDOW}
-    with conn.pipeline():
-        conn.execute(
-            "INSERT INTO delaywheel.wheel_cursor (pass, cursor_at, cursor_id, horizon_xid, delivered)"
-            " VALUES (%s, %s, %s, %s::xid8, %s)",
-            (entry + 1, new_at, new_id, xmin, total + delivered),
-        )
-        if (entry + 1) % TRIM_EVERY == 0:
-            conn.execute(
-                "DELETE FROM delaywheel.wheel_cursor WHERE pass >= %s AND pass < %s",
-                (entry + 1 - 2 * TRIM_EVERY, entry + 1 - TRIM_EVERY),
-            )
-        if own:
-            conn.execute("COMMIT")  # before the head: the rows are readable without waiting for it
-        # full: more is due now, the caller looks again at once
-        heading = None if full else conn.execute(_HEAD_SOON, head_params)
-    head = (clock,) if heading is None else heading.fetchone() or conn.execute(_HEAD_AFTER, head_params).fetchone()
-    topics = topic_spans(straggled)  # stragglers were written first, in the same transaction
-    for topic, span in topic_spans(summary).items():
+    row = conn.execute(_CALL, params, prepare=False).fetchone()
+    assert row is not None  # a CALL returns its one row
+    if row[_MISSING]:
+        cache.ensure(conn, "topic_messages", [row[_CLOCK]])
+        row = conn.execute(_CALL, params, prepare=False).fetchone()
+        assert row is not None and not row[_MISSING]
+    busy, waited, _, _, delivered, skipped, next_due, more, straggled, summary = row
+    if busy:
+        return PassResult(0, 0, None, busy=True)
+    topics = topic_spans(straggled or {})  # stragglers were written first, in the same transaction
+    for topic, span in topic_spans(summary or {}).items():
         topics[topic] = topics[topic].merge(span) if topic in topics else span
-    return PassResult(delivered, due_count - moved, head[0] if head else None, more=full, topics=topics, waited=waited)
+    return PassResult(delivered, skipped, next_due, more=more, topics=topics, waited=waited)
