@@ -139,3 +139,24 @@ def test_a_wheel_pass_inside_the_callers_transaction_commits_with_it(store: Stor
     with store.conn.transaction():
         assert store.advance_wheel().delivered == 2
     assert sorted(m[0] for m in deliveries(store, "t")) == sorted(ids)
+
+
+def test_a_pass_on_a_day_without_its_topic_partition_creates_it_outside_the_pass_or_in_the_callers_transaction(
+    store: Store, t0: datetime
+) -> None:
+    """The procedure returns before its moves when the clock's day has no topic partition (migrations/028): a Store's
+    pass creates it in a transaction of its own and passes again; inside the caller's transaction the partition is
+    made there, and goes with the caller's rollback."""
+    day = t0 + timedelta(days=40)  # no topic partition yet
+    mid = store.send("t", {"n": 1}, deliver_at=day + timedelta(seconds=1), now=day)
+
+    def topic_partition() -> bool:
+        row = store.conn.execute("SELECT delaywheel.partition_named('topic_messages', %s) IS NOT NULL", (day,))
+        return bool(row.fetchone()[0])  # type: ignore[index]
+
+    with store.conn.transaction(force_rollback=True):
+        assert store.advance_wheel(now=day + timedelta(seconds=2)).delivered == 1
+        assert topic_partition()
+    assert not topic_partition()  # rolled back with the caller's transaction, the delivery with it
+    assert store.advance_wheel(now=day + timedelta(seconds=2)).delivered == 1
+    assert topic_partition() and [m[0] for m in deliveries(store, "t")] == [mid]
