@@ -85,10 +85,10 @@ class PartitionCache:
             else:  # it may have been created just now, by a transaction that can still roll back
                 self._tentative[entry] = xid
 
-    def known(self, parent: str) -> list[datetime]:
-        """The lower bounds of the partitions of `parent` this process knows exist (committed): what a statement
+    def known(self, parent: str, lows: list[datetime]) -> list[datetime]:
+        """Those of `lows` (partitions' lower bounds) that this process knows exist (committed): what a statement
         that checks for its own partition on the server (wheel.wheel_pass) need not check."""
-        return sorted(lo for name, lo in self._known if name == parent)
+        return [lo for lo in lows if (parent, lo) in self._known]
 
     def without_ddl(self, conn: psycopg.Connection, run: Callable[[], T]) -> T:
         """`run()`, a transaction of the store's own (a delivery pass, a send), with no partition created inside it.

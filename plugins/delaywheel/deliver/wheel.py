@@ -19,7 +19,7 @@ import functools
 import time
 import weakref
 from collections.abc import Callable
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import TypeVar
 
 import psycopg
@@ -496,6 +496,7 @@ def _pass(
     the due step look like stragglers again. An injected clock that went backwards delivers nothing rather than
     early. If the clock's day has no topic partition the procedure returns before its moves (`missing`): created
     here (or, in a Store's pass, PartitionMissing for cache.without_ddl), then the pass runs again."""
+    today = floor_to(datetime.now(UTC), DAY)
     params = {
         "injected": now,
         "limit": limit,
@@ -505,7 +506,8 @@ def _pass(
         "trim_every": TRIM_EVERY,
         "lock_class": WHEEL_LOCK[0],
         "lock_key": WHEEL_LOCK[1],
-        "topic_days": cache.known("topic_messages"),
+        # the topic days around this machine's clock that need no look-up (an injected or skewed clock looks)
+        "topic_days": cache.known("topic_messages", [today - DAY, today, today + DAY]),
     }
     row = conn.execute(_CALL, params, prepare=False).fetchone()
     assert row is not None  # a CALL returns its one row
