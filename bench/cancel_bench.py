@@ -60,7 +60,7 @@ import psycopg
 from psycopg import sql
 
 from delaywheel import Message, Store
-from delaywheel.deliver import levels as lane_locks  # take_lane: a pass's wait for its lane (levels.open_pass)
+from delaywheel.deliver import levels as lane_locks  # LANE_WAIT: how long a pass waits for its lane
 from delaywheel.deliver import runner
 from delaywheel.ops import cancel as cancel_module
 from delaywheel.ops.cancel import FIND_PLAN, CancelResult, find, key_params, mark_and_settle
@@ -589,11 +589,12 @@ def deliver_worker(
 ) -> None:
     """The deliverer in a process of its own, as `delaywheel deliver` runs (runner.run on the wheel): sends its
     backend's pid, then its passes, busy passes and passes that waited for their lane, or the error that ended it.
-    `before`: the deliverer of 990e562 (try the lock, else busy); `cpus`: see pin."""
+    `before`: the deliverer of 990e562 (try the lock, else busy: here a wait of 1 ms, the nearest the pass's CALL
+    allows); `cpus`: see pin."""
     die_with_parent()
     try:
-        if before:
-            lane_locks.take_lane = lambda conn, lock: False
+        if before:  # as near to "try, else busy" as the pass's CALL allows (a lock_timeout of 0 waits for ever)
+            lane_locks.LANE_WAIT = "1ms"
         runner.SUMMARIZE_TOPICS_EVERY_S = topic_summaries
         with Store(url) as own:
             pin(own.conn.info.backend_pid, cpus)

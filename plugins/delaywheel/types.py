@@ -68,7 +68,7 @@ class PassResult:
     more: bool = False  # the batch limit stopped the pass while due messages remained
     topics: dict[str, TopicSpan] = field(default_factory=dict)  # what this pass wrote, per topic
     # the lane's lock was held when the pass began (a cancel's momentary shared hold, or another deliverer's pass) and
-    # the pass waited for it (levels.take_lane): a count of these says how often cancels touch deliveries at all
+    # the pass waited for it (up to levels.LANE_WAIT): a count of these says how often cancels touch deliveries at all
     waited: bool = False
 
     def combine(self, other: PassResult) -> PassResult:

@@ -101,9 +101,10 @@ def test_a_level_pass_inside_the_callers_transaction_commits_with_it(store: Stor
     assert store.deliver_level(1, now=at(t0, 2)).delivered == 0  # the checkpoint moved with them
 
 
-def test_a_level_pass_is_two_round_trips(store: Store, t0: datetime) -> None:
-    """As the wheel's pass (test_wheel_cursor): BEGIN, the lock and the checkpoint; the move, which writes the
-    checkpoint itself, COMMIT and the head. It was eight, and a deliverer passes every level at start."""
+def test_a_level_pass_is_one_round_trip(store: Store, t0: datetime) -> None:
+    """As the wheel's pass (test_wheel_cursor): one CALL (migrations/029: the lock, the checkpoint, the move, which
+    writes the checkpoint itself, COMMIT and the head), one Sync, whether it delivers or finds nothing. It was eight
+    round trips, then two, and a deliverer passes every level at start."""
     store.send("orders", b"first", delay_level=1, now=t0)
     assert store.deliver_level(1, now=at(t0, 1)).delivered == 1  # creates the topic's partition: the common case next
     ids = store.send_many([Message("orders", {"n": i}, delay_level=1) for i in range(3)], now=at(t0, 1))
@@ -111,9 +112,30 @@ def test_a_level_pass_is_two_round_trips(store: Store, t0: datetime) -> None:
     result, lines = traced(store.conn, lambda: store.deliver_level(1, now=at(t0, 2)))
     assert (result.delivered, result.next_due) == (3, at(t0, 6))
     assert [m[0] for m in deliveries(store, "orders")][-3:] == ids
-    assert syncs(lines) == 2
+    assert syncs(lines) == 1
     idle, lines = traced(store.conn, lambda: store.deliver_level(2, now=at(t0, 2)))
-    assert (idle.delivered, idle.next_due, syncs(lines)) == (0, None, 2)
+    assert (idle.delivered, idle.next_due, syncs(lines)) == (0, None, 1)
+
+
+def test_a_level_pass_on_a_day_without_its_topic_partition_creates_it_outside_the_pass_or_in_the_callers_transaction(
+    store: Store, t0: datetime
+) -> None:
+    """As the wheel's (test_wheel_cursor): the procedure returns before its move when the clock's day has no topic
+    partition; a Store's pass creates it in a transaction of its own and passes again, inside the caller's transaction
+    it is made there and goes with the caller's rollback."""
+    day = t0 + timedelta(days=40)  # no topic partition yet
+    mid = store.send("t", {"n": 1}, delay_level=1, now=day)
+
+    def topic_partition() -> bool:
+        row = store.conn.execute("SELECT delaywheel.partition_named('topic_messages', %s) IS NOT NULL", (day,))
+        return bool(row.fetchone()[0])  # type: ignore[index]
+
+    with store.conn.transaction(force_rollback=True):
+        assert store.deliver_level(1, now=at(day, 2)).delivered == 1
+        assert topic_partition()
+    assert not topic_partition()  # rolled back with the caller's transaction, the delivery with it
+    assert store.deliver_level(1, now=at(day, 2)).delivered == 1
+    assert topic_partition() and [m[0] for m in deliveries(store, "t")] == [mid]
 
 
 def test_wheel_never_early_inside_a_slot(store: Store, t0: datetime) -> None:

@@ -11,12 +11,12 @@ from delaywheel.db import COMMIT_HORIZON, PASS_PLAN, QUEUE_PLAN
 from delaywheel.deliver import wheel
 from delaywheel.types import MAX_ID
 
-_PLACEHOLDER = re.compile(r"%\((\w+)\)s")
+PLACEHOLDER = re.compile(r"%\((\w+)\)s")
 
 
 def as_variables(statement: str) -> str:
     """A statement of deliver/wheel.py as the procedure embeds it: each placeholder %(x)s as the variable p_x."""
-    return _PLACEHOLDER.sub(r"p_\1", statement)
+    return PLACEHOLDER.sub(r"p_\1", statement)
 
 
 def words(text: str) -> str:
@@ -38,4 +38,4 @@ def test_the_procedure_runs_the_librarys_statements(store: Store) -> None:
     stragglers, due = (flat.index(words(as_variables(s))) for s in (wheel._MOVE_STRAGGLERS, wheel._MOVE_DUE))
     assert stragglers < flat.index(f"PERFORM {QUEUE_PLAN}") < due
     # the CALL passes the procedure's inputs in their order
-    assert [f"p_{name}" for name in _PLACEHOLDER.findall(wheel._CALL)] == inputs
+    assert [f"p_{name}" for name in PLACEHOLDER.findall(wheel._CALL)] == inputs

@@ -8,17 +8,16 @@ COMMIT leaves queue, topics and checkpoint as they were; after COMMIT, all three
 
 from __future__ import annotations
 
-from datetime import datetime
-from typing import Any
+from datetime import UTC, datetime
 
 import psycopg
-from psycopg import errors, sql
+from psycopg import sql
 
 from delaywheel.db import COMMIT_HORIZON, PASS_PLAN, QUEUE_PLAN, in_own_transaction
 from delaywheel.deliver.setaside import POISON, record
 from delaywheel.locks import LEVEL_LOCK
-from delaywheel.partitions import PartitionCache
-from delaywheel.pending import LEVEL_HEAD, not_cancelled, segment_messages
+from delaywheel.partitions import DAY, PartitionCache, floor_to
+from delaywheel.pending import not_cancelled, segment_messages
 from delaywheel.produce.producer import TOPIC_CHANNEL
 from delaywheel.types import PassResult, TopicSpan
 
@@ -30,63 +29,6 @@ from delaywheel.types import PassResult, TopicSpan
 # of them cannot starve it. Another deliverer of the lane holds the lock for a whole pass: this one then waits for
 # that pass and runs its own, or reports busy after this long.
 LANE_WAIT = "250ms"
-
-
-def take_lane(conn: psycopg.Connection, lock: tuple[int, int]) -> bool:
-    """After `pg_try_advisory_xact_lock(lock)` failed in the caller's transaction: wait up to LANE_WAIT for it (in a
-    savepoint, so a timeout leaves the transaction usable); True once held."""
-    row = conn.execute("SELECT current_setting('lock_timeout')").fetchone()
-    assert row is not None
-    before = row[0]
-    try:
-        with conn.transaction():
-            conn.execute("SELECT set_config('lock_timeout', %s, true)", (LANE_WAIT,))
-            conn.execute("SELECT pg_advisory_xact_lock(%s, %s)", lock)
-    except errors.LockNotAvailable:
-        return False
-    conn.execute("SELECT set_config('lock_timeout', %s, true)", (before,))  # as it was, for the rest of the pass
-    return True
-
-
-_HORIZON_AND_CLOCK = (
-    sql.SQL("SELECT {horizon}::text, coalesce(%s::timestamptz, clock_timestamp())")
-    .format(horizon=sql.SQL(COMMIT_HORIZON))
-    .as_string()
-)
-
-
-def open_pass(
-    conn: psycopg.Connection,
-    own: bool,
-    try_lock: str,
-    lock: tuple[int, int],
-    now: datetime | None,
-    cursor: str,
-    cursor_params: tuple[object, ...] = (),
-) -> tuple[str, datetime, tuple[Any, ...], bool] | None:
-    """A level pass's first round trip: BEGIN when `own`, the lane's lock tried (`try_lock`
-    with `lock` and `now`; its first columns the lock, the commit horizon and the clock), then the lane's cursor
-    (`cursor`), read after the lock is held. If another holds the lock, wait for it (take_lane) and read the horizon,
-    the clock and the cursor again. Returns (horizon, clock, cursor row, whether it waited), or None if the lane stays
-    busy (the transaction rolled back when `own`)."""
-    with conn.pipeline():
-        if own:
-            conn.execute("BEGIN")
-        locking = conn.execute(try_lock, (*lock, now))
-        reading = conn.execute(cursor, cursor_params)
-    row = locking.fetchone()
-    assert row is not None
-    locked, xmin, clock = row[:3]
-    if not locked:
-        if not take_lane(conn, lock):
-            if own:
-                conn.execute("ROLLBACK")
-            return None
-        xmin, clock = conn.execute(_HORIZON_AND_CLOCK, (now,)).fetchone()  # type: ignore[misc]
-        reading = conn.execute(cursor, cursor_params)
-    state = reading.fetchone()
-    assert state is not None
-    return xmin, clock, state, not locked
 
 
 # Per topic, what the `moved` CTE (RETURNING topic, queue_offset, xid) wrote: {topic: [count, xid, first, last]}.
@@ -122,10 +64,15 @@ _BATCH_AFTER_CURSOR = sql.SQL("""
 """).format(messages=segment_messages("id", "topic", "key", "tags", "properties", "body", "is_json"))
 
 
-def _deliver(properties: sql.Composable) -> str:
-    """The pass's one statement, with `properties` as the expression that reads a message's properties."""
-    return (
-        sql.SQL("""
+# The pass's move. After a pass failed on a row it cannot deliver (setaside.py) it runs again with %(setting_aside)s
+# true: a message set aside has no properties to cast (its cast is what failed; it is cancelled, so it is passed over
+# like any cancelled message). False, the CASE never looks.
+_PROPERTIES = sql.SQL(
+    "CASE WHEN %(setting_aside)s AND EXISTS (SELECT 1 FROM delaywheel.set_aside x WHERE x.message_id = m.id) THEN NULL"
+    " ELSE m.properties::jsonb END AS properties"
+)
+_DELIVER = (
+    sql.SQL("""
 WITH
 -- the batch after the checkpoint, and whether it is due up to each row (FIFO: the due prefix is what moves)
 batch AS (
@@ -162,25 +109,15 @@ SELECT (SELECT count(*) FROM moved),
        (SELECT count(*) FROM batch),
        ({topic_summary})
 """)
-        .format(
-            properties=properties,
-            batch=_BATCH_AFTER_CURSOR,
-            not_cancelled=not_cancelled("d"),
-            topic_summary=sql.SQL(TOPIC_SUMMARY),
-        )
-        .as_string()
+    .format(
+        properties=_PROPERTIES,
+        batch=_BATCH_AFTER_CURSOR,
+        not_cancelled=not_cancelled("d"),
+        topic_summary=sql.SQL(TOPIC_SUMMARY),
     )
-
-
-_DELIVER = _deliver(sql.SQL("m.properties::jsonb"))
-# After a pass failed on a row it cannot deliver (setaside.py): the same pass, except that a message set aside has
-# no properties to cast (its cast is what failed; it is cancelled, so it is passed over like any cancelled message).
-_DELIVER_SETTING_ASIDE = _deliver(
-    sql.SQL(
-        "CASE WHEN EXISTS (SELECT 1 FROM delaywheel.set_aside x WHERE x.message_id = m.id) THEN NULL"
-        " ELSE m.properties::jsonb END AS properties"
-    )
+    .as_string()
 )
+
 
 # The rows a pass would read (its batch, due or not: the batch casts every row it reads) that cannot be delivered.
 _UNDELIVERABLE = (
@@ -196,27 +133,32 @@ WHERE u.reason IS NOT NULL
     .as_string()
 )
 
-# The pass's first statement: the lane's lock (tried; set_aside waits for it), the commit horizon and the clock, and
-# the planner settings for reading the queue in cursor order (QUEUE_PLAN) and probing the cancellations (PASS_PLAN).
-_PLAN = sql.SQL(f"{QUEUE_PLAN}, {PASS_PLAN}")
-_TRY_LOCK = (
-    sql.SQL(
-        "SELECT pg_try_advisory_xact_lock(%s, %s), {horizon}::text, coalesce(%s::timestamptz,"
-        " clock_timestamp()), {plan}"
-    )
-    .format(horizon=sql.SQL(COMMIT_HORIZON), plan=_PLAN)
-    .as_string()
-)
+# The pass's planner settings: the queue read in cursor order (QUEUE_PLAN), the cancellations probed by their index
+# (PASS_PLAN), and generic plans. Generic, because the move's cost estimate counts the set-aside probe (_PROPERTIES)
+# that a custom plan folds away when %(setting_aside)s is false, so the plan cache kept choosing custom plans and
+# planned the move at every pass: 0.88 ms a one-message pass against 0.52 (2,000 passes in a loop, one session).
+PLAN = f"set_config('plan_cache_mode', 'force_generic_plan', true), {QUEUE_PLAN}, {PASS_PLAN}"
+# The set-aside step's first statement: the lane's lock (waited for), the commit horizon, and the pass's settings.
 _LOCK = (
     sql.SQL("SELECT pg_advisory_xact_lock(%s, %s), {horizon}::text, {plan}")
-    .format(horizon=sql.SQL(COMMIT_HORIZON), plan=_PLAN)
+    .format(horizon=sql.SQL(COMMIT_HORIZON), plan=sql.SQL(PLAN))
     .as_string()
 )
 # The level's checkpoint: where its last pass left its queue, the start before its first delivery.
-_CURSOR = (
+CURSOR = (
     "SELECT coalesce(c.cursor_xid::text, '0'), coalesce(c.cursor_id, 0)"
-    " FROM (SELECT) start LEFT JOIN delaywheel.level_checkpoint c ON c.level = %s"
+    " FROM (SELECT) start LEFT JOIN delaywheel.level_checkpoint c ON c.level = %(level)s"
 )
+# A pass is one CALL of `delaywheel.level_pass` (migrations/029), which runs, as the wheel's (wheel._CALL): the
+# planner settings (PLAN), the lane's lock (tried, then waited for up to LANE_WAIT, else busy), the commit horizon and
+# the clock, CURSOR, _DELIVER, COMMIT, then the head (pending.LEVEL_HEAD), each placeholder %(x)s as its variable p_x
+# (tests/deliver/test_level_pass_procedure.py checks that it still does). Sent from here they were six statements in
+# two pipelines, ~50 us of the deliverer's Python each and a wake-up of both processes for each pipeline.
+_CALL = (
+    "CALL delaywheel.level_pass(%(level)s::integer, %(injected)s::timestamptz, %(limit)s::integer, %(commit)s,"
+    " %(setting_aside)s, %(lane_wait)s, %(lock_class)s::integer, %(topic_days)s::timestamptz[])"
+)
+_CLOCK, _MISSING = 2, 3  # of the CALL's row: the pass's clock, and whether the clock's day has no topic partition
 
 
 def levels_above(conn: psycopg.Connection, level: int) -> list[int]:
@@ -252,19 +194,18 @@ def deliver_level(
 def _deliver_or_set_aside(
     conn: psycopg.Connection, cache: PartitionCache, level: int, now: datetime | None, limit: int
 ) -> PassResult:
-    statement = _DELIVER
+    def deliver(setting_aside: bool) -> PassResult:  # one pass in a transaction of its own (the CALL commits)
+        return in_own_transaction(conn, lambda own: _pass(conn, cache, level, now, limit, setting_aside, own=own))
 
-    def deliver() -> PassResult:  # one pass in a transaction of its own: BEGIN and COMMIT in its pipelines
-        return in_own_transaction(conn, lambda own: _pass(conn, cache, level, now, limit, statement, own=own))
-
+    setting_aside = False
     for _ in range(3):  # more rows may turn up in the next try's batch (a newer horizon)
         try:
-            return deliver()
+            return deliver(setting_aside)
         except POISON:
             if not set_aside(conn, cache, level, limit):
                 raise  # nothing the store can name: the lane stops, as before, rather than skip a row
-            statement = _DELIVER_SETTING_ASIDE
-    return deliver()
+            setting_aside = True
+    return deliver(setting_aside)
 
 
 def set_aside(conn: psycopg.Connection, cache: PartitionCache, level: int, limit: int) -> int:
@@ -275,7 +216,7 @@ def set_aside(conn: psycopg.Connection, cache: PartitionCache, level: int, limit
             _LOCK, (LEVEL_LOCK, level)
         ).fetchone()
         assert row is not None
-        cursor = conn.execute(_CURSOR, (level,)).fetchone()
+        cursor = conn.execute(CURSOR, {"level": level}).fetchone()
         assert cursor is not None
         bad = conn.execute(
             _UNDELIVERABLE,
@@ -290,41 +231,41 @@ def _pass(
     level: int,
     now: datetime | None,
     limit: int,
-    statement: str,
+    setting_aside: bool,
     *,
     own: bool,
 ) -> PassResult:
-    """The pass's statements in two pipelines, each one round trip, as the wheel's pass (wheel._pass): the lock, the
-    horizon and the clock with the checkpoint (BEGIN first when `own`); the move, which also advances the checkpoint
-    (COMMIT next when `own`), and the head after it. It was eight round trips, and a full deliverer passes every level
-    at start, the wheel last. Statements still run one after another, each with its own snapshot, so the
-    checkpoint is read after the lock is held."""
-    opened = open_pass(conn, own, _TRY_LOCK, (LEVEL_LOCK, level), now, _CURSOR, (level,))
-    if opened is None:
-        return PassResult(0, 0, None, busy=True)
-    xmin, clock, cursor, waited = opened
-    cache.ensure(conn, "topic_messages", [clock])
+    """The pass as one CALL (_CALL), which commits before it reads the head when `own` (a Store's connection: the
+    rows are readable without waiting for the head); in the caller's transaction otherwise. Statements in a procedure
+    each take a new snapshot, as the pipelined ones did: the checkpoint is read after the lock is held. If the clock's
+    day has no topic partition the procedure returns before the move (`missing`): created here (or, in a Store's
+    pass, PartitionMissing for cache.without_ddl), then the pass runs again."""
+    today = floor_to(datetime.now(UTC), DAY)
     params = {
-        "now": clock,
-        "injected": now,
         "level": level,
-        "cxid": cursor[0],
-        "cid": cursor[1],
-        "xmin": xmin,
+        "injected": now,
         "limit": limit,
+        "commit": own,
+        "setting_aside": setting_aside,
+        "lane_wait": LANE_WAIT,
+        "lock_class": LEVEL_LOCK,
+        # the topic days around this machine's clock that need no look-up (an injected or skewed clock looks)
+        "topic_days": cache.known("topic_messages", [today - DAY, today, today + DAY]),
     }
-    with conn.pipeline():
-        moving = conn.execute(statement, params)
-        if own:
-            conn.execute("COMMIT")  # before the head: the rows are readable without waiting for it
-        heading = conn.execute(LEVEL_HEAD, {"level": level})  # after the checkpoint the move wrote
-    moved, due, scanned, summary = moving.fetchone()  # type: ignore[misc]
-    head = heading.fetchone()
+    row = conn.execute(_CALL, params, prepare=False).fetchone()
+    assert row is not None  # a CALL returns its one row
+    if row[_MISSING]:
+        cache.ensure(conn, "topic_messages", [row[_CLOCK]])
+        row = conn.execute(_CALL, params, prepare=False).fetchone()
+        assert row is not None and not row[_MISSING]
+    busy, waited, _, _, moved, due, scanned, summary, head = row
+    if busy:
+        return PassResult(0, 0, None, busy=True)
     return PassResult(
         moved,
         due - moved,
-        head[0] if head else None,
+        head,
         more=scanned == limit and due == scanned,
-        topics=topic_spans(summary),
+        topics=topic_spans(summary or {}),
         waited=waited,
     )

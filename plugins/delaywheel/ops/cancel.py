@@ -220,7 +220,7 @@ def _lane_wait(lanes: sql.Composable) -> str:
     cancellations committed: a pass that starts later reads them). Shared, so cancels never wait for each other, and
     held for no time at all: session locks, each released in the statement that waited for it (the inner query takes
     them, the outer one lets them go), so a deliverer seldom finds one and then waits only that instant
-    (levels.take_lane) rather than report busy. Under a transaction's lock such a wait would have lasted to the end of
+    (levels.LANE_WAIT) rather than report busy. Under a transaction's lock such a wait would have lasted to the end of
     that transaction: through the search of the topics."""
     return (
         sql.SQL("SELECT pg_advisory_unlock_shared(k.class, k.key) FROM ({} OFFSET 0) k")
