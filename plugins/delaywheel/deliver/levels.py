@@ -1,9 +1,10 @@
 """Per-level delivery (RocketMQ 4.x's DeliverDelayedMessageTimerTask, one level per call).
 
-A pass runs in one transaction: it takes the level's advisory lock (a second deliverer of the same
-level waits up to LANE_WAIT for it, then gets `busy`; cancels never hold it for long, see cancel.py), reads the head of the level's queue in (xid, id) order below
-the commit horizon, moves the due prefix into the topics and advances the checkpoint. A crash before
-COMMIT leaves queue, topics and checkpoint as they were; after COMMIT, all three have moved.
+A pass is one CALL (migrations/029) and one transaction: it takes the level's advisory lock (a second deliverer of
+the same level waits up to LANE_WAIT for it, then gets `busy`; cancels never hold it for long, see cancel.py), reads
+the head of the level's queue in (xid, id) order below the commit horizon, moves the due prefix into the topics and
+advances the checkpoint. A crash before COMMIT leaves queue, topics and checkpoint as they were; after COMMIT, all
+three have moved.
 """
 
 from __future__ import annotations
