@@ -10,6 +10,7 @@ three have moved.
 from __future__ import annotations
 
 from datetime import UTC, datetime
+from typing import Any
 
 import psycopg
 from psycopg import sql
@@ -159,7 +160,23 @@ _CALL = (
     "CALL delaywheel.level_pass(%(level)s::integer, %(injected)s::timestamptz, %(limit)s::integer, %(commit)s,"
     " %(setting_aside)s, %(lane_wait)s, %(lock_class)s::integer, %(topic_days)s::timestamptz[])"
 )
-_CLOCK, _MISSING = 2, 3  # of the CALL's row: the pass's clock, and whether the clock's day has no topic partition
+_CLOCK, _MISSING = 2, 3  # of either pass's CALL row: its clock, and whether the clock's day has no topic partition
+
+
+def call_pass(conn: psycopg.Connection, cache: PartitionCache, call: str, params: dict[str, object]) -> tuple[Any, ...]:
+    """A pass's CALL (_CALL here, wheel._CALL) with `params` and the topic days it need not look up: those around this
+    machine's clock that the cache knows (an injected or skewed clock looks). If the clock's day has no topic
+    partition the procedure returned before its moves (`missing`): created here (or, in a Store's pass,
+    PartitionMissing for cache.without_ddl), then the pass is called again. Returns the CALL's row."""
+    today = floor_to(datetime.now(UTC), DAY)
+    params = {**params, "topic_days": cache.known("topic_messages", [today - DAY, today, today + DAY])}
+    row = conn.execute(call, params, prepare=False).fetchone()
+    assert row is not None  # a CALL returns its one row
+    if row[_MISSING]:
+        cache.ensure(conn, "topic_messages", [row[_CLOCK]])
+        row = conn.execute(call, params, prepare=False).fetchone()
+        assert row is not None and not row[_MISSING]
+    return row
 
 
 def levels_above(conn: psycopg.Connection, level: int) -> list[int]:
@@ -240,9 +257,8 @@ def _pass(
     rows are readable without waiting for the head); in the caller's transaction otherwise. Statements in a procedure
     each take a new snapshot, as the pipelined ones did: the checkpoint is read after the lock is held. If the clock's
     day has no topic partition the procedure returns before the move (`missing`): created here (or, in a Store's
-    pass, PartitionMissing for cache.without_ddl), then the pass runs again."""
-    today = floor_to(datetime.now(UTC), DAY)
-    params = {
+    pass, PartitionMissing for cache.without_ddl), then the pass runs again (call_pass)."""
+    params: dict[str, object] = {
         "level": level,
         "injected": now,
         "limit": limit,
@@ -250,16 +266,8 @@ def _pass(
         "setting_aside": setting_aside,
         "lane_wait": LANE_WAIT,
         "lock_class": LEVEL_LOCK,
-        # the topic days around this machine's clock that need no look-up (an injected or skewed clock looks)
-        "topic_days": cache.known("topic_messages", [today - DAY, today, today + DAY]),
     }
-    row = conn.execute(_CALL, params, prepare=False).fetchone()
-    assert row is not None  # a CALL returns its one row
-    if row[_MISSING]:
-        cache.ensure(conn, "topic_messages", [row[_CLOCK]])
-        row = conn.execute(_CALL, params, prepare=False).fetchone()
-        assert row is not None and not row[_MISSING]
-    busy, waited, _, _, moved, due, scanned, summary, head = row
+    busy, waited, _, _, moved, due, scanned, summary, head = call_pass(conn, cache, _CALL, params)
     if busy:
         return PassResult(0, 0, None, busy=True)
     return PassResult(

@@ -19,7 +19,7 @@ import functools
 import time
 import weakref
 from collections.abc import Callable
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import TypeVar
 
 import psycopg
@@ -128,7 +128,6 @@ _CALL = (
     " %(head_window)s::interval, %(trim_every)s::bigint, %(lock_class)s::integer, %(lock_key)s::integer,"
     " %(topic_days)s::timestamptz[])"
 )
-_CLOCK, _MISSING = 2, 3  # of the CALL's row: the pass's clock, and whether the clock's day has no topic partition
 # The lane's lock, waited for by the set-aside step, with the commit horizon and the clock, and the pass's planner
 # settings (as wheel_pass sets them, below): generic plans, and the cancellations probed by their index
 # (db.PASS_PLAN). Generic, because the stragglers' move was planned again at every pass otherwise, 0.21 ms of server
@@ -495,9 +494,9 @@ def _pass(
     horizon; a smaller one (the commit horizon can dip, see db.COMMIT_HORIZON) would make rows already delivered by
     the due step look like stragglers again. An injected clock that went backwards delivers nothing rather than
     early. If the clock's day has no topic partition the procedure returns before its moves (`missing`): created
-    here (or, in a Store's pass, PartitionMissing for cache.without_ddl), then the pass runs again."""
-    today = floor_to(datetime.now(UTC), DAY)
-    params = {
+    here (or, in a Store's pass, PartitionMissing for cache.without_ddl), then the pass runs again
+    (levels.call_pass)."""
+    params: dict[str, object] = {
         "injected": now,
         "limit": limit,
         "commit": own,
@@ -506,16 +505,10 @@ def _pass(
         "trim_every": TRIM_EVERY,
         "lock_class": WHEEL_LOCK[0],
         "lock_key": WHEEL_LOCK[1],
-        # the topic days around this machine's clock that need no look-up (an injected or skewed clock looks)
-        "topic_days": cache.known("topic_messages", [today - DAY, today, today + DAY]),
     }
-    row = conn.execute(_CALL, params, prepare=False).fetchone()
-    assert row is not None  # a CALL returns its one row
-    if row[_MISSING]:
-        cache.ensure(conn, "topic_messages", [row[_CLOCK]])
-        row = conn.execute(_CALL, params, prepare=False).fetchone()
-        assert row is not None and not row[_MISSING]
-    busy, waited, _, _, delivered, skipped, next_due, more, straggled, summary = row
+    busy, waited, _, _, delivered, skipped, next_due, more, straggled, summary = levels.call_pass(
+        conn, cache, _CALL, params
+    )
     if busy:
         return PassResult(0, 0, None, busy=True)
     topics = topic_spans(straggled or {})  # stragglers were written first, in the same transaction
