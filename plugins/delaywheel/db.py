@@ -3,7 +3,6 @@ its connections and the SQL settings they share."""
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -105,14 +104,10 @@ def commits_each_statement(conn: psycopg.Connection) -> bool:
 
 def in_own_transaction(conn: psycopg.Connection, body: Callable[[bool], T]) -> T:
     """`body(own)` in a transaction of its own. On a Store's connection (`commits_each_statement`) `own` is True and
-    `body` sends BEGIN and COMMIT itself, in its pipelines, so they cost no round trip of their own; any failure rolls
-    back here. Inside the caller's transaction `own` is False and `body` runs in a savepoint."""
-    if not commits_each_statement(conn):
-        with conn.transaction():
-            return body(False)
-    try:
+    `body` is one CALL that commits itself (a pass's p_commit), so no BEGIN or COMMIT costs a round trip, and a CALL
+    that fails has rolled back on the server. Inside the caller's transaction `own` is False and `body` runs in a
+    savepoint."""
+    if commits_each_statement(conn):
         return body(True)
-    except BaseException:
-        with contextlib.suppress(psycopg.Error):
-            conn.rollback()
-        raise
+    with conn.transaction():
+        return body(False)
