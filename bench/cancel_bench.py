@@ -22,8 +22,11 @@
    used by the producer, the deliverer, the cancel processes and each one's backend. Where the slowdown comes from,
    by further runs: `--nice N`, the cancels at a lower CPU priority; `--floor`, the same processes at the same pace
    making, instead of each cancel, one durable single-row INSERT into a table of their own (the least any cancel that
-   answers truly must write: what no cancel mechanism can go below here); `--pin`, every run with the deliverer on a
-   core of its own.
+   answers truly must write: what no cancel mechanism can go below here); `--floor-not-durable`, the same INSERTs
+   committed without waiting for their WAL flush (what the other sessions' flushes, not their CPU, cost the
+   deliverer's own commits); `--pin`, every run with the deliverer on a core of its own. With `--repeat N`, N rounds
+   of every arm (ABBA order, each run after a CHECKPOINT), each arm's lateness pooled over its runs: one run's p99 is
+   noise at this size (the same arm's moved 1.1-3.0 ms run to run).
 """
 
 from __future__ import annotations
@@ -71,7 +74,7 @@ from .common import body, chunks, drop_database, fresh_database, log, pct, wheel
 DB = "delaywheel_bench_cancel"
 _OLD: types.ModuleType
 TOPIC = "bench.cancel"
-StandIn = Literal["", "floor"]  # what the cancel processes do instead of cancels ("": cancel)
+StandIn = Literal["", "floor", "floor, not durable"]  # what the cancel processes do instead of cancels ("": cancel)
 
 
 def fill(store: Store, count: int, batch: int, near_only: bool = False) -> None:
@@ -522,7 +525,8 @@ def cancel_worker(
     niceness (the backend reniced from here: the bench runs as root or as the cluster's user), so they take the CPU
     the deliverer leaves: as cancels from application servers would, whose CPU is not the database's. With `cpus`,
     this process and its backend run on those cores only (pin). `stand_in`, a diagnostic in place of the cancels:
-    'floor', one durable single-row INSERT into `FLOOR_TABLE` per key, nothing cancelled. (An 'unwaited' stand-in,
+    'floor', one durable single-row INSERT into `FLOOR_TABLE` per key, nothing cancelled; 'floor, not durable', the
+    same INSERT committed without waiting for its WAL flush (synchronous_commit off). (An 'unwaited' stand-in,
     cancels that skipped their wait for the passes in flight, patched the pipeline that migrations/027 replaced.)"""
     die_with_parent()
     rng = random.Random(seed)
@@ -534,7 +538,9 @@ def cancel_worker(
     answers: list[tuple[int | None, str]] = []
     cancel_ms: list[float] = []
     with Store(url) as own:
-        cancel = floor_write if stand_in == "floor" else _before().cancel if before else cancel_module.cancel
+        cancel = floor_write if stand_in else _before().cancel if before else cancel_module.cancel
+        if stand_in == "floor, not durable":
+            own.conn.execute("SET synchronous_commit = off")
         backend = own.conn.info.backend_pid
         pin(backend, cpus)
         for pid in (0, backend) if nice else ():  # this process, and its backend
@@ -683,7 +689,7 @@ def race(
 
     if summarize_every:
         threading.Thread(target=summarize, daemon=True).start()
-    if stand_in == "floor":
+    if stand_in:
         with psycopg.connect(url, autocommit=True) as conn:
             conn.execute(
                 sql.SQL("CREATE TABLE {} (key text, reason text, at timestamptz DEFAULT now())").format(FLOOR_TABLE)
@@ -779,6 +785,7 @@ def race(
         "early": sum(1 for x in late if x < 0),
         "both": len(said_cancelled & set(delivered)),
         "false_delivered": len(said_delivered - set(delivered)),
+        "late": late,
         "p50": pct(late, 0.5),
         "p99": pct(late, 0.99),
         "max": max(late, default=float("nan")),
@@ -795,6 +802,41 @@ def race(
         "cancel_p50": pct(cancel_ms, 0.5),
         "cancel_p99": pct(cancel_ms, 0.99),
     }
+
+
+def rounds(arms: list[tuple[str, int]], repeat: int) -> list[tuple[int, str, int]]:
+    """The race runs: every arm once a round, in reverse order every other round (ABBA), so that a drift over the
+    whole bench (the cluster warming, the host's other load) weighs on every arm alike."""
+    return [(n, arm, cancels) for n in range(repeat) for arm, cancels in (arms if n % 2 == 0 else arms[::-1])]
+
+
+def pooled(runs: list[tuple[int, str, dict[str, object]]]) -> list[str]:
+    """Each arm over all its rounds: the lateness of all its runs pooled (a 60-s run's p99 is its 600th-slowest
+    timer, and it moved from 1.1 to 3.0 ms between runs of the same arm), its runs' p99s, and the ratio to the arm
+    without cancels: pooled, and round by round with their median."""
+    lines = []
+    by_arm: dict[str, list[tuple[int, dict[str, object]]]] = {}
+    for n, arm, figures in runs:
+        by_arm.setdefault(arm, []).append((n, figures))
+    base = {n: f for n, f in by_arm.get("without cancels", [])}
+    base_late = [x for f in base.values() for x in f["late"]]  # type: ignore[attr-defined]
+    for arm, arm_runs in by_arm.items():
+        late = [x for _, f in arm_runs for x in f["late"]]  # type: ignore[attr-defined]
+        line = (
+            f"- pooled, {arm}, {len(arm_runs)} runs, {len(late)} timers: lateness p50 {pct(late, 0.5):.1f} ms, "
+            f"p99 {pct(late, 0.99):.1f} ms, max {max(late, default=float('nan')):.1f} ms; runs' p99 "
+            + ", ".join(f"{f['p99']:.1f}" for _, f in arm_runs)
+            + f" ms; busy passes {sum(f['busy'] for _, f in arm_runs)}"  # type: ignore[misc]
+        )
+        if arm != "without cancels" and base_late:
+            ratios = [f["p99"] / base[n]["p99"] for n, f in arm_runs if n in base]  # type: ignore[operator]
+            line += (
+                f"; p99 {pct(late, 0.99) / pct(base_late, 0.99):.2f} x the pooled runs without cancels, round by round "
+                + ", ".join(f"{x:.2f}" for x in ratios)
+                + f" x (median {statistics.median(ratios):.2f})"
+            )
+        lines.append(line)
+    return lines
 
 
 def main() -> None:
@@ -819,6 +861,13 @@ def main() -> None:
         help="seconds between the deliverer's summaries of the current topic partitions (runner.SUMMARIZE_TOPICS_EVERY_S"
         ", 1 s; 3600 as before a70bfeb, when only the every-minute pass over every partition summarized them)",
     )
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="race rounds: every arm once a round, the order reversed every other round; with more than one, each"
+        " arm's lateness pooled over its runs and the ratios round by round",
+    )
     parser.add_argument("--skip-latency", action="store_true")
     parser.add_argument("--plan", action="store_true", help="print the lookup's generic plan (EXPLAIN ANALYZE)")
     parser.add_argument("--skip-race", action="store_true")
@@ -842,6 +891,12 @@ def main() -> None:
         action="store_true",
         help="a race run whose cancel processes make, instead of each cancel, one durable single-row INSERT at the"
         " same pace: the least any cancel must write, so the least slowdown any cancel mechanism could reach here",
+    )
+    parser.add_argument(
+        "--floor-not-durable",
+        action="store_true",
+        help="a race run as --floor's whose INSERTs commit without waiting for their WAL flush (synchronous_commit"
+        " off): what the other sessions' flushes, not their CPU, cost the deliverer",
     )
     parser.add_argument(
         "--pin",
@@ -883,15 +938,20 @@ def main() -> None:
         arms += [("control", args.cancels)] if args.control else []
         arms += [("nice", args.cancels)] if args.nice else []
         arms += [("floor", args.cancels)] if args.floor else []
+        arms += [("floor, not durable", args.cancels)] if args.floor_not_durable else []
         if args.topic_summaries is not None:
             runner.SUMMARIZE_TOPICS_EVERY_S = args.topic_summaries
-        for arm, cancels in [] if args.skip_race else arms:
-            log(f"2. race: {args.rate} msg/s, {cancels} cancels/s, {args.seconds:.0f} s, {arm}")
+        runs: list[tuple[int, str, dict[str, object]]] = []  # (round, arm, figures)
+        for round_, arm, cancels in [] if args.skip_race else rounds(arms, args.repeat):
+            log(f"2. race: {args.rate} msg/s, {cancels} cancels/s, {args.seconds:.0f} s, {arm}, round {round_ + 1}")
             control, before, nice = arm == "control", arm == "before", args.nice if arm == "nice" else 0
             # each run on a fresh database, so that none inherits the rows of the runs before it (a second
             # run with cancels in one database measured 10.2 ms p99 where the first had 7.8)
+            url = fresh_database(DB)
+            with psycopg.connect(url, autocommit=True) as conn:
+                conn.execute("CHECKPOINT")  # no run takes the dirty pages of the one before, or a timed checkpoint
             r = race(
-                fresh_database(DB),
+                url,
                 args.seconds,
                 args.rate,
                 cancels,
@@ -902,10 +962,10 @@ def main() -> None:
                 args.summarize_every,
                 nice,
                 args.pin,
-                "floor" if arm == "floor" else "",
+                arm if arm in ("floor", "floor, not durable") else "",
             )
-            if not cancels:
-                baseline = r
+            runs.append((round_, arm, r))
+            baseline = next((f for n, a, f in runs if n == round_ and a == "without cancels"), None)
             line = (
                 f"- {'code before (990e562): ' if before else ''}"
                 f"{f'BRIN summaries every {args.summarize_every:g} s: ' if args.summarize_every else ''}"
@@ -913,6 +973,7 @@ def main() -> None:
                 f"{'control (cancels of timers due 5-10 s ahead, racing no pass): ' if control else ''}"
                 f"{f'cancel processes and their backends at nice {nice}: ' if nice else ''}"
                 f"{'floor, a durable single-row INSERT in place of each cancel: ' if arm == 'floor' else ''}"
+                f"{'floor, not durable (synchronous_commit off): ' if arm == 'floor, not durable' else ''}"
                 f"{'the deliverer pinned to a core of its own, the rest to the other: ' if args.pin else ''}"
                 f"{args.rate} msg/s, {cancels} cancels/s asked ({r['cancel_rate']:.0f}/s done, "
                 f"{r['cancels']} calls, p50 {r['cancel_p50']:.2f} ms, p99 {r['cancel_p99']:.2f} ms): "
@@ -926,12 +987,16 @@ def main() -> None:
                 + ", ".join(f"{name} {cores:.2f}" for name, cores in r["cpu"].items())  # type: ignore[attr-defined]
                 + (
                     f"; lateness p99 {r['p99'] / baseline['p99']:.2f} x the run without cancels"  # type: ignore[operator]
-                    if cancels
+                    if cancels and baseline
                     else ""
                 )
             )
             log(line)
             lines.append(line)
+        if args.repeat > 1:
+            lines += pooled(runs)
+            for line in lines[-len(arms) :]:
+                log(line)
     finally:
         drop_database(DB)
     print(f"\n### cancel_bench, started {started:%Y-%m-%d %H:%M} UTC\n")
