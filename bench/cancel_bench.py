@@ -57,7 +57,7 @@ from datetime import UTC, datetime, timedelta
 from multiprocessing.queues import Queue
 from multiprocessing.synchronize import Event
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 
 import psycopg
 from psycopg import sql
@@ -962,7 +962,7 @@ def main() -> None:
                 args.summarize_every,
                 nice,
                 args.pin,
-                arm if arm in ("floor", "floor, not durable") else "",
+                arm if arm in get_args(StandIn) else "",  # the stand-ins' arms are named as they are
             )
             runs.append((round_, arm, r))
             baseline = next((f for n, a, f in runs if n == round_ and a == "without cancels"), None)
@@ -994,9 +994,10 @@ def main() -> None:
             log(line)
             lines.append(line)
         if args.repeat > 1:
-            lines += pooled(runs)
-            for line in lines[-len(arms) :]:
+            summary = pooled(runs)
+            for line in summary:
                 log(line)
+            lines += summary
     finally:
         drop_database(DB)
     print(f"\n### cancel_bench, started {started:%Y-%m-%d %H:%M} UTC\n")
