@@ -1,5 +1,7 @@
 """PostgreSQL restarts under load: the delivery loop reconnects and goes on, losing, duplicating and hurrying
 nothing; a producer's call cut by the restart raises OperationalError and its Store works again on the next call.
+PostgreSQL crashes right after passes (whose commits do not wait for their flush): what a crash undoes is delivered
+again, once, and a cancel's `already_delivered` answer still holds.
 
 These tests restart a throwaway cluster of their own (a temporary folder, a free port), never the shared one.
 """
@@ -12,11 +14,12 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
-from datetime import timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 
 import psycopg
 import pytest
+from psycopg import sql
 
 from delaywheel import Message, Store
 from delaywheel.deliver import runner
@@ -242,3 +245,85 @@ def test_the_deliver_command_rides_out_a_restart_and_stops_on_sigterm(own_cluste
     result = json.loads(out)
     assert result["reconnects"] >= 1 and result["stopped_by_signal"] is True and result["delivered"] >= 1
     assert "Traceback" not in err
+
+
+# --- Crashes of PostgreSQL (an immediate stop): a pass commits without waiting for its flush (migrations/030) ------
+
+
+@pytest.fixture
+def lazy_wal_writer(own_cluster: embedded.Cluster) -> Iterator[embedded.Cluster]:
+    """The cluster with its WAL writer waking every 10 s (its longest), so that a commit that did not wait for its
+    flush stays in PostgreSQL's memory, where a crash loses it, for seconds rather than a fraction of one."""
+
+    def wal_writer_delay(value: str | None) -> None:
+        with psycopg.connect(own_cluster.admin_url(), autocommit=True) as conn:
+            if value is None:
+                conn.execute("ALTER SYSTEM RESET wal_writer_delay")
+            else:
+                conn.execute(sql.SQL("ALTER SYSTEM SET wal_writer_delay = {}").format(sql.Literal(value)))
+            conn.execute("SELECT pg_reload_conf()")
+
+    wal_writer_delay("10s")
+    try:
+        yield own_cluster
+    finally:
+        wal_writer_delay(None)
+
+
+def crash(cluster: embedded.Cluster) -> None:
+    """An immediate stop (every process of the server ends at once, no checkpoint), then a start (crash recovery)."""
+    embedded.stop(cluster, mode="immediate")
+    embedded.start(cluster)
+
+
+def _in_topic(url: str, topic: str) -> list[tuple[int, datetime, datetime]]:
+    with psycopg.connect(url) as conn:
+        return conn.execute(
+            "SELECT message_id, deliver_at, delivered_at FROM delaywheel.topic_messages WHERE topic = %s", (topic,)
+        ).fetchall()
+
+
+def _deliver_until(store: Store, topic: str, count: int) -> None:
+    deadline = time.monotonic() + 30
+    while len(_in_topic(store.url, topic)) < count:
+        assert time.monotonic() < deadline, f"{count} messages not delivered in 30 s"
+        store.deliver_due()
+        time.sleep(0.05)
+
+
+def test_a_crash_right_after_passes_loses_and_duplicates_nothing(lazy_wal_writer: embedded.Cluster) -> None:
+    url, topic = lazy_wal_writer.url(), "resilience.crash"
+    sent: list[int] = []
+    undone = 0  # deliveries a crash undid (a pass's commit not flushed yet), each delivered again after it
+    for _ in range(3):  # the WAL writer may wake between the passes and the crash: then no pass is undone
+        with Store(url) as store:
+            sent += [store.send(topic, {"n": n}, delay=timedelta(milliseconds=300)) for n in range(20)]  # the wheel
+            sent += [store.send(topic, {"n": n}, delay_level=1) for n in range(20)]  # level 1 (1 s)
+            _deliver_until(store, topic, len(sent))
+        crash(lazy_wal_writer)
+        undone += len(sent) - len(_in_topic(url, topic))
+        with Store(url) as store:
+            _deliver_until(store, topic, len(sent))
+        if undone:
+            break
+    delivered = _in_topic(url, topic)
+    ids = [row[0] for row in delivered]
+    assert len(ids) == len(set(ids)), "a message was delivered twice"
+    assert set(ids) == set(sent), f"{len(set(sent) - set(ids))} message(s) lost"
+    assert not [row for row in delivered if row[2] < row[1]], "a message was delivered before its due time"
+    assert undone, "no crash undid a delivery: the passes' commits waited for their flush"
+
+
+def test_an_already_delivered_answer_holds_after_a_crash(lazy_wal_writer: embedded.Cluster) -> None:
+    """The cancel that answers `already_delivered` makes the delivery it read durable first (ops/cancel.py,
+    durable_answer): without that, the crash undoes the delivery, and a second cancel finds the message pending
+    and answers `cancelled`, so that the first answer was false."""
+    url, topic = lazy_wal_writer.url(), "resilience.crash.cancel"
+    with Store(url) as store:
+        sent = store.send(topic, {"order": 1}, key="order-crash", delay=timedelta(milliseconds=300))
+        _deliver_until(store, topic, 1)
+        assert [(r.message_id, r.outcome) for r in store.cancel(key="order-crash")] == [(sent, "already_delivered")]
+    crash(lazy_wal_writer)
+    with Store(url) as store:
+        assert [(r.message_id, r.outcome) for r in store.cancel(key="order-crash")] == [(sent, "already_delivered")]
+    assert [row[0] for row in _in_topic(url, topic)] == [sent]

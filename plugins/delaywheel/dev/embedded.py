@@ -18,6 +18,7 @@ import subprocess
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Literal
 
 import psycopg
 from psycopg import sql
@@ -361,11 +362,13 @@ def create_roles(
         )
 
 
-def stop(cluster: Cluster | None = None) -> str:
+def stop(cluster: Cluster | None = None, mode: Literal["fast", "immediate"] = "fast") -> str:
+    """:param mode: pg_ctl's shutdown mode: `fast` rolls back what is in flight and writes a checkpoint;
+    `immediate` is a crash (tests: what was committed without waiting for its flush may be undone at the restart)."""
     cluster = cluster or default_cluster()
     if status(cluster) != "running":
         return "already stopped"
-    result = _run_as_owner([str(find_bindir() / "pg_ctl"), "stop", "-w", "-m", "fast", "-D", str(cluster.data_dir)])
+    result = _run_as_owner([str(find_bindir() / "pg_ctl"), "stop", "-w", "-m", mode, "-D", str(cluster.data_dir)])
     if result.returncode != 0:
         raise EmbeddedError(f"pg_ctl stop failed: {result.stderr.strip()}")
     return "stopped"

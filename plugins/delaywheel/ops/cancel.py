@@ -118,7 +118,8 @@ def cancel(
     then the cancel waits for the passes, of the lanes that may hold the messages found, that may have read them
     before that commit, and reads what happened; one statement (`_cancel_in_one_call`), or, the first time a due day
     needs its `cancellations` partition, three round trips. A delivery wins: the answer is `already_delivered`
-    whenever the message reached its topic, and `cancelled` only when no pass can deliver it any more. Inside a
+    whenever the message reached its topic (made durable before it is reported: `durable_answer`), and `cancelled`
+    only when no pass can deliver it any more. Inside a
     transaction the caller holds (nothing can be committed before the caller's commit), the lanes' locks are taken
     as before and held until then.
     """
@@ -131,11 +132,27 @@ def cancel(
     else:
         raise ValueError(f"message_id must be a bigint (ids are), got {message_id!r}")
     if not commits_each_statement(conn):  # a cancellation cannot be committed before the wait: lock the lanes instead
-        return _cancel_locked(conn, cache, how, params, reason)
-    try:
-        return _cancel_in_one_call(conn, how, params, reason)
-    except errors.CheckViolation:  # a message found is due on a day with no `cancellations` partition yet
-        return mark_and_settle(conn, cache, how, params, find(conn, how, params), reason)
+        results = _cancel_locked(conn, cache, how, params, reason)
+    else:
+        try:
+            results = _cancel_in_one_call(conn, how, params, reason)
+        except errors.CheckViolation:  # a message found is due on a day with no `cancellations` partition yet
+            results = mark_and_settle(conn, cache, how, params, find(conn, how, params), reason)
+    if any(r.outcome == "already_delivered" for r in results):
+        durable_answer(conn)
+    return results
+
+
+# A pass commits without waiting for its WAL flush (migrations/030), so a crash of PostgreSQL right after it may undo
+# a delivery that a cancel has read. Before such a cancel answers `already_delivered`, it commits a WAL record of its
+# own and waits for that flush, which flushes the delivery's commit with it (the WAL is flushed in order): the
+# answer then holds after any crash. Inside a caller's transaction the record is the caller's, flushed by its commit.
+_DURABLE_ANSWER = "SELECT pg_logical_emit_message(true, 'delaywheel', 'already_delivered')"
+
+
+def durable_answer(conn: psycopg.Connection) -> None:
+    """Make every delivery this connection has read durable before it is reported (above)."""
+    conn.execute(_DURABLE_ANSWER)
 
 
 def key_params(key: str) -> dict[str, object]:
@@ -593,4 +610,7 @@ def cancel_matching(
         " WHERE message_id = ANY(%s::bigint[]) AND origin <> 'replay'",
         (sorted(marked),),
     ).fetchone()
-    return len(marked) - (int(row[0]) if row else 0)
+    delivered = int(row[0]) if row else 0
+    if delivered:  # left out of the count as delivered: as cancel's `already_delivered`
+        durable_answer(conn)
+    return len(marked) - delivered
