@@ -1,4 +1,4 @@
-"""The wheel pass procedure (migrations/028) runs the library's own statements: a change to any of them in
+"""The wheel pass procedure (migrations/028, as 030 replaced it) runs the library's own statements: a change to any of them in
 deliver/wheel.py (or to the commit horizon or the planner settings in db.py) fails here until a migration installs it
 in the procedure too."""
 
@@ -12,6 +12,8 @@ from delaywheel.deliver import wheel
 from delaywheel.types import MAX_ID
 
 PLACEHOLDER = re.compile(r"%\((\w+)\)s")
+# The pass's own commit does not wait for its WAL flush (migrations/030), set right before it.
+NOT_WAITING = "PERFORM set_config('synchronous_commit', 'off', true);"
 
 
 def as_variables(statement: str) -> str:
@@ -37,5 +39,10 @@ def test_the_procedure_runs_the_librarys_statements(store: Store) -> None:
     # the queue plan is set after the stragglers' move and before the due batch's, as the module says
     stragglers, due = (flat.index(words(as_variables(s))) for s in (wheel._MOVE_STRAGGLERS, wheel._MOVE_DUE))
     assert stragglers < flat.index(f"PERFORM {QUEUE_PLAN}") < due
+    # the lane's lock before all of it; the append, then the commit, not waiting for its flush, then the head
+    parts = ["delaywheel.take_lane(", words(as_variables(wheel._APPEND)), NOT_WAITING, "COMMIT;"]
+    parts.append(words(as_variables(wheel._HEAD_SOON)))
+    positions = [flat.index(part) for part in parts]
+    assert positions == sorted(positions)
     # the CALL passes the procedure's inputs in their order
     assert [f"p_{name}" for name in PLACEHOLDER.findall(wheel._CALL)] == inputs

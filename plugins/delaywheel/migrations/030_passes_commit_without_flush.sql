@@ -1,7 +1,8 @@
 -- A pass commits without waiting for its WAL to reach the disk (issue 19, item 4: cancels and deliveries independent
 -- of each other). The procedures are those of migrations 028 (wheel_pass) and 029 (level_pass), whose headers say
 -- what each does, with one line added before their COMMIT: synchronous_commit off for that transaction only. Inside
--- a caller's transaction (p_commit false) the caller's commit decides, as before.
+-- a caller's transaction (p_commit false) the caller's commit decides, as before. Their copies of the lane's lock
+-- became one function, take_lane.
 --
 -- Why: PostgreSQL releases a transaction's locks only after its commit is flushed, and the flushes of all sessions
 -- queue for one WAL write lock. With 700 cancels a second, each a durable commit, beside 1,000 deliveries a second,
@@ -22,6 +23,29 @@
 --   that flush (ops/cancel.py, durable_answer), so the delivery it reports cannot be undone after the caller hears
 --   of it (a later cancel of the same message would otherwise find it pending again and answer `cancelled`).
 
+-- The lane's lock, shared by both passes (028 and 029 each had a copy of this block): tried, then, if another session
+-- holds it, waited for up to p_wait (lock_timeout, for this wait only); 'free', 'waited' or 'busy'. The lock is the
+-- transaction's (released at its commit); on 'busy' the failed wait's subtransaction is undone, lock_timeout with it.
+CREATE FUNCTION delaywheel.take_lane(p_class integer, p_key integer, p_wait text) RETURNS text
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_lock_timeout text;
+BEGIN
+    IF pg_try_advisory_xact_lock(p_class, p_key) THEN
+        RETURN 'free';
+    END IF;
+    v_lock_timeout := current_setting('lock_timeout');
+    BEGIN
+        PERFORM set_config('lock_timeout', p_wait, true);
+        PERFORM pg_advisory_xact_lock(p_class, p_key);
+    EXCEPTION WHEN lock_not_available THEN
+        RETURN 'busy';
+    END;
+    PERFORM set_config('lock_timeout', v_lock_timeout, true);
+    RETURN 'waited';
+END
+$$;
+
 CREATE OR REPLACE PROCEDURE delaywheel.wheel_pass(
     p_injected timestamptz, p_limit integer, p_commit boolean, p_lane_wait text, p_head_window interval,
     p_trim_every bigint, p_lock_class integer, p_lock_key integer, p_topic_days timestamptz[],
@@ -35,24 +59,17 @@ DECLARE
     p_now timestamptz; p_clock timestamptz; p_xmin text; p_horizon text; p_cursor_at timestamptz;
     p_cursor_id bigint; p_pass bigint; p_delivered bigint; p_at timestamptz; p_id bigint; p_before timestamptz;
     p_trim_from bigint; p_trim_to bigint;
-    v_lock_timeout text; v_stragglers bigint; v_moved bigint; v_due_count bigint; v_last_at timestamptz; v_last_id bigint;
+    v_stragglers bigint; v_moved bigint; v_due_count bigint; v_last_at timestamptz; v_last_id bigint;
 BEGIN
     o_busy := false; o_waited := false; o_missing := false; o_delivered := 0; o_skipped := 0; o_more := false;
     -- generic plans; the cancellations probed by their index whatever the statistics said when planned (db.PASS_PLAN)
     PERFORM set_config('plan_cache_mode', 'force_generic_plan', true), set_config('enable_seqscan', 'off', true), set_config('enable_hashjoin', 'off', true), set_config('enable_mergejoin', 'off', true);
-    -- the lane's lock; if another holds it, waited for up to p_lane_wait (levels.take_lane), else busy
-    IF NOT pg_try_advisory_xact_lock(p_lock_class, p_lock_key) THEN
-        v_lock_timeout := current_setting('lock_timeout');
-        BEGIN
-            PERFORM set_config('lock_timeout', p_lane_wait, true);
-            PERFORM pg_advisory_xact_lock(p_lock_class, p_lock_key);
-        EXCEPTION WHEN lock_not_available THEN
-            o_busy := true;
-            RETURN;
-        END;
-        PERFORM set_config('lock_timeout', v_lock_timeout, true);
-        o_waited := true;
-    END IF;
+    -- the lane's lock; if another holds it, waited for up to p_lane_wait (levels.LANE_WAIT), else busy
+    CASE delaywheel.take_lane(p_lock_class, p_lock_key, p_lane_wait)
+        WHEN 'busy' THEN o_busy := true; RETURN;
+        WHEN 'waited' THEN o_waited := true;
+        ELSE NULL;  -- 'free'
+    END CASE;
     -- the commit horizon and the clock, then the cursor, each in a snapshot taken with the lock held
     SELECT (
     SELECT coalesce(min(x), min(pg_snapshot_xmax(s.snap)))
@@ -194,24 +211,16 @@ LANGUAGE plpgsql AS $$
 DECLARE
     -- the statements' parameters (levels.py's placeholders %(x)s)
     p_now timestamptz; p_xmin text; p_cxid text; p_cid bigint;
-    v_lock_timeout text;
 BEGIN
     o_busy := false; o_waited := false; o_missing := false; o_moved := 0; o_due := 0; o_scanned := 0;
     -- generic plans, the queue read in cursor order, the cancellations probed by their index (levels.PLAN)
     PERFORM set_config('plan_cache_mode', 'force_generic_plan', true), set_config('enable_sort', 'off', true), set_config('jit', 'off', true), set_config('enable_seqscan', 'off', true), set_config('enable_hashjoin', 'off', true), set_config('enable_mergejoin', 'off', true);
     -- the lane's lock; if another holds it, waited for up to p_lane_wait (levels.LANE_WAIT), else busy
-    IF NOT pg_try_advisory_xact_lock(p_lock_class, p_level) THEN
-        v_lock_timeout := current_setting('lock_timeout');
-        BEGIN
-            PERFORM set_config('lock_timeout', p_lane_wait, true);
-            PERFORM pg_advisory_xact_lock(p_lock_class, p_level);
-        EXCEPTION WHEN lock_not_available THEN
-            o_busy := true;
-            RETURN;
-        END;
-        PERFORM set_config('lock_timeout', v_lock_timeout, true);
-        o_waited := true;
-    END IF;
+    CASE delaywheel.take_lane(p_lock_class, p_level, p_lane_wait)
+        WHEN 'busy' THEN o_busy := true; RETURN;
+        WHEN 'waited' THEN o_waited := true;
+        ELSE NULL;  -- 'free'
+    END CASE;
     -- the commit horizon and the clock, then the checkpoint, each in a snapshot taken with the lock held
     SELECT (
     SELECT coalesce(min(x), min(pg_snapshot_xmax(s.snap)))
