@@ -45,6 +45,13 @@ def own_cluster() -> Iterator[embedded.Cluster]:
         shutil.rmtree(root, ignore_errors=True)
 
 
+def _in_topic(conn: psycopg.Connection, topic: str) -> list[tuple[int, datetime, datetime]]:
+    """(message_id, deliver_at, delivered_at) of every delivery into `topic`."""
+    return conn.execute(
+        "SELECT message_id, deliver_at, delivered_at FROM delaywheel.topic_messages WHERE topic = %s", (topic,)
+    ).fetchall()
+
+
 def restart(cluster: embedded.Cluster, down_s: float = 1.0) -> None:
     """A fast shutdown (sessions are terminated, in-flight transactions roll back), some downtime, a start."""
     embedded.stop(cluster)
@@ -140,10 +147,7 @@ def test_the_delivery_loop_rides_out_restarts_under_load(own_cluster: embedded.C
                         {"t": topic},
                     )
                 }
-                delivered = check.conn.execute(
-                    "SELECT message_id, deliver_at, delivered_at FROM delaywheel.topic_messages WHERE topic = %s",
-                    (topic,),
-                ).fetchall()
+                delivered = _in_topic(check.conn, topic)
                 if {r[0] for r in delivered} >= enqueued:
                     break
                 time.sleep(0.5)
@@ -276,16 +280,9 @@ def crash(cluster: embedded.Cluster) -> None:
     embedded.start(cluster)
 
 
-def _in_topic(url: str, topic: str) -> list[tuple[int, datetime, datetime]]:
-    with psycopg.connect(url) as conn:
-        return conn.execute(
-            "SELECT message_id, deliver_at, delivered_at FROM delaywheel.topic_messages WHERE topic = %s", (topic,)
-        ).fetchall()
-
-
 def _deliver_until(store: Store, topic: str, count: int) -> None:
     deadline = time.monotonic() + 30
-    while len(_in_topic(store.url, topic)) < count:
+    while len(_in_topic(store.conn, topic)) < count:
         assert time.monotonic() < deadline, f"{count} messages not delivered in 30 s"
         store.deliver_due()
         time.sleep(0.05)
@@ -301,12 +298,12 @@ def test_a_crash_right_after_passes_loses_and_duplicates_nothing(lazy_wal_writer
             sent += [store.send(topic, {"n": n}, delay_level=1) for n in range(20)]  # level 1 (1 s)
             _deliver_until(store, topic, len(sent))
         crash(lazy_wal_writer)
-        undone += len(sent) - len(_in_topic(url, topic))
         with Store(url) as store:
+            undone += len(sent) - len(_in_topic(store.conn, topic))
             _deliver_until(store, topic, len(sent))
+            delivered = _in_topic(store.conn, topic)
         if undone:
             break
-    delivered = _in_topic(url, topic)
     ids = [row[0] for row in delivered]
     assert len(ids) == len(set(ids)), "a message was delivered twice"
     assert set(ids) == set(sent), f"{len(set(sent) - set(ids))} message(s) lost"
@@ -326,4 +323,4 @@ def test_an_already_delivered_answer_holds_after_a_crash(lazy_wal_writer: embedd
     crash(lazy_wal_writer)
     with Store(url) as store:
         assert [(r.message_id, r.outcome) for r in store.cancel(key="order-crash")] == [(sent, "already_delivered")]
-    assert [row[0] for row in _in_topic(url, topic)] == [sent]
+        assert [row[0] for row in _in_topic(store.conn, topic)] == [sent]

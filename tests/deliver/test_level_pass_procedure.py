@@ -1,6 +1,6 @@
-"""The level pass procedure (migrations/029, as 030 replaced it) runs the library's own statements: a change to any of them in
-deliver/levels.py (or to the commit horizon, the planner settings or the level's head) fails here until a migration
-installs it in the procedure too."""
+"""The level pass procedure (migrations/029, as 030 replaced it) runs the library's own statements: a change to any
+of them in deliver/levels.py (or to the commit horizon, the planner settings or the level's head) fails here until a
+migration installs it in the procedure too."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""The wheel pass procedure (migrations/028, as 030 replaced it) runs the library's own statements: a change to any of them in
-deliver/wheel.py (or to the commit horizon or the planner settings in db.py) fails here until a migration installs it
-in the procedure too."""
+"""The wheel pass procedure (migrations/028, as 030 replaced it) runs the library's own statements: a change to any
+of them in deliver/wheel.py (or to the commit horizon or the planner settings in db.py) fails here until a migration
+installs it in the procedure too."""
 
 from __future__ import annotations
 

@@ -8,8 +8,11 @@
 -- queue for one WAL write lock. With 700 cancels a second, each a durable commit, beside 1,000 deliveries a second,
 -- a pass's commit waited behind their flushes while holding its lane's lock, so the next pass started late and the
 -- cancels waiting for the lane waited longer: delivery p99 1.40-1.54 x the run without cancels, and a durable
--- one-row INSERT in the cancels' place 1.21-1.58 x (bench/results/2026-11-30-race-pooled-rounds.json). With the
--- passes' commits not waiting, 1.27 x, both arms' p99 about halved (bench/RESULTS.md, "Cancels racing deliveries").
+-- one-row INSERT in the cancels' place 1.21-1.58 x; beside two busy loops 1.59 x
+-- (bench/results/2026-11-30-race-pooled-rounds.json). With the passes' commits not waiting: 1.00 x beside the busy
+-- loops, and idle every arm's p99 lower, the ratio inside the runs' noise
+-- (bench/results/2026-11-30-race-passes-not-waiting.json; DESIGN.md, "The passes' commits, not waiting for their
+-- flush").
 --
 -- Why it loses nothing: a pass writes only what the next pass can write again (the topics' rows, the cursor's entry
 -- or the level's checkpoint), all in one transaction, and leaves the wheel rows and level segments it read as they

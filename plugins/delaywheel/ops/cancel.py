@@ -119,9 +119,8 @@ def cancel(
     before that commit, and reads what happened; one statement (`_cancel_in_one_call`), or, the first time a due day
     needs its `cancellations` partition, three round trips. A delivery wins: the answer is `already_delivered`
     whenever the message reached its topic (made durable before it is reported: `durable_answer`), and `cancelled`
-    only when no pass can deliver it any more. Inside a
-    transaction the caller holds (nothing can be committed before the caller's commit), the lanes' locks are taken
-    as before and held until then.
+    only when no pass can deliver it any more. Inside a transaction the caller holds (nothing can be committed before
+    the caller's commit), the lanes' locks are taken as before and held until then.
     """
     if (message_id is None) == (key is None):
         raise ValueError("cancel needs exactly one of message_id or key")
