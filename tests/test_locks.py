@@ -13,12 +13,15 @@ PACKAGE = Path(locks.__file__).parent
 
 
 def _ids() -> dict[str, int]:
-    """Each lock's id: a one-key lock's key, or a two-key lock's class (its first key)."""
+    """Each lock's id: a one-key lock's key, or a two-key lock's class (its first key), the lanes' turns among them."""
     ids = {}
     for name in dir(locks):
         if name.endswith("_LOCK"):
             value = getattr(locks, name)
             ids[name] = value[0] if isinstance(value, tuple) else value
+    for lane, lane_class in (("LEVEL", locks.LEVEL_LOCK), ("WHEEL", locks.WHEEL_LOCK[0])):
+        for i, (turn_class, _) in enumerate(locks.turns(lane_class, 0)):  # a lane's turns: classes of their own too
+            ids[f"{lane}_TURN_{i}"] = turn_class
     return ids
 
 

@@ -21,16 +21,23 @@ SETUP_LOCK = 0x64770002
 
 # A level's lane; second key: the level. Exclusive, for one transaction, by the level's delivery pass
 # (`levels.deliver_level`; a second deliverer of the level waits LANE_WAIT for it, then reports busy) and by the
-# setting aside of its undeliverable rows (`levels.set_aside`), so two passes never move the same prefix; shared by a
-# cancel waiting for the passes in flight (`cancel.await_passes`), or held by a cancel inside a caller's
-# transaction until that ends (`cancel._lane_hold`), so a cancelled message is never delivered after the cancel
-# returns.
+# setting aside of its undeliverable rows (`levels.set_aside`), so two passes never move the same prefix. Cancels
+# never take it: they wait on the lane's turns (TURNS).
 LEVEL_LOCK = 0x64770010
 
 # The timing wheel's lane, as (class, key): the same for the wheel as LEVEL_LOCK for a level. Exclusive by the
-# wheel's pass and roll (`wheel.advance_wheel`, `wheel._roll`, `wheel._set_aside_far`); shared or held by cancels as
-# for a level (wheel first, then levels ascending: one order for every canceller, so no deadlock).
+# wheel's pass and roll (`wheel.advance_wheel`, `wheel._roll`, `wheel._set_aside_far`).
 WHEEL_LOCK = (0x64770020, 0)
+
+# A lane's two turns: the lane lock's class plus each of these, the same second key (0x64770011-12 for a level,
+# 0x64770021-22 for the wheel). A delivery pass holds its lane's lock and one turn, whichever is free
+# (`delaywheel.take_lane`, migrations/031), for its transaction. A cancel waiting for the passes in flight takes each
+# turn shared and lets it go at once, one after the other (`cancel.await_passes`); a cancel inside a caller's
+# transaction holds both until that ends (`cancel._lane_hold`): so a cancelled message is never delivered after the
+# cancel returns. Two turns because PostgreSQL grants the cancels queued behind a pass when it commits, before their
+# processes run: the next pass takes the other turn instead of waiting for them (cancels in that order: the wheel's
+# turns first, then the levels' ascending, so no deadlock).
+TURNS = (1, 2)
 
 # A delivery loop's presence on a lane; second key: `lane_lock_key(lane)`. Shared, for the whole run, by every live
 # `runner.run` on its listening connection (released with it, so a crashed runner is never counted); a runner
@@ -69,3 +76,8 @@ GROUP_TOPIC_KEY = "hashtext(jsonb_build_array(%s::text, %s::text)::text)"
 def lane_lock_key(lane: int | None) -> int:
     """LANE_PRESENCE_LOCK's second key for a lane: the level, or 0 for the wheel (levels start at 1)."""
     return 0 if lane is None else lane
+
+
+def turns(lane_class: int, key: int) -> list[tuple[int, int]]:
+    """A lane's turns (TURNS) as (class, key) pairs, in the order cancels take them: from its lock's (class, key)."""
+    return [(lane_class + turn, key) for turn in TURNS]

@@ -67,8 +67,8 @@ class PassResult:
     busy: bool = False  # another deliverer holds this level
     more: bool = False  # the batch limit stopped the pass while due messages remained
     topics: dict[str, TopicSpan] = field(default_factory=dict)  # what this pass wrote, per topic
-    # the lane's lock was held when the pass began (a cancel's momentary shared hold, or another deliverer's pass) and
-    # the pass waited for it (up to levels.LANE_WAIT): a count of these says how often cancels touch deliveries at all
+    # the lane's lock (another deliverer's pass) or both its turns (cancels' momentary shared holds, locks.TURNS) were
+    # held when the pass began, and it waited (up to levels.LANE_WAIT): a count says how often cancels touch deliveries
     waited: bool = False
 
     def combine(self, other: PassResult) -> PassResult:

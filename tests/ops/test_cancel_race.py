@@ -16,7 +16,7 @@ import pytest
 
 from delaywheel import Store
 from delaywheel.deliver import levels
-from delaywheel.locks import WHEEL_LOCK
+from delaywheel.locks import WHEEL_LOCK, turns
 from delaywheel.ops.cancel import CancelResult, find, key_params, mark, settle
 from delaywheel.produce.validation import Message
 from tests.conftest import deliveries
@@ -115,18 +115,25 @@ def test_pass_in_flight_when_the_cancel_runs(
         assert delivered_ids(store) == []
 
 
-def test_the_cancellation_is_committed_before_the_cancel_waits(store: Store, db_url: str, t0: datetime) -> None:
-    """The insert and the wait go in one pipeline, a Sync between them: while the cancel waits for the lane's lock
-    (held here as a pass holds it), its cancellation is already committed, so a pass starting now skips the message."""
+@pytest.mark.parametrize("turn", [0, 1])
+def test_the_cancellation_is_committed_before_the_cancel_waits(
+    store: Store, db_url: str, t0: datetime, turn: int
+) -> None:
+    """The cancellation is committed, then the cancel waits for the pass in flight, whichever of the lane's two
+    turns it holds (held here as a pass holds it, with the lane's lock): while it waits, its cancellation is already
+    committed, so a pass starting now skips the message."""
     mid = timer(store, t0, "k", "wheel")
+    held = [WHEEL_LOCK, turns(*WHEEL_LOCK)[turn]]
     with psycopg.connect(db_url, autocommit=True) as lane, psycopg.connect(db_url) as third:
-        lane.execute("SELECT pg_advisory_lock(%s, %s)", WHEEL_LOCK)
+        for lock in held:
+            lane.execute("SELECT pg_advisory_lock(%s, %s)", lock)
         cancelling = Background(lambda: store.cancel(key="k"))
         assert cancelling.blocked()
         assert third.execute(
             "SELECT count(*) FROM delaywheel.cancellations WHERE message_id = %s", (mid,)
         ).fetchone() == (1,)
-        lane.execute("SELECT pg_advisory_unlock(%s, %s)", WHEEL_LOCK)
+        for lock in held:
+            lane.execute("SELECT pg_advisory_unlock(%s, %s)", lock)
         assert outcomes(cancelling.result()) == [(mid, "cancelled")]
 
 
@@ -186,35 +193,56 @@ def test_two_cancels_of_one_message(store: Store, other: Store, t0: datetime) ->
     assert deliver(store, "wheel", t0 + NOW).delivered == 0
 
 
-# A session waiting for the wheel's lane lock (an advisory lock on two int4 keys: objsubid 2).
+# A session waiting for one of the wheel's turns (an advisory lock on two int4 keys: objsubid 2).
 _WAITING_FOR_WHEEL = """
 SELECT EXISTS (SELECT FROM pg_locks WHERE locktype = 'advisory' AND NOT granted AND objsubid = 2
-               AND classid = %s::int::oid AND objid = %s::int::oid)
+               AND (classid, objid) IN (SELECT c::oid, k::oid FROM unnest(%s::int[], %s::int[]) AS t(c, k)))
 """
+
+
+def _hold_shared(conn: psycopg.Connection, locks: list[tuple[int, int]]) -> None:
+    """Hold `locks` shared until `conn`'s transaction ends, as cancels waiting for a pass do."""
+    for lock in locks:
+        conn.execute("SELECT pg_advisory_xact_lock_shared(%s, %s)", lock)
+
+
+def test_a_pass_takes_the_turn_the_cancels_left_free(db_url: str, store: Store, t0: datetime) -> None:
+    """Cancels granted a turn as the pass holding it committed keep it until their processes run: the next pass
+    takes the other turn, and does not wait for them."""
+    mid = timer(store, t0, "k", "wheel")
+    assert store.advance_wheel(now=t0).delivered == 0  # the first pass rolls the far blocks' window (see below)
+    for turn in turns(*WHEEL_LOCK):
+        with psycopg.connect(db_url) as cancels:
+            _hold_shared(cancels, [turn])
+            result = store.advance_wheel(now=t0 + NOW)
+            assert (result.busy, result.waited) == (False, False)
+    assert delivered_ids(store) == [mid]
 
 
 def test_a_pass_waits_out_a_cancels_shared_hold(
     db_url: str, store: Store, t0: datetime, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A lane held shared (a cancel in await_passes) makes a pass wait, not report busy, and the pass says it
-    waited; held longer than levels.LANE_WAIT (another deliverer), the pass reports busy as before. A pass that finds
-    its lane free did not wait."""
+    """Both turns held shared (cancels on both, stalled) make a pass wait, not report busy, and the pass says it
+    waited; held longer than levels.LANE_WAIT (a cancel inside a transaction), the pass reports busy as before. A pass
+    that finds its lane free did not wait."""
     mid = timer(store, t0, "k", "wheel")
     # The first pass rolls the far blocks' window (near_until), and the roll waits for the lane on its own before the
-    # pass tries it: roll now, so the pass below is what meets the held lane.
+    # pass tries it: roll now, so the pass below is what meets the held turns.
     assert store.advance_wheel(now=t0).delivered == 0
     monkeypatch.setattr(levels, "LANE_WAIT", "5s")  # the hold is released once the pass waits, however slow the machine
+    both = turns(*WHEEL_LOCK)
+    wheel_turns = ([c for c, _ in both], [k for _, k in both])
     with psycopg.connect(db_url) as holder:
-        holder.execute("SELECT pg_advisory_xact_lock_shared(%s, %s)", WHEEL_LOCK)
+        _hold_shared(holder, both)
         passing = Background(lambda: store.advance_wheel(now=t0 + NOW))
         with psycopg.connect(db_url, autocommit=True) as watcher:  # released once the pass waits for it, not before
-            while not watcher.execute(_WAITING_FOR_WHEEL, WHEEL_LOCK).fetchone()[0]:  # type: ignore[index]
+            while not watcher.execute(_WAITING_FOR_WHEEL, wheel_turns).fetchone()[0]:  # type: ignore[index]
                 time.sleep(0.002)
         holder.rollback()
         result = passing.result()
         assert (result.busy, result.waited, result.delivered) == (False, True, 1)
         monkeypatch.setattr(levels, "LANE_WAIT", "100ms")
-        holder.execute("SELECT pg_advisory_xact_lock_shared(%s, %s)", WHEEL_LOCK)
+        _hold_shared(holder, both)
         late = store.advance_wheel(now=t0 + NOW)
         assert (late.busy, late.waited) == (True, False)
         holder.rollback()
@@ -222,18 +250,34 @@ def test_a_pass_waits_out_a_cancels_shared_hold(
     assert delivered_ids(store) == [mid]
 
 
+def test_a_busy_pass_holds_nothing(db_url: str, store: Store, t0: datetime, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pass that took its lane's lock and then found both turns held reports busy holding neither: inside a caller's
+    transaction too, where the lane's lock would otherwise stay held (and other deliverers' rolls wait) until that
+    transaction ends."""
+    monkeypatch.setattr(levels, "LANE_WAIT", "50ms")
+    timer(store, t0, "k", "wheel")
+    assert store.advance_wheel(now=t0).delivered == 0
+    with psycopg.connect(db_url) as holder, psycopg.connect(db_url, autocommit=True) as other:
+        _hold_shared(holder, turns(*WHEEL_LOCK))
+        with store.conn.transaction():
+            assert store.advance_wheel(now=t0 + NOW).busy
+            assert other.execute("SELECT pg_try_advisory_lock(%s, %s)", WHEEL_LOCK).fetchone() == (True,)
+        other.execute("SELECT pg_advisory_unlock(%s, %s)", WHEEL_LOCK)
+
+
 def test_a_waiting_pass_goes_before_later_cancels(
     db_url: str, store: Store, t0: datetime, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """PostgreSQL grants no shared request past a waiting exclusive one: cancels arriving while a pass waits queue
-    behind it, so a stream of them cannot starve the pass."""
+    """PostgreSQL grants no shared request past a waiting exclusive one: cancels arriving while a pass waits for a
+    turn queue behind it, so a stream of them cannot starve the pass."""
     monkeypatch.setattr(levels, "LANE_WAIT", "5s")
     timer(store, t0, "k", "wheel")
+    first_turn = turns(*WHEEL_LOCK)[0]
     with psycopg.connect(db_url) as first, psycopg.connect(db_url, autocommit=True) as later:
-        first.execute("SELECT pg_advisory_xact_lock_shared(%s, %s)", WHEEL_LOCK)
+        _hold_shared(first, turns(*WHEEL_LOCK))
         passing = Background(lambda: store.advance_wheel(now=t0 + NOW))
         assert passing.blocked(0.3)
-        cancel_wait = Background(lambda: later.execute("SELECT pg_advisory_xact_lock_shared(%s, %s)", WHEEL_LOCK))
+        cancel_wait = Background(lambda: later.execute("SELECT pg_advisory_xact_lock_shared(%s, %s)", first_turn))
         assert cancel_wait.blocked(0.3)  # behind the waiting pass, although only a shared lock is held
         first.rollback()
         assert passing.result().delivered == 1

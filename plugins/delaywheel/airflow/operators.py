@@ -220,7 +220,7 @@ class _LeaseOperator(BaseOperator):
             "skipped_cancelled": totals.skipped_cancelled,
             "passes": totals.passes,
             "busy_passes": totals.busy_passes,
-            "waited_passes": totals.waited_passes,  # found the lane's lock held (a cancel's wait) and waited for it
+            "waited_passes": totals.waited_passes,  # found its lane or both turns held (cancels' waits) and waited
             "reconnects": totals.reconnects,  # connections lost (a PostgreSQL restart) and made again
             "per_lane": totals.per_lane,  # delivered per lane name
             "topics": {t: event_extra(t, name, s) for t, s in sorted(totals.per_topic.items())},

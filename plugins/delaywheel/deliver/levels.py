@@ -23,13 +23,14 @@ from delaywheel.pending import not_cancelled, segment_messages
 from delaywheel.produce.producer import TOPIC_CHANNEL
 from delaywheel.types import PassResult, TopicSpan
 
-# How long a pass that finds its lane's lock taken waits for it before it reports `busy`. A cancel takes the lock
-# shared and lets it go in the same statement (cancel.await_passes: waiting for the pass in flight), but PostgreSQL
-# grants a waiting request when the holder releases, before the waiter's process runs: on a busy machine the cancel
-# then holds it until it is scheduled, which took over 20 ms on two shared cores (2 busy passes in ~4,000). While a
-# pass waits, later cancels queue behind it (no shared request is granted past a waiting exclusive one), so a stream
-# of them cannot starve it. Another deliverer of the lane holds the lock for a whole pass: this one then waits for
-# that pass and runs its own, or reports busy after this long.
+# How long a pass that finds its lane's lock or both its turns taken waits before it reports `busy` (`take_lane`,
+# migrations/031). A cancel takes each turn shared and lets it go in the same statement (cancel.await_passes: waiting
+# for the pass in flight), but PostgreSQL grants a waiting request when the holder releases, before the waiter's
+# process runs: on a busy machine the cancel then holds it until it is scheduled, which took over 20 ms on two shared
+# cores. The next pass takes the other turn meanwhile; it waits only when cancels hold both (one stalled for a whole
+# pass, or one inside a caller's transaction). While a pass waits, later cancels queue behind it (no shared request is
+# granted past a waiting exclusive one), so a stream of them cannot starve it. Another deliverer of the lane holds the
+# lane's lock for a whole pass: this one then waits for that pass and runs its own, or reports busy after this long.
 LANE_WAIT = "250ms"
 
 

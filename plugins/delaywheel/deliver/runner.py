@@ -49,7 +49,7 @@ class RunTotals:
     skipped_cancelled: int = 0
     passes: int = 0
     busy_passes: int = 0
-    waited_passes: int = 0  # passes that found their lane's lock held and waited for it (PassResult.waited)
+    waited_passes: int = 0  # passes that found their lane (or both its turns) held and waited (PassResult.waited)
     reconnects: int = 0  # connections lost (a server restart) and made again
     per_lane: dict[str, int] = field(default_factory=dict)
     per_topic: dict[str, TopicSpan] = field(default_factory=dict)  # what this run wrote, per topic

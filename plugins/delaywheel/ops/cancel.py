@@ -3,8 +3,9 @@
 A cancellation is a row in `cancellations` that deliverers anti-join; the message itself stays until its partition
 is retired. A cancel holds no lane lock while deliverers run: it commits its cancellations, then waits for the passes
 already running of the lanes that may hold the messages (the only ones that may have read a message without its
-cancellation) and reads what they did, all in one statement (a procedure, migrations/027). A message is delivered or
-cancelled, never both, and the caller is told which: a delivery wins (DESIGN.md, "Cancellation").
+cancellation) and reads what they did, all in one statement (a procedure, migrations/027; its wait since 031). A
+message is delivered or cancelled, never both, and the caller is told which: a delivery wins (DESIGN.md,
+"Cancellation").
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from psycopg import errors, sql
 from psycopg.types.numeric import Int4, Int8
 
 from delaywheel.db import LOOKUP_PLAN, commits_each_statement
-from delaywheel.locks import LEVEL_LOCK, WHEEL_LOCK
+from delaywheel.locks import LEVEL_LOCK, TURNS, WHEEL_LOCK, turns
 from delaywheel.partitions import PartitionCache
 from delaywheel.pending import PENDING, SEGMENT_PENDING, STILL_PENDING, not_cancelled, pending
 from delaywheel.produce.keyblooms import probe, slots
@@ -120,7 +121,7 @@ def cancel(
     needs its `cancellations` partition, three round trips. A delivery wins: the answer is `already_delivered`
     whenever the message reached its topic (made durable before it is reported: `durable_answer`), and `cancelled`
     only when no pass can deliver it any more. Inside a transaction the caller holds (nothing can be committed before
-    the caller's commit), the lanes' locks are taken as before and held until then.
+    the caller's commit), the lanes' turns are taken as before and held until then (locks.TURNS).
     """
     if (message_id is None) == (key is None):
         raise ValueError("cancel needs exactly one of message_id or key")
@@ -221,23 +222,32 @@ def lane_locks(found: Sequence[Sequence[object]]) -> list[tuple[int, int]]:
 
 
 def _in_lock_order(lanes: sql.Composable, lock: str) -> sql.Composed:
-    """The lanes `lanes` (a query of (class, key) rows), each taken with the advisory-lock function `lock`, in the
-    cancellers' one order: the wheel's lane, then the levels' ascending (locks.py), so no two cancels deadlock. The lock
-    is a volatile function in the select list, so PostgreSQL evaluates it after the sort."""
+    """The turns of the lanes `lanes` (a query of the lanes' (class, key) rows), each taken with the advisory-lock
+    function `lock`, in the cancellers' one order: the wheel's turns, then the levels' ascending, each lane's in turn
+    (locks.TURNS), so no two cancels deadlock. The lock is a volatile function in the select list, so PostgreSQL
+    evaluates it after the sort, row by row."""
     return sql.SQL("""
-    SELECT k.class, k.key, {lock}(k.class, k.key) FROM ({lanes}) AS k(class, key)
-    ORDER BY k.class = {wheel_class} DESC, k.key""").format(
-        lock=sql.SQL(lock), lanes=lanes, wheel_class=sql.Literal(WHEEL_LOCK[0])
+    SELECT k.class, k.key, {lock}(k.class, k.key) FROM (
+        SELECT l.class + t.turn, l.key, l.class FROM ({lanes}) AS l(class, key), unnest(ARRAY[{turns}]) AS t(turn)
+    ) AS k(class, key, lane)
+    ORDER BY k.lane = {wheel_class} DESC, k.key, k.class""").format(
+        lock=sql.SQL(lock),
+        lanes=lanes,
+        turns=sql.SQL(", ").join(map(sql.Literal, TURNS)),
+        wheel_class=sql.Literal(WHEEL_LOCK[0]),
     )
 
 
 def _lane_wait(lanes: sql.Composable) -> str:
     """The statement that waits for the delivery passes running now of the lanes `lanes` (run it after the
-    cancellations committed: a pass that starts later reads them). Shared, so cancels never wait for each other, and
-    held for no time at all: session locks, each released in the statement that waited for it (the inner query takes
-    them, the outer one lets them go), so a deliverer seldom finds one and then waits only that instant
-    (levels.LANE_WAIT) rather than report busy. Under a transaction's lock such a wait would have lasted to the end of
-    that transaction: through the search of the topics."""
+    cancellations committed: a pass that starts later reads them). A pass in flight holds one of its lane's two turns
+    (locks.TURNS), so the wait takes each turn in order. Shared, so cancels never wait for each other, and held for no
+    time at all: session locks, each released in the statement that waited for it (the inner query takes one, the
+    outer one lets it go before the next is taken). A cancel granted a turn as the pass holding it commits may keep it
+    until its process runs; the next pass takes the other turn meanwhile, so it does not wait for that cancel, and
+    finds both taken only when a cancel is stalled there for a whole pass (then it waits, levels.LANE_WAIT, rather than
+    report busy). Under a transaction's lock such a wait would have lasted to the end of that transaction: through the
+    search of the topics."""
     return (
         sql.SQL("SELECT pg_advisory_unlock_shared(k.class, k.key) FROM ({} OFFSET 0) k")
         .format(_in_lock_order(lanes, "pg_advisory_lock_shared"))
@@ -246,8 +256,8 @@ def _lane_wait(lanes: sql.Composable) -> str:
 
 
 def _lane_hold(lanes: sql.Composable) -> str:
-    """The statement that takes the lanes `lanes` until the caller's transaction ends (a cancel inside it, which
-    cannot commit its cancellations first): deliverers of those lanes wait for that, or report busy."""
+    """The statement that takes the turns of the lanes `lanes` until the caller's transaction ends (a cancel inside
+    it, which cannot commit its cancellations first): deliverers of those lanes wait for that, or report busy."""
     return _in_lock_order(lanes, "pg_advisory_xact_lock").as_string()
 
 
@@ -284,8 +294,8 @@ def await_passes(conn: psycopg.Connection, locks: Sequence[tuple[int, int]]) -> 
         conn.execute(_AWAIT_LANES, {"classes": [c for c, _ in locks], "keys": [k for _, k in locks]}, prepare=True)
 
 
-# The lane locks of a lane wait (`await_passes`, the procedures of migrations/027) this session still holds: shared,
-# session level (objsubid 2: two int4 keys), of the lanes' classes.
+# The turns of a lane wait (`await_passes`, the procedures of migrations/031) this session still holds: shared,
+# session level (objsubid 2: two int4 keys), of the turns' classes.
 _RELEASE_LEFT = """
 SELECT pg_advisory_unlock_shared(l.classid::int, l.objid::int) FROM pg_locks l
 WHERE l.locktype = 'advisory' AND l.pid = pg_backend_pid() AND l.objsubid = 2 AND l.granted AND l.mode = 'ShareLock'
@@ -302,7 +312,7 @@ def _released_on_error(conn: psycopg.Connection) -> Iterator[None]:
         yield
     except psycopg.Error:
         if not conn.broken and not conn.closed:
-            conn.execute(_RELEASE_LEFT, ([WHEEL_LOCK[0], LEVEL_LOCK],))
+            conn.execute(_RELEASE_LEFT, ([turn for lane in (WHEEL_LOCK, (LEVEL_LOCK, 0)) for turn, _ in turns(*lane)],))
         raise
 
 
@@ -359,12 +369,12 @@ def _delivered(conn: psycopg.Connection, how: str, params: dict[str, object]) ->
 
 
 # --- One statement ---------------------------------------------------------------------------------------------
-# `cancel` outside a transaction is one CALL of a procedure (migrations/027), which runs what was a pipeline of
-# seven statements: the lookup and the insert of its cancellations as one statement, COMMIT, the wait for the passes in
-# flight (`_lane_wait` of `_LANES_MAY_HOLD`), the search of the topics. If the insert fails, nothing is committed and
-# no lane is waited for. The wait's statement works out which lanes to wait for itself, a superset, from what it can
-# read cheaply after the commit: the wheel, and the levels with a pending segment that may hold the message (their
-# filters, as the lookup tests them). A level segment the lookup found is still pending there unless a pass that moved
+# `cancel` outside a transaction is one CALL of a procedure (migrations/027; its wait since 031), which runs what was a
+# pipeline of seven statements: the lookup and the insert of its cancellations as one statement, COMMIT, the wait for
+# the passes in flight (`_lane_wait` of `_LANES_MAY_HOLD`), the search of the topics. If the insert fails, nothing is
+# committed and no lane is waited for. The wait's statement works out which lanes to wait for itself, a superset, from
+# what it can read cheaply after the commit: the wheel, and the levels with a pending segment that may hold the message
+# (their filters, as the lookup tests them). A level segment the lookup found is still pending there unless a pass that moved
 # past it has committed, and such a pass needs no waiting for: the search of the topics, after, sees what it delivered.
 # The procedures embed `_FIND_ONE`, that wait and `_DELIVERED` as rendered here, each placeholder %(x)s as the
 # parameter p_x (tests/ops/test_cancel_procedures.py checks that they still do).
@@ -410,7 +420,7 @@ def _outcomes(
 def _cancel_locked(
     conn: psycopg.Connection, cache: PartitionCache, how: str, params: dict[str, object], reason: str
 ) -> list[CancelResult]:
-    """Inside a caller's transaction: the lanes' locks, held until the caller ends it (deliverers of those lanes
+    """Inside a caller's transaction: the lanes' turns, held until the caller ends it (deliverers of those lanes
     wait for that, or report busy)."""
     with conn.transaction():
         conn.execute(_LOOKUP_PLAN)
@@ -598,7 +608,7 @@ def cancel_matching(
         with conn.transaction():
             conn.execute(_HOLD_EVERY_LANE)
             return len(mark(conn, cache, found, reason))
-    # As a single cancel (see `cancel`): commit the cancellations without the lanes' locks, wait for the passes that
+    # As a single cancel (see `cancel`): commit the cancellations without the lanes' turns, wait for the passes that
     # may have read them before, and leave out what those delivered.
     marked = mark(conn, cache, found, reason)
     if not marked:
