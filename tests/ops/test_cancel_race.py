@@ -121,10 +121,12 @@ def test_the_cancellation_is_committed_before_the_cancel_waits(
 ) -> None:
     """The cancellation is committed, then the cancel waits for the pass in flight, whichever of the lane's two
     turns it holds (held here as a pass holds it, with the lane's lock): while it waits, its cancellation is already
-    committed, so a pass starting now skips the message."""
+    committed, so a pass starting now skips the message; and the other turn is free for that pass (the cancel let go
+    of the first turn before it waited for the second)."""
     mid = timer(store, t0, "k", "wheel")
     held = [WHEEL_LOCK, turns(*WHEEL_LOCK)[turn]]
-    with psycopg.connect(db_url, autocommit=True) as lane, psycopg.connect(db_url) as third:
+    free = turns(*WHEEL_LOCK)[1 - turn]
+    with psycopg.connect(db_url, autocommit=True) as lane, psycopg.connect(db_url, autocommit=True) as third:
         for lock in held:
             lane.execute("SELECT pg_advisory_lock(%s, %s)", lock)
         cancelling = Background(lambda: store.cancel(key="k"))
@@ -132,6 +134,8 @@ def test_the_cancellation_is_committed_before_the_cancel_waits(
         assert third.execute(
             "SELECT count(*) FROM delaywheel.cancellations WHERE message_id = %s", (mid,)
         ).fetchone() == (1,)
+        assert third.execute("SELECT pg_try_advisory_lock(%s, %s)", free).fetchone() == (True,)
+        third.execute("SELECT pg_advisory_unlock(%s, %s)", free)
         for lock in held:
             lane.execute("SELECT pg_advisory_unlock(%s, %s)", lock)
         assert outcomes(cancelling.result()) == [(mid, "cancelled")]
