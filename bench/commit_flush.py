@@ -7,7 +7,9 @@ cost"). This asks where a commit's time goes there: a one-row INSERT committed u
 `synchronous_commit = off` and a `SELECT 1` for the round trip, and, as the baseline, this process writing 8 kB to
 a file in the cluster's filesystem and calling fdatasync, with a pause of a client's round trip between calls. With
 `--stacks`, the backend's kernel stack is sampled while the commits run (`/proc/<pid>/stack`, root only) to name
-where it sleeps.
+where it sleeps. First, the durable commit on a backend with the server's CPU slice (the embedded cluster asks for a
+short one: delaywheel.dev.sched) against one set back to the kernel's default, in ABBA blocks (root, or the server's
+user): what decides, beside busy loops, whether the backend woken by its flush runs at once or at the next tick.
 
 `--busy N` starts N `yes > /dev/null` loops for the run (the contract's background load) and stops them after.
 The cluster's `wal_sync_method` is set with ALTER SYSTEM and reset at the end (a superuser's URL: `server_url`).
@@ -31,6 +33,8 @@ from pathlib import Path
 import psycopg
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
+
+from delaywheel.dev import sched
 
 from .common import log, pct, server_url
 
@@ -103,6 +107,22 @@ def commits(conn: psycopg.Connection, statement: str, calls: int) -> list[float]
     return times
 
 
+SLICE_BASELINE = "commit, backend at the kernel's default CPU slice ({:g} ms)"
+
+
+def slice_against_default(conn: psycopg.Connection, insert: str, calls: int) -> dict[str, list[float]]:
+    """The durable commit on `conn`, whose backend has the server's CPU slice (the embedded cluster asks for a short
+    one: delaywheel.dev.sched), against the same on a backend set back to the kernel's default, in ABBA blocks."""
+    with psycopg.connect(conn.info.dsn, autocommit=True) as plain:
+        sched.set_slice(plain.info.backend_pid, 0)  # (root, or the server's user)
+        slices = [(sched.slice_of(c.info.backend_pid) or 0) / 1e6 for c in (conn, plain)]
+        names = [f"commit, backend at the server's CPU slice ({slices[0]:g} ms)", SLICE_BASELINE.format(slices[1])]
+        times: dict[str, list[float]] = {name: [] for name in names}
+        for block in (0, 1, 1, 0):  # ABBA: call by call, a backend waiting for its tick delayed the other's next call
+            times[names[block]] += commits((conn, plain)[block], insert, calls // 2)
+    return times
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=int, default=1000, help="timed calls per arm")
@@ -126,6 +146,7 @@ def main() -> None:
         with busy_loops(args.busy), psycopg.connect(make_conninfo(server, dbname=DB), autocommit=True) as conn:
             conn.execute("CREATE TABLE commit_flush (id bigserial PRIMARY KEY, v int)")
             insert = "INSERT INTO commit_flush (v) VALUES (1)"
+            figures.update(slice_against_default(conn, insert, args.calls))  # (the server's wal_sync_method)
             for method in METHODS:
                 conn.execute(sql.SQL("ALTER SYSTEM SET wal_sync_method = {}").format(sql.Literal(method)))
                 conn.execute("SELECT pg_reload_conf()")
@@ -158,6 +179,10 @@ def main() -> None:
         f"started {started:%Y-%m-%d %H:%M} UTC\n"
     )
     print(f"- durable commit p50 / bare fdatasync p50: {durable / baseline:.1f} x ({durable:.3f} / {baseline:.3f} ms)")
+    short, default, *_ = figures.values()  # slice_against_default's, first
+    print(
+        f"- durable commit p50 at the server's CPU slice / at the kernel's default: {statistics.median(short) / statistics.median(default):.2f} x"
+    )
     for note in notes:
         print(f"- {note}")
 
