@@ -176,6 +176,40 @@ def test_prepare_does_one_step_and_a_busy_lane_stops_none(db_url: str, t0: datet
         _check_delivered(store, "far", due, set())
 
 
+def test_a_roll_that_meets_a_cancels_lookup_gives_way_and_nobody_gets_a_deadlock(store: Store, t0: datetime) -> None:
+    """A cancel's lookup locks wheel_far_segments, then wheel; the roll's last step takes wheel, then
+    wheel_far_segments, exclusively. Meeting between the lookup's two locks, the roll waits for the second less than
+    `deadlock_timeout` and gives up (roll next pass), so the lookup goes on and no one gets a deadlock error (a race
+    run met this: three cancels got one, when the roll waited 5 s)."""
+    store.advance_wheel(now=t0)
+    block = _near_until(store)
+    due = _send_block(store, "far", block, [3, 2], now=t0)
+    failed: list[BaseException] = []
+
+    def roll() -> None:
+        try:
+            store.advance_wheel(now=block - WINDOW)
+        except psycopg.Error as error:
+            failed.append(error)
+
+    with psycopg.connect(store.url) as lookup, psycopg.connect(store.url, autocommit=True) as watch:
+        lookup.execute("LOCK TABLE delaywheel.wheel_far_segments IN ACCESS SHARE MODE")  # the lookup's first lock
+        rolling = threading.Thread(target=roll)
+        rolling.start()
+        waiting = "SELECT EXISTS (SELECT FROM pg_locks WHERE pid = %s AND NOT granted)"
+        while rolling.is_alive() and watch.execute(waiting, (store.conn.info.backend_pid,)).fetchone() != (True,):
+            time.sleep(0.001)
+        assert rolling.is_alive(), "the roll never waited for the far parent"
+        lookup.execute("SELECT count(*) FROM delaywheel.wheel")  # its second: waits for the roll to give way
+        rolling.join()
+        assert not failed
+        assert _near_until(store) == block  # the roll gave way
+    store.advance_wheel(now=block - WINDOW)  # and rolls at the next pass
+    assert _near_until(store) == block + DAY and _far_messages(store) == 0
+    _deliver_through(store, block, block + DAY, timedelta(hours=1))
+    _check_delivered(store, "far", due, set())
+
+
 CALLS = st.lists(st.integers(1, 9), min_size=1, max_size=10)
 BETWEEN = st.lists(st.sampled_from(["send", "cancel", "near", "nothing"]), max_size=12)
 

@@ -380,6 +380,18 @@ def _slice(conn: psycopg.Connection, params: dict[str, object], only: str) -> tu
 _BLOCKS = "SELECT name, lo, hi FROM delaywheel.partitions WHERE parent = 'wheel_far_segments' AND lo < %s ORDER BY lo"
 
 
+# How long the roll's last step waits for the parents' locks: less than `deadlock_timeout` (half of it, at most
+# 100 ms). A cancel's lookup takes wheel_far_segments before wheel, a producer wheel before wheel_far_segments, and the
+# roll needs both exclusively, so in either order it can meet a statement that holds one and waits for the one the
+# roll holds (a race run on 2026-12-01 met the cancels' order: three cancels got a deadlock error). Waiting less than
+# the deadlock check does, the roll gives up first (LockNotAvailable: roll next pass) and no caller gets an error;
+# every statement queued behind its request waits at most this long (5 s before).
+_PARENTS_WAIT = (
+    "SELECT set_config('lock_timeout', (1000 * extract(epoch FROM least(interval '100 ms',"
+    " current_setting('deadlock_timeout')::interval / 2)))::int::text, true)"
+)
+
+
 def _roll(
     conn: psycopg.Connection,
     settings: Settings,
@@ -404,6 +416,7 @@ def _roll(
         # Creating and dropping partitions takes ACCESS EXCLUSIVE on the parents: take it first, in the order
         # producers lock them (wheel, then wheel_far_segments). Taken later, after a far block's lock, it deadlocks
         # with a producer that holds the parent and waits for the block (seen in bench/airflow_lateness).
+        conn.execute(_PARENTS_WAIT)
         conn.execute(
             "SELECT delaywheel.lock_partition('wheel'); SELECT delaywheel.lock_partition('wheel_far_segments')"
         )
