@@ -107,9 +107,6 @@ def commits(conn: psycopg.Connection, statement: str, calls: int) -> list[float]
     return times
 
 
-SLICE_BASELINE = "commit, backend at the kernel's default CPU slice ({:g} ms)"
-
-
 def slice_against_default(conn: psycopg.Connection, insert: str, calls: int) -> dict[str, list[float]]:
     """The durable commit on `conn`, whose backend has the server's CPU slice (the embedded cluster asks for a short
     one: delaywheel.dev.sched), against the same on a backend set back to the kernel's default, in ABBA blocks."""
@@ -120,7 +117,10 @@ def slice_against_default(conn: psycopg.Connection, insert: str, calls: int) -> 
             log("the slice arms skipped: run as root or as the server's user")
             return {}
         slices = [(sched.slice_of(c.info.backend_pid) or 0) / 1e6 for c in (conn, plain)]
-        names = [f"commit, backend at the server's CPU slice ({slices[0]:g} ms)", SLICE_BASELINE.format(slices[1])]
+        names = [
+            f"commit, backend at the server's CPU slice ({slices[0]:g} ms)",
+            f"commit, backend at the kernel's default CPU slice ({slices[1]:g} ms)",
+        ]
         times: dict[str, list[float]] = {name: [] for name in names}
         for block in (0, 1, 1, 0):  # ABBA: call by call, a backend waiting for its tick delayed the other's next call
             times[names[block]] += commits((conn, plain)[block], insert, calls // 2)
@@ -150,7 +150,8 @@ def main() -> None:
         with busy_loops(args.busy), psycopg.connect(make_conninfo(server, dbname=DB), autocommit=True) as conn:
             conn.execute("CREATE TABLE commit_flush (id bigserial PRIMARY KEY, v int)")
             insert = "INSERT INTO commit_flush (v) VALUES (1)"
-            figures.update(slice_against_default(conn, insert, args.calls))  # (the server's wal_sync_method)
+            slice_arms = slice_against_default(conn, insert, args.calls)  # (the server's wal_sync_method)
+            figures.update(slice_arms)
             for method in METHODS:
                 conn.execute(sql.SQL("ALTER SYSTEM SET wal_sync_method = {}").format(sql.Literal(method)))
                 conn.execute("SELECT pg_reload_conf()")
@@ -183,9 +184,8 @@ def main() -> None:
         f"started {started:%Y-%m-%d %H:%M} UTC\n"
     )
     print(f"- durable commit p50 / bare fdatasync p50: {durable / baseline:.1f} x ({durable:.3f} / {baseline:.3f} ms)")
-    arms = [v for name, v in figures.items() if name.startswith("commit, backend at")]  # slice_against_default's
-    if arms:
-        short, default = arms
+    if slice_arms:
+        short, default = slice_arms.values()
         print(
             f"- durable commit p50 at the server's CPU slice / at the kernel's default: {statistics.median(short) / statistics.median(default):.2f} x"
         )

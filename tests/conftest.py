@@ -12,7 +12,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import psycopg
 import pytest
@@ -127,6 +127,34 @@ def t0() -> datetime:
 
 def at(t: datetime, seconds: float) -> datetime:
     return t + timedelta(seconds=seconds)
+
+
+class Background:
+    """`fn()` on a thread; `blocked()` says it has not returned yet, `result()` joins it."""
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self.value: Any = None
+        self.error: BaseException | None = None
+
+        def run() -> None:
+            try:
+                self.value = fn()
+            except BaseException as exc:
+                self.error = exc
+
+        self.thread = threading.Thread(target=run)
+        self.thread.start()
+
+    def blocked(self, seconds: float = 0.3) -> bool:
+        self.thread.join(seconds)
+        return self.thread.is_alive()
+
+    def result(self) -> Any:
+        self.thread.join(10)
+        assert not self.thread.is_alive()
+        if self.error:
+            raise self.error
+        return self.value
 
 
 def wait_for_lock(conn: psycopg.Connection, pid: int, what: str, seconds: float = 10.0) -> None:

@@ -17,7 +17,7 @@ from delaywheel import Settings, Store
 from delaywheel.partitions import DAY, floor_to
 from delaywheel.pending import PENDING
 from delaywheel.produce.validation import Message
-from tests.conftest import deliveries, wait_for_lock
+from tests.conftest import Background, deliveries, wait_for_lock
 from tests.test_roles import role_db, roles  # noqa: F401  (fixtures)
 
 WINDOW = Settings().wheel_near_window
@@ -184,25 +184,18 @@ def test_a_roll_that_meets_a_cancels_lookup_gives_way_and_nobody_gets_a_deadlock
     store.advance_wheel(now=t0)
     block = _near_until(store)
     due = _send_block(store, "far", block, [3, 2], now=t0)
-    failed: list[BaseException] = []
-
-    def roll() -> None:
-        try:
-            store.advance_wheel(now=block - WINDOW)
-        except psycopg.Error as error:
-            failed.append(error)
-
     with psycopg.connect(store.url) as lookup, psycopg.connect(store.url, autocommit=True) as watch:
         lookup.execute("LOCK TABLE delaywheel.wheel_far_segments IN ACCESS SHARE MODE")  # the lookup's first lock
-        rolling = threading.Thread(target=roll)
-        rolling.start()
-        waiting = "SELECT EXISTS (SELECT FROM pg_locks WHERE pid = %s AND NOT granted)"
-        while rolling.is_alive() and watch.execute(waiting, (store.conn.info.backend_pid,)).fetchone() != (True,):
+        rolling = Background(lambda: store.advance_wheel(now=block - WINDOW))
+        waiting, pid = (
+            "SELECT EXISTS (SELECT FROM pg_locks WHERE pid = %s AND NOT granted)",
+            store.conn.info.backend_pid,
+        )
+        while rolling.thread.is_alive() and watch.execute(waiting, (pid,)).fetchone() != (True,):
             time.sleep(0.001)
-        assert rolling.is_alive(), "the roll never waited for the far parent"
+        assert rolling.thread.is_alive(), "the roll never waited for the far parent"
         lookup.execute("SELECT count(*) FROM delaywheel.wheel")  # its second: waits for the roll to give way
-        rolling.join()
-        assert not failed
+        rolling.result()  # (a deadlock error would be raised here)
         assert _near_until(store) == block  # the roll gave way
     store.advance_wheel(now=block - WINDOW)  # and rolls at the next pass
     assert _near_until(store) == block + DAY and _far_messages(store) == 0

@@ -7,9 +7,7 @@ from __future__ import annotations
 import random
 import threading
 import time
-from collections.abc import Callable
 from datetime import datetime, timedelta
-from typing import Any
 
 import psycopg
 import pytest
@@ -19,37 +17,9 @@ from delaywheel.deliver import levels
 from delaywheel.locks import WHEEL_LOCK, turns
 from delaywheel.ops.cancel import CancelResult, find, key_params, mark, settle
 from delaywheel.produce.validation import Message
-from tests.conftest import deliveries
+from tests.conftest import Background, deliveries
 
 NOW = timedelta(seconds=30)  # the passes' injected clock, after t0: every timer below is due
-
-
-class Background:
-    """`fn()` on a thread; `blocked()` says it has not returned yet, `result()` joins it."""
-
-    def __init__(self, fn: Callable[[], Any]) -> None:
-        self.value: Any = None
-        self.error: BaseException | None = None
-
-        def run() -> None:
-            try:
-                self.value = fn()
-            except BaseException as exc:
-                self.error = exc
-
-        self.thread = threading.Thread(target=run)
-        self.thread.start()
-
-    def blocked(self, seconds: float = 0.3) -> bool:
-        self.thread.join(seconds)
-        return self.thread.is_alive()
-
-    def result(self) -> Any:
-        self.thread.join(10)
-        assert not self.thread.is_alive()
-        if self.error:
-            raise self.error
-        return self.value
 
 
 def outcomes(results: list[CancelResult]) -> list[tuple[int | None, str]]:

@@ -416,9 +416,9 @@ def _roll(
         # Creating and dropping partitions takes ACCESS EXCLUSIVE on the parents: take it first, in the order
         # producers lock them (wheel, then wheel_far_segments). Taken later, after a far block's lock, it deadlocks
         # with a producer that holds the parent and waits for the block (seen in bench/airflow_lateness).
-        conn.execute(_PARENTS_WAIT)
         conn.execute(
-            "SELECT delaywheel.lock_partition('wheel'); SELECT delaywheel.lock_partition('wheel_far_segments')"
+            _PARENTS_WAIT
+            + "; SELECT delaywheel.lock_partition('wheel'); SELECT delaywheel.lock_partition('wheel_far_segments')"
         )
         start = max(floor_to(clock, HOUR), state[0])
         hours = int((target - start) / HOUR) if target > start else 0

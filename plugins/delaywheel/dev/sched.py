@@ -41,28 +41,32 @@ def _syscall(number: int, *args: object) -> None:
         raise OSError(error, os.strerror(error))
 
 
-def slice_of(pid: int = 0) -> int | None:
-    """The slice, in nanoseconds, of process `pid` (0: the calling thread); None where this cannot be asked."""
+def _attributes(pid: int) -> tuple[int, ...] | None:
+    """Process `pid`'s sched_attr fields (_ATTR's order); None where the machine has no such call."""
     numbers = _SYSCALLS.get(platform.machine())
     if numbers is None:
         return None
     attr = ctypes.create_string_buffer(_ATTR.size)
     _syscall(numbers[1], pid, attr, _ATTR.size, 0)
-    return int(_ATTR.unpack(attr.raw)[5])
+    return tuple(_ATTR.unpack(attr.raw))
+
+
+def slice_of(pid: int = 0) -> int | None:
+    """The slice, in nanoseconds, of process `pid` (0: the calling thread); None where this cannot be asked."""
+    current = _attributes(pid)
+    return None if current is None else current[5]
 
 
 def set_slice(pid: int, slice_ns: int) -> bool:
     """Ask for `slice_ns` (0: the kernel's default) for process `pid` (0: the calling thread), keeping its policy and
     nice value. False where the machine has no such call (the request is then not made); another process's needs
     the same user or root."""
-    numbers = _SYSCALLS.get(platform.machine())
-    if numbers is None:
+    current = _attributes(pid)
+    if current is None:
         return False
-    current = ctypes.create_string_buffer(_ATTR.size)
-    _syscall(numbers[1], pid, current, _ATTR.size, 0)
-    _, policy, _, nice, priority, *_ = _ATTR.unpack(current.raw)
+    _, policy, _, nice, priority, *_ = current
     wanted = _ATTR.pack(_ATTR.size, policy, 0, nice, priority, slice_ns, 0, 0, 0, 0)
-    _syscall(numbers[0], pid, ctypes.c_char_p(wanted), 0)
+    _syscall(_SYSCALLS[platform.machine()][0], pid, ctypes.c_char_p(wanted), 0)
     return True
 
 
