@@ -12,8 +12,9 @@
    pause after every call, as cancels come one at a time (an idle CPU wakes for each); EXPLAIN (ANALYZE, SUMMARY) of
    the lookup, planned per call and as a generic prepared plan; with `--parts`, where the lookup's time goes, an
    alternative measured (a day-partitioned key table for the near wheel), the far-key summaries read from their index
-   (migrations/024) against the heap pages they were read from before, interleaved, what taking the lookup's relation
-   locks costs, and what a durable commit costs here.
+   (migrations/024) against the heap pages they were read from before, interleaved, the segments read by position
+   (migrations/032) against unnested as before, interleaved, what taking the lookup's relation locks costs, and what a
+   durable commit costs here.
 2. Delivery lateness on the real clock: timers at `--rate` msg/s (delays 1-10 s) delivered by the library's loop
    (runner.run, wheel lane) in a process of its own, `--seconds` long, without cancels and then with `--cancels`
    cancels/s by key of timers due within the next second or just due (racing the passes), from several processes with
@@ -56,6 +57,7 @@ import threading
 import time
 import types
 from datetime import UTC, datetime, timedelta
+from multiprocessing.process import BaseProcess
 from multiprocessing.queues import Queue
 from multiprocessing.synchronize import Event
 from pathlib import Path
@@ -70,7 +72,7 @@ from delaywheel.deliver import runner
 from delaywheel.dev import sched
 from delaywheel.ops import cancel as cancel_module
 from delaywheel.ops.cancel import FIND_PLAN, CancelResult, find, key_params, mark_and_settle
-from delaywheel.pending import WHEEL_PENDING
+from delaywheel.pending import WHEEL_PENDING, pending
 
 from .common import body, chunks, drop_database, fresh_database, log, pct, wheel_partitions
 
@@ -437,6 +439,51 @@ def summary_reads(store: Store, other: psycopg.Connection, calls: int) -> list[s
     ]
 
 
+# --- A segment's messages read by position (--parts) ----------------------------------------------------------------
+# Before migrations/032 the find unnested every segment that may hold the key (its filter let the key through, or its
+# keys held it: `@>`) and tested each row; now it reads the key's positions in the segment and those elements alone
+# (pending.segment_elements). The find as it was is the same builder without the positions.
+def _find_unnested() -> str:
+    """The find by key as before migrations/032: the segments' filter, then their keys, then every row unnested."""
+    first, _, rows, _ = cancel_module._LOOKUP["key"]
+    segments = sql.SQL("int8range(s.id_first, s.id_last, '[]') && (SELECT ranges FROM candidates) AND {}").format(
+        cancel_module._MAY_HOLD_KEY
+    )
+    return (
+        sql.SQL("{} SELECT p.id, p.deliver_at, p.key, p.lane, p.level, p.xid::text FROM ({}) p")
+        .format(first, pending(segments, rows))
+        .as_string()
+    )
+
+
+def segment_reads(store: Store, other: psycopg.Connection, calls: int) -> list[str]:
+    """The find by key with segments unnested (before migrations/032) and read by position (now), interleaved key by
+    key on one connection, p50 of `calls` keys a lane; the two answer the same (checked key by key)."""
+    queries = {"unnested (before)": _find_unnested(), "by position (now)": cancel_module._FIND_ONE["key"]}
+    figures = []
+    with psycopg.connect(store.url, autocommit=True) as conn:
+        find_settings(conn)
+        for lane in ("near", "far"):
+            keys = [k for (k,) in other.execute(SAMPLES[lane], (calls + 20,))]  # type: ignore[arg-type]
+            times: dict[str, list[float]] = {name: [] for name in queries}
+            for i, key in enumerate(keys):
+                order = list(queries.items())
+                answers = []
+                for name, query in order if i % 2 else order[::-1]:
+                    started = time.perf_counter()
+                    answers.append(sorted(conn.execute(query, key_params(key), prepare=True).fetchall()))
+                    if i >= 20:  # the first executions prepare and plan
+                        times[name].append(1000 * (time.perf_counter() - started))
+                if answers[0] != answers[1]:
+                    raise AssertionError(f"the two finds differ for key {key!r}: {answers}")
+            before, now = (statistics.median(v) for v in times.values())
+            figures.append(f"{lane} timer: {before:.2f} / {now:.2f} ms ({now / before:.2f} x)")
+    return [
+        f"- the find by key with its segments unnested (before migrations/032) / read by position (now), p50 of {calls}"
+        " keys each, interleaved: " + "; ".join(figures)
+    ]
+
+
 # --- The lookup's relation locks (--parts) ----------------------------------------------------------------------------
 # The lookup opens every near partition and far day with the index it probes: a few hundred relations, each
 # locked (ACCESS SHARE) for the statement's transaction. A backend keeps 16 such locks in its fast-path slots; the
@@ -575,6 +622,27 @@ def cancel_worker(
     same INSERT committed without waiting for its WAL flush (synchronous_commit off). (An 'unwaited' stand-in,
     cancels that skipped their wait for the passes in flight, patched the pipeline that migrations/027 replaced.)"""
     die_with_parent()
+    try:
+        _cancel_loop(url, seconds, per_worker, window, seed, inbox, outbox, before, nice, cpus, stand_in)
+    except BaseException as exc:  # the run ends with the reason (collect), rather than waiting for this report
+        outbox.put(repr(exc))
+        raise
+
+
+def _cancel_loop(
+    url: str,
+    seconds: float,
+    per_worker: float,
+    window: tuple[float, float],
+    seed: int,
+    inbox: Queue,  # type: ignore[type-arg]
+    outbox: Queue,  # type: ignore[type-arg]
+    before: bool,
+    nice: int,
+    cpus: set[int] | None,
+    stand_in: StandIn,
+) -> None:
+    """cancel_worker's run, its report put in `outbox`."""
     rng = random.Random(seed)
     # The keys handed over, by due time (a heap), and those within the window, picked at random and each taken out in
     # constant time: this bookkeeping is the bench's, not a cancel's, yet shares the two cores with the deliverer, so
@@ -656,6 +724,27 @@ def deliver_worker(
     except BaseException as exc:
         outbox.put(repr(exc))
         raise
+
+
+def collect(outbox: Queue, procs: list[BaseProcess], timeout: float) -> list[tuple[object, ...]]:  # type: ignore[type-arg]
+    """One report from each cancel process. A process that failed (its error, put in place of its report) or died
+    without a report (killed) ends the run at once, named, instead of after `timeout` seconds of waiting."""
+    reports: list[tuple[object, ...]] = []
+    deadline = time.monotonic() + timeout
+    while len(reports) < len(procs):
+        try:
+            report = outbox.get(timeout=1)
+        except queue.Empty:
+            dead = [f"pid {p.pid} exit code {p.exitcode}" for p in procs if p.exitcode not in (None, 0)]
+            if dead:
+                raise RuntimeError(f"a cancel process died without reporting: {', '.join(dead)}") from None
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the cancel processes did not report within {timeout:.0f} s") from None
+            continue
+        if isinstance(report, str):
+            raise RuntimeError(f"a cancel process failed: {report}")
+        reports.append(report)
+    return reports
 
 
 def race(
@@ -788,7 +877,11 @@ def race(
         producing.wait(30)
         backend_cpu.update({name: cpu_seconds(pid) for name, pid in backends.items()})
         deliverer_cpu = -cpu_seconds(deliverer.pid)
-        reports = [outbox.get(timeout=seconds + 120) for _ in procs]
+        try:
+            reports = collect(outbox, procs, seconds + 120)
+        except RuntimeError:
+            stop.set()  # the deliverer ends its run
+            raise
         producer.join()
         deliverer_cpu += cpu_seconds(deliverer.pid)
     cpu_after = resource.getrusage(resource.RUSAGE_SELF)
@@ -921,7 +1014,8 @@ def main() -> None:
         "--parts",
         action="store_true",
         help="time the lookup's parts, an alternative (a near key table), the far summaries read as before"
-        " migrations/024 and now, and a durable commit",
+        " migrations/024 and now, the segments unnested as before migrations/032 and read by position now, and a"
+        " durable commit",
     )
     parser.add_argument("--control", action="store_true", help="a run whose cancels race no pass (same load)")
     parser.add_argument("--before", action="store_true", help="a third race run with the code before (990e562)")
@@ -970,6 +1064,7 @@ def main() -> None:
                 lines += (
                     parts(store, other, args.per_lane, 5)
                     + summary_reads(store, other, args.per_lane)
+                    + segment_reads(store, other, args.per_lane)
                     + relation_locks(store, other, args.per_lane)
                     + commit_cost(url)
                     if args.parts

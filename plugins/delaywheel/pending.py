@@ -27,6 +27,19 @@ _ARRAYS = {  # column -> (array, may be one element for all: spread)
 }
 
 
+def _arrays(columns: tuple[str, ...], segment: str) -> list[tuple[str, sql.Composed, bool]]:
+    """(column, the segment's array it comes from, shared) for each of `columns`, in _ARRAYS' order."""
+    unknown = [c for c in columns if c not in _ARRAYS]
+    if unknown or not columns:
+        raise ValueError(f"segment columns {unknown or '(none)'}: choose from {list(_ARRAYS)}")
+    s = sql.Identifier(segment)
+    return [
+        (column, sql.SQL("{}.{}").format(s, sql.Identifier(_ARRAYS[column][0])), _ARRAYS[column][1])
+        for column in _ARRAYS
+        if column in columns
+    ]
+
+
 def segment_messages(*columns: str, segment: str = "s", alias: str = "m") -> sql.Composed:
     """`unnest(s.ids, delaywheel.spread(s.topics, s.n), …) AS m(id, topic, …)`: one row per message of the segment
     row `segment`, with the columns named (always in _ARRAYS' order, whatever order they are asked in).
@@ -36,18 +49,33 @@ def segment_messages(*columns: str, segment: str = "s", alias: str = "m") -> sql
     statement reads; and the planner sees the `unnest` itself, so the plans that tests/test_query_plans.py checks (the
     FIFO index walked one segment at a time, stopping at the LIMIT) are the ones written here. The migrations' views
     (migrations/011 `level_queue`, 012 `wheel_far`) keep their own copies as history."""
-    unknown = [c for c in columns if c not in _ARRAYS]
-    if unknown or not columns:
-        raise ValueError(f"segment columns {unknown or '(none)'}: choose from {list(_ARRAYS)}")
-    s = sql.Identifier(segment)
-    wanted = [c for c in _ARRAYS if c in columns]
-    arrays = []
-    for column in wanted:
-        array, shared = _ARRAYS[column]
-        ref = sql.SQL("{}.{}").format(s, sql.Identifier(array))
-        arrays.append(sql.SQL("delaywheel.spread({}, {}.n)").format(ref, s) if shared else ref)
+    arrays = _arrays(columns, segment)
+    n = sql.SQL("{}.n").format(sql.Identifier(segment))
     return sql.SQL("unnest({}) AS {}({})").format(
-        sql.SQL(", ").join(arrays), sql.Identifier(alias), sql.SQL(", ").join(map(sql.Identifier, wanted))
+        sql.SQL(", ").join(
+            sql.SQL("delaywheel.spread({}, {})").format(a, n) if shared else a for _, a, shared in arrays
+        ),
+        sql.Identifier(alias),
+        sql.SQL(", ").join(sql.Identifier(column) for column, _, _ in arrays),
+    )
+
+
+def segment_elements(positions: sql.Composable, *columns: str, segment: str = "s", alias: str = "m") -> sql.Composed:
+    """`(SELECT s.ids[i], … FROM unnest(positions) AS i) AS m(id, …)`, after `CROSS JOIN LATERAL`: the messages at
+    `positions` (an int[] expression on the segment, `array_positions(s.keys, …)`, say) of the segment row `segment`,
+    with the columns of `segment_messages`. For a lookup that knows what it wants: it reads its messages' elements by
+    subscript instead of unnesting the whole segment (up to 1,000 rows a segment, every one tested), so a cancel's
+    find of a far timer took 0.80 x as long (DESIGN.md, "Lookup cost"). A shared column (one element for all) is read
+    at its first element, as `delaywheel.spread` would give it."""
+    arrays = _arrays(columns, segment)
+    return sql.SQL("(SELECT {} FROM unnest({}) AS i) AS {}({})").format(
+        sql.SQL(", ").join(
+            sql.SQL("{}[least(i, cardinality({}))]").format(a, a) if shared else sql.SQL("{}[i]").format(a)
+            for _, a, shared in arrays
+        ),
+        positions,
+        sql.Identifier(alias),
+        sql.SQL(", ").join(sql.Identifier(column) for column, _, _ in arrays),
     )
 
 
@@ -117,16 +145,25 @@ _PENDING = sql.SQL("""
 _TRUE = sql.SQL("true")
 
 
-def pending(segments: sql.Composable = _TRUE, rows: sql.Composable = _TRUE) -> sql.Composed:
+def pending(
+    segments: sql.Composable = _TRUE, rows: sql.Composable = _TRUE, positions: sql.Composable | None = None
+) -> sql.Composed:
     """Every pending message as (id, deliver_at, key, topic, tags, properties, lane, level, xid), cancelled ones
-    included (a caller that wants them out adds `not_cancelled("p")` on its alias `p`)."""
+    included (a caller that wants them out adds `not_cancelled("p")` on its alias `p`). `positions`: where in a
+    segment `s` the messages `rows` wants are (`segment_elements`), for a lookup by id or key; `rows` still applies."""
     columns = ("id", "topic", "key", "tags", "properties")
+
+    def messages(*columns: str) -> sql.Composed:
+        if positions is None:
+            return segment_messages(*columns, alias="q")
+        return segment_elements(positions, *columns, alias="q")
+
     return _PENDING.format(
         segments=segments,
         rows=rows,
         wheel_pending=WHEEL_PENDING,
-        level_messages=segment_messages(*columns, alias="q"),
-        far_messages=segment_messages(*columns, "due", alias="q"),
+        level_messages=messages(*columns),
+        far_messages=messages(*columns, "due"),
     )
 
 

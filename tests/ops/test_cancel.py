@@ -212,8 +212,11 @@ def test_cancel_by_key_finds_exactly_the_pending_messages(store: Store, db_url: 
     levels = [
         Message("orders", {"i": i}, key=rng.choice(before + after), delay_level=rng.randint(1, 5)) for i in range(40)
     ]
+    level_ids: set[int] = set()
     for batch in (far, far_small, near, levels):
-        for m, mid in zip(batch, store.send_many(batch, now=t0), strict=True):
+        ids = store.send_many(batch, now=t0)
+        level_ids |= set(ids) if batch is levels else set()
+        for m, mid in zip(batch, ids, strict=True):
             sent[mid] = (str(m.key), t0 + (m.delay or timedelta(0)) if m.delay else t0)
     for i in range(15):  # single sends: far segments of one, without a filter
         key, delay = rng.choice(before + after), days(4, 30)
@@ -273,11 +276,17 @@ def test_cancel_by_key_finds_exactly_the_pending_messages(store: Store, db_url: 
             cancelled |= {mid for mid, outcome in got if outcome == "cancelled"}
 
     check([*before, f"nobody-{seed}"], delivered, cancelled_before, t0)
+    # each cancellation names its message's due time (a far one's read from its own element of its segment; a level
+    # segment has one due time, which `sent` does not know)
+    marks = dict(store.conn.execute("SELECT message_id, due_at FROM delaywheel.cancellations").fetchall())
+    timed = {mid: due for mid, due in marks.items() if mid not in level_ids}
+    assert timed and timed == {mid: sent[mid][1] for mid in timed}
     # the roll: far days within the near window move into the near wheel; what falls due by then is delivered
     later = t0 + timedelta(days=8)
     store.deliver_due(now=later)
     delivered = {mid for (mid,) in store.conn.execute("SELECT message_id FROM delaywheel.topic_messages")}
     assert all(due <= later for mid, (_, due) in sent.items() if mid in delivered)
+    assert not delivered & set(marks)  # delivered or cancelled, never both
     assert store.conn.execute(
         "SELECT count(*) FROM delaywheel.wheel_far WHERE deliver_at < %s", (later + store.settings.wheel_near_window,)
     ).fetchone() == (0,)

@@ -45,8 +45,8 @@ class CancelResult:
 # pending; read from the index that holds them, migrations/024, and FIND_PLAN below), of the far segments too small
 # for a filter that hold the key (their partial GIN index), and of the pending level segments whose filter lets it
 # through (levels hold few segments: a send writes one per level). In those ranges a segment's own filter is tested
-# before its keys are read (CASE fixes the order: the planner would run the cheaper-looking `@>` first, reading every
-# segment's keys).
+# before its keys are read (here, and where the lane wait picks its levels, CASE fixes the order: the planner would run
+# the cheaper-looking `@>` first, reading every segment's keys).
 _MAY_HOLD_KEY = sql.SQL(
     "CASE WHEN delaywheel.bloom_may_hold(s.key_bloom, %(h1)s, %(h2)s) THEN s.keys @> ARRAY[%(v)s::text] END"
 )
@@ -63,24 +63,33 @@ WITH candidates AS MATERIALIZED (
         LEFT JOIN delaywheel.level_checkpoint c ON c.level = s.level
         WHERE {segment_pending} AND {may_hold_key}) AS m(r))
 """).format(segment_pending=SEGMENT_PENDING, may_hold_key=_MAY_HOLD_KEY)
-_LOOKUP: dict[str, tuple[sql.Composable, sql.Composable, sql.Composable]] = {
-    # how -> (WITH clause, condition on segments s, condition on messages q)
-    "id": (sql.SQL(""), sql.SQL("int8range(s.id_first, s.id_last, '[]') @> %(v)s::bigint"), sql.SQL("q.id = %(v)s")),
+_LOOKUP: dict[str, tuple[sql.Composable, sql.Composable, sql.Composable, sql.Composable]] = {
+    # how -> (WITH clause, condition on segments s, condition on messages q, their positions in a segment s). A
+    # segment's messages are read at the positions of the id or key (pending.segment_elements), not unnested and
+    # tested one by one; so by key a segment's filter is tested, and then its keys are read once, for the positions.
+    "id": (
+        sql.SQL(""),
+        sql.SQL("int8range(s.id_first, s.id_last, '[]') @> %(v)s::bigint"),
+        sql.SQL("q.id = %(v)s"),
+        sql.SQL("array_positions(s.ids, %(v)s::bigint)"),
+    ),
     "key": (
         _KEY_CANDIDATES,
-        sql.SQL("int8range(s.id_first, s.id_last, '[]') && (SELECT ranges FROM candidates) AND {}").format(
-            _MAY_HOLD_KEY
+        sql.SQL(
+            "int8range(s.id_first, s.id_last, '[]') && (SELECT ranges FROM candidates)"
+            " AND delaywheel.bloom_may_hold(s.key_bloom, %(h1)s, %(h2)s)"
         ),
         sql.SQL("q.key = %(v)s"),
+        sql.SQL("array_positions(s.keys, %(v)s::text)"),
     ),
 }
 # The lookup itself (as text: prepared, and rendered once), and its planner settings (db.LOOKUP_PLAN) with a generic
 # plan for its transaction.
 _FIND_ONE = {
     how: sql.SQL("{} SELECT p.id, p.deliver_at, p.key, p.lane, p.level, p.xid::text FROM ({}) p")
-    .format(first, pending(segments, rows))
+    .format(first, pending(segments, rows, positions))
     .as_string()
-    for how, (first, segments, rows) in _LOOKUP.items()
+    for how, (first, segments, rows, positions) in _LOOKUP.items()
 }
 _LOOKUP_PLAN = sql.SQL("SELECT {}").format(sql.SQL(LOOKUP_PLAN)).as_string()
 _GENERIC = "SELECT {}, set_config('plan_cache_mode', 'force_generic_plan', true)"
