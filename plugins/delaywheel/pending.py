@@ -65,7 +65,7 @@ def segment_elements(positions: sql.Composable, *columns: str, segment: str = "s
     `positions` (an int[] expression on the segment, `array_positions(s.keys, …)`, say) of the segment row `segment`,
     with the columns of `segment_messages`. For a lookup that knows what it wants: it reads its messages' elements by
     subscript instead of unnesting the whole segment (up to 1,000 rows a segment, every one tested), so a cancel's
-    find of a far timer took 0.80 x as long (DESIGN.md, "Lookup cost"). A shared column (one element for all) is read
+    find of a far timer took 0.83 x as long (DESIGN.md, "Lookup cost"). A shared column (one element for all) is read
     at its first element, as `delaywheel.spread` would give it."""
     arrays = _arrays(columns, segment)
     return sql.SQL("(SELECT {} FROM unnest({}) AS i) AS {}({})").format(
