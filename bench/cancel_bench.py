@@ -56,6 +56,7 @@ import tempfile
 import threading
 import time
 import types
+from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from multiprocessing.process import BaseProcess
 from multiprocessing.queues import Queue
@@ -72,7 +73,7 @@ from delaywheel.deliver import runner
 from delaywheel.dev import sched
 from delaywheel.ops import cancel as cancel_module
 from delaywheel.ops.cancel import FIND_PLAN, CancelResult, find, key_params, mark_and_settle
-from delaywheel.pending import WHEEL_PENDING, pending
+from delaywheel.pending import WHEEL_PENDING
 
 from .common import body, chunks, drop_database, fresh_database, log, pct, wheel_partitions
 
@@ -449,11 +450,7 @@ def _find_unnested() -> str:
     segments = sql.SQL("int8range(s.id_first, s.id_last, '[]') && (SELECT ranges FROM candidates) AND {}").format(
         cancel_module._MAY_HOLD_KEY
     )
-    return (
-        sql.SQL("{} SELECT p.id, p.deliver_at, p.key, p.lane, p.level, p.xid::text FROM ({}) p")
-        .format(first, pending(segments, rows))
-        .as_string()
-    )
+    return cancel_module._find_one(first, segments, rows)
 
 
 def segment_reads(store: Store, other: psycopg.Connection, calls: int) -> list[str]:
@@ -599,6 +596,17 @@ def pin(backend: int, cpus: set[int] | None) -> None:
         os.sched_setaffinity(backend, cpus)
 
 
+@contextlib.contextmanager
+def failure_reported(outbox: Queue) -> Iterator[None]:  # type: ignore[type-arg]
+    """A worker process's failure put in `outbox` as its text, in place of its report (and raised): the run ends
+    with the reason (collect, race) instead of waiting for a report that will not come."""
+    try:
+        yield
+    except BaseException as exc:
+        outbox.put(repr(exc))
+        raise
+
+
 def cancel_worker(
     url: str,
     seconds: float,
@@ -622,27 +630,6 @@ def cancel_worker(
     same INSERT committed without waiting for its WAL flush (synchronous_commit off). (An 'unwaited' stand-in,
     cancels that skipped their wait for the passes in flight, patched the pipeline that migrations/027 replaced.)"""
     die_with_parent()
-    try:
-        _cancel_loop(url, seconds, per_worker, window, seed, inbox, outbox, before, nice, cpus, stand_in)
-    except BaseException as exc:  # the run ends with the reason (collect), rather than waiting for this report
-        outbox.put(repr(exc))
-        raise
-
-
-def _cancel_loop(
-    url: str,
-    seconds: float,
-    per_worker: float,
-    window: tuple[float, float],
-    seed: int,
-    inbox: Queue,  # type: ignore[type-arg]
-    outbox: Queue,  # type: ignore[type-arg]
-    before: bool,
-    nice: int,
-    cpus: set[int] | None,
-    stand_in: StandIn,
-) -> None:
-    """cancel_worker's run, its report put in `outbox`."""
     rng = random.Random(seed)
     # The keys handed over, by due time (a heap), and those within the window, picked at random and each taken out in
     # constant time: this bookkeeping is the bench's, not a cancel's, yet shares the two cores with the deliverer, so
@@ -651,7 +638,7 @@ def _cancel_loop(
     near: list[tuple[str, float]] = []
     answers: list[tuple[int | None, str]] = []
     cancel_ms: list[float] = []
-    with Store(url) as own:
+    with failure_reported(outbox), Store(url) as own:
         cancel = floor_write if stand_in else _before().cancel if before else cancel_module.cancel
         if stand_in == "floor, not durable":
             own.conn.execute("SET synchronous_commit = off")
@@ -712,7 +699,7 @@ def deliver_worker(
     `before`: the deliverer of 990e562 (try the lock, else busy: here a wait of 1 ms, the nearest the pass's CALL
     allows); `cpus`: see pin."""
     die_with_parent()
-    try:
+    with failure_reported(outbox):
         if before:  # as near to "try, else busy" as the pass's CALL allows (a lock_timeout of 0 waits for ever)
             lane_locks.LANE_WAIT = "1ms"
         runner.SUMMARIZE_TOPICS_EVERY_S = topic_summaries
@@ -721,9 +708,6 @@ def deliver_worker(
             outbox.put(own.conn.info.backend_pid)
             totals = runner.run(own, [None], seconds + 12, stop=stop, ready=ready.set)
         outbox.put((totals.passes, totals.busy_passes, totals.waited_passes))
-    except BaseException as exc:
-        outbox.put(repr(exc))
-        raise
 
 
 def collect(outbox: Queue, procs: list[BaseProcess], timeout: float) -> list[tuple[object, ...]]:  # type: ignore[type-arg]

@@ -83,14 +83,23 @@ _LOOKUP: dict[str, tuple[sql.Composable, sql.Composable, sql.Composable, sql.Com
         sql.SQL("array_positions(s.keys, %(v)s::text)"),
     ),
 }
+
+
+def _find_one(
+    first: sql.Composable, segments: sql.Composable, rows: sql.Composable, positions: sql.Composable | None = None
+) -> str:
+    """The lookup as text, from a _LOOKUP entry (without `positions`, every segment found is unnested whole: the
+    find before migrations/032, which bench.cancel_bench compares)."""
+    return (
+        sql.SQL("{} SELECT p.id, p.deliver_at, p.key, p.lane, p.level, p.xid::text FROM ({}) p")
+        .format(first, pending(segments, rows, positions))
+        .as_string()
+    )
+
+
 # The lookup itself (as text: prepared, and rendered once), and its planner settings (db.LOOKUP_PLAN) with a generic
 # plan for its transaction.
-_FIND_ONE = {
-    how: sql.SQL("{} SELECT p.id, p.deliver_at, p.key, p.lane, p.level, p.xid::text FROM ({}) p")
-    .format(first, pending(segments, rows, positions))
-    .as_string()
-    for how, (first, segments, rows, positions) in _LOOKUP.items()
-}
+_FIND_ONE = {how: _find_one(*parts) for how, parts in _LOOKUP.items()}
 _LOOKUP_PLAN = sql.SQL("SELECT {}").format(sql.SQL(LOOKUP_PLAN)).as_string()
 _GENERIC = "SELECT {}, set_config('plan_cache_mode', 'force_generic_plan', true)"
 _GENERIC_LOOKUP_PLAN = sql.SQL(_GENERIC).format(sql.SQL(LOOKUP_PLAN)).as_string()
