@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import random
 import shutil
 import socket
 import tempfile
@@ -31,18 +32,14 @@ from delaywheel.partitions import PartitionCache
 from tests.conftest import dbname
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture
 def second_cluster() -> Iterator[embedded.Cluster]:
     """A cluster in a /tmp folder the `postgres` user can reach (pytest's tmp_path is 0700 as root)."""
     root = Path(tempfile.mkdtemp(prefix="dw-embedded-", dir="/tmp"))
     os.chmod(root, 0o755)
-    cluster = embedded.Cluster(root=root / "pg", port=_free_port())
+    # below the kernel's ephemeral range (32768-60999), where no client's connection takes the port away between
+    # tests' steps (a CI run lost this module's squatted port to one)
+    cluster = embedded.Cluster(root=root / "pg", port=embedded._free_port(28500 + random.randrange(400)))
     try:
         yield cluster
     finally:
@@ -87,6 +84,7 @@ def test_a_stopped_cluster_whose_remembered_port_was_taken_starts_on_the_next_fr
     embedded.start(second_cluster)
     embedded.stop(second_cluster)
     with socket.socket() as squatter:
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as a server binds: over closing connections
         squatter.bind(("127.0.0.1", second_cluster.port))
         squatter.listen()
         with pytest.raises(embedded.EmbeddedError, match=f"port {second_cluster.port} in use"):
@@ -101,6 +99,27 @@ def test_a_stopped_cluster_whose_remembered_port_was_taken_starts_on_the_next_fr
             assert conn.execute("SELECT 1").fetchone() == (1,)
         assert embedded.start(moved) == moved  # running: stays where it is
     embedded.stop(moved)
+
+
+def test_a_cluster_stopped_under_its_clients_restarts_on_its_remembered_port(
+    second_cluster: embedded.Cluster,
+) -> None:
+    """`db stop` while a deliverer or Airflow still holds connections leaves them closing on the cluster's port for a
+    minute. PostgreSQL restarts over them, so a remembered port is not taken and the cluster does not move (it did:
+    the probe bound without SO_REUSEADDR, and every client's URL pointed at the old port)."""
+    movable = dataclasses.replace(second_cluster, movable=True)
+    embedded.start(movable)
+    clients = [psycopg.connect(movable.url("postgres")) for _ in range(3)]
+    embedded.stop(movable)
+    try:
+        assert not embedded._port_taken(movable.port)
+        assert embedded.start(movable) == movable
+        with psycopg.connect(movable.url("delaywheel")) as conn:
+            assert conn.execute("SELECT 1").fetchone() == (1,)
+    finally:
+        for client in clients:
+            client.close()
+    embedded.stop(movable)
 
 
 def test_a_port_a_client_connection_holds_is_not_free() -> None:

@@ -164,10 +164,13 @@ def _reachable_by_others(path: Path) -> bool:
 
 
 def _port_taken(port: int) -> bool:
-    """The loopback port cannot be bound: something listens there, or a socket is bound to it. A connect alone
-    misses the second: a client's connection takes its local port from the same range (32768-60999 here), and a
-    server's bind then fails although no connect would succeed."""
+    """The loopback port cannot be bound the way PostgreSQL binds it: something listens there, or a socket is bound
+    to it. A connect alone misses the second: a client's connection takes its local port from the same range
+    (32768-60999 here), and a server's bind then fails although no connect would succeed. The probe sets
+    SO_REUSEADDR as PostgreSQL does, so the closing connections a stopped server leaves on its own port (FIN-WAIT,
+    TIME-WAIT, for a minute) do not count: PostgreSQL restarts over them, and a cluster must not move for them."""
     with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind(("127.0.0.1", port))
         except OSError:
