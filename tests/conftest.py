@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import tempfile
 import threading
 import time
@@ -31,6 +32,17 @@ AIRFLOW_TEST_DB = "airflow_test"
 
 
 T = TypeVar("T")
+
+
+def free_ports(n: int) -> list[int]:
+    """`n` distinct loopback ports nothing holds, for the servers a test starts (clusters, Airflow, pgbouncer, Redis,
+    Spark). Below the kernel's ephemeral range (32768-60999): a port picked by binding to 0 comes from that range,
+    where any client's connection may take it before the server given it binds (a CI run lost a port so). The start
+    is random so that test runs side by side pick apart."""
+    ports: list[int] = []
+    while len(ports) < n:
+        ports.append(embedded._free_port(ports[-1] + 1 if ports else 20000 + random.randrange(9000)))
+    return ports
 
 
 def _with_db(url: str, dbname: str) -> str:
@@ -130,7 +142,8 @@ def at(t: datetime, seconds: float) -> datetime:
 
 
 class Background:
-    """`fn()` on a thread; `blocked()` says it has not returned yet, `result()` joins it."""
+    """`fn()` on a thread; `result()` joins it. Where it should wait, a test says so with wait_for_lock on its backend:
+    a thread merely not returned yet after a pause may not have got there (a loaded CI run once showed it)."""
 
     def __init__(self, fn: Callable[[], Any]) -> None:
         self.value: Any = None
@@ -144,10 +157,6 @@ class Background:
 
         self.thread = threading.Thread(target=run)
         self.thread.start()
-
-    def blocked(self, seconds: float = 0.3) -> bool:
-        self.thread.join(seconds)
-        return self.thread.is_alive()
 
     def result(self) -> Any:
         self.thread.join(10)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import random
 import shutil
 import socket
 import tempfile
@@ -29,7 +28,7 @@ from delaywheel.batch import bulk, input_rows
 from delaywheel.dev import embedded
 from delaywheel.migrate import SQL_DIR, MigrationError, available, current_version, migrate
 from delaywheel.partitions import PartitionCache
-from tests.conftest import dbname
+from tests.conftest import dbname, free_ports
 
 
 @pytest.fixture
@@ -37,9 +36,7 @@ def second_cluster() -> Iterator[embedded.Cluster]:
     """A cluster in a /tmp folder the `postgres` user can reach (pytest's tmp_path is 0700 as root)."""
     root = Path(tempfile.mkdtemp(prefix="dw-embedded-", dir="/tmp"))
     os.chmod(root, 0o755)
-    # below the kernel's ephemeral range (32768-60999), where no client's connection takes the port away between
-    # tests' steps (a CI run lost this module's squatted port to one)
-    cluster = embedded.Cluster(root=root / "pg", port=embedded._free_port(28500 + random.randrange(400)))
+    cluster = embedded.Cluster(root=root / "pg", port=free_ports(1)[0])
     try:
         yield cluster
     finally:

@@ -16,7 +16,6 @@ import os
 import pwd
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -35,6 +34,7 @@ from delaywheel.dev import embedded
 from delaywheel.locks import GROUP_LOCK, GROUP_TOPIC_KEY
 from delaywheel.migrate import OWNER_ROLE, migrate
 from delaywheel.produce.producer import lane_channel
+from tests.conftest import free_ports
 
 PGBOUNCER = shutil.which("pgbouncer") or next(
     (p for p in ("/usr/sbin/pgbouncer", "/usr/bin/pgbouncer") if Path(p).exists()), None
@@ -45,12 +45,6 @@ pytestmark = pytest.mark.skipif(
 
 PASSWORD = "pooled-" + uuid.uuid4().hex[:8]  # PgBouncer's user list; the cluster itself trusts loopback
 TOPIC = "pool.orders"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +72,7 @@ def pgbouncer(server_url: str, pool_db: str) -> Iterator[Callable[..., str]]:
 
     def start(*, ignore_options: bool = True) -> str:
         folder = Path(tempfile.mkdtemp(prefix="delaywheel-pgbouncer-"))
-        port = _free_port()
+        (port,) = free_ports(1)
         (folder / "userlist.txt").write_text(f'"{embedded.RUNTIME_LOGIN}" "{PASSWORD}"\n')
         (folder / "pgbouncer.ini").write_text(f"""[databases]
 {pool_db} = host={server.get("host", "127.0.0.1")} port={server.get("port", 5432)} dbname={pool_db}

@@ -25,6 +25,7 @@ from delaywheel import Message, Store
 from delaywheel.deliver import runner
 from delaywheel.dev import embedded
 from delaywheel.migrate import migrate
+from tests.conftest import free_ports
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -33,7 +34,7 @@ pytestmark = pytest.mark.timeout(120)
 def own_cluster() -> Iterator[embedded.Cluster]:
     root = Path(tempfile.mkdtemp(prefix="delaywheel-restart-", dir="/var/tmp"))
     root.chmod(0o755)  # the postgres user (we may be root) must reach it
-    cluster = embedded.Cluster(root=root, port=embedded._free_port(29400 + random.randrange(500)))
+    cluster = embedded.Cluster(root=root, port=free_ports(1)[0])
     embedded.start(cluster)
     try:
         migrate(cluster.url())

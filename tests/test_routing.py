@@ -28,6 +28,7 @@ from delaywheel.dev import embedded
 from delaywheel.dev.local_airflow import as_url
 from delaywheel.migrate import migrate
 from delaywheel.routing import Router, SendManyError, Stores, home, moved_topics
+from tests.conftest import free_ports
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -39,7 +40,7 @@ def second_cluster() -> Iterator[embedded.Cluster]:
     """A throwaway PostgreSQL cluster on a loopback port of its own (never the shared one), migrated; stopped after."""
     root = Path(tempfile.mkdtemp(prefix="delaywheel-store-b-", dir="/var/tmp"))
     root.chmod(0o755)  # the postgres user (we may be root) must reach it
-    cluster = embedded.Cluster(root=root, port=embedded._free_port(29900 + random.randrange(500)))
+    cluster = embedded.Cluster(root=root, port=free_ports(1)[0])
     embedded.start(cluster)
     try:
         migrate(cluster.url())

@@ -19,7 +19,8 @@ import time
 from pathlib import Path
 from typing import IO
 
-from tests.dev.test_airflow_script import free_ports, processes
+from tests.conftest import free_ports
+from tests.dev.test_airflow_script import processes
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "airflow.sh"

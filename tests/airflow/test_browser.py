@@ -11,7 +11,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ import pytest
 from psycopg.conninfo import conninfo_to_dict
 
 from delaywheel import Store
+from tests.conftest import free_ports
 
 pytestmark = [pytest.mark.browser, pytest.mark.airflow]
 
@@ -53,12 +53,6 @@ class Airflow:
         return response.json() if response.content else None
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def wait_for(what: str, check: Any, timeout: float, procs: list[subprocess.Popen[bytes]]) -> Any:
     """Poll `check()` until it returns something truthy; fail early if an Airflow service died."""
     deadline = time.monotonic() + timeout
@@ -83,7 +77,7 @@ def airflow(airflow_db: dict[str, str], server_url: str, db_url: str, tmp_path: 
         conn.execute(f"CREATE DATABASE {METADATA_DB}")
     server, store = conninfo_to_dict(server_url), conninfo_to_dict(db_url)
     pg = f"{server.get('user', 'postgres')}@{server.get('host', '127.0.0.1')}:{server.get('port', 5432)}"
-    port = free_port()
+    port, worker_log_port, trigger_log_port = free_ports(3)
     base = f"http://127.0.0.1:{port}"
     passwords = tmp_path / "passwords.json"
     passwords.write_text(json.dumps({USER: PASSWORD}))
@@ -103,8 +97,8 @@ def airflow(airflow_db: dict[str, str], server_url: str, db_url: str, tmp_path: 
         "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "False",
         "AIRFLOW__API_AUTH__JWT_SECRET": "browser-test-" + "s" * 52,
         "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
-        "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(free_port()),
-        "AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT": str(free_port()),
+        "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(worker_log_port),
+        "AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT": str(trigger_log_port),
         "AIRFLOW__CORE__PARALLELISM": "4",
     }
     subprocess.run([sys.executable, "-m", "airflow", "db", "migrate"], env=env, check=True, capture_output=True)

@@ -17,7 +17,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 import urllib.request
@@ -28,6 +27,7 @@ import pytest
 from psycopg.conninfo import make_conninfo
 
 from delaywheel.dev.local_airflow import SECRETS, as_url
+from tests.conftest import free_ports
 
 pytestmark = pytest.mark.airflow
 
@@ -39,17 +39,6 @@ STARTED_WITHIN_S = 150  # script start -> lane tasks running (about 25 s alone h
 # and DAG processor 20 s and the API server 20 s (one CI run on a quiet machine took 63.6 s, cause not seen: the
 # failure message now lists the timed notes and shutdown lines)
 STOPPED_WITHIN_S = 100
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def script_env(home: Path, db_url: str, metadata_db: str) -> dict[str, str]:

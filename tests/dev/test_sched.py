@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import random
 import shutil
 import subprocess
 import sys
@@ -18,6 +17,7 @@ import psycopg
 import pytest
 
 from delaywheel.dev import embedded, sched
+from tests.conftest import free_ports
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -41,7 +41,7 @@ needs_custom_slices = pytest.mark.skipif(
 def own_cluster() -> Iterator[embedded.Cluster]:
     root = Path(tempfile.mkdtemp(prefix="delaywheel-slice-", dir="/var/tmp"))
     root.chmod(0o755)  # the postgres user (we may be root) must reach it
-    cluster = embedded.Cluster(root=root, port=embedded._free_port(29000 + random.randrange(400)))
+    cluster = embedded.Cluster(root=root, port=free_ports(1)[0])
     try:
         yield cluster
     finally:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 import threading
 import time
+from collections.abc import Iterator
 from datetime import datetime, timedelta
 
 import psycopg
@@ -17,7 +18,7 @@ from delaywheel.deliver import levels
 from delaywheel.locks import WHEEL_LOCK, turns
 from delaywheel.ops.cancel import CancelResult, find, key_params, mark, settle
 from delaywheel.produce.validation import Message
-from tests.conftest import Background, deliveries
+from tests.conftest import Background, deliveries, wait_for_lock
 
 NOW = timedelta(seconds=30)  # the passes' injected clock, after t0: every timer below is due
 
@@ -49,6 +50,14 @@ def other(db_url: str) -> Store:
         yield s  # type: ignore[misc]
 
 
+@pytest.fixture
+def watch(db_url: str) -> Iterator[psycopg.Connection]:
+    """A session outside any transaction, where pg_stat_activity is read afresh: a test waits with it until its thread's
+    backend waits for a lock (wait_for_lock), the point the test means, however loaded the machine."""
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        yield conn
+
+
 @pytest.mark.parametrize("lane", ["wheel", "level"])
 def test_cancel_committed_before_the_pass_reads(store: Store, other: Store, t0: datetime, lane: str) -> None:
     mid = timer(store, t0, "k", lane)
@@ -61,7 +70,7 @@ def test_cancel_committed_before_the_pass_reads(store: Store, other: Store, t0: 
 @pytest.mark.parametrize("pass_ends", ["commit", "rollback"])
 @pytest.mark.parametrize("how", ["id", "key"])
 def test_pass_in_flight_when_the_cancel_runs(
-    store: Store, other: Store, t0: datetime, lane: str, pass_ends: str, how: str
+    store: Store, other: Store, watch: psycopg.Connection, t0: datetime, lane: str, pass_ends: str, how: str
 ) -> None:
     """The pass has read and written the message, uncommitted: the cancel's row commits, then the cancel waits for the
     pass; committed, the message was delivered; rolled back, it stays cancelled and no later pass delivers it. By id
@@ -72,7 +81,7 @@ def test_pass_in_flight_when_the_cancel_runs(
         cancelling = Background(lambda: store.cancel(message_id=mid) if how == "id" else store.cancel(key="k"))
         # waiting for the pass: here already in find, for the partitions this first pass created (a relation lock
         # held to its end); with the partitions in place, in the lane wait with its cancellation committed (below)
-        assert cancelling.blocked()
+        wait_for_lock(watch, store.conn.info.backend_pid, "the cancel")
         if pass_ends == "rollback":
             raise psycopg.Rollback(tx)
     if pass_ends == "commit":
@@ -87,7 +96,7 @@ def test_pass_in_flight_when_the_cancel_runs(
 
 @pytest.mark.parametrize("turn", [0, 1])
 def test_the_cancellation_is_committed_before_the_cancel_waits(
-    store: Store, db_url: str, t0: datetime, turn: int
+    store: Store, db_url: str, watch: psycopg.Connection, t0: datetime, turn: int
 ) -> None:
     """The cancellation is committed, then the cancel waits for the pass in flight, whichever of the lane's two
     turns it holds (held here as a pass holds it, with the lane's lock): while it waits, its cancellation is already
@@ -100,7 +109,7 @@ def test_the_cancellation_is_committed_before_the_cancel_waits(
         for lock in held:
             lane.execute("SELECT pg_advisory_lock(%s, %s)", lock)
         cancelling = Background(lambda: store.cancel(key="k"))
-        assert cancelling.blocked()
+        wait_for_lock(watch, store.conn.info.backend_pid, "the cancel")
         assert third.execute(
             "SELECT count(*) FROM delaywheel.cancellations WHERE message_id = %s", (mid,)
         ).fetchone() == (1,)
@@ -114,7 +123,7 @@ def test_the_cancellation_is_committed_before_the_cancel_waits(
 @pytest.mark.parametrize("lane", ["wheel", "level"])
 @pytest.mark.parametrize("pass_commits", ["before_cancel_commits", "after_cancel_commits"])
 def test_cancel_row_uncommitted_when_the_pass_reads(
-    store: Store, other: Store, t0: datetime, lane: str, pass_commits: str
+    store: Store, other: Store, watch: psycopg.Connection, t0: datetime, lane: str, pass_commits: str
 ) -> None:
     """The cancel has inserted its row, uncommitted, when the pass reads: the pass cannot see it and delivers. The
     cancel then must say already_delivered, whichever of the two commits first."""
@@ -135,7 +144,7 @@ def test_cancel_row_uncommitted_when_the_pass_reads(
         assert outcomes(settle(store.conn, "id", params, found, marked)) == [(mid, "already_delivered")]
     else:
         settling = Background(lambda: settle(store.conn, "id", params, found, marked))
-        assert settling.blocked()
+        wait_for_lock(watch, store.conn.info.backend_pid, "the settle")
         pass_tx.__exit__(None, None, None)
         assert outcomes(settling.result()) == [(mid, "already_delivered")]
     assert delivered_ids(store) == [mid]
@@ -153,25 +162,21 @@ def test_cancel_after_the_pass_committed(store: Store, other: Store, t0: datetim
     assert store.conn.execute("SELECT count(*) FROM delaywheel.cancellations").fetchone() == (0,)
 
 
-def test_two_cancels_of_one_message(store: Store, other: Store, t0: datetime) -> None:
+def test_two_cancels_of_one_message(store: Store, other: Store, watch: psycopg.Connection, t0: datetime) -> None:
     """The second waits at the unique index for the first to commit: one cancelled, one already_cancelled."""
     mid = timer(store, t0, "k", "wheel")
     found = find(store.conn, "id", {"v": mid})
     with store.conn.transaction():
         marked = mark(store.conn, store._cache, found, "first")
+        second_pid = (
+            other.conn.info.backend_pid
+        )  # connected here, not raced by the thread (Store connects on first use)
         second = Background(lambda: other.cancel(message_id=mid))
-        assert second.blocked()
+        wait_for_lock(watch, second_pid, "the second cancel")
     assert outcomes(settle(store.conn, "id", {"v": mid}, found, marked)) == [(mid, "cancelled")]
     assert outcomes(second.result()) == [(mid, "already_cancelled")]
     assert store.conn.execute("SELECT count(*) FROM delaywheel.cancellations").fetchone() == (1,)
     assert deliver(store, "wheel", t0 + NOW).delivered == 0
-
-
-# A session waiting for one of the wheel's turns (an advisory lock on two int4 keys: objsubid 2).
-_WAITING_FOR_WHEEL = """
-SELECT EXISTS (SELECT FROM pg_locks WHERE locktype = 'advisory' AND NOT granted AND objsubid = 2
-               AND (classid, objid) IN (SELECT c::oid, k::oid FROM unnest(%s::int[], %s::int[]) AS t(c, k)))
-"""
 
 
 def _hold_shared(conn: psycopg.Connection, locks: list[tuple[int, int]]) -> None:
@@ -194,7 +199,7 @@ def test_a_pass_takes_the_turn_the_cancels_left_free(db_url: str, store: Store, 
 
 
 def test_a_pass_waits_out_a_cancels_shared_hold(
-    db_url: str, store: Store, t0: datetime, monkeypatch: pytest.MonkeyPatch
+    db_url: str, store: Store, watch: psycopg.Connection, t0: datetime, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Both turns held shared (cancels on both, stalled) make a pass wait, not report busy, and the pass says it
     waited; held longer than levels.LANE_WAIT (a cancel inside a transaction), the pass reports busy as before. A pass
@@ -205,13 +210,10 @@ def test_a_pass_waits_out_a_cancels_shared_hold(
     assert store.advance_wheel(now=t0).delivered == 0
     monkeypatch.setattr(levels, "LANE_WAIT", "5s")  # the hold is released once the pass waits, however slow the machine
     both = turns(*WHEEL_LOCK)
-    wheel_turns = ([c for c, _ in both], [k for _, k in both])
     with psycopg.connect(db_url) as holder:
         _hold_shared(holder, both)
         passing = Background(lambda: store.advance_wheel(now=t0 + NOW))
-        with psycopg.connect(db_url, autocommit=True) as watcher:  # released once the pass waits for it, not before
-            while not watcher.execute(_WAITING_FOR_WHEEL, wheel_turns).fetchone()[0]:  # type: ignore[index]
-                time.sleep(0.002)
+        wait_for_lock(watch, store.conn.info.backend_pid, "the pass")  # released once the pass waits, not before
         holder.rollback()
         result = passing.result()
         assert (result.busy, result.waited, result.delivered) == (False, True, 1)
@@ -240,19 +242,22 @@ def test_a_busy_pass_holds_nothing(db_url: str, store: Store, t0: datetime, monk
 
 
 def test_a_waiting_pass_goes_before_later_cancels(
-    db_url: str, store: Store, t0: datetime, monkeypatch: pytest.MonkeyPatch
+    db_url: str, store: Store, watch: psycopg.Connection, t0: datetime, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """PostgreSQL grants no shared request past a waiting exclusive one: cancels arriving while a pass waits for a
     turn queue behind it, so a stream of them cannot starve the pass."""
     monkeypatch.setattr(levels, "LANE_WAIT", "5s")
     timer(store, t0, "k", "wheel")
+    assert store.advance_wheel(now=t0).delivered == 0  # the roll, which waits on its own (see above), done first
     first_turn = turns(*WHEEL_LOCK)[0]
     with psycopg.connect(db_url) as first, psycopg.connect(db_url, autocommit=True) as later:
         _hold_shared(first, turns(*WHEEL_LOCK))
         passing = Background(lambda: store.advance_wheel(now=t0 + NOW))
-        assert passing.blocked(0.3)
+        # waiting for the first turn, not merely not yet returned (a loaded CI run once took longer than a fixed pause)
+        wait_for_lock(watch, store.conn.info.backend_pid, "the pass")
         cancel_wait = Background(lambda: later.execute("SELECT pg_advisory_xact_lock_shared(%s, %s)", first_turn))
-        assert cancel_wait.blocked(0.3)  # behind the waiting pass, although only a shared lock is held
+        # behind the waiting pass, although only a shared lock is held
+        wait_for_lock(watch, later.info.backend_pid, "the later cancel's shared request")
         first.rollback()
         assert passing.result().delivered == 1
         cancel_wait.result()

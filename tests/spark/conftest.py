@@ -20,7 +20,7 @@ from pathlib import Path
 import pyspark
 import pytest
 
-from tests.dev.test_airflow_script import free_ports
+from tests.conftest import free_ports
 
 SPARK_DIR = Path(__file__).resolve().parents[2] / "plugins" / "delaywheel" / "spark"
 sys.path.insert(0, str(SPARK_DIR))
