@@ -347,6 +347,23 @@ def test_reconcile_checks_names_and_predicate_against_the_catalog(business: Stor
         ("SELECT pg_read_file('/etc/passwd') AS body", "pg_read_file()"),
         ("SELECT nextval('delaywheel.messages_id_seq') AS key", "nextval()"),
         ("SELECT dblink_exec('host=x', 'DROP TABLE t') AS key", "dblink_exec()"),
+        ("SELECT * FROM delaywheel.topic_messages", "store's own table delaywheel.topic_messages"),
+        ("SELECT body FROM DelayWheel.wheel", "store's own table delaywheel.wheel"),
+        ('SELECT key FROM "delaywheel".quarantine', "store's own table delaywheel.quarantine"),
+        (
+            "WITH t AS (SELECT body FROM delaywheel.topic_messages) SELECT body FROM shop.orders, t",
+            "store's own table delaywheel.topic_messages",
+        ),
+        (
+            "SELECT o.order_id AS key FROM shop.orders o WHERE o.order_id IN"
+            " (SELECT message_id FROM delaywheel.level_queue)",
+            "store's own table delaywheel.level_queue",
+        ),
+        (
+            "SELECT o.order_id AS key FROM shop.orders o JOIN LATERAL"
+            " (SELECT body FROM delaywheel.consumer_offsets) c ON true",
+            "store's own table delaywheel.consumer_offsets",
+        ),
     ],
 )
 def test_bulk_query_must_be_one_read_only_select(query: str, named: str) -> None:

@@ -11,7 +11,8 @@ refused with `UnsafeSQL`, naming the construct. What runs is then rendered back 
 never the original text, with every column qualified by the library's own alias.
 
 A bulk-enqueue `query` is checked the same way as a whole statement (`check_query`): one SELECT, no data-modifying
-CTE, no INTO, no FOR UPDATE / SHARE, no system catalog, functions from a whitelist (aggregates included).
+CTE, no INTO, no FOR UPDATE / SHARE, no system catalog, nothing of the store's own schema (its topics would be copied
+into the topic the caller consumes), functions from a whitelist (aggregates included).
 Identifiers (tables, columns) are never parsed from text at all: `split_table` checks their spelling and the callers
 look them up in the catalog and quote them with `psycopg.sql.Identifier`.
 """
@@ -282,6 +283,7 @@ _QUERY_NODES = _EXPRESSION_NODES | frozenset(
     }
 )
 _SYSTEM_SCHEMAS = frozenset({"pg_catalog", "information_schema", "pg_toast"})
+STORE_SCHEMA = "delaywheel"  # the store's own tables: never read by caller-supplied SQL
 _DESCRIBE = {  # what a refused node is, in words a caller recognises
     "SubLink": "a subquery",
     "ParamRef": "a parameter ($n)",
@@ -440,6 +442,8 @@ class _Checker:
             or (not schema and (node.relname or "").lower().startswith("pg_"))
         ):
             raise self.refuse(f"reading the system table {node.relname}")
+        if schema == STORE_SCHEMA:
+            raise self.refuse(f"reading the store's own table {STORE_SCHEMA}.{node.relname}")
 
     def _CommonTableExpr(self, node: ast.CommonTableExpr) -> None:
         if not isinstance(node.ctequery, ast.SelectStmt):
