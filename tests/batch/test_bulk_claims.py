@@ -72,3 +72,53 @@ def test_a_concurrent_writer_of_the_same_keys_waits_and_skips_them(store: Store,
     assert (results["a"].enqueued, results["a"].skipped) == (100, 0)
     assert (results["b"].enqueued, results["b"].skipped) == (50, 50)
     assert queued_keys(store) == sorted(f"order-{k}" for k in range(150))
+
+
+def test_a_blank_delay_level_is_quarantined_not_delivered_at_once(store: Store, db_url: str, t0: datetime) -> None:
+    """An order-timeout file whose delay level is blank (NULL, as Spark reads an empty CSV field, or whitespace)
+    must not mean "cancel now": the row is quarantined with its reason; level 0 only when written as 0."""
+    levels: list[object] = [3, None, "0", "  ", None]
+    chunk = pa.RecordBatch.from_pylist(
+        [
+            {
+                "key": f"order-{n}",
+                "body": f"cancel {n}",
+                "delay_level": None if level is None else str(level),
+                input_rows.FILE_COLUMN: "orders.csv",
+                input_rows.ROW_COLUMN: n + 1,
+            }
+            for n, level in enumerate(levels)
+        ]
+    )
+    counts = write(db_url, store, chunk, t0)
+    assert (counts.enqueued, counts.rejected) == (2, 3)
+    assert counts.reasons == {"missing_delay": 3}
+    assert queued_keys(store) == ["order-0"]
+    delivered = store.conn.execute("SELECT key FROM delaywheel.topic_messages").fetchall()
+    assert delivered == [("order-2",)]  # written as 0: delivered at once
+    quarantined = store.conn.execute(
+        "SELECT row_number, reason, detail FROM delaywheel.quarantine ORDER BY row_number"
+    ).fetchall()
+    assert [(r, reason) for r, reason, _ in quarantined] == [
+        (2, "missing_delay"),
+        (4, "missing_delay"),
+        (5, "missing_delay"),
+    ]
+    assert "delay_level" in quarantined[0][2] and "write 0" in quarantined[0][2]
+
+
+def test_a_delay_column_with_nothing_in_it_is_quarantined_row_by_row(store: Store, db_url: str, t0: datetime) -> None:
+    """The column path too: a mapped delay column of nothing but NULLs is not a chunk of "no delay"."""
+    chunk = pa.RecordBatch.from_pydict(
+        {
+            "key": pa.array(["a", "b"]),
+            "body": pa.array(["x", "y"]),
+            "delay_level": pa.nulls(2, pa.int32()),
+            input_rows.FILE_COLUMN: pa.array(["orders.csv"] * 2),
+            input_rows.ROW_COLUMN: pa.array([1, 2], pa.int64()),
+        }
+    )
+    assert input_rows.arrow_columns(chunk, MAPPING, t0, store.settings) is None
+    counts = write(db_url, store, chunk, t0)
+    assert (counts.enqueued, counts.rejected, dict(counts.reasons)) == (0, 2, {"missing_delay": 2})
+    assert store.conn.execute("SELECT count(*) FROM delaywheel.topic_messages").fetchone() == (0,)

@@ -153,6 +153,15 @@ def to_message(row: Mapping[str, Any], mapping: ColumnMap) -> Message:
     )
     if isinstance(key, int) and not isinstance(key, bool):
         key = str(key)  # numeric business keys (order ids) are keys too
+    level, delay_ms, deliver_at = (None if _blank(v) else v for v in (level, delay_ms, deliver_at))
+    if level is None and delay_ms is None and deliver_at is None:
+        mapped = [c for f, c in zip(FIELDS, mapping.sources, strict=True) if f in DELAY_FIELDS and c is not None]
+        if mapped:  # a blank is not "no delay": an order-timeout file's blank would mean "cancel now"
+            raise InvalidMessage(
+                "missing_delay",
+                f"the delay column {' / '.join(mapped)} is blank in this row: write 0 as the delay_level to deliver"
+                " at once",
+            )
     values: tuple[Any, ...] = (  # unchecked on purpose, whatever their type: `prepare` judges them
         topic if mapping.sources[0] is not None else mapping.default_topic,
         _coerce_body(body, mapping.body_format),
@@ -164,6 +173,11 @@ def to_message(row: Mapping[str, Any], mapping: ColumnMap) -> Message:
         None if properties is None else _coerce_properties(properties),
     )
     return Message(*values)
+
+
+def _blank(value: object) -> bool:
+    """A delay value that is not there: NULL, or text of nothing but whitespace (as CSV readers may give)."""
+    return value is None or (isinstance(value, str) and not value.strip())
 
 
 def arrow_columns(rows: pa.RecordBatch, mapping: ColumnMap, now: datetime, settings: Settings) -> Columns | None:
@@ -256,13 +270,15 @@ def _arrow_placed(
     settings: Settings,
     n: int,
 ) -> Placed:
+    if level is None and delay_ms is None and deliver_at is None:
+        return placed_now(n, now)  # no delay column mapped: every row is delivered at once
     given = [
         (c, kind)
         for c, kind in ((level, "level"), (delay_ms, "delay"), (deliver_at, "at"))
         if c is not None and c.null_count < n
-    ]  # a column of nulls gives no delay, as it does row by row
+    ]
     if not given:
-        return placed_now(n, now)
+        raise Irregular  # mapped delay columns with nothing in them: each row is quarantined, row by row
     if len(given) > 1 or given[0][0].null_count:
         raise Irregular
     column, kind = given[0]
