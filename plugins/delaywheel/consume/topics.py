@@ -24,7 +24,7 @@ from delaywheel.db import COMMIT_HORIZON, QUEUE_PLAN, commits_each_statement
 from delaywheel.locks import GROUP_LOCK, GROUP_TOPIC_KEY
 from delaywheel.partitions import PartitionCache
 from delaywheel.produce.producer import send_for_store
-from delaywheel.produce.validation import DLQ_PREFIX, RETRY_PREFIX, Message
+from delaywheel.produce.validation import DLQ_PREFIX, RETRY_PREFIX, Message, checked_group
 from delaywheel.types import MAX_ID, TopicSpan
 
 _log = logging.getLogger(__name__)
@@ -90,11 +90,13 @@ class AckResult:
 
 
 def retry_topic(group: str) -> str:
-    return RETRY_PREFIX + group
+    """The group's retry topic; a group whose retry topic would not be a topic name raises (`check_group`): so pull,
+    ack and a consumer refuse it before anything is read or written, and its failures can always be acked."""
+    return RETRY_PREFIX + checked_group(group)
 
 
 def dlq_topic(group: str) -> str:
-    return DLQ_PREFIX + group
+    return DLQ_PREFIX + checked_group(group)
 
 
 def pull(conn: psycopg.Connection, topic: str, group: str, max_messages: int = 100) -> Batch:
@@ -237,6 +239,7 @@ def ack(
     are retried. Acking a batch again, or acking a batch another consumer of the group has acked past, retries
     nothing twice (`AckResult.already_acked`). A `failed` id that is not a message of the batch raises ValueError
     and nothing is acked: it is a bug in the caller, which would otherwise lose that failure silently."""
+    checked_group(batch.group)
     failed = _checked_failures(batch, failed)
     with conn.transaction():
         moved, _ = _move(conn, batch)

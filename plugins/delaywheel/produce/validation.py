@@ -26,6 +26,7 @@ RESERVED_PROPERTIES = frozenset({"ORIGIN_MESSAGE_ID", "ORIGIN_TOPIC", "REPLAY_ID
 RETRY_PREFIX = "%RETRY%"  # + a consumer group: the group's retry topic (topics.retry_topic)
 DLQ_PREFIX = "%DLQ%"  # + a consumer group: its dead-letter topic (topics.dlq_topic)
 RESERVED_TOPIC_PREFIXES = (RETRY_PREFIX, DLQ_PREFIX)  # written by the store's retry ladder only
+MAX_GROUP_CHARS = 127 - len(RETRY_PREFIX)  # a group's retry topic is a topic name too (check_group)
 _ZERO = timedelta(0)
 MAX_REQUESTED_LEVEL = 2**31 - 1  # the stored requested level is an int4; above the table's maximum it is clamped
 
@@ -72,6 +73,21 @@ def check_topic(topic: object) -> str:
             "bad_topic", f"topic {topic!r} is malformed: use 1-127 characters from A-Z a-z 0-9 . _ - | %"
         )
     return topic
+
+
+def check_group(group: object) -> str:
+    """A consumer group's name: one whose retry and dead-letter topics (RETRY_PREFIX / DLQ_PREFIX + the group) are
+    topic names, so that its failures can always be handed to the retry ladder. ValueError (InvalidMessage) else."""
+    if not isinstance(group, str) or not group:
+        raise InvalidMessage("bad_group", f"group must be a non-empty string, got {group!r}")
+    for prefix in RESERVED_TOPIC_PREFIXES:
+        if not TOPIC_PATTERN.fullmatch(prefix + group):
+            raise InvalidMessage(
+                "bad_group",
+                f"group {group[:40]!r} is malformed: use 1-{MAX_GROUP_CHARS} characters from A-Z a-z 0-9 . _ - | %"
+                f" (its retry topic, {RETRY_PREFIX}<group>, must be a topic name)",
+            )
+    return group
 
 
 def check_sendable_topic(topic: object) -> str:
@@ -324,3 +340,9 @@ _NO_PROPERTIES: dict[str, str] = {}  # shared, never mutated: rows without prope
 # A batch usually has few distinct topics: producers' (reserved names refused) and the store's own (any name).
 checked_topic = functools.lru_cache(maxsize=4096)(check_sendable_topic)
 checked_any_topic = functools.lru_cache(maxsize=1024)(check_topic)
+_checked_group = functools.lru_cache(maxsize=1024)(check_group)
+
+
+def checked_group(group: object) -> str:
+    """`check_group`, remembered for text (checked at every pull and ack); anything else is refused uncached."""
+    return _checked_group(group) if type(group) is str else check_group(group)
