@@ -182,6 +182,21 @@ def test_a_cancel_by_key_reads_the_far_summaries_from_their_index(store: Store, 
     assert "Index Only Scan using far_key_summaries_lookup on far_key_summaries" in plan, plan
 
 
+def test_a_repeated_cancel_reads_its_own_cancellations(store: Store, t0: datetime) -> None:
+    """A cancel also reads the cancellations of its id or key (a repeated cancel after the due time answers
+    already_cancelled from them): by id through cancellations_once, by key through cancellations_key, a few rows
+    each, not the whole day's cancellations."""
+    ids = store.send_many(
+        [Message("orders", b"x", delay=timedelta(minutes=5), key=f"order-{i}") for i in range(BACKLOG)], now=t0
+    )
+    assert store.cancel_matching(keys=[f"order-{i}" for i in range(BACKLOG)]) == BACKLOG
+    store.deliver_due(now=t0 + timedelta(hours=1))  # the wheel's cursor moves past them all
+    for answer in (lambda: store.cancel(key="order-1234"), lambda: store.cancel(message_id=ids[1234])):
+        before = rows_read(store, "cancellations_p%")
+        assert [(r.message_id, r.outcome) for r in answer()] == [(ids[1234], "already_cancelled")]
+        assert rows_read(store, "cancellations_p%") - before <= 2
+
+
 def index_entries_read(store: Store, indexes: str) -> int:
     """Index entries this session's scans returned from the indexes named like `indexes` (flushed first)."""
     store.conn.execute("SELECT pg_stat_force_next_flush()")

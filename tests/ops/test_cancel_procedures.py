@@ -30,6 +30,7 @@ def test_the_procedures_run_the_librarys_queries(store: Store, how: str) -> None
     assert as_parameters(cancel_module._FIND_ONE[how]) in source
     assert "PERFORM" + wait.removeprefix("SELECT") in source
     assert as_parameters(cancel_module._DELIVERED[how]) in source
+    assert as_parameters(cancel_module._CANCELLED[how]) in source
     assert cancel_module.FIND_PLAN in source and LOOKUP_PLAN in source
     # the CALL passes the procedure's parameters in their order
     assert [f"p_{name}" for name in _PLACEHOLDER.findall(cancel_module._CALL[how])] == inputs

@@ -118,6 +118,19 @@ _DELIVERED = {
     .as_string()
     for how, column in (("id", "message_id"), ("key", "key"))
 }
+# The messages with the id or key cancelled earlier, by cancellations_once's B-tree on message_id or the partial one
+# on key: once a pass has moved past a cancelled message it is no longer pending, and a repeated cancel reports it
+# `already_cancelled` from here rather than `not_found`. A message a pass set aside (deliver.setaside) was not
+# cancelled by a caller and is left out.
+_CANCELLED = {
+    how: sql.SQL(
+        "SELECT DISTINCT message_id FROM delaywheel.cancellations WHERE {} = %(v)s"
+        " AND NOT starts_with(reason, 'set aside: ')"
+    )
+    .format(sql.Identifier(column))
+    .as_string()
+    for how, column in (("id", "message_id"), ("key", "key"))
+}
 
 
 _BIGINT = range(-MAX_ID - 1, MAX_ID + 1)  # what a message id can be
@@ -349,9 +362,9 @@ def mark_and_settle(
     with _released_on_error(conn), conn.pipeline() as pipeline:
         marking = _mark(conn, found, reason) if found else None
         pipeline.sync()
-        delivered = _settling(conn, how, params, lane_locks(found))
+        delivered, cancelled = _settling(conn, how, params, lane_locks(found))
     marked = {mid for (mid,) in marking.fetchall()} if marking else set()
-    return _outcomes(how, params, [row[0] for row in found], marked, _ids(delivered))
+    return _outcomes(how, params, [row[0] for row in found] + _ids_of(cancelled), marked, _ids(delivered))
 
 
 def settle(
@@ -361,22 +374,29 @@ def settle(
     ended (await_passes), and the messages with the id or key delivered earlier: `mark_and_settle`'s second half on
     its own, for a caller that commits the cancellations itself (tests hold a pass open between the two)."""
     with _released_on_error(conn), conn.pipeline():
-        delivered = _settling(conn, how, params, lane_locks(found))
-    return _outcomes(how, params, [row[0] for row in found], marked, _ids(delivered))
+        delivered, cancelled = _settling(conn, how, params, lane_locks(found))
+    return _outcomes(how, params, [row[0] for row in found] + _ids_of(cancelled), marked, _ids(delivered))
 
 
 def _settling(
     conn: psycopg.Connection, how: str, params: dict[str, object], locks: Sequence[tuple[int, int]]
-) -> psycopg.Cursor:
+) -> tuple[psycopg.Cursor, psycopg.Cursor]:
     """In a pipeline, one implicit transaction: the wait for the passes holding `locks` (those of the lanes found,
-    `lane_locks`), then the search of the topics (`_delivered`). Returns the cursor of the ids delivered."""
+    `lane_locks`), then the search of the topics (`_delivered`) and of the cancellations (`_CANCELLED`). Returns
+    the cursors of the ids delivered and of the ids cancelled."""
     await_passes(conn, locks)
-    return _delivered(conn, how, params)
+    delivered = _delivered(conn, how, params)
+    return delivered, conn.execute(_CANCELLED[how], {"v": params["v"]}, prepare=True)
 
 
 def _ids(cursor: psycopg.Cursor) -> set[int]:
     """The message ids of a cursor over (message_id) rows."""
     return {mid for (mid,) in cursor.fetchall()}
+
+
+def _ids_of(cursor: psycopg.Cursor) -> list[int]:
+    """The message ids of a cursor over (message_id) rows, in order."""
+    return sorted(_ids(cursor))
 
 
 def _delivered(conn: psycopg.Connection, how: str, params: dict[str, object]) -> psycopg.Cursor:
@@ -389,13 +409,14 @@ def _delivered(conn: psycopg.Connection, how: str, params: dict[str, object]) ->
 # --- One statement ---------------------------------------------------------------------------------------------
 # `cancel` outside a transaction is one CALL of a procedure (migrations/027; its wait since 031), which runs what was a
 # pipeline of seven statements: the lookup and the insert of its cancellations as one statement, COMMIT, the wait for
-# the passes in flight (`_lane_wait` of `_LANES_MAY_HOLD`), the search of the topics. If the insert fails, nothing is
-# committed and no lane is waited for. The wait's statement works out which lanes to wait for itself, a superset, from
+# the passes in flight (`_lane_wait` of `_LANES_MAY_HOLD`), the search of the topics, then of the cancellations made
+# earlier (`_CANCELLED`, returned with the ids found). If the insert fails, nothing is committed and no lane is waited
+# for. The wait's statement works out which lanes to wait for itself, a superset, from
 # what it can read cheaply after the commit: the wheel, and the levels with a pending segment that may hold the message
 # (their filters, as the lookup tests them). A level segment the lookup found is still pending there unless a pass that moved
 # past it has committed, and such a pass needs no waiting for: the search of the topics, after, sees what it delivered.
-# The procedures embed `_FIND_ONE`, that wait and `_DELIVERED` as rendered here, each placeholder %(x)s as the
-# parameter p_x (tests/ops/test_cancel_procedures.py checks that they still do).
+# The procedures embed `_FIND_ONE`, that wait, `_DELIVERED` and `_CANCELLED` as rendered here, each placeholder %(x)s
+# as the parameter p_x (tests/ops/test_cancel_procedures.py checks that they still do).
 _CALL = {
     "id": "CALL delaywheel.cancel_by_id(%(v)s, %(reason)s)",
     "key": "CALL delaywheel.cancel_by_key(%(v)s, %(h1)s, %(h2)s, %(slots)s, %(reason)s)",
@@ -412,21 +433,23 @@ def _cancel_in_one_call(
         # statements (after any ROLLBACK or DROP on the connection: a pass's lane wait, a retire), and saves nothing:
         # the plans worth keeping are the procedure's own, which the session keeps whatever psycopg does.
         row = conn.execute(_CALL[how], {**params, "reason": reason}, prepare=False).fetchone()
-    found, marked, delivered = row  # type: ignore[misc]  # a CALL returns its one row; each array NULL when empty
+    # A CALL returns its one row; each array NULL when empty. `found` holds the messages found pending, then those
+    # with the id or key cancelled earlier (_CANCELLED).
+    found, marked, delivered = row  # type: ignore[misc]
     return _outcomes(how, params, found or [], set(marked or ()), set(delivered or ()))
 
 
 def _outcomes(
     how: str, params: dict[str, object], found: Sequence[int], marked: set[int], delivered: set[int]
 ) -> list[CancelResult]:
-    """One result per message found (`found`: their ids), and one for each message with the id or key delivered
-    (`delivered`: their ids, the found ones among them delivered before their cancellation); `not_found` when there
-    is neither."""
+    """One result per message found (`found`: their ids, pending or cancelled earlier, a message once), and one for
+    each message with the id or key delivered (`delivered`: their ids, the found ones among them delivered before
+    their cancellation); `not_found` when there is neither."""
     results = [
         CancelResult(
             mid, "already_delivered" if mid in delivered else "cancelled" if mid in marked else "already_cancelled"
         )
-        for mid in found
+        for mid in dict.fromkeys(found)
     ]
     seen = set(found)
     results += [CancelResult(mid, "already_delivered") for mid in sorted(delivered - seen)]
@@ -446,7 +469,8 @@ def _cancel_locked(
         found = conn.execute(_FIND_ONE[how], params).fetchall()
         marked = mark(conn, cache, found, reason)
         delivered = _ids(conn.execute(_DELIVERED[how], params))  # none of `found`: their lanes are locked
-    return _outcomes(how, params, [row[0] for row in found], marked, delivered)
+        cancelled = _ids_of(conn.execute(_CANCELLED[how], params))
+    return _outcomes(how, params, [row[0] for row in found] + cancelled, marked, delivered)
 
 
 @dataclass(frozen=True)
