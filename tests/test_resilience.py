@@ -1,21 +1,25 @@
 """PostgreSQL restarts under load: the delivery loop reconnects and goes on, losing, duplicating and hurrying
 nothing; a producer's call cut by the restart raises OperationalError and its Store works again on the next call.
-PostgreSQL crashes right after passes (whose commits do not wait for their flush): what a crash undoes is delivered
-again, once, and a cancel's `already_delivered` answer still holds.
+PostgreSQL crashes (the WAL writer, background writer and checkpointer stopped from a pass to the crash): a delivery a
+consumer or a cancel could read survives it, so no group skips a message and no handled message is cancelled.
 
 These tests restart a throwaway cluster of their own (a temporary folder, a free port), never the shared one.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import random
 import shutil
+import signal
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -252,13 +256,13 @@ def test_the_deliver_command_rides_out_a_restart_and_stops_on_sigterm(own_cluste
     assert "Traceback" not in err
 
 
-# --- Crashes of PostgreSQL (an immediate stop): a pass commits without waiting for its flush (migrations/030) ------
+# --- Crashes of PostgreSQL: every transaction that writes topic rows commits durably (db.DURABLE_COMMIT) ----------
 
 
 @pytest.fixture
 def lazy_wal_writer(own_cluster: embedded.Cluster) -> Iterator[embedded.Cluster]:
     """The cluster with its WAL writer waking every 10 s (its longest), so that a commit that did not wait for its
-    flush stays in PostgreSQL's memory, where a crash loses it, for seconds rather than a fraction of one."""
+    flush would stay in PostgreSQL's memory, where a crash loses it, for seconds rather than a fraction of one."""
 
     def wal_writer_delay(value: str | None) -> None:
         with psycopg.connect(own_cluster.admin_url(), autocommit=True) as conn:
@@ -281,6 +285,64 @@ def crash(cluster: embedded.Cluster) -> None:
     embedded.start(cluster)
 
 
+def _children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(stat.parent.name))
+    return found
+
+
+@contextlib.contextmanager
+def frozen_wal(cluster: embedded.Cluster) -> Iterator[Callable[[], None]]:
+    """The WAL writer, background writer and checkpointer stopped (SIGSTOP), so that nothing but a committing backend
+    flushes the WAL: what commits without waiting for its flush stays in memory, deterministically, until the crash
+    this yields (every process of the server SIGKILLed, then a start: crash recovery)."""
+    with psycopg.connect(cluster.admin_url(), autocommit=True) as conn:
+        helpers = [
+            r[0]
+            for r in conn.execute(
+                "SELECT pid FROM pg_stat_activity"
+                " WHERE backend_type IN ('walwriter', 'background writer', 'checkpointer')"
+            )
+        ]
+    assert len(helpers) == 3, helpers
+    for pid in helpers:
+        os.kill(pid, signal.SIGSTOP)
+    crashed = False
+
+    def crash_now() -> None:
+        nonlocal crashed
+        postmaster = int((cluster.data_dir / "postmaster.pid").read_text().split()[0])
+        doomed = [postmaster, *_children(postmaster)]
+        for pid in doomed:
+            os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while any(Path(f"/proc/{pid}").exists() for pid in doomed):
+            assert time.monotonic() < deadline, "the server's processes did not die"
+            time.sleep(0.05)
+        crashed = True
+        embedded.start(cluster)
+
+    try:
+        yield crash_now
+    finally:
+        if not crashed:
+            for pid in helpers:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+
+
+def _burn_xids(url: str, n: int = 200) -> None:
+    """`n` transaction ids taken and committed without waiting for their flush: a crash hands them out again, so that
+    a transaction after it gets an id lower than one taken after these (a delivery's, were it not durable)."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("SET synchronous_commit = off")
+        for _ in range(n):
+            conn.execute("SELECT pg_current_xact_id()")
+
+
 def _deliver_until(store: Store, topic: str, count: int) -> None:
     deadline = time.monotonic() + 30
     while len(_in_topic(store.conn, topic)) < count:
@@ -289,33 +351,124 @@ def _deliver_until(store: Store, topic: str, count: int) -> None:
         time.sleep(0.05)
 
 
+def _due_now(store: Store, topic: str, n: int, key: str | None = None) -> list[int]:
+    """`n` messages on the wheel and on level 1, due by the time this returns."""
+    ids = [store.send(topic, {"n": i}, key=key, delay=timedelta(milliseconds=200)) for i in range(n)]
+    ids += [store.send(topic, {"n": i}, key=key, delay_level=1) for i in range(n)]
+    time.sleep(1.1)
+    return ids
+
+
+def _drain(store: Store, topic: str, group: str, handed: set[int]) -> None:
+    """Deliver and pull for `group` until nothing more comes for a second, every batch acked."""
+    quiet_since = time.monotonic()
+    while time.monotonic() - quiet_since < 1.0:
+        store.deliver_due()
+        batch = store.pull(topic, group, 1000)
+        if batch.messages:
+            handed.update(m.message_id for m in batch.messages)
+            store.ack(batch)
+            quiet_since = time.monotonic()
+        time.sleep(0.05)
+
+
 def test_a_crash_right_after_passes_loses_and_duplicates_nothing(lazy_wal_writer: embedded.Cluster) -> None:
     url, topic = lazy_wal_writer.url(), "resilience.crash"
-    sent: list[int] = []
-    undone = 0  # deliveries a crash undid (a pass's commit not flushed yet), each delivered again after it
-    for _ in range(3):  # the WAL writer may wake between the passes and the crash: then no pass is undone
-        with Store(url) as store:
-            sent += [store.send(topic, {"n": n}, delay=timedelta(milliseconds=300)) for n in range(20)]  # the wheel
-            sent += [store.send(topic, {"n": n}, delay_level=1) for n in range(20)]  # level 1 (1 s)
-            _deliver_until(store, topic, len(sent))
-        crash(lazy_wal_writer)
-        with Store(url) as store:
-            undone += len(sent) - len(_in_topic(store.conn, topic))
-            _deliver_until(store, topic, len(sent))
-            delivered = _in_topic(store.conn, topic)
-        if undone:
-            break
+    with Store(url) as store:
+        sent = _due_now(store, topic, 20)
+        _deliver_until(store, topic, len(sent))
+    crash(lazy_wal_writer)
+    with Store(url) as store:
+        delivered = _in_topic(store.conn, topic)
     ids = [row[0] for row in delivered]
     assert len(ids) == len(set(ids)), "a message was delivered twice"
-    assert set(ids) == set(sent), f"{len(set(sent) - set(ids))} message(s) lost"
+    assert set(ids) == set(sent), f"{len(set(sent) - set(ids))} delivery(ies) undone by the crash"
     assert not [row for row in delivered if row[2] < row[1]], "a message was delivered before its due time"
-    assert undone, "no crash undid a delivery: the passes' commits waited for their flush"
+
+
+def test_a_batch_pulled_before_a_crash_and_acked_after_it_skips_nothing(own_cluster: embedded.Cluster) -> None:
+    """A consumer reads a pass's rows and the server crashes; after the restart it acks what it held (as a caller
+    told it may retry, or Store.consume after reconnecting). The messages delivered after the restart must still
+    reach the group: a delivery it read cannot be undone by the crash, so its ack never passes a position that
+    transactions after the restart can write below."""
+    url, topic, group = own_cluster.url(), "resilience.crash.pull", "g"
+    with Store(url) as store:
+        sent = set(_due_now(store, topic, 10))
+        with frozen_wal(own_cluster) as crash_now:
+            _burn_xids(url)
+            _deliver_until(store, topic, len(sent))
+            held = store.pull(topic, group, 1000)
+            crash_now()
+    handed = {m.message_id for m in held.messages}
+    assert handed == sent
+    with Store(url) as store:
+        store.ack(held)
+        more = set(_due_now(store, topic, 10))  # delivered by passes after the restart
+        _drain(store, topic, group, handed)
+    assert handed == sent | more, f"{len((sent | more) - handed)} message(s) never handed to the group"
+
+
+def test_store_consume_across_a_crash_skips_nothing(own_cluster: embedded.Cluster) -> None:
+    """The waiting consumer holds a batch in its handler while the server crashes; it acks that batch after
+    reconnecting, then goes on: every message sent reaches its handler."""
+    url, topic, group = own_cluster.url(), "resilience.crash.consume", "g"
+    handed: set[int] = set()
+    in_handler, crashed, stop = threading.Event(), threading.Event(), threading.Event()
+    errors: list[BaseException] = []
+
+    def handler(batch: list[Any]) -> None:
+        handed.update(m.message_id for m in batch)
+        in_handler.set()
+        crashed.wait(30)
+
+    def consume() -> None:
+        try:
+            with Store(url) as own:
+                own.consume(topic, group, handler, stop=stop, safety_wake_s=0.2)
+        except BaseException as exc:
+            errors.append(exc)
+
+    with Store(url) as store:
+        sent = set(_due_now(store, topic, 10))
+        consumer = threading.Thread(target=consume)
+        with frozen_wal(own_cluster) as crash_now:
+            _burn_xids(url)
+            _deliver_until(store, topic, len(sent))
+            consumer.start()
+            assert in_handler.wait(30), "the consumer got nothing"
+            crash_now()
+    crashed.set()
+    try:
+        with Store(url) as store:
+            more = set(_due_now(store, topic, 5))
+            deadline = time.monotonic() + 30
+            while not (sent | more) <= handed and time.monotonic() < deadline:
+                store.deliver_due()
+                time.sleep(0.1)
+    finally:
+        stop.set()
+        consumer.join(30)
+    assert not errors, errors
+    assert (sent | more) <= handed, f"{len((sent | more) - handed)} message(s) never handed to the consumer"
+
+
+def test_a_cancel_after_a_crash_does_not_cancel_a_handled_message(own_cluster: embedded.Cluster) -> None:
+    """A consumer handled a delivered message, then the server crashed: a cancel of that message after the restart
+    must answer `already_delivered`, never `cancelled` (an order both timed out and paid)."""
+    url, topic = own_cluster.url(), "resilience.crash.cancel.handled"
+    with Store(url) as store:
+        sent = store.send(topic, {"order": 1}, key="order-handled", delay=timedelta(milliseconds=200))
+        time.sleep(0.3)
+        with frozen_wal(own_cluster) as crash_now:
+            _burn_xids(url)
+            _deliver_until(store, topic, 1)
+            assert [m.message_id for m in store.pull(topic, "sweeper").messages] == [sent]
+            crash_now()
+    with Store(url) as store:
+        assert [(r.message_id, r.outcome) for r in store.cancel(key="order-handled")] == [(sent, "already_delivered")]
 
 
 def test_an_already_delivered_answer_holds_after_a_crash(lazy_wal_writer: embedded.Cluster) -> None:
-    """The cancel that answers `already_delivered` makes the delivery it read durable first (ops/cancel.py,
-    durable_answer): without that, the crash undoes the delivery, and a second cancel finds the message pending
-    and answers `cancelled`, so that the first answer was false."""
     url, topic = lazy_wal_writer.url(), "resilience.crash.cancel"
     with Store(url) as store:
         sent = store.send(topic, {"order": 1}, key="order-crash", delay=timedelta(milliseconds=300))
@@ -325,3 +478,21 @@ def test_an_already_delivered_answer_holds_after_a_crash(lazy_wal_writer: embedd
     with Store(url) as store:
         assert [(r.message_id, r.outcome) for r in store.cancel(key="order-crash")] == [(sent, "already_delivered")]
         assert [row[0] for row in _in_topic(store.conn, topic)] == [sent]
+
+
+def test_a_message_sent_straight_into_its_topic_is_durable_whatever_the_session_says(
+    own_cluster: embedded.Cluster,
+) -> None:
+    """A send with no delay writes its topic row at once (send_one, and send_many's COPY): a session that commits
+    without waiting for its flush must not make that row one a consumer can read and a crash then undo."""
+    url, topic = own_cluster.url(), "resilience.crash.direct"
+    with Store(url) as store:
+        store.conn.execute("SET synchronous_commit = off")
+        store.conn.commit()
+        with frozen_wal(own_cluster) as crash_now:
+            sent = [store.send(topic, {"n": 0})]
+            sent += store.send_many([Message(topic, {"n": n}) for n in range(1, 6)])
+            assert len(_in_topic(store.conn, topic)) == len(sent)
+            crash_now()
+    with Store(url) as store:
+        assert sorted(row[0] for row in _in_topic(store.conn, topic)) == sorted(sent)

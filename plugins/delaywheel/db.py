@@ -39,6 +39,12 @@ COMMIT_HORIZON = """(
 # put on the sorts that remain pushes the estimate over jit_above_cost, and compiling takes longer than the pass.
 QUEUE_PLAN = "set_config('enable_sort', 'off', true), set_config('jit', 'off', true)"
 
+# Set in every transaction that writes rows into a topic, whatever the session's setting: its commit waits for its
+# WAL flush, and so becomes visible only once it is on disk. A consumer may read a topic row and ack past it at once;
+# a crash that undid the row would hand its transaction id out again, and the row written again would sort before the
+# group's offset, never read (DESIGN.md, "Durability"). The store's SQL functions that write topic rows set the same.
+DURABLE_COMMIT = "set_config('synchronous_commit', 'on', true)"
+
 # Planner settings added for a delivery pass: its test of each row for a cancellation (pending.not_cancelled) as an
 # index probe, never a hash of the cancellations or a scan of them. A pass keeps the plan its connection made after its
 # first few passes (prepared, generic) while the day's cancellations keep growing: made when they were a few hundred

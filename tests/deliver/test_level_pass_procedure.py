@@ -1,4 +1,4 @@
-"""The level pass procedure (migrations/029, as 030 replaced it) runs the library's own statements: a change to any
+"""The level pass procedure (migrations/029, as 033 replaced it) runs the library's own statements: a change to any
 of them in deliver/levels.py (or to the commit horizon, the planner settings or the level's head) fails here until a
 migration installs it in the procedure too."""
 
@@ -8,7 +8,7 @@ from delaywheel import Store
 from delaywheel.db import COMMIT_HORIZON
 from delaywheel.deliver import levels
 from delaywheel.pending import LEVEL_HEAD
-from tests.deliver.test_wheel_pass_procedure import NOT_WAITING, PLACEHOLDER, as_variables, words
+from tests.deliver.test_wheel_pass_procedure import DURABLE, PLACEHOLDER, as_variables, words
 
 
 def test_the_procedure_runs_the_librarys_statements(store: Store) -> None:
@@ -21,7 +21,7 @@ def test_the_procedure_runs_the_librarys_statements(store: Store) -> None:
     assert words(COMMIT_HORIZON) in flat and f"PERFORM {levels.PLAN};" in source
     # the lock, then the checkpoint, the move, the commit (not waiting for its flush) and the head, in that order
     order = ["delaywheel.take_lane(", words(as_variables(levels.CURSOR)), words(as_variables(levels._DELIVER))]
-    order += [NOT_WAITING, "COMMIT;", words(as_variables(LEVEL_HEAD))]
+    order += [DURABLE, "COMMIT;", words(as_variables(LEVEL_HEAD))]
     positions = [flat.index(part) for part in order]
     assert positions == sorted(positions)
     # the CALL passes the procedure's inputs in their order

@@ -1,4 +1,4 @@
-"""The wheel pass procedure (migrations/028, as 030 replaced it) runs the library's own statements: a change to any
+"""The wheel pass procedure (migrations/028, as 033 replaced it) runs the library's own statements: a change to any
 of them in deliver/wheel.py (or to the commit horizon or the planner settings in db.py) fails here until a migration
 installs it in the procedure too."""
 
@@ -7,13 +7,13 @@ from __future__ import annotations
 import re
 
 from delaywheel import Store
-from delaywheel.db import COMMIT_HORIZON, PASS_PLAN, QUEUE_PLAN
+from delaywheel.db import COMMIT_HORIZON, DURABLE_COMMIT, PASS_PLAN, QUEUE_PLAN
 from delaywheel.deliver import wheel
 from delaywheel.types import MAX_ID
 
 PLACEHOLDER = re.compile(r"%\((\w+)\)s")
-# The pass's own commit does not wait for its WAL flush (migrations/030), set right before it.
-NOT_WAITING = "PERFORM set_config('synchronous_commit', 'off', true);"
+# The pass's commit waits for its WAL flush whatever the session's setting, set right before it.
+DURABLE = f"PERFORM {DURABLE_COMMIT};"
 
 
 def as_variables(statement: str) -> str:
@@ -39,8 +39,8 @@ def test_the_procedure_runs_the_librarys_statements(store: Store) -> None:
     # the queue plan is set after the stragglers' move and before the due batch's, as the module says
     stragglers, due = (flat.index(words(as_variables(s))) for s in (wheel._MOVE_STRAGGLERS, wheel._MOVE_DUE))
     assert stragglers < flat.index(f"PERFORM {QUEUE_PLAN}") < due
-    # the lane's lock before all of it; the append, then the commit, not waiting for its flush, then the head
-    parts = ["delaywheel.take_lane(", words(as_variables(wheel._APPEND)), NOT_WAITING, "COMMIT;"]
+    # the lane's lock before all of it; the append, then the commit, waiting for its flush, then the head
+    parts = ["delaywheel.take_lane(", words(as_variables(wheel._APPEND)), DURABLE, "COMMIT;"]
     parts.append(words(as_variables(wheel._HEAD_SOON)))
     positions = [flat.index(part) for part in parts]
     assert positions == sorted(positions)

@@ -13,6 +13,7 @@ from datetime import datetime
 import psycopg
 from psycopg import sql
 
+from delaywheel.db import DURABLE_COMMIT
 from delaywheel.deliver.levels import TOPIC_SUMMARY
 from delaywheel.locks import REPLAY_LOCK
 from delaywheel.partitions import HOUR, PartitionCache, floor_to
@@ -87,7 +88,7 @@ def replay_slice(url: str, replay_id: int, request: ReplayRequest, lo: datetime,
     params = {"rid": replay_id, "lo": lo, "hi": hi, "source": request.source_topic, "target": request.target_topic}
     with psycopg.connect(url, autocommit=True, application_name="delaywheel-replay") as conn, conn.transaction():
         conn.execute("SELECT pg_advisory_xact_lock(%s, %s)", (REPLAY_LOCK, int(floor_to(lo, HOUR).timestamp() // 3600)))
-        clock = conn.execute("SELECT clock_timestamp()").fetchone()[0]  # type: ignore[index]
+        clock = conn.execute(f"SELECT clock_timestamp(), {DURABLE_COMMIT}").fetchone()[0]  # type: ignore[index]
         PartitionCache().ensure(conn, "topic_messages", [clock])
         replayed = conn.execute(_REPLAY_REPORTED, params).fetchone()[0]  # type: ignore[index]
         candidates = conn.execute(_ALREADY, params).fetchone()[0]  # type: ignore[index]

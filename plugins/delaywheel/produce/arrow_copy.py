@@ -21,6 +21,7 @@ import pyarrow.compute as pc
 from psycopg import errors, sql
 
 from delaywheel.config import Settings
+from delaywheel.db import DURABLE_COMMIT
 from delaywheel.lanes import Lane
 from delaywheel.partitions import DAY, WIDTH, PartitionCache, floor_to
 from delaywheel.produce.columns import DIRECT, EPOCH, LEVEL, TIMESTAMP, US, WHEEL, Columns, micros
@@ -62,6 +63,7 @@ def _write_direct(
     """Level 0, a zero delay or a due time already past: straight into the topic (its lateness shows)."""
     n = len(ids)
     cache.ensure(conn, "topic_messages", [clock])
+    conn.execute(f"SELECT {DURABLE_COMMIT}")
     copy_arrow(
         conn,
         "topic_messages",
