@@ -10,6 +10,10 @@ CREATE ROLE delaywheel_runtime NOLOGIN;
 CREATE ROLE delaywheel_migrator LOGIN PASSWORD 'delaywheel_migrator' IN ROLE delaywheel_owner;
 CREATE ROLE delaywheel_app LOGIN PASSWORD 'delaywheel_app' IN ROLE delaywheel_runtime;
 GRANT CREATE, CONNECT ON DATABASE delaywheel TO delaywheel_owner;
+GRANT CONNECT ON DATABASE delaywheel TO delaywheel_runtime;
+-- Only the store's roles reach the store: any other login could take the lanes' advisory locks or hold the commit
+-- horizon back with an idle transaction, stopping every lane and consumer.
+REVOKE CONNECT, TEMPORARY ON DATABASE delaywheel FROM PUBLIC;
 
 -- The store and Airflow's metadata live in separate databases of one PostgreSQL server.
 CREATE ROLE airflow LOGIN PASSWORD 'airflow';

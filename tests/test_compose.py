@@ -170,6 +170,8 @@ def test_services_run_as_the_runtime_role_and_only_migrate_as_the_owner() -> Non
         f"CREATE ROLE delaywheel_migrator LOGIN PASSWORD 'delaywheel_migrator' IN ROLE {OWNER_ROLE}",
         f"CREATE ROLE delaywheel_app LOGIN PASSWORD 'delaywheel_app' IN ROLE {RUNTIME_ROLE}",
         f"GRANT CREATE, CONNECT ON DATABASE delaywheel TO {OWNER_ROLE}",
+        f"GRANT CONNECT ON DATABASE delaywheel TO {RUNTIME_ROLE}",
+        "REVOKE CONNECT, TEMPORARY ON DATABASE delaywheel FROM PUBLIC",
         "CREATE DATABASE airflow OWNER airflow",
     ):
         assert statement in init, statement

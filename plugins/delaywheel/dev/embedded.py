@@ -350,7 +350,8 @@ def create_roles(
     `delaywheel_runtime` (NOLOGIN; what migrations/017 grants to), a login for each (no password: the embedded cluster
     trusts loopback), the owner's CREATE on `databases` (it creates the schemas), and nothing for the runtime beyond
     its group: no superuser, no CREATEDB or CREATEROLE, no file or
-    program access (pg_read_server_files, pg_write_server_files, pg_execute_server_program)."""
+    program access (pg_read_server_files, pg_write_server_files, pg_execute_server_program). On `databases`, CONNECT
+    is the two group roles' alone (revoked from PUBLIC)."""
     # one read of what is there, so a start with everything in place changes nothing and costs one query
     wanted = ((OWNER_ROLE, owner_login), (RUNTIME_ROLE, runtime_login))
     names = [name for pair in wanted for name in pair]
@@ -389,11 +390,12 @@ def create_roles(
                 if (name, power) in memberships:
                     conn.execute(sql.SQL("REVOKE {} FROM {}").format(sql.Identifier(power), sql.Identifier(name)))
     for database in databases:
-        conn.execute(
-            sql.SQL("GRANT CREATE, CONNECT ON DATABASE {} TO {}").format(
-                sql.Identifier(database), sql.Identifier(OWNER_ROLE)
-            )
-        )
+        # Only the store's roles reach the store: a login that may connect can take the lanes' advisory locks or hold
+        # the commit horizon back with an idle transaction, stopping every lane and consumer.
+        db = sql.Identifier(database)
+        conn.execute(sql.SQL("GRANT CREATE, CONNECT ON DATABASE {} TO {}").format(db, sql.Identifier(OWNER_ROLE)))
+        conn.execute(sql.SQL("GRANT CONNECT ON DATABASE {} TO {}").format(db, sql.Identifier(RUNTIME_ROLE)))
+        conn.execute(sql.SQL("REVOKE CONNECT, TEMPORARY ON DATABASE {} FROM PUBLIC").format(db))
 
 
 def stop(cluster: Cluster | None = None, mode: Literal["fast", "immediate"] = "fast") -> str:
