@@ -6,9 +6,7 @@
    the library's cancel (no lane lock; one statement, a procedure: migrations/027) against the previous way (the
    lanes' locks, the lookup planned per call), interleaved key by key; the library's cancel again, interleaved with
    its two-step way (find; mark and settle), whose steps are timed apart, and a durable single-row INSERT after each
-   of those, the baseline (beside busy loops every durable commit waits for a scheduler tick, unless its backend asks
-   for a shorter CPU slice than the busy tasks': the same cancel and INSERT on backends at the embedded cluster's
-   slice against backends set back to the kernel's default, key by key: delaywheel.dev.sched); with `--pause-ms`, a
+   of those, the baseline (beside busy loops every durable commit waits for a scheduler tick); with `--pause-ms`, a
    pause after every call, as cancels come one at a time (an idle CPU wakes for each); EXPLAIN (ANALYZE, SUMMARY) of
    the lookup, planned per call and as a generic prepared plan; with `--parts`, where the lookup's time goes, an
    alternative measured (a day-partitioned key table for the near wheel), the far-key summaries read from their index
@@ -70,7 +68,6 @@ from psycopg import sql
 from delaywheel import Message, Store
 from delaywheel.deliver import levels as lane_locks  # LANE_WAIT: how long a pass waits for its lane
 from delaywheel.deliver import runner
-from delaywheel.dev import sched
 from delaywheel.ops import cancel as cancel_module
 from delaywheel.ops.cancel import FIND_PLAN, CancelResult, find, key_params, mark_and_settle
 from delaywheel.pending import WHEEL_PENDING
@@ -221,51 +218,8 @@ def latency(store: Store, other: psycopg.Connection, per_lane: int, pause_s: flo
             f"{statistics.median(one_call) / statistics.median(inserts):.2f} it)"
             + (f"; {1000 * pause_s:.0f} ms pause after every call" if pause_s else "")
         )
-        lines.append(slice_against_default(store, other, sample, per_lane, pause_s))
     other.execute("DROP TABLE bench_insert")
     return lines
-
-
-def slice_against_default(store: Store, other: psycopg.Connection, sample: str, per_lane: int, pause_s: float) -> str:
-    """cancel(key=…) and the durable INSERT after it, with their backends at the CPU slice the embedded cluster asks
-    for (delaywheel.dev.sched: inherited from the postmaster) against the same on backends set back to the kernel's
-    default: beside busy loops a backend woken by its WAL flush waits for the next scheduler tick unless its slice is
-    shorter than the busy task's. In blocks of a quarter of the calls, ABBA: interleaved call by call, a backend
-    left waiting for its tick delayed the other arm's next call too."""
-    with Store(store.url) as plain, psycopg.connect(store.url, autocommit=True) as plain_other:
-        plain.prepare()
-        try:
-            for conn in (plain.conn, plain_other):
-                sched.set_slice(conn.info.backend_pid, 0)
-        except PermissionError:
-            return "  (the slice arm sets another user's process: run as root or as the server's user)"
-        slices = [sched.slice_of(c.info.backend_pid) or 0 for c in (store.conn, plain.conn)]
-        times: dict[str, list[float]] = {"cancel": [], "cancel, default": [], "INSERT": [], "INSERT, default": []}
-        keys = [k for (k,) in other.execute(sample, (2 * per_lane,))]  # type: ignore[arg-type]
-        block = max(1, len(keys) // 4)
-        for i, key in enumerate(keys):
-            short = (i // block) % 4 in (0, 3)
-            cancelling, inserting, arm = (store, other, "") if short else (plain, plain_other, ", default")
-            started = time.perf_counter()
-            outcome = [r.outcome for r in cancelling.cancel(key=key)]
-            times["cancel" + arm].append(1000 * (time.perf_counter() - started))
-            if outcome != ["cancelled"]:
-                raise RuntimeError(f"cancel {key}: {outcome}")
-            time.sleep(pause_s)
-            started = time.perf_counter()
-            inserting.execute(BASELINE_INSERT, (key,))
-            times["INSERT" + arm].append(1000 * (time.perf_counter() - started))
-            time.sleep(pause_s)
-    figures = {name: (statistics.median(v), pct(v, 0.99)) for name, v in times.items()}
-    return (
-        f"  the same with the backends at the cluster's CPU slice ({slices[0] / 1e6:g} ms) against the kernel's "
-        f"default ({slices[1] / 1e6:g} ms), in ABBA blocks of {block}, {len(times['cancel'])} calls each: cancel p50 / "
-        f"p99 {figures['cancel'][0]:.2f} / {figures['cancel'][1]:.2f} ms against {figures['cancel, default'][0]:.2f} / "
-        f"{figures['cancel, default'][1]:.2f} ms ({figures['cancel'][0] / figures['cancel, default'][0]:.2f} x); "
-        f"the durable INSERT after each {figures['INSERT'][0]:.2f} / {figures['INSERT'][1]:.2f} ms against "
-        f"{figures['INSERT, default'][0]:.2f} / {figures['INSERT, default'][1]:.2f} ms"
-        + (f"; {1000 * pause_s:.0f} ms pause after every call" if pause_s else "")
-    )
 
 
 def explain(store: Store, other: psycopg.Connection, verbose: bool = False) -> list[str]:

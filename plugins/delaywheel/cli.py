@@ -152,20 +152,14 @@ def cmd_db(args: argparse.Namespace) -> int:
     cluster = embedded.default_cluster()
     if args.action == "start":
         cluster = embedded.start(cluster)
-        print(f"running: {cluster.url()} (data in {cluster.data_dir}{_slice_text(cluster)})")
+        print(f"running: {cluster.url()} (data in {cluster.data_dir})")
     elif args.action == "stop":
         print(embedded.stop(cluster))
     else:
         state = embedded.status(cluster)
-        print(f"{state}: {cluster.url() + _slice_text(cluster) if state == 'running' else cluster.data_dir}")
+        print(f"{state}: {cluster.url() if state == 'running' else cluster.data_dir}")
         return 0 if state == "running" else 3
     return 0
-
-
-def _slice_text(cluster: embedded.Cluster) -> str:
-    """What CPU slice the server's processes have (docs/configuration.md, "The embedded cluster's CPU slice")."""
-    slice_ms = embedded.cpu_slice_ms(cluster)
-    return "" if slice_ms is None else f"; CPU slice {slice_ms:g} ms"
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:

@@ -24,7 +24,6 @@ import psycopg
 from psycopg import sql
 
 from delaywheel.config import PROJECT_ROOT, Settings, load_settings
-from delaywheel.dev import sched
 from delaywheel.locks import SETUP_LOCK
 from delaywheel.migrate import OWNER_LOGIN, OWNER_ROLE, RUNTIME_LOGIN, RUNTIME_ROLE, adopt
 from delaywheel.store import Store
@@ -75,23 +74,6 @@ def server_options(cluster: Cluster, bindir: Path) -> dict[str, str]:
 
 class EmbeddedError(RuntimeError):
     """The embedded cluster cannot be found, created or started; the message says what to do."""
-
-
-SLICE_ENV = "DELAYWHEEL_PG_SLICE_US"
-DEFAULT_SLICE_US = 500
-
-
-def server_slice_ns() -> int:
-    """The CPU slice the cluster's processes ask for (`sched`: so that a backend woken by its WAL flush runs at once
-    beside CPU-bound neighbours instead of at the next scheduler tick), in nanoseconds: `DELAYWHEEL_PG_SLICE_US`
-    microseconds, 0 for the kernel's default; 500 µs if unset. Taken at start."""
-    text = os.environ.get(SLICE_ENV, str(DEFAULT_SLICE_US)).strip()
-    low, high = sched.SLICE_RANGE_US
-    if not text.isdigit() or not (int(text) == 0 or low <= int(text) <= high):
-        raise EmbeddedError(
-            f"{SLICE_ENV} must be 0 (the kernel's default slice) or {low}-{high} microseconds, not {text!r}"
-        )
-    return int(text) * 1000
 
 
 @dataclass(frozen=True)
@@ -242,21 +224,9 @@ def status(cluster: Cluster | None = None) -> str:
     return "running" if result.returncode == 0 else "stopped"
 
 
-def cpu_slice_ms(cluster: Cluster) -> float | None:
-    """The CPU slice of the cluster's running postmaster, which its backends inherit (`server_slice_ns`), in ms;
-    None where it cannot be read (stopped, or a machine without the call)."""
-    pid_file = cluster.data_dir / "postmaster.pid"
-    try:
-        slice_ns = sched.slice_of(int(pid_file.read_text().split("\n", 1)[0]))
-    except (OSError, ValueError):
-        return None
-    return None if slice_ns is None else slice_ns / 1e6
-
-
 def start(cluster: Cluster | None = None) -> Cluster:
     """Create the cluster if needed, start it if stopped, create the databases; safe to call again."""
     cluster = cluster or default_cluster()
-    slice_ns = server_slice_ns()  # (refused before anything is made)
     bindir = find_bindir()
     cluster.root.mkdir(parents=True, exist_ok=True)
     running = status(cluster) == "running"  # (one pg_ctl call: every command without a database URL comes here)
@@ -285,22 +255,21 @@ def start(cluster: Cluster | None = None) -> Cluster:
     if not running:
         options = " ".join(f"-c {k}={v}" for k, v in server_options(cluster, bindir).items())
         options += f" -p {cluster.port} -k {cluster.socket_dir}"
-        with sched.slice_for_children(slice_ns):
-            result = _run_as_owner(
-                [
-                    str(bindir / "pg_ctl"),
-                    "start",
-                    "-w",
-                    "-t",
-                    "60",
-                    "-D",
-                    str(cluster.data_dir),
-                    "-l",
-                    str(cluster.log_file),
-                    "-o",
-                    options,
-                ]
-            )
+        result = _run_as_owner(
+            [
+                str(bindir / "pg_ctl"),
+                "start",
+                "-w",
+                "-t",
+                "60",
+                "-D",
+                str(cluster.data_dir),
+                "-l",
+                str(cluster.log_file),
+                "-o",
+                options,
+            ]
+        )
         if result.returncode != 0:
             tail = cluster.log_file.read_text()[-2000:] if cluster.log_file.exists() else ""
             raise EmbeddedError(f"PostgreSQL did not start (port {cluster.port} in use?):\n{result.stderr}\n{tail}")
