@@ -22,9 +22,15 @@ from psycopg import pq, sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from delaywheel import Settings, Store
+from delaywheel.config import TEST_CLOCK_ENV
 from delaywheel.deliver import runner
 from delaywheel.dev import embedded
 from delaywheel.dev.local_airflow import as_url, configure
+
+# Tests inject fixed clocks far from the database's (`t0`, 2030-01-01): said once, here, for this process and every
+# one it starts (the CLI, Airflow, Spark), so that `now=` is not held to the database's clock. A test of that rule
+# builds Settings(test_clock=False).
+os.environ[TEST_CLOCK_ENV] = "1"
 
 TEMPLATE = "delaywheel_test_template"
 ROOT = Path(__file__).resolve().parents[1]

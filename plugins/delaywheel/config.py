@@ -121,6 +121,20 @@ def parse_routes(text: str) -> tuple[tuple[str, tuple[str, ...]], ...]:
     return tuple(routes.items())
 
 
+TEST_CLOCK_ENV = "DELAYWHEEL_TEST_CLOCK"
+
+
+def _test_clock() -> bool:
+    """`Settings.test_clock`'s default: DELAYWHEEL_TEST_CLOCK in the environment (tests/conftest.py sets it). Read from
+    the environment only, never airflow.cfg: it is a test run's opt-in, not a deployment's setting."""
+    raw = os.environ.get(TEST_CLOCK_ENV, "").strip().lower()
+    if raw in ("", "0", "false", "no", "off"):
+        return False
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    raise ConfigError(f"{TEST_CLOCK_ENV}: {raw!r} is not a boolean (1 or 0)")
+
+
 @dataclass(frozen=True)
 class Settings:
     """Everything tunable; `load_settings()` builds it, tests build it directly."""
@@ -149,6 +163,10 @@ class Settings:
     # (topic, stores) pairs that win over the hash (routing.py).
     stores: tuple[tuple[str, str], ...] = ()
     routes: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    # A test's injected clock: `now=` may then be any aware instant. Otherwise it must lie within
+    # validation.NOW_AHEAD / NOW_BEHIND of the database's clock, because it changes shared state (a lane's FIFO
+    # order, partitions, the wheel's cursor).
+    test_clock: bool = field(default_factory=_test_clock)
 
     def __post_init__(self) -> None:
         if not timedelta(milliseconds=100) <= self.wheel_precision <= timedelta(minutes=1):

@@ -34,7 +34,7 @@ from typing import Any
 from delaywheel.config import ConfigError, Settings, load_settings
 from delaywheel.consume import topics
 from delaywheel.ops.cancel import CancelResult
-from delaywheel.produce.validation import RESERVED_TOPIC_PREFIXES, Message, check_topic, prepare
+from delaywheel.produce.validation import RESERVED_TOPIC_PREFIXES, Message, check_now, check_topic, prepare
 from delaywheel.store import Store
 
 
@@ -194,7 +194,7 @@ class Stores:
         went in."""
         batch = list(messages)
         parts: dict[str, list[int]] = {}
-        clock = now or datetime.now(UTC)
+        clock = check_now(now) or datetime.now(UTC)  # (each store checks `now` against its own clock)
         for position, message in enumerate(batch):
             if not isinstance(message, Message):
                 prepare(message, clock, self.settings)  # raises InvalidMessage, as Store.send_many would

@@ -21,7 +21,7 @@ from delaywheel.migrate import migrate
 from delaywheel.ops import cancel as cancelling
 from delaywheel.ops import stats
 from delaywheel.produce import producer
-from delaywheel.produce.validation import Message
+from delaywheel.produce.validation import Message, check_now, check_now_near
 from delaywheel.types import PassResult
 
 if TYPE_CHECKING:
@@ -34,7 +34,8 @@ class Store:
     Calls run in their own transaction, or as a savepoint inside one the caller opened on `conn`
     (e.g. to enqueue an order's timeout in the transaction that inserts the order).
     Every call that decides by time takes `now=` so tests can inject the clock; by default the
-    database's clock decides.
+    database's clock decides. An injected `now` must be aware, and within a second ahead or five minutes behind
+    the database's clock unless `settings.test_clock` (validation.check_now_near): it changes shared state.
 
     `url` is the store's PostgreSQL; without one, the configured one (DELAYWHEEL_DATABASE_URL, airflow.cfg), and
     with none configured a ConfigError naming the ways to give one. The embedded development cluster is an explicit
@@ -71,9 +72,14 @@ class Store:
         self.close()
 
     def clock(self) -> datetime:
-        row = self.conn.execute("SELECT clock_timestamp()").fetchone()
-        assert row is not None
-        return row[0]
+        return producer.database_clock(self.conn)
+
+    def _now(self, now: datetime | None) -> datetime | None:
+        """An injected clock, checked (`validation.check_now`, `check_now_near`); None: the database's decides."""
+        if check_now(now) is not None and not self.settings.test_clock:
+            assert now is not None
+            check_now_near(now, self.clock(), self.settings)
+        return now
 
     # producing
     def send(
@@ -107,6 +113,7 @@ class Store:
         if not 1 <= level <= self.settings.max_level:
             raise ValueError(f"level {level} is not configured (1..{self.settings.max_level})")
         limit = limit or self.settings.batch_size
+        now = self._now(now)
         result = levels.deliver_level(self.conn, self._cache, level, now=now, limit=limit)
         if level == self.settings.max_level:
             for removed in levels.levels_above(self.conn, level):
@@ -115,11 +122,12 @@ class Store:
 
     def advance_wheel(self, *, now: datetime | None = None, limit: int | None = None) -> PassResult:
         return wheel.advance_wheel(
-            self.conn, self.settings, self._cache, now=now, limit=limit or self.settings.batch_size
+            self.conn, self.settings, self._cache, now=self._now(now), limit=limit or self.settings.batch_size
         )
 
     def deliver_due(self, *, now: datetime | None = None) -> int:
         """Deliver everything due now on every level and the wheel (repeating passes until drained)."""
+        now = self._now(now)
         total = 0
         for lane in all_lanes(self.settings):
             while True:
@@ -226,7 +234,7 @@ class Store:
     # operating
     def stats(self, *, now: datetime | None = None, window: timedelta = timedelta(minutes=5)) -> dict[str, Any]:
         """Figures for operators, from one snapshot (README, "stats"); `stats.as_json` is their JSON form."""
-        return stats.collect(self.conn, self.settings, now, window)
+        return stats.collect(self.conn, self.settings, self._now(now), window)
 
     def prepare(self, *, now: datetime | None = None) -> None:
         """Create the partitions the next hours need, so producers and deliverers never wait on DDL.
@@ -234,6 +242,7 @@ class Store:
         created and committed on its own: one transaction holding a new hour of level_segments (its parent locked
         ACCESS EXCLUSIVE) while it waited to create the day's topic partition deadlocked with a pass
         (PartitionCache.without_ddl)."""
+        now = self._now(now)
         with contextlib.suppress(errors.LockNotAvailable):  # a producer holds a far block: roll next time
             wheel.roll(self.conn, self.settings, self._cache, now)
         clock = now or self.clock()
@@ -245,7 +254,7 @@ class Store:
         return partitions.summarize(self.conn)
 
     def retire(self, *, now: datetime | None = None) -> list[partitions.Retired]:
-        return partitions.retire(self.conn, now or self.clock(), self.settings.topic_retention, self._cache)
+        return partitions.retire(self.conn, self._now(now) or self.clock(), self.settings.topic_retention, self._cache)
 
 
 def _consumer_options(

@@ -159,7 +159,7 @@ def write_chunk(
 
     def write() -> tuple[np.ndarray, np.ndarray, list[Rejected]]:
         with collector_paused(), conn.transaction():
-            clock = clock_and_ids(conn, ids, rows.num_rows, now)
+            clock = clock_and_ids(conn, ids, rows.num_rows, now, settings)
             columns = arrow_columns(rows, mapping, clock, settings)
             if columns is not None:
                 positions, bad = np.arange(rows.num_rows), list[Rejected]()

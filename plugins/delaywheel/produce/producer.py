@@ -23,7 +23,7 @@ from psycopg import errors, pq
 from delaywheel.config import Settings
 from delaywheel.lanes import Lane, lane_key
 from delaywheel.partitions import PartitionCache
-from delaywheel.produce.validation import Message, prepare
+from delaywheel.produce.validation import Message, check_now, check_now_near, prepare
 
 NOTIFY_CHANNEL = "delaywheel_enqueue"  # a new due time on a lane not said; every deliverer listens (lane_channel)
 TOPIC_CHANNEL = "delaywheel_topic"  # payload: a topic that got messages (readable once the writer commits)
@@ -53,19 +53,24 @@ def collector_paused() -> Iterator[None]:
             gc.enable()
 
 
-def clock_and_ids(conn: psycopg.Connection, ids: list[int], count: int, now: datetime | None) -> datetime:
-    """The clock for this call; `ids` filled with `count` new message ids, ascending (from ceil(count / ID_BLOCK)
-    blocks), unless it holds them already: a write that goes again (`PartitionCache.without_ddl`) keeps the ids its
-    first try drew, as a sequence's draws are never rolled back."""
+def clock_and_ids(
+    conn: psycopg.Connection, ids: list[int], count: int, now: datetime | None, settings: Settings
+) -> datetime:
+    """The clock for this call: `now`, once checked against the database's (`validation.check_now_near`), or the
+    database's; `ids` filled with `count` new message ids, ascending (from ceil(count / ID_BLOCK) blocks), unless it
+    holds them already: a write that goes again (`PartitionCache.without_ddl`) keeps the ids its first try drew, as a
+    sequence's draws are never rolled back. A `now` refused raises before anything is written."""
+    check_now(now)
     row = conn.execute(
-        "SELECT coalesce(%s::timestamptz, clock_timestamp()),"
-        " ARRAY(SELECT nextval('delaywheel.message_id_seq') FROM generate_series(1, %s))",
-        (now, 0 if ids else -(-count // ID_BLOCK)),
+        "SELECT clock_timestamp(), ARRAY(SELECT nextval('delaywheel.message_id_seq') FROM generate_series(1, %s))",
+        (0 if ids else -(-count // ID_BLOCK),),
     ).fetchone()
     assert row is not None
+    if now is not None:
+        check_now_near(now, row[0], settings)
     for block in row[1]:
         ids.extend(range(block, block + min(ID_BLOCK, count - len(ids))))
-    return row[0]
+    return row[0] if now is None else now
 
 
 def send_many(
@@ -113,7 +118,7 @@ def _send(
 
     def write() -> list[int]:
         with collector_paused(), conn.transaction():
-            clock = clock_and_ids(conn, ids, len(batch), now)
+            clock = clock_and_ids(conn, ids, len(batch), now, settings)
             columns = prepare_columns(batch, clock, settings, reconsume_times, internal=internal)
             write_columns(conn, settings, cache, ids, columns, clock)
         return ids
@@ -150,6 +155,9 @@ def send_one(
     caller opened on `conn` it runs as a savepoint, which the server takes and releases within the statement
     (`send_one_savepoint`): an error rolls back the send alone and is raised here as its SQLSTATE's psycopg error
     (its message; no further diagnostics), and the caller's transaction goes on."""
+    now = check_now(now)
+    if now is not None and not settings.test_clock:  # one more round trip, only for an injected clock
+        check_now_near(now, database_clock(conn), settings)
     deliver_at = message.deliver_at
     absolute = (
         now is None
@@ -198,6 +206,12 @@ def send_one(
         prepare(message, clock, settings)
         return send_many(conn, settings, cache, [message], now=clock)[0]  # (the rules would have raised)
     return int(message_id)
+
+
+def database_clock(conn: psycopg.Connection) -> datetime:
+    row = conn.execute("SELECT clock_timestamp()").fetchone()
+    assert row is not None
+    return row[0]
 
 
 def _error(sqlstate: str, message: str) -> psycopg.Error:

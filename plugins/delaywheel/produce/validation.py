@@ -31,6 +31,13 @@ _ZERO = timedelta(0)
 MAX_REQUESTED_LEVEL = 2**31 - 1  # the stored requested level is an int4; above the table's maximum it is clamped
 
 
+# How far an injected `now=` may lie from the database's clock, unless `Settings.test_clock`: ahead by little (a
+# `now` ahead puts its level messages at the head of a FIFO lane, holding back every later one), behind by a few
+# minutes (a caller that read the clock once for a series of calls), never enough to slip past `past_tolerance`.
+NOW_AHEAD = timedelta(seconds=1)
+NOW_BEHIND = timedelta(minutes=5)
+
+
 class InvalidMessage(ValueError):
     """A message delaywheel refuses; nothing of the call that raised it was written."""
 
@@ -62,6 +69,30 @@ class Placement(NamedTuple):
     deliver_at: datetime
     level: int | None = None
     requested_level: int | None = None
+
+
+def check_now(now: object) -> datetime | None:
+    """An injected clock's type: None (the database's clock decides) or a timezone-aware datetime, test or not."""
+    if now is None:
+        return None
+    if not isinstance(now, datetime):
+        raise InvalidMessage("bad_now", f"now must be a datetime, got {type(now).__name__} {now!r}")
+    if now.tzinfo is None or now.utcoffset() is None:
+        raise InvalidMessage("bad_now", "now must be timezone-aware (e.g. datetime.now(timezone.utc))")
+    return now
+
+
+def check_now_near(now: datetime, clock: datetime, settings: Settings) -> None:
+    """An injected clock within NOW_AHEAD / NOW_BEHIND of the database's `clock`, unless the caller is a test
+    (`Settings.test_clock`): any other `now` changes what every producer, deliverer and consumer of the store sees."""
+    if settings.test_clock or -NOW_BEHIND <= now - clock <= NOW_AHEAD:
+        return
+    raise InvalidMessage(
+        "bad_now",
+        f"now={now.isoformat()} is {abs(now - clock)} {'ahead of' if now > clock else 'behind'} the database's clock"
+        f" ({clock.isoformat()}); an injected clock may be at most {NOW_AHEAD} ahead and {NOW_BEHIND} behind it."
+        " Only tests inject others: Settings(test_clock=True) or DELAYWHEEL_TEST_CLOCK=1",
+    )
 
 
 def check_topic(topic: object) -> str:
