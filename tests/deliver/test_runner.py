@@ -15,7 +15,7 @@ import pytest
 
 from delaywheel import Message, Store, partitions
 from delaywheel.deliver import runner
-from delaywheel.produce.producer import NOTIFY_CHANNEL
+from delaywheel.produce.producer import NOTIFY_CHANNEL, lane_channel
 from tests.conftest import deliveries
 
 
@@ -204,3 +204,74 @@ def test_a_lane_hears_only_its_own_announcements(db_url: str, store: Store) -> N
         heard = [(n.channel, n.payload) for n in listener.conn.notifies(timeout=0.5)]
     assert [channel for channel, _ in heard] == ["delaywheel_enqueue_3", "delaywheel_enqueue_3", NOTIFY_CHANNEL]
     assert all(runner.due_hint(payload) is not None for _, payload in heard)
+
+
+def test_the_loop_holds_announcements_only_up_to_its_next_safety_wake(
+    db_url: str, store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Anyone who may connect may NOTIFY a deliverer's channels, and ordinary 30-day timers announce themselves too:
+    a due time past the loop's next safety wake is not held (that wake reads every head and finds it), and of the
+    nearer ones at most ANNOUNCED_MAX, the earliest. A near announcement still wakes the loop on time."""
+    monkeypatch.setattr(runner, "SAFETY_WAKE_S", 30.0)  # within the test, only an announcement wakes the loop
+    held: list[object] = []  # the loop's announced due times (what it passes to each sleep)
+    parsed = [0]
+    sleep, hint = runner._sleep_or_notified, runner.due_hint
+
+    def spying(*args: object) -> None:
+        if not held:
+            held.append(args[5])
+        sleep(*args)  # type: ignore[arg-type]
+
+    def counting(payload: str) -> float | None:
+        parsed[0] += 1
+        return hint(payload)
+
+    monkeypatch.setattr(runner, "_sleep_or_notified", spying)
+    monkeypatch.setattr(runner, "due_hint", counting)
+
+    def flood(conn: psycopg.Connection, channel: str, first_s: float, step_s: float, n: int) -> None:
+        conn.execute(
+            "SELECT count(pg_notify(%s, (extract(epoch FROM clock_timestamp()) + %s + i * %s)::text))"
+            " FROM generate_series(1, %s) i",
+            (channel, first_s, step_s, n),
+        )
+
+    def parsed_by(n: int) -> None:
+        deadline = time.monotonic() + 60
+        while parsed[0] < n and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert parsed[0] >= n, f"the loop read {parsed[0]} of {n} announcements"
+
+    stop = threading.Event()
+    out: dict[str, runner.RunTotals] = {}
+
+    def loop() -> None:
+        with Store(db_url) as own:
+            out["totals"] = runner.run(own, [1], 90, stop=stop)
+
+    thread = threading.Thread(target=loop)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 15
+        while not held and time.monotonic() < deadline:
+            time.sleep(0.05)
+        (announced,) = held
+        with psycopg.connect(db_url, autocommit=True) as other:
+            for channel in (NOTIFY_CHANNEL, lane_channel(1)):  # 30 days out and later
+                flood(other, channel, 30 * 86400, 0.001, 100_000)
+            parsed_by(200_000)
+            assert len(announced) == 0  # type: ignore[arg-type]
+            flood(other, lane_channel(1), 18, 0.0004, 10_000)  # before the next safety wake: held, up to the cap
+            parsed_by(210_000)
+            assert 0 < len(announced) <= runner.ANNOUNCED_MAX  # type: ignore[arg-type]
+        store.send("bounded", {"n": 1}, delay_level=1)  # due in 1 s: its announcement wakes the loop
+        deadline = time.monotonic() + 15
+        while not deliveries(store, "bounded") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        (late,) = deliveries(store, "bounded")
+        assert late[2] >= late[1]  # never early
+        assert (late[2] - late[1]).total_seconds() < 1.5  # woken by its announcement, not the 30-s safety wake
+    finally:
+        stop.set()
+        thread.join(timeout=30)
+    assert out["totals"].delivered == 1

@@ -14,7 +14,7 @@ import psycopg
 from airflow.sdk import BaseSensorOperator, Context, PokeReturnValue
 from airflow.sdk.exceptions import AirflowException
 
-from delaywheel.deliver.runner import connection_lost
+from delaywheel.deliver.runner import transient, transient_reason
 from delaywheel.lanes import lane_name
 
 from .hooks import DelayWheelHook
@@ -73,16 +73,15 @@ class DueMessagesSensor(BaseSensorOperator):
         return int(self.level)
 
     def poke(self, context: Context) -> PokeReturnValue:
-        """Each poke connects afresh; a poke that finds the database unreachable (a restart) is "not yet",
-        not a failed task: the next poke, or the trigger, looks again."""
+        """Each poke connects afresh; a poke that finds the database unreachable (a restart) or short of a resource
+        (a full disk, too many connections) is "not yet", not a failed task: the next poke, or the trigger, looks
+        again."""
         try:
             head, clock = DelayWheelHook(self.delaywheel_conn_id).next_due(self.lane, now_offset_s=self.now_offset_s)
         except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
-            if not connection_lost(exc):
+            if not transient(exc):
                 raise
-            self.log.warning(
-                "%s: database not reachable (%s); looking again later", lane_name(self.lane), str(exc).strip()
-            )
+            self.log.warning("%s: %s; looking again later", lane_name(self.lane), transient_reason(exc))
             return PokeReturnValue(is_done=False)
         self.log.info("%s: head due %s, now %s", lane_name(self.lane), head, clock)
         if head is None or head > clock:

@@ -7,8 +7,9 @@ channel, where every enqueue announces its earliest due time, and look again whe
 sooner than the end of the current wait (an empty level, or the wheel getting a nearer message). A NOTIFY
 can be missed (e.g. across a reconnect), so the wait never exceeds `poll_interval` before looking again.
 A payload is only a hint: one that is not a due time (anyone may NOTIFY) is ignored and logged once.
-Both triggers survive a lost connection (a PostgreSQL restart): they reconnect with backoff, LISTEN again
-and look at once, since notifications sent meanwhile are lost. It only reads: running it twice, or in two triggerers, changes nothing. (`TopicMessagesTrigger` writes
+Both triggers survive a lost connection (a PostgreSQL restart) and a server short of a resource (a full disk, too
+many connections): they reconnect with backoff, LISTEN again and look at once, since notifications sent meanwhile
+are lost. It only reads: running it twice, or in two triggerers, changes nothing. (`TopicMessagesTrigger` writes
 its announcement mark; see its docstring for why two of them still announce each message once.)"""
 
 from __future__ import annotations
@@ -125,14 +126,15 @@ class DueMessagesTrigger(BaseTrigger):
 
 
 async def _after_lost_connection(log: Any, exc: psycopg.Error, retry_in: Iterator[float]) -> None:
-    """A trigger's connection failed: re-raise unless the connection itself was lost, else wait the next backoff
-    delay before the caller reconnects (and looks at once: notifications sent meanwhile are lost)."""
-    from delaywheel.deliver.runner import connection_lost
+    """A trigger's connection failed: re-raise unless the error is transient (`runner.transient`: the connection
+    was lost, or the server is short of disk, memory or connection slots), else wait the next backoff delay before
+    the caller reconnects (and looks at once: notifications sent meanwhile are lost)."""
+    from delaywheel.deliver.runner import transient, transient_reason
 
-    if not connection_lost(exc):
+    if not transient(exc):
         raise exc
     delay = next(retry_in)
-    log.warning("lost the database connection (%s); reconnecting in %.1fs", str(exc).strip(), delay)
+    log.warning("%s; reconnecting in %.1fs", transient_reason(exc), delay)
     await asyncio.sleep(delay)
 
 

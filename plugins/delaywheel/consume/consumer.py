@@ -37,7 +37,7 @@ from psycopg import sql
 from delaywheel.consume import topics
 from delaywheel.consume.topics import Batch, Delivered
 from delaywheel.db import connect
-from delaywheel.deliver.runner import backoff_delays, connection_lost
+from delaywheel.deliver.runner import backoff_delays, transient, transient_reason
 from delaywheel.produce.producer import TOPIC_CHANNEL
 from delaywheel.store import Store
 
@@ -142,7 +142,7 @@ class Consumer:
                     )
                     retry_in = backoff_delays()
                 except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
-                    if not connection_lost(exc):
+                    if not transient(exc):
                         raise
                     self._lost(exc)
                     self.stop.wait(next(retry_in))
@@ -188,7 +188,7 @@ class Consumer:
                     self._count(done, self.store.ack(done, self.failed))
                 self._release()
             except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
-                if not connection_lost(exc):
+                if not transient(exc):
                     raise
                 log.warning(
                     "delaywheel consumer: the last batch's ack was cut (%s); it will be handled again", str(exc).strip()
@@ -238,11 +238,12 @@ class Consumer:
             self.totals.held_acks += 1
 
     def _wait_or_lose(self, seconds: float) -> bool | None:
-        """`_wait`, or None when the connection was lost meanwhile (counted; the next round reconnects)."""
+        """`_wait`, or None when the connection was lost (or the server ran short of a resource) meanwhile: counted,
+        the next round reconnects."""
         try:
             return self._wait(seconds)
         except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
-            if not connection_lost(exc):
+            if not transient(exc):
                 raise
             self._lost(exc)
             return None
@@ -282,8 +283,10 @@ class Consumer:
             self._held = frozenset()
 
     def _lost(self, exc: BaseException) -> None:
+        """A transient error (`runner.transient`): a lost connection, or the server short of disk, memory or
+        connection slots. Either way start again on fresh connections after the caller's backoff."""
         self.totals.reconnects += 1
-        log.warning("delaywheel consumer: lost the database connection (%s); reconnecting", str(exc).strip())
+        log.warning("delaywheel consumer: %s; reconnecting", transient_reason(exc))
         self.store.close()  # its next call opens a fresh connection; the group locks went with the old one
         self._held = frozenset()
         self._close_listener()  # notifications sent meanwhile are lost: the next round pulls at once

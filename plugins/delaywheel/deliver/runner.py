@@ -38,7 +38,8 @@ SUMMARIZE_TOPICS_EVERY_S = 1.0  # ... and the current topic partitions' newest r
 SAFETY_WAKE_S = 5.0  # without a known next due time, look anyway this often (a missed NOTIFY costs this much)
 HANDOVER_POLL_S = 0.5  # past the duration, waiting for a successor: look for one this often
 RECONNECT_FIRST_S = 0.2  # after a lost connection, the first retry comes this soon; later ones back off ...
-RECONNECT_MAX_S = 5.0  # ... doubling up to this
+RECONNECT_MAX_S = 5.0  # ... doubling up to this (also the wait after the server refused for want of a resource)
+ANNOUNCED_MAX = 4096  # announced due times held at most (the earliest are kept): a flood of NOTIFYs costs no memory
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,7 @@ class RunTotals:
     busy_passes: int = 0
     waited_passes: int = 0  # passes that found their lane (or both its turns) held and waited (PassResult.waited)
     reconnects: int = 0  # connections lost (a server restart) and made again
+    short_of_resources: int = 0  # rounds the server refused for want of a resource (disk, memory, slots): retried
     per_lane: dict[str, int] = field(default_factory=dict)
     per_topic: dict[str, TopicSpan] = field(default_factory=dict)  # what this run wrote, per topic
 
@@ -87,7 +89,7 @@ def run(
     # per level per round). Every lane is passed once at start and after a reconnect; every SAFETY_WAKE_S the levels'
     # heads are read again (one query) and the wheel is passed.
     due: dict[Lane, float | None] = dict.fromkeys(lanes, -math.inf)
-    announced: list[float] = []  # due times producers announced and not yet looked at (a heap)
+    announced = Announced()  # due times producers announced and not yet looked at, up to the next safety wake
     look_all_at = time.monotonic() + SAFETY_WAKE_S
     clock = _Clock(store)
     with _summarizing(store.url, lambda: totals.delivered), _Listener(store.url, lanes) as listener:
@@ -103,15 +105,14 @@ def run(
                     next_prepare = time.monotonic() + PREPARE_EVERY_S
                 now = clock.now()
                 safety = time.monotonic() >= look_all_at
-                if safety or (announced and announced[0] <= now):
+                if safety or announced.due_by(now):
                     # The safety wake (every lane, whatever we believe: a message sent without a notification), or
                     # a producer announced a message due by now on a lane we cannot tell: read every level's head in
                     # one query and pass the wheel, rather than pass every level before the wheel.
                     due.update(_heads(store.conn, lanes))
                     if safety:
                         look_all_at = time.monotonic() + SAFETY_WAKE_S
-                while announced and announced[0] <= now:
-                    heapq.heappop(announced)
+                announced.drop_due(now)
                 busy = False
                 for lane in lanes:
                     if stop.is_set():  # SIGTERM between lanes: the round ends here, every pass so far committed
@@ -141,7 +142,7 @@ def run(
                 if progress and time.monotonic() >= next_report:
                     progress(totals)
                     next_report = time.monotonic() + progress_every_s
-                known = [d for d in due.values() if d is not None] + announced[:1]
+                known = [d for d in due.values() if d is not None] + announced.first()
                 if until_idle and not known and not busy:
                     break
                 now = clock.now()
@@ -149,10 +150,24 @@ def run(
                 past = time.monotonic() >= deadline
                 wait = min(wait, HANDOVER_POLL_S if past else deadline - time.monotonic())
                 if wait > 0:
-                    # Every announcement is kept (its lane may be idle now); only one due before the wake cuts it short.
+                    # An announcement due before the next safety wake is kept (its lane may be idle now); only one
+                    # due before this wait's end cuts it short. A later one is found by that wake's look at every head.
+                    announced.horizon = now + (look_all_at - time.monotonic())
                     _sleep_or_notified(listener.conn, wait, stop, now + wait, hints, announced)
                 retry_in = backoff_delays()
             except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
+                if short_of_resources(exc):
+                    # The server refused a statement for want of disk, memory or a connection slot: the statement
+                    # did nothing (a pass is one transaction). Wait and look at every lane again, on a fresh
+                    # connection (the refused transaction's partitions, if any, are gone with it).
+                    totals.short_of_resources += 1
+                    delay = next(retry_in)
+                    log.warning("delaywheel: %s; trying again in %.1fs", transient_reason(exc), delay)
+                    store.close()
+                    next_prepare = time.monotonic()
+                    due = dict.fromkeys(lanes, -math.inf)
+                    stop.wait(delay)
+                    continue
                 if not connection_lost(exc):
                     raise
                 # The pass in flight was one transaction: cut by the lost connection, it did not happen (or, if
@@ -182,6 +197,28 @@ def connection_lost(exc: BaseException) -> bool:
         return False
     state = getattr(exc, "sqlstate", None)
     return state is None or state.startswith("08") or state in _GONE
+
+
+def short_of_resources(exc: BaseException) -> bool:
+    """Did the server refuse for want of a resource (SQLSTATE class 53: disk full, out of memory, too many
+    connections, a configured limit)? The statement did nothing and may succeed once the resource is back, so a
+    long-running loop waits and tries again rather than ending; an error of the statement itself is not this."""
+    state = getattr(exc, "sqlstate", None)
+    return isinstance(exc, psycopg.Error) and isinstance(state, str) and state.startswith("53")
+
+
+def transient(exc: BaseException) -> bool:
+    """The one rule for what a long-running loop (deliverer, consumer, trigger, sensor) rides out by backing off and
+    trying again: a lost connection or a server short of a resource. Anything else is raised."""
+    return connection_lost(exc) or short_of_resources(exc)
+
+
+def transient_reason(exc: BaseException) -> str:
+    """Why a loop waits, for its log: the lost connection or the missing resource, with the server's message."""
+    text = str(exc).strip()
+    if short_of_resources(exc):
+        return f"the database is short of a resource (SQLSTATE {getattr(exc, 'sqlstate', '')}: {text})"
+    return f"lost the database connection ({text})"
 
 
 def backoff_delays(first_s: float = RECONNECT_FIRST_S, most_s: float = RECONNECT_MAX_S) -> Iterator[float]:
@@ -243,7 +280,7 @@ class _Listener:
                 log.warning("delaywheel: reconnected")
                 return
             except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
-                if not connection_lost(exc) or time.monotonic() + delay >= give_up_at:
+                if not transient(exc) or time.monotonic() + delay >= give_up_at:
                     raise
                 log.info("delaywheel: database not reachable yet (%s); next try in %.1fs", str(exc).strip(), delay)
             if stop.wait(delay):
@@ -318,22 +355,61 @@ def _sleep_or_notified(
     stop: threading.Event,
     earliest: float,
     hints: DueHints,
-    announced: list[float] | None = None,
+    announced: Announced | None = None,
 ) -> None:
     """Sleep, but return as soon as a producer announces a message due before `earliest` (epoch seconds). Every
-    announced due time is pushed onto the heap `announced`."""
+    announced due time is offered to `announced`, which keeps those before its horizon. The notifications that
+    arrived together are all read before returning: psycopg drops the rest of a batch its caller leaves."""
     end = time.monotonic() + seconds
     while not stop.is_set():
         remaining = end - time.monotonic()
         if remaining <= 0:
             return
+        woken = False
         for notice in listener.notifies(timeout=min(remaining, 0.5), stop_after=1):
             due = hints.parse(notice.payload)
             if due is not None:
                 if announced is not None:
-                    heapq.heappush(announced, due)
-                if due < earliest:
-                    return
+                    announced.add(due)
+                woken = woken or due < earliest
+        if woken:
+            return
+
+
+class Announced:
+    """The due times producers announced that the loop has not looked at yet, bounded whatever arrives on its
+    channels (anyone who may connect may NOTIFY): only those before `horizon` (the loop's next safety wake, which
+    reads every lane's head and so finds any later message anyway), and at most `most` of them, the earliest. Each
+    one kept wakes the loop when it falls due."""
+
+    def __init__(self, most: int = ANNOUNCED_MAX) -> None:
+        self.horizon = math.inf  # epoch seconds, set by the loop before each sleep
+        self.most = most
+        self._heap: list[float] = []
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def add(self, due: float) -> None:
+        if due >= self.horizon:
+            return
+        if len(self._heap) >= self.most:  # a flood: keep the earliest half (sorted, so still a heap)
+            self._heap = heapq.nsmallest(max(1, self.most // 2), self._heap)
+            if due >= self._heap[-1]:
+                return
+        heapq.heappush(self._heap, due)
+
+    def first(self) -> list[float]:
+        """The earliest due time held, as a list of at most one."""
+        return self._heap[:1]
+
+    def due_by(self, now: float) -> bool:
+        return bool(self._heap) and self._heap[0] <= now
+
+    def drop_due(self, now: float) -> None:
+        """Forget the due times up to `now`: the loop has just looked at every lane's head."""
+        while self._heap and self._heap[0] <= now:
+            heapq.heappop(self._heap)
 
 
 # Every level's head in one statement (pending.level_head per level), as epoch seconds. Not the wheel's: its pass
