@@ -122,3 +122,34 @@ def test_a_delay_column_with_nothing_in_it_is_quarantined_row_by_row(store: Stor
     counts = write(db_url, store, chunk, t0)
     assert (counts.enqueued, counts.rejected, dict(counts.reasons)) == (0, 2, {"missing_delay": 2})
     assert store.conn.execute("SELECT count(*) FROM delaywheel.topic_messages").fetchone() == (0,)
+
+
+def test_bodies_jsonb_refuses_are_quarantined_not_delivered(store: Store, db_url: str, t0: datetime) -> None:
+    """A JSON body holding NUL or a lone surrogate in a string is delivered as bytes a consumer's `::jsonb` refuses:
+    bulk rows holding one are quarantined as `bad_body`, whatever the body format, and the good rows go in."""
+    bodies = {
+        "json": ['"\\u0000"', '{"a": "x\\u0000"}', '{"a": "\\ud800"}', '["\\udc80"]', '{"ok": "\\u00e9"}'],
+        "text": ["a\x00b", "ok"],
+    }
+    for body_format, texts in bodies.items():
+        mapping = input_rows.ColumnMap.parse("", "orders", body_format).with_defaults(["key", "body", "delay_level"])  # type: ignore[arg-type]
+        chunk = pa.RecordBatch.from_pylist(
+            [
+                {
+                    "key": f"{body_format}-{n}",
+                    "body": text,
+                    "delay_level": 0,
+                    input_rows.FILE_COLUMN: f"{body_format}.csv",
+                    input_rows.ROW_COLUMN: n + 1,
+                }
+                for n, text in enumerate(texts)
+            ]
+        )
+        with psycopg.connect(db_url, autocommit=True) as conn:
+            counts = bulk.write_chunk(conn, store.settings, PartitionCache(), chunk, mapping, body_format, now=t0)
+        assert (counts.enqueued, dict(counts.reasons)) == (1, {"bad_body": len(texts) - 1}), body_format
+    assert store.conn.execute("SELECT count(*) FROM delaywheel.topic_messages WHERE is_json").fetchone() == (2,)
+    stored = (
+        "SELECT count(*) FROM delaywheel.topic_messages WHERE is_json AND convert_from(body, 'UTF8')::jsonb IS NOT NULL"
+    )
+    assert store.conn.execute(stored).fetchone() == (2,)  # what a consumer casts to jsonb casts
