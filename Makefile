@@ -34,8 +34,8 @@ db-start:
 db-stop:
 	$(PY) -m delaywheel.cli db stop
 
-bench: setup
-	$(PY) -m bench.run_all $(BENCH_ARGS)
+bench: setup      ## the contract benchmarks in sequence (BENCH_ARGS="--scale 0.1" for a quick run; docs/benchmarks.md)
+	$(PY) -m bench contract $(BENCH_ARGS)
 
 lock:             ## re-resolve requirements.in into requirements.lock
 	python3 -m venv /tmp/delaywheel-lock && /tmp/delaywheel-lock/bin/pip install -q -r requirements.in \

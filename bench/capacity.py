@@ -1,36 +1,23 @@
-"""Capacity at 1/100 scale (issue 21, item 4): what a pending timer and a delivered message cost, measured, and what
-that makes of 1 billion pending timers and 100,000 msg/s.
+"""Capacity at 1/100 scale: what a pending timer and a delivered message cost, measured, and what that makes of 1
+billion pending timers and 100,000 msg/s (docs/capacity.md). In a database of its own:
 
-In a database of its own (`delaywheel_bench_capacity`, dropped at the end), on the project's cluster:
-
-0. Baselines of the same payload: a plain table filled by binary COPY (bytes, WAL and CPU per row), a batched move
-   (DELETE ... RETURNING into INSERT, batches of the store's size) out of a copy of it with a primary key, and
-   single-row INSERTs next to single `send` calls.
-1. `10M x scale` timers pending, sent by send_many in batches of `--batch` on the real clock: near-wheel timers
-   (due 1 h - 3 d, one row each in `wheel`), far timers (due 4 - 34 d, segments in `wheel_far_segments` plus
-   `far_key_summaries`) and level-queue timers (levels 17-18 at random, segments in `level_segments`). Per kind: the
-   tables' size delta (heap, indexes, TOAST, and after the first VACUUM its visibility and free-space maps) and rows
-   per timer; WAL bytes (pg_current_wal_lsn) and CPU (this process; the store's backends; every process of the
-   cluster) per message; the first VACUUM (ANALYZE) of the filled tables and a second one, timed. The same for a
-   smaller fill sent in calls of 100 messages, as small producers send.
-2. Steady state on the real clock, with the 10M still pending: `--rate` msg/s (1,000 = 1/100 of 100,000) for
-   `--seconds`, half to the wheel (delays 1-10 s), half to levels 1-3, delivered by the library's loop on all 19
-   lanes and read by one consumer; WAL and CPU per second and per message. (Before step 3: its injected clock moves
-   the wheel's cursor a day ahead.)
-3. The roll: far day blocks promoted into the near wheel by `prepare(now=…)` with the clock a day and two days ahead,
-   timed per row. The wheel lane waits for it (the roll holds the wheel's lock).
-4. Delivery (injected clock): the near timers due within the next day by wheel passes, every level by level passes;
-   bytes per delivered message in `topic_messages`, WAL and CPU per message; VACUUM and VACUUM (FREEZE) of the topic
-   partitions that hold them.
-
-Then the extrapolation to 1 billion pending and 100,000 msg/s. WAL and "cluster" CPU are the cluster's, so other
-work on it adds to them (the run records pg_stat_wal's full-page images and the idle WAL rate before it starts).
+0. Baselines of the same payload: a plain table filled by binary COPY, and a batched move (DELETE ... RETURNING into
+   INSERT) out of a copy of it with a primary key: bytes, WAL and CPU per row.
+1. `10M x scale` timers pending, sent by send_many in calls of `--batch`: near-wheel timers (due 1 h - 3 d), far
+   timers (4 - 34 d: far segments and key summaries) and level timers (levels 17-18). Per kind: the tables' growth
+   after a VACUUM, rows, WAL (this database's, read with pg_waldump) and CPU (this process, the store's backends) per
+   timer, and the VACUUM's time.
+2. Steady state on the real clock with the 10M pending: `--rate` and 4 x `--rate` msg/s (1,000 = 1/100 of 100,000)
+   for `--seconds`, half to the wheel (1-10 s), half to levels 1-3, delivered on all 19 lanes, read by one consumer:
+   WAL and CPU a second, and the line through both rates.
+3. The roll: far day blocks moved into the near wheel with the clock one and two days ahead, per row.
+4. Delivery (injected clock): the near timers due within a day by wheel passes, every level by level passes: bytes
+   per delivered message in its topic, WAL and CPU per message.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import random
@@ -38,7 +25,6 @@ import re
 import resource
 import shutil
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -54,7 +40,8 @@ from delaywheel import Message, Store
 from delaywheel.deliver import runner
 from delaywheel.dev.embedded import find_bindir
 
-from .common import BENCH_DB, body, chunks, copy_rows, drop_database, fresh_database, log, mib, scaled, table_bytes
+from .common import BENCH_DB, body, chunks, copy_rows, drop_database, fresh_database, log, report, scaled, table_bytes
+from .delivery import RAW_MOVE, RAW_TABLE
 
 DB = f"{BENCH_DB}_capacity"
 TOPIC = "cap_orders"
@@ -74,24 +61,16 @@ TOPIC_TABLES = ("delaywheel.topic_messages",)
 # Baseline: the near wheel's payload columns in a plain table, written by a hand-written loader.
 RAW_COLUMNS = ("id", "topic", "key", "tags", "properties", "body", "is_json", "deliver_at", "enqueued_at")
 RAW_TYPES = ["int8", "text", "text", "text", "jsonb", "bytea", "bool", "timestamptz", "timestamptz"]
-RAW_TABLE = """CREATE TABLE {name} (id bigint, topic text, key text, tags text, properties jsonb, body bytea,
-    is_json boolean, deliver_at timestamptz, enqueued_at timestamptz)"""
-RAW_MOVE = """WITH m AS (DELETE FROM raw_src WHERE id IN (SELECT id FROM raw_src ORDER BY id LIMIT %s) RETURNING *)
-    INSERT INTO raw_dst SELECT * FROM m"""
 
 
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__)
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--scale", type=float, default=1.0, help="multiply every count (1.0: 10M pending)")
     parser.add_argument("--batch", type=int, default=20_000, help="messages per send_many call of the big fill")
     parser.add_argument("--rate", type=int, default=1000, help="steady state: messages per second (run at 1x and 4x)")
     parser.add_argument("--seconds", type=float, default=45.0, help="steady state: measured seconds of each run")
     parser.add_argument("--cores-per-store", type=int, default=16, help="extrapolation: cores of one store's server")
-    parser.add_argument("--json", type=Path, help="also write the figures to this file")
-    parser.add_argument(
-        "--from-json", type=Path, help="measure nothing: extrapolate and report the figures of a run's --json"
-    )
-    return parser.parse_args()
+    return parser.parse_args(argv)
 
 
 # --- meters ---------------------------------------------------------------------------------------------------------
@@ -106,26 +85,12 @@ def _proc_cpu(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
-def _children(parent: int) -> list[int]:
-    pids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                if int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1]) == parent:
-                    pids.append(int(entry))
-            except (FileNotFoundError, ProcessLookupError, IndexError):
-                continue
-    return pids
-
-
 @dataclass
 class Sample:
     at: float
     wal_lsn: str
-    wal_fpi: int
     client_cpu: float
     backends: dict[int, float]  # the client backends connected to the store's database
-    cluster: dict[int, float]  # every process of the cluster
 
 
 @dataclass
@@ -133,40 +98,33 @@ class Usage:
     """What one measured step cost."""
 
     seconds: float
-    wal_bytes: int
-    wal_fpi: int
+    wal_bytes: int  # the cluster's (others' work on it included)
     client_cpu: float
     server_cpu: float  # the store's backends
-    cluster_cpu: float  # every process of the cluster (includes others' work on it, autovacuum, checkpoints)
     own_wal_bytes: int | None = None  # this database's share of wal_bytes (pg_waldump), where measured
 
     def per(self, count: int) -> dict[str, float]:
-        """Per message: WAL bytes, and CPU µs of this process, the store's backends and the cluster."""
+        """Per message: WAL bytes, and CPU µs of this process and of the store's backends."""
         n = max(count, 1)
         return {
             "wal_bytes": self.wal_bytes / n,
             "client_cpu_us": 1e6 * self.client_cpu / n,
             "server_cpu_us": 1e6 * self.server_cpu / n,
-            "cluster_cpu_us": 1e6 * self.cluster_cpu / n,
-            "wal_fpi_per_1000": 1000 * self.wal_fpi / n,
             **({"own_wal_bytes": self.own_wal_bytes / n} if self.own_wal_bytes is not None else {}),
         }
 
 
 class Meter:
-    """Samples WAL position, this process's CPU, and the CPU of the cluster's processes from /proc (the benchmark
-    runs on the server's machine: the embedded cluster or a local one)."""
+    """Samples the WAL position, this process's CPU and the store's backends' from /proc (the benchmark runs on the
+    server's machine: the embedded cluster or a local one)."""
 
     def __init__(self, conn: psycopg.Connection) -> None:
         self.conn = conn
         row = conn.execute(
-            "SELECT pg_backend_pid(), current_setting('data_directory'),"
-            " (SELECT oid FROM pg_database WHERE datname = current_database())"
+            "SELECT current_setting('data_directory'), (SELECT oid FROM pg_database WHERE datname = current_database())"
         ).fetchone()
         assert row is not None
-        stat = Path(f"/proc/{row[0]}/stat").read_text().rsplit(")", 1)[1].split()
-        self.postmaster = int(stat[1])
-        self.wal_dir, self.database_oid = Path(row[1]) / "pg_wal", int(row[2])
+        self.wal_dir, self.database_oid = Path(row[0]) / "pg_wal", int(row[1])
 
     def own_wal(self, a: Sample, b: Sample) -> int | None:
         """The WAL bytes between two samples that belong to this database: records of its relations, and every
@@ -202,7 +160,7 @@ class Meter:
         return mine + sum(others.get(tx, 0) for tx in xids if tx)  # with their commits
 
     def sample(self) -> Sample:
-        lsn, fpi = self.conn.execute("SELECT pg_current_wal_lsn()::text, (SELECT wal_fpi FROM pg_stat_wal)").fetchone()  # type: ignore[misc]
+        (lsn,) = self.conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()  # type: ignore[misc]
         pids = [
             p
             for (p,) in self.conn.execute(  # autovacuum's workers are left out: VACUUM is timed on its own
@@ -211,8 +169,7 @@ class Meter:
         ]
         usage = resource.getrusage(resource.RUSAGE_SELF)
         backends = {p: c for p in pids if (c := _proc_cpu(p)) is not None}
-        cluster = {p: c for p in [self.postmaster, *_children(self.postmaster)] if (c := _proc_cpu(p)) is not None}
-        return Sample(time.perf_counter(), lsn, int(fpi), usage.ru_utime + usage.ru_stime, backends, cluster)
+        return Sample(time.perf_counter(), lsn, usage.ru_utime + usage.ru_stime, backends)
 
     def usage(self, a: Sample, b: Sample, *, own: bool = False) -> Usage:
         """What was used between two samples; with `own`, also this database's share of the WAL (pg_waldump: for
@@ -222,10 +179,8 @@ class Meter:
         return Usage(
             b.at - a.at,
             int(row[0]),
-            b.wal_fpi - a.wal_fpi,
             b.client_cpu - a.client_cpu,
             _cpu_delta(a.backends, b.backends),
-            _cpu_delta(a.cluster, b.cluster),
             self.own_wal(a, b) if own else None,
         )
 
@@ -291,9 +246,7 @@ class Figures:
 
     scale: float
     pending: dict[str, dict[str, float]] = field(default_factory=dict)
-    small_batches: dict[str, dict[str, float]] = field(default_factory=dict)
     baseline: dict[str, dict[str, float]] = field(default_factory=dict)
-    single: dict[str, dict[str, float]] = field(default_factory=dict)
     roll: dict[str, float] = field(default_factory=dict)
     delivery: dict[str, dict[str, float]] = field(default_factory=dict)
     topic: dict[str, float] = field(default_factory=dict)
@@ -340,7 +293,6 @@ def fill(
     rate = count / usage[0].seconds
     bytes_unvacuumed = sizes(conn, tables) - bytes0
     first = vacuum(conn, tables)
-    second = vacuum(conn, tables)
     grown, added = sizes(conn, tables) - bytes0, rows(conn, tables) - rows0
     return {
         "count": count,
@@ -350,7 +302,6 @@ def fill(
         "bytes_before_vacuum": bytes_unvacuumed / count,
         "rows": added / count,
         "first_vacuum_us": 1e6 * first / count,
-        "second_vacuum_us": 1e6 * second / count,
         **usage[0].per(count),
     }
 
@@ -402,40 +353,6 @@ def baselines(store: Store, meter: Meter, count: int, real0: datetime) -> dict[s
     conn.execute("RESET search_path")
     conn.execute("DROP SCHEMA cap_raw CASCADE")
     return {"copy": copied, "move": moved}
-
-
-def single_sends(store: Store, meter: Meter, count: int) -> dict[str, dict[str, float]]:
-    """`count` single `send` calls (delay level 3, each its own transaction) and as many single-row INSERTs."""
-    conn = meter.conn
-    conn.execute(RAW_TABLE.format(name="cap_single"))
-    insert = f"INSERT INTO cap_single ({', '.join(RAW_COLUMNS)}) VALUES ({', '.join(['%s'] * len(RAW_COLUMNS))})"
-    figures = {}
-    for side in ("send", "insert"):
-        conn.execute("CHECKPOINT")
-        usage: list[Usage] = []
-        with meter.measure(usage):
-            for i in range(count):
-                if side == "send":
-                    store.send(TOPIC, body(i), delay_level=3, key=f"single-{i}", tags="created")
-                else:
-                    now = datetime.now(UTC)
-                    store.conn.execute(
-                        insert,
-                        (
-                            i,
-                            TOPIC,
-                            f"single-{i}",
-                            "created",
-                            None,
-                            body(i),
-                            False,  # type: ignore[arg-type]
-                            now + timedelta(seconds=10),
-                            now,
-                        ),
-                    )
-        figures[side] = {"rate": count / usage[0].seconds, **usage[0].per(count)}
-    conn.execute("DROP TABLE cap_single")
-    return figures
 
 
 def roll(store: Store, meter: Meter, real0: datetime) -> dict[str, float]:
@@ -510,14 +427,10 @@ def deliver(store: Store, meter: Meter, real0: datetime) -> tuple[dict[str, dict
         }
     total = sum(int(f["delivered"]) for f in figures.values())
     first = vacuum(conn, TOPIC_TABLES)
-    second = vacuum(conn, TOPIC_TABLES)
-    freeze = vacuum(conn, TOPIC_TABLES, "FREEZE")
     topic = {
         "delivered": total,
         "bytes": (sizes(conn, TOPIC_TABLES) - topic_before) / max(total, 1),
         "first_vacuum_us": 1e6 * first / total,
-        "second_vacuum_us": 1e6 * second / total,
-        "freeze_us": 1e6 * freeze / total,
     }
     return figures, topic
 
@@ -590,14 +503,10 @@ def steady(url: str, meter: Meter, rate: int, seconds: float) -> dict[str, float
         "delivered": delivered,
         "consumed": done,
         "wal_bytes_per_s": usage.wal_bytes / usage.seconds,
-        "wal_bytes_per_message": usage.wal_bytes / max(n, 1),
-        "wal_fpi_per_s": usage.wal_fpi / usage.seconds,
         "own_wal_bytes_per_s": (usage.own_wal_bytes or 0) / usage.seconds,
         "own_wal_bytes_per_message": (usage.own_wal_bytes or 0) / max(n, 1),
         "client_cores": usage.client_cpu / usage.seconds,
         "server_cores": usage.server_cpu / usage.seconds,
-        "cluster_cores": usage.cluster_cpu / usage.seconds,
-        "cpu_s_per_1000_sent_and_delivered": 1000 * (usage.client_cpu + usage.server_cpu) / max(n, 1),
     }
 
 
@@ -632,19 +541,14 @@ def idle_wal(meter: Meter, seconds: float = 10.0) -> float:
 
 def extrapolate(f: Figures, cores_per_store: int) -> dict[str, Any]:
     """1 billion pending and 100,000 msg/s from the per-message figures (linear: every figure measured here is per
-    row or per segment, and partitions keep each step's cost flat, bench/RESULTS.md "flat cost")."""
+    row or per segment, and partitions keep each step's cost flat)."""
     out: dict[str, Any] = {}
     # Storage of 1B pending timers: each kind alone, and a 30-day horizon's mix (near window 3 of 30 days).
     for kind, p in f.pending.items():
         out[f"storage_1B_{kind}_GiB"] = p["bytes"] * BILLION / 2**30
     mix = {"near": 0.1, "far": 0.9}
     out["storage_1B_mix_GiB"] = sum(f.pending[k]["bytes"] * share for k, share in mix.items()) * BILLION / 2**30
-    if "far" in f.small_batches:
-        out["storage_1B_far_small_batches_GiB"] = f.small_batches["far"]["bytes"] * BILLION / 2**30
     out["storage_1B_baseline_plain_table_GiB"] = f.baseline["copy"]["bytes"] * BILLION / 2**30
-    # Filling: what sending 1B costs at the big fill's rate (one producer connection, this machine).
-    out["send_1B_hours_one_connection"] = {k: BILLION / p["send_rate"] / 3600 for k, p in f.pending.items()}
-    # Vacuum: the first VACUUM of the tables after the fill, per row; the roll once a day.
     out["first_vacuum_1B_hours"] = {k: p["first_vacuum_us"] * BILLION / 1e6 / 3600 for k, p in f.pending.items()}
     far_per_day = BILLION * mix["far"] / 30
     out["roll_far_rows_per_day_30d_horizon"] = far_per_day
@@ -662,7 +566,6 @@ def extrapolate(f: Figures, cores_per_store: int) -> dict[str, Any]:
     wal_per_s = m["fixed_wal_bytes_per_s"] + max(m["wal_bytes"], 0.0) * TARGET_RATE
     out["wal_MB_per_s_steady"] = wal_per_s / 1e6
     out["wal_per_day_TiB_steady"] = wal_per_s * 86400 / 2**40
-    out["wal_per_day_TiB_steady_linear"] = fast["own_wal_bytes_per_s"] * TARGET_RATE / fast_rate * 86400 / 2**40
     out["wal_per_day_TiB_bulk"] = (wal(f.pending["near"]) + wal(f.delivery["wheel"])) * TARGET_RATE * 86400 / 2**40
     bulk_us = sum(x[k] for x in (f.pending["near"], f.delivery["wheel"]) for k in ("client_cpu_us", "server_cpu_us"))
     out["cores_total_bulk"] = bulk_us * TARGET_RATE / 1e6
@@ -672,7 +575,6 @@ def extrapolate(f: Figures, cores_per_store: int) -> dict[str, Any]:
     out["cores_total_steady_linear"] = (fast["server_cores"] + fast["client_cores"]) * TARGET_RATE / fast_rate
     out["cores_server_steady_linear"] = fast["server_cores"] * TARGET_RATE / fast_rate
     out["topic_storage_per_day_GiB"] = f.topic["bytes"] * TARGET_RATE * 86400 / 2**30
-    out["topic_storage_7d_retention_TiB"] = f.topic["bytes"] * TARGET_RATE * 86400 * 7 / 2**40
     # Single-lane limits: one pass at a time per lane, each pass one backend, so a lane delivers at most one core's
     # worth: 1 / (server + client CPU per message delivered). The rate measured here is lower when the machine is
     # shared (both are recorded).
@@ -697,88 +599,39 @@ def extrapolate(f: Figures, cores_per_store: int) -> dict[str, Any]:
     for label, n in (("one_store", 1), ("planned_stores", out["stores"])):
         spare = ceiling - TARGET_RATE / n
         out[f"catch_up_1h_outage_{label}_hours"] = TARGET_RATE / n * 3600 / spare / 3600 if spare > 0 else math.inf
-    # The roll's work a day: done in slices (deliver/wheel.py), each wheel pass moving one, so it is not a stop; the
-    # longest hold of the lane's lock is bench/roll_bench.py's figure.
-    out["roll_work_per_day_minutes_30d_horizon"] = out["roll_seconds_per_day_30d_horizon"] / 60
-    out["roll_work_per_day_minutes_30d_horizon_per_store"] = (
-        out["roll_work_per_day_minutes_30d_horizon"] / out["stores"]
-    )
+    out["roll_minutes_per_day_per_store"] = out["roll_seconds_per_day_30d_horizon"] / 60 / out["stores"]
     out["cores_per_store_assumed"] = cores_per_store
     out["headroom"] = headroom
     return out
 
 
-def report(f: Figures) -> None:
-    print("\n### Capacity (issue 21, item 4)\n")
-    print(f"scale {f.scale} (1.0: 10,000,000 pending), {f.environment}\n")
-    print(
-        "| pending timer | count | batch | bytes/timer | rows/timer | WAL B/timer (this database) | client µs | server µs | send msg/s "
-        "| 1st VACUUM µs/timer | 2nd VACUUM µs/timer |"
-    )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for label, group in (("", f.pending), (" (small calls)", f.small_batches)):
-        for kind, p in group.items():
-            print(
-                f"| {kind}{label} | {p['count']:,.0f} | {p['batch']:,.0f} | {p['bytes']:,.0f} | {p['rows']:.4f} | "
-                f"{wal(p):,.0f} | {p['client_cpu_us']:.2f} | {p['server_cpu_us']:.2f} | {p['send_rate']:,.0f} | "
-                f"{p['first_vacuum_us']:.3f} | {p['second_vacuum_us']:.3f} |"
-            )
-    b = f.baseline
-    print(
-        f"| baseline: plain table, COPY | | 20,000 | {b['copy']['bytes']:,.0f} | 1 | {wal(b['copy']):,.0f} | "
-        f"{b['copy']['client_cpu_us']:.2f} | {b['copy']['server_cpu_us']:.2f} | {b['copy']['rate']:,.0f} | | |"
-    )
-    print("\n| delivered | count | msg/s | topic bytes/msg | WAL B/msg (this database) | client µs | server µs |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    for lane, d in f.delivery.items():
-        print(
-            f"| {lane} | {d['delivered']:,.0f} | {d['rate']:,.0f} | {d['topic_bytes_before_vacuum']:,.0f} | "
-            f"{wal(d):,.0f} | {d['client_cpu_us']:.2f} | {d['server_cpu_us']:.2f} |"
+def notes(f: Figures) -> list[str]:
+    """The figures RESULTS.md and docs/capacity.md quote, with their baselines of the same run."""
+    b, e = f.baseline, f.extrapolated
+    per = ", ".join(f"{k} {p['bytes']:,.0f} B" for k, p in f.pending.items())
+    return [
+        f"scale {f.scale} (1.0: 10,000,000 pending); {f.environment}",
+        f"bytes per pending timer: {per} (a plain row by COPY: {b['copy']['bytes']:,.0f} B)",
+        "WAL per pending timer: "
+        + ", ".join(f"{k} {wal(p):,.0f} B" for k, p in f.pending.items())
+        + f" (a plain COPY row: {wal(b['copy']):,.0f} B)",
+        "per delivered message: "
+        + ", ".join(
+            f"{lane} {d['topic_bytes_before_vacuum']:,.0f} B in its topic, WAL {wal(d):,.0f} B, {d['rate']:,.0f} msg/s"
+            for lane, d in f.delivery.items()
         )
-    m = b["move"]
-    print(
-        f"| baseline: batched move | | {m['rate']:,.0f} | {m['bytes']:,.0f} | {wal(m):,.0f} | "
-        f"{m['client_cpu_us']:.2f} | {m['server_cpu_us']:.2f} |"
-    )
-    print("\nRatios (ours / baseline, same run):")
-    print(
-        f"- near-wheel timer bytes / plain row: {f.pending['near']['bytes'] / b['copy']['bytes']:.2f}; far: "
-        f"{f.pending['far']['bytes'] / b['copy']['bytes']:.2f}; level: {f.pending['level']['bytes'] / b['copy']['bytes']:.2f}"
-    )
-    print(
-        f"- WAL per near send / plain COPY row: {wal(f.pending['near']) / wal(b['copy']):.2f}; far: "
-        f"{wal(f.pending['far']) / wal(b['copy']):.2f}; level: {wal(f.pending['level']) / wal(b['copy']):.2f}"
-    )
-    print(
-        f"- WAL per wheel delivery / raw move: {wal(f.delivery['wheel']) / wal(m):.2f}; level: "
-        f"{wal(f.delivery['levels']) / wal(m):.2f}"
-    )
-    s1, s2 = f.single["send"], f.single["insert"]
-    w1, w2 = wal(s1), wal(s2)
-    print(
-        f"- single send / single-row INSERT: WAL {w1 / w2:.2f} ({w1:,.0f} / {w2:,.0f} B), server CPU {s1['server_cpu_us'] / s2['server_cpu_us']:.2f} "
-        f"({s1['server_cpu_us']:.0f} / {s2['server_cpu_us']:.0f} µs), rate {s1['rate']:,.0f} / {s2['rate']:,.0f} /s"
-    )
-    print(f"\nRoll: {f.roll}\nTopic: {f.topic}\nSteady: {f.steady}\n")
-    print("Extrapolated to 1 billion pending and 100,000 msg/s:")
-    for k, v in f.extrapolated.items():
-        print(f"- {k}: {v if not isinstance(v, float) else f'{v:,.2f}'}")
-    print(flush=True)
+        + f" (the raw batched move: WAL {wal(b['move']):,.0f} B, {b['move']['rate']:,.0f} msg/s)",
+        f"roll: {f.roll}; topic: {f.topic}",
+        f"WAL a day at 100,000 msg/s {e['wal_per_day_TiB_steady']:.1f} TiB; the wheel lane's ceiling"
+        f" {e['lane_ceiling_wheel_msg_s_by_cpu']:,.0f} msg/s; stores needed {e['stores']}",
+    ]
 
 
-def main() -> Figures:
-    args = parse_args()
-    if args.from_json:
-        f = Figures(**{k: v for k, v in json.loads(args.from_json.read_text()).items() if k != "extrapolated"})
-        f.extrapolated = extrapolate(f, args.cores_per_store)
-        report(f)
-        return f
+def main(argv: list[str] | None = None, name: str = "capacity") -> list:
+    args = parse_args(argv)
+    started = datetime.now(UTC)
     n_near, n_far, n_level = scaled(3_000_000, args.scale), scaled(5_000_000, args.scale), scaled(2_000_000, args.scale)
-    n_small, n_base, n_single = (
-        scaled(200_000, args.scale),
-        scaled(1_000_000, args.scale),
-        scaled(10_000, args.scale, 1000),
-    )
+    n_base = scaled(1_000_000, args.scale)
     f = Figures(scale=args.scale)
     url = fresh_database(DB)
     try:
@@ -790,42 +643,25 @@ def main() -> Figures:
                 "loadavg_before": Path("/proc/loadavg").read_text().split()[:3],
                 "cpus": os.cpu_count(),
                 "idle_wal_bytes_per_s": idle_wal(meter),
-                "server": conn.execute("SHOW server_version").fetchone()[0],
-            }  # type: ignore[index]
-            log(f"baselines: {n_base} rows by COPY and a batched move; {n_single} single sends and INSERTs")
+                "server": conn.execute("SHOW server_version").fetchone()[0],  # type: ignore[index]
+            }
+            log(f"baselines: {n_base} rows by COPY and a batched move")
             f.baseline = baselines(store, meter, n_base, real0)
-            f.single = single_sends(store, meter, n_single)
             for kind, count in (("near", n_near), ("far", n_far), ("level", n_level)):
                 log(f"pending {kind}: {count} timers in calls of {args.batch}")
                 f.pending[kind] = fill(store, meter, kind, count, args.batch, real0, kind)
                 log(f"   {f.pending[kind]['bytes']:,.0f} B/timer, {f.pending[kind]['send_rate']:,.0f} msg/s")
-            for kind in ("near", "far", "level"):
-                log(f"pending {kind}, small calls: {n_small} timers in calls of 100")
-                f.small_batches[kind] = fill(
-                    store, meter, kind, n_small // (5 if kind == "near" else 1), 100, real0, f"small-{kind}"
-                )
             for rate in (args.rate, 4 * args.rate):
                 log(f"steady: {rate} msg/s for {args.seconds:.0f} s on the real clock")
                 f.steady[str(rate)] = steady(url, meter, rate, args.seconds)
-                log(f"   {f.steady[str(rate)]}")
             f.steady["marginal"] = marginal(f.steady[str(args.rate)], f.steady[str(4 * args.rate)])
             log("roll: the clock one and two days ahead")
             f.roll = roll(store, meter, real0)
-            log(f"   {f.roll['rows']:,.0f} rows in {f.roll['seconds']:.1f} s")
             log("delivery: the wheel's next day and every level, injected clock")
             f.delivery, f.topic = deliver(store, meter, real0)
             f.environment["loadavg_after"] = Path("/proc/loadavg").read_text().split()[:3]
-            f.environment["database_bytes"] = conn.execute("SELECT pg_database_size(current_database())").fetchone()[0]  # type: ignore[index]
     finally:
         drop_database(DB)
     f.extrapolated = extrapolate(f, args.cores_per_store)
-    report(f)
-    if args.json:
-        args.json.write_text(json.dumps(asdict(f), indent=1, default=str) + "\n")
-    log(f"database size at the end: {mib(f.environment.get('database_bytes', 0))}")
-    return f
-
-
-if __name__ == "__main__":
-    main()
-    sys.exit(0)
+    report(name, "Capacity at 1/100 scale, extrapolated to 1 billion", [], notes(f), started, argv, asdict(f))
+    return []

@@ -18,17 +18,14 @@ The messages are made due by an injected send clock (`send_many(now=…)` a minu
 consumer run on the real clock. Bodies are the benchmarks' ~90-byte bytes (common.body), not JSON: no body decode
 on either side. Targets: (b) >= 0.8 x (a) and (b) >= 1.0 x (c).
 
-Run: `python -m bench.consumer_drain` (`--scale 0.1` for 100,000; `--profile` profiles the consumer process).
+    python -m bench consumer_drain [--scale 0.1] [--max-messages 1000]
 """
 
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
 import multiprocessing as mp
 import os
-import pstats
 import re
 import resource
 import subprocess
@@ -43,7 +40,7 @@ import psycopg
 from delaywheel import Message, Store
 from delaywheel.dev.local_airflow import as_url
 
-from .common import Check, at_least, body, chunks, drop_database, fresh_database, log, print_section, scaled
+from .common import Check, at_least, body, chunks, drop_database, fresh_database, log, report, scaled
 
 DB = "delaywheel_bench_drain"
 TOPIC_DELIVERY = "bench.drain.delivery"
@@ -111,9 +108,9 @@ class Deliverer:
         self.proc.wait(timeout=60)
 
 
-def consumer(url: str, count: int, max_messages: int, profile: bool, ready: Any, out: Any) -> None:
+def consumer(url: str, count: int, max_messages: int, ready: Any, out: Any) -> None:
     """The consumer process: `count` messages through `Store.consume`, then (time of the last ack, its totals,
-    its CPU seconds, the profile's top lines)."""
+    its CPU seconds)."""
     seen = 0
 
     def handler(messages: list) -> None:
@@ -121,23 +118,13 @@ def consumer(url: str, count: int, max_messages: int, profile: bool, ready: Any,
         for m in messages:  # look at each message, as a real handler would
             seen += len(m.body)
 
-    profiler = cProfile.Profile() if profile else None
     with Store(url) as store:
         store.conn  # noqa: B018  (connected before the clock starts)
-        if profiler:
-            profiler.enable()
         ready.set()
         totals = store.consume(TOPIC_E2E, GROUP, handler, max_messages=max_messages, limit=count)
         finished = time.time()
-        if profiler:
-            profiler.disable()
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    report = ""
-    if profiler:
-        text = io.StringIO()
-        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
-        report = text.getvalue()
-    out.send((finished, vars(totals), usage.ru_utime + usage.ru_stime, report))
+    out.send((finished, vars(totals), usage.ru_utime + usage.ru_stime))
 
 
 def last_delivery(conn: psycopg.Connection, topic: str) -> tuple[float, float, int]:
@@ -174,14 +161,14 @@ def delivery_only(url: str, store: Store, count: int, batch: int) -> tuple[float
     return count / seconds, first - deliverer.ready_at
 
 
-def end_to_end(url: str, store: Store, count: int, batch: int, max_messages: int, profile: bool) -> dict[str, Any]:
+def end_to_end(url: str, store: Store, count: int, batch: int, max_messages: int) -> dict[str, Any]:
     """(b): the consumer waits on the topic; the deliverer starts once everything is loaded."""
     log(f"(b) loading {count:,} due messages ({load(store, TOPIC_E2E, count, batch):.1f} s)")
     settle(store.conn)
     ctx = mp.get_context("spawn")
     rx, tx = ctx.Pipe(duplex=False)
     ready = ctx.Event()
-    proc = ctx.Process(target=consumer, args=(url, count, max_messages, profile, ready, tx))
+    proc = ctx.Process(target=consumer, args=(url, count, max_messages, ready, tx))
     proc.start()
     if not ready.wait(120):
         proc.kill()
@@ -191,7 +178,7 @@ def end_to_end(url: str, store: Store, count: int, batch: int, max_messages: int
     try:
         if not rx.poll(900):
             raise RuntimeError("(b) the consumer did not finish within 900 s")
-        finished, totals, cpu_s, report = rx.recv()
+        finished, totals, cpu_s = rx.recv()
         proc.join(30)
     finally:
         deliverer.stop()
@@ -212,7 +199,6 @@ def end_to_end(url: str, store: Store, count: int, batch: int, max_messages: int
         "delivery_seconds": delivered_last - deliverer.ready_at,
         "totals": totals,
         "cpu_s": cpu_s,
-        "profile": report,
     }
 
 
@@ -246,7 +232,7 @@ def raw_drain(conn: psycopg.Connection, count: int, n: int) -> tuple[float, bool
     return count / seconds, "Seq Scan" in "".join(r[0] for r in planned)
 
 
-def run(args: argparse.Namespace) -> tuple[list[Check], list[str], str]:
+def run(args: argparse.Namespace) -> tuple[list[Check], list[str]]:
     count = scaled(1_000_000, args.scale)
     url = fresh_database(DB)
     load_before = os.getloadavg()
@@ -254,7 +240,7 @@ def run(args: argparse.Namespace) -> tuple[list[Check], list[str], str]:
         store.prepare()
         delivery, first_s = delivery_only(url, store, count, args.batch)
         raw, seq_planned = raw_drain(store.conn, count, args.max_messages)
-        e2e = end_to_end(url, store, count, args.batch, args.max_messages, args.profile)
+        e2e = end_to_end(url, store, count, args.batch, args.max_messages)
     load_after = os.getloadavg()
     drop_database(DB)
     totals = e2e["totals"]
@@ -283,32 +269,19 @@ def run(args: argparse.Namespace) -> tuple[list[Check], list[str], str]:
         f"load average before {load_before[0]:.1f}, after {load_after[0]:.1f} (2 cores shared)"
         + (f"; {args.note}" if args.note else ""),
     ]
-    return checks, notes, e2e["profile"]
+    return checks, notes
 
 
-def main(argv: list[str] | None = None) -> list[Check]:
-    parser = argparse.ArgumentParser(description=__doc__)
+def main(argv: list[str] | None = None, name: str = "consumer_drain") -> list[Check]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--scale", type=float, default=1.0, help="multiply the message count (1.0 = 1,000,000)")
     parser.add_argument("--batch", type=int, default=20_000, help="messages per send_many when loading")
     parser.add_argument(
         "--max-messages", type=int, default=1000, help="the consumer's batch (max_messages) and the raw drain's LIMIT"
     )
-    parser.add_argument("--profile", action="store_true", help="profile the consumer process (cProfile)")
     parser.add_argument("--note", default="", help="a note for the results (e.g. the background load)")
-    args, _ = parser.parse_known_args(argv)  # run_all passes its own arguments to every module
+    args = parser.parse_args(argv)
     started = datetime.now(UTC)
-    checks, notes, report = run(args)
-    print_section(
-        "End-to-end drain by one consumer (issue 19)",
-        checks,
-        notes,
-        started,
-        "python -m bench.consumer_drain " + " ".join(argv if argv is not None else sys.argv[1:]),
-    )
-    if report:
-        print(report)
+    checks, notes = run(args)
+    report(name, "End-to-end drain by one consumer", checks, notes, started, argv)
     return checks
-
-
-if __name__ == "__main__":
-    sys.exit(0 if all(c.passed for c in main()) else 1)

@@ -5,40 +5,32 @@ Three processes on one store: a producer sending a steady `--rate` (1,000) messa
 (`Store.consume` in a process of its own) recording, per message, when its handler got it (`time.time()`, the same
 clock as the database's on this machine) minus its due time. Reported: the consumer's p50 / p99 / max, early (must
 be 0), duplicates and missing, against the issue's targets, beside the delivery-only lateness (delivered_at -
-deliver_at) of the same messages as the baseline: the ratio is what the consumer adds. To tell where a slow message's
-time went, the consumer's process also records its timeline (`Timeline`: each pull with the CPU time and run-queue
-wait of the consumer and of its server process, each wait, each long garbage collection), and the three slowest
-messages are shown against it.
+deliver_at) of the same messages as the baseline: the ratio is what the consumer adds.
 
-Run: `python -m bench.consumer_lateness --minutes 3` (the issue's figure is for 10 minutes); `--freeze` freezes the
-consumer's start-up heap first, as the CLI's `consume` does.
+    python -m bench consumer_lateness [--minutes 10] [--freeze] [--scale S: minutes = 10 x S]
+
+`--freeze` freezes the consumer's start-up heap first, as the CLI's `consume` does.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import gc
 import multiprocessing as mp
 import os
 import random
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import numpy as np
 
 from delaywheel import Message, Store
-from delaywheel.consume import consumer as consumer_module
-from delaywheel.consume import topics
 from delaywheel.dev.local_airflow import as_url
 from delaywheel.heap import freeze_after_startup
 
-from .common import Check, drop_database, fresh_database, load_options, log, print_section
+from .common import Check, drop_database, fresh_database, load_options, log, report
 
 DB = "delaywheel_bench_consumer"
 TOPIC = "bench.consume"
@@ -69,11 +61,9 @@ def produce(url: str, rate: int, seconds: float, seed: int, out: Any) -> None:
 
 
 def consume(url: str, stop: Any, count: Any, out: Any, freeze: bool) -> None:
-    """The library consumer; per message (message_id, received, due, delivered) as epoch seconds, and the consumer's
-    timeline (`Timeline`) to explain its slowest messages. `freeze`: its start-up heap frozen first, as the CLI's
-    `consume` does (heap.py)."""
+    """The library consumer; per message (message_id, received, due, delivered) as epoch seconds. `freeze`: its
+    start-up heap frozen first, as the CLI's `consume` does (heap.py)."""
     seen: list[tuple[int, float, float, float]] = []
-    timeline = Timeline()
     if freeze:
         freeze_after_startup()
 
@@ -82,135 +72,9 @@ def consume(url: str, stop: Any, count: Any, out: Any, freeze: bool) -> None:
         seen.extend((m.message_id, now, m.deliver_at.timestamp(), m.delivered_at.timestamp()) for m in messages)
         count.value = len(seen)
 
-    before = schedstat("self")
-    with Store(url) as store, timeline.recording():
+    with Store(url) as store:
         totals = store.consume(TOPIC, GROUP, handler, max_messages=500, stop=stop)
-    out.send((seen, vars(totals), delta(before, schedstat("self")), timeline))
-
-
-@dataclass
-class Timeline:
-    """What the consumer did, as (start, end, detail) in epoch seconds: its pulls (`topics.ack_and_pull`, detail the
-    rows pulled, negative when it found rows past the offset it could not read yet; then the ms the consumer and its
-    server process each spent on a CPU and runnable waiting for one during the pull, from /proc's schedstat), its
-    waits (`Consumer._wait`, detail 1 when a notification ended the wait) and the interpreter's garbage collections
-    of 2 ms or more (detail the generation). Recorded by wrapping the two functions and through `gc.callbacks`, in
-    the consumer's process only; the library itself keeps no such log."""
-
-    pulls: list[tuple[float, float, int, float, float, float, float]] = field(default_factory=list)
-    waits: list[tuple[float, float, int]] = field(default_factory=list)
-    collections: list[tuple[float, float, int]] = field(default_factory=list)
-
-    @contextlib.contextmanager
-    def recording(self) -> Iterator[None]:
-        real_pull, real_wait = topics.ack_and_pull, consumer_module.Consumer._wait
-        depth = [0]  # ack_and_pull calls itself on a fallback: record the outer call
-
-        def pull(conn: Any, *args: Any, **kwargs: Any) -> Any:
-            backend = str(conn.info.backend_pid)
-            start, mine, theirs = time.time(), schedstat("thread-self"), schedstat(backend)
-            depth[0] += 1
-            try:
-                result = real_pull(conn, *args, **kwargs)
-            finally:
-                depth[0] -= 1
-            if not depth[0]:
-                batch = result[1]
-                (my_run, my_wait, _), (their_run, their_wait, _) = (
-                    delta(mine, schedstat("thread-self")),
-                    delta(theirs, schedstat(backend)),
-                )
-                rows = len(batch.messages) or (-1 if batch.behind else 0)
-                self.pulls.append(
-                    (start, time.time(), rows, my_run / 1e6, my_wait / 1e6, their_run / 1e6, their_wait / 1e6)
-                )
-            return result
-
-        collecting = [0.0]
-
-        def collected(phase: str, info: dict[str, int]) -> None:
-            if phase == "start":
-                collecting[0] = time.time()
-            elif (end := time.time()) - collecting[0] >= 0.002:
-                self.collections.append((collecting[0], end, info["generation"]))
-
-        def wait(consumer: Any, seconds: float) -> bool:
-            start = time.time()
-            woke = real_wait(consumer, seconds)
-            self.waits.append((start, time.time(), int(woke)))
-            return woke
-
-        topics.ack_and_pull, consumer_module.Consumer._wait = pull, wait  # type: ignore[method-assign, assignment]
-        gc.callbacks.append(collected)
-        try:
-            yield
-        finally:
-            gc.callbacks.remove(collected)
-            topics.ack_and_pull, consumer_module.Consumer._wait = real_pull, real_wait  # type: ignore[method-assign]
-
-    def explain(self, received: float, delivered: float, due: float) -> str:
-        """Where one message's time between its delivery and its handler went: the pulls, waits and collections in
-        between."""
-        steps: list[tuple[Any, ...]] = [("pull", *p) for p in self.pulls] + [("wait", *w) for w in self.waits]
-        steps += [("gc", *c) for c in self.collections]
-        between = sorted((s for s in steps if s[2] > delivered - 0.05 and s[1] < received), key=lambda s: s[1])
-        shown = ", ".join(
-            f"{step[0]} {(step[1] - due) * 1000:+.0f}..{(step[2] - due) * 1000:+.0f}{_detail(step)}"
-            for step in between[-8:]
-        )
-        return (
-            f"due {datetime.fromtimestamp(due, UTC):%H:%M:%S.%f}"[:-3] + f" UTC, delivered"
-            f" {(delivered - due) * 1000:+.0f}, received {(received - due) * 1000:+.0f} ms;"
-            f" {len(between)} steps in between{', the last: ' + shown if shown else ''}"
-        )
-
-    def slow_pulls(self, over_s: float) -> str:
-        """The pulls' durations, and where the time of those over `over_s` went (the slow ones' total, of it the
-        server process runnable but waiting for a CPU, and the consumer the same), and the longest collections."""
-        if not self.pulls:
-            return "no pulls"
-        pulls = np.array(self.pulls)  # the columns of `pulls`' tuples
-        durations = (pulls[:, 1] - pulls[:, 0]) * 1000
-        slow = durations > over_s * 1000
-        return (
-            f"pulls: {len(durations):,}, duration p50 {np.percentile(durations, 50):.1f} ms, p99"
-            f" {np.percentile(durations, 99):.1f} ms, max {durations.max():.1f} ms; {int(slow.sum())} over"
-            f" {over_s * 1000:.0f} ms, {durations[slow].sum():.0f} ms in all, of which its server"
-            f" process waited for a CPU {pulls[slow, 6].sum():.0f} ms and the consumer {pulls[slow, 4].sum():.0f} ms;"
-            f" garbage collections of 2 ms or more: {len(self.collections)}, longest"
-            f" {max((c[1] - c[0] for c in self.collections), default=0) * 1000:.1f} ms"
-        )
-
-
-def _detail(step: tuple[Any, ...]) -> str:
-    kind, detail = step[0], step[3]
-    if kind == "pull":
-        return (
-            f" ({detail} rows; consumer on a CPU {step[4]:.0f} ms, runnable {step[5]:.0f} ms;"
-            f" its server process {step[6]:.0f} / {step[7]:.0f} ms)"
-        )
-    if kind == "gc":
-        return f" (generation {detail})"
-    return " (notified)" if detail else ""
-
-
-def schedstat(pid: str) -> tuple[int, int, int]:
-    """A process's (ns on a CPU, ns waiting for one while runnable, timeslices) so far (/proc/PID/schedstat)."""
-    with open(f"/proc/{pid}/schedstat") as f:
-        run_ns, wait_ns, slices = (int(v) for v in f.read().split())
-    return run_ns, wait_ns, slices
-
-
-def delta(before: tuple[int, int, int], after: tuple[int, int, int]) -> tuple[int, int, int]:
-    return after[0] - before[0], after[1] - before[1], after[2] - before[2]
-
-
-def cpu_note(name: str, stat: tuple[int, int, int]) -> str:
-    run_ns, wait_ns, slices = stat
-    return (
-        f"{name}: {run_ns / 1e9:.1f} s on a CPU, {wait_ns / 1e9:.1f} s runnable but waiting for one,"
-        f" {slices:,} timeslices (mean wait {wait_ns / max(slices, 1) / 1e6:.2f} ms)"
-    )
+    out.send((seen, vars(totals)))
 
 
 def percentiles(values: np.ndarray) -> tuple[float, float, float]:
@@ -236,7 +100,6 @@ def run(args: argparse.Namespace) -> tuple[list[Check], list[str]]:
     consumer = ctx.Process(target=consume, args=(url, stop, count, consumed_tx, args.freeze))
     producer = ctx.Process(target=produce, args=(url, args.rate, seconds, args.seed, produced_tx))
     load_before = os.getloadavg()
-    deliverer_before = schedstat(str(deliverer.pid))
     try:
         consumer.start()
         time.sleep(3.0)  # the consumer and the deliverer are up and waiting
@@ -250,8 +113,7 @@ def run(args: argparse.Namespace) -> tuple[list[Check], list[str]]:
             time.sleep(0.2)
         time.sleep(2.0)  # anything extra (a duplicate) would show up now
         stop.set()
-        seen, totals, consumer_cpu, timeline = consumed_rx.recv()
-        deliverer_cpu = delta(deliverer_before, schedstat(str(deliverer.pid)))
+        seen, totals = consumed_rx.recv()
         consumer.join(30)
     finally:
         stop.set()
@@ -296,12 +158,6 @@ def run(args: argparse.Namespace) -> tuple[list[Check], list[str]]:
         f" ({totals['repulls']:,} looks again after a notified pull found nothing readable), {totals['busy']} busy,"
         f" {totals['reconnects']} reconnects; start-up heap "
         + ("frozen (gc.freeze, as the CLI's consume does)" if args.freeze else "not frozen"),
-        cpu_note("consumer process", consumer_cpu) + "; " + cpu_note("deliverer process", deliverer_cpu),
-        "consumer " + timeline.slow_pulls(0.1),
-        *(
-            f"slowest message {rank + 1}: " + timeline.explain(received[first][i], delivered[first][i], due[first][i])
-            for rank, i in enumerate(np.argsort(lateness_ms)[::-1][:3])
-        ),
         f"load average before {load_before[0]:.1f}, after {load_after[0]:.1f} (2 cores shared)"
         + (f"; {args.note}" if args.note else ""),
     ]
@@ -309,21 +165,14 @@ def run(args: argparse.Namespace) -> tuple[list[Check], list[str]]:
     return checks, notes
 
 
-def main(argv: list[str] | None = None) -> list[Check]:
-    parser = load_options(argparse.ArgumentParser(description=__doc__), minutes=3.0, seed=19)
+def main(argv: list[str] | None = None, name: str = "consumer_lateness") -> list[Check]:
+    parser = load_options(argparse.ArgumentParser(description=__doc__), minutes=10.0, seed=19)
     parser.add_argument("--freeze", action="store_true", help="freeze the consumer's start-up heap, as the CLI does")
-    args, _ = parser.parse_known_args(argv)  # run_all passes its own arguments (--scale) to every module
+    parser.add_argument("--scale", type=float, help="minutes = 10 x scale (`python -m bench contract --scale S`)")
+    args = parser.parse_args(argv)
+    if args.scale is not None:
+        args.minutes = 10 * args.scale
     started = datetime.now(UTC)
     checks, notes = run(args)
-    print_section(
-        "Consumer-observed lateness, library consumer (issue 19)",
-        checks,
-        notes,
-        started,
-        "python -m bench.consumer_lateness " + " ".join(argv if argv is not None else sys.argv[1:]),
-    )
+    report(name, "Consumer-observed lateness, library consumer", checks, notes, started, argv)
     return checks
-
-
-if __name__ == "__main__":
-    sys.exit(0 if all(c.passed for c in main()) else 1)

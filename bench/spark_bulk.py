@@ -29,9 +29,9 @@ import pyarrow as pa
 import pyarrow.csv as pcsv
 import pyarrow.parquet as pq
 
-from .common import Check, at_least, body, drop_database, fresh_database, log, parse_args, print_section, scaled
+from .common import Check, at_least, body, drop_database, fresh_database, log, parse_args, report, scaled
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "plugins" / "delaywheel" / "spark"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins" / "delaywheel" / "spark"))
 import bulk_enqueue  # a spark/ script, imported by module name like the tests do
 import sparkjob
 
@@ -137,8 +137,8 @@ def warm_up(spark: object, path: Path) -> str:
     ).format(WARM_UP_ROWS, *times)
 
 
-def main() -> list[Check]:
-    args = parse_args(__doc__.splitlines()[0])
+def main(argv: list[str] | None = None, name: str = "spark_bulk") -> list[Check]:
+    args = parse_args(__doc__.splitlines()[0], argv)
     count = scaled(ROWS, args.scale)
     os.environ.setdefault("DELAYWHEEL_INPUT_ROOTS", str(BENCH_INPUT))  # bulk enqueue reads only under an input root
     started_at = datetime.now(UTC)
@@ -174,7 +174,8 @@ def main() -> list[Check]:
         at_least("bulk enqueue vs raw COPY (rows/s)", count / ours, count / raw, 0.5),
         at_least("bulk enqueue vs Spark JDBC writer (rows/s)", count / ours, count / jdbc, 3.0),
     ]
-    print_section(
+    report(
+        name,
         f"Bulk enqueue from Parquet, {count:,} rows",
         checks,
         [
@@ -188,11 +189,7 @@ def main() -> list[Check]:
             warmed,
         ],
         started_at,
-        f"python -m bench.spark_bulk --scale {args.scale}",
+        argv,
     )
     spark.stop()
     return checks
-
-
-if __name__ == "__main__":
-    main()

@@ -20,10 +20,10 @@ import psycopg
 
 from delaywheel import Message, Settings, Store
 
-from .common import Check, at_least, body, chunks, fresh_database, log, parse_args, print_section, scaled
-from .store_bench import RAW_MOVE
+from .common import Check, at_least, body, chunks, fresh_database, log, parse_args, report, scaled
+from .delivery import RAW_MOVE
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "plugins" / "delaywheel" / "spark"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins" / "delaywheel" / "spark"))
 import redeliver  # a spark/ script, imported by module name like the tests do
 import sparkjob
 
@@ -64,8 +64,8 @@ def raw_move(url: str, count: int) -> float:
         return time.perf_counter() - started
 
 
-def main() -> list[Check]:
-    args = parse_args(__doc__.splitlines()[0])
+def main(argv: list[str] | None = None, name: str = "spark_catchup") -> list[Check]:
+    args = parse_args(__doc__.splitlines()[0], argv)
     count = scaled(ROWS, args.scale)
     started_at = datetime.now(UTC)
     url = fresh_database(DB)
@@ -81,7 +81,7 @@ def main() -> list[Check]:
     spark.sparkContext.setLogLevel("ERROR")
     spark.range(1).count()  # the JVM is warm before the clock starts
     t = time.perf_counter()
-    report = redeliver.main(
+    job = redeliver.main(
         ["--db-url", url, "--now", (T0 + timedelta(hours=3)).isoformat(), "--mode", "catch-up", "--batch", str(PASS)]
     )
     ours = time.perf_counter() - t
@@ -89,9 +89,10 @@ def main() -> list[Check]:
         delivered = conn.execute(
             "SELECT count(*), count(DISTINCT message_id) FROM delaywheel.topic_messages"
         ).fetchone()
-    assert report["delivered"] == count and delivered == (count, count), (report["delivered"], delivered)
+    assert job["delivered"] == count and delivered == (count, count), (job["delivered"], delivered)
     checks = [at_least("catch-up vs raw batched move (messages/s)", count / ours, count / raw, 0.5)]
-    print_section(
+    report(
+        name,
         f"Catch-up of {count:,} overdue messages",
         checks,
         [
@@ -101,11 +102,7 @@ def main() -> list[Check]:
             f"Spark local[*] on {spark.sparkContext.defaultParallelism} cores",
         ],
         started_at,
-        f"python -m bench.spark_catchup --scale {args.scale}",
+        argv,
     )
     spark.stop()
     return checks
-
-
-if __name__ == "__main__":
-    main()

@@ -18,9 +18,9 @@ import psycopg
 from delaywheel import Settings
 from delaywheel.partitions import HOUR, PartitionCache
 
-from .common import Check, fresh_database, log, parse_args, print_section, scaled, smaller
+from .common import Check, fresh_database, log, parse_args, report, scaled, smaller
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "plugins" / "delaywheel" / "spark"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins" / "delaywheel" / "spark"))
 import lateness_quality  # a spark/ script, imported by module name like the tests do
 import sparkjob
 
@@ -68,8 +68,8 @@ def populate(url: str, count: int) -> None:
         conn.execute("ANALYZE delaywheel.level_segments; ANALYZE delaywheel.topic_messages")
 
 
-def main() -> list[Check]:
-    args = parse_args(__doc__.splitlines()[0])
+def main(argv: list[str] | None = None, name: str = "spark_lateness") -> list[Check]:
+    args = parse_args(__doc__.splitlines()[0], argv)
     count = scaled(ROWS, args.scale)
     started_at = datetime.now(UTC)
     url = fresh_database(DB)
@@ -96,7 +96,8 @@ def main() -> list[Check]:
     took = time.perf_counter() - t
     assert result.success, result.message()
     checks = [smaller("lateness job over the window (seconds)", took, BUDGET_S)]
-    print_section(
+    report(
+        name,
         f"Lateness quality over {count:,} deliveries",
         checks,
         [
@@ -105,11 +106,7 @@ def main() -> list[Check]:
             f"Spark local[*] on {spark.sparkContext.defaultParallelism} cores",
         ],
         started_at,
-        f"python -m bench.spark_lateness --scale {args.scale}",
+        argv,
     )
     spark.stop()
     return checks
-
-
-if __name__ == "__main__":
-    main()

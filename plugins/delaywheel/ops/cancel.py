@@ -85,11 +85,8 @@ _LOOKUP: dict[str, tuple[sql.Composable, sql.Composable, sql.Composable, sql.Com
 }
 
 
-def _find_one(
-    first: sql.Composable, segments: sql.Composable, rows: sql.Composable, positions: sql.Composable | None = None
-) -> str:
-    """The lookup as text, from a _LOOKUP entry (without `positions`, every segment found is unnested whole: the
-    find before migrations/032, which bench.cancel_bench compares)."""
+def _find_one(first: sql.Composable, segments: sql.Composable, rows: sql.Composable, positions: sql.Composable) -> str:
+    """The lookup as text, from a _LOOKUP entry."""
     return (
         sql.SQL("{} SELECT p.id, p.deliver_at, p.key, p.lane, p.level, p.xid::text FROM ({}) p")
         .format(first, pending(segments, rows, positions))
