@@ -3,14 +3,15 @@
 Copy this file, set TOPIC and GROUP, and replace `handle()` with your processing.
 
 How it works:
-- This DAG is scheduled on the topic's Asset, `delaywheel://topics/<topic>`, so Airflow starts a run after
-  new deliveries. Two things record events for it: the topic's watcher (`TopicMessagesTrigger`, an
-  `AssetWatcher` running in the triggerer) within about a second of messages becoming readable, and the
-  deliver DAG's final task (`publish_topic_events`), once per deliver run, as a backstop. The deliver tasks
-  themselves emit none (Airflow would record them only when their lease of minutes ends).
-  A watcher's event extra arrives wrapped by Airflow, `{"from_trigger": true, "payload": {topic, lane,
-  count, first/last (xid, queue_offset)}}`; `publish_topic_events` gives those fields unwrapped, with
-  `lanes`. `consume` only logs them.
+- This DAG is scheduled on the topic's Asset, `delaywheel://topics/<topic>`, or its group's retry topic's
+  (`consumer_schedule(TOPIC, GROUP)`: an event on either starts a run), so Airflow starts a run after new
+  deliveries and when a failed message's retry falls due, on a quiet topic too. Two things record events for
+  each: its watcher (`TopicMessagesTrigger`, an `AssetWatcher` running in the triggerer) within about a second
+  of messages becoming readable, and the deliver DAG's final task (`publish_topic_events`), once per deliver
+  run, as a backstop. The deliver tasks themselves emit none (Airflow would record them only when their lease
+  of minutes ends). A watcher's event extra arrives wrapped by Airflow, `{"from_trigger": true, "payload":
+  {topic, lane, count, first/last (xid, queue_offset)}}`; `publish_topic_events` gives those fields unwrapped,
+  with `lanes`. `consume` only logs them.
 - The run does not trust the events for *what* to read: it pulls from the topic by consumer group
   (the group's committed offset), handles the batch, acks it, and repeats until the topic is drained.
   Events that arrive while a run is active, or while the DAG is paused, are therefore never a gap:
@@ -29,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import DAG, Param, task
 
-from delaywheel.airflow.operators import topic_asset
+from delaywheel.airflow.operators import consumer_schedule
 
 if TYPE_CHECKING:  # for the annotation only: Airflow parses this file every 30 s, and the store's code is not light
     from delaywheel import Delivered
@@ -51,7 +52,7 @@ def handle(messages: list[Delivered]) -> set[int]:
 
 with DAG(
     dag_id="delaywheel_consumer_template",
-    schedule=[topic_asset(TOPIC)],
+    schedule=consumer_schedule(TOPIC, GROUP),  # the topic's Asset or its group's retries': not a list (that is AND)
     start_date=datetime(2025, 1, 1),
     catchup=False,
     max_active_runs=1,  # one consumer of the group at a time keeps batches in order

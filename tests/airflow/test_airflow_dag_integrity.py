@@ -88,7 +88,11 @@ def test_every_dag_imports_without_touching_the_store_or_spark(airflow_db: dict[
         "publish_topic_events",
     ]
     assert result["levels"] == {f"deliver_level_{n}": n for n in range(1, default + 1)}
-    assert result["consumer_assets"] == ["delaywheel://topics/orders"]
+    # the topic's Asset or its group's retry topic's (consumer_schedule): retries wake the consumer too
+    assert result["consumer_assets"] == [
+        "delaywheel://topics/orders",
+        "delaywheel://topics/%25RETRY%25orders-template",
+    ]
     # the grid lists the lanes in level order (level 2 before level 10), under their tasks' display names
     assert result["grid"][:3] == ["level 1 (1s)", "level 2 (5s)", "level 3 (10s)"]
     assert result["grid"][9:] == [

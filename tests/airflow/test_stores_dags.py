@@ -94,7 +94,12 @@ def test_one_deliver_dag_per_store_on_its_connection_and_pool(airflow_db: dict[s
     steps = ["prepare", "retire", "summarize", "table_sizes", "vacuum"]
     assert result["maintenance"] == sorted(f"store_{s}.{step}" for s in ("a", "b") for step in steps)
     assert result["maintenance_conns"] == ["delaywheel_a", "delaywheel_b"]
-    assert result["watchers"] == [["delaywheel_topic_orders_b", "delaywheel_b"]]
+    # the topic's on its route's store; the group's retry topic's on every store (each store's ack writes its own)
+    assert result["watchers"] == [
+        ["delaywheel_topic_orders_b", "delaywheel_b"],
+        ["delaywheel_topic_%25RETRY%25orders-template_a", "delaywheel_a"],
+        ["delaywheel_topic_%25RETRY%25orders-template_b", "delaywheel_b"],
+    ]
     # the shop's Spark jobs work on the store of its timeouts' topic; the store jobs' forms have a store field
     shop_store = Router(["a", "b"]).store_for("shop.order-timeout")
     for args in result["shop_args"]:

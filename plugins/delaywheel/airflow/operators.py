@@ -31,11 +31,12 @@ from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
-from airflow.sdk import Asset, AssetAlias, AssetWatcher, BaseOperator, Context
+from airflow.sdk import Asset, AssetAlias, AssetAny, AssetWatcher, BaseOperator, Context
 from airflow.sdk.module_loading import import_string
 
 from delaywheel.config import Settings, load_settings
 from delaywheel.lanes import EVERY_LANE, Lane, all_lanes, lane_name
+from delaywheel.produce.validation import RETRY_PREFIX
 from delaywheel.types import TopicSpan, add_spans, event_extra
 
 from .connections import DEFAULT_CONN_ID, store_conn_id, topic_conn_ids, topic_stores
@@ -70,6 +71,14 @@ def topic_asset(topic: str) -> Asset:
         for store in topic_stores(topic)
     ]
     return Asset(name=uri, uri=uri, group="delaywheel", watchers=watchers)
+
+
+def consumer_schedule(topic: str, group: str) -> AssetAny:
+    """What a consumer DAG of `group` on `topic` is scheduled on: the topic's Asset or the group's retry topic's
+    (`%RETRY%<group>`), each with its watcher. A failed message comes back through the retry topic only; a DAG
+    scheduled on `topic_asset(topic)` alone would wait for the next ordinary message to read it (for ever on a quiet
+    topic). Pass it as the schedule itself (`schedule=consumer_schedule(...)`): a list of Assets means all of them."""
+    return AssetAny(topic_asset(topic), topic_asset(RETRY_PREFIX + group))
 
 
 def merge_extras(extras: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
