@@ -17,7 +17,7 @@ import pytest
 from psycopg.conninfo import make_conninfo
 
 from delaywheel import Store
-from delaywheel.cli import main
+from delaywheel.cli import build_parser, main
 from delaywheel.locks import LEVEL_LOCK
 
 
@@ -78,6 +78,57 @@ def test_cli_bad_input_is_exit_2_with_a_message(
     assert "too large" in capsys.readouterr().err
 
 
+def exit_code(argv: list[str]) -> int:
+    """`main(argv)`'s exit code, whether argparse refused the arguments (SystemExit) or the command returned it."""
+    try:
+        return main(argv)
+    except SystemExit as exited:
+        return int(exited.code or 0)
+
+
+@pytest.mark.parametrize("level", ["0", "99", "-1", str(2**63)])
+def test_deliver_refuses_a_level_before_it_says_ready(
+    db_url: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], level: str
+) -> None:
+    """A level that is not configured is refused with exit 2 and one plain line, before the loop starts: no ready
+    line (a supervisor waiting for it would take the process for a working deliverer)."""
+    monkeypatch.setenv("DELAYWHEEL_DATABASE_URL", db_url)
+    assert exit_code(["deliver", "--level", "1", "--level", level, "--duration", "1s"]) == 2
+    err = capsys.readouterr().err
+    assert "ready" not in err and "Traceback" not in err, err
+    assert f"--level {level}" in err.replace("argument --level: ", "--level ").replace("'", ""), err
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["pull", "--topic", "t", "--group", "g", "--max", str(2**63)], "must be at most 1000000"),
+        (["pull", "--topic", "t", "--group", "g", "--max", str(2**31 - 1)], "must be at most 1000000"),
+        (["consume", "--topic", "t", "--group", "g", "--max", str(2**63)], "must be at most 1000000"),
+        (["consume", "--topic", "t", "--group", "g", "--count", str(2**63)], f"must be at most {2**63 - 1}"),
+        (["consume", "--topic", "t", "--group", "g", "--count", "0"], "must be at least 1"),
+        (["send", "--topic", "t", "--body", "1", "--level", str(2**31)], f"must be at most {2**31 - 1}"),
+        (["send", "--topic", "t", "--body", "1", "--level", "-1"], "must be at least 0"),
+        (["send", "--topic", "t", "--body", "1", "--level", "x"], "is not a whole number"),
+        (["cancel", "--id", str(2**63)], f"must be at most {2**63 - 1}"),
+        (["cancel", "--id", "0"], "must be at least 1"),
+        (["shop", "sweep", "--batch", str(2**63)], "must be at most 1000000"),
+        (["demo", "--orders", str(10**9)], "must be at most 10000000"),
+    ],
+)
+def test_numbers_out_of_range_are_refused_while_parsing(
+    argv: list[str], expected: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every numeric flag is bounded where the arguments are parsed: exit 2 and a plain message naming the bound,
+    never the database's ("bigint out of range", as `pull --max 2**63` said). Parsed only: nothing runs, even if a
+    bound is lost (a sweep or a demo would run on)."""
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(argv)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert expected in err and "out of range" not in err, err
+
+
 def test_cli_never_shows_a_traceback_for_bad_input(db_url: str, server_url: str, tmp_path: Path) -> None:
     """The CLI as a user runs it (a subprocess): bad files, bad JSON, bad durations and times, a missing database,
     an unmigrated one, an unreachable server and a bad setting each give exit 2 and one line on stderr."""
@@ -98,7 +149,7 @@ def test_cli_never_shows_a_traceback_for_bad_input(db_url: str, server_url: str,
         (["send", "--topic", "t", "--body", "1", "--in", "5 fortnights"], {}, "--in"),
         (["send", "--topic", "t", "--body", "1", "--at", "2026-13-01T00:00:00+00:00"], {}, "not an ISO 8601 time"),
         (["send", "--topic", "t", "--body", "1", "--at", "2026-12-01T00:00:00"], {}, "no time zone"),
-        (["send", "--topic", "t", "--body", "1", "--level", "x"], {}, "invalid int value"),
+        (["send", "--topic", "t", "--body", "1", "--level", "x"], {}, "is not a whole number"),
         (["deliver", "--duration", "soon"], {}, "--duration"),
         (["deliver", "--progress-every", "-1"], {}, "--progress-every"),
         (["pull", "--topic", "t", "--group", "g", "--max", "0"], {}, "must be at least 1"),

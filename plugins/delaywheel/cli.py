@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -21,9 +22,10 @@ from delaywheel.heap import freeze_after_startup
 from delaywheel.lanes import Lane, all_lanes, lane_name
 from delaywheel.migrate import MigrationError, migrate
 from delaywheel.ops.cancel import KeysFrom
-from delaywheel.produce.validation import InvalidMessage
+from delaywheel.produce.validation import MAX_REQUESTED_LEVEL, InvalidMessage
 from delaywheel.routing import Router, Stores, home
 from delaywheel.store import Store
+from delaywheel.types import MAX_ID
 
 
 def _duration(text: str) -> timedelta:
@@ -50,14 +52,32 @@ def _property(text: str) -> tuple[str, str]:
     return key, value
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
-    return value
+# The largest batch a command reads, holds and acks at once (pull --max, consume --max, shop sweep --batch), and the
+# most orders the demo places (its stock per product is an int4 column).
+MAX_BATCH = 1_000_000
+MAX_DEMO_ORDERS = 10_000_000
+
+
+def _bounded(low: int, high: int) -> Callable[[str], int]:
+    """An argument type: a whole number from `low` to `high`. Anything else is refused while the arguments are parsed,
+    with a plain message, before the command connects or says it is ready: a number past what the store's columns
+    and parameters hold would otherwise fail in SQL ("bigint out of range")."""
+
+    def whole_number(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{text!r} must be at least {low}")
+        if value > high:
+            raise argparse.ArgumentTypeError(f"{text!r} must be at most {high}")
+        return value
+
+    return whole_number
+
+
+_batch_size = _bounded(1, MAX_BATCH)
 
 
 def _seconds(text: str) -> float:
@@ -255,6 +275,10 @@ def _deliver(args: argparse.Namespace, stop: threading.Event) -> int:
     """One delivery loop per store it runs on (`--all-stores`: each store's on a thread of its own, with its own
     connection; a store's lanes and locks are its own, so nothing is shared but the stop)."""
     names = _store_names(args, all_stores=True)
+    max_level = load_settings().max_level
+    for level in args.level or ():  # refused before any store's loop starts and says it is ready
+        if not 1 <= level <= max_level:
+            raise UsageError(f"--level {level}: level {level} is not configured (1..{max_level})")
     results: dict[str | None, dict[str, Any]] = {}
     errors: list[BaseException] = []
 
@@ -644,7 +668,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--body", required=True, help="JSON text (or any text with --raw)")
     p.add_argument("--raw", action="store_true", help="send --body as bytes, not JSON")
     when = p.add_mutually_exclusive_group()
-    when.add_argument("--level", type=int, help="RocketMQ delay level (0 = now; above the maximum is clamped)")
+    when.add_argument(
+        "--level",
+        type=_bounded(0, MAX_REQUESTED_LEVEL),
+        help="RocketMQ delay level (0 = now; above the maximum is clamped)",
+    )
     when.add_argument("--in", dest="delay_in", type=_duration, help="deliver after this long, e.g. 90s, 30m, 2d")
     when.add_argument("--at", type=_moment, help="deliver at this ISO 8601 time with a zone")
     p.add_argument("--key")
@@ -660,7 +688,10 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=text)
         if name == "deliver":
             p.add_argument(
-                "--level", type=int, action="append", help="only this level (repeatable); default all + wheel"
+                "--level",
+                type=_bounded(1, MAX_REQUESTED_LEVEL),
+                action="append",
+                help="only this level (repeatable; a configured one); default all + wheel",
             )
             p.add_argument("--no-wheel", action="store_true", help="levels only")
         p.add_argument(
@@ -674,7 +705,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("pull", help="pull a batch for a consumer group")
     p.add_argument("--topic", required=True)
     p.add_argument("--group", required=True)
-    p.add_argument("--max", type=_positive, default=100)
+    p.add_argument("--max", type=_batch_size, default=100, help=f"at most this many messages (1..{MAX_BATCH})")
     p.add_argument("--ack", action="store_true", help="commit the group's offset after printing")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_pull)
@@ -682,8 +713,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("consume", help="wait for a topic's messages, print them (or pipe them: --json) and ack")
     p.add_argument("--topic", required=True)
     p.add_argument("--group", required=True)
-    p.add_argument("--max", type=_positive, default=100, help="messages per batch, acked together (default 100)")
-    p.add_argument("--count", type=_positive, help="stop after this many messages")
+    p.add_argument(
+        "--max", type=_batch_size, default=100, help=f"messages per batch, acked together (1..{MAX_BATCH}; default 100)"
+    )
+    p.add_argument("--count", type=_bounded(1, MAX_ID), help="stop after this many messages")
     p.add_argument("--duration", type=_duration, help="stop after this long, e.g. 30s (default: until SIGTERM)")
     p.add_argument("--idle", type=_duration, help="stop once no message came for this long")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
@@ -691,7 +724,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("cancel", help="cancel pending messages by id, key, key list or SQL predicate")
     what = p.add_mutually_exclusive_group(required=True)
-    what.add_argument("--id", type=int)
+    what.add_argument("--id", type=_bounded(1, MAX_ID))
     what.add_argument("--key")
     what.add_argument(
         "--where",
@@ -750,7 +783,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     roles = p.add_subparsers(dest="role", required=True)
     r = roles.add_parser("sweep", help="cancel unpaid orders as their timeouts are delivered (a waiting consumer)")
-    r.add_argument("--batch", type=_positive, default=1000, help="timeouts per transaction (default 1000)")
+    r.add_argument(
+        "--batch", type=_batch_size, default=1000, help=f"timeouts per transaction (1..{MAX_BATCH}; default 1000)"
+    )
     r.add_argument("--json", action="store_true")
     r = roles.add_parser("customers", help="simulated customers: pay or cancel as their plans fall due")
     r.add_argument("--every", type=_seconds, default=0.1, metavar="SECONDS", help="tick (default 0.1)")
@@ -760,7 +795,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_shop)
 
     p = sub.add_parser("demo", help="the order-timeout story end to end (the README's first command)")
-    p.add_argument("--orders", type=_positive, default=100_000, help="how many orders to place (default 100000)")
+    p.add_argument(
+        "--orders",
+        type=_bounded(1, MAX_DEMO_ORDERS),
+        default=100_000,
+        help=f"how many orders to place (1..{MAX_DEMO_ORDERS}; default 100000)",
+    )
     p.add_argument("--timeout", default="20s", help="payment timeout (production: 30m; default 20s for the demo)")
     p.add_argument("--period", default="30s", help="place the orders over this long (default 30s)")
     p.add_argument("--json", action="store_true")
