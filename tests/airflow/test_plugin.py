@@ -200,6 +200,15 @@ def test_anonymous_callers_are_refused(client: Any, plugin_store: Store) -> None
     assert forged.status_code == 403
 
 
+@pytest.mark.parametrize("path", ["openapi.json", "docs", "docs/oauth2-redirect", "redoc"])
+def test_the_app_serves_no_schema_or_api_docs(client: Any, plugin_store: Store, path: str) -> None:
+    """FastAPI's own OpenAPI schema and docs pages are off: they were served to anyone, outside the routes' auth,
+    naming every route and its parameters. Nothing uses them, logged in or not."""
+    assert client.get(f"/delaywheel/{path}").status_code == 404
+    bearer = {"Authorization": f"Bearer {token(client, 'admin')}"}
+    assert client.get(f"/delaywheel/{path}", headers=bearer).status_code == 404
+
+
 def test_json_api_gives_the_store_figures_to_a_logged_in_user(client: Any, plugin_store: Store) -> None:
     seed(plugin_store)
     response = client.get("/delaywheel/api/stats", headers={"Authorization": f"Bearer {token(client, 'vera')}"})

@@ -5,6 +5,7 @@ The Airflow API server mounts `app` under `URL_PREFIX` (`web/__init__.py`), buil
 every route depends on `authorized_user`, which resolves the caller exactly as Airflow's core API does
 (bearer token or the UI's session cookie) and asks the configured auth manager whether the caller may see
 the "DelayWheel" custom view. No credentials: the JSON API answers 401, the page redirects to Airflow's login.
+The app serves nothing else: FastAPI's schema and docs pages are off.
 """
 
 from __future__ import annotations
@@ -31,7 +32,15 @@ WINDOW = timedelta(minutes=5)  # lateness window the issue asks for
 REFRESH_S = 15
 
 templates = Jinja2Templates(directory=str(Path(__file__).with_name("templates")))
-app = FastAPI(title="delaywheel", description="Delayed-message store: levels, wheel, topics, lateness.")
+# No OpenAPI schema and no docs pages: FastAPI serves those outside the routes' dependencies, so they would answer
+# anyone, and nothing uses them.
+app = FastAPI(
+    title="delaywheel",
+    description="Delayed-message store: levels, wheel, topics, lateness.",
+    openapi_url=None,
+    docs_url=None,
+    redoc_url=None,
+)
 
 
 def authorized_user(user: GetUserDep) -> BaseUser:
