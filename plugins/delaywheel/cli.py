@@ -514,6 +514,8 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 def _print_stats(data: dict[str, Any]) -> None:
     print(f"as of {data['now']:%Y-%m-%d %H:%M:%S} UTC")
+    if data.get("unserved"):  # a message due and no live deliverer: nothing delivers these lanes until one starts
+        print(f"UNSERVED: {', '.join(data['unserved'])}: messages due and no live deliverer")
     print(
         f"{'level':>5} {'delay':>8} {'backlog':>8} {'checkpoint':>10} {'head due':>27} {'lag s':>9} {'p50 s':>7} {'p99 s':>7}"
     )

@@ -1,5 +1,6 @@
 """The operators' execute() against the real store: two deliverers on one level never duplicate,
-on_kill (what Airflow's SIGTERM handler calls) ends a lease cleanly, enqueue and cancel work."""
+on_kill (what Airflow's SIGTERM handler calls) ends a lease cleanly and asks Airflow to run the task again, enqueue and
+cancel work."""
 
 from __future__ import annotations
 
@@ -61,15 +62,28 @@ def test_two_deliverers_of_one_level_started_together_never_duplicate(store_conn
     assert {e.dest_asset_key.uri for ctx in contexts for e in alias_events(ctx)} == {"delaywheel://topics/orders"}
 
 
-def test_on_kill_ends_the_lease_after_the_current_pass(store_connection: str, store: Store) -> None:
+def test_on_kill_ends_the_lease_after_the_current_pass_and_asks_airflow_to_run_the_task_again(
+    store_connection: str, store: Store
+) -> None:
+    """SIGTERM (Airflow stopping) ends the try after its current pass as up_for_reschedule, due at once: a try that
+    returned would end `success` and leave its lane without a deliverer until the next scheduled run."""
+    from airflow.sdk.exceptions import AirflowRescheduleException
+
     from delaywheel.airflow.operators import DeliverLevelOperator
 
     now = store.clock()
     ids = [store.send("a|b%c", n, delay_level=2, now=now - timedelta(seconds=6)) for n in range(20)]
     operator = DeliverLevelOperator(task_id="deliver_2", level=2, lease_seconds=600)
     ctx = context()
-    result: dict[str, Any] = {}
-    thread = threading.Thread(target=lambda: result.update(operator.execute(ctx)))
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            operator.execute(ctx)
+        except BaseException as exc:
+            raised.append(exc)
+
+    thread = threading.Thread(target=run)
     thread.start()
     deadline = time.monotonic() + 60
     while len(deliveries(store)) < len(ids) and time.monotonic() < deadline:
@@ -77,7 +91,30 @@ def test_on_kill_ends_the_lease_after_the_current_pass(store_connection: str, st
     operator.on_kill()
     thread.join(30)
     assert not thread.is_alive()
-    assert result["stopped_early"] and result["delivered"] == len(ids)
+    (exc,) = raised
+    assert isinstance(exc, AirflowRescheduleException) and exc.reschedule_date <= store.clock()
+    assert sorted(d[0] for d in deliveries(store)) == sorted(ids)  # each once, the last pass committed
+    assert alias_events(ctx) == []  # a try Airflow runs again records no event (the topic's watcher announces)
+
+    # killed while starting (before execute made its stop event): it delivers nothing and asks again at once
+    early = DeliverLevelOperator(task_id="deliver_2", level=2, lease_seconds=600)
+    early.on_kill()
+    started = time.monotonic()
+    with pytest.raises(AirflowRescheduleException):
+        early.execute(context())
+    assert time.monotonic() - started < 15
+
+
+def test_a_lease_that_ends_records_one_asset_event_per_topic_spanning_its_deliveries(
+    store_connection: str, store: Store
+) -> None:
+    from delaywheel.airflow.operators import DeliverLevelOperator
+
+    now = store.clock()
+    ids = [store.send("a|b%c", n, delay_level=2, now=now - timedelta(seconds=6)) for n in range(20)]
+    ctx = context()
+    result = DeliverLevelOperator(task_id="deliver_2", level=2, lease_seconds=3).execute(ctx)
+    assert not result["stopped_early"] and result["delivered"] == len(ids)
     assert sorted(d[0] for d in deliveries(store)) == sorted(ids)
     (event,) = alias_events(ctx)
     assert event.dest_asset_key.uri == "delaywheel://topics/a%7Cb%25c"

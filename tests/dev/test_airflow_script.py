@@ -5,11 +5,11 @@ overrides), in a session of its own as a terminal would start it, and in a worki
 process it starts inherits that directory (Airflow's services rename themselves, which overwrites what
 /proc/<pid>/environ shows, so the environment cannot mark them). While `delaywheel_deliver`'s lane tasks are
 running, SIGINT goes to the script's whole process group, as Ctrl-C does. Then: the script exits within a bound,
-none of its processes remains (by working directory and by the services' sessions), the lane tasks ended in
-success (stopped by on_kill while the API server was still up, not failed or up_for_retry on `Connection
-refused`), and every service shared the secrets generated into AIRFLOW_HOME: a running task's log is served by
-the scheduler's log server to the API server ([api] secret_key), and task tokens signed by the scheduler pass
-the API server ([api_auth] jwt_secret)."""
+none of its processes remains (by working directory and by the services' sessions), the lane tasks ended
+up_for_reschedule (stopped by on_kill while the API server was still up, so that the next scheduler runs them again
+at once; not failed or up_for_retry on `Connection refused`), and every service shared the secrets generated into
+AIRFLOW_HOME: a running task's log is served by the scheduler's log server to the API server ([api] secret_key),
+and task tokens signed by the scheduler pass the API server ([api_auth] jwt_secret)."""
 
 from __future__ import annotations
 
@@ -145,13 +145,13 @@ def stop_an_idle_worker(scheduler: int) -> int:
 
 
 @pytest.mark.parametrize("stuck_worker", [False, True], ids=["workers-exit", "a-worker-never-exits"])
-def test_ctrl_c_stops_every_service_in_order_leaving_nothing_and_tasks_succeed(
+def test_ctrl_c_stops_every_service_in_order_leaving_nothing_and_lane_tasks_rescheduled(
     tmp_path: Path, server_url: str, db_url: str, metadata_db: str, stuck_worker: bool
 ) -> None:
     """With `stuck_worker`, one idle LocalExecutor worker is stopped (SIGSTOP) before the Ctrl-C, so it never takes
     its stop message: as Airflow's scheduler was seen to wait for ever in CI for a worker titled <idle> (every task
     ended, LocalExecutor.end() joining it with no bound). The script must end such workers once no task is left,
-    with a note of its own, and still stop everything in order with every task a success."""
+    with a note of its own, and still stop everything in order with every lane task rescheduled."""
     home, run_dir = tmp_path / "airflow", tmp_path / "run"
     run_dir.mkdir()
     env = script_env(home, db_url, metadata_db)
@@ -260,7 +260,7 @@ def test_ctrl_c_stops_every_service_in_order_leaving_nothing_and_tasks_succeed(
                 "SELECT dag_id, task_id, state FROM task_instance WHERE try_number > 1"
                 " OR state IN ('failed', 'up_for_retry')"
             ).fetchall()
-        assert {t: states[t] for t in LANES} == dict.fromkeys(LANES, "success"), states
+        assert {t: states[t] for t in LANES} == dict.fromkeys(LANES, "up_for_reschedule"), states
         assert retried == [], retried
         assert "Connection refused" not in text
         assert script.returncode == 130, text[-5000:]

@@ -154,7 +154,9 @@ class _LeaseOperator(BaseOperator):
         once per run in `PublishTopicEventsOperator`.
 
     Returns the lanes' totals (``delivered``, ``passes``, ``reconnects``..., ``per_lane``) and per topic the span
-    delivered.
+    delivered. A try stopped by SIGTERM (`on_kill`: Airflow stopping) ends after its current pass as
+    ``up_for_reschedule``, due at once, so that the next scheduler runs it again; it returns nothing, and its
+    deliveries are announced by the topics' watchers only.
     """
 
     template_fields: tuple[str, ...] = ("lease_seconds", "until_idle", "handover_grace_seconds", "delaywheel_conn_id")
@@ -183,6 +185,7 @@ class _LeaseOperator(BaseOperator):
         self.delaywheel_conn_id = delaywheel_conn_id
         self.emit_asset_events = emit_asset_events
         self._stop: threading.Event | None = None
+        self._killed = False
 
     def lanes(self, settings: Settings) -> list[Lane]:
         """The lanes this task serves, checked against the store's level table."""
@@ -199,6 +202,8 @@ class _LeaseOperator(BaseOperator):
 
         lease = self.lease_left(context)
         self._stop = threading.Event()
+        if self._killed:  # SIGTERM came while the task was starting
+            self._stop.set()
         with DelayWheelHook(self.delaywheel_conn_id).get_store() as store:
             lanes = self.lanes(store.settings)
             name = lane_name(lanes[0]) if len(lanes) == 1 else EVERY_LANE
@@ -218,6 +223,8 @@ class _LeaseOperator(BaseOperator):
                     t.waited_passes,
                 ),
             )
+        if self._killed:
+            self._run_again(totals.delivered)
         if self.emit_asset_events:
             for topic, span in sorted(totals.per_topic.items()):
                 context["outlet_events"][TOPICS_ALIAS].add(topic_asset(topic), extra=event_extra(topic, name, span))
@@ -236,9 +243,26 @@ class _LeaseOperator(BaseOperator):
         }
 
     def on_kill(self) -> None:
-        """SIGTERM: stop after the current pass (it commits or rolls back as a whole)."""
+        """SIGTERM: stop after the current pass (it commits or rolls back as a whole); `execute` then asks Airflow
+        to run the task again."""
+        self._killed = True
         if self._stop is not None:
             self._stop.set()
+
+    def _run_again(self, delivered: int) -> None:
+        """End a try stopped by a signal as `up_for_reschedule`, due at once, not `success`. Airflow's task runner
+        calls `on_kill` on SIGTERM and lets `execute` return: a lane task stopped with its scheduler (Airflow
+        stopping or restarting) would succeed, and its lane would stay without a deliverer until the next scheduled
+        run. Rescheduled, the next scheduler to run starts it again for what is left of its lease (or, its lease
+        over, to hand its lane over), and a reschedule uses up none of the task's retries. A try whose state Airflow
+        already set (marked success or failed by hand, a timed-out run) stays as Airflow set it."""
+        from airflow.sdk.exceptions import AirflowRescheduleException
+
+        self.log.warning(
+            "stopped by a signal after delivering %d: asking Airflow to run this task again (up_for_reschedule)",
+            delivered,
+        )
+        raise AirflowRescheduleException(datetime.now(UTC))
 
 
 class DeliverLevelOperator(_LeaseOperator):

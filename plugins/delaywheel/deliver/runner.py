@@ -23,6 +23,7 @@ from psycopg import sql
 
 from delaywheel import partitions
 from delaywheel.db import connect
+from delaywheel.deliver.presence import UnservedWatch
 from delaywheel.lanes import Lane, lane_name
 from delaywheel.locks import LANE_PRESENCE_LOCK, lane_lock_key
 from delaywheel.pending import level_head
@@ -92,6 +93,7 @@ def run(
     announced = Announced()  # due times producers announced and not yet looked at, up to the next safety wake
     look_all_at = time.monotonic() + SAFETY_WAKE_S
     clock = _Clock(store)
+    unserved = UnservedWatch(store.settings)  # logs the store's lanes that have due messages and no deliverer
     with _summarizing(store.url, lambda: totals.delivered), _Listener(store.url, lanes) as listener:
         if ready:
             ready()
@@ -100,6 +102,7 @@ def run(
                 listener.ensure(stop, deadline + handover_grace_s)
                 if stop.is_set() or not _keep_going(listener.conn, lanes, deadline, handover_grace_s):
                     break
+                unserved.check(listener.conn)
                 if time.monotonic() >= next_prepare:
                     store.prepare()
                     next_prepare = time.monotonic() + PREPARE_EVERY_S

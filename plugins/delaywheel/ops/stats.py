@@ -18,7 +18,9 @@ is exact but one kind (flagged by the wheel's `estimated_after`):
   exact in total while they are intact and flushed (a committed insert reaches them within seconds; a crash resets
   them until the next ANALYZE).
 
-The delivered side (lateness over the window, topic depth, group lag) reads `topic_messages` as before.
+The delivered side (lateness over the window, topic depth, group lag) reads `topic_messages` as before. Who delivers
+comes from the delivery loops' presence locks (`deliver.presence`): per lane its live deliverers, and `unserved`
+when a message is due and there are none.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ import psycopg
 from psycopg import pq, sql
 
 from delaywheel.config import Settings
+from delaywheel.deliver import presence
+from delaywheel.lanes import Lane, lane_name
 from delaywheel.pending import level_head, not_cancelled
 
 HISTOGRAM_HOURS = 24
@@ -74,14 +78,29 @@ def collect(conn: psycopg.Connection, settings: Settings, now: datetime | None, 
         )[0]
         now = now or state["clock"]
         lateness = _lateness_by_lane(conn, now - window)
+        levels = level_stats(conn, settings, now, lateness)
+        wheel = wheel_stats(conn, settings, state, now, lateness)
         return {
             "now": now,
-            "levels": level_stats(conn, settings, now, lateness),
-            "wheel": wheel_stats(conn, settings, state, now, lateness),
+            "levels": levels,
+            "wheel": wheel,
+            "unserved": _deliverers(conn, levels, wheel),
             "topics": topic_stats(conn),
             "quarantine": quarantine_stats(conn),
             "set_aside": set_aside_stats(conn),
         }
+
+
+def _deliverers(conn: psycopg.Connection, levels: list[dict[str, Any]], wheel: dict[str, Any]) -> list[str]:
+    """Add to each level and to the wheel its live delivery loops (`deliverers`, read from their presence locks when
+    the figures are read: pg_locks is no part of the snapshot) and `unserved`: a message is due and nobody delivers
+    it. Returns the unserved lanes' names. Such a lane stays so until a deliverer starts (docs/operations.md)."""
+    held = presence.deliverers(conn)
+    lanes: list[tuple[Lane, dict[str, Any]]] = [*((r["level"], r) for r in levels), (None, wheel)]
+    for lane, row in lanes:
+        row["deliverers"] = held.get(lane, 0)
+        row["unserved"] = row["oldest_overdue_s"] is not None and not row["deliverers"]
+    return [lane_name(lane) for lane, row in lanes if row["unserved"]]
 
 
 _LATENESS_BY_LANE = (

@@ -1,0 +1,43 @@
+"""The Airflow page names a lane with due messages and no live deliverer (the `unserved` flag of `stats`), in the real
+API server app with Airflow's auth (the fixtures of tests/airflow/test_plugin.py)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import psycopg
+import pytest
+
+from delaywheel import Store
+from delaywheel.locks import LANE_PRESENCE_LOCK
+from tests.airflow.test_plugin import client, plugin_store, token
+
+pytestmark = pytest.mark.airflow
+__all__ = ["client", "plugin_store"]  # fixtures, used by name
+
+
+def page(client: Any) -> str:
+    client.cookies.set("_token", token(client, "admin"))
+    try:
+        response = client.get("/delaywheel/", headers={"accept": "text/html"})
+    finally:
+        client.cookies.clear()
+    assert response.status_code == 200
+    return str(response.text)
+
+
+def test_the_page_names_the_lanes_with_due_messages_and_no_deliverer(
+    client: Any, plugin_store: Store, db_url: str
+) -> None:
+    assert 'id="unserved"' not in page(client)  # nothing due: no banner
+    now = plugin_store.clock()
+    plugin_store.send("orders", {"n": 1}, delay_level=2, now=now - timedelta(seconds=8))  # due 3 s ago
+    html = page(client)
+    banner = html.split('<p id="unserved"', 1)[1].split("</p>", 1)[0]
+    assert "<b>level 2</b>" in banner
+    assert '<tr data-level="2" class="overdue unserved"' in html
+    with psycopg.connect(db_url, autocommit=True) as deliverer:  # a live delivery loop holds the lane
+        deliverer.execute("SELECT pg_advisory_lock_shared(%s, 2)", (LANE_PRESENCE_LOCK,))
+        html = page(client)
+        assert 'id="unserved"' not in html and '<tr data-level="2" class="overdue">' in html
