@@ -406,3 +406,61 @@ def test_airflow_metadata_keeps_its_own_role() -> None:
     assert conninfo_to_dict(metadata_server(cluster.url()))["dbname"] == "postgres"
     external = conninfo_to_dict(metadata_server("postgresql://app:pw@db.example:5432/store"))
     assert (external["user"], external["password"], external["dbname"]) == ("app", "pw", "postgres")
+
+
+@pytest.fixture
+def closed_db(server_url: str, roles: None) -> Iterator[tuple[str, str]]:
+    """A store database whose CONNECT `db start` gave to the store's roles alone; yields (admin URL, runtime URL)."""
+    name = f"dwclosed_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(server_url, autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {name}")
+        embedded.create_roles(conn, databases=(name,))
+    migrate(make_conninfo(server_url, dbname=name, user=embedded.OWNER_LOGIN))
+    yield make_conninfo(server_url, dbname=name), make_conninfo(server_url, dbname=name, user=embedded.RUNTIME_LOGIN)
+    with psycopg.connect(server_url, autocommit=True) as conn:
+        conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+def test_only_the_stores_roles_may_connect(closed_db: tuple[str, str], server_url: str) -> None:
+    """A login with no grants that could connect took the lanes' advisory-lock ids or held the commit horizon back
+    with an idle transaction, stopping every lane and consumer: `db start` revokes CONNECT from PUBLIC."""
+    admin, runtime = closed_db
+    stranger = f"stranger_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(server_url, autocommit=True) as conn:
+        conn.execute(f"CREATE ROLE {stranger} LOGIN")
+    try:
+        with pytest.raises(psycopg.OperationalError, match="permission denied for database"):
+            psycopg.connect(make_conninfo(admin, user=stranger)).close()
+        with Store(runtime, Settings()) as store:
+            assert store.stats()["public_connect"] is False
+    finally:
+        with psycopg.connect(server_url, autocommit=True) as conn:
+            conn.execute(f"DROP ROLE {stranger}")
+
+
+def test_stats_warn_while_public_may_connect(role_db: tuple[str, str]) -> None:
+    with Store(role_db[1], Settings()) as store:
+        assert store.stats()["public_connect"] is True
+
+
+def test_stats_name_the_sessions_that_hold_the_commit_horizon_back(closed_db: tuple[str, str]) -> None:
+    """An idle transaction with an xid holds every lane and consumer back: stats name it, with its age where the
+    reader may see it (its own role's sessions; a superuser's shows who, not since when)."""
+    admin, runtime = closed_db
+    with (
+        psycopg.connect(make_conninfo(runtime, application_name="order-service")) as mine,
+        psycopg.connect(admin) as theirs,
+        Store(runtime, Settings()) as store,
+    ):
+        mine.execute("SELECT pg_current_xact_id()")
+        theirs.execute("SELECT pg_current_xact_id()")
+        time.sleep(1.2)
+        holders = {h["pid"]: h for h in store.stats()["horizon_holders"]}
+        mine_seen, theirs_seen = holders[mine.info.backend_pid], holders[theirs.info.backend_pid]
+        assert mine_seen["application_name"] == "order-service" and mine_seen["age_s"] >= 1.0
+        assert mine_seen["state"] == "idle in transaction" and mine_seen["role"] == embedded.RUNTIME_LOGIN
+        assert theirs_seen["age_s"] is None and theirs_seen["role"] == "postgres"
+        mine.rollback()
+        theirs.rollback()
+        time.sleep(0.1)
+        assert not store.stats()["horizon_holders"]

@@ -516,6 +516,17 @@ def _print_stats(data: dict[str, Any]) -> None:
     print(f"as of {data['now']:%Y-%m-%d %H:%M:%S} UTC")
     if data.get("unserved"):  # a message due and no live deliverer: nothing delivers these lanes until one starts
         print(f"UNSERVED: {', '.join(data['unserved'])}: messages due and no live deliverer")
+    for row in data.get("horizon_holders", []):  # every lane and consumer waits for these transactions to end
+        age = (
+            f"open {_num(row['age_s'])} s" if row["age_s"] is not None else "open since when: not visible to this role"
+        )
+        print(
+            f"HOLDING DELIVERY BACK: session {row['pid']} (role {row['role']}, application"
+            f" {row['application_name'] or '-'}, from {row['client_addr'] or 'local'}, {row['state'] or '?'}):"
+            f" {age}, {row['xids_since']} transactions since"
+        )
+    if data.get("public_connect"):
+        print("WARNING: any login may connect to this database (PUBLIC has CONNECT): see docs/operations.md, Roles")
     print(
         f"{'level':>5} {'delay':>8} {'backlog':>8} {'checkpoint':>10} {'head due':>27} {'lag s':>9} {'p50 s':>7} {'p99 s':>7}"
     )

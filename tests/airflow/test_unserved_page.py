@@ -3,6 +3,7 @@ API server app with Airflow's auth (the fixtures of tests/airflow/test_plugin.py
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -41,3 +42,16 @@ def test_the_page_names_the_lanes_with_due_messages_and_no_deliverer(
         deliverer.execute("SELECT pg_advisory_lock_shared(%s, 2)", (LANE_PRESENCE_LOCK,))
         html = page(client)
         assert 'id="unserved"' not in html and '<tr data-level="2" class="overdue">' in html
+
+
+def test_the_page_names_the_sessions_holding_delivery_back(client: Any, plugin_store: Store, db_url: str) -> None:
+    """An idle transaction with an xid holds the commit horizon back (no lane delivers, no consumer reads past it):
+    the page names its session, with its age."""
+    with psycopg.connect(db_url, application_name="forgotten-order-tx") as idle:
+        idle.execute("SELECT pg_current_xact_id()")
+        time.sleep(1.2)
+        html = page(client)
+        holders = html.split('<div id="horizon-holders"', 1)[1].split("</div>", 1)[0]
+        assert f"<td>{idle.info.backend_pid}</td>" in holders and "forgotten-order-tx" in holders
+        idle.rollback()
+    assert 'id="horizon-holders"' not in page(client)

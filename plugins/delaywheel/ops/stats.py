@@ -88,6 +88,8 @@ def collect(conn: psycopg.Connection, settings: Settings, now: datetime | None, 
             "topics": topic_stats(conn),
             "quarantine": quarantine_stats(conn),
             "set_aside": set_aside_stats(conn),
+            "horizon_holders": horizon_holders(conn),
+            "public_connect": public_connect(conn),
         }
 
 
@@ -420,6 +422,34 @@ def set_aside_stats(conn: psycopg.Connection) -> dict[str, Any]:
         {"n": RECENT},
     )
     return {"total": sum(r["count"] for r in by_reason), "by_reason": by_reason, "recent": recent}
+
+
+HOLDING_S = 1.0  # a transaction with an xid open this long is named as holding the commit horizon back
+# Sessions of this database whose open transaction has an xid (db.COMMIT_HORIZON waits for them: no lane delivers and
+# no consumer reads past it until they end), oldest first, once open HOLDING_S or of unknown age. Who, from where
+# and since when are shown for sessions the reader may see (its own role's; every one with pg_read_all_stats).
+_HORIZON_HOLDERS = """
+SELECT a.pid, a.usename AS role, a.application_name, host(a.client_addr) AS client_addr, a.state,
+       extract(epoch FROM clock_timestamp() - a.xact_start) AS age_s, age(a.backend_xid) AS xids_since
+FROM pg_stat_activity a
+WHERE a.backend_xid IS NOT NULL AND a.pid <> pg_backend_pid() AND a.usesysid IS NOT NULL
+  AND a.datid = (SELECT oid FROM pg_database WHERE datname = current_database())
+  AND (a.xact_start IS NULL OR a.xact_start < clock_timestamp() - make_interval(secs => %(holding_s)s))
+ORDER BY age(a.backend_xid) DESC
+LIMIT %(n)s"""
+
+
+def horizon_holders(conn: psycopg.Connection) -> list[dict[str, Any]]:
+    """The sessions holding the commit horizon back (`_HORIZON_HOLDERS`): what an operator ends, or bounds with
+    `idle_in_transaction_session_timeout`, when deliveries stall with messages due (docs/operations.md)."""
+    return _rows(conn, _HORIZON_HOLDERS, {"holding_s": HOLDING_S, "n": RECENT})
+
+
+def public_connect(conn: psycopg.Connection) -> bool:
+    """Whether any login may connect to the store's database (PUBLIC keeps CONNECT): one that does can take the
+    lanes' advisory locks or hold the commit horizon back, stopping every lane and consumer (docs/operations.md)."""
+    row = conn.execute("SELECT has_database_privilege('public', current_database(), 'CONNECT')").fetchone()
+    return bool(row and row[0])
 
 
 def as_json(value: Any) -> Any:
