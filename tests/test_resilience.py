@@ -496,3 +496,37 @@ def test_a_message_sent_straight_into_its_topic_is_durable_whatever_the_session_
             crash_now()
     with Store(url) as store:
         assert sorted(row[0] for row in _in_topic(store.conn, topic)) == sorted(sent)
+
+
+@pytest.fixture
+def lazy_database(own_cluster: embedded.Cluster) -> Iterator[embedded.Cluster]:
+    """The store's database with synchronous_commit off by default, as an operator might set it for speed."""
+
+    def default(value: str | None) -> None:
+        with psycopg.connect(own_cluster.admin_url(), autocommit=True) as conn:
+            action = "RESET synchronous_commit" if value is None else f"SET synchronous_commit = {value}"
+            conn.execute(f"ALTER DATABASE delaywheel {action}")
+
+    default("off")
+    try:
+        yield own_cluster
+    finally:
+        default(None)
+
+
+def test_a_cancelled_answer_holds_after_a_crash_whatever_the_databases_default(
+    lazy_database: embedded.Cluster,
+) -> None:
+    """`cancelled` tells the caller the timeout will never fire: the store's sessions commit durably whatever the
+    database's or role's default (db.SESSION_OPTIONS), so a crash after the answer cannot undo the cancellation."""
+    url, topic = lazy_database.url(), "resilience.crash.cancelled"
+    with Store(url) as store:
+        sent = store.send(topic, {"order": 1}, key="order-paid", delay=timedelta(seconds=1))
+        with frozen_wal(lazy_database) as crash_now:
+            assert [(r.message_id, r.outcome) for r in store.cancel(key="order-paid")] == [(sent, "cancelled")]
+            crash_now()
+    time.sleep(1.2)
+    with Store(url) as store:
+        store.deliver_due()
+        assert _in_topic(store.conn, topic) == []
+        assert [(r.message_id, r.outcome) for r in store.cancel(key="order-paid")] == [(sent, "already_cancelled")]

@@ -13,7 +13,7 @@ from delaywheel.config import ConfigError, Settings
 
 T = TypeVar("T")
 
-# The commit horizon (DESIGN.md §5), an SQL expression of type xid8: every transaction below it that could
+# The commit horizon (see DESIGN.md), an SQL expression of type xid8: every transaction below it that could
 # have written to *this* database has ended, so a cursor may pass rows below it. Unlike
 # pg_snapshot_xmin(pg_current_snapshot()) it leaves out two kinds of transaction that pg_stat_activity shows and
 # that cannot write our tables, yet would hold every delivery back for as long as they run: those connected to
@@ -85,7 +85,10 @@ def configured_url(settings: Settings) -> str:
 # statements each read a few index ranges or write one batch, but a partitioned table (a hundred hourly wheel
 # partitions) multiplies the planner's cost estimate past jit_above_cost, and compiling then took PostgreSQL longer
 # than any statement runs: `stats` spent 16-18 s in "JIT ... Optimization" on an empty store, 0.49 s without.
-SESSION_OPTIONS = "-c jit=off"
+# synchronous_commit on, whatever the role's or database's default: what the store answers (`cancelled`, a send's id)
+# and what it makes visible (topic rows) must survive a crash (DURABLE_COMMIT). A consumer's ack may still turn it off
+# for its own transaction: a crash that undoes an ack hands the batch out again.
+SESSION_OPTIONS = "-c jit=off -c synchronous_commit=on"
 
 
 def with_session_options(url: str, extra: str = SESSION_OPTIONS) -> str:
