@@ -146,7 +146,14 @@ def test_lease_handover_handles_every_message_once_none_early_with_a_short_gap(
     assert _left(store, topic, group) == 0
 
 
-def test_on_kill_acks_what_was_handled_and_returns(store_connection: str, store: Store) -> None:
+def test_on_kill_acks_what_was_handled_and_asks_airflow_to_run_the_task_again(
+    store_connection: str, store: Store
+) -> None:
+    """SIGTERM (Airflow stopping): the batch in hand is acked, the group released, and the try ends as
+    up_for_reschedule, due at once: one that returned would end `success` and leave its group without a consumer
+    until the next scheduled run."""
+    from airflow.sdk.exceptions import AirflowRescheduleException
+
     from delaywheel.airflow.operators import ConsumeOperator
 
     handled: list[int] = []
@@ -157,8 +164,15 @@ def test_on_kill_acks_what_was_handled_and_returns(store_connection: str, store:
         lease_seconds=600,
         apply_function_batch=lambda ms: handled.extend(m.message_id for m in ms),
     )
-    result: dict[str, Any] = {}
-    thread = threading.Thread(target=lambda: result.update(operator.execute({})))
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            operator.execute({})
+        except BaseException as exc:
+            raised.append(exc)
+
+    thread = threading.Thread(target=run)
     thread.start()
     ids = store.send_many([Message("t", {"n": n}) for n in range(30)])  # no delay: straight into the topic
     deadline = time.monotonic() + 30
@@ -168,9 +182,18 @@ def test_on_kill_acks_what_was_handled_and_returns(store_connection: str, store:
     operator.on_kill()
     thread.join(30)
     assert not thread.is_alive() and time.monotonic() - started < 5
-    assert result["stopped_early"] and result["stopped_by"] == "kill"
-    assert sorted(handled) == sorted(ids) and result["acked"] == len(ids)
-    assert _left(store, "t", "g") == 0
+    (exc,) = raised
+    assert isinstance(exc, AirflowRescheduleException) and exc.reschedule_date <= store.clock()
+    assert sorted(handled) == sorted(ids)
+    assert _left(store, "t", "g") == 0  # every message handled was acked
+
+    # killed while starting: it takes nothing and asks again at once
+    early = ConsumeOperator(task_id="c", topic="t", group="g", lease_seconds=600, apply_function_batch=lambda ms: None)
+    early.on_kill()
+    started = time.monotonic()
+    with pytest.raises(AirflowRescheduleException):
+        early.execute({})
+    assert time.monotonic() - started < 15
 
 
 def fail_even(message: Any, *, parity: int) -> None:

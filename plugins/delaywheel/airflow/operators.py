@@ -127,6 +127,19 @@ class PublishTopicEventsOperator(BaseOperator):
         return merged
 
 
+def _run_again(log: Any, done: str) -> None:
+    """End a try stopped by a signal as `up_for_reschedule`, due at once, not `success`. Airflow's task runner calls
+    `on_kill` on SIGTERM and lets `execute` return: a lane or consumer task stopped with its scheduler (Airflow
+    stopping or restarting) would succeed, and its lane or group would stay without a deliverer or consumer until the
+    next scheduled run. Rescheduled, the next scheduler to run starts it again for what is left of its lease (or, its
+    lease over, to hand over), and a reschedule uses up none of the task's retries. A try whose state Airflow already
+    set (marked success or failed by hand, a timed-out run) stays as Airflow set it."""
+    from airflow.sdk.exceptions import AirflowRescheduleException
+
+    log.warning("stopped by a signal after %s: asking Airflow to run this task again (up_for_reschedule)", done)
+    raise AirflowRescheduleException(datetime.now(UTC))
+
+
 class _LeaseOperator(BaseOperator):
     """Runs the delivery loop on its lanes for a lease; subclasses say which lanes.
 
@@ -224,7 +237,7 @@ class _LeaseOperator(BaseOperator):
                 ),
             )
         if self._killed:
-            self._run_again(totals.delivered)
+            _run_again(self.log, f"delivering {totals.delivered}")
         if self.emit_asset_events:
             for topic, span in sorted(totals.per_topic.items()):
                 context["outlet_events"][TOPICS_ALIAS].add(topic_asset(topic), extra=event_extra(topic, name, span))
@@ -248,21 +261,6 @@ class _LeaseOperator(BaseOperator):
         self._killed = True
         if self._stop is not None:
             self._stop.set()
-
-    def _run_again(self, delivered: int) -> None:
-        """End a try stopped by a signal as `up_for_reschedule`, due at once, not `success`. Airflow's task runner
-        calls `on_kill` on SIGTERM and lets `execute` return: a lane task stopped with its scheduler (Airflow
-        stopping or restarting) would succeed, and its lane would stay without a deliverer until the next scheduled
-        run. Rescheduled, the next scheduler to run starts it again for what is left of its lease (or, its lease
-        over, to hand its lane over), and a reschedule uses up none of the task's retries. A try whose state Airflow
-        already set (marked success or failed by hand, a timed-out run) stays as Airflow set it."""
-        from airflow.sdk.exceptions import AirflowRescheduleException
-
-        self.log.warning(
-            "stopped by a signal after delivering %d: asking Airflow to run this task again (up_for_reschedule)",
-            delivered,
-        )
-        raise AirflowRescheduleException(datetime.now(UTC))
 
 
 class DeliverLevelOperator(_LeaseOperator):
@@ -461,7 +459,9 @@ class ConsumeOperator(BaseOperator):
         lease = _lease_left(context, float(self.lease_seconds), self.align_lease_to_run, self.min_lease_seconds)
         grace = float(self.handover_grace_seconds)
         self._stop = stop = threading.Event()
-        self._killed = self._lease_ended = False
+        if self._killed:  # SIGTERM came while the task was starting
+            stop.set()
+        self._lease_ended = False
         handled = 0
         handed_over = threading.Event()
 
@@ -521,6 +521,8 @@ class ConsumeOperator(BaseOperator):
             "repulls": totals.repulls,  # pulls that found rows past the offset not yet readable (commit horizon)
         }
         self.log.info("consumed: %s", result)
+        if self._killed:
+            _run_again(self.log, f"handling {handled}")
         return result
 
     def _wait_turn(self, presence: psycopg.Connection, stop: threading.Event) -> None:
@@ -577,7 +579,8 @@ class ConsumeOperator(BaseOperator):
         stop.set()
 
     def on_kill(self) -> None:
-        """SIGTERM: the handler finishes its batch, the batch is acked, the group lock released, the task returns."""
+        """SIGTERM: the handler finishes its batch, the batch is acked, the group lock released; `execute` then asks
+        Airflow to run the task again."""
         self._killed = True
         if self._stop is not None:
             self._stop.set()
