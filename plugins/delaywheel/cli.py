@@ -16,6 +16,7 @@ from typing import Any
 import psycopg
 
 from delaywheel.config import STORE_NAME, ConfigError, load_settings, parse_duration
+from delaywheel.consume.topics import MAX_BATCH
 from delaywheel.deliver import runner
 from delaywheel.dev import embedded
 from delaywheel.heap import freeze_after_startup
@@ -52,9 +53,7 @@ def _property(text: str) -> tuple[str, str]:
     return key, value
 
 
-# The largest batch a command reads, holds and acks at once (pull --max, consume --max, shop sweep --batch), and the
-# most orders the demo places (its stock per product is an int4 column).
-MAX_BATCH = 1_000_000
+# The most orders the demo places (its stock per product is an int4 column).
 MAX_DEMO_ORDERS = 10_000_000
 
 

@@ -444,3 +444,12 @@ def test_a_batch_acked_meanwhile_is_counted_and_not_handed_out_again(store: Stor
     result, third, _ = _ack_and_pull(store, second, held)
     assert (result.acked, result.already_acked) == (0, 2)
     assert [m.message_id for m in third.messages] == ids[4:]
+
+
+@pytest.mark.parametrize("size", [0, -1, 2**31 - 1, 2**63 - 1, 2**63, True, 1.5])
+def test_a_batch_size_out_of_range_is_refused_before_anything_is_read(store: Store, size: object) -> None:
+    """The read adds one to the limit: 2**31-1 said "integer out of range" and 2**63-1 "bigint out of range"."""
+    with pytest.raises(ValueError, match="max_messages must be a whole number from 1 to 1,000,000"):
+        store.pull("t", "g", size)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="max_messages must be a whole number"):
+        store.consume("t", "g", lambda ms: None, max_messages=size)  # type: ignore[arg-type]

@@ -92,8 +92,7 @@ class Consumer:
         safety_wake_s: float = SAFETY_WAKE_S,
         ack_hold_s: float = ACK_HOLD_S,
     ) -> None:
-        if max_messages < 1:
-            raise ValueError("max_messages must be at least 1")
+        topics.checked_batch_size(max_messages)
         self.store = store
         self.topic = topic
         self.group = group

@@ -99,8 +99,19 @@ def dlq_topic(group: str) -> str:
     return DLQ_PREFIX + checked_group(group)
 
 
+MAX_BATCH = 1_000_000  # the most messages one pull reads, holds and acks at once
+
+
+def checked_batch_size(max_messages: int) -> int:
+    """`max_messages` if it is a whole number from 1 to MAX_BATCH; else ValueError, before anything is read."""
+    if isinstance(max_messages, bool) or not isinstance(max_messages, int) or not 1 <= max_messages <= MAX_BATCH:
+        raise ValueError(f"max_messages must be a whole number from 1 to {MAX_BATCH:,}, not {max_messages!r}")
+    return max_messages
+
+
 def pull(conn: psycopg.Connection, topic: str, group: str, max_messages: int = 100) -> Batch:
     """The next messages after the group's committed offset, from the topic and the group's retry topic."""
+    checked_batch_size(max_messages)
     sources = (topic, retry_topic(group))
     with conn.transaction():
         conn.execute(_SET_READ_PLAN)
