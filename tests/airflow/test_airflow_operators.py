@@ -139,6 +139,13 @@ def test_enqueue_and_cancel_operators(store_connection: str, store: Store) -> No
     assert len(many) == 2
     with pytest.raises(Exception, match="topic"):
         EnqueueOperator(task_id="bad", topic="", body="x").execute({})
+    # a delay given but blank (a field left empty) is refused, never "no delay": for a timeout, "cancel now"
+    for blank in ({"delay_level": ""}, {"delay_seconds": " "}, {"deliver_at": ""}):
+        with pytest.raises(ValueError, match="given but blank"):
+            EnqueueOperator(task_id="blank", messages=[{"topic": "orders", "body": "c", **blank}]).execute({})
+    with pytest.raises(ValueError, match="delay_level given but blank"):
+        EnqueueOperator(task_id="blank", topic="orders", body="c", delay_level="").execute({})
+    assert not deliveries(store, "orders")
     assert CancelOperator(task_id="c1", message_id=str(one)).execute({})["results"] == [
         {"message_id": one, "outcome": "cancelled"}
     ]

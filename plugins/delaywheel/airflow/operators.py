@@ -685,6 +685,10 @@ class EnqueueOperator(BaseOperator):
         return ids
 
 
+def _blank(value: object) -> bool:
+    return isinstance(value, str) and not value.strip()
+
+
 def _message(item: dict[str, Any]) -> Message:
     from delaywheel import Message
 
@@ -692,12 +696,17 @@ def _message(item: dict[str, Any]) -> Message:
     if unknown:
         raise ValueError(f"unknown message field(s) {sorted(unknown)}")
     level, seconds, at = item.get("delay_level"), item.get("delay_seconds"), item.get("deliver_at")
+    # A delay field given but blank (a form field or template left empty) is refused, never read as "no delay": for
+    # an order's timeout that would mean "cancel now". Level 0 is no delay only when written as 0.
+    blank = [name for name, v in (("delay_level", level), ("delay_seconds", seconds), ("deliver_at", at)) if _blank(v)]
+    if blank:
+        raise ValueError(f"{', '.join(blank)} given but blank: leave the field out, or write 0 for no delay")
     return Message(
         topic=item.get("topic"),  # type: ignore[arg-type]  # validated by the store, with a clear error
         body=item.get("body"),
-        delay_level=None if level in (None, "") else int(level),
-        delay=None if seconds in (None, "") else timedelta(seconds=float(seconds)),
-        deliver_at=datetime.fromisoformat(at) if isinstance(at, str) and at else at or None,
+        delay_level=None if level is None else int(level),
+        delay=None if seconds is None else timedelta(seconds=float(seconds)),
+        deliver_at=datetime.fromisoformat(at) if isinstance(at, str) else at,
         key=item.get("key") or None,
         tags=item.get("tags") or None,
         properties=dict(item.get("properties") or {}),
