@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+from delaywheel.channels import NOTIFY_CHANNEL, lane_channel
 from delaywheel.config import DEFAULT_LEVELS, Settings, parse_levels
 from delaywheel.lanes import all_lanes, delay_label, lane_key, lane_name
-from delaywheel.produce.producer import NOTIFY_CHANNEL, lane_channel
 
 
 def test_every_level_then_the_wheel() -> None:

@@ -30,10 +30,10 @@ from psycopg import errors
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from delaywheel import Settings, Store
+from delaywheel.channels import lane_channel
 from delaywheel.dev import embedded
 from delaywheel.locks import GROUP_LOCK, GROUP_TOPIC_KEY
 from delaywheel.migrate import OWNER_ROLE, migrate
-from delaywheel.produce.producer import lane_channel
 from tests.conftest import free_ports
 
 PGBOUNCER = shutil.which("pgbouncer") or next(

@@ -126,7 +126,7 @@ def test_a_bad_notify_payload_is_ignored_by_the_trigger(
     import psycopg
 
     from delaywheel.airflow.triggers import DueMessagesTrigger
-    from delaywheel.produce.producer import NOTIFY_CHANNEL
+    from delaywheel.channels import NOTIFY_CHANNEL
 
     async def go():
         gen = DueMessagesTrigger(poll_interval=600).run()

@@ -19,11 +19,12 @@ import psycopg
 import pytest
 
 from delaywheel import Message, Store
+from delaywheel.channels import TOPIC_CHANNEL
 from delaywheel.cli import main
 from delaywheel.consume import consumer as consume
 from delaywheel.consume import topics
 from delaywheel.consume.topics import retry_topic
-from delaywheel.produce.producer import TOPIC_CHANNEL, send_for_store
+from delaywheel.produce.producer import send_for_store
 from tests.conftest import ROOT, deliveries, delivering, syncs, traced
 
 

@@ -14,8 +14,8 @@ import psycopg
 import pytest
 
 from delaywheel import Message, Store, partitions
+from delaywheel.channels import NOTIFY_CHANNEL, lane_channel
 from delaywheel.deliver import runner
-from delaywheel.produce.producer import NOTIFY_CHANNEL, lane_channel
 from tests.conftest import deliveries
 
 

@@ -297,7 +297,7 @@ def test_a_single_send_stores_and_delivers_what_send_many_does(db_url: str, twin
         assert all(_stored(single).values())  # every lane was written
         announced = [(n.channel, n.payload) for n in _drain(listeners[0])]
         assert announced == [(n.channel, n.payload) for n in _drain(listeners[1])]
-        # each on its lane's channel (migrations/022 and producer.lane_channel agree), none on the any-lane one
+        # each on its lane's channel (migrations/022 and channels.lane_channel agree), none on the any-lane one
         assert {channel for channel, _ in announced} >= {"delaywheel_enqueue_wheel", "delaywheel_topic"}
         assert any(channel.removeprefix("delaywheel_enqueue_").isdigit() for channel, _ in announced)
         assert "delaywheel_enqueue" not in {channel for channel, _ in announced}

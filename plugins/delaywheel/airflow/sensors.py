@@ -14,8 +14,8 @@ import psycopg
 from airflow.sdk import BaseSensorOperator, Context, PokeReturnValue
 from airflow.sdk.exceptions import AirflowException
 
-from delaywheel.deliver.runner import transient, transient_reason
 from delaywheel.lanes import lane_name
+from delaywheel.reconnect import transient, transient_reason
 
 from .hooks import DelayWheelHook
 from .triggers import DueMessagesTrigger

@@ -93,7 +93,8 @@ class DueMessagesTrigger(BaseTrigger):
         import psycopg
         from psycopg import sql
 
-        from delaywheel.deliver.runner import DueHints, backoff_delays, listen_channels
+        from delaywheel.deliver.runner import DueHints, listen_channels
+        from delaywheel.reconnect import backoff_delays
 
         from .hooks import DelayWheelHook, next_due_async
 
@@ -126,10 +127,10 @@ class DueMessagesTrigger(BaseTrigger):
 
 
 async def _after_lost_connection(log: Any, exc: psycopg.Error, retry_in: Iterator[float]) -> None:
-    """A trigger's connection failed: re-raise unless the error is transient (`runner.transient`: the connection
+    """A trigger's connection failed: re-raise unless the error is transient (`reconnect.transient`: the connection
     was lost, or the server is short of disk, memory or connection slots), else wait the next backoff delay before
     the caller reconnects (and looks at once: notifications sent meanwhile are lost)."""
-    from delaywheel.deliver.runner import transient, transient_reason
+    from delaywheel.reconnect import transient, transient_reason
 
     if not transient(exc):
         raise exc
@@ -199,9 +200,9 @@ class TopicMessagesTrigger(BaseEventTrigger):
         import psycopg
         from psycopg import sql
 
+        from delaywheel.channels import TOPIC_CHANNEL
         from delaywheel.consume.topics import announce_new
-        from delaywheel.deliver.runner import backoff_delays
-        from delaywheel.produce.producer import TOPIC_CHANNEL
+        from delaywheel.reconnect import backoff_delays
 
         from .hooks import DelayWheelHook
 

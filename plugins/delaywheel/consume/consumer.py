@@ -34,11 +34,11 @@ from dataclasses import dataclass
 import psycopg
 from psycopg import sql
 
+from delaywheel.channels import TOPIC_CHANNEL
 from delaywheel.consume import topics
 from delaywheel.consume.topics import Batch, Delivered
 from delaywheel.db import connect
-from delaywheel.deliver.runner import backoff_delays, transient, transient_reason
-from delaywheel.produce.producer import TOPIC_CHANNEL
+from delaywheel.reconnect import backoff_delays, transient, transient_reason
 from delaywheel.store import Store
 
 SAFETY_WAKE_S = 1.0  # with no notification, look anyway this often (what a lost notification costs at most)
@@ -282,7 +282,7 @@ class Consumer:
             self._held = frozenset()
 
     def _lost(self, exc: BaseException) -> None:
-        """A transient error (`runner.transient`): a lost connection, or the server short of disk, memory or
+        """A transient error (`reconnect.transient`): a lost connection, or the server short of disk, memory or
         connection slots. Either way start again on fresh connections after the caller's backoff."""
         self.totals.reconnects += 1
         log.warning("delaywheel consumer: %s; reconnecting", transient_reason(exc))

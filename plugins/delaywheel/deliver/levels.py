@@ -15,12 +15,12 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from delaywheel.channels import TOPIC_CHANNEL
 from delaywheel.db import COMMIT_HORIZON, PASS_PLAN, QUEUE_PLAN, in_own_transaction
 from delaywheel.deliver.setaside import POISON, record
 from delaywheel.locks import LEVEL_LOCK
 from delaywheel.partitions import DAY, PartitionCache, floor_to
 from delaywheel.pending import not_cancelled, segment_messages
-from delaywheel.produce.producer import TOPIC_CHANNEL
 from delaywheel.types import PassResult, TopicSpan
 
 # How long a pass that finds its lane's lock or both its turns taken waits before it reports `busy` (`take_lane`,

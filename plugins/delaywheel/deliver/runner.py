@@ -11,7 +11,6 @@ import contextlib
 import heapq
 import logging
 import math
-import random
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -22,12 +21,13 @@ import psycopg
 from psycopg import sql
 
 from delaywheel import partitions
+from delaywheel.channels import NOTIFY_CHANNEL, lane_channel
 from delaywheel.db import connect
 from delaywheel.deliver.presence import UnservedWatch
 from delaywheel.lanes import Lane, lane_name
 from delaywheel.locks import LANE_PRESENCE_LOCK, lane_lock_key
 from delaywheel.pending import level_head
-from delaywheel.produce.producer import NOTIFY_CHANNEL, lane_channel
+from delaywheel.reconnect import backoff_delays, connection_lost, short_of_resources, transient, transient_reason
 from delaywheel.store import Store
 from delaywheel.types import TopicSpan, add_spans
 
@@ -38,8 +38,6 @@ SUMMARIZE_EVERY_S = 60.0  # BRIN summaries autovacuum dropped (partitions.summar
 SUMMARIZE_TOPICS_EVERY_S = 1.0  # ... and the current topic partitions' newest rows, which every cancel by key reads
 SAFETY_WAKE_S = 5.0  # without a known next due time, look anyway this often (a missed NOTIFY costs this much)
 HANDOVER_POLL_S = 0.5  # past the duration, waiting for a successor: look for one this often
-RECONNECT_FIRST_S = 0.2  # after a lost connection, the first retry comes this soon; later ones back off ...
-RECONNECT_MAX_S = 5.0  # ... doubling up to this (also the wait after the server refused for want of a resource)
 ANNOUNCED_MAX = 4096  # announced due times held at most (the earliest are kept): a flood of NOTIFYs costs no memory
 
 log = logging.getLogger(__name__)
@@ -187,50 +185,6 @@ def run(
     if progress:
         progress(totals)
     return totals
-
-
-# SQLSTATEs after which the session is gone: the server shut down, crashed or is starting up / shutting down.
-_GONE = {"57P01", "57P02", "57P03", "57P05"}
-
-
-def connection_lost(exc: BaseException) -> bool:
-    """Is `exc` the loss of the connection (the server restarted, crashed or is unreachable), as opposed to
-    an error of the statement (a lock not available, a query cancelled), which must not be hidden?"""
-    if not isinstance(exc, (psycopg.OperationalError, psycopg.InterfaceError)):
-        return False
-    state = getattr(exc, "sqlstate", None)
-    return state is None or state.startswith("08") or state in _GONE
-
-
-def short_of_resources(exc: BaseException) -> bool:
-    """Did the server refuse for want of a resource (SQLSTATE class 53: disk full, out of memory, too many
-    connections, a configured limit)? The statement did nothing and may succeed once the resource is back, so a
-    long-running loop waits and tries again rather than ending; an error of the statement itself is not this."""
-    state = getattr(exc, "sqlstate", None)
-    return isinstance(exc, psycopg.Error) and isinstance(state, str) and state.startswith("53")
-
-
-def transient(exc: BaseException) -> bool:
-    """The one rule for what a long-running loop (deliverer, consumer, trigger, sensor) rides out by backing off and
-    trying again: a lost connection or a server short of a resource. Anything else is raised."""
-    return connection_lost(exc) or short_of_resources(exc)
-
-
-def transient_reason(exc: BaseException) -> str:
-    """Why a loop waits, for its log: the lost connection or the missing resource, with the server's message."""
-    text = str(exc).strip()
-    if short_of_resources(exc):
-        return f"the database is short of a resource (SQLSTATE {getattr(exc, 'sqlstate', '')}: {text})"
-    return f"lost the database connection ({text})"
-
-
-def backoff_delays(first_s: float = RECONNECT_FIRST_S, most_s: float = RECONNECT_MAX_S) -> Iterator[float]:
-    """Waits between reconnect attempts: doubling from `first_s` up to `most_s`, with up to 25 % jitter
-    so that many loops cut by one restart do not all knock at the same instant."""
-    delay = first_s
-    while True:
-        yield delay * (1 + random.random() / 4)
-        delay = min(delay * 2, most_s)
 
 
 class _Listener:
@@ -464,7 +418,7 @@ class _Clock:
 
 
 def listen_channels(lanes: Iterable[Lane]) -> list[str]:
-    """What a deliverer of `lanes` listens to: their own announcements (producer.lane_channel) and those of a
+    """What a deliverer of `lanes` listens to: their own announcements (channels.lane_channel) and those of a
     producer that does not say the lane."""
     return [NOTIFY_CHANNEL, *(lane_channel(lane) for lane in lanes)]
 

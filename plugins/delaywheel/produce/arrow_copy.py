@@ -20,13 +20,14 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from psycopg import errors, sql
 
+from delaywheel.channels import TOPIC_CHANNEL, lane_channel
 from delaywheel.config import Settings
 from delaywheel.db import DURABLE_COMMIT
 from delaywheel.lanes import Lane
 from delaywheel.partitions import DAY, WIDTH, PartitionCache, floor_to
 from delaywheel.produce.columns import DIRECT, EPOCH, LEVEL, TIMESTAMP, US, WHEEL, Columns, micros
 from delaywheel.produce.keyblooms import MIN_MESSAGES, far_filters, segment_blooms
-from delaywheel.produce.producer import SEGMENT_MAX, TOPIC_CHANNEL, lane_channel
+from delaywheel.produce.producer import SEGMENT_MAX
 
 SLICE_BYTES = 1 << 20  # COPY data per write: the server stores a slice while the next one is encoded
 UTC_WALL_TIME = pa.timestamp("us")  # far blocks' due times: `timestamp`, read AT TIME ZONE 'UTC' (migrations/012)
@@ -375,7 +376,7 @@ def _earliest(c: Columns) -> dict[Lane, int]:
 
 def _announce(conn: psycopg.Connection, earliest: dict[Lane, int]) -> datetime | None:
     """Tell each lane's sleeping deliverers its earliest new due time (µs; sent at COMMIT), so they can wake sooner
-    (the other lanes' deliverers sleep on, producer.lane_channel), and read the roll's near_until, unlocked, for
+    (the other lanes' deliverers sleep on, channels.lane_channel), and read the roll's near_until, unlocked, for
     the wheel's writer. One statement for a send's lanes, before its first write: neither a NOTIFY nor a read takes a
     transaction id, and from its first write to its commit a producer's transaction holds back every consumer (the
     commit horizon), so a round trip spent before it costs them nothing. Beside busy loops a `send_many` of

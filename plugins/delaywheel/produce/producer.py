@@ -21,22 +21,11 @@ import psycopg
 from psycopg import errors, pq
 
 from delaywheel.config import Settings
-from delaywheel.lanes import Lane, lane_key
 from delaywheel.partitions import PartitionCache
 from delaywheel.produce.validation import Message, check_now, check_now_near, prepare
 
-NOTIFY_CHANNEL = "delaywheel_enqueue"  # a new due time on a lane not said; every deliverer listens (lane_channel)
-TOPIC_CHANNEL = "delaywheel_topic"  # payload: a topic that got messages (readable once the writer commits)
 ID_BLOCK = 65536  # ids per nextval (migrations/011): a call numbers its messages within the blocks it takes
 SEGMENT_MAX = 1000  # messages per level segment (migrations/011): a pass reads whole segments, so not too many
-
-
-def lane_channel(lane: Lane) -> str:
-    """The channel a producer announces a lane's new due times on (payload: the due time, epoch seconds).
-    A deliverer listens to its own lanes' channels (and to NOTIFY_CHANNEL), so a lane no longer wakes for every
-    other lane's sends: the Airflow deliver DAG's 18 level tasks each woke for every batch of wheel timers
-    (migrations/022 says what that cost). send_one (migrations/022) spells the same names."""
-    return f"{NOTIFY_CHANNEL}_{lane_key(lane)}"
 
 
 @contextlib.contextmanager
