@@ -40,7 +40,7 @@ def test_mounted_project_paths_exist() -> None:
             if source.startswith("."):
                 assert (ROOT / source).exists(), f"{name} mounts {source}, which does not exist"
     mounted = {v.split(":")[0] for v in SERVICES["airflow-scheduler"]["volumes"]}
-    assert {"./airflow.cfg", "./dags", "./plugins", "./examples"} <= mounted
+    assert {"./airflow.cfg", "./dags", "./plugins", "./spark", "./examples"} <= mounted
 
 
 def test_connections_the_dags_use_are_defined() -> None:
@@ -201,7 +201,7 @@ def test_two_spark_workers_share_the_input_volume_with_the_driver_and_reports_ar
     env |= {
         "DELAYWHEEL_HOME": ENV["DELAYWHEEL_HOME"],
         "AIRFLOW_CONFIG": str(ROOT / "airflow.cfg"),
-        "PYTHONPATH": str(ROOT / "plugins" / "delaywheel" / "spark"),
+        "PYTHONPATH": str(ROOT / "spark"),
     }
     code = (
         "import json, lateness_quality; from delaywheel.config import load_settings; "

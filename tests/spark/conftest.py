@@ -22,7 +22,7 @@ import pytest
 
 from tests.conftest import free_ports
 
-SPARK_DIR = Path(__file__).resolve().parents[2] / "plugins" / "delaywheel" / "spark"
+SPARK_DIR = Path(__file__).resolve().parents[2] / "spark"  # the jobs' home (plugins/delaywheel/spark links to it)
 sys.path.insert(0, str(SPARK_DIR))
 os.environ.setdefault("DELAYWHEEL_SHUFFLE_PARTITIONS", "2")
 # The pip package: bin/spark-submit and sbin/spark-daemon.sh, but no start-master.sh or start-worker.sh.

@@ -27,7 +27,8 @@ from delaywheel.config import ConfigError, load_settings
 
 from .connections import store_conn_id
 
-# The job scripts ship inside the package (delaywheel/spark), so an installed delaywheel can submit them.
+# The job scripts: the checkout's top-level spark/, which the package links as delaywheel/spark and the wheel
+# carries, so an installed delaywheel can submit them too.
 SPARK_DIR = Path(__file__).resolve().parents[1] / "spark"
 LOG4J2 = SPARK_DIR / "log4j2.properties"
 JDBC_JAR = os.environ.get("DELAYWHEEL_JDBC_JAR", "/usr/share/java/postgresql.jar")
@@ -100,7 +101,7 @@ def _store_args(store: str | None) -> list[str]:
 def spark_job(
     task_id: str, job: str | Path, args: list[str], *, store: str | None = None, **kwargs: Any
 ) -> SparkSubmitOperator:
-    """`spark-submit delaywheel/spark/<job>.py --db-url <store> <args…>` on the `spark_default` connection; `job`
+    """`spark-submit spark/<job>.py --db-url <store> <args…>` on the `spark_default` connection; `job`
     may instead be the path of an application's own job file (the shop's order generator), which can import
     `sparkjob` like the library's jobs. With several stores, `store` names the one the job works on, if any
     (`_store_args`; it may be a template, such as a form's field).

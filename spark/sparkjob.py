@@ -1,6 +1,6 @@
 """What every delaywheel Spark job shares: the session, the database URL, JDBC reads, arguments.
 
-The jobs are scripts (`spark-submit delaywheel/spark/<job>.py`), so this sits beside them and is imported as a
+The jobs are scripts (`spark-submit spark/<job>.py`), so this sits beside them and is imported as a
 top-level module, first: before any other third-party import it makes sure the driver runs under a Python that has
 the library (`_run_driver_under_library_python`). Code that runs on executors lives in the `delaywheel` library,
 which `session` ships to a cluster's executors with this module (`library_zip`).
