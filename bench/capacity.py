@@ -256,18 +256,12 @@ class Figures:
 
 
 def _timers(kind: str, rng: random.Random, start: int, size: int, real0: datetime, prefix: str) -> list[Message]:
-    if (
-        kind == "level"
-    ):  # levels 17-18 (1 h, 2 h): none falls due while the run's steady step delivers on the real clock
-        return [
-            Message(
-                TOPIC, body(start + j), delay_level=rng.randint(17, 18), key=f"{prefix}-{start + j}", tags="created"
-            )
-            for j in range(size)
-        ]
+    """Levels 17-18 (1 h, 2 h: none falls due during the steady step), or wheel timers due in the kind's range."""
     lo, hi = (HOUR, 3 * DAY) if kind == "near" else (4 * DAY, 34 * DAY)
     return [
-        Message(
+        Message(TOPIC, body(start + j), delay_level=rng.randint(17, 18), key=f"{prefix}-{start + j}", tags="created")
+        if kind == "level"
+        else Message(
             TOPIC,
             body(start + j),
             deliver_at=real0 + lo + rng.random() * (hi - lo),
@@ -315,27 +309,22 @@ def baselines(store: Store, meter: Meter, count: int, real0: datetime) -> dict[s
     usage: list[Usage] = []
     with meter.measure(usage):
         for start, size in chunks(count, 20_000):
-            with conn.transaction():
-                copy_rows(
-                    conn,
-                    "cap_raw.plain",
-                    RAW_COLUMNS,
-                    RAW_TYPES,
-                    (
-                        (
-                            10**12 + start + j,
-                            TOPIC,
-                            f"raw-{start + j}",
-                            "created",
-                            None,
-                            body(start + j),
-                            False,
-                            real0 + DAY,
-                            real0,
-                        )
-                        for j in range(size)
-                    ),
+            rows = [
+                (
+                    10**12 + start + j,
+                    TOPIC,
+                    f"raw-{start + j}",
+                    "created",
+                    None,
+                    body(start + j),
+                    False,
+                    real0 + DAY,
+                    real0,
                 )
+                for j in range(size)
+            ]
+            with conn.transaction():
+                copy_rows(conn, "cap_raw.plain", RAW_COLUMNS, RAW_TYPES, rows)
     vacuum(conn, ("cap_raw.plain",))
     copied = {"rate": count / usage[0].seconds, "bytes": sizes(conn, ("cap_raw.plain",)) / count, **usage[0].per(count)}
     conn.execute("SET search_path = cap_raw")
