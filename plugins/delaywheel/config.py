@@ -1,6 +1,6 @@
 """Settings for delaywheel, read from the environment and the `[delaywheel]` section of airflow.cfg.
 
-The store must not import Airflow (DESIGN.md §3), so airflow.cfg is read with configparser.
+The store must not import Airflow (DESIGN.md: the import contracts), so airflow.cfg is read with configparser.
 Precedence, highest first: `DELAYWHEEL_<NAME>`, `AIRFLOW__DELAYWHEEL__<NAME>`, airflow.cfg, default.
 """
 

@@ -1,7 +1,7 @@
 """Sending: validate every message first, then write it all in one transaction, or none of it.
 
-Due times are computed from one reading of the database clock per call, so a batch is consistent
-and every worker shares the same clock (DESIGN.md §5). A batch (`send_many`) travels as columns (`columns.Columns`)
+Due times are computed from one reading of the database clock per call, so a batch is consistent and every
+worker shares the same clock (DESIGN.md, "Never early"). A batch (`send_many`) travels as columns (`columns.Columns`)
 into Arrow record batches written by binary COPY (`arrow_copy`). A single message (`send_one`, what `Store.send`
 calls) is one statement: the client applies the rules (`validation.prepare`) and `delaywheel.send_one` (migrations/019)
 reads the clock, takes the id and writes the row send_many would write. Nothing here imports pyarrow, numpy or
