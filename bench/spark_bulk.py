@@ -26,7 +26,7 @@ import pyarrow.parquet as pq
 
 from .common import Check, at_least, body, drop_database, fresh_database, log, parse_args, report, scaled
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins" / "delaywheel" / "spark"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "spark"))
 import bulk_enqueue  # a spark/ script, imported by module name like the tests do
 import sparkjob
 

@@ -23,7 +23,7 @@ from delaywheel import Message, Settings, Store
 from .common import Check, at_least, body, chunks, fresh_database, log, parse_args, report, scaled
 from .delivery import RAW_MOVE
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins" / "delaywheel" / "spark"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "spark"))
 import redeliver  # a spark/ script, imported by module name like the tests do
 import sparkjob
 

@@ -20,7 +20,7 @@ from delaywheel.partitions import HOUR, PartitionCache
 
 from .common import Check, fresh_database, log, parse_args, report, scaled, smaller
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins" / "delaywheel" / "spark"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "spark"))
 import lateness_quality  # a spark/ script, imported by module name like the tests do
 import sparkjob
 
