@@ -23,9 +23,7 @@ most of a parse (`bench.dag_parse`: the deliver DAG's file 283 ms of CPU, 25 ms 
 
 from __future__ import annotations
 
-import contextlib
 import threading
-import time
 from collections.abc import Callable, Collection
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
@@ -42,8 +40,6 @@ from delaywheel.types import TopicSpan, add_spans, event_extra
 from .connections import DEFAULT_CONN_ID, store_conn_id, topic_conn_ids, topic_stores
 
 if TYPE_CHECKING:
-    import psycopg
-
     from delaywheel import Delivered, Message, Store
 
 TOPICS_ALIAS = AssetAlias("delaywheel_topics")
@@ -310,9 +306,6 @@ class DeliverAllLanesOperator(_LeaseOperator):
         return all_lanes(settings)
 
 
-TURN_WAIT_S = 0.2  # a lease consumer waiting for its turn looks at its stop event this often
-
-
 class ConsumeOperator(BaseOperator):
     """A long-running consumer: holds `group` on `topic` for a lease, waiting on the topic's notifications
     (`Store.consume`), and hands the group over to the next run's task at the lease end.
@@ -352,8 +345,9 @@ class ConsumeOperator(BaseOperator):
         store's messages need a second task with that store's connection given here (`hooks.topic_conn_ids` lists
         them).
 
-    Hand-over: only the holder of the group's lock on a topic handles (`topics.GROUP_LOCK`, held from the pull of a
-    batch to the commit of its ack); a second consumer of the group is a standby that tries the lock every 0.25 s.
+    Hand-over (`consume.lease.LeasedConsumer`, which `execute` runs): only the holder of the group's lock on a topic
+    handles (`topics.GROUP_LOCK`, held from the pull of a batch to the commit of its ack); a second consumer of the
+    group is a standby that tries the lock every 0.25 s.
     So during the overlap of two runs nothing is handled twice, and when the old task stops (its batch in hand
     acked, its lock released) the new one takes over. A lease consumer waits for its turn before it consumes at all
     (an exclusive advisory lock on (group, topic), `CONSUMER_TURN_LOCK`, held while it consumes): the server grants
@@ -421,7 +415,6 @@ class ConsumeOperator(BaseOperator):
         self.store: Store | None = None
         self._stop: threading.Event | None = None
         self._killed = False
-        self._lease_ended = False
         self._fn: Callable[..., Any] | None = None
 
     def handle(self, messages: list[Delivered], context: Context) -> Collection[int] | None:
@@ -446,12 +439,9 @@ class ConsumeOperator(BaseOperator):
         return failed
 
     def execute(self, context: Context) -> dict[str, Any]:
-        import psycopg
-
         from delaywheel.consume.consumer import SAFETY_WAKE_S
-        from delaywheel.db import connect
+        from delaywheel.consume.lease import LeasedConsumer
 
-        from .handover import BE_PRESENT, GIVE_TURN
         from .hooks import DelayWheelHook
 
         fn = self.apply_function_batch if self.apply_function_batch is not None else self.apply_function
@@ -461,9 +451,7 @@ class ConsumeOperator(BaseOperator):
         self._stop = stop = threading.Event()
         if self._killed:  # SIGTERM came while the task was starting
             stop.set()
-        self._lease_ended = False
         handled = 0
-        handed_over = threading.Event()
 
         def handler(messages: list[Delivered]) -> Collection[int] | None:
             nonlocal handled
@@ -472,14 +460,10 @@ class ConsumeOperator(BaseOperator):
 
         idle_s = SAFETY_WAKE_S if _truthy(self.until_idle) else None
         conn_id = self.delaywheel_conn_id or topic_conn_ids(self.topic)[0]
-        with DelayWheelHook(conn_id).get_store() as store, connect(store.url, autocommit=True) as presence:
+        with DelayWheelHook(conn_id).get_store() as store:
             self.store = store
-            presence.execute(BE_PRESENT, (self.group, self.topic))
-            watchdog = threading.Thread(
-                target=self._watch,
-                args=(presence, lease, grace, stop, handed_over),
-                name="delaywheel-consumer-lease",
-                daemon=True,
+            leased = LeasedConsumer(
+                store, self.topic, self.group, lease_s=lease, grace_s=grace, stop=stop, log=self.log
             )
             self.log.info(
                 "consuming %s as group %s for a lease of %.1fs (grace %.1fs%s)",
@@ -489,27 +473,17 @@ class ConsumeOperator(BaseOperator):
                 grace,
                 ", until idle" if idle_s else "",
             )
-            watchdog.start()
             try:
-                store.conn  # noqa: B018  # connected before the turn: a hand-over costs no connection set-up
-                if idle_s is None:  # a drain-and-stop run does not queue behind a lease: it ends if it is not its turn
-                    self._wait_turn(presence, stop)
-                totals = store.consume(
-                    self.topic, self.group, handler, max_messages=int(self.max_messages), stop=stop, idle_s=idle_s
-                )
+                totals = leased.run(handler, max_messages=int(self.max_messages), idle_s=idle_s)
             finally:
-                with contextlib.suppress(psycopg.Error):  # the successor waiting for its turn gets it now
-                    presence.execute(GIVE_TURN, (self.group, self.topic))
-                stop.set()
-                watchdog.join()
                 self.store = None
         result = {
             "topic": self.topic,
             "group": self.group,
             "lease_seconds": lease,
             "stopped_early": self._killed,
-            "stopped_by": "kill" if self._killed else "lease" if self._lease_ended else totals.stopped_by,
-            "handed_over": handed_over.is_set(),  # a successor was seen running at the lease end
+            "stopped_by": "kill" if self._killed else "lease" if leased.lease_ended else totals.stopped_by,
+            "handed_over": leased.handed_over,  # a successor was seen running at the lease end
             "handled": handled,
             "acked": totals.messages,
             "retried": totals.retried,
@@ -524,59 +498,6 @@ class ConsumeOperator(BaseOperator):
         if self._killed:
             _run_again(self.log, f"handling {handled}")
         return result
-
-    def _wait_turn(self, presence: psycopg.Connection, stop: threading.Event) -> None:
-        """Block until this task holds the turn of (group, topic) or `stop` is set. The lock is waited for in
-        slices of TURN_WAIT_S (lock_timeout), so a stop is seen that soon; a lost connection goes on to consume
-        (the group lock still decides who handles)."""
-        import psycopg
-
-        from .handover import TAKE_TURN
-
-        presence.execute("SELECT set_config('lock_timeout', %s, false)", (f"{int(TURN_WAIT_S * 1000)}ms",))
-        waited = time.monotonic()
-        while not stop.is_set():
-            try:
-                presence.execute(TAKE_TURN, (self.group, self.topic))
-            except psycopg.errors.LockNotAvailable:
-                continue
-            except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
-                self.log.warning("cannot wait for the turn (%s); consuming as a standby of the group lock", exc)
-                return
-            self.log.info("took the turn of %s / %s after %.2fs", self.group, self.topic, time.monotonic() - waited)
-            return
-
-    def _watch(
-        self,
-        presence: psycopg.Connection,
-        lease: float,
-        grace: float,
-        stop: threading.Event,
-        handed_over: threading.Event,
-    ) -> None:
-        """Set `stop` at the lease end, or past it once a successor is present (at most `grace` later)."""
-        import psycopg
-
-        from delaywheel.deliver.runner import HANDOVER_POLL_S
-
-        from .handover import SUCCESSORS
-
-        end = time.monotonic() + lease
-        if stop.wait(lease):
-            return
-        while time.monotonic() < end + grace:  # the lease is over: hand over to a live successor
-            try:
-                row = presence.execute(SUCCESSORS, (self.group, self.topic)).fetchone()
-            except psycopg.Error as exc:  # cannot tell: hand over as without a grace
-                self.log.warning("cannot look for a successor (%s); stopping at the lease end", exc)
-                break
-            if row and row[0] > 0:
-                handed_over.set()
-                break
-            if stop.wait(HANDOVER_POLL_S):
-                return
-        self._lease_ended = True
-        stop.set()
 
     def on_kill(self) -> None:
         """SIGTERM: the handler finishes its batch, the batch is acked, the group lock released; `execute` then asks

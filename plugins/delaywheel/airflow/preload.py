@@ -24,6 +24,7 @@ from airflow.listeners import hookimpl
 TASK_MODULES = (
     "delaywheel.deliver.runner",
     "delaywheel.consume.consumer",
+    "delaywheel.consume.lease",
     "delaywheel.airflow.hooks",
     "delaywheel.airflow.operators",
 )
