@@ -30,6 +30,7 @@ import threading
 import time
 from collections.abc import Callable, Collection, Generator, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import psycopg
 from psycopg import sql
@@ -39,7 +40,9 @@ from delaywheel.consume import topics
 from delaywheel.consume.topics import Batch, Delivered
 from delaywheel.db import connect
 from delaywheel.reconnect import backoff_delays, transient, transient_reason
-from delaywheel.store import Store
+
+if TYPE_CHECKING:  # the loop drives the Store it is handed; the facade sits above it (pyproject: layers)
+    from delaywheel.store import Store
 
 SAFETY_WAKE_S = 1.0  # with no notification, look anyway this often (what a lost notification costs at most)
 BUSY_RETRY_S = 0.25  # another consumer of the group holds the topic: try again this soon (or when notified)

@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 from psycopg import sql
@@ -28,8 +28,10 @@ from delaywheel.lanes import Lane, lane_name
 from delaywheel.locks import LANE_PRESENCE_LOCK, lane_lock_key
 from delaywheel.pending import level_head
 from delaywheel.reconnect import backoff_delays, connection_lost, short_of_resources, transient, transient_reason
-from delaywheel.store import Store
 from delaywheel.types import TopicSpan, add_spans
+
+if TYPE_CHECKING:  # the loop drives the Store it is handed; the facade sits above it (pyproject: layers)
+    from delaywheel.store import Store
 
 BUSY_RETRY_S = 0.02  # another deliverer or a canceller holds the lane: look again soon
 CLOCK_EVERY_S = 60.0  # measure the database clock's offset from ours this often
