@@ -13,7 +13,7 @@ setup-test:
 demo: setup       ## the main job on the embedded default (README's first command)
 	$(PY) -m delaywheel.cli db start
 	$(PY) -m delaywheel.cli migrate
-	$(PY) -m delaywheel.cli demo $(DEMO_ARGS)
+	$(PY) -m delaywheel_shop demo $(DEMO_ARGS)  # the example application's own entry point (examples/shop)
 
 test: setup-test lint  ## the gates, then the test suite (README's second command)
 	$(PY) -m pytest $(PYTEST_ARGS)

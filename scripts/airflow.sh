@@ -109,7 +109,7 @@ fi
 # The store's schema and the next hours' partitions, and the example shop's own line (its DAGs need it), on
 # delaywheel_default's store (with several stores configured as well: DELAYWHEEL_STORES= reads database_url only).
 DELAYWHEEL_STORES= "$PY" -m delaywheel.cli migrate
-DELAYWHEEL_STORES= "$PY" -m delaywheel.cli shop migrate
+DELAYWHEEL_STORES= "$PY" -m delaywheel_shop migrate
 [[ -z "$CONNS" ]] || "$PY" -m delaywheel.cli --all-stores migrate  # each configured store's
 airflow db migrate                                   # Airflow's metadata schema, in database `airflow`
 # The deliver DAGs' pools: delaywheel_deliver, or delaywheel_deliver_<name> per store (levels + 1 slots each, plus

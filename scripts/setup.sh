@@ -35,7 +35,7 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 stamp=.venv/.requirements.sha
-sum=$(sha256sum requirements.lock pyproject.toml | sha256sum | cut -c1-16)
+sum=$(sha256sum requirements.lock pyproject.toml examples/shop/pyproject.toml | sha256sum | cut -c1-16)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$sum" ]; then
   echo "setup: installing the pinned Python environment (requirements.lock; about 2 minutes the first time)"
   .venv/bin/pip install -q --upgrade "pip==26.3"
@@ -44,13 +44,15 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$sum" ]; then
   # behind): reinstall pyspark last so its files are the ones that stay.
   .venv/bin/pip install -q --no-deps --force-reinstall "$(grep '^pyspark==' requirements.lock)"
   .venv/bin/pip install -q --no-deps -e .
+  # The example application beside the library (examples/shop: `make demo`, the shop's DAGs), a package of its own.
+  .venv/bin/pip install -q --no-deps -e ./examples/shop
   want=$(grep '^pyspark==' requirements.lock | cut -d= -f3)
   have=$(.venv/bin/python -c 'import pyspark; print(pyspark.__version__)')
   [ "$want" = "$have" ] || { echo "setup: pyspark is $have, the lock says $want" >&2; exit 1; }
   # The editable build leaves a delaywheel.egg-info behind (in plugins/, or in the checkout's root when the package
   # has two source folders); Airflow puts plugins/ on sys.path and a process started in the checkout has it on
   # sys.path too: either would read that copy's entry point as well and report the delaywheel plugin as a duplicate.
-  rm -rf plugins/delaywheel.egg-info delaywheel.egg-info examples/shop/delaywheel.egg-info
+  rm -rf plugins/delaywheel.egg-info delaywheel.egg-info examples/shop/delaywheel.egg-info examples/shop/*.egg-info
   echo "$sum" > "$stamp"
 fi
 if [ "$want_test" = 1 ]; then

@@ -112,8 +112,6 @@ def test_deliver_refuses_a_level_before_it_says_ready(
         (["send", "--topic", "t", "--body", "1", "--level", "x"], "is not a whole number"),
         (["cancel", "--id", str(2**63)], f"must be at most {2**63 - 1}"),
         (["cancel", "--id", "0"], "must be at least 1"),
-        (["shop", "sweep", "--batch", str(2**63)], "must be at most 1000000"),
-        (["demo", "--orders", str(10**9)], "must be at most 10000000"),
     ],
 )
 def test_numbers_out_of_range_are_refused_while_parsing(
@@ -121,7 +119,7 @@ def test_numbers_out_of_range_are_refused_while_parsing(
 ) -> None:
     """Every numeric flag is bounded where the arguments are parsed: exit 2 and a plain message naming the bound,
     never the database's ("bigint out of range", as `pull --max 2**63` said). Parsed only: nothing runs, even if a
-    bound is lost (a sweep or a demo would run on)."""
+    bound is lost (a consumer would run on)."""
     with pytest.raises(SystemExit) as exited:
         build_parser().parse_args(argv)
     assert exited.value.code == 2
@@ -153,19 +151,6 @@ def test_cli_never_shows_a_traceback_for_bad_input(db_url: str, server_url: str,
         (["deliver", "--duration", "soon"], {}, "--duration"),
         (["deliver", "--progress-every", "-1"], {}, "--progress-every"),
         (["pull", "--topic", "t", "--group", "g", "--max", "0"], {}, "must be at least 1"),
-        (["shop"], {}, "required"),
-        (["shop", "sweep", "--batch", "0"], {}, "must be at least 1"),
-        (["shop", "customers", "--every", "soon"], {}, "--every"),
-        (
-            ["shop", "sweep"],
-            {"DELAYWHEEL_DATABASE_URL": make_conninfo(server_url, dbname="dwtest_no_such_db")},
-            "does not exist",
-        ),
-        (
-            ["shop", "customers"],
-            {"DELAYWHEEL_DATABASE_URL": make_conninfo(server_url, dbname=unmigrated)},
-            "delaywheel migrate",
-        ),
         (
             ["stats"],
             {"DELAYWHEEL_DATABASE_URL": make_conninfo(server_url, dbname="dwtest_no_such_db")},
@@ -331,53 +316,26 @@ def test_deliver_says_when_it_is_ready_and_counts_busy_passes(db_url: str) -> No
     assert f"{result['waited_passes']} waited for it" in err.strip().splitlines()[-1]
 
 
-def test_shop_parts_say_ready_and_stop_on_sigterm(db_url: str) -> None:
-    """`delaywheel shop sweep` and `shop customers` (make demo's continuous parts) print a ready line on stderr and
-    stop on SIGTERM with exit 0 and their totals."""
-    env = {**os.environ, "DELAYWHEEL_DATABASE_URL": db_url}
-    for role, fields in (
-        ("sweep", {"stopped_by", "notified_wakes", "repulls", "safety_wakes"}),  # and how its consumer waited
-        ("customers", {"payments"}),
-    ):
-        part = subprocess.Popen(
-            [sys.executable, "-m", "delaywheel.cli", "shop", role, "--json"],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        try:
-            assert part.stderr is not None
-            assert part.stderr.readline() == f"delaywheel shop {role}: ready\n"
-            part.send_signal(signal.SIGTERM)
-            out, err = part.communicate(timeout=30)
-        finally:
-            if part.poll() is None:
-                part.kill()
-        assert part.returncode == 0, err
-        assert fields <= set(json.loads(out))
-
-
-def test_shop_migrate_applies_the_shops_own_line(
-    server_url: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize(
+    ("argv", "instead"),
+    [
+        (["demo"], "python -m delaywheel_shop demo"),
+        (["demo", "--orders", "1000", "--json"], "python -m delaywheel_shop demo --orders 1000 --json"),
+        (["shop", "sweep", "--batch", "5"], "python -m delaywheel_shop sweep --batch 5"),
+        (["--store", "a", "shop", "migrate"], "python -m delaywheel_shop --store a migrate"),
+        (["shop", "customers", "--help"], "python -m delaywheel_shop customers --help"),
+    ],
+)
+def test_the_example_commands_moved_out_say_where_to(
+    argv: list[str], instead: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """`delaywheel migrate` creates the store's schema and nothing of the shop; `delaywheel shop migrate` brings
-    the store up to date, then applies the shop's own line."""
-    name = f"dwtest_empty_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(server_url, autocommit=True) as conn:
-        conn.execute(f"CREATE DATABASE {name}")
-    monkeypatch.setenv("DELAYWHEEL_DATABASE_URL", make_conninfo(server_url, dbname=name))
-    try:
-        assert main(["migrate"]) == 0
-        out = capsys.readouterr().out
-        assert out.startswith("applied: 001_store.sql, ") and "shop" not in out
-        assert main(["shop", "migrate"]) == 0
-        assert capsys.readouterr().out == "applied: 001_shop.sql, 002_shop_functions.sql\n"
-        assert main(["shop", "migrate"]) == 0
-        assert capsys.readouterr().out == "schema up to date\n"
-    finally:
-        with psycopg.connect(server_url, autocommit=True) as conn:
-            conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+    """`delaywheel shop …` and `delaywheel demo` are the shop example's own commands now (examples/shop; the library
+    imports nothing of it): one line naming the command to run instead, exit 2, nothing run."""
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    command = argv[2] if argv[0] == "--store" else argv[0]
+    assert captured.out == ""
+    assert captured.err == f"delaywheel: error: `delaywheel {command}` moved to the example application: {instead}\n"
 
 
 @pytest.mark.skipif(bool(os.environ.get("DELAYWHEEL_DATABASE_URL")), reason="the tests use a configured server")

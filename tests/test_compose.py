@@ -86,7 +86,7 @@ def test_image_runs_the_locked_environment() -> None:
 
 def test_compose_and_code_agree_on_the_deliver_pool() -> None:
     init = SERVICES["airflow-init"]["command"].replace("$$", "$")  # `$$` is compose's escape for `$`
-    assert "delaywheel migrate" in init and "delaywheel shop migrate" in init and "airflow db migrate" in init
+    assert "delaywheel migrate" in init and "python -m delaywheel_shop migrate" in init and "airflow db migrate" in init
     assert re.search(
         r"python -m delaywheel.dev.local_airflow pools \| while read -r pool slots;\s*"
         r"do airflow pools set \$pool \$slots ",

@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import json
 import os
+import shlex
 import signal
 import sys
 import threading
@@ -51,10 +52,6 @@ def _property(text: str) -> tuple[str, str]:
     if not sep or not key:
         raise argparse.ArgumentTypeError(f"{text!r} is not K=V (a property name, '=', its value)")
     return key, value
-
-
-# The most orders the demo places (its stock per product is an int4 column).
-MAX_DEMO_ORDERS = 10_000_000
 
 
 def _bounded(low: int, high: int) -> Callable[[str], int]:
@@ -188,19 +185,6 @@ def cmd_migrate(args: argparse.Namespace) -> int:
         with Store(url) as store:
             store.prepare()
         print((f"{name}: " if name else "") + ("applied: " + ", ".join(applied) if applied else "schema up to date"))
-    return 0
-
-
-def cmd_shop_migrate(args: argparse.Namespace) -> int:
-    """The store's migrations, then the shop example's own line (`delaywheel_shop/migrations/`)."""
-    from delaywheel_shop import schema
-
-    (name,) = _store_names(args)
-    url = _store_url(name)
-    applied = schema.migrate(url)
-    with Store(url) as store:
-        store.prepare()
-    print("applied: " + ", ".join(applied) if applied else "schema up to date")
     return 0
 
 
@@ -610,48 +594,20 @@ def cmd_retire(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_shop(args: argparse.Namespace) -> int:
-    """The order-timeout story's continuous parts, one process each (as `make demo` runs them): `sweep` (the
-    waiting consumer that cancels unpaid orders at their deadline) and `customers` (the simulated customers).
-    Each says on stderr when it is ready; SIGTERM / SIGINT stop it after the batch or tick in hand (exit 0)."""
-    from delaywheel_shop import orders
-
-    _long_running(args)
-    stop = threading.Event()
-    previous = _stop_on_signals(stop)
-
-    def ready() -> None:
-        print(f"delaywheel shop {args.role}: ready", file=sys.stderr, flush=True)
-
-    try:
-        with _store(args) as store:
-            if args.role == "sweep":
-                totals, consumed = orders.run_sweep(store, stop=stop, max_messages=args.batch, ready=ready)
-                result: dict[str, Any] = {
-                    "batches": totals.batches,
-                    "messages": totals.messages,
-                    "cancelled": totals.cancelled,
-                    "already_processed": totals.duplicates,
-                    # how the consumer waited: woken by a delivery, pulls again of rows not yet readable (the
-                    # commit horizon), pulls after the safety wake
-                    "notified_wakes": consumed.notified_wakes,
-                    "repulls": consumed.repulls,
-                    "safety_wakes": consumed.safety_wakes,
-                    "stopped_by": consumed.stopped_by,
-                }
-            else:
-                result = orders.run_customers(store, stop=stop, every_s=args.every, ready=ready)
-    finally:
-        for number, handler in previous.items():
-            signal.signal(number, handler)
-    _print(result, args.json)
-    return 0
+# Commands of the order-timeout example before it moved beside the library (examples/shop): where they went now.
+MOVED = {"shop": [], "demo": ["demo"]}
 
 
-def cmd_demo(args: argparse.Namespace) -> int:
-    from delaywheel_shop.demo import run_demo
-
-    return run_demo(args.orders, timeout=args.timeout, period=args.period, json_output=args.json)
+def cmd_moved(args: argparse.Namespace) -> int:
+    """`delaywheel shop …` and `delaywheel demo …`: the example application's own commands now, not the library's
+    (which does not import it); says the command to run instead, exit 2."""
+    store = ["--store", args.store] if args.store else []
+    instead = shlex.join(["python", "-m", "delaywheel_shop", *store, *MOVED[args.command], *args.rest])
+    print(
+        f"delaywheel: error: `delaywheel {args.command}` moved to the example application: {instead}",
+        file=sys.stderr,
+    )
+    return 2
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -672,7 +628,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("action", choices=["start", "stop", "status"])
     p.set_defaults(func=cmd_db)
 
-    p = sub.add_parser("migrate", help="apply the store's SQL migrations (the shop's: `delaywheel shop migrate`)")
+    p = sub.add_parser("migrate", help="apply the store's SQL migrations")
     p.set_defaults(func=cmd_migrate)
 
     p = sub.add_parser("send", help="send one message")
@@ -790,71 +746,61 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_retire)
 
-    p = sub.add_parser(
-        "shop", help="the order-timeout story's continuous parts, one process each (make demo runs them)"
-    )
-    roles = p.add_subparsers(dest="role", required=True)
-    r = roles.add_parser("sweep", help="cancel unpaid orders as their timeouts are delivered (a waiting consumer)")
-    r.add_argument(
-        "--batch", type=_batch_size, default=1000, help=f"timeouts per transaction (1..{MAX_BATCH}; default 1000)"
-    )
-    r.add_argument("--json", action="store_true")
-    r = roles.add_parser("customers", help="simulated customers: pay or cancel as their plans fall due")
-    r.add_argument("--every", type=_seconds, default=0.1, metavar="SECONDS", help="tick (default 0.1)")
-    r.add_argument("--json", action="store_true")
-    r = roles.add_parser("migrate", help="apply the store's migrations, then the shop's own (its schema `shop`)")
-    r.set_defaults(func=cmd_shop_migrate)
-    p.set_defaults(func=cmd_shop)
-
-    p = sub.add_parser("demo", help="the order-timeout story end to end (the README's first command)")
-    p.add_argument(
-        "--orders",
-        type=_bounded(1, MAX_DEMO_ORDERS),
-        default=100_000,
-        help=f"how many orders to place (1..{MAX_DEMO_ORDERS}; default 100000)",
-    )
-    p.add_argument("--timeout", default="20s", help="payment timeout (production: 30m; default 20s for the demo)")
-    p.add_argument("--period", default="30s", help="place the orders over this long (default 30s)")
-    p.add_argument("--json", action="store_true")
-    p.set_defaults(func=cmd_demo)
+    for name in MOVED:  # any arguments (taken as given by `run`), to be named in the pointer
+        p = sub.add_parser(name, add_help=False, help="moved: python -m delaywheel_shop (examples/shop)")
+        p.add_argument("rest", nargs=argparse.REMAINDER)
+        p.set_defaults(func=cmd_moved)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    return run(build_parser(), argv)
+
+
+def run(parser: argparse.ArgumentParser, argv: list[str] | None = None, *, migrate: str = "delaywheel migrate") -> int:
+    """Parse `argv` (None: this process's arguments) and run the command it names (`args.func`), reporting what goes
+    wrong as one line on stderr, prefixed with the parser's `prog`, exit 2 (no traceback). An application's own
+    command line calls it with its own parser, and `migrate`, the command an unmigrated database calls for (the
+    shop example's `python -m delaywheel_shop`)."""
+    args, extra = parser.parse_known_args(argv)
+    if getattr(args, "func", None) is cmd_moved:  # its arguments as given, whatever they are, in their order
+        given = sys.argv[1:] if argv is None else argv
+        at = next(i for i, word in enumerate(given) if word == args.command and given[i - 1 : i] != ["--store"])
+        args.rest = given[at + 1 :]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.own_process = argv is None  # the console script and `python -m delaywheel.cli` pass none
+    prog = parser.prog
     try:
         load_settings()
         return int(args.func(args))
     except json.JSONDecodeError as exc:
-        print(f"delaywheel: error: --body is not JSON ({exc}); use --raw to send text as bytes", file=sys.stderr)
+        print(f"{prog}: error: --body is not JSON ({exc}); use --raw to send text as bytes", file=sys.stderr)
         return 2
     except (InvalidMessage, ConfigError, MigrationError, embedded.EmbeddedError, UsageError, ValueError) as exc:
-        print(f"delaywheel: error: {_one_line(exc)}", file=sys.stderr)
+        print(f"{prog}: error: {_one_line(exc)}", file=sys.stderr)
         return 2
     except (psycopg.errors.UndefinedTable, psycopg.errors.InvalidSchemaName, psycopg.errors.UndefinedFunction) as exc:
-        # an unmigrated database: a table, the schema or one of its functions (the shop's) is missing
+        # an unmigrated database: a table, the schema or one of its functions is missing
         print(
-            f"delaywheel: database error: {_one_line(exc)} (is the schema migrated? `delaywheel migrate`;"
-            " the shop's: `delaywheel shop migrate`)",
+            f"{prog}: database error: {_one_line(exc)} (is the schema migrated? `{migrate}`)",
             file=sys.stderr,
         )
         return 2
     except psycopg.Error as exc:  # e.g. a --where predicate that is not valid SQL, or an unreachable server
-        print(f"delaywheel: database error: {_one_line(exc)}", file=sys.stderr)
+        print(f"{prog}: database error: {_one_line(exc)}", file=sys.stderr)
         return 2
     except OSError as exc:  # a file or folder the command needs
-        print(f"delaywheel: error: {exc}", file=sys.stderr)
+        print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("delaywheel: interrupted", file=sys.stderr)
+        print(f"{prog}: interrupted", file=sys.stderr)
         return 130
     except Exception as exc:  # a bug: still no traceback for the user unless asked for
         if os.environ.get("DELAYWHEEL_TRACEBACK"):
             raise
         print(
-            f"delaywheel: internal error: {type(exc).__name__}: {_one_line(exc)}"
-            " (set DELAYWHEEL_TRACEBACK=1 to see where)",
+            f"{prog}: internal error: {type(exc).__name__}: {_one_line(exc)} (set DELAYWHEEL_TRACEBACK=1 to see where)",
             file=sys.stderr,
         )
         return 2

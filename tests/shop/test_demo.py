@@ -55,7 +55,7 @@ def test_demo_end_to_end(
     for name, part in parts.items():
         assert part["exit_code"] == 0
         assert "ready" in Path(part["log"]).read_text(), name
-    assert "delaywheel shop sweep: ready" in (tmp_path / "sweep.log").read_text()
+    assert "delaywheel_shop sweep: ready" in (tmp_path / "sweep.log").read_text()
     with Store(db_url) as store:
         # every fired timer was applied once; the group offset is at the end of the topic
         processed, cancelled = store.conn.execute(

@@ -6,9 +6,9 @@ the deliverer delivers due timeouts; the sweep cancels unpaid orders and release
 the outcome is checked with Great Expectations and reported in words, figures and a chart.
 
 The continuous parts run as they would in production, each its own process with its own log file in the
-report folder: the deliverer (`delaywheel deliver`, every lane), the sweep (`delaywheel shop sweep`, a waiting
-consumer of the order timeouts: it sleeps until the topic's delivery notification) and the customers
-(`delaywheel shop customers`). The demo places no order before each has said it is ready, fails at once,
+report folder: the deliverer (`delaywheel deliver`, every lane), the sweep (`python -m delaywheel_shop sweep`, a
+waiting consumer of the order timeouts: it sleeps until the topic's delivery notification) and the customers
+(`python -m delaywheel_shop customers`). The demo places no order before each has said it is ready, fails at once,
 naming the process and its log, if one exits early, stops them with SIGTERM at the end (each finishes its batch
 and exits 0), and kills any still running when it leaves for whatever reason (an error, Ctrl-C, SIGTERM).
 Under `make airflow` the same parts are the DAGs `delaywheel_deliver`, `shop_order_sweep` and `shop_customers`.
@@ -52,13 +52,18 @@ REPORTS = PROJECT_ROOT / ".delaywheel" / "reports"
 READY_S = 120.0  # a continuous part not ready by then has failed to start
 STOP_S = 30.0  # SIGTERM gives a part this long to finish its batch and exit, before SIGKILL
 
-# The continuous parts: name (in messages and log files), what it is, its `delaywheel` command line.
+# The continuous parts: name (in messages and log files), what it is, its command line (`python -m …`): the library's
+# deliverer, the shop's own sweep and customers.
 PARTS: list[tuple[str, str, list[str]]] = [
-    ("deliverer", "delaywheel deliver, every lane", ["deliver", "--duration", "7d", "--progress-every", "10"]),
-    ("sweep", "delaywheel shop sweep, the waiting consumer of the order timeouts", ["shop", "sweep"]),
-    ("customers", "delaywheel shop customers", ["shop", "customers"]),
+    (
+        "deliverer",
+        "delaywheel deliver, every lane",
+        ["delaywheel.cli", "deliver", "--duration", "7d", "--progress-every", "10"],
+    ),
+    ("sweep", "delaywheel_shop sweep, the waiting consumer of the order timeouts", ["delaywheel_shop", "sweep"]),
+    ("customers", "delaywheel_shop customers", ["delaywheel_shop", "customers"]),
 ]
-_READY = re.compile(r"^delaywheel [a-z ]+: ready", re.MULTILINE)
+_READY = re.compile(r"^delaywheel(?:_shop)? [a-z ]+: ready", re.MULTILINE)
 
 
 class DemoFailed(Exception):
@@ -90,7 +95,7 @@ class Parts:
             log_path = out / f"{name}.log"
             log = open(log_path, "wb")  # noqa: SIM115  # closed by close()
             process = subprocess.Popen(
-                [sys.executable, "-m", "delaywheel.cli", *argv],
+                [sys.executable, "-m", *argv],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,

@@ -265,7 +265,7 @@ def sweep(store: Store, *, max_messages: int = 5000, group: str = GROUP, now: da
 def run_sweep(
     store: Store, *, stop: threading.Event, max_messages: int = 1000, ready: Callable[[], None] | None = None
 ) -> tuple[SweepTotals, ConsumeTotals]:
-    """The continuous sweep (`delaywheel shop sweep`): the waiting consumer of the order timeouts, asleep until
+    """The continuous sweep (`python -m delaywheel_shop sweep`): the waiting consumer of the order timeouts, asleep until
     the topic's delivery notification (consume.py), one `apply_timeouts` transaction per batch, acked after it
     commits. Runs until `stop`; the batch in hand is applied and acked first. `ready` is called once connected:
     a timer delivered before the consumer LISTENs is found by its first pull. Returns the totals, and the
@@ -296,7 +296,7 @@ def run_customers(
     duration_s: float | None = None,
     ready: Callable[[], None] | None = None,
 ) -> dict[str, int]:
-    """The simulated customers (`delaywheel shop customers`, the `shop_customers` DAG): every `every_s`, carry out
+    """The simulated customers (`python -m delaywheel_shop customers`, the `shop_customers` DAG): every `every_s`, carry out
     the planned actions that have fallen due, until `stop` (or `duration_s`). A tick in progress finishes first.
     Plans are timed from each order's placement (place_orders), so a slow tick delays a payment's processing,
     never the time the customer paid (`shop.settle_in_time`); but a payment processed after the sweep applied its

@@ -1,8 +1,9 @@
 """The shop's own migrations line: its schema (`shop`) beside the store's, in `delaywheel_shop/migrations/`.
 
-The store's `delaywheel migrate` knows nothing of the shop; the shop applies its line itself (`delaywheel shop
-migrate`, the demo) through the store's migration machinery, recorded as line `shop`. Its version 1 was the store's
-version 6 before the shop moved out of the library: a database that applied it there records it here unrun.
+The store's `delaywheel migrate` knows nothing of the shop; the shop applies its line itself (`python -m
+delaywheel_shop migrate`, the demo) through the store's migration machinery, recorded as line `shop`. Its version 1
+was the store's version 6 before the shop moved out of the library: a database that applied it there records it here
+unrun.
 """
 
 from __future__ import annotations
