@@ -12,22 +12,19 @@ import shutil
 import socket
 import tempfile
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from importlib import resources
 from pathlib import Path
 
 import psycopg
-import pyarrow as pa
 import pytest
 from delaywheel_shop import schema as shop_schema
-from psycopg.types.json import Jsonb
+from psycopg import sql
 
 from delaywheel import Message, Settings, Store
-from delaywheel.batch import bulk, input_rows
 from delaywheel.dev import embedded
-from delaywheel.migrate import SQL_DIR, MigrationError, available, current_version, migrate
-from delaywheel.partitions import PartitionCache
+from delaywheel.migrate import SQL_DIR, MigrationError, available, current_version, definitions, migrate
 from tests.conftest import dbname, free_ports
 
 
@@ -150,7 +147,7 @@ def test_start_creates_the_roles_and_the_store_runs_as_the_runtime(second_cluste
         embedded.RUNTIME_LOGIN: (False, True),
     }
     applied = migrate(second_cluster.url("delaywheel"))
-    assert applied[-1] == available()[-1].path.name
+    assert available()[-1].path.name in applied
     with Store(second_cluster.url("delaywheel"), Settings()) as store:
         assert store.conn.execute("SELECT current_user, current_setting('is_superuser')").fetchone() == (
             embedded.RUNTIME_LOGIN,
@@ -187,9 +184,11 @@ def _recorded(url: str) -> list[tuple[int, str]]:
 
 
 def test_runner_applies_once_and_records_versions(empty_db: str, sql_copy: Path) -> None:
-    expected = [(m.version, m.path.name) for m in available(sql_copy)]
+    expected = [(m.version, m.path.name) for m in available(sql_copy / "migrations")]
     assert current_version(empty_db) == 0
-    assert migrate(empty_db, sql_copy) == [name for _, name in expected]
+    installed = [p.name for p in definitions(sql_copy)]
+    assert installed[-1] == "views.sql"  # the views use the functions
+    assert migrate(empty_db, sql_copy) == [name for _, name in expected] + installed
     assert _recorded(empty_db) == expected
     assert current_version(empty_db) == expected[-1][0]
     assert migrate(empty_db, sql_copy) == []  # idempotent
@@ -209,7 +208,7 @@ def test_runner_refuses_a_newer_schema(db_url: str) -> None:
 
 def test_runner_refuses_a_changed_applied_file(empty_db: str, sql_copy: Path) -> None:
     migrate(empty_db, sql_copy)
-    first = available(sql_copy)[0].path
+    first = available(sql_copy / "migrations")[0].path
     first.write_text(first.read_text() + "\n-- edited after it was applied\n")
     with pytest.raises(MigrationError, match=f"{first.name} changed after it was applied"):
         migrate(empty_db, sql_copy)
@@ -219,8 +218,10 @@ def test_a_failing_migration_applies_nothing_of_itself(empty_db: str, sql_copy: 
     """Each file runs in its own transaction: a file that fails halfway leaves no table and no version."""
     migrate(empty_db, sql_copy)
     before = _recorded(empty_db)
-    newest = available(sql_copy)[-1].version
-    (sql_copy / f"{newest + 1:03d}_broken.sql").write_text("CREATE TABLE delaywheel.half_done (x int);\nSELECT 1/0;\n")
+    newest = available(sql_copy / "migrations")[-1].version
+    (sql_copy / "migrations" / f"{newest + 1:03d}_broken.sql").write_text(
+        "CREATE TABLE delaywheel.half_done (x int);\nSELECT 1/0;\n"
+    )
     with pytest.raises(psycopg.errors.DivisionByZero):
         migrate(empty_db, sql_copy)
     assert _recorded(empty_db) == before
@@ -229,9 +230,9 @@ def test_a_failing_migration_applies_nothing_of_itself(empty_db: str, sql_copy: 
 
 
 def test_badly_named_file_is_refused(sql_copy: Path) -> None:
-    (sql_copy / "4_no_padding.sql").write_text("SELECT 1;")
+    (sql_copy / "migrations" / "4_no_padding.sql").write_text("SELECT 1;")
     with pytest.raises(MigrationError, match="NNN_snake_case"):
-        available(sql_copy)
+        available(sql_copy / "migrations")
 
 
 def test_test_databases_are_migrated(db_url: str) -> None:
@@ -239,162 +240,22 @@ def test_test_databases_are_migrated(db_url: str) -> None:
     assert current_version(db_url) == available()[-1].version
 
 
-def _hold_back_after(version: int, sql_copy: Path, tmp_path: Path) -> Callable[[], None]:
-    """Move the migrations after `version` out of `sql_copy` (so a store can be built at that version); returns
-    what puts them back."""
-    later = tmp_path / f"after_{version}"
-    later.mkdir()
-    for migration in available(sql_copy):
-        if migration.version > version:
-            migration.path.rename(later / migration.path.name)
-
-    def put_back() -> None:
-        for path in later.iterdir():
-            path.rename(sql_copy / path.name)
-
-    return put_back
-
-
-def test_pending_messages_survive_the_move_to_segments(empty_db: str, sql_copy: Path, tmp_path: Path) -> None:
-    """A store at version 10 with pending level and far-wheel messages (one level message already delivered),
-    migrated to segments (migrations/011, migrations/012): every pending message is delivered once, with its fields intact, and
-    the one behind the level checkpoint is not delivered again; new ids start above the old ones."""
-    put_back = _hold_back_after(10, sql_copy, tmp_path)
-    migrate(empty_db, sql_copy)
-    assert current_version(empty_db) == 10
-    t0 = datetime(2030, 1, 1, tzinfo=UTC)
-    far_day = t0 + timedelta(days=20)
-    with psycopg.connect(empty_db) as conn:
-        conn.execute("SELECT delaywheel.ensure_partition('level_queue', %s, %s)", (t0, t0 + timedelta(hours=1)))
-        conn.execute("SELECT delaywheel.ensure_partition('wheel_far', %s, %s)", (far_day, far_day + timedelta(days=1)))
-        level_ids = [
-            conn.execute(
-                """
-            INSERT INTO delaywheel.level_queue (id, level, requested_level, topic, key, tags, properties, body, is_json,
-                                                deliver_at, enqueued_at)
-            VALUES (nextval('delaywheel.message_id_seq'), 2, 2, 'old.level', %s, 'tag', %s, %s, false, %s, %s)
-            RETURNING id""",
-                (
-                    f"k{i}",
-                    Jsonb({"i": i}) if i % 2 else None,
-                    b"body-%d" % i,
-                    t0 + timedelta(seconds=5),
-                    t0,
-                ),
-            ).fetchone()[0]
-            for i in range(5)
-        ]
-        far_ids = [
-            conn.execute(
-                """
-            INSERT INTO delaywheel.wheel_far (id, topic, key, body, is_json, deliver_at, enqueued_at)
-            VALUES (nextval('delaywheel.message_id_seq'), 'old.far', %s, '{"far": true}', true, %s, %s)
-            RETURNING id""",
-                (f"f{i}", far_day + timedelta(hours=i, microseconds=7), t0),
-            ).fetchone()[0]
-            for i in range(3)
-        ]
-        # the first level message counts as delivered: the checkpoint passed it
-        conn.execute(
-            "INSERT INTO delaywheel.level_checkpoint (level, cursor_xid, cursor_id)"
-            " SELECT 2, xid, id FROM delaywheel.level_queue WHERE id = %s",
-            (level_ids[0],),
-        )
-    put_back()
-    assert migrate(empty_db, sql_copy) == sorted(
-        p.name for p in sql_copy.glob("*.sql") if p.name > "011"
-    )  # every migration after 010
-
-    with Store(empty_db, Settings()) as store:
-        assert store.conn.execute("SELECT count(*) FROM delaywheel.level_queue").fetchone() == (5,)
-        assert store.conn.execute("SELECT count(*) FROM delaywheel.wheel_far").fetchone() == (3,)
-        # cancel by key finds moved messages too (their segments have no key filter: their keys are read)
-        assert [r.outcome for r in store.cancel(key="k4")] == ["cancelled"]
-        assert [r.outcome for r in store.cancel(key="f2")] == ["cancelled"]
-        assert store.deliver_level(2, now=t0 + timedelta(seconds=5)).delivered == 3
-        new_id = store.send("new.topic", b"x", delay_level=2, now=t0)
-        assert new_id > max(level_ids + far_ids)
-        end = far_day + timedelta(days=1)
-        while store.advance_wheel(now=end).delivered:
-            pass
-        rows = store.conn.execute(
-            "SELECT message_id, topic, key, tags, properties, body, is_json, deliver_at FROM delaywheel.topic_messages"
-            " WHERE topic LIKE 'old.%' ORDER BY message_id"
-        ).fetchall()
-    assert [r[0] for r in rows] == level_ids[1:4] + far_ids[:2]
-    assert [(r[2], r[3], r[4], bytes(r[5]), r[6]) for r in rows[:3]] == [
-        (f"k{i}", "tag", {"i": i} if i % 2 else None, b"body-%d" % i, False) for i in range(1, 4)
-    ]
-    assert [(r[1], r[2], bytes(r[5]), r[6], r[7]) for r in rows[3:]] == [
-        ("old.far", f"f{i}", b'{"far": true}', True, far_day + timedelta(hours=i, microseconds=7)) for i in range(2)
-    ]
-
-
-def test_bulk_claims_survive_the_move_to_source_ids(empty_db: str, sql_copy: Path, tmp_path: Path) -> None:
-    """Claims written at version 13 (keyed by the source's text) still stop a re-run after migrations/014 keys them by a
-    source id: the same keys are skipped, new ones enqueued, and the claims still read by source text."""
-    put_back = _hold_back_after(13, sql_copy, tmp_path)
-    migrate(empty_db, sql_copy)
-    with psycopg.connect(empty_db) as conn:
-        conn.execute(
-            "INSERT INTO delaywheel.idempotency (source, key, message_id)"
-            " SELECT s, 'k' || i, i FROM unnest(ARRAY['a.csv', 'b.csv']) s, generate_series(1, 3) i"
-        )
-    put_back()
-    migrate(empty_db, sql_copy)
-    mapping = input_rows.ColumnMap.parse("", "orders", "text").with_defaults(["key", "body"])
-    chunk = pa.RecordBatch.from_pylist(
-        [{"key": f"k{i}", "body": "x", input_rows.FILE_COLUMN: "a.csv", input_rows.ROW_COLUMN: i} for i in range(1, 6)]
-    )
-    with psycopg.connect(empty_db, autocommit=True) as conn:
-        counts = bulk.write_chunk(conn, Settings(), PartitionCache(), chunk, mapping, "a.csv")
-        claims = conn.execute("SELECT source, count(*) FROM delaywheel.idempotency GROUP BY 1 ORDER BY 1").fetchall()
-    assert (counts.enqueued, counts.skipped) == (2, 3)
-    assert claims == [("a.csv", 5), ("b.csv", 3)]
-
-
-def test_a_far_summary_too_large_for_its_index_lets_every_key_through(
-    empty_db: str, sql_copy: Path, tmp_path: Path
-) -> None:
-    """migrations/024 reads the far-key summaries from a B-tree carrying their filters, whose entries hold ~2.7 kB at
-    most: a filter written before, larger than the cap (here 3,000 bytes that hold no key), becomes one that lets
-    every key through, so the send it covers is still searched, never missed; one within the cap is kept as it was."""
-    put_back = _hold_back_after(23, sql_copy, tmp_path)
-    migrate(empty_db, sql_copy)
-    small = bytes(range(256)) * 4
-    with psycopg.connect(empty_db) as conn:
-        conn.execute(
-            "INSERT INTO delaywheel.far_key_summaries (slot, id_lo, id_hi, last_block, bloom)"
-            " VALUES (1, 1, 10, now(), %s), (1, 11, 20, now(), %s)",
-            (bytes(3000), small),
-        )
-    put_back()
-    migrate(empty_db, sql_copy)
-    with psycopg.connect(empty_db) as conn:
-        rows = conn.execute(
-            "SELECT id_lo, bloom, delaywheel.bloom_may_hold(bloom, 12345, 6789)"
-            " FROM delaywheel.far_key_summaries ORDER BY id_lo"
-        ).fetchall()
-    assert [(lo, bytes(bloom)) for lo, bloom, _ in rows] == [(1, b"\xff" * 8), (11, small)]
-    assert rows[0][2] is True
-
-
-def test_hourly_wheel_partitions_are_kept_and_completed_by_the_move_to_four_hours(
-    empty_db: str, sql_copy: Path, tmp_path: Path
-) -> None:
-    """migrations/025 widens the near wheel's partitions to 4 hours. A store's hourly ones stay: each 4-hour block
-    holding one gets the rest of its hours, so a block is whole or empty; a new block is one partition; a block whose
-    first hour retire dropped gets only what nothing covers. Sends into each (one statement, or a batch) land, and
-    every message is delivered once."""
-    put_back = _hold_back_after(24, sql_copy, tmp_path)
-    migrate(empty_db, sql_copy)
+def test_hourly_wheel_partitions_are_kept_and_completed_by_four_hour_ones(empty_db: str) -> None:
+    """The near wheel's partitions are 4 hours wide; hourly ones (an earlier width: two whole 4-hour blocks of them
+    here) stay; a new block is one partition; a block whose first hour retire dropped gets only what nothing covers.
+    Sends into each (one statement, or a batch) land, and every message is delivered once."""
+    migrate(empty_db)
     t0 = datetime(2030, 1, 1, tzinfo=UTC)
     with psycopg.connect(empty_db, autocommit=True) as conn:
-        for hour in (1, 6):  # sparse, as sends left them: one hour of the block at 00:00, one of the block at 04:00
+        conn.execute("SET ROLE delaywheel_owner")
+        for hour in range(8):
             lo = t0 + timedelta(hours=hour)
-            conn.execute("SELECT delaywheel.ensure_partition('wheel', %s, %s)", (lo, lo + timedelta(hours=1)))
-    put_back()
-    migrate(empty_db, sql_copy)
+            name = conn.execute("SELECT delaywheel.partition_name('wheel', %s)", (lo,)).fetchone()[0]  # type: ignore[index]
+            conn.execute(
+                sql.SQL("CREATE TABLE delaywheel.{} PARTITION OF delaywheel.wheel FOR VALUES FROM ({}) TO ({})").format(
+                    sql.Identifier(name), sql.Literal(lo), sql.Literal(lo + timedelta(hours=1))
+                )
+            )
 
     def partitions() -> list[tuple[int, int]]:  # (start, end) in hours after t0
         with psycopg.connect(empty_db) as conn:
@@ -428,8 +289,7 @@ def _lines(url: str) -> list[tuple[str, int, str]]:
 def test_the_store_line_has_no_shop_and_the_shop_brings_its_own(empty_db: str) -> None:
     """A fresh database: `migrate` creates the store's schema and nothing of the example (no `shop`); the shop's
     `schema.migrate` adds its own line, recorded apart, each idempotent."""
-    assert migrate(empty_db) == [m.path.name for m in available()]
-    assert "006_shop.sql" not in {m.path.name for m in available()}
+    assert migrate(empty_db) == [m.path.name for m in available()] + [p.name for p in definitions()]
     with psycopg.connect(empty_db) as conn:
         assert conn.execute("SELECT to_regnamespace('shop')").fetchone() == (None,)
     assert current_version(empty_db, "shop") == 0
@@ -444,32 +304,6 @@ def test_the_store_line_has_no_shop_and_the_shop_brings_its_own(empty_db: str) -
     assert current_version(empty_db, "shop") == 2
     with psycopg.connect(empty_db) as conn:
         assert conn.execute("SELECT to_regclass('shop.orders') IS NOT NULL").fetchone() == (True,)
-
-
-def test_a_store_migrated_when_the_shop_was_its_006_stays_valid(empty_db: str, sql_copy: Path) -> None:
-    """A database migrated before the shop left the store's line: 006_shop.sql recorded in it, and the record
-    keyed by version alone (no `line` column). The store's `migrate` passes over the recorded 006 (no file has that
-    number now) and adds the column; the shop's records its 001 as applied before, without running it, so the
-    shop's rows stay; later runs apply nothing."""
-    (sql_copy / "006_shop.sql").write_bytes((shop_schema.LINE.folder / "001_shop.sql").read_bytes())
-    migrate(empty_db, sql_copy)
-    with psycopg.connect(empty_db, autocommit=True) as conn:  # as the code before lines left it
-        conn.execute(
-            "ALTER TABLE delaywheel.schema_migrations DROP CONSTRAINT schema_migrations_pkey,"
-            " DROP COLUMN line, ADD PRIMARY KEY (version)"
-        )
-        conn.execute("INSERT INTO shop.products (sku, initial_stock, on_hand) VALUES ('kept', 5, 5)")
-    assert current_version(empty_db) == available()[-1].version
-    assert migrate(empty_db) == []
-    assert ("delaywheel", 6, "006_shop.sql") in _lines(empty_db)
-    assert shop_schema.migrate(empty_db) == [
-        "001_shop.sql (applied before as 006_shop.sql of line delaywheel)",
-        "002_shop_functions.sql",
-    ]
-    assert shop_schema.migrate(empty_db) == []
-    assert _lines(empty_db)[-2:] == [("shop", 1, "001_shop.sql"), ("shop", 2, "002_shop_functions.sql")]
-    with psycopg.connect(empty_db) as conn:
-        assert conn.execute("SELECT sku FROM shop.products").fetchall() == [("kept",)]
 
 
 def test_each_line_checks_its_own_versions(db_url: str) -> None:
@@ -488,7 +322,7 @@ def test_each_line_checks_its_own_versions(db_url: str) -> None:
 def test_migrations_are_read_as_package_data() -> None:
     """The folders come from importlib.resources, the package's own: what an installed wheel has too
     (tests/test_wheel_install.py runs them from one)."""
-    assert str(SQL_DIR) == str(resources.files("delaywheel") / "migrations")
+    assert str(SQL_DIR) == str(resources.files("delaywheel") / "sql")
     assert str(shop_schema.LINE.folder) == str(resources.files("delaywheel_shop") / "migrations")
     assert [m.path.name for m in available(shop_schema.LINE.folder)] == ["001_shop.sql", "002_shop_functions.sql"]
 

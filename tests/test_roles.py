@@ -20,7 +20,16 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from delaywheel import Settings, Store
 from delaywheel.dev import embedded
-from delaywheel.migrate import OWNER_ROLE, RUNTIME_ROLE, SQL_DIR, MigrationError, available, migrate, owner_url
+from delaywheel.migrate import (
+    OWNER_ROLE,
+    RUNTIME_ROLE,
+    SQL_DIR,
+    MigrationError,
+    available,
+    definitions,
+    migrate,
+    owner_url,
+)
 from delaywheel.produce.validation import Message
 
 T0 = datetime(2030, 1, 1, tzinfo=UTC)
@@ -130,7 +139,7 @@ def test_the_runtime_runs_the_whole_lifecycle(role_db: tuple[str, str]) -> None:
 
 
 def test_the_shop_line_grants_the_runtime_its_own_tables(role_db: tuple[str, str]) -> None:
-    """A fresh store has no `shop` schema, so migrations/017 granted nothing on it; the shop's own line, run by the
+    """A fresh store has no `shop` schema, so the baseline granted nothing on it; the shop's own line, run by the
     owner's login, creates it owned by the owner and gives the runtime what the demo and the sweep do there: reset
     (TRUNCATE), place orders with their timeouts, and settle them."""
     owner, runtime = role_db
@@ -183,7 +192,7 @@ def test_the_shop_line_grants_the_runtime_its_own_tables(role_db: tuple[str, str
             "SELECT delaywheel.ensure_partition('wheel', '2030-01-01 00:00+00', '2030-01-09 00:00+00')",
             errors.InvalidParameterValue,
         ),
-        (  # the near wheel's partitions are 4 hours wide (migrations/025): an hour, as code before it asked, or 4 hours
+        (  # the near wheel's partitions are 4 hours wide (sql/partitions.sql): an hour, as code before it asked, or 4 hours
             # not aligned to the epoch, are refused
             "SELECT delaywheel.ensure_partition('wheel', '2030-01-01 00:00+00', '2030-01-01 01:00+00')",
             errors.InvalidParameterValue,
@@ -296,40 +305,6 @@ def test_an_autovacuum_workers_transaction_does_not_hold_the_runtime_back(
             )
 
 
-def test_migrate_hands_a_store_of_a_single_role_to_the_owner(server_url: str, roles: None) -> None:
-    """A store migrated before the roles existed belongs to the role that migrated it. Its owner's login cannot
-    take it over (MigrationError says what to do); a superuser's migrate hands everything to delaywheel_owner and
-    applies migrations/017, after which the runtime role works. (025 and 026 are taken back too: they replace
-    functions 017 defines, so they must come after it.)"""
-    name = f"dwroles_{uuid.uuid4().hex[:12]}"
-    admin = make_conninfo(server_url, dbname=name)
-    with psycopg.connect(server_url, autocommit=True) as conn:
-        conn.execute(f"CREATE DATABASE {name}")
-        conn.execute(f"GRANT CREATE ON DATABASE {name} TO {OWNER_ROLE}")
-    try:
-        migrate(make_conninfo(server_url, dbname=name, user=embedded.OWNER_LOGIN))
-        with psycopg.connect(admin, autocommit=True) as conn:  # as if an older delaywheel had migrated it as postgres
-            conn.execute("DELETE FROM delaywheel.schema_migrations WHERE version IN (17, 25, 26)")
-            conn.execute(
-                "DO $$ DECLARE r record; BEGIN FOR r IN SELECT c.oid::regclass AS t FROM pg_class c"
-                " JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = 'delaywheel'"
-                " AND c.relkind IN ('r', 'p', 'v') LOOP EXECUTE format('ALTER TABLE %s OWNER TO postgres', r.t);"
-                " END LOOP; END $$"
-            )
-            conn.execute("ALTER SCHEMA delaywheel OWNER TO postgres")
-        with pytest.raises(MigrationError, match="belong to another role"):
-            migrate(make_conninfo(server_url, dbname=name, user=embedded.OWNER_LOGIN))
-        # the ones it deleted; the others were applied already
-        assert migrate(admin) == ["017_roles.sql", "025_wheel_four_hour_partitions.sql", "026_lighter_send_one.sql"]
-        with Store(make_conninfo(server_url, dbname=name, user=embedded.RUNTIME_LOGIN), Settings()) as store:
-            store.send("orders", b"x", delay=timedelta(days=9), now=T0)
-            store.prepare(now=T0)
-            assert store.deliver_due(now=T0 + timedelta(days=10)) == 1
-    finally:
-        with psycopg.connect(server_url, autocommit=True) as conn:
-            conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
-
-
 def test_migrate_connects_as_the_configured_owner(monkeypatch: pytest.MonkeyPatch) -> None:
     """Given the store's runtime URL, `migrate` uses the owner's: DELAYWHEEL_OWNER_URL, or the embedded cluster's
     owner login. One URL configured: that one, as before."""
@@ -375,17 +350,18 @@ def test_migrate_as_the_runtime_role_changes_nothing(
 
 
 def test_what_later_migrations_create_is_granted_to_the_runtime(role_db: tuple[str, str], tmp_path: Path) -> None:
-    """Default privileges (migrations/017): a table and a function a later migration adds are the runtime's to use as the
-    others (rows in, out and updated; no DELETE), with no GRANT in the migration."""
+    """Default privileges (set by the baseline): a table and a function a later migration adds are the runtime's to
+    use as the others (rows in, out and updated; no DELETE), with no GRANT in the migration."""
     owner, runtime = role_db
     sql_copy = tmp_path / "sql"
     shutil.copytree(SQL_DIR, sql_copy)
-    newest = available(sql_copy)[-1].version
-    (sql_copy / f"{newest + 1:03d}_later.sql").write_text(
+    newest = available(sql_copy / "migrations")[-1].version
+    (sql_copy / "migrations" / f"{newest + 1:03d}_later.sql").write_text(
         "CREATE TABLE delaywheel.later (id bigint GENERATED ALWAYS AS IDENTITY, note text);\n"
         "CREATE FUNCTION delaywheel.later_count() RETURNS bigint LANGUAGE sql AS 'SELECT count(*) FROM delaywheel.later';\n"
     )
-    assert migrate(owner, sql_copy) == [f"{newest + 1:03d}_later.sql"]
+    later = f"{newest + 1:03d}_later.sql"
+    assert migrate(owner, sql_copy) == [later, *(p.name for p in definitions(sql_copy))]  # all installed after a change
     with psycopg.connect(runtime, autocommit=True) as conn:
         conn.execute("INSERT INTO delaywheel.later (note) VALUES ('a')")
         conn.execute("UPDATE delaywheel.later SET note = 'b'")

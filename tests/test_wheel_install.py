@@ -1,6 +1,7 @@
 """The package people install (issue 20, item 5): the wheel built from this checkout, installed into a fresh virtual
 environment outside it, migrates an empty database and sends, delivers and pulls a message there, run from a folder
-that is not the checkout. Nothing of the checkout is on the path: the migrations come out of the installed package.
+that is not the checkout. Nothing of the checkout is on the path: the SQL (sql/, linked into the package) comes out
+of the installed package.
 The wheel carries the Spark jobs (spark/, linked into the package) and nothing of the example application beside the
 library (examples/shop).
 
@@ -127,8 +128,21 @@ def test_the_installed_wheel_migrates_sends_delivers_and_pulls(
     jobs = {"bulk_enqueue.py", "redeliver.py", "lateness_quality.py", "sparkjob.py", "log4j2.properties"}
     assert jobs <= set(json.loads(where[4])), where
 
+    # the store's SQL is, read through importlib.resources: every file of the checkout's sql/
+    shipped = run(
+        "python",
+        "-c",
+        "import importlib.resources as r, json; d = r.files('delaywheel') / 'sql';"
+        " print(json.dumps(sorted([p.name for p in d.iterdir()] + ['migrations/' + p.name for p in (d / 'migrations').iterdir()])))",
+    )
+    in_checkout = [p.name for p in (ROOT / "sql").iterdir()] + [
+        f"migrations/{p.name}" for p in (ROOT / "sql" / "migrations").iterdir()
+    ]
+    assert json.loads(shipped) == sorted(in_checkout)
+
     applied = run("delaywheel", "migrate")
-    assert applied.startswith("applied: 001_store.sql, ") and "shop" not in applied, applied
+    assert applied.startswith("applied: 001_baseline.sql, ") and "shop" not in applied, applied
+    assert "views.sql" in applied and "level_pass.sql" in applied, applied  # the definitions, installed
     sent = json.loads(
         run(
             "delaywheel",

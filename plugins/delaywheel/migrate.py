@@ -1,9 +1,14 @@
-"""Applies migrations: numbered SQL files, each once, each in its own transaction, in order, one line at a time.
+"""Applies the store's SQL: numbered schema changes, each once, then the functions, procedures and views whenever
+their text changed.
 
-A line is a folder of `NNN_snake_case.sql` files shipped with the code as package data (read through
-`importlib.resources`, so an installed wheel migrates as a checkout does), numbered on its own and recorded under its
-name in `delaywheel.schema_migrations`: the store's line `delaywheel` (this package's `migrations/`), and beside it
-any application's own (the shop example's `delaywheel_shop/migrations/`, line `shop`), applied by that application.
+The SQL lives in the repository's top-level `sql/`, shipped in the wheel as `delaywheel/sql` (read through
+`importlib.resources`, so an installed wheel migrates as a checkout does). `sql/migrations/NNN_snake_case.sql` are the
+schema changes (a baseline, then one file per change), each applied once in its own transaction, in order, recorded
+in `delaywheel.schema_migrations` under its line's name. Every other `sql/*.sql` file holds current definitions
+(`CREATE OR REPLACE`), installed after the changes when its checksum differs from the one recorded in
+`delaywheel.schema_definitions`, or whenever a change was applied in the same run (a change may drop what a definition
+made). Beside the store's line `delaywheel`, an application may keep its own line of changes (the shop example's,
+line `shop`), applied by that application.
 
 Migrations run as the store's owner role, `delaywheel_owner` (DESIGN.md "Roles"): the connecting role sets it
 (`SET ROLE`) when it may, so the schemas and everything in them belong to the owner whichever login ran them. Given
@@ -16,8 +21,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import re
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field, replace
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
 from importlib import resources
 from importlib.resources.abc import Traversable
 
@@ -28,10 +33,16 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from delaywheel.config import load_settings
 from delaywheel.locks import MIGRATE_LOCK
 
-SQL_DIR: Traversable = resources.files("delaywheel") / "migrations"
+SQL_DIR: Traversable = resources.files("delaywheel") / "sql"  # the checkout's sql/, linked into the package
 _NAME = re.compile(r"^(\d{3})_[a-z0-9_]+\.sql$")
+# Installed last: views use the functions (level_queue and wheel_far unpack segments with spread).
+_VIEWS = "views.sql"
+# The line before the baseline: a store it built records 001_store.sql … 035_repeated_cancel.sql. At that line's last
+# version a store is at the baseline, whose record replaces that line's; at an earlier one it is refused.
+_OLD_FIRST = "001_store.sql"
+_OLD_LAST = (35, "035_repeated_cancel.sql")
 OWNER_ROLE = "delaywheel_owner"  # owns the schemas, runs the migrations
-RUNTIME_ROLE = "delaywheel_runtime"  # sends, delivers, consumes, cancels; no DDL but through migrations/017's functions
+RUNTIME_ROLE = "delaywheel_runtime"  # sends, delivers, consumes, cancels; no DDL but through sql/partitions.sql
 GROUP_ROLES = (OWNER_ROLE, RUNTIME_ROLE)
 # The login roles the embedded cluster (delaywheel.dev.embedded) and docker-compose make members of the group roles.
 OWNER_LOGIN = "delaywheel_migrator"
@@ -44,21 +55,17 @@ class MigrationError(RuntimeError):
 
 @dataclass(frozen=True)
 class Line:
-    """A line of migrations. `schemas`: the schemas its files create, which `migrate` hands to the owner role when
-    another role owns them (a store migrated before the roles existed). `moved`: versions of this line that another
-    line applied before they moved here, {version here: (line, version there)}; where the old record is found, the
-    version here counts as applied (recorded, not run), so a database migrated before the move stays valid."""
+    """A line of schema changes: `folder` holds its numbered files; `schemas`, the schemas they create;
+    `definitions`, a folder of files of current definitions installed after the changes (the store's `sql/`)."""
 
     name: str
     folder: Traversable
     schemas: tuple[str, ...]
-    moved: Mapping[int, tuple[str, int]] = field(default_factory=dict)
+    definitions: Traversable | None = None
 
 
-# The store's own line. Its version 6 (`006_shop.sql`, the shop example's schema) moved to the shop's line: stores
-# migrated before still record it here, with no file of that number now; a recorded version without a file is
-# passed over, so they stay valid. No new file may take the number 6.
-STORE = Line("delaywheel", SQL_DIR, schemas=("delaywheel",))
+# The store's own line: the changes in sql/migrations/, the definitions in sql/.
+STORE = Line("delaywheel", SQL_DIR / "migrations", schemas=("delaywheel",), definitions=SQL_DIR)
 
 
 @dataclass(frozen=True)
@@ -71,7 +78,13 @@ class Migration:
         return hashlib.sha256(self.path.read_bytes()).hexdigest()
 
 
-def available(folder: Traversable = SQL_DIR) -> list[Migration]:
+def definitions(folder: Traversable = SQL_DIR) -> list[Traversable]:
+    """The definition files in `folder`, in the order they are installed: by name, the views last."""
+    found = [p for p in folder.iterdir() if p.name.endswith(".sql")]
+    return sorted(found, key=lambda p: (p.name == _VIEWS, p.name))
+
+
+def available(folder: Traversable = STORE.folder) -> list[Migration]:
     """The line's files in `folder`, in version order."""
     found = []
     for path in sorted((p for p in folder.iterdir() if p.name.endswith(".sql")), key=lambda p: p.name):
@@ -88,7 +101,7 @@ def available(folder: Traversable = SQL_DIR) -> list[Migration]:
 def ensure_roles(conn: psycopg.Connection) -> None:
     """Create the group roles if they are missing and this session may (a superuser, or CREATEROLE); as a superuser
     also give the owner CREATE on this database (it creates the schemas). Idempotent; without the right to, it
-    leaves all as it is, and migrations/017 says what a superuser must do."""
+    leaves all as it is, and the baseline (sql/migrations/001_baseline.sql) says what a superuser must do."""
     row = conn.execute("SELECT rolsuper, rolcreaterole FROM pg_roles WHERE rolname = current_user").fetchone()
     superuser, createrole = row if row else (False, False)
     existing = {
@@ -108,32 +121,9 @@ def ensure_roles(conn: psycopg.Connection) -> None:
         )
 
 
-# What of `schemas` is not yet the owner's (a database migrated before migrations/017, by a single role), as the
-# statements that give it to the owner: schemas, then relations (a sequence owned by a column follows its table), then
-# functions.
-_NOT_ADOPTED = """
-SELECT 1 AS step, format('ALTER SCHEMA %%I OWNER TO %%I', nspname, %(owner)s::text) AS ddl
-FROM pg_namespace WHERE nspname = ANY(%(schemas)s) AND nspowner <> %(owner)s::regrole
-UNION ALL
-SELECT 2, format('ALTER %%s %%I.%%I OWNER TO %%I', CASE c.relkind WHEN 'S' THEN 'SEQUENCE' WHEN 'v' THEN 'VIEW'
-                 WHEN 'm' THEN 'MATERIALIZED VIEW' ELSE 'TABLE' END, n.nspname, c.relname, %(owner)s::text)
-FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
-WHERE n.nspname = ANY(%(schemas)s) AND c.relkind IN ('r', 'p', 'v', 'm', 'S', 'f')
-  AND c.relowner <> %(owner)s::regrole
-  AND NOT (c.relkind = 'S' AND EXISTS (SELECT 1 FROM pg_depend d WHERE d.classid = 'pg_class'::regclass
-           AND d.objid = c.oid AND d.deptype IN ('a', 'i')))
-UNION ALL
-SELECT 3, format('ALTER ROUTINE %%s OWNER TO %%I', p.oid::regprocedure, %(owner)s::text)
-FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
-WHERE n.nspname = ANY(%(schemas)s) AND p.proowner <> %(owner)s::regrole
-ORDER BY step
-"""
-
-
-def act_as_owner(conn: psycopg.Connection, schemas: tuple[str, ...] = STORE.schemas) -> bool:
-    """`SET ROLE delaywheel_owner` if it exists and this session may; first hand it whatever of `schemas` another
-    role owns (a store migrated before the roles existed). False: the migrations run as the session's role, as they
-    did before the roles existed."""
+def act_as_owner(conn: psycopg.Connection) -> bool:
+    """`SET ROLE delaywheel_owner` if it exists and this session may. False: the changes run as the session's role
+    (the baseline then says what a superuser must do)."""
     row = conn.execute(
         "SELECT to_regrole(%(owner)s) IS NOT NULL AND pg_has_role(current_user, %(owner)s, 'MEMBER'),"
         " current_user = %(owner)s",
@@ -142,26 +132,8 @@ def act_as_owner(conn: psycopg.Connection, schemas: tuple[str, ...] = STORE.sche
     may, already = row if row else (False, False)
     if not may or already:
         return bool(already)
-    adopt(conn, schemas)
     conn.execute(sql.SQL("SET ROLE {}").format(sql.Identifier(OWNER_ROLE)))
     return True
-
-
-def adopt(conn: psycopg.Connection, schemas: tuple[str, ...] = STORE.schemas) -> None:
-    """Give `delaywheel_owner` whatever of `schemas` another role owns (a store migrated before the roles existed,
-    by a single role), in one transaction; needs a superuser or the objects' owner."""
-    statements = [r[1] for r in conn.execute(_NOT_ADOPTED, {"owner": OWNER_ROLE, "schemas": list(schemas)})]
-    if not statements:
-        return
-    try:
-        with conn.transaction():
-            for statement in statements:
-                conn.execute(statement)
-    except psycopg.errors.InsufficientPrivilege as exc:
-        raise MigrationError(
-            f"objects of the store's schemas belong to another role, and this one may not give them to {OWNER_ROLE}"
-            f' ({exc}); run `delaywheel migrate` once as a superuser or as their owner (README, "Roles")'
-        ) from exc
 
 
 @contextlib.contextmanager
@@ -202,36 +174,58 @@ _ADD_LINES = """
 ALTER TABLE delaywheel.schema_migrations ADD COLUMN line text NOT NULL DEFAULT 'delaywheel',
     DROP CONSTRAINT schema_migrations_pkey, ADD PRIMARY KEY (line, version)
 """
+# The checksums of the definitions installed (sql/*.sql), by file name; the runtime reads it (an up-to-date store).
+_DEFINITIONS = """
+CREATE TABLE IF NOT EXISTS delaywheel.schema_definitions (
+    name text PRIMARY KEY, checksum text NOT NULL, installed_at timestamptz NOT NULL DEFAULT now())
+"""
+_DEFINITIONS_READ = (
+    f"REVOKE ALL ON delaywheel.schema_definitions FROM {RUNTIME_ROLE};"
+    f" GRANT SELECT ON delaywheel.schema_definitions TO {RUNTIME_ROLE}"
+)
 _TRACKING_STATE = """
 SELECT to_regclass('delaywheel.schema_migrations') IS NOT NULL,
        EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass('delaywheel.schema_migrations')
-               AND attname = 'line' AND NOT attisdropped)
+               AND attname = 'line' AND NOT attisdropped),
+       to_regclass('delaywheel.schema_definitions') IS NOT NULL
+"""
+_INSTALLED = """
+INSERT INTO delaywheel.schema_definitions (name, checksum) VALUES (%s, %s)
+ON CONFLICT (name) DO UPDATE SET checksum = excluded.checksum, installed_at = excluded.installed_at
 """
 
 
 def migrate(url: str, line: Line | Traversable = STORE) -> list[str]:
-    """Apply `line`'s pending migrations as the owner role; returns the names applied (empty when up to date). A
-    version moved from another line and applied there is recorded, not run, and named with where it came from.
-    `line` may be a folder: the store's line read from there (a test's private copy)."""
-    line = line if isinstance(line, Line) else replace(STORE, folder=line)
+    """Apply `line`'s pending changes as the owner role, then install its definitions whose text changed (all of them
+    when a change was applied); returns the file names applied and installed (empty when up to date). `line` may be a
+    folder: the store's SQL read from there (a test's private copy of sql/)."""
+    line = line if isinstance(line, Line) else replace(STORE, folder=line / "migrations", definitions=line)
     migrations = available(line.folder)
     applied_now: list[str] = []
     with psycopg.connect(owner_url(url), autocommit=True) as conn:
         conn.execute("SELECT pg_advisory_lock(%s)", (MIGRATE_LOCK,))
         try:
             ensure_roles(conn)
-            as_owner = act_as_owner(conn, line.schemas)
+            as_owner = act_as_owner(conn)
             # DDL only when needed: IF NOT EXISTS still needs CREATE, and the runtime role finds an up-to-date store
-            exists, has_lines = conn.execute(_TRACKING_STATE).fetchone() or (False, False)
-            if not exists or not has_lines:
+            exists, has_lines, has_definitions = conn.execute(_TRACKING_STATE).fetchone() or (False, False, False)
+            if not exists or not has_lines or (line.definitions is not None and not has_definitions):
                 with _as_the_owner_only():
                     conn.execute("CREATE SCHEMA IF NOT EXISTS delaywheel")
-                    conn.execute(_TRACKING if not exists else _ADD_LINES)
-            recorded = {
-                (r[0], r[1]): (r[2], r[3])
-                for r in conn.execute("SELECT line, version, name, checksum FROM delaywheel.schema_migrations")
+                    if not exists or not has_lines:
+                        conn.execute(_TRACKING if not exists else _ADD_LINES)
+                    if line.definitions is not None and not has_definitions:
+                        conn.execute(_DEFINITIONS)
+                        if conn.execute("SELECT to_regrole(%s)", (RUNTIME_ROLE,)).fetchone() != (None,):
+                            conn.execute(_DEFINITIONS_READ)
+            done = {
+                r[0]: (r[1], r[2])
+                for r in conn.execute(
+                    "SELECT version, name, checksum FROM delaywheel.schema_migrations WHERE line = %s", (line.name,)
+                )
             }
-            done = {version: entry for (of_line, version), entry in recorded.items() if of_line == line.name}
+            if line.name == STORE.name and done.get(1, ("",))[0] == _OLD_FIRST:
+                done = _at_the_baseline(conn, done, migrations[0])
             newest_known = max((m.version for m in migrations), default=0)
             if done and max(done) > newest_known:
                 raise MigrationError(
@@ -246,34 +240,63 @@ def migrate(url: str, line: Line | Traversable = STORE) -> list[str]:
                         )
                     continue
                 if not as_owner:  # the roles may have come with the last file (they are cluster-wide)
-                    as_owner = act_as_owner(conn, line.schemas)
-                before = line.moved.get(migration.version)
-                was = (
-                    f"{recorded[before][0]} of line {before[0]}"  # applied there: record it here, not run it
-                    if before is not None and before in recorded
-                    else None
-                )
+                    as_owner = act_as_owner(conn)
                 with _as_the_owner_only(), conn.transaction():
-                    if was is None:
-                        conn.execute(migration.path.read_text())
+                    conn.execute(migration.path.read_text())
                     conn.execute(
                         "INSERT INTO delaywheel.schema_migrations (line, version, name, checksum)"
                         " VALUES (%s, %s, %s, %s)",
                         (line.name, migration.version, migration.path.name, migration.checksum),
                     )
-                applied_now.append(
-                    migration.path.name if was is None else f"{migration.path.name} (applied before as {was})"
-                )
+                applied_now.append(migration.path.name)
+            if line.definitions is not None:
+                applied_now += _install(conn, definitions(line.definitions), everything=bool(applied_now))
         finally:
             conn.execute("RESET ROLE")
             conn.execute("SELECT pg_advisory_unlock(%s)", (MIGRATE_LOCK,))
     return applied_now
 
 
+def _at_the_baseline(
+    conn: psycopg.Connection, done: dict[int, tuple[str, str]], baseline: Migration
+) -> dict[int, tuple[str, str]]:
+    """A store recorded by the line before the baseline: at its last version, the baseline's record replaces its
+    records (the schema is the baseline's; the definitions are installed after, as on any upgrade)."""
+    if done.get(_OLD_LAST[0], ("",))[0] != _OLD_LAST[1]:
+        newest = max(done)
+        raise MigrationError(
+            f"the database schema is at version {newest} ({done[newest][0]}) of the line before the baseline, which"
+            f" this code upgrades from its last version ({_OLD_LAST[1]}) only"
+        )
+    with _as_the_owner_only(), conn.transaction():
+        conn.execute("DELETE FROM delaywheel.schema_migrations WHERE line = %s", (STORE.name,))
+        conn.execute(
+            "INSERT INTO delaywheel.schema_migrations (line, version, name, checksum) VALUES (%s, %s, %s, %s)",
+            (STORE.name, baseline.version, baseline.path.name, baseline.checksum),
+        )
+    return {baseline.version: (baseline.path.name, baseline.checksum)}
+
+
+def _install(conn: psycopg.Connection, files: list[Traversable], everything: bool) -> list[str]:
+    """Install the definition `files` whose checksum differs from the one recorded (`everything`: all of them), in one
+    transaction, recording their checksums. Bodies are not checked at creation (the files refer to each other)."""
+    recorded = dict(conn.execute("SELECT name, checksum FROM delaywheel.schema_definitions").fetchall())
+    checksums = {path.name: hashlib.sha256(path.read_bytes()).hexdigest() for path in files}
+    changed = [path for path in files if everything or recorded.get(path.name) != checksums[path.name]]
+    if not changed:
+        return []
+    with _as_the_owner_only(), conn.transaction():
+        conn.execute("SET LOCAL check_function_bodies = off")
+        for path in changed:
+            conn.execute(path.read_text())
+            conn.execute(_INSTALLED, (path.name, checksums[path.name]))
+    return [path.name for path in changed]
+
+
 def current_version(url: str, line: str = STORE.name) -> int:
     """The newest version of `line` recorded in the database (0: none)."""
     with psycopg.connect(url, autocommit=True) as conn:
-        exists, has_lines = conn.execute(_TRACKING_STATE).fetchone() or (False, False)
+        exists, has_lines, _ = conn.execute(_TRACKING_STATE).fetchone() or (False, False, False)
         if not exists or (not has_lines and line != STORE.name):  # (a record from before lines: the store's only)
             return 0
         row = conn.execute(

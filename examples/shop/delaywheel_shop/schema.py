@@ -1,9 +1,7 @@
 """The shop's own migrations line: its schema (`shop`) beside the store's, in `delaywheel_shop/migrations/`.
 
 The store's `delaywheel migrate` knows nothing of the shop; the shop applies its line itself (`python -m
-delaywheel_shop migrate`, the demo) through the store's migration machinery, recorded as line `shop`. Its version 1
-was the store's version 6 before the shop moved out of the library: a database that applied it there records it here
-unrun.
+delaywheel_shop migrate`, the demo) through the store's migration machinery, recorded as line `shop`.
 """
 
 from __future__ import annotations
@@ -12,9 +10,7 @@ from importlib import resources
 
 from delaywheel import migrate as migrations
 
-LINE = migrations.Line(
-    "shop", resources.files("delaywheel_shop") / "migrations", schemas=("shop",), moved={1: (migrations.STORE.name, 6)}
-)
+LINE = migrations.Line("shop", resources.files("delaywheel_shop") / "migrations", schemas=("shop",))
 
 
 def migrate(url: str) -> list[str]:

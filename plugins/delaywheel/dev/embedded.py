@@ -25,7 +25,7 @@ from psycopg import sql
 
 from delaywheel.config import PROJECT_ROOT, Settings, load_settings
 from delaywheel.locks import SETUP_LOCK
-from delaywheel.migrate import OWNER_LOGIN, OWNER_ROLE, RUNTIME_LOGIN, RUNTIME_ROLE, adopt
+from delaywheel.migrate import OWNER_LOGIN, OWNER_ROLE, RUNTIME_LOGIN, RUNTIME_ROLE
 from delaywheel.store import Store
 
 DATABASES = ("delaywheel", "airflow")
@@ -294,18 +294,6 @@ def _create_databases(cluster: Cluster) -> None:
             if name not in existing:
                 conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
         create_roles(conn, databases=("delaywheel",))
-    # A store migrated before the roles existed belongs to `postgres`: hand it to the owner, whose login migrates
-    # (once per process and cluster: every command without a configured URL comes through here).
-    if (cluster.root, cluster.port) in _ADOPTED:
-        return
-    with psycopg.connect(cluster.admin_url("delaywheel"), autocommit=True) as conn:
-        conn.execute("SET lock_timeout = '5s'")
-        with contextlib.suppress(psycopg.errors.LockNotAvailable):  # busy: `migrate` says so if it matters
-            adopt(conn)
-            _ADOPTED.add((cluster.root, cluster.port))
-
-
-_ADOPTED: set[tuple[Path, int]] = set()
 
 
 def create_roles(
