@@ -17,7 +17,6 @@ from typing import Any, TypeVar
 
 import psycopg
 import pytest
-from delaywheel_shop import schema as shop_schema
 from psycopg import pq, sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
@@ -26,6 +25,7 @@ from delaywheel.config import TEST_CLOCK_ENV
 from delaywheel.deliver import runner
 from delaywheel.dev import embedded
 from delaywheel.dev.local_airflow import as_url, configure
+from delaywheel.migrate import migrate
 
 # Tests inject fixed clocks far from the database's (`t0`, 2030-01-01): said once, here, for this process and every
 # one it starts (the CLI, Airflow, Spark), so that `now=` is not held to the database's clock. A test of that rule
@@ -93,7 +93,7 @@ def template_db(server_url: str) -> Iterator[str]:
     with psycopg.connect(server_url, autocommit=True) as conn:
         conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
         conn.execute(f"CREATE DATABASE {name}")
-    shop_schema.migrate(_with_db(server_url, name))  # the store's line and the shop example's (tests/shop, Spark's)
+    migrate(_with_db(server_url, name))  # the store's line only: the shop example's tests add theirs (shop_schema)
     yield name
     with psycopg.connect(server_url, autocommit=True) as conn:
         conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
@@ -115,6 +115,22 @@ def db_url(server_url: str, template_db: str) -> Iterator[str]:
     """A fresh, migrated database for one test; dropped afterwards."""
     with fresh_database(server_url, template_db) as url:
         yield url
+
+
+def migrate_shop(url: str) -> str:
+    """The shop example's own line (examples/shop, its schema `shop`) migrated into the database at `url`; returns
+    `url`."""
+    from delaywheel_shop import schema  # the example: only the tests of it need it
+
+    schema.migrate(url)
+    return url
+
+
+@pytest.fixture
+def shop_schema(db_url: str) -> str:
+    """This test's database with the shop example's schema too (the template carries only the store's); returns its
+    URL. Every test under tests/shop has it (tests/shop/conftest.py)."""
+    return migrate_shop(db_url)
 
 
 @pytest.fixture

@@ -134,6 +134,7 @@ def test_lateness_dag_passes_then_fails_on_a_broken_contract(
     assert Path(saved[0][2]).parent != tmp_path and Path(saved[1][2]).parent == tmp_path
 
 
+@pytest.mark.usefixtures("shop_schema")  # the shop's own line in the test's database
 def test_shop_place_orders_then_reconcile_dags(dags: dict[str, Any], store: Store) -> None:
     from delaywheel_shop import orders
 

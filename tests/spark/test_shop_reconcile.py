@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta
 
+import pytest
 import redeliver
 from delaywheel_shop import orders
 
@@ -13,6 +14,7 @@ from delaywheel import Store
 TIMEOUT = timedelta(minutes=30)
 
 
+@pytest.mark.usefixtures("shop_schema")  # the shop's own line in the test's database
 def test_reconcile_repairs_order_timers(spark: object, store: Store, db_url: str, t0: datetime) -> None:
     orders.reset(store, stock_per_sku=100)
     plans = [orders.OrderPlan(i, "c", [("sku-003", 1)], "abandon", None) for i in range(1, 11)]
