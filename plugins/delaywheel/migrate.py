@@ -280,7 +280,9 @@ def _at_the_baseline(
 def _install(conn: psycopg.Connection, files: list[Traversable], everything: bool) -> list[str]:
     """Install the definition `files` whose checksum differs from the one recorded (`everything`: all of them), in one
     transaction, recording their checksums. Bodies are not checked at creation (the files refer to each other)."""
-    recorded = dict(conn.execute("SELECT name, checksum FROM delaywheel.schema_definitions").fetchall())
+    recorded: dict[str, str] = {
+        name: checksum for name, checksum in conn.execute("SELECT name, checksum FROM delaywheel.schema_definitions")
+    }
     checksums = {path.name: hashlib.sha256(path.read_bytes()).hexdigest() for path in files}
     changed = [path for path in files if everything or recorded.get(path.name) != checksums[path.name]]
     if not changed:

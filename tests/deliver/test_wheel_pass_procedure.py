@@ -1,48 +1,46 @@
-"""The wheel pass procedure (migrations/028, as 033 replaced it) runs the library's own statements: a change to any
-of them in deliver/wheel.py (or to the commit horizon or the planner settings in db.py) fails here until a migration
-installs it in the procedure too."""
+"""The wheel pass (sql/wheel_pass.sql) as the library calls it: the CALL passes the procedure's inputs in their order,
+and what a pass leaves is what the library reads after it (wheel.CURSOR) and reports (the next due time), stragglers
+included."""
 
 from __future__ import annotations
 
 import re
+from datetime import datetime
+
+import psycopg
 
 from delaywheel import Store
-from delaywheel.db import COMMIT_HORIZON, DURABLE_COMMIT, PASS_PLAN, QUEUE_PLAN
 from delaywheel.deliver import wheel
 from delaywheel.types import MAX_ID
+from tests.conftest import at
 
 PLACEHOLDER = re.compile(r"%\((\w+)\)s")
-# The pass's commit waits for its WAL flush whatever the session's setting, set right before it.
-DURABLE = f"PERFORM {DURABLE_COMMIT};"
 
 
-def as_variables(statement: str) -> str:
-    """A statement of deliver/wheel.py as the procedure embeds it: each placeholder %(x)s as the variable p_x."""
-    return PLACEHOLDER.sub(r"p_\1", statement)
+def test_the_call_passes_the_procedures_inputs_in_their_order(store: Store) -> None:
+    row = store.conn.execute(
+        "SELECT p.proargnames[1:9] FROM pg_proc p WHERE p.oid = to_regproc('delaywheel.wheel_pass')"
+    ).fetchone()
+    assert row is not None
+    assert [f"p_{name}" for name in PLACEHOLDER.findall(wheel._CALL)] == row[0]
 
 
-def words(text: str) -> str:
-    """`text` with every run of white space as one space: the procedure indents what it embeds."""
-    return " ".join(text.split())
-
-
-def test_the_procedure_runs_the_librarys_statements(store: Store) -> None:
-    source, inputs = store.conn.execute(
-        "SELECT p.prosrc, p.proargnames[1:9] FROM pg_proc p WHERE p.oid = to_regproc('delaywheel.wheel_pass')"
-    ).fetchone()  # type: ignore[misc]
-    statements = [wheel.CURSOR, wheel._MOVE_STRAGGLERS, wheel._MOVE_DUE, wheel._APPEND, wheel._TRIM]
-    statements += [wheel._HEAD_SOON, wheel._HEAD_AFTER]
-    flat = words(source)
-    for statement in statements:  # as written there, indented as the procedure's body
-        assert words(as_variables(statement)) in flat, statement
-    assert words(COMMIT_HORIZON) in flat and PASS_PLAN in source and QUEUE_PLAN in source and str(MAX_ID) in source
-    # the queue plan is set after the stragglers' move and before the due batch's, as the module says
-    stragglers, due = (flat.index(words(as_variables(s))) for s in (wheel._MOVE_STRAGGLERS, wheel._MOVE_DUE))
-    assert stragglers < flat.index(f"PERFORM {QUEUE_PLAN}") < due
-    # the lane's lock before all of it; the append, then the commit, waiting for its flush, then the head
-    parts = ["delaywheel.take_lane(", words(as_variables(wheel._APPEND)), DURABLE, "COMMIT;"]
-    parts.append(words(as_variables(wheel._HEAD_SOON)))
-    positions = [flat.index(part) for part in parts]
-    assert positions == sorted(positions)
-    # the CALL passes the procedure's inputs in their order
-    assert [f"p_{name}" for name in PLACEHOLDER.findall(wheel._CALL)] == inputs
+def test_a_pass_leaves_its_cursor_and_head_and_the_next_takes_the_stragglers(
+    store: Store, db_url: str, t0: datetime
+) -> None:
+    ids = [store.send("orders", {"n": i}, deliver_at=at(t0, 10 + i), now=t0) for i in range(3)]
+    result = store.advance_wheel(now=at(t0, 11))
+    assert (result.delivered, result.next_due, result.more) == (2, at(t0, 12), False)
+    _, cursor_at, cursor_id, _, delivered = store.conn.execute(wheel.CURSOR).fetchone()  # type: ignore[misc]
+    assert (cursor_at, cursor_id, delivered) == (at(t0, 11), MAX_ID, 2)  # all due up to the clock: past its last id
+    # a row committed behind the cursor after the pass (a straggler) goes with the next pass, never lost
+    with psycopg.connect(db_url, autocommit=True) as late:
+        late.execute(
+            "INSERT INTO delaywheel.wheel (id, topic, body, is_json, deliver_at, enqueued_at)"
+            " VALUES (nextval('delaywheel.message_id_seq'), 'orders', 'x', false, %s, %s)",
+            (at(t0, 5), t0),
+        )
+    result = store.advance_wheel(now=at(t0, 12))
+    assert result.delivered == 2 and result.next_due is None
+    delivered_ids = [r[0] for r in store.conn.execute("SELECT message_id FROM delaywheel.topic_messages")]
+    assert len(delivered_ids) == len(set(delivered_ids)) == 4 and set(ids) <= set(delivered_ids)

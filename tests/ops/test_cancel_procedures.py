@@ -1,5 +1,5 @@
-"""The cancel procedures (migrations/027) run the library's own queries: a change to the lookup, the lane wait or the
-search of the topics in ops/cancel.py fails here until a migration installs it in the procedures too."""
+"""The cancel procedures (sql/cancel.sql) run the queries ops/cancel.py also runs itself inside a caller's transaction:
+a change to the lookup, the lane wait or the search of the topics on one side fails here until the other has it too."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Per-level delivery (RocketMQ 4.x's DeliverDelayedMessageTimerTask, one level per call).
 
-A pass is one CALL (migrations/029) and one transaction: it takes the level's advisory lock (a second deliverer of
+A pass is one CALL (sql/level_pass.sql) and one transaction: it takes the level's advisory lock (a second deliverer of
 the same level waits up to LANE_WAIT for it, then gets `busy`; cancels never hold it for long, see cancel.py), reads
 the head of the level's queue in (xid, id) order below the commit horizon, moves the due prefix into the topics and
 advances the checkpoint. A crash before COMMIT leaves queue, topics and checkpoint as they were; after COMMIT, all
@@ -20,11 +20,11 @@ from delaywheel.db import COMMIT_HORIZON, PASS_PLAN, QUEUE_PLAN, in_own_transact
 from delaywheel.deliver.setaside import POISON, record
 from delaywheel.locks import LEVEL_LOCK
 from delaywheel.partitions import DAY, PartitionCache, floor_to
-from delaywheel.pending import not_cancelled, segment_messages
+from delaywheel.pending import segment_messages
 from delaywheel.types import PassResult, TopicSpan
 
 # How long a pass that finds its lane's lock or both its turns taken waits before it reports `busy` (`take_lane`,
-# migrations/031). A cancel takes each turn shared and lets it go in the same statement (cancel.await_passes: waiting
+# sql/lanes.sql). A cancel takes each turn shared and lets it go in the same statement (cancel.await_passes: waiting
 # for the pass in flight), but PostgreSQL grants a waiting request when the holder releases, before the waiter's
 # process runs: on a busy machine the cancel then holds it until it is scheduled, which took over 20 ms on two shared
 # cores. The next pass takes the other turn meanwhile; it waits only when cancels hold both (one stalled for a whole
@@ -55,7 +55,7 @@ def topic_spans(summary: dict[str, list]) -> dict[str, TopicSpan]:
 
 
 # A level's queue in (xid, id) order: its segments in (xid, id_last) order, each one's messages in id order
-# (migrations/011). Sorting is priced out for the pass (QUEUE_PLAN), so the planner walks the FIFO index, unnests one
+# (level_segments). Sorting is priced out for the pass (QUEUE_PLAN), so the planner walks the FIFO index, unnests one
 # segment at a time and stops at the LIMIT: a pass reads its batch plus at most one partly passed segment.
 # `s` is the segment, `m` one of its messages; what a pass reads is this plus its select list.
 _BATCH_AFTER_CURSOR = sql.SQL("""
@@ -65,61 +65,6 @@ _BATCH_AFTER_CURSOR = sql.SQL("""
         ORDER BY s.xid, s.id_last, m.id
         LIMIT %(limit)s
 """).format(messages=segment_messages("id", "topic", "key", "tags", "properties", "body", "is_json"))
-
-
-# The pass's move. After a pass failed on a row it cannot deliver (setaside.py) it runs again with %(setting_aside)s
-# true: a message set aside has no properties to cast (its cast is what failed; it is cancelled, so it is passed over
-# like any cancelled message). False, the CASE never looks.
-_PROPERTIES = sql.SQL(
-    "CASE WHEN %(setting_aside)s AND EXISTS (SELECT 1 FROM delaywheel.set_aside x WHERE x.message_id = m.id) THEN NULL"
-    " ELSE m.properties::jsonb END AS properties"
-)
-_DELIVER = (
-    sql.SQL("""
-WITH
--- the batch after the checkpoint, and whether it is due up to each row (FIFO: the due prefix is what moves)
-batch AS (
-    SELECT q.*, bool_and(q.deliver_at <= %(now)s) OVER (ORDER BY q.xid, q.id_last, q.id) AS due
-    FROM (
-        SELECT s.xid, s.id_last, m.id, s.level, m.topic, m.key, m.tags, {properties}, m.body, m.is_json,
-               s.reconsume_times, s.deliver_at
-{batch}    ) q
-),
--- the due prefix: the checkpoint moves past all of it
-due AS (SELECT * FROM batch WHERE due),
--- into the topics, except the cancelled
-moved AS (
-    INSERT INTO delaywheel.topic_messages
-        (topic, message_id, origin, level, key, tags, properties, body, is_json, reconsume_times,
-         deliver_at, delivered_at)
-    SELECT topic, id, 'level', level, key, tags, properties, body, is_json, reconsume_times,
-           deliver_at, coalesce(%(injected)s::timestamptz, clock_timestamp())
-    FROM due d
-    WHERE {not_cancelled}
-    ORDER BY xid, id_last, id
-    RETURNING topic, queue_offset, xid
-),
--- the checkpoint past the due prefix (its row made by the level's first delivery); untouched when nothing was due
-advanced AS (
-    INSERT INTO delaywheel.level_checkpoint AS c (level, cursor_xid, cursor_id, delivered, updated_at)
-    SELECT %(level)s, xid, id, (SELECT count(*) FROM moved), clock_timestamp()
-    FROM (SELECT xid, id FROM due ORDER BY xid DESC, id_last DESC, id DESC LIMIT 1) last
-    ON CONFLICT (level) DO UPDATE SET cursor_xid = excluded.cursor_xid, cursor_id = excluded.cursor_id,
-        delivered = c.delivered + excluded.delivered, updated_at = excluded.updated_at
-)
-SELECT (SELECT count(*) FROM moved),
-       (SELECT count(*) FROM due),
-       (SELECT count(*) FROM batch),
-       ({topic_summary})
-""")
-    .format(
-        properties=_PROPERTIES,
-        batch=_BATCH_AFTER_CURSOR,
-        not_cancelled=not_cancelled("d"),
-        topic_summary=sql.SQL(TOPIC_SUMMARY),
-    )
-    .as_string()
-)
 
 
 # The rows a pass would read (its batch, due or not: the batch casts every row it reads) that cannot be delivered.
@@ -137,8 +82,8 @@ WHERE u.reason IS NOT NULL
 )
 
 # The pass's planner settings: the queue read in cursor order (QUEUE_PLAN), the cancellations probed by their index
-# (PASS_PLAN), and generic plans. Generic, because the move's cost estimate counts the set-aside probe (_PROPERTIES)
-# that a custom plan folds away when %(setting_aside)s is false, so the plan cache kept choosing custom plans and
+# (PASS_PLAN), and generic plans. Generic, because the move's cost estimate counts the set-aside probe (the
+# properties' CASE in sql/level_pass.sql) that a custom plan folds away when %(setting_aside)s is false, so the plan cache kept choosing custom plans and
 # planned the move at every pass: 0.88 ms a one-message pass against 0.52 (2,000 passes in a loop, one session).
 PLAN = f"set_config('plan_cache_mode', 'force_generic_plan', true), {QUEUE_PLAN}, {PASS_PLAN}"
 # The set-aside step's first statement: the lane's lock (waited for), the commit horizon, and the pass's settings.
@@ -152,11 +97,10 @@ CURSOR = (
     "SELECT coalesce(c.cursor_xid::text, '0'), coalesce(c.cursor_id, 0)"
     " FROM (SELECT) start LEFT JOIN delaywheel.level_checkpoint c ON c.level = %(level)s"
 )
-# A pass is one CALL of `delaywheel.level_pass` (migrations/029), which runs, as the wheel's (wheel._CALL): the
+# A pass is one CALL of `delaywheel.level_pass` (sql/level_pass.sql), which runs, as the wheel's (wheel._CALL): the
 # planner settings (PLAN), the lane's lock (tried, then waited for up to LANE_WAIT, else busy), the commit horizon and
-# the clock, CURSOR, _DELIVER, COMMIT, then the head (pending.LEVEL_HEAD), each placeholder %(x)s as its variable p_x
-# (tests/deliver/test_level_pass_procedure.py checks that it still does). Sent from here they were six statements in
-# two pipelines, ~50 us of the deliverer's Python each and a wake-up of both processes for each pipeline.
+# the clock, the checkpoint (CURSOR), the move of the due prefix with the checkpoint's advance, COMMIT, then the head
+# (pending.LEVEL_HEAD). One round trip: sent from here they were six statements in two pipelines.
 _CALL = (
     "CALL delaywheel.level_pass(%(level)s::integer, %(injected)s::timestamptz, %(limit)s::integer, %(commit)s,"
     " %(setting_aside)s, %(lane_wait)s, %(lock_class)s::integer, %(topic_days)s::timestamptz[])"

@@ -6,7 +6,7 @@ cursor already passed, whose transactions committed after the last pass — then
 the cursor, reading only rows below the commit horizon (xmin), then appends the next entry with horizon_xid = xmin.
 Rows moved by the roll get the roller's xid, so they are stragglers or ahead of the cursor: never lost.
 
-The cursor is appended, never updated (migrations/021): an updated row keeps one dead version per pass while any
+The cursor is appended, never updated (wheel_cursor): an updated row keeps one dead version per pass while any
 transaction in the cluster is old, and every read of it walked them all. The newest entry is the first in the
 primary key read backwards, so the pass's one read of it costs the same few buffers however old that transaction.
 """
@@ -28,14 +28,14 @@ from psycopg import errors, sql
 from delaywheel.config import Settings
 from delaywheel.db import COMMIT_HORIZON, PASS_PLAN, QUEUE_PLAN, in_own_transaction
 from delaywheel.deliver import levels
-from delaywheel.deliver.levels import TOPIC_SUMMARY, topic_spans
+from delaywheel.deliver.levels import topic_spans
 from delaywheel.deliver.setaside import POISON, record
 from delaywheel.locks import WHEEL_LOCK
 from delaywheel.partitions import DAY, HOUR, PartitionCache, floor_to
-from delaywheel.pending import not_cancelled, segment_messages, wheel_head
+from delaywheel.pending import not_cancelled, segment_messages
 from delaywheel.types import PassResult
 
-# The cursor as the last pass left it (migrations/021: the first entry of the primary key read backwards).
+# The cursor as the last pass left it (the first entry of wheel_cursor's primary key read backwards).
 CURSOR = (
     "SELECT pass, cursor_at, cursor_id, horizon_xid::text, delivered FROM delaywheel.wheel_cursor"
     " ORDER BY pass DESC LIMIT 1"
@@ -45,16 +45,7 @@ CURSOR = (
 # transaction still keeps on disk). The log holds 1,000-2,000 entries, and more only while such a transaction lasts.
 TRIM_EVERY = 1000
 
-# Wheel rows `d` into the topics, except the cancelled. {rows}: the stragglers, or the due batch.
-_MOVE = sql.SQL("""
-INSERT INTO delaywheel.topic_messages
-    (topic, message_id, origin, key, tags, properties, body, is_json, deliver_at, delivered_at)
-SELECT topic, id, 'wheel', key, tags, properties, body, is_json, deliver_at,
-       coalesce(%(injected)s::timestamptz, clock_timestamp())
-FROM ({rows}) d
-WHERE {not_cancelled}
-ORDER BY deliver_at, id
-""")
+# The wheel's rows a pass reads (the set-aside step too): the stragglers, and the due batch after the cursor.
 _STRAGGLERS = sql.SQL("""
     SELECT * FROM delaywheel.wheel
     WHERE xid >= %(horizon)s::xid8 AND xid < %(xmin)s::xid8 AND deliver_at <= %(cursor_at)s
@@ -67,62 +58,16 @@ _DUE = sql.SQL("""
     ORDER BY deliver_at, id
     LIMIT %(limit)s
 """)
-# The pass's two moves, each reporting what it wrote (TOPIC_SUMMARY): the stragglers, then the due batch.
-_MOVE_STRAGGLERS = (
-    sql.SQL("""
-WITH
--- rows behind the cursor whose transactions committed after the last pass, into the topics
-moved AS ({move} RETURNING topic, queue_offset, xid)
-SELECT (SELECT count(*) FROM moved), ({summary})
-""")
-    .format(move=_MOVE.format(rows=_STRAGGLERS, not_cancelled=not_cancelled("d")), summary=sql.SQL(TOPIC_SUMMARY))
-    .as_string()
-)
-_MOVE_DUE = (
-    sql.SQL("""
-WITH
--- the due batch after the cursor, in (deliver_at, id) order
-due AS ({due}),
--- into the topics
-moved AS ({move} RETURNING topic, queue_offset, xid)
-SELECT (SELECT count(*) FROM moved), (SELECT count(*) FROM due),
-       (SELECT deliver_at FROM due ORDER BY deliver_at DESC, id DESC LIMIT 1),
-       (SELECT id FROM due ORDER BY deliver_at DESC, id DESC LIMIT 1), ({summary})
-""")
-    .format(
-        due=_DUE,
-        move=_MOVE.format(rows=sql.SQL("SELECT * FROM due"), not_cancelled=not_cancelled("d")),
-        summary=sql.SQL(TOPIC_SUMMARY),
-    )
-    .as_string()
-)
-# The head after a pass, from the cursor entry it appended (pending.wheel_head: sensors read it from wheel_state):
-# first among the near rows due within HEAD_WINDOW of the cursor (one or two partitions), then, only if none is
-# there, among all of them.
-_HEAD_ARGS = (
-    sql.Placeholder("at"),
-    sql.Placeholder("id"),
-    sql.SQL("{}::xid8").format(sql.Placeholder("xmin")),
-    sql.SQL("{}::timestamptz").format(sql.Placeholder("clock")),
-)
-_HEAD_SOON = wheel_head(*_HEAD_ARGS, before=sql.Placeholder("before")).as_string()
-_HEAD_AFTER = wheel_head(*_HEAD_ARGS).as_string()
+# The head after a pass is looked for first among the near rows due within HEAD_WINDOW of the cursor (one or two
+# partitions), then, only if none is there, among all of them (pending.wheel_head, in sql/wheel_pass.sql).
 HEAD_WINDOW = HOUR
-# The cursor's next entry, and every TRIM_EVERY entries the trim of an old block of them.
-_APPEND = (
-    "INSERT INTO delaywheel.wheel_cursor (pass, cursor_at, cursor_id, horizon_xid, delivered)"
-    " VALUES (%(pass)s, %(at)s, %(id)s, %(xmin)s::xid8, %(delivered)s)"
-)
-_TRIM = "DELETE FROM delaywheel.wheel_cursor WHERE pass >= %(trim_from)s AND pass < %(trim_to)s"
-# A pass is one CALL of `delaywheel.wheel_pass` (migrations/028), which runs the statements above in this order: the
-# lane's lock (tried, then waited for up to levels.LANE_WAIT), the commit horizon and the clock, CURSOR, the stragglers'
-# move, QUEUE_PLAN, the due batch's move, _APPEND (and _TRIM), COMMIT, then the head (_HEAD_SOON, else _HEAD_AFTER),
-# each placeholder %(x)s as its variable p_x (tests/deliver/test_wheel_pass_procedure.py checks that it still does).
-# QUEUE_PLAN comes after the stragglers' move: they have no index in due order, and priced-out sorting would make the
-# planner walk the whole due index up to the cursor to avoid sorting them.
-# Sent from here they were nine statements in three pipelines: each statement cost the deliverer ~50 us of Python
-# (psycopg builds, binds and reads it) and each pipeline a wake-up of the deliverer and of its server process, which
-# on a busy machine waits for a CPU. Not prepared, as cancel's CALL: the plans worth keeping are the procedure's own.
+# A pass is one CALL of `delaywheel.wheel_pass` (sql/wheel_pass.sql), which runs in this order: the lane's lock
+# (tried, then waited for up to levels.LANE_WAIT), the commit horizon and the clock, CURSOR, the stragglers' move,
+# QUEUE_PLAN, the due batch's move, the cursor's next entry (and every TRIM_EVERY entries the trim of an old block),
+# COMMIT, then the head. QUEUE_PLAN comes after the stragglers' move: they have no index in due order, and
+# priced-out sorting would make the planner walk the whole due index up to the cursor to avoid sorting them.
+# One round trip: sent from here they were nine statements in three pipelines. Not prepared, as cancel's CALL: the
+# plans worth keeping are the procedure's own.
 _CALL = (
     "CALL delaywheel.wheel_pass(%(injected)s::timestamptz, %(limit)s::integer, %(commit)s, %(lane_wait)s,"
     " %(head_window)s::interval, %(trim_every)s::bigint, %(lock_class)s::integer, %(lock_key)s::integer,"
@@ -425,7 +370,7 @@ def _roll(
         cache.ensure(conn, "wheel", [start + HOUR * i for i in range(hours)])
         blocks = conn.execute(_BLOCKS, (target,)).fetchall()
         for name, lo, hi in blocks:
-            conn.execute("SELECT delaywheel.lock_partition('wheel_far_segments', %s)", (lo,))  # migrations/017
+            conn.execute("SELECT delaywheel.lock_partition('wheel_far_segments', %s)", (lo,))  # sql/partitions.sql
             cache.ensure(conn, "wheel", [lo + HOUR * i for i in range(int((hi - lo) / HOUR))])
             cur = conn.execute(_roll_rows(sql.Identifier("delaywheel", name), sql.SQL(only)))
             moved += cur.rowcount

@@ -3,7 +3,7 @@
 Due times are computed from one reading of the database clock per call, so a batch is consistent and every
 worker shares the same clock (DESIGN.md, "Never early"). A batch (`send_many`) travels as columns (`columns.Columns`)
 into Arrow record batches written by binary COPY (`arrow_copy`). A single message (`send_one`, what `Store.send`
-calls) is one statement: the client applies the rules (`validation.prepare`) and `delaywheel.send_one` (migrations/019)
+calls) is one statement: the client applies the rules (`validation.prepare`) and `delaywheel.send_one` (sql/send.sql)
 reads the clock, takes the id and writes the row send_many would write. Nothing here imports pyarrow, numpy or
 pgpq until a batch is sent, so a single send and the CLI's other commands start without them.
 """
@@ -24,8 +24,8 @@ from delaywheel.config import Settings
 from delaywheel.partitions import PartitionCache
 from delaywheel.produce.validation import Message, check_now, check_now_near, prepare
 
-ID_BLOCK = 65536  # ids per nextval (migrations/011): a call numbers its messages within the blocks it takes
-SEGMENT_MAX = 1000  # messages per level segment (migrations/011): a pass reads whole segments, so not too many
+ID_BLOCK = 65536  # ids per nextval (message_id_seq): a call numbers its messages within the blocks it takes
+SEGMENT_MAX = 1000  # messages per level segment (level_segments): a pass reads whole segments, so not too many
 
 
 @contextlib.contextmanager
@@ -125,7 +125,7 @@ _SEND_ONE_ARGS = (
     " %s::integer, %s::bigint, %s::timestamptz, %s::timestamptz, %s::bigint, %s::bigint, %s::bigint)"
 )
 SEND_ONE = "SELECT message_id, clock, NULL, NULL FROM delaywheel.send_one" + _SEND_ONE_ARGS
-# In the caller's transaction: the same, as a subtransaction that returns its error rather than raising it (migrations/019)
+# In the caller's transaction: the same, as a subtransaction that returns its error rather than raising it (sql/send.sql)
 SEND_ONE_SAVEPOINT = (
     "SELECT message_id, clock, error_state, error_message FROM delaywheel.send_one_savepoint" + _SEND_ONE_ARGS
 )
@@ -139,7 +139,7 @@ def send_one(
     *,
     now: datetime | None = None,
 ) -> int:
-    """Send one message in one statement (`delaywheel.send_one`, migrations/019); returns its id. The same rules, verdicts
+    """Send one message in one statement (`delaywheel.send_one`, sql/send.sql); returns its id. The same rules, verdicts
     and stored rows as `send_many([message])`. Outside a transaction the statement is its own; inside one the
     caller opened on `conn` it runs as a savepoint, which the server takes and releases within the statement
     (`send_one_savepoint`): an error rolls back the send alone and is raised here as its SQLSTATE's psycopg error
@@ -177,16 +177,8 @@ def send_one(
         settings.past_tolerance // _US,
         settings.wheel_near_window // _US,
     )
-    if conn.info.transaction_status == pq.TransactionStatus.IDLE:
-        try:
-            row = conn.execute(SEND_ONE, params).fetchone()
-        except (
-            errors.UndefinedFunction,
-            errors.InvalidSchemaName,
-        ):  # a store not migrated to migrations/019 (or at all):
-            return send_many(conn, settings, cache, [message], now=now)[0]  # the batch path, or what is missing
-    else:
-        row = conn.execute(SEND_ONE_SAVEPOINT, params).fetchone()
+    idle = conn.info.transaction_status == pq.TransactionStatus.IDLE
+    row = conn.execute(SEND_ONE if idle else SEND_ONE_SAVEPOINT, params).fetchone()
     assert row is not None
     message_id, clock, error_state, error_message = row
     if error_state is not None:  # rolled back to the function's own savepoint: the caller's transaction goes on
