@@ -60,7 +60,7 @@ PASS_PLAN = (
 )
 
 # Planner settings for finding one message by id or key (cancel). Far blocks carry BRIN summaries, not B-trees
-# (migrations/008), and the planner prices a BRIN scan by the column's physical correlation: none for random keys, none
+# (wheel_far_segments), and the planner prices a BRIN scan by the column's physical correlation: none for random keys, none
 # at all before ANALYZE. It would read whole blocks sequentially; with that priced out it reads the page ranges
 # whose summaries may match. JIT goes for the same reason as above.
 LOOKUP_PLAN = "set_config('enable_seqscan', 'off', true), set_config('jit', 'off', true)"

@@ -31,7 +31,7 @@ WHEEL_LOCK = (0x64770020, 0)
 
 # A lane's two turns: the lane lock's class plus each of these, the same second key (0x64770011-12 for a level,
 # 0x64770021-22 for the wheel). A delivery pass holds its lane's lock and one turn, whichever is free
-# (`delaywheel.take_lane`, migrations/031), for its transaction. A cancel waiting for the passes in flight takes each
+# (`delaywheel.take_lane`, sql/lanes.sql), for its transaction. A cancel waiting for the passes in flight takes each
 # turn shared and lets it go at once, one after the other (`cancel.await_passes`); a cancel inside a caller's
 # transaction holds both until that ends (`cancel._lane_hold`): so a cancelled message is never delivered after the
 # cancel returns. Two turns because PostgreSQL grants the cancels queued behind a pass when it commits, before their

@@ -17,7 +17,7 @@ from delaywheel.pending import SEGMENT_PENDING, WHEEL_PENDING
 
 HOUR = timedelta(hours=1)
 DAY = timedelta(days=1)
-# parent table -> partition width. The near wheel's is 4 hours (migrations/025): a lookup by key or id opens every
+# parent table -> partition width. The near wheel's is 4 hours (partition_width): a lookup by key or id opens every
 # partition of it, and ~93 hourly ones were most of a cancel; a wider one keeps delivered rows on disk longer.
 WIDTH = {
     "level_segments": HOUR,
@@ -155,7 +155,7 @@ class Retired:
 
 
 def _try_lock(conn: psycopg.Connection, parent: str, lo: datetime) -> bool:
-    """ACCESS EXCLUSIVE on a partition, NOWAIT; through migrations/017's function, as the runtime role owns no table."""
+    """ACCESS EXCLUSIVE on a partition, NOWAIT; through sql/partitions.sql's function, as the runtime role owns no table."""
     try:
         with conn.transaction():
             row = conn.execute("SELECT delaywheel.lock_partition(%s, %s, true)", (parent, lo)).fetchone()
@@ -243,7 +243,7 @@ def _oldest_pending_due(conn: psycopg.Connection) -> datetime | None:
     return row[0] if row else None
 
 
-# Every partition's BRIN index (far blocks, level queues, topics: migrations/008-010); not the parents' (relkind 'I').
+# Every partition's BRIN index (far blocks, level queues, topics); not the parents' (relkind 'I').
 _BRIN_INDEXES = """
     SELECT c.oid::regclass::text FROM pg_class c
     JOIN pg_am a ON a.oid = c.relam AND a.amname = 'brin'

@@ -12,7 +12,7 @@ from __future__ import annotations
 from psycopg import sql
 
 # --- A segment's messages ---------------------------------------------------------------------------------------
-# Level segments (migrations/011) and far blocks (migrations/012) hold one send's messages as parallel arrays, one
+# Level segments (level_segments) and far blocks (wheel_far_segments) hold one send's messages as parallel arrays, one
 # element per message; topics, tags, properties and is_json hold a single element when every message shares it
 # (read through delaywheel.spread). The message columns, in one order, and the segment's array each comes from:
 _ARRAYS = {  # column -> (array, may be one element for all: spread)
@@ -48,7 +48,7 @@ def segment_messages(*columns: str, segment: str = "s", alias: str = "m") -> sql
     cancel's lookup (ids and keys) would detoast the segment's bodies too, where this unnests only the arrays a
     statement reads; and the planner sees the `unnest` itself, so the plans that tests/test_query_plans.py checks (the
     FIFO index walked one segment at a time, stopping at the LIMIT) are the ones written here. The migrations' views
-    (migrations/011 `level_queue`, 012 `wheel_far`) keep their own copies as history."""
+    (`level_queue`, `wheel_far` in sql/views.sql) keep their own copies as history."""
     arrays = _arrays(columns, segment)
     n = sql.SQL("{}.n").format(sql.Identifier(segment))
     return sql.SQL("unnest({}) AS {}({})").format(
@@ -84,7 +84,7 @@ def cancelled(row: str, *, id_column: str = "id", due_column: str = "deliver_at"
     """Has the message `row` (its id and due time) a cancellation? The one definition every reader uses: deliverers
     skip it, bulk cancel and reconcile leave it out, stats subtract it, quality counts it as settled.
 
-    A cancellation is keyed by (message_id, due_at): the unique index of migrations/018 and the partition key of
+    A cancellation is keyed by (message_id, due_at): the unique index of cancellations and the partition key of
     `cancellations` (by due day, so a lookup reads one day's index). Two definitions were in use, this one and
     `message_id` alone (bulk cancel, reconcile); they agree on every row the store writes, because a message id is
     queued once with one due time: ids come from `message_id_seq` for every send (a consumer's retry is a new message
@@ -182,7 +182,7 @@ STILL_PENDING = sql.SQL("""
 # Read without writing anything (sensors and triggers only look; a pass reads its own after moving its cursor).
 # A level is FIFO with one delay, so its head is the first message after its checkpoint (its segment's due time); the wheel's next due
 # time is the first row after its cursor, or "now" while stragglers wait, or, with only far blocks pending,
-# `near_until`: every far row is due at or after it, and far blocks have no index in due order (migrations/008),
+# `near_until`: every far row is due at or after it, and far blocks have no index in due order,
 # so a waiter wakes when the far blocks start, never after their first row is due. (A near_until already
 # past means the roll is overdue: the head is then in the past, and the next pass rolls.)
 # Cursors are read in subqueries, and stragglers found as the first row in xid order rather than by EXISTS
@@ -220,7 +220,7 @@ def wheel_head(
     With `before`, only near rows due before it are searched, and there is no row unless one is found there (the
     caller then asks without it). The search for the first near row has no upper bound on the due time, so the
     planner plans, and the executor opens, every partition ahead of the cursor (~96 hourly ones: 2-20 ms a call, most
-    of a wheel pass; ~24 since migrations/025 made them 4 hours). Bounded by an hour or so it touches one or two, and
+    of a wheel pass; ~24 since they are 4 hours wide). Bounded by an hour or so it touches one or two, and
     a busy wheel always has a row that close."""
     near = sql.SQL("""SELECT w.deliver_at FROM delaywheel.wheel w
           WHERE w.deliver_at >= {at} AND (w.deliver_at, w.id) > ({at}, {id}){bound}

@@ -1,4 +1,4 @@
-"""Rows a delivery pass cannot deliver: recorded in `set_aside` with their reason and cancelled (migrations/016).
+"""Rows a delivery pass cannot deliver: recorded in `set_aside` with their reason and cancelled (sql/set_aside.sql).
 
 Validation keeps such rows out, so one only reaches a queue some other way (an older producer, a hand-written
 INSERT, a restored dump). A pass's statement then fails on its data (SQLSTATE class 22 or 23). The pass was one
@@ -55,7 +55,7 @@ def record(conn: psycopg.Connection, cache: PartitionCache, rows: Sequence[Seque
         cur.executemany(_INSERT, rows)
         cur.executemany(
             "INSERT INTO delaywheel.cancellations (message_id, due_at, key, reason)"
-            " VALUES (%(id)s, %(due)s, %(key)s, %(reason)s) ON CONFLICT (message_id, due_at) DO NOTHING",  # migrations/018
+            " VALUES (%(id)s, %(due)s, %(key)s, %(reason)s) ON CONFLICT (message_id, due_at) DO NOTHING",  # one per message
             [{"id": r[0], "due": r[5], "key": r[4], "reason": f"set aside: {r[6]}"} for r in rows],
         )
     return len(rows)

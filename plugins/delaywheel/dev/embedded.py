@@ -30,7 +30,7 @@ from delaywheel.store import Store
 
 DATABASES = ("delaywheel", "airflow")
 # The cluster's login roles are the project's (migrate.OWNER_LOGIN, RUNTIME_LOGIN; README, "Roles"): members of the
-# group roles migrations/017 grants to. The cluster authenticates local connections by `trust` (loopback only, a
+# group roles the baseline grants to. The cluster authenticates local connections by `trust` (loopback only, a
 # development cluster): the roles bound what the store's SQL may do, not who may connect.
 INSTALL_HINT = (
     "no PostgreSQL server binaries found. Install them (Debian/Ubuntu: `apt-get install postgresql`; "
@@ -304,7 +304,7 @@ def create_roles(
     runtime_login: str = RUNTIME_LOGIN,
 ) -> None:
     """The store's roles (README, "Roles"), idempotently, as a superuser: the group roles `delaywheel_owner` and
-    `delaywheel_runtime` (NOLOGIN; what migrations/017 grants to), a login for each (no password: the embedded cluster
+    `delaywheel_runtime` (NOLOGIN; what the baseline grants to), a login for each (no password: the embedded cluster
     trusts loopback), the owner's CREATE on `databases` (it creates the schemas), and nothing for the runtime beyond
     its group: no superuser, no CREATEDB or CREATEROLE, no file or
     program access (pg_read_server_files, pg_write_server_files, pg_execute_server_program). On `databases`, CONNECT

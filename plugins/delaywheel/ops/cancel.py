@@ -3,7 +3,7 @@
 A cancellation is a row in `cancellations` that deliverers anti-join; the message itself stays until its partition
 is retired. A cancel holds no lane lock while deliverers run: it commits its cancellations, then waits for the passes
 already running of the lanes that may hold the messages (the only ones that may have read a message without its
-cancellation) and reads what they did, all in one statement (a procedure, migrations/027; its wait since 031). A
+cancellation) and reads what they did, all in one statement (a procedure, sql/cancel.sql). A
 message is delivered or cancelled, never both, and the caller is told which: a delivery wins (DESIGN.md,
 "Cancellation").
 """
@@ -39,10 +39,10 @@ class CancelResult:
 
 
 # Finding one message: the segments that may hold it, by their id ranges (GiST), then the message itself. By id,
-# the range holds the id. By key, segments carry no key index (a per-message entry is what they avoid, migrations/011):
+# the range holds the id. By key, segments carry no key index (a per-message entry is what they avoid):
 # `candidates` are the id ranges of the far sends whose summary filter of the key's group lets the key through
-# (migrations/020: about one filter per send, where testing every far segment's filter took 9-11 ms with 10 million
-# pending; read from the index that holds them, migrations/024, and FIND_PLAN below), of the far segments too small
+# (far_key_summaries: about one filter per send, where testing every far segment's filter took 9-11 ms with 10 million
+# pending; read from the index that holds them, and FIND_PLAN below), of the far segments too small
 # for a filter that hold the key (their partial GIN index), and of the pending level segments whose filter lets it
 # through (levels hold few segments: a send writes one per level). In those ranges a segment's own filter is tested
 # before its keys are read (here, and where the lane wait picks its levels, CASE fixes the order: the planner would run
@@ -101,7 +101,7 @@ _LOOKUP_PLAN = sql.SQL("SELECT {}").format(sql.SQL(LOOKUP_PLAN)).as_string()
 _GENERIC = "SELECT {}, set_config('plan_cache_mode', 'force_generic_plan', true)"
 _GENERIC_LOOKUP_PLAN = sql.SQL(_GENERIC).format(sql.SQL(LOOKUP_PLAN)).as_string()
 # The find's settings: bitmap scans priced out as well. The far-key summaries it tests, one row per send, are read
-# from the index that holds their filters (migrations/024); until autovacuum has marked their pages all-visible the
+# from the index that holds their filters (far_key_summaries_lookup); until autovacuum has marked their pages all-visible the
 # planner prices that index-only scan at a heap page a row and picks a bitmap scan, which is then one page a row
 # indeed, and the connection's generic plan keeps that choice for its life. GIN's bitmap scans (the small far
 # segments' keys) stay: GIN has no other index scan. Not for the topics' search: a BRIN index has only bitmap scans,
@@ -171,7 +171,7 @@ def cancel(
     return results
 
 
-# A pass commits without waiting for its WAL flush (migrations/030), so a crash of PostgreSQL right after it may undo
+# A pass commits without waiting for its WAL flush (sql/level_pass.sql, sql/wheel_pass.sql), so a crash of PostgreSQL right after it may undo
 # a delivery that a cancel has read. Before such a cancel answers `already_delivered`, it commits a WAL record of its
 # own and waits for that flush, which flushes the delivery's commit with it (the WAL is flushed in order): the
 # answer then holds after any crash. Inside a caller's transaction the record is the caller's, flushed by its commit.
@@ -207,7 +207,7 @@ def find(conn: psycopg.Connection, how: str, params: dict[str, object]) -> list[
     return cur.fetchall()
 
 
-# The cancellations of messages found, for those the cursors still show pending; one per message (migrations/018: a
+# The cancellations of messages found, for those the cursors still show pending; one per message (their unique index: a
 # concurrent cancel of the same message is waited for, and then this one inserts nothing).
 _MARK = (
     sql.SQL("""
@@ -322,7 +322,7 @@ def await_passes(conn: psycopg.Connection, locks: Sequence[tuple[int, int]]) -> 
         conn.execute(_AWAIT_LANES, {"classes": [c for c, _ in locks], "keys": [k for _, k in locks]}, prepare=True)
 
 
-# The turns of a lane wait (`await_passes`, the procedures of migrations/031) this session still holds: shared,
+# The turns of a lane wait (`await_passes`, the procedures of sql/cancel.sql) this session still holds: shared,
 # session level (objsubid 2: two int4 keys), of the turns' classes.
 _RELEASE_LEFT = """
 SELECT pg_advisory_unlock_shared(l.classid::int, l.objid::int) FROM pg_locks l
@@ -404,7 +404,7 @@ def _delivered(conn: psycopg.Connection, how: str, params: dict[str, object]) ->
 
 
 # --- One statement ---------------------------------------------------------------------------------------------
-# `cancel` outside a transaction is one CALL of a procedure (migrations/027; its wait since 031), which runs what was a
+# `cancel` outside a transaction is one CALL of a procedure (sql/cancel.sql), which runs what was a
 # pipeline of seven statements: the lookup and the insert of its cancellations as one statement, COMMIT, the wait for
 # the passes in flight (`_lane_wait` of `_LANES_MAY_HOLD`), the search of the topics, then of the cancellations made
 # earlier (`_CANCELLED`, returned with the ids found). If the insert fails, nothing is committed and no lane is waited

@@ -14,7 +14,7 @@ is exact but one kind (flagged by the wheel's `estimated_after`):
   later) by index-only range scans of `(deliver_at, id)` from the cursor on, plus the stragglers behind it;
 * cancellations (set-aside rows included) are subtracted per interval, each found from its own side;
 * past a budget of rows counted (EXACT_ROWS, never within the next hour), each later partition of the near wheel
-  (4 hours, migrations/025) adds the live-row count of PostgreSQL's statistics instead, spread evenly over its hours:
+  (4 hours, sql/partitions.sql) adds the live-row count of PostgreSQL's statistics instead, spread evenly over its hours:
   exact in total while they are intact and flushed (a committed insert reaches them within seconds; a crash resets
   them until the next ANALYZE).
 
@@ -381,7 +381,7 @@ def topic_stats(conn: psycopg.Connection) -> list[dict[str, Any]]:
 
 
 def quarantine_stats(conn: psycopg.Connection) -> dict[str, Any]:
-    """Bulk-enqueue input rows refused (migrations/004): counts by reason and the most recent few, through the
+    """Bulk-enqueue input rows refused (delaywheel.quarantine): counts by reason and the most recent few, through the
     (reason, quarantined_at) index."""
     by_reason = _rows(
         conn,
@@ -403,7 +403,7 @@ def quarantine_stats(conn: psycopg.Connection) -> dict[str, Any]:
 
 
 def set_aside_stats(conn: psycopg.Connection) -> dict[str, Any]:
-    """Queued messages a delivery pass could not deliver (migrations/016): counts by reason and the most recent few.
+    """Queued messages a delivery pass could not deliver (delaywheel.set_aside): counts by reason and the most recent few.
     A store not yet migrated that far has none."""
     row = conn.execute("SELECT to_regclass('delaywheel.set_aside') IS NOT NULL").fetchone()
     if not row or not row[0]:

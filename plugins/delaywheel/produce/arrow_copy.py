@@ -30,7 +30,7 @@ from delaywheel.produce.keyblooms import MIN_MESSAGES, far_filters, segment_bloo
 from delaywheel.produce.producer import SEGMENT_MAX
 
 SLICE_BYTES = 1 << 20  # COPY data per write: the server stores a slice while the next one is encoded
-UTC_WALL_TIME = pa.timestamp("us")  # far blocks' due times: `timestamp`, read AT TIME ZONE 'UTC' (migrations/012)
+UTC_WALL_TIME = pa.timestamp("us")  # far blocks' due times: `timestamp`, read AT TIME ZONE 'UTC' (wheel_far_segments)
 
 
 def write_columns(
@@ -96,7 +96,7 @@ def _write_levels(
     c: Columns,
     clock: datetime,
 ) -> None:
-    """Segments of each level's messages (migrations/011)."""
+    """Segments of each level's messages (level_segments)."""
     ids, c, starts, counts = _segments(ids, c, c.level, c.requested_level, c.reconsume_times, c.due)
     cache.ensure(conn, "level_segments", [clock])
     copy_arrow(
@@ -119,7 +119,7 @@ def _segments(ids: np.ndarray, c: Columns, *keys: np.ndarray) -> tuple[np.ndarra
     """Group the messages by `keys` (the first one sorted on, stably), cut into runs of equal keys of at most
     SEGMENT_MAX; returns the messages in that order, and each segment's first position and size. Input order
     holds within a group, so the segments one transaction writes for a group hold ascending, disjoint id ranges:
-    a queue read in (xid, id) order runs through them segment by segment (migrations/011)."""
+    a queue read in (xid, id) order runs through them segment by segment (level_segments)."""
     n = len(ids)
     order = np.argsort(keys[0], kind="stable")
     if (order[1:] < order[:-1]).any():  # several groups: bring each together, in input order
@@ -178,7 +178,7 @@ def _write_wheel(
     near_until: datetime | None,
 ) -> None:
     """Timers due within the near window as rows of the near wheel; later ones as segments of far blocks, one per
-    far day (migrations/012). `near_until`: the roll's bound as read, unlocked, before the send's first write
+    far day (wheel_far_segments). `near_until`: the roll's bound as read, unlocked, before the send's first write
     (`_announce`)."""
     assert near_until is not None  # (read with the wheel lane's notification)
     ids, c, place, split = _place(settings, ids, c, clock, near_until)
@@ -245,7 +245,7 @@ def _place(
     return ids, c, place, split
 
 
-# A send's far-key summaries (migrations/020), and out with summaries whose far days were all rolled into the near wheel
+# A send's far-key summaries (far_key_summaries), and out with summaries whose far days were all rolled into the near wheel
 # (a few at a time, skipping those another producer is deleting).
 _SUMMARIZE = """
 WITH rolled AS (

@@ -1,13 +1,13 @@
 """A Bloom filter of each segment's keys, so a cancel by key reads the keys of the few segments that may hold it.
 
-Segments carry no key index (a per-message index entry is what they exist to avoid, migrations/011), and scanning every
+Segments carry no key index (a per-message index entry is what they exist to avoid), and scanning every
 pending segment's keys took 0.3 s with 10 million timers pending. A filter costs a send about 1.25 bytes and
 two hash steps per key; a lookup reads each pending segment's filter (kept in the row, not TOASTed) and the keys
 of the segments it lets through, about 1 % of those that do not hold the key. The hashes are computed here, for
 the keys of a batch at once and for a looked-up key alike, and passed to SQL (`delaywheel.bloom_may_hold`),
 which only tests bits: one definition of the hash, so the two sides cannot disagree.
 
-Far segments are tested a level up first (migrations/020): a send's far keys, whose ~27 segments (one per far day) each
+Far segments are tested a level up first (far_key_summaries): a send's far keys, whose ~27 segments (one per far day) each
 have a filter, are also cut by the key's *group* (the top bits of h2) into `buckets` groups, and each group's filter
 is a summary row. A looked-up key's group in every possible bucket count names the one summary row per send that
 may hold it (`slots`), so a cancel tests about one filter per send instead of one per far segment.
@@ -22,11 +22,11 @@ if TYPE_CHECKING:  # imported where used: a cancel by key (probe) needs neither 
     import pyarrow as pa
 
 BITS_PER_KEY = 10  # with HASHES probes: about 1 % false positives
-HASHES = 4  # must match delaywheel.bloom_may_hold (migrations/011)
+HASHES = 4  # must match delaywheel.bloom_may_hold (sql/segments.sql)
 MIN_BYTES = 8
 MIN_MESSAGES = 16
 _FNV_OFFSET, _FNV_PRIME, _MASK32 = 2166136261, 16777619, 0xFFFFFFFF
-# Summaries (migrations/020): a send's far keys in `buckets` groups, a power of two up to 2**GROUP_BITS, so that a group
+# Summaries (far_key_summaries): a send's far keys in `buckets` groups, a power of two up to 2**GROUP_BITS, so that a group
 # holds up to about GROUP_KEYS keys, with SUMMARY_BITS_PER_KEY bits a key (a filter of up to ~1.3 KB, kept in its
 # row; about 0.1 % false positives with HASHES probes: a lookup tests one summary per send, and each false positive
 # costs a probe of every far day's id-range index). A key's group is the top log2(buckets) bits of h2, and its
@@ -34,7 +34,7 @@ _FNV_OFFSET, _FNV_PRIME, _MASK32 = 2166136261, 16777619, 0xFFFFFFFF
 GROUP_BITS = 10
 GROUP_KEYS = 512
 SUMMARY_BITS_PER_KEY = 20
-# A summary's filter is read from a B-tree entry (migrations/024), which holds at most ~2.7 kB: a group of more than
+# A summary's filter is read from a B-tree entry (far_key_summaries_lookup), which holds at most ~2.7 kB: a group of more than
 # ~800 keys (a send of more than ~800,000 far keys, or keys chosen to share a group) gets a filter of this size, with
 # more false positives, never a miss.
 SUMMARY_MAX_BYTES = 2000
@@ -136,7 +136,7 @@ def segment_blooms(keys: pa.Array, counts: np.ndarray) -> pa.Array:
 
 def far_filters(keys: pa.Array, counts: np.ndarray) -> tuple[pa.Array, list[int], list[bytes]]:
     """A send's far segments: their filters (`segment_blooms`), and the (slot, filter) of each summary row
-    (migrations/020), of the keys of the segments that have a filter; no rows when none has one (segments without a
+    (far_key_summaries), of the keys of the segments that have a filter; no rows when none has one (segments without a
     filter are found by their keys). The keys are hashed once for both."""
     import numpy as np
 
