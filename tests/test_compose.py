@@ -40,7 +40,7 @@ def test_mounted_project_paths_exist() -> None:
             if source.startswith("."):
                 assert (ROOT / source).exists(), f"{name} mounts {source}, which does not exist"
     mounted = {v.split(":")[0] for v in SERVICES["airflow-scheduler"]["volumes"]}
-    assert {"./airflow.cfg", "./dags", "./plugins", "./spark", "./examples"} <= mounted
+    assert {"./airflow.cfg", "./dags", "./plugins", "./sql", "./spark", "./examples"} <= mounted
 
 
 def test_connections_the_dags_use_are_defined() -> None:
