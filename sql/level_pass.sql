@@ -12,12 +12,14 @@ CREATE OR REPLACE PROCEDURE delaywheel.level_pass(
     INOUT o_scanned bigint DEFAULT NULL, INOUT o_summary jsonb DEFAULT NULL, INOUT o_next_due timestamptz DEFAULT NULL)
 LANGUAGE plpgsql AS $$
 DECLARE
-    -- the statements' parameters (levels.py's placeholders %(x)s)
+    -- the statements' parameters
     p_now timestamptz; p_xmin text; p_cxid text; p_cid bigint;
 BEGIN
     o_busy := false; o_waited := false; o_missing := false; o_moved := 0; o_due := 0; o_scanned := 0;
     -- generic plans, the queue read in cursor order, the cancellations probed by their index (levels.PLAN)
-    PERFORM set_config('plan_cache_mode', 'force_generic_plan', true), set_config('enable_sort', 'off', true), set_config('jit', 'off', true), set_config('enable_seqscan', 'off', true), set_config('enable_hashjoin', 'off', true), set_config('enable_mergejoin', 'off', true);
+    PERFORM set_config('plan_cache_mode', 'force_generic_plan', true), set_config('enable_sort', 'off', true),
+            set_config('jit', 'off', true), set_config('enable_seqscan', 'off', true),
+            set_config('enable_hashjoin', 'off', true), set_config('enable_mergejoin', 'off', true);
     -- the lane's lock; if another holds it, waited for up to p_lane_wait (levels.LANE_WAIT), else busy
     CASE delaywheel.take_lane(p_lock_class, p_level, p_lane_wait)
         WHEN 'busy' THEN o_busy := true; RETURN;
@@ -32,8 +34,12 @@ BEGIN
         SELECT a.backend_xid::text::bigint FROM pg_stat_activity a
         WHERE a.backend_xid IS NOT NULL
           AND (a.usesysid IS NULL
-               OR a.datid <> (SELECT oid FROM pg_database WHERE datname = current_database()))))::text, coalesce(p_injected, clock_timestamp()) INTO p_xmin, p_now;
-    SELECT coalesce(c.cursor_xid::text, '0'), coalesce(c.cursor_id, 0) FROM (SELECT) start LEFT JOIN delaywheel.level_checkpoint c ON c.level = p_level INTO p_cxid, p_cid;
+               OR a.datid <> (SELECT oid FROM pg_database WHERE datname = current_database()))))::text,
+        coalesce(p_injected, clock_timestamp())
+    INTO p_xmin, p_now;
+    SELECT coalesce(c.cursor_xid::text, '0'), coalesce(c.cursor_id, 0)
+    FROM (SELECT) start LEFT JOIN delaywheel.level_checkpoint c ON c.level = p_level
+    INTO p_cxid, p_cid;
     o_clock := p_now;
     IF NOT date_bin('1 day', p_now, 'epoch') = ANY(p_topic_days)
        AND delaywheel.partition_named('topic_messages', date_bin('1 day', p_now, 'epoch')) IS NULL THEN
@@ -45,10 +51,18 @@ BEGIN
     batch AS (
         SELECT q.*, bool_and(q.deliver_at <= p_now) OVER (ORDER BY q.xid, q.id_last, q.id) AS due
         FROM (
-            SELECT s.xid, s.id_last, m.id, s.level, m.topic, m.key, m.tags, CASE WHEN p_setting_aside AND EXISTS (SELECT 1 FROM delaywheel.set_aside x WHERE x.message_id = m.id) THEN NULL ELSE m.properties::jsonb END AS properties, m.body, m.is_json,
+            SELECT s.xid, s.id_last, m.id, s.level, m.topic, m.key, m.tags,
+                   -- setting aside (after a pass failed on a row): a row set aside has no properties to cast
+                   CASE WHEN p_setting_aside
+                             AND EXISTS (SELECT 1 FROM delaywheel.set_aside x WHERE x.message_id = m.id) THEN NULL
+                        ELSE m.properties::jsonb END AS properties,
+                   m.body, m.is_json,
                    s.reconsume_times, s.deliver_at
 
-            FROM delaywheel.level_segments s, unnest("s"."ids", delaywheel.spread("s"."topics", "s".n), "s"."keys", delaywheel.spread("s"."tags", "s".n), delaywheel.spread("s"."properties", "s".n), "s"."bodies", delaywheel.spread("s"."is_json", "s".n)) AS "m"("id", "topic", "key", "tags", "properties", "body", "is_json")
+            FROM delaywheel.level_segments s,
+                 unnest(s.ids, delaywheel.spread(s.topics, s.n), s.keys, delaywheel.spread(s.tags, s.n),
+                        delaywheel.spread(s.properties, s.n), s.bodies, delaywheel.spread(s.is_json, s.n))
+                     AS m(id, topic, key, tags, properties, body, is_json)
             WHERE s.level = p_level AND (s.xid, s.id_last) > (p_cxid::xid8, p_cid) AND s.xid < p_xmin::xid8
               AND (s.xid, m.id) > (p_cxid::xid8, p_cid)
             ORDER BY s.xid, s.id_last, m.id
@@ -65,7 +79,8 @@ BEGIN
         SELECT topic, id, 'level', level, key, tags, properties, body, is_json, reconsume_times,
                deliver_at, coalesce(p_injected::timestamptz, clock_timestamp())
         FROM due d
-        WHERE NOT EXISTS (SELECT 1 FROM delaywheel.cancellations c WHERE c.message_id = "d"."id" AND c.due_at = "d"."deliver_at")
+        WHERE NOT EXISTS (SELECT 1 FROM delaywheel.cancellations c
+                      WHERE c.message_id = "d"."id" AND c.due_at = "d"."deliver_at")
         ORDER BY xid, id_last, id
         RETURNING topic, queue_offset, xid
     ),
@@ -94,7 +109,9 @@ BEGIN
     -- the level's head after the checkpoint the move wrote
     SELECT s.deliver_at FROM delaywheel.level_segments s
     WHERE s.level = p_level
-      AND (s.xid, s.id_last) > (coalesce((SELECT "cursor_xid" FROM delaywheel.level_checkpoint WHERE level = p_level), '0'), coalesce((SELECT "cursor_id" FROM delaywheel.level_checkpoint WHERE level = p_level), 0))
+      AND (s.xid, s.id_last) > (
+          coalesce((SELECT "cursor_xid" FROM delaywheel.level_checkpoint WHERE level = p_level), '0'),
+          coalesce((SELECT "cursor_id" FROM delaywheel.level_checkpoint WHERE level = p_level), 0))
     ORDER BY s.xid, s.id_last LIMIT 1
     INTO o_next_due;
 END

@@ -12,7 +12,7 @@ CREATE OR REPLACE PROCEDURE delaywheel.wheel_pass(
     INOUT o_summary jsonb DEFAULT NULL)
 LANGUAGE plpgsql AS $$
 DECLARE
-    -- the statements' parameters (wheel.py's placeholders %(x)s)
+    -- the statements' parameters
     p_now timestamptz; p_clock timestamptz; p_xmin text; p_horizon text; p_cursor_at timestamptz;
     p_cursor_id bigint; p_pass bigint; p_delivered bigint; p_at timestamptz; p_id bigint; p_before timestamptz;
     p_trim_from bigint; p_trim_to bigint;
@@ -20,7 +20,8 @@ DECLARE
 BEGIN
     o_busy := false; o_waited := false; o_missing := false; o_delivered := 0; o_skipped := 0; o_more := false;
     -- generic plans; the cancellations probed by their index whatever the statistics said when planned (db.PASS_PLAN)
-    PERFORM set_config('plan_cache_mode', 'force_generic_plan', true), set_config('enable_seqscan', 'off', true), set_config('enable_hashjoin', 'off', true), set_config('enable_mergejoin', 'off', true);
+    PERFORM set_config('plan_cache_mode', 'force_generic_plan', true), set_config('enable_seqscan', 'off', true),
+            set_config('enable_hashjoin', 'off', true), set_config('enable_mergejoin', 'off', true);
     -- the lane's lock; if another holds it, waited for up to p_lane_wait (levels.LANE_WAIT), else busy
     CASE delaywheel.take_lane(p_lock_class, p_lock_key, p_lane_wait)
         WHEN 'busy' THEN o_busy := true; RETURN;
@@ -35,8 +36,12 @@ BEGIN
         SELECT a.backend_xid::text::bigint FROM pg_stat_activity a
         WHERE a.backend_xid IS NOT NULL
           AND (a.usesysid IS NULL
-               OR a.datid <> (SELECT oid FROM pg_database WHERE datname = current_database()))))::text, coalesce(p_injected, clock_timestamp()) INTO p_xmin, p_clock;
-    SELECT pass, cursor_at, cursor_id, horizon_xid::text, delivered FROM delaywheel.wheel_cursor ORDER BY pass DESC LIMIT 1 INTO p_pass, p_cursor_at, p_cursor_id, p_horizon, p_delivered;
+               OR a.datid <> (SELECT oid FROM pg_database WHERE datname = current_database()))))::text,
+        coalesce(p_injected, clock_timestamp())
+    INTO p_xmin, p_clock;
+    SELECT pass, cursor_at, cursor_id, horizon_xid::text, delivered
+    FROM delaywheel.wheel_cursor ORDER BY pass DESC LIMIT 1
+    INTO p_pass, p_cursor_at, p_cursor_id, p_horizon, p_delivered;
     p_xmin := greatest(p_xmin::xid8, p_horizon::xid8)::text;  -- the horizon only moves forward
     o_clock := p_clock;
     IF p_clock < p_cursor_at THEN  -- an injected clock went backwards: nothing delivered rather than early
@@ -61,7 +66,8 @@ BEGIN
         WHERE xid >= p_horizon::xid8 AND xid < p_xmin::xid8 AND deliver_at <= p_cursor_at
           AND (deliver_at, id) <= (p_cursor_at, p_cursor_id)
     ) d
-    WHERE NOT EXISTS (SELECT 1 FROM delaywheel.cancellations c WHERE c.message_id = "d"."id" AND c.due_at = "d"."deliver_at")
+    WHERE NOT EXISTS (SELECT 1 FROM delaywheel.cancellations c
+                      WHERE c.message_id = "d"."id" AND c.due_at = "d"."deliver_at")
     ORDER BY deliver_at, id
      RETURNING topic, queue_offset, xid)
     SELECT (SELECT count(*) FROM moved), (
@@ -71,7 +77,8 @@ BEGIN
               FROM moved GROUP BY topic) s
     )
     INTO v_stragglers, o_straggled;
-    PERFORM set_config('enable_sort', 'off', true), set_config('jit', 'off', true);  -- after the stragglers' move is planned (wheel.py)
+    -- after the stragglers' move is planned: they have no index in due order
+    PERFORM set_config('enable_sort', 'off', true), set_config('jit', 'off', true);
     WITH
     -- the due batch after the cursor, in (deliver_at, id) order
     due AS (
@@ -88,7 +95,8 @@ BEGIN
     SELECT topic, id, 'wheel', key, tags, properties, body, is_json, deliver_at,
            coalesce(p_injected::timestamptz, clock_timestamp())
     FROM (SELECT * FROM due) d
-    WHERE NOT EXISTS (SELECT 1 FROM delaywheel.cancellations c WHERE c.message_id = "d"."id" AND c.due_at = "d"."deliver_at")
+    WHERE NOT EXISTS (SELECT 1 FROM delaywheel.cancellations c
+                      WHERE c.message_id = "d"."id" AND c.due_at = "d"."deliver_at")
     ORDER BY deliver_at, id
      RETURNING topic, queue_offset, xid)
     SELECT (SELECT count(*) FROM moved), (SELECT count(*) FROM due),
@@ -110,7 +118,8 @@ BEGIN
     o_skipped := v_due_count - v_moved;
     p_pass := p_pass + 1;
     p_delivered := p_delivered + o_delivered;
-    INSERT INTO delaywheel.wheel_cursor (pass, cursor_at, cursor_id, horizon_xid, delivered) VALUES (p_pass, p_at, p_id, p_xmin::xid8, p_delivered);
+    INSERT INTO delaywheel.wheel_cursor (pass, cursor_at, cursor_id, horizon_xid, delivered)
+    VALUES (p_pass, p_at, p_id, p_xmin::xid8, p_delivered);
     IF p_pass % p_trim_every = 0 THEN
         p_trim_from := p_pass - 2 * p_trim_every;
         p_trim_to := p_pass - p_trim_every;
