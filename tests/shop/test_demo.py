@@ -84,7 +84,7 @@ def test_a_part_that_exits_early_fails_the_demo_naming_it(server_url: str, tmp_p
     try:
         with pytest.raises(
             DemoFailed,
-            match=r"^the (deliverer|sweep|customers) \(delaywheel .*, pid \d+\) exited early "
+            match=r"^the (deliverer|sweep|customers) \(delaywheel(?:_shop)? .*, pid \d+\) exited early "
             rf"with code 2; its log: {tmp_path}/\1\.log$",
         ) as failed:
             parts.wait_ready()  # whichever fails first
