@@ -1,31 +1,28 @@
 """Shared fixtures: the project's own PostgreSQL (embedded cluster, or DELAYWHEEL_DATABASE_URL),
-a migrated template database, and a fresh database cloned from it for every test that asks."""
+a migrated template database, and a fresh database cloned from it for every test that asks. Plain helpers are in
+tests/helpers.py."""
 
 from __future__ import annotations
 
-import contextlib
 import os
-import random
-import tempfile
-import threading
-import time
 import uuid
-from collections.abc import Callable, Iterator
-from datetime import UTC, datetime, timedelta
-from pathlib import Path
-from typing import Any, TypeVar
+from collections.abc import Iterator
+from datetime import UTC, datetime
 
 import psycopg
 import pytest
-from psycopg import pq, sql
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from psycopg import sql
+from psycopg.conninfo import make_conninfo
 
 from delaywheel import Settings, Store
 from delaywheel.config import TEST_CLOCK_ENV
-from delaywheel.deliver import runner
 from delaywheel.dev import embedded
 from delaywheel.dev.local_airflow import as_url, configure
 from delaywheel.migrate import migrate
+from tests.helpers import ROOT, fresh_database
+
+# Re-exported until the pass-procedure tests being rewritten import it from tests.helpers, as the rest do.
+from tests.helpers import at as at
 
 # Tests inject fixed clocks far from the database's (`t0`, 2030-01-01): said once, here, for this process and every
 # one it starts (the CLI, Airflow, Spark), so that `now=` is not held to the database's clock. A test of that rule
@@ -33,22 +30,7 @@ from delaywheel.migrate import migrate
 os.environ[TEST_CLOCK_ENV] = "1"
 
 TEMPLATE = "delaywheel_test_template"
-ROOT = Path(__file__).resolve().parents[1]
 AIRFLOW_TEST_DB = "airflow_test"
-
-
-T = TypeVar("T")
-
-
-def free_ports(n: int) -> list[int]:
-    """`n` distinct loopback ports nothing holds, for the servers a test starts (clusters, Airflow, pgbouncer, Redis,
-    Spark). Below the kernel's ephemeral range (32768-60999): a port picked by binding to 0 comes from that range,
-    where any client's connection may take it before the server given it binds (a CI run lost a port so). The start
-    is random so that test runs side by side pick apart."""
-    ports: list[int] = []
-    while len(ports) < n:
-        ports.append(embedded._free_port(ports[-1] + 1 if ports else 20000 + random.randrange(9000)))
-    return ports
 
 
 def _with_db(url: str, dbname: str) -> str:
@@ -95,17 +77,6 @@ def template_db(server_url: str) -> Iterator[str]:
         conn.execute(f"CREATE DATABASE {name}")
     migrate(_with_db(server_url, name))  # the store's line only: the shop example's tests add theirs (shop_schema)
     yield name
-    with psycopg.connect(server_url, autocommit=True) as conn:
-        conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
-
-
-@contextlib.contextmanager
-def fresh_database(server_url: str, template_db: str) -> Iterator[str]:
-    """A fresh, migrated database cloned from the session's template; dropped afterwards."""
-    name = f"dwtest_{uuid.uuid4().hex[:12]}"
-    with psycopg.connect(server_url, autocommit=True) as conn:
-        conn.execute(f"CREATE DATABASE {name} TEMPLATE {template_db}")
-    yield _with_db(server_url, name)
     with psycopg.connect(server_url, autocommit=True) as conn:
         conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
 
@@ -159,100 +130,25 @@ def t0() -> datetime:
     return datetime(2030, 1, 1, tzinfo=UTC)
 
 
-def at(t: datetime, seconds: float) -> datetime:
-    return t + timedelta(seconds=seconds)
+@pytest.fixture(scope="module")
+def roles(server_url: str) -> None:
+    """The embedded cluster's roles, created as `db start` creates them (idempotent; a superuser's work)."""
+    with psycopg.connect(server_url, autocommit=True) as conn:
+        embedded.create_roles(conn)
 
 
-class Background:
-    """`fn()` on a thread; `result()` joins it. Where it should wait, a test says so with wait_for_lock on its backend:
-    a thread merely not returned yet after a pause may not have got there (a loaded CI run once showed it)."""
+@pytest.fixture
+def role_db(server_url: str, roles: None) -> Iterator[tuple[str, str]]:
+    """A fresh database migrated by the owner's login; yields (owner URL, runtime URL)."""
+    from delaywheel.migrate import OWNER_ROLE, migrate
 
-    def __init__(self, fn: Callable[[], Any]) -> None:
-        self.value: Any = None
-        self.error: BaseException | None = None
-
-        def run() -> None:
-            try:
-                self.value = fn()
-            except BaseException as exc:
-                self.error = exc
-
-        self.thread = threading.Thread(target=run)
-        self.thread.start()
-
-    def result(self) -> Any:
-        self.thread.join(10)
-        assert not self.thread.is_alive()
-        if self.error:
-            raise self.error
-        return self.value
-
-
-def wait_for_lock(conn: psycopg.Connection, pid: int, what: str, seconds: float = 10.0) -> None:
-    """Until the backend `pid` waits for a lock (a test's thread blocked where the test means it to be); fails,
-    naming `what`, after `seconds`."""
-    deadline = time.monotonic() + seconds
-    while conn.execute(
-        "SELECT wait_event_type IS DISTINCT FROM 'Lock' FROM pg_stat_activity WHERE pid = %s", (pid,)
-    ).fetchone() != (False,):
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what} never waited for a lock")
-        time.sleep(0.01)
-
-
-def dbname(url: str) -> str:
-    return str(conninfo_to_dict(url)["dbname"])
-
-
-HOT_TABLES = ("level_queue", "wheel", "wheel_far", "topic_messages", "cancellations")
-
-
-def table_counts(store: Store) -> dict[str, int]:
-    """Rows in each hot table (through the partitioned parents): what a rejected send must leave at zero."""
-    return {
-        table: store.conn.execute(f"SELECT count(*) FROM delaywheel.{table}").fetchone()[0]  # type: ignore[index]
-        for table in HOT_TABLES
-    }
-
-
-def deliveries(store: Store, topic: str | None = None) -> list[tuple[int, datetime, datetime, str]]:
-    """(message_id, deliver_at, delivered_at, topic) of every delivery, in each topic's delivery order."""
-    rows = store.conn.execute(
-        "SELECT message_id, deliver_at, delivered_at, topic FROM delaywheel.topic_messages"
-        " WHERE %(topic)s::text IS NULL OR topic = %(topic)s ORDER BY topic, xid, queue_offset",
-        {"topic": topic},
-    ).fetchall()
-    return [(r[0], r[1], r[2], r[3]) for r in rows]
-
-
-def traced(conn: psycopg.Connection, call: Callable[[], T]) -> tuple[T, list[list[str]]]:
-    """`call()`'s result, and the protocol messages it sent and received on `conn` (libpq's trace: per message, the
-    side, F from the client or B from the server, its length and its type, e.g. Sync): each Sync the client sends is
-    a round trip, a wake-up of the client and of its server process."""
-    with tempfile.TemporaryFile("w+") as f:
-        conn.pgconn.trace(f.fileno())
-        conn.pgconn.set_trace_flags(pq.Trace.SUPPRESS_TIMESTAMPS)
-        try:
-            result = call()
-        finally:
-            conn.pgconn.untrace()
-        f.seek(0)
-        lines = [line.split("\t")[:4] for line in f.read().splitlines() if line[:2] in ("F\t", "B\t")]
-    return result, lines
-
-
-def syncs(lines: list[list[str]]) -> int:
-    """The round trips in `traced`'s lines: the Syncs the client sent."""
-    return sum(1 for line in lines if line[0] == "F" and line[2] == "Sync")
-
-
-def delivering(db_url: str, stop: threading.Event) -> threading.Thread:
-    """A delivery loop for level 1 and the wheel on its own thread and Store, until `stop` is set."""
-
-    def loop() -> None:
-        with Store(db_url) as own:
-            runner.run(own, [1, None], 120, stop=stop)
-
-    thread = threading.Thread(target=loop, daemon=True)
-    thread.start()
-    return thread
+    name = f"dwroles_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(server_url, autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {name}")
+        conn.execute(f"GRANT CREATE ON DATABASE {name} TO {OWNER_ROLE}")
+    owner = make_conninfo(server_url, dbname=name, user=embedded.OWNER_LOGIN)
+    runtime = make_conninfo(server_url, dbname=name, user=embedded.RUNTIME_LOGIN)
+    migrate(owner)
+    yield owner, runtime
+    with psycopg.connect(server_url, autocommit=True) as conn:
+        conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")

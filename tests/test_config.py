@@ -13,7 +13,7 @@ import pytest
 
 from delaywheel import Settings, Store
 from delaywheel.config import DEFAULT_LEVELS, ConfigError, load_settings, parse_duration, parse_levels
-from tests.conftest import at, deliveries
+from tests.helpers import at, deliveries
 
 S = timedelta(seconds=1)
 M = timedelta(minutes=1)

@@ -25,7 +25,7 @@ from psycopg import sql
 from delaywheel import Message, Settings, Store
 from delaywheel.dev import embedded
 from delaywheel.migrate import SQL_DIR, MigrationError, available, current_version, definitions, migrate
-from tests.conftest import dbname, free_ports
+from tests.helpers import dbname, free_ports
 
 
 @pytest.fixture

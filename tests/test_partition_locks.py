@@ -20,7 +20,7 @@ import pytest
 
 from delaywheel import Message, Store
 from delaywheel.partitions import WIDTH, floor_to
-from tests.conftest import wait_for_lock
+from tests.helpers import wait_for_lock
 
 # The locks of a backend that creating a partition takes: its parent's ACCESS EXCLUSIVE, and the per-parent
 # advisory lock of delaywheel.ensure_partition (one bigint key: hashtext of 'delaywheel.partition.' || parent).

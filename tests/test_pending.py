@@ -14,7 +14,7 @@ from delaywheel import Store
 from delaywheel.deliver import wheel
 from delaywheel.pending import LEVEL_HEAD, WHEEL_HEAD, segment_elements, segment_messages
 from delaywheel.produce.validation import Message
-from tests.conftest import at
+from tests.helpers import at
 
 
 def test_a_segment_unnests_the_arrays_asked_for_in_one_order() -> None:

@@ -34,7 +34,7 @@ from delaywheel.channels import lane_channel
 from delaywheel.dev import embedded
 from delaywheel.locks import GROUP_LOCK, GROUP_TOPIC_KEY
 from delaywheel.migrate import OWNER_ROLE, migrate
-from tests.conftest import free_ports
+from tests.helpers import free_ports
 
 PGBOUNCER = shutil.which("pgbouncer") or next(
     (p for p in ("/usr/sbin/pgbouncer", "/usr/bin/pgbouncer") if Path(p).exists()), None

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from delaywheel import Settings, Store
 from delaywheel.produce.validation import Message
-from tests.conftest import deliveries
+from tests.helpers import deliveries
 
 SEND = st.one_of(
     st.tuples(st.just("level"), st.integers(1, 18)),

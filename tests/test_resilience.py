@@ -29,7 +29,7 @@ from delaywheel import Message, Store
 from delaywheel.deliver import runner
 from delaywheel.dev import embedded
 from delaywheel.migrate import migrate
-from tests.conftest import free_ports
+from tests.helpers import free_ports
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -35,28 +35,6 @@ from delaywheel.produce.validation import Message
 T0 = datetime(2030, 1, 1, tzinfo=UTC)
 
 
-@pytest.fixture(scope="module")
-def roles(server_url: str) -> None:
-    """The embedded cluster's roles, created as `db start` creates them (idempotent; a superuser's work)."""
-    with psycopg.connect(server_url, autocommit=True) as conn:
-        embedded.create_roles(conn)
-
-
-@pytest.fixture
-def role_db(server_url: str, roles: None) -> Iterator[tuple[str, str]]:
-    """A fresh database migrated by the owner's login; yields (owner URL, runtime URL)."""
-    name = f"dwroles_{uuid.uuid4().hex[:12]}"
-    with psycopg.connect(server_url, autocommit=True) as conn:
-        conn.execute(f"CREATE DATABASE {name}")
-        conn.execute(f"GRANT CREATE ON DATABASE {name} TO {OWNER_ROLE}")
-    owner = make_conninfo(server_url, dbname=name, user=embedded.OWNER_LOGIN)
-    runtime = make_conninfo(server_url, dbname=name, user=embedded.RUNTIME_LOGIN)
-    migrate(owner)
-    yield owner, runtime
-    with psycopg.connect(server_url, autocommit=True) as conn:
-        conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
-
-
 def test_the_owner_owns_everything_and_the_runtime_is_no_superuser(role_db: tuple[str, str], server_url: str) -> None:
     owner, runtime = role_db
     with psycopg.connect(make_conninfo(server_url, dbname=conninfo_to_dict(owner)["dbname"])) as admin:

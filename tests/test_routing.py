@@ -28,7 +28,7 @@ from delaywheel.dev import embedded
 from delaywheel.dev.local_airflow import as_url
 from delaywheel.migrate import migrate
 from delaywheel.routing import Router, SendManyError, Stores, home, moved_topics
-from tests.conftest import free_ports
+from tests.helpers import free_ports
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -28,7 +28,7 @@ from delaywheel.consume.topics import Delivered
 from delaywheel.deliver import runner
 from delaywheel.dev import embedded
 from delaywheel.migrate import migrate
-from tests.conftest import free_ports
+from tests.helpers import free_ports
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -22,7 +22,7 @@ from psycopg import sql
 
 from delaywheel import Message, Store, migrate
 from delaywheel.migrate import MigrationError, current_version
-from tests.conftest import at
+from tests.helpers import at
 
 OLD_LINE = Path(__file__).parent / "fixtures" / "line_before_baseline"
 PG_DUMP = Path("/usr/lib/postgresql/15/bin/pg_dump")

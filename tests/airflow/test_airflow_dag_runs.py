@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from delaywheel import Settings, Store
-from tests.conftest import deliveries
+from tests.helpers import deliveries, run_dag
 
 pytestmark = pytest.mark.airflow
 
@@ -42,32 +42,6 @@ def dags(store_connection: str, monkeypatch: pytest.MonkeyPatch) -> dict[str, An
 def one_task_dags(store_connection: str, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     """The DAGs with `[delaywheel] deliver_tasks = one`."""
     return parse(monkeypatch, AIRFLOW__DELAYWHEEL__DELIVER_TASKS="one")
-
-
-def run_dag(dag: Any, **conf: Any) -> tuple[str, dict[str, str], dict[str, Any]]:
-    """dag.test(); returns (run id, task states, XCom return values)."""
-    from airflow.models import TaskInstance
-    from airflow.models.xcom import XComModel
-    from airflow.utils.session import create_session
-    from sqlalchemy import select
-
-    run = dag.test(run_conf=conf or None)
-    with create_session() as session:
-        states = {
-            ti.task_id: ti.state
-            for ti in session.scalars(
-                select(TaskInstance).where(TaskInstance.dag_id == dag.dag_id, TaskInstance.run_id == run.run_id)
-            )
-        }
-        values = {
-            x.task_id: x.value
-            for x in session.scalars(
-                select(XComModel).where(
-                    XComModel.dag_id == dag.dag_id, XComModel.run_id == run.run_id, XComModel.key == "return_value"
-                )
-            )
-        }
-    return run.run_id, states, values
 
 
 def asset_events(run_id: str) -> list[tuple[str, dict[str, Any]]]:

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from delaywheel import Store
-from tests.conftest import deliveries
+from tests.helpers import deliveries
 
 pytestmark = pytest.mark.airflow
 

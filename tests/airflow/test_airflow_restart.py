@@ -35,8 +35,7 @@ from psycopg.conninfo import make_conninfo
 
 from delaywheel import Store
 from delaywheel.deliver import presence
-from tests.conftest import deliveries
-from tests.dev.test_airflow_script import LANES, SCRIPT, ours, processes, script_env
+from tests.helpers import LANES, SCRIPT, deliveries, ours, processes, script_env
 
 pytestmark = [pytest.mark.airflow, pytest.mark.timeout(1500)]
 

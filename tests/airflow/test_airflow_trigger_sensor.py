@@ -17,6 +17,7 @@ from psycopg.conninfo import make_conninfo
 
 from delaywheel import Store
 from delaywheel.dev.local_airflow import as_url
+from tests.helpers import trigger_events
 
 pytestmark = pytest.mark.airflow
 
@@ -229,23 +230,6 @@ def test_sensor_pokes_and_defers(store_connection: str, store: Store) -> None:
     assert ahead.execute({})["lane"] == "level 2"  # already due: no deferral
 
 
-def _events(trigger, count: int, within_s: float) -> list:
-    """Up to `count` events of one run of the trigger, collected for at most `within_s` seconds."""
-
-    async def go():
-        gen, got = trigger.run(), []
-        try:
-            while len(got) < count:
-                got.append(await asyncio.wait_for(gen.__anext__(), within_s))
-        except TimeoutError:
-            pass
-        finally:
-            await gen.aclose()
-        return got
-
-    return asyncio.run(go())
-
-
 def test_topic_watcher_announces_each_delivered_message_once(store_connection: str, store: Store) -> None:
     """The topic Asset's watcher: an event as soon as messages can be read, each message announced once,
     also across a restart (a new trigger) and between two watchers racing on the same topic."""
@@ -261,11 +245,11 @@ def test_topic_watcher_announces_each_delivered_message_once(store_connection: s
         "delaywheel_conn_id": "delaywheel_default",
         "poll_interval": 1.0,
     }
-    assert _events(TopicMessagesTrigger("orders", poll_interval=0.1), 1, 0.5) == []  # an empty topic: silent
+    assert trigger_events(TopicMessagesTrigger("orders", poll_interval=0.1), 1, 0.5) == []  # an empty topic: silent
 
     ids = [store.send("orders", {"n": n}) for n in range(5)]  # level 0: in the topic at once
     store.send("other", {"n": 0})
-    (event,) = _events(TopicMessagesTrigger("orders", poll_interval=0.1), 2, 5.0)
+    (event,) = trigger_events(TopicMessagesTrigger("orders", poll_interval=0.1), 2, 5.0)
     assert event.payload["topic"] == "orders" and event.payload["count"] == 5
     offsets = [
         r[0]
@@ -275,7 +259,7 @@ def test_topic_watcher_announces_each_delivered_message_once(store_connection: s
         )
     ]
     assert (event.payload["first_offset"], event.payload["last_offset"]) == (offsets[0], offsets[-1])
-    assert _events(TopicMessagesTrigger("orders", poll_interval=0.1), 1, 0.5) == []  # restarted: nothing new
+    assert trigger_events(TopicMessagesTrigger("orders", poll_interval=0.1), 1, 0.5) == []  # restarted: nothing new
 
     async def race():
         gens = [TopicMessagesTrigger("orders", poll_interval=0.05).run() for _ in range(2)]

@@ -26,7 +26,7 @@ import pytest
 from psycopg.conninfo import conninfo_to_dict
 
 from delaywheel import Store
-from tests.conftest import free_ports
+from tests.helpers import free_ports
 
 pytestmark = [pytest.mark.browser, pytest.mark.airflow]
 

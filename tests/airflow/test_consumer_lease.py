@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from delaywheel import Message, Store
-from tests.conftest import deliveries, delivering
+from tests.helpers import deliveries, delivering
 
 pytestmark = pytest.mark.airflow
 
@@ -30,7 +30,7 @@ def test_template_dag_consumes_delivered_messages_and_acks(
     monkeypatch.setenv("DELAYWHEEL_LEVELS", "1s 5s")
     from airflow.dag_processing.dagbag import DagBag
 
-    from tests.airflow.test_airflow_dag_runs import run_dag
+    from tests.helpers import run_dag
 
     bag = DagBag(dag_folder=DagBag().dag_folder)
     assert bag.import_errors == {}

@@ -26,8 +26,7 @@ import pytest
 from psycopg.conninfo import make_conninfo
 
 from delaywheel import Settings, Store, parse_levels
-from tests.airflow.test_airflow_trigger_sensor import _events
-from tests.dev.test_airflow_script import SCRIPT, ours, processes, script_env
+from tests.helpers import SCRIPT, ours, processes, script_env, trigger_events
 
 pytestmark = pytest.mark.airflow
 
@@ -57,9 +56,9 @@ def test_the_templates_schedule_wakes_it_for_its_groups_retries(store_connection
     topic_watcher.poll_interval = retry_watcher.poll_interval = 0.1
     with Store(db_url, Settings(levels=parse_levels("1s 1s 1s"))) as store:  # the first retry's level: 1 s
         sent = store.send("orders", {"n": 1})  # level 0: in the topic at once
-        (event,) = _events(topic_watcher, 2, 3.0)
+        (event,) = trigger_events(topic_watcher, 2, 3.0)
         assert event.payload["count"] == 1
-        assert _events(retry_watcher, 1, 0.5) == []  # nothing failed yet
+        assert trigger_events(retry_watcher, 1, 0.5) == []  # nothing failed yet
 
         batch = store.pull("orders", "orders-template", 10)
         assert [m.message_id for m in batch.messages] == [sent]
@@ -67,8 +66,8 @@ def test_the_templates_schedule_wakes_it_for_its_groups_retries(store_connection
         time.sleep(1.1)
         assert store.deliver_level(3).delivered == 1  # the retry, due, into the group's retry topic
 
-        assert _events(topic_watcher, 1, 1.0) == []  # the topic is quiet
-        (event,) = _events(retry_watcher, 2, 5.0)
+        assert trigger_events(topic_watcher, 1, 1.0) == []  # the topic is quiet
+        (event,) = trigger_events(retry_watcher, 2, 5.0)
         assert (event.payload["topic"], event.payload["count"]) == ("%RETRY%orders-template", 1)
         (retry,) = store.pull("orders", "orders-template", 10).messages
         assert (retry.idempotency_id, retry.reconsume_times, retry.source_topic) == (

@@ -9,69 +9,23 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
-from psycopg.conninfo import conninfo_to_dict
 
 from delaywheel import Store
 from delaywheel.airflow.web.charts import hourly
 from delaywheel.ops.stats import as_json
+from tests.helpers import token
 
 pytestmark = pytest.mark.airflow
 
 ROOT = Path(__file__).resolve().parents[2]
 
-USERS = {"admin": ("admin", "admin-pw"), "vera": ("viewer", "viewer-pw")}
 # Figures that depend on the moment they are computed, not on the store's content.
 CLOCK_DEPENDENT = {"now", "oldest_overdue_s", "lag_s", "since_last_pass_s", "start", "end"}
-
-
-def connection_uri(db_url: str) -> str:
-    """The test database as an Airflow connection URI (Airflow reads `AIRFLOW_CONN_<ID>` on every lookup)."""
-    p = conninfo_to_dict(db_url)
-    return f"postgresql://{p.get('user', 'postgres')}@{p.get('host', '127.0.0.1')}:{p.get('port', 5432)}/{p['dbname']}"
-
-
-@pytest.fixture(scope="module")
-def client(airflow_db: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    """Airflow's API server app with login required (two users with known passwords), plugins loaded."""
-    passwords = tmp_path_factory.mktemp("auth") / "passwords.json"
-    passwords.write_text(json.dumps({name: pw for name, (_, pw) in USERS.items()}))
-    env = {
-        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": ",".join(f"{n}:{role}" for n, (role, _) in USERS.items()),
-        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(passwords),
-        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "False",
-        "AIRFLOW__API_AUTH__JWT_SECRET": "delaywheel-plugin-test-secret-" + "x" * 40,
-    }
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    from airflow.api_fastapi.app import create_app
-    from fastapi.testclient import TestClient
-
-    with TestClient(create_app()) as test_client:
-        yield test_client
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
-
-
-@pytest.fixture
-def plugin_store(store: Store, db_url: str, monkeypatch: pytest.MonkeyPatch) -> Store:
-    """The test's store, made the `delaywheel_default` connection the plugin reads."""
-    monkeypatch.setenv("AIRFLOW_CONN_DELAYWHEEL_DEFAULT", connection_uri(db_url))
-    return store
-
-
-def token(client: Any, user: str) -> str:
-    response = client.post("/auth/token", json={"username": user, "password": USERS[user][1]})
-    assert response.status_code == 201, response.text
-    return str(response.json()["access_token"])
 
 
 def seed(store: Store) -> None:
@@ -231,7 +185,7 @@ def test_json_api_and_cli_give_numbers_of_the_same_types(
 ) -> None:
     """`delaywheel stats --json` gave `extract()`'s numerics as strings where the web API gave numbers."""
     from delaywheel.cli import main
-    from tests.ops.test_stats import number_paths
+    from tests.helpers import number_paths
 
     seed(plugin_store)
     served = client.get("/delaywheel/api/stats", headers={"Authorization": f"Bearer {token(client, 'vera')}"}).json()

@@ -27,7 +27,7 @@ import psycopg
 import pytest
 from psycopg.conninfo import make_conninfo
 
-from tests.dev.test_airflow_script import LANES, SCRIPT, ours, processes, script_env
+from tests.helpers import LANES, SCRIPT, ours, processes, script_env
 
 pytestmark = [pytest.mark.airflow, pytest.mark.timeout(600)]
 

@@ -22,8 +22,7 @@ import pytest
 from delaywheel import Settings
 from delaywheel.dev.local_airflow import as_url
 from delaywheel.routing import Router, Stores
-from tests.airflow.test_airflow_dag_runs import run_dag
-from tests.conftest import deliveries, fresh_database
+from tests.helpers import deliveries, fresh_database, run_dag
 
 pytestmark = pytest.mark.airflow
 

@@ -1,5 +1,5 @@
 """The Airflow page names a lane with due messages and no live deliverer (the `unserved` flag of `stats`), in the real
-API server app with Airflow's auth (the fixtures of tests/airflow/test_plugin.py)."""
+API server app with Airflow's auth (the fixtures of tests/airflow/conftest.py)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,9 @@ import pytest
 
 from delaywheel import Store
 from delaywheel.locks import LANE_PRESENCE_LOCK
-from tests.airflow.test_plugin import client, plugin_store, token
+from tests.helpers import token
 
 pytestmark = pytest.mark.airflow
-__all__ = ["client", "plugin_store"]  # fixtures, used by name
 
 
 def page(client: Any) -> str:

@@ -25,7 +25,7 @@ from delaywheel.consume import consumer as consume
 from delaywheel.consume import topics
 from delaywheel.consume.topics import retry_topic
 from delaywheel.produce.producer import send_for_store
-from tests.conftest import ROOT, deliveries, delivering, syncs, traced
+from tests.helpers import ROOT, deliveries, delivering, syncs, traced
 
 
 def test_the_consumer_gets_exactly_the_delivered_messages_in_order_and_none_early(db_url: str, store: Store) -> None:

@@ -10,7 +10,7 @@ import pytest
 from delaywheel import Settings, Store
 from delaywheel.consume.topics import AckResult, dlq_topic, retry_topic
 from delaywheel.produce.validation import Message
-from tests.conftest import at
+from tests.helpers import at
 
 
 def test_pull_ack_and_redelivery_of_unacked(store: Store, t0: datetime) -> None:

@@ -10,7 +10,7 @@ import psycopg
 
 from delaywheel import Settings, Store
 from delaywheel.produce.validation import Message
-from tests.conftest import at, deliveries, syncs, table_counts, traced
+from tests.helpers import at, deliveries, syncs, table_counts, traced
 
 
 def test_level_never_early_fifo_and_countdown(store: Store, t0: datetime) -> None:

@@ -28,8 +28,7 @@ from delaywheel.produce.validation import (
     Message,
     storable,
 )
-from tests.conftest import at, deliveries
-from tests.test_roles import role_db, roles  # noqa: F401  (fixtures)
+from tests.helpers import at, deliveries
 
 NOW = datetime(2030, 1, 1, 12, tzinfo=UTC)
 SETTINGS = Settings()
@@ -413,7 +412,7 @@ def test_the_cli_refuses_what_it_refused_to_deliver_before(
     assert _hot_rows(store) == 0
 
 
-def test_the_runtime_role_sets_rows_aside(role_db: tuple[str, str]) -> None:  # noqa: F811
+def test_the_runtime_role_sets_rows_aside(role_db: tuple[str, str]) -> None:
     """Set-aside needs nothing the runtime role lacks (docs/operations.md, "Roles"): a level row and a far row, poisoned by the
     owner, are set aside by a runtime store's passes and the roll."""
     owner, runtime = role_db

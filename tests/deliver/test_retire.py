@@ -7,7 +7,7 @@ from datetime import datetime, timedelta
 
 from delaywheel import Store
 from delaywheel.produce.validation import Message
-from tests.conftest import HOT_TABLES, table_counts
+from tests.helpers import HOT_TABLES, table_counts
 
 SIZE = """
 SELECT coalesce(sum(pg_total_relation_size(c.oid)), 0)

@@ -16,7 +16,7 @@ import pytest
 from delaywheel import Message, Store, partitions
 from delaywheel.channels import NOTIFY_CHANNEL, lane_channel
 from delaywheel.deliver import runner
-from tests.conftest import deliveries
+from tests.helpers import deliveries
 
 
 def _timed_run(db_url: str, duration_s: float, grace_s: float, out: dict[str, float]) -> None:

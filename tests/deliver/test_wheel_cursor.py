@@ -18,7 +18,7 @@ from delaywheel.deliver import wheel
 from delaywheel.deliver.wheel import CURSOR, TRIM_EVERY
 from delaywheel.migrate import RUNTIME_ROLE
 from delaywheel.produce.validation import Message
-from tests.conftest import deliveries, syncs, traced
+from tests.helpers import deliveries, syncs, traced
 
 PASSES = 2 * TRIM_EVERY + 300  # two trims, and entries past the last one
 # The newest entry through the primary key read backwards: the index's root and rightmost leaf, one heap page.

@@ -17,8 +17,7 @@ from delaywheel import Settings, Store
 from delaywheel.partitions import DAY, floor_to
 from delaywheel.pending import PENDING
 from delaywheel.produce.validation import Message
-from tests.conftest import Background, deliveries, wait_for_lock
-from tests.test_roles import role_db, roles  # noqa: F401  (fixtures)
+from tests.helpers import Background, deliveries, wait_for_lock
 
 WINDOW = Settings().wheel_near_window
 
@@ -137,7 +136,7 @@ def test_a_small_block_rolls_in_one_step(store: Store, t0: datetime) -> None:
     _check_delivered(store, "far", due, set())
 
 
-def test_the_runtime_role_rolls_in_slices(role_db: tuple[str, str]) -> None:  # noqa: F811
+def test_the_runtime_role_rolls_in_slices(role_db: tuple[str, str]) -> None:
     """A slice deletes the segments it moves (migrations/023 lets the runtime role): the roll as the runtime."""
     _, runtime = role_db
     with Store(runtime, Settings(wheel_roll_slice=2)) as store:

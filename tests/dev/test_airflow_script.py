@@ -26,66 +26,16 @@ import psycopg
 import pytest
 from psycopg.conninfo import make_conninfo
 
-from delaywheel.dev.local_airflow import SECRETS, as_url
-from tests.conftest import free_ports
+from delaywheel.dev.local_airflow import SECRETS
+from tests.helpers import LANES, SCRIPT, ours, processes, script_env, stat_fields
 
 pytestmark = pytest.mark.airflow
 
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "scripts" / "airflow.sh"
-LANES = {"deliver_level_1", "deliver_level_2", "advance_wheel"}  # DELAYWHEEL_LEVELS="1s 5s": two levels + the wheel
 STARTED_WITHIN_S = 150  # script start -> lane tasks running (about 25 s alone here; 2 busy cores are slower)
 # SIGINT -> the script has exited: 15-25 s here; the script allows tasks STOP_SECONDS (60) to end, then the triggerer
 # and DAG processor 20 s and the API server 20 s (one CI run on a quiet machine took 63.6 s, cause not seen: the
 # failure message now lists the timed notes and shutdown lines)
 STOPPED_WITHIN_S = 100
-
-
-def script_env(home: Path, db_url: str, metadata_db: str) -> dict[str, str]:
-    """The environment of a `scripts/airflow.sh` run of its own: AIRFLOW_HOME, metadata database, store and free
-    loopback ports, two delay levels and the wheel (`LANES`), and nothing of the tests' own Airflow."""
-    api_port, worker_log_port, trigger_log_port = free_ports(3)
-    return {k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW")} | {
-        "DELAYWHEEL_DATABASE_URL": as_url(db_url),
-        "DELAYWHEEL_AIRFLOW_HOME": str(home),
-        "DELAYWHEEL_AIRFLOW_DB": metadata_db,
-        "AIRFLOW__API__PORT": str(api_port),
-        "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(worker_log_port),
-        "AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT": str(trigger_log_port),
-        "DELAYWHEEL_LEVELS": "1s 5s",
-    }
-
-
-def stat_fields(path: Path) -> list[str]:
-    """A /proc/<pid>/stat's fields after "pid (comm) ": state ppid pgrp session ... (comm may hold spaces)."""
-    stat = path.read_text()
-    return stat[stat.rindex(")") + 2 :].split()
-
-
-def processes() -> dict[int, tuple[str, int, str]]:
-    """pid -> (working directory, session id, command line) of every process this user can see."""
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cwd = os.readlink(entry / "cwd")
-            fields = stat_fields(entry / "stat")
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
-        except OSError:  # gone, or not ours to read
-            continue
-        if fields[0] == "Z":
-            continue
-        found[int(entry.name)] = (cwd, int(fields[3]), cmdline)
-    return found
-
-
-def ours(run_dir: Path, sessions: set[int]) -> dict[int, str]:
-    return {
-        pid: cmd
-        for pid, (cwd, sid, cmd) in processes().items()
-        if (cwd == str(run_dir) or sid in sessions) and pid != os.getpid()
-    }
 
 
 def environ(pid: int) -> dict[str, str]:

@@ -14,7 +14,7 @@ from delaywheel.locks import LEVEL_LOCK, WHEEL_LOCK, turns
 from delaywheel.ops.cancel import KeysFrom
 from delaywheel.ops.predicate import UnsafeSQL
 from delaywheel.produce.validation import Message
-from tests.conftest import at, deliveries, syncs, traced
+from tests.helpers import at, deliveries, syncs, traced
 
 
 def test_cancel_by_id_and_key(store: Store, t0: datetime) -> None:

@@ -18,7 +18,7 @@ from delaywheel.deliver import levels
 from delaywheel.locks import WHEEL_LOCK, turns
 from delaywheel.ops.cancel import CancelResult, find, key_params, mark, settle
 from delaywheel.produce.validation import Message
-from tests.conftest import Background, deliveries, wait_for_lock
+from tests.helpers import Background, deliveries, wait_for_lock
 
 NOW = timedelta(seconds=30)  # the passes' injected clock, after t0: every timer below is due
 

@@ -14,7 +14,7 @@ from delaywheel.batch.quality import due_sql
 from delaywheel.batch.reconcile import Reconcile
 from delaywheel.partitions import PartitionCache
 from delaywheel.pending import PENDING
-from tests.conftest import deliveries
+from tests.helpers import deliveries
 
 KEYS = ["k-level", "k-near", "k-far"]
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import threading
 from datetime import datetime, timedelta
-from typing import Any
 
 import pytest
 
@@ -14,7 +13,7 @@ from delaywheel import Store
 from delaywheel.airflow.web.charts import hourly
 from delaywheel.ops import stats
 from delaywheel.produce.validation import Message
-from tests.conftest import at
+from tests.helpers import at, number_paths
 
 
 def test_level_stats(store: Store, t0: datetime) -> None:
@@ -186,15 +185,6 @@ def test_quarantine_and_set_aside_rows_appear(store: Store, t0: datetime) -> Non
         assert aside["total"] == 3
         assert [(r["reason"], r["count"]) for r in aside["by_reason"]] == [("bad_properties", 2), ("bad_topic", 1)]
         assert [r["message_id"] for r in aside["recent"]] == [43, 42, 41]
-
-
-def number_paths(value: Any, path: str = "") -> dict[str, str]:
-    """Every leaf's JSON type by path (list items merged), to compare two JSON documents' types."""
-    if isinstance(value, dict):
-        return {p: t for k, v in value.items() for p, t in number_paths(v, f"{path}.{k}").items()}
-    if isinstance(value, list):
-        return {p: t for v in value for p, t in number_paths(v, f"{path}[]").items()}
-    return {path: type(value).__name__}
 
 
 def test_json_numbers_are_numbers(

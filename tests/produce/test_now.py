@@ -22,7 +22,7 @@ from delaywheel.batch import bulk, input_rows
 from delaywheel.config import TEST_CLOCK_ENV, ConfigError
 from delaywheel.partitions import PartitionCache
 from delaywheel.produce.validation import NOW_AHEAD, NOW_BEHIND, InvalidMessage, Message, check_now_near
-from tests.conftest import table_counts
+from tests.helpers import table_counts
 
 EMPTY = {"level_queue": 0, "wheel": 0, "wheel_far": 0, "topic_messages": 0, "cancellations": 0}
 NOT_A_TEST = Settings(test_clock=False)

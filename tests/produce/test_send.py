@@ -15,8 +15,7 @@ import pytest
 from delaywheel import Settings, Store
 from delaywheel.deliver.runner import listen_channels
 from delaywheel.produce.validation import InvalidMessage, Message
-from tests.conftest import at, deliveries, fresh_database, table_counts, wait_for_lock
-from tests.produce.test_columns import batches
+from tests.helpers import at, batches, deliveries, fresh_database, table_counts, wait_for_lock
 
 EMPTY = {"level_queue": 0, "wheel": 0, "wheel_far": 0, "topic_messages": 0, "cancellations": 0}
 
@@ -491,7 +490,7 @@ def test_a_single_send_gives_the_verdict_of_the_rules(db_url: str, batch: list[M
     from delaywheel.partitions import PartitionCache
     from delaywheel.produce import producer
     from delaywheel.produce.validation import prepare
-    from tests.produce.test_columns import NOW, SETTINGS
+    from tests.helpers import NOW, SETTINGS
 
     message = batch[0]
     expected = _verdict(lambda: prepare(message, NOW, SETTINGS))

@@ -13,7 +13,7 @@ from delaywheel_shop import orders
 from delaywheel_shop.order_quality import verify
 
 from delaywheel import Store
-from tests.conftest import wait_for_lock
+from tests.helpers import wait_for_lock
 
 TIMEOUT = timedelta(seconds=30)
 

@@ -15,7 +15,7 @@ import pytest
 from delaywheel_shop import orders
 
 from delaywheel import Store
-from tests.conftest import delivering
+from tests.helpers import delivering
 
 pytestmark = pytest.mark.airflow
 
@@ -56,7 +56,7 @@ def _overdue_orders(store: Store, count: int) -> None:
 
 
 def test_sweep_dag_applies_delivered_timeouts_once_and_drains_until_idle(sweep_dag: Any, db_url: str) -> None:
-    from tests.airflow.test_airflow_dag_runs import run_dag
+    from tests.helpers import run_dag
 
     with Store(db_url) as store:
         _overdue_orders(store, 20)
@@ -82,7 +82,7 @@ def test_sweep_dag_applies_delivered_timeouts_once_and_drains_until_idle(sweep_d
 
 
 def test_sweep_dag_changes_nothing_for_a_batch_applied_before_its_ack_was_lost(sweep_dag: Any, db_url: str) -> None:
-    from tests.airflow.test_airflow_dag_runs import run_dag
+    from tests.helpers import run_dag
 
     with Store(db_url) as store:
         _overdue_orders(store, 20)

@@ -14,19 +14,14 @@ import sys
 import time
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
-import pyspark
 import pytest
 
-from tests.conftest import free_ports
+from tests.helpers import SPARK_DIR, SPARK_HOME, SparkCluster, free_ports
 
-SPARK_DIR = Path(__file__).resolve().parents[2] / "spark"  # the jobs' home (plugins/delaywheel/spark links to it)
 sys.path.insert(0, str(SPARK_DIR))
 os.environ.setdefault("DELAYWHEEL_SHUFFLE_PARTITIONS", "2")
-# The pip package: bin/spark-submit and sbin/spark-daemon.sh, but no start-master.sh or start-worker.sh.
-SPARK_HOME = Path(pyspark.__file__).parent
 MASTER, WORKER = "org.apache.spark.deploy.master.Master", "org.apache.spark.deploy.worker.Worker"
 
 
@@ -47,20 +42,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if "tests/spark/" in str(item.fspath):
             item.add_marker(pytest.mark.spark)
-
-
-@dataclass(frozen=True)
-class SparkCluster:
-    """A standalone cluster on loopback: its master URL, the master's web UI (and JSON) and the environment its
-    daemons run in, which jobs are submitted from too."""
-
-    master: str
-    ui: str
-    env: dict[str, str]
-
-    def completed_apps(self) -> list[str]:
-        with urllib.request.urlopen(f"{self.ui}/json/", timeout=10) as page:
-            return [app["name"] for app in json.load(page)["completedapps"]]
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from delaywheel import Store
+from tests.helpers import bulk_rows, quarantine_rows, written
 
 
 @pytest.fixture(autouse=True)
@@ -24,58 +25,10 @@ def input_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path
 
 
-def _rows(t0: datetime) -> tuple[list[dict[str, str]], dict[int, str]]:
-    """Good rows of every lane and one bad row per rule, as CSV-like text; returns (rows, row number -> reason)."""
-    rows: list[dict[str, str]] = []
-    bad: dict[int, str] = {}
-
-    def add(reason: str | None = None, **values: str) -> None:
-        rows.append(
-            {
-                "topic": "orders",
-                "key": f"k{len(rows)}",
-                "body": json.dumps({"n": len(rows)}),
-                "delay_level": "",
-                "deliver_at": "",
-            }
-            | values
-        )
-        if reason:
-            bad[len(rows)] = reason
-
-    for i in range(60):
-        add(delay_level=str(i % 19))  # levels 0 (direct) .. 18
-    for i in range(20):
-        add(deliver_at=(t0 + timedelta(minutes=5 + i)).isoformat())  # the wheel
-    add("bad_topic", topic="bad topic!", delay_level="3")
-    add("bad_level", delay_level="soon")
-    add("bad_level", delay_level="-2")
-    add("too_far", deliver_at=(t0 + timedelta(days=400)).isoformat())
-    add("naive_deliver_at", deliver_at="2030-01-01T00:10:00")
-    add("bad_deliver_at", deliver_at="tomorrow")
-    add("bad_body", body="{oops", delay_level="2")
-    add("conflicting_delay", delay_level="2", deliver_at=(t0 + timedelta(minutes=1)).isoformat())
-    add("bad_key", key="x" * 2000, delay_level="1")
-    return rows, bad
-
-
-def _quarantine(store: Store) -> dict[int, tuple[str, str]]:
-    rows = store.conn.execute("SELECT row_number, reason, source_file FROM delaywheel.quarantine").fetchall()
-    return {r[0]: (r[1], r[2]) for r in rows}
-
-
-def _pending(store: Store) -> int:
-    """Messages written anywhere: the lanes plus direct deliveries."""
-    return sum(
-        store.conn.execute(f"SELECT count(*) FROM delaywheel.{t}").fetchone()[0]  # type: ignore[index]
-        for t in ("level_queue", "wheel", "wheel_far", "topic_messages")
-    )
-
-
 def test_csv_good_and_bad_rows_then_rerun_adds_nothing(
     spark: object, store: Store, db_url: str, t0: datetime, tmp_path: Path
 ) -> None:
-    rows, bad = _rows(t0)
+    rows, bad = bulk_rows(t0)
     path = tmp_path / "orders.csv"
     with path.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
@@ -87,8 +40,8 @@ def test_csv_good_and_bad_rows_then_rerun_adds_nothing(
 
     good = len(rows) - len(bad)
     assert (first.rows, first.enqueued, first.skipped, first.rejected) == (len(rows), good, 0, len(bad))
-    assert _pending(store) == good
-    quarantined = _quarantine(store)
+    assert written(store) == good
+    quarantined = quarantine_rows(store)
     assert {n: reason for n, (reason, _) in quarantined.items()} == bad
     assert all(file.endswith("orders.csv") for _, file in quarantined.values())
     level_rows = store.conn.execute("SELECT key, level, deliver_at FROM delaywheel.level_queue ORDER BY id").fetchall()
@@ -97,8 +50,8 @@ def test_csv_good_and_bad_rows_then_rerun_adds_nothing(
     again = bulk_enqueue.main(argv)
 
     assert (again.enqueued, again.skipped, again.rejected) == (0, good, len(bad))
-    assert _pending(store) == good
-    assert _quarantine(store) == quarantined
+    assert written(store) == good
+    assert quarantine_rows(store) == quarantined
 
 
 def test_json_lines_and_parquet_keep_row_numbers(
@@ -112,7 +65,7 @@ def test_json_lines_and_parquet_keep_row_numbers(
     counts = bulk_enqueue.main(["--db-url", db_url, "--input", str(tmp_path / "events.jsonl"), "--now", t0.isoformat()])
 
     assert (counts.enqueued, counts.rejected, dict(counts.reasons)) == (29, 1, {"malformed_record": 1})
-    assert {n: reason for n, (reason, _) in _quarantine(store).items()} == {12: "malformed_record"}
+    assert {n: reason for n, (reason, _) in quarantine_rows(store).items()} == {12: "malformed_record"}
     assert store.conn.execute(
         "SELECT level, requested_level FROM delaywheel.level_queue WHERE key = 'j20'"
     ).fetchone() == (18, 99)
@@ -142,7 +95,9 @@ def test_json_lines_and_parquet_keep_row_numbers(
     )
 
     assert (counts.enqueued, counts.rejected) == (49, 1)
-    assert {n: reason for n, (reason, f) in _quarantine(store).items() if f.endswith(".parquet")} == {50: "bad_delay"}
+    assert {n: reason for n, (reason, f) in quarantine_rows(store).items() if f.endswith(".parquet")} == {
+        50: "bad_delay"
+    }
     due = store.conn.execute(
         "SELECT deliver_at FROM delaywheel.wheel WHERE key = '1000' UNION ALL"
         " SELECT deliver_at FROM delaywheel.wheel_far WHERE key = '1000'"
@@ -161,7 +116,7 @@ def test_query_source_over_jdbc(spark: object, store: Store, db_url: str, t0: da
 
     assert (counts.rows, counts.enqueued, counts.rejected) == (20, 19, 1)
     assert (again.enqueued, again.skipped, again.rejected) == (0, 19, 1)
-    assert _quarantine(store) == {7: ("bad_delay", "query")}
+    assert quarantine_rows(store) == {7: ("bad_delay", "query")}
     assert store.conn.execute("SELECT count(*) FROM delaywheel.idempotency WHERE source = %s", (query,)).fetchone() == (
         19,
     )
@@ -216,7 +171,7 @@ def test_parquet_row_groups_by_pyarrow_match_sparks_reader(
 
     assert "2 partitions (row groups read by pyarrow)" in capfd.readouterr().out
     assert (first.rows, first.enqueued, first.rejected, dict(first.reasons)) == (n, n - 1, 1, {"bad_level": 1})
-    quarantined = _quarantine(store)
+    quarantined = quarantine_rows(store)
     spark_file = spark.read.parquet(str(path)).select("_metadata.file_path").first()[0]  # type: ignore[attr-defined]
     assert quarantined == {33: ("bad_level", spark_file)}
     written = _messages(store)
@@ -225,7 +180,7 @@ def test_parquet_row_groups_by_pyarrow_match_sparks_reader(
 
     assert "(Spark's reader)" in capfd.readouterr().out
     assert (again.enqueued, again.skipped, again.rejected) == (0, n - 1, 1)
-    assert _quarantine(store) == quarantined
+    assert quarantine_rows(store) == quarantined
 
     bulk_enqueue.main([*argv, "--parquet-reader", "spark", "--source", "once more"])
 

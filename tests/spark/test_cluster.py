@@ -20,13 +20,19 @@ from typing import Any
 from sparkjob import JDBC_JAR
 
 from delaywheel import Store
-from tests.conftest import fresh_database
-from tests.spark.conftest import SPARK_DIR, SPARK_HOME, SparkCluster
-from tests.spark.test_bulk_enqueue import _pending, _quarantine, _rows
-from tests.spark.test_redeliver import _send_backlog
+from tests.helpers import (
+    SPARK_DIR,
+    SPARK_HOME,
+    SparkCluster,
+    bulk_rows,
+    fresh_database,
+    quarantine_rows,
+    send_backlog,
+    written,
+)
 
 SUBMIT = SPARK_HOME / "bin" / "spark-submit"  # what the venv's .venv/bin/spark-submit runs
-GOOD_ROWS = 20_000  # besides _rows' 80 good and 9 bad ones: enough for two writers on two executors
+GOOD_ROWS = 20_000  # besides bulk_rows' 80 good and 9 bad ones: enough for two writers on two executors
 
 
 def submit(
@@ -53,7 +59,7 @@ def submit(
 def test_bulk_enqueue_on_the_cluster_counts_and_quarantines_as_a_local_run(
     spark_cluster: SparkCluster, server_url: str, template_db: str, t0: datetime, tmp_path: Path
 ) -> None:
-    rows, bad = _rows(t0)
+    rows, bad = bulk_rows(t0)
     rows += [
         {
             "topic": "orders",
@@ -101,8 +107,8 @@ def test_bulk_enqueue_on_the_cluster_counts_and_quarantines_as_a_local_run(
                 "quarantined": len(bad),
                 "reasons": dict(Counter(bad.values())),
             }, master
-            assert _pending(store) == good
-            assert {n: reason for n, (reason, _) in _quarantine(store).items()} == bad
+            assert written(store) == good
+            assert {n: reason for n, (reason, _) in quarantine_rows(store).items()} == bad
     assert "delaywheel bulk enqueue" in spark_cluster.completed_apps()
     print(f"\nbulk enqueue, {len(rows):,} CSV rows: " + ", ".join(f"{m} {s:.1f} s" for m, s in seconds.items()))
 
@@ -110,7 +116,7 @@ def test_bulk_enqueue_on_the_cluster_counts_and_quarantines_as_a_local_run(
 def test_catch_up_on_the_cluster_is_exactly_once(
     spark_cluster: SparkCluster, store: Store, db_url: str, t0: datetime, tmp_path: Path
 ) -> None:
-    _send_backlog(store, t0, 4000)
+    send_backlog(store, t0, 4000)
     store.cancel(key="m8")  # a wheel message
     store.cancel(key="m9")  # a level message
     outage_end = t0 + timedelta(minutes=40)

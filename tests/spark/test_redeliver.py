@@ -3,7 +3,6 @@ reconciles leave audit rows and do not duplicate."""
 
 from __future__ import annotations
 
-import random
 from datetime import datetime, timedelta
 
 import pytest
@@ -12,28 +11,15 @@ from psycopg import sql
 
 from delaywheel import Message, Store
 from delaywheel.pending import not_cancelled
+from tests.helpers import send_backlog
 
 TOPIC = "orders"
-
-
-def _send_backlog(store: Store, t0: datetime, count: int) -> None:
-    """Levels 1-18 and wheel times up to 2 hours out, all enqueued at t0 (the clock is injected)."""
-    rng = random.Random(5)
-    messages = []
-    for i in range(count):
-        if i % 4 == 0:
-            due = t0 + timedelta(seconds=rng.randint(1, 7200), milliseconds=rng.randint(0, 999))
-            messages.append(Message(TOPIC, {"i": i}, deliver_at=due, key=f"m{i}"))
-        else:
-            messages.append(Message(TOPIC, {"i": i}, delay_level=rng.randint(1, 18), key=f"m{i}"))
-    for start in range(0, count, 1000):
-        store.send_many(messages[start : start + 1000], now=t0)
 
 
 def test_catch_up_then_regular_deliverer_exactly_once_never_early(
     spark: object, store: Store, db_url: str, t0: datetime
 ) -> None:
-    _send_backlog(store, t0, 4000)
+    send_backlog(store, t0, 4000)
     store.cancel(key="m8")  # a wheel message: cancelled, never delivered
     store.cancel(key="m9")  # a level message
     outage_end = t0 + timedelta(minutes=40)  # part of the backlog is due: levels up to 30m, early wheel times
@@ -74,7 +60,7 @@ def test_catch_up_then_regular_deliverer_exactly_once_never_early(
 
 
 def test_replay_is_recorded_and_deduplicated(spark: object, store: Store, db_url: str, t0: datetime) -> None:
-    _send_backlog(store, t0, 400)
+    send_backlog(store, t0, 400)
     store.deliver_due(now=t0 + timedelta(hours=3))
     lo, hi = t0 + timedelta(minutes=5), t0 + timedelta(hours=1, minutes=30)  # spans two hour slices
     in_range = store.conn.execute(

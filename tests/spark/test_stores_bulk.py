@@ -23,7 +23,7 @@ from delaywheel.batch.input_rows import ColumnMap
 from delaywheel.config import ConfigError
 from delaywheel.dev.local_airflow import as_url
 from delaywheel.routing import Router, home
-from tests.conftest import fresh_database
+from tests.helpers import fresh_database
 
 TOPICS = 40
 ROWS = 3000
