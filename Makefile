@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 export PATH := $(CURDIR)/.venv/bin:$(PATH)
 
-.PHONY: setup setup-test demo test lint airflow db-start db-stop bench lock
+.PHONY: setup setup-test demo check test lint airflow db-start db-stop bench lock
 
 setup:            ## system packages + pinned .venv (idempotent)
 	scripts/setup.sh
@@ -17,6 +17,13 @@ demo: setup       ## the main job on the embedded default (README's first comman
 
 test: setup-test lint  ## the gates, then the test suite (README's second command)
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The quick tier: the gates and the store's own tests, without Airflow, Spark, the browser or the tests marked slow
+# (tests/conftest.py marks each test's tier by where it lives and what it uses). Needs `make setup` once.
+CHECK_TESTS := not airflow and not spark and not browser and not slow
+
+check: lint       ## the gates, then the store's quick tests (minutes; `make test` runs everything)
+	$(PY) -m pytest -m "$(CHECK_TESTS)" $(PYTEST_ARGS)
 
 lint:             ## ruff (lint and format), mypy and the layer contracts (pyproject.toml's [tool.importlinter])
 	$(PY) -m ruff check plugins spark examples dags tests bench  # spark/: ruff does not follow plugins/delaywheel/spark's link

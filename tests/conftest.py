@@ -1,6 +1,6 @@
 """Shared fixtures: the project's own PostgreSQL (embedded cluster, or DELAYWHEEL_DATABASE_URL),
-a migrated template database, and a fresh database cloned from it for every test that asks. Plain helpers are in
-tests/helpers.py."""
+a migrated template database, and a fresh database cloned from it for every test that asks; and each test's tier,
+marked by where it lives and what it uses (`pytest_collection_modifyitems`). Plain helpers are in tests/helpers.py."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import os
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime
+from pathlib import Path
 
 import psycopg
 import pytest
@@ -152,3 +153,68 @@ def role_db(server_url: str, roles: None) -> Iterator[tuple[str, str]]:
     yield owner, runtime
     with psycopg.connect(server_url, autocommit=True) as conn:
         conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+# Tiers (Makefile: `make check` deselects airflow, spark, browser and slow). Marked here by where a test lives and
+# what it uses, so that no test escapes its tier for want of a decorator.
+TIER_DIRS = {"airflow": "airflow", "spark": "spark"}  # tests/<dir>/ -> marker
+TIER_FIXTURES = {  # a fixture -> the marker of every test that uses it
+    "airflow_db": "airflow",
+    "store_connection": "airflow",
+    "metadata_db": "airflow",
+    "spark": "spark",
+    "spark_cluster": "spark",
+}
+BROWSER_MODULES = {"test_browser.py"}  # headless Chromium
+# `slow`: the store's tests that start throwaway clusters or servers, crash or restart them, or take seconds of
+# threads, subprocesses or random cases each (4 s or more in a `--durations=0` run of the quick tier here): `make
+# check` leaves them to `make test`.
+SLOW_MODULES = {"test_crash.py", "test_poolers.py", "test_resilience.py", "test_scarce_resources.py"}
+SLOW_FIXTURES = {"own_cluster", "second_cluster", "pgbouncer"}
+SLOW_TESTS = {  # node ids without parameters
+    "tests/test_properties.py::test_random_sends_cancels_and_clocks",
+    "tests/test_wheel_install.py::test_the_installed_wheel_migrates_sends_delivers_and_pulls",
+    "tests/test_concurrency.py::test_producers_and_two_deliverers_per_lane",
+    "tests/test_upgrade.py::test_an_upgraded_store_behaves_as_a_fresh_one",
+    "tests/test_cli.py::test_cli_never_shows_a_traceback_for_bad_input",
+    "tests/test_cli.py::test_long_running_commands_freeze_their_start_up_heap_in_their_own_process_only",
+    "tests/test_query_plans.py::test_a_far_block_is_searched_by_its_segments",
+    "tests/test_query_plans.py::test_a_wheel_pass_and_the_wheel_head_read_a_batch",
+    "tests/produce/test_send.py::test_a_single_send_gives_the_verdict_of_the_rules",
+    "tests/deliver/test_presence.py::test_a_delivery_loop_logs_the_lanes_nobody_delivers",
+    "tests/deliver/test_wheel_roll_slices.py::test_random_blocks_slices_and_interleavings",
+    "tests/deliver/test_horizon.py::test_wheel_delivers_once_while_other_databases_churn",
+    "tests/deliver/test_delivery.py::test_far_future_messages_survive_many_rolls",
+    "tests/deliver/test_delivery.py::test_open_producer_transaction_does_not_stop_the_wheel",
+    "tests/deliver/test_runner.py::test_the_lane_is_handed_over_as_soon_as_a_successor_runs",
+    "tests/deliver/test_runner.py::test_a_message_whose_announcement_is_lost_is_found_by_the_safety_wake_without_passing_idle_levels",
+    "tests/deliver/test_runner.py::test_without_a_successor_the_lane_stays_served_through_the_grace",
+    "tests/deliver/test_runner.py::test_the_loop_summarizes_the_topic_it_delivers_into_within_seconds",
+    "tests/deliver/test_wheel_cursor.py::test_the_cursor_read_stays_bounded_under_an_old_transaction",
+    "tests/consume/test_lease.py::test_the_successor_takes_over_at_the_lease_end_with_nothing_handled_twice",
+    "tests/ops/test_cancel.py::test_cancel_by_key_finds_exactly_the_pending_messages",
+    "tests/ops/test_cancel_race.py::test_cancel_stream_beside_delivery_loops",
+    "tests/ops/test_cancel_race.py::test_a_bulk_cancel_in_the_callers_transaction_holds_every_lane",
+    "tests/ops/test_cancel_race.py::test_a_cancel_in_the_callers_transaction_holds_the_lanes",
+    "tests/batch/test_bulk_columns.py::test_what_the_column_path_accepts_is_what_the_rows_give",
+    "tests/shop/test_orders.py::test_story_outcome_matches_the_rules_exactly",
+    "tests/shop/test_orders.py::test_quality_suite_catches_a_broken_outcome",
+}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    tests = Path(__file__).parent
+    for item in items:
+        if not item.path.is_relative_to(tests):
+            continue
+        where = item.path.relative_to(tests)
+        fixtures = set(getattr(item, "fixturenames", ()))
+        marks = {TIER_FIXTURES[f] for f in fixtures & TIER_FIXTURES.keys()}
+        if len(where.parts) > 1 and where.parts[0] in TIER_DIRS:
+            marks.add(TIER_DIRS[where.parts[0]])
+        if where.name in BROWSER_MODULES:
+            marks.add("browser")
+        if where.name in SLOW_MODULES or fixtures & SLOW_FIXTURES or item.nodeid.split("[")[0] in SLOW_TESTS:
+            marks.add("slow")
+        for mark in sorted(marks - {m.name for m in item.iter_markers()}):
+            item.add_marker(mark)

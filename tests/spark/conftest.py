@@ -38,12 +38,6 @@ def spark() -> Iterator[object]:
     logging.getLogger("py4j").setLevel(logging.WARNING)
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        if "tests/spark/" in str(item.fspath):
-            item.add_marker(pytest.mark.spark)
-
-
 @pytest.fixture(scope="module")
 def spark_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SparkCluster]:
     """A master and two workers (1 core and 1 GB each: one executor of Spark's default size) on 127.0.0.1, started
