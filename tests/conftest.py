@@ -22,9 +22,6 @@ from delaywheel.dev.local_airflow import as_url, configure
 from delaywheel.migrate import migrate
 from tests.helpers import ROOT, fresh_database
 
-# Re-exported until the pass-procedure tests being rewritten import it from tests.helpers, as the rest do.
-from tests.helpers import at as at
-
 # Tests inject fixed clocks far from the database's (`t0`, 2030-01-01): said once, here, for this process and every
 # one it starts (the CLI, Airflow, Spark), so that `now=` is not held to the database's clock. A test of that rule
 # builds Settings(test_clock=False).

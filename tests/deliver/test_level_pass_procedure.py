@@ -10,7 +10,7 @@ from datetime import datetime
 from delaywheel import Store
 from delaywheel.deliver import levels
 from delaywheel.pending import LEVEL_HEAD
-from tests.conftest import at
+from tests.helpers import at
 
 PLACEHOLDER = re.compile(r"%\((\w+)\)s")
 

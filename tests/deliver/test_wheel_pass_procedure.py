@@ -12,7 +12,7 @@ import psycopg
 from delaywheel import Store
 from delaywheel.deliver import wheel
 from delaywheel.types import MAX_ID
-from tests.conftest import at
+from tests.helpers import at
 
 PLACEHOLDER = re.compile(r"%\((\w+)\)s")
 
