@@ -40,7 +40,7 @@ def _installation_python() -> str | None:
 
 def _run_driver_under_library_python() -> None:
     """spark-submit starts a Python driver with PYSPARK_DRIVER_PYTHON, else PYSPARK_PYTHON, else `python3` from
-    PATH: with neither set and another Python first on PATH, the job died with `No module named 'pyarrow'`. If this
+    PATH: with neither set and another Python first on PATH, the job dies with `No module named 'pyarrow'`. If this
     interpreter lacks what the job imports, become the job again (same process, arguments and environment, so the
     py4j gateway's port and secret too) under the Python of spark-submit's own installation, which has the library
     when delaywheel was installed beside pyspark. Once at most; otherwise the import error stands, and

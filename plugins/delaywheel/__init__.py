@@ -3,7 +3,7 @@
 The names below are loaded when first used (PEP 562), not with the package: `import delaywheel.config` (an Airflow
 DAG file reading the level table, the CLI's argument parsing) then costs the standard library only, not psycopg and
 the store. Airflow parses every DAG file every 30 s; in a process that had not loaded the store already, importing it
-was most of a parse (`bench.dag_parse`).
+would be most of a parse.
 """
 
 from __future__ import annotations

@@ -594,12 +594,13 @@ def cmd_retire(args: argparse.Namespace) -> int:
     return 0
 
 
-# Commands of the order-timeout example before it moved beside the library (examples/shop): where they went now.
+# `delaywheel shop` and `delaywheel demo` name commands of the order-timeout example, which lives beside the library
+# (examples/shop): the example's own command to run instead.
 MOVED = {"shop": [], "demo": ["demo"]}
 
 
 def cmd_moved(args: argparse.Namespace) -> int:
-    """`delaywheel shop …` and `delaywheel demo …`: the example application's own commands now, not the library's
+    """`delaywheel shop …` and `delaywheel demo …`: the example application's own commands, not the library's
     (which does not import it); says the command to run instead, exit 2."""
     store = ["--store", args.store] if args.store else []
     instead = shlex.join(["python", "-m", "delaywheel_shop", *store, *MOVED[args.command], *args.rest])

@@ -151,11 +151,12 @@ class Settings:
     topic_retention: timedelta = timedelta(days=7)
     batch_size: int = 5000
     # The most messages one slice of the wheel's daily roll moves (wheel.roll): a slice holds the wheel's lane, so
-    # this bounds how long the roll holds up a pass (10,000 rows, 0.1-0.5 s: under the default wheel_precision).
+    # this bounds how long the roll holds up a pass (the default keeps a slice under the default wheel_precision).
     wheel_roll_slice: int = 10_000
-    # Caller-supplied text (issue 18): how long a checked predicate or bulk query may read (read-only, with this
-    # statement_timeout); which databases a bulk query may read besides the store (Airflow connection ids or URLs;
-    # empty: the store only); and the folders bulk enqueue may read files from (symlinks and .. resolved first).
+    # Caller-supplied text (DESIGN.md, "Caller-supplied text"): how long a checked predicate or bulk query may read
+    # (read-only, with this statement_timeout); which databases a bulk query may read besides the store (Airflow
+    # connection ids or URLs; empty: the store only); and the folders bulk enqueue may read files from (symlinks and ..
+    # resolved first).
     match_timeout: timedelta = timedelta(minutes=5)
     allowed_sources: tuple[str, ...] = ()
     input_roots: tuple[str, ...] = (str(PROJECT_ROOT / "data"), str(PROJECT_ROOT / ".delaywheel" / "input"))

@@ -19,7 +19,7 @@ T = TypeVar("T")
 # that cannot write our tables, yet would hold every delivery back for as long as they run: those connected to
 # another database of the cluster (Airflow's metadata database, a benchmark's bulk load), and those of processes
 # that run as no role (usesysid NULL: autovacuum workers, whose ANALYZE of a hot table such as wheel_cursor holds
-# an xid while it writes pg_statistic, once for 1.1 s beside busy loops; every client session, parallel worker
+# an xid while it writes pg_statistic, for long stretches beside busy loops; every client session, parallel worker
 # and replication apply worker runs as a role). Anything not positively shown to be one of those (prepared
 # transactions, sessions this role may not see) still holds the horizon.
 COMMIT_HORIZON = """(
@@ -47,12 +47,11 @@ DURABLE_COMMIT = "set_config('synchronous_commit', 'on', true)"
 
 # Planner settings added for a delivery pass: its test of each row for a cancellation (pending.not_cancelled) as an
 # index probe, never a hash of the cancellations or a scan of them. A pass keeps the plan its connection made after its
-# first few passes (prepared, generic) while the day's cancellations keep growing: made when they were a few hundred
-# rows, analyzed, the anti-join looked cheapest as a hash of all of them, and every pass then read them all. With 700
-# cancels a second the wheel's due move went from 0.2 to 1.2 ms in 20 s and the deliverer's server process used 0.55
-# of a core instead of 0.26 (tests/test_query_plans.py; bench/results/2026-11-30-pass-probes-its-cancellations.json).
-# Fencing the test as a subquery (probe=True) is no remedy here: that subquery's own plan scanned them per row, and
-# its price per row made the stragglers' move read the due-time index up to now. The pass's statements have no other
+# first few passes (prepared, generic) while the day's cancellations keep growing: made when they were few, analyzed,
+# the anti-join looks cheapest as a hash of all of them, and every pass then reads them all, so under a stream of
+# cancels each pass costs more as the day goes on (tests/test_query_plans.py checks the plan).
+# Fencing the test as a subquery (probe=True) is no remedy here: that subquery's own plan scans them per row, and
+# its price per row makes the stragglers' move read the due-time index up to now. The pass's statements have no other
 # join that wants a hash or a merge.
 PASS_PLAN = (
     "set_config('enable_seqscan', 'off', true), set_config('enable_hashjoin', 'off', true),"
@@ -83,8 +82,9 @@ def configured_url(settings: Settings) -> str:
 
 # Server settings every store connection starts with (libpq `options`, no privilege needed). JIT off: the store's
 # statements each read a few index ranges or write one batch, but a partitioned table (a hundred hourly wheel
-# partitions) multiplies the planner's cost estimate past jit_above_cost, and compiling then took PostgreSQL longer
-# than any statement runs: `stats` spent 16-18 s in "JIT ... Optimization" on an empty store, 0.49 s without.
+# partitions) multiplies the planner's cost estimate past jit_above_cost, and compiling then takes PostgreSQL far
+# longer than any of these statements runs (with it on, `stats` on an empty store would spend most of its time
+# compiling).
 # synchronous_commit on, whatever the role's or database's default: what the store answers (`cancelled`, a send's id)
 # and what it makes visible (topic rows) must survive a crash (DURABLE_COMMIT). A consumer's ack may still turn it off
 # for its own transaction: a crash that undoes an ack hands the batch out again.

@@ -1,11 +1,10 @@
 """What a long-running delaywheel process does with its heap once it has started.
 
 CPython's collector walks every tracked object each time it collects its oldest generation. In a consumer process the
-objects made at start-up (modules, their functions and classes, psycopg's, the settings: about 45,000) are that
-walk: a full collection took 18-24 ms on this machine idle, and one beside two busy loops held a message for 143 ms
-(`bench/results/2026-11-27-consumer-timeline.json`). Those objects live as long as the process, so collecting them is
-wasted: `gc.freeze()` moves them out of the collector's reach, and a full collection then walks only what the loop
-made since (under 0.1 ms measured). The CLI's loops (`deliver`, `advance`, `consume`; the shop example's `sweep`
+objects made at start-up (modules, their functions and classes, psycopg's, the settings) are most of that walk,
+and a full collection in the middle of a batch holds its message back. Those objects live as long as the process, so
+collecting them is wasted: `gc.freeze()` moves them out of the collector's reach, and a full collection then walks
+only what the loop made since. The CLI's loops (`deliver`, `advance`, `consume`; the shop example's `sweep`
 and `customers`) do it before they start; a process of your own running `Store.consume` or `runner.run` for hours may call it the same way.
 """
 

@@ -64,9 +64,9 @@ CONSUMER_TURN_LOCK = 0x64770051
 SUMMARIZE_LOCK = 0x64770060
 
 # A replayed hour; second key: the hour (hours since the epoch). Exclusive, for the transaction, by the replay of
-# a slice (`batch.replay.replay_slice`), so two replays of one hour cannot both pass the NOT EXISTS dedup. (It had
-# CONSUMER_PRESENCE_LOCK's class, 0x64770050, until issue 20: an hour number equal to a (group, topic) hash would
-# have made a replay wait for a consumer's lease and counted as a live lease consumer.)
+# a slice (`batch.replay.replay_slice`), so two replays of one hour cannot both pass the NOT EXISTS dedup. A class of
+# its own: sharing CONSUMER_PRESENCE_LOCK's, an hour number equal to a (group, topic) hash would make a replay wait
+# for a consumer's lease and count as a live lease consumer.
 REPLAY_LOCK = 0x64770070
 
 # The second key of the (group, topic) locks, as SQL over two text parameters (group, then topic).

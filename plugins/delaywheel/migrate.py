@@ -37,7 +37,7 @@ SQL_DIR: Traversable = resources.files("delaywheel") / "sql"  # the checkout's s
 _NAME = re.compile(r"^(\d{3})_[a-z0-9_]+\.sql$")
 # Installed last: views use the functions (level_queue and wheel_far unpack segments with spread).
 _VIEWS = "views.sql"
-# The line before the baseline: a store it built records 001_store.sql … 035_repeated_cancel.sql. At that line's last
+# The line before the baseline: a store it built records _OLD_FIRST … _OLD_LAST's name. At that line's last
 # version a store is at the baseline, whose record replaces that line's; at an earlier one it is refused.
 _OLD_FIRST = "001_store.sql"
 _OLD_LAST = (35, "035_repeated_cancel.sql")
@@ -152,7 +152,7 @@ def owner_url(url: str) -> str:
     """The URL migrations connect with for `url`: the configured owner's when `url` is the store's configured
     runtime URL (`DELAYWHEEL_DATABASE_URL` with `DELAYWHEEL_OWNER_URL` set); with no database URL configured, the
     owner's login when `url` is the runtime's login on this machine (an embedded cluster's); otherwise `url` itself
-    (one URL configured: as before)."""
+    (one URL configured: that one, which sets the owner role when it may)."""
     settings = load_settings()
     if settings.database_url and settings.owner_url and url == settings.database_url:
         return settings.owner_url

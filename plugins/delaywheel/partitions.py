@@ -18,7 +18,7 @@ from delaywheel.pending import SEGMENT_PENDING, WHEEL_PENDING
 HOUR = timedelta(hours=1)
 DAY = timedelta(days=1)
 # parent table -> partition width. The near wheel's is 4 hours (partition_width): a lookup by key or id opens every
-# partition of it, and ~93 hourly ones were most of a cancel; a wider one keeps delivered rows on disk longer.
+# partition of it, which with hourly ones would be most of a cancel; a wider one keeps delivered rows on disk longer.
 WIDTH = {
     "level_segments": HOUR,
     "wheel": 4 * HOUR,
@@ -94,12 +94,12 @@ class PartitionCache:
         """`run()`, a transaction of the store's own (a delivery pass, a send), with no partition created inside it.
 
         Creating a partition locks its parent ACCESS EXCLUSIVE until the creator's transaction ends. A level pass
-        that created the day's topic partition, then read level_segments, once waited behind `prepare`, which had
-        created an hour of level_segments and waited for the topic partitions' creation lock the pass held: a
-        deadlock (CI, 2026-11-27, on a fresh database). So when `run` needs a partition this process does not know,
+        that created the day's topic partition, then read level_segments, could wait behind `prepare`, which had
+        created an hour of level_segments and waits for the topic partitions' creation lock the pass holds: a
+        deadlock. So when `run` needs a partition this process does not know,
         `ensure` raises PartitionMissing, `run` rolls back (nothing of it is kept), the partition is created in a
         transaction of its own, committed, and `run` goes again; it happens once per partition and process. Inside
-        a transaction the caller holds, a partition can only be created there, as before: `prepare` ahead of need
+        a transaction the caller holds, a partition can only be created there: `prepare` ahead of need
         (the delivery loop does) keeps that rare."""
         if not commits_each_statement(conn):
             return run()
@@ -271,10 +271,10 @@ def summarize(conn: psycopg.Connection, indexes: list[str] | None = None) -> int
     returns how many were added.
 
     `autosummarize` asks autovacuum to summarize each range once it fills, but its queue holds 256 requests per
-    database and drops the rest: after a burst of a million deliveries half a topic partition was unsummarized,
-    and a cancel by key read every unsummarized page (125 ms instead of 2). And a range it does summarize waits for
-    autovacuum's next visit (a minute): every cancel by key reads the rows of each range no summary covers, at
-    1,000 deliveries/s up to ~60,000 rows and ~15 ms of CPU a cancel. So the delivery loop calls this every minute
+    database and drops the rest: after a burst of deliveries much of a topic partition can stay unsummarized, and a
+    cancel by key then reads every unsummarized page, many times what it reads with summaries. And a range it does
+    summarize waits for autovacuum's next visit (a minute): every cancel by key reads the rows of each range no
+    summary covers, up to a minute's deliveries. So the delivery loop calls this every minute
     for every partition and every second for the current topic partitions (`current_topic_indexes`). The last,
     partly filled range is summarized too (PostgreSQL's `brin_summarize_new_values`): a row delivered into it later
     updates its summary. An index that autovacuum is working on, or one dropped meanwhile, is left for the next

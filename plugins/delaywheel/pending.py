@@ -64,8 +64,8 @@ def segment_elements(positions: sql.Composable, *columns: str, segment: str = "s
     """`(SELECT s.ids[i], … FROM unnest(positions) AS i) AS m(id, …)`, after `CROSS JOIN LATERAL`: the messages at
     `positions` (an int[] expression on the segment, `array_positions(s.keys, …)`, say) of the segment row `segment`,
     with the columns of `segment_messages`. For a lookup that knows what it wants: it reads its messages' elements by
-    subscript instead of unnesting the whole segment (up to 1,000 rows a segment, every one tested), so a cancel's
-    find of a far timer took 0.83 x as long (DESIGN.md, "Lookup cost"). A shared column (one element for all) is read
+    subscript instead of unnesting the whole segment (up to 1,000 rows a segment, every one tested), which shortens a
+    cancel's find of a far timer (DESIGN.md, "Lookup cost"). A shared column (one element for all) is read
     at its first element, as `delaywheel.spread` would give it."""
     arrays = _arrays(columns, segment)
     return sql.SQL("(SELECT {} FROM unnest({}) AS i) AS {}({})").format(
@@ -85,20 +85,21 @@ def cancelled(row: str, *, id_column: str = "id", due_column: str = "deliver_at"
     skip it, bulk cancel and reconcile leave it out, stats subtract it, quality counts it as settled.
 
     A cancellation is keyed by (message_id, due_at): the unique index of cancellations and the partition key of
-    `cancellations` (by due day, so a lookup reads one day's index). Two definitions were in use, this one and
-    `message_id` alone (bulk cancel, reconcile); they agree on every row the store writes, because a message id is
+    `cancellations` (by due day, so a lookup reads one day's index). Keyed by `message_id` alone, the test would
+    agree with this one on every row the store writes, because a message id is
     queued once with one due time: ids come from `message_id_seq` for every send (a consumer's retry is a new message
     with a new id; the roll moves a far message to the near wheel with its due time; replay writes `origin =
     'replay'` topic rows, never queue rows; catch-up runs the deliverers' own passes), and every cancellation copies
-    its due time from the row it cancels (cancel.mark, setaside.record). They differed only on a row written some
-    other way, one naming the id with another due time: the deliverers delivered that message while bulk cancel counted
-    it as cancelled. Now nothing reads such a row as a cancellation (tests/ops/test_not_cancelled.py).
+    its due time from the row it cancels (cancel.mark, setaside.record). The two differ only on a row written some
+    other way, one naming the id with another due time: the deliverers would deliver that message while a reader
+    keyed by id counted it as cancelled. With one definition nothing reads such a row as a cancellation
+    (tests/ops/test_not_cancelled.py).
 
     `probe=True` fences the test (OFFSET 0), so that PostgreSQL runs it as one index probe per row instead of turning
     it into a join: for readers of every pending message (`PENDING`), whose rows the planner overestimates by orders of
     magnitude (the wheel cursor's view joins tables that are never analyzed), a join looks cheapest as a merge of all
-    cancellations ever made, sorted. Bulk cancel by 200 keys spent 634 ms sorting 861,251 of them to disk; probed,
-    7.6 ms (tests/test_query_plans.py)."""
+    cancellations ever made, sorted, so a bulk cancel of a few keys would sort them all, to disk; probed, it reads
+    about what it found (tests/test_query_plans.py)."""
     r = sql.Identifier(row)
     return sql.SQL(
         "EXISTS (SELECT 1 FROM delaywheel.cancellations c WHERE c.message_id = {}.{} AND c.due_at = {}.{}{})"
@@ -219,8 +220,8 @@ def wheel_head(
 
     With `before`, only near rows due before it are searched, and there is no row unless one is found there (the
     caller then asks without it). The search for the first near row has no upper bound on the due time, so the
-    planner plans, and the executor opens, every partition ahead of the cursor (~96 hourly ones: 2-20 ms a call, most
-    of a wheel pass; ~24 since they are 4 hours wide). Bounded by an hour or so it touches one or two, and
+    planner plans, and the executor opens, every partition ahead of the cursor, most of a wheel pass's time. Bounded by
+    an hour or so it touches one or two, and
     a busy wheel always has a row that close."""
     near = sql.SQL("""SELECT w.deliver_at FROM delaywheel.wheel w
           WHERE w.deliver_at >= {at} AND (w.deliver_at, w.id) > ({at}, {id}){bound}

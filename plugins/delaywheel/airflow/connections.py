@@ -1,8 +1,8 @@
 """The Airflow connection ids of the stores: what a DAG file names at parse time, without importing a hook.
 
 Airflow parses every DAG file every `[dag_processor] min_file_process_interval` (30 s); a file that imported the
-hook for these names also imported the postgres provider, psycopg and the store, in every parse that did not hold them
-already. `hooks` re-exports them.
+hook for these names would also import the postgres provider, psycopg and the store, in every parse that did not hold
+them already. `hooks` re-exports them.
 """
 
 from __future__ import annotations

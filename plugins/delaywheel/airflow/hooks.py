@@ -106,7 +106,7 @@ async def next_due_async(
 ) -> tuple[datetime | None, datetime]:
     """`DelayWheelHook.next_due` on an open AsyncConnection, which a trigger keeps through its wait and looks on at
     every wake: the head's read is prepared there, planned once per connection. Planned per call, the wheel's head
-    is planned over every near-wheel partition ahead of the cursor, most of a look (`bench.trigger_wake`). A sensor's
+    is planned over every near-wheel partition ahead of the cursor, most of a look. A sensor's
     poke (`next_due`) connects afresh each time and has nothing to reuse a plan on."""
     sql, params = head_query(level)
     head = await (await conn.execute(sql, params, prepare=True)).fetchone()

@@ -21,7 +21,7 @@ class DashboardApp:
 
     Airflow loads every plugin wherever it may need one: in each task process (for macros, when it builds the task's
     context) and in each DAG file's parse (for timetables and operator links), not only in the API server. Importing
-    the app there imported FastAPI, Airflow's API app and the store: 1.2-1.5 s of CPU in a process that loads the
+    the app there would import FastAPI, Airflow's API app and the store, seconds of CPU in a process that loads the
     plugins itself, for a page only the API server serves. The API server mounts this object like any ASGI app."""
 
     def __init__(self) -> None:

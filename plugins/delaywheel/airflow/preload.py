@@ -2,9 +2,9 @@
 
 Under the LocalExecutor (fork, Linux's default) a task process is forked from a worker, itself forked from the
 scheduler when its executor started: the task finds imported whatever the scheduler had imported by then, and imports
-anything else itself. A deliver lane task's `execute` imported psycopg, the store, the runner and the postgres provider
-(0.17-0.25 s of CPU), in each task process, 19 of them at once at every deliver run's start on a machine whose cores
-the deliveries and consumers share (DESIGN.md, "What sets its p99 on two cores").
+anything else itself. A deliver lane task's `execute` would import psycopg, the store, the runner and the postgres
+provider in each task process, one per lane all at once at every deliver run's start, on a machine whose cores the
+deliveries and consumers share (DESIGN.md, "What sets its p99 on two cores").
 
 Airflow calls `on_starting` when it builds a job: the scheduler's before its executor forks the workers, the
 triggerer's and the DAG processor's (whose triggers and parses then find the modules too). The task SDK calls it as

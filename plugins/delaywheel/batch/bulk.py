@@ -205,9 +205,9 @@ def _claim(conn: psycopg.Connection, source: str, ids: np.ndarray, keys: pa.Arra
     """Claim (source, key) for each message id and key; returns which claims are new. A key claimed by a concurrent
     transaction waits for it to finish, then counts as taken: no two writers enqueue the same key.
 
-    A first run claims every key, so the chunk's claims are COPYed (3 µs a row at 10 million claims, a unique-index
-    insert at a random place); only when one is taken (a re-run, a key repeated in the input, a concurrent writer)
-    does the chunk claim row by row with ON CONFLICT DO NOTHING, whose speculative inserts cost twice that."""
+    A first run claims every key, so the chunk's claims are COPYed (each a unique-index insert at a random
+    place); only when one is taken (a re-run, a key repeated in the input, a concurrent writer) does the chunk claim
+    row by row with ON CONFLICT DO NOTHING, whose speculative inserts cost about twice as much."""
     source_id = _source_id(conn, source)
     try:
         with conn.transaction():

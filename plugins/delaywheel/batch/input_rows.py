@@ -182,8 +182,8 @@ def _blank(value: object) -> bool:
 
 def arrow_columns(rows: pa.RecordBatch, mapping: ColumnMap, now: datetime, settings: Settings) -> Columns | None:
     """The chunk's messages straight from its Arrow columns, or None: then each row goes through `to_message` and the
-    rules one by one, which name what a bad row breaks. Row by row, a chunk of 20,000 cost 4 µs a row in Python
-    before the database saw it (a dict per row, its Message, the rules), as much as the database's own work.
+    rules one by one, which name what a bad row breaks. Row by row, a chunk costs as much in Python before the database
+    sees it (a dict per row, its Message, the rules) as the database's own work.
 
     Like `columns._simple`, this path only ever accepts: it takes a chunk whose columns are of a regular kind (text
     topics and keys, integer or text-of-integer levels and delays, zoned timestamps, no properties) and whose every

@@ -2,7 +2,7 @@
 
 Spark's own reader decodes Parquet into the JVM's rows and encodes them again as Arrow for the Python workers that
 write them; with two cores that round trip competes with PostgreSQL for CPU. When the input allows it Spark only
-hands out row groups, and each worker reads its own with pyarrow (bench/RESULTS.md, Spark bulk enqueue). Rows come
+hands out row groups, and each worker reads its own with pyarrow, skipping the JVM's rows. Rows come
 out as Spark's reader would give them: the same column names and types, `_file` as Spark's `_metadata.file_path`
 and `_row` as its row index + 1, so the claims of keyless rows (`file#row`) are the same whichever reader wrote
 them. Any input where that is not plainly so is left to Spark's reader (`plan` returns None).

@@ -152,15 +152,14 @@ _SOURCE = sql.SQL("""(
 # Whether the source holds a row that no read can take yet (committed at or above the commit horizon): one probe of
 # the read's index at the horizon. Every such row is past the group's offset, which is a row read, so below the
 # horizon when it was read, and the horizon only moves up. With the read's rows (below the horizon) that is every row
-# past the offset. (Bounded by the offset too, the probe would start from the offset and walk the rows after it.)
-# Counting every row past the offset up to one more than a read takes, as `behind` once did, walked the batch's
-# rows a second time.
+# past the offset. (Bounded by the offset too, the probe would start from the offset and walk the rows after it;
+# counting the rows past the offset would walk the batch's rows a second time.)
 _UNREADABLE = sql.SQL(
     "EXISTS (SELECT FROM delaywheel.topic_messages t WHERE t.topic = {source} AND t.xid >= (SELECT x FROM h))"
 )
 # Not ordered as a whole: each source's rows come in its read's order as PostgreSQL runs it, and `_batch` orders them
-# again, a pass over rows already in order. An ORDER BY here sorted the whole rows, bodies and all: a fifth of a
-# pull's server time (EXPLAIN ANALYZE: 1.1 of 3.1 ms executing a read of 1,000 rows).
+# again, a pass over rows already in order. An ORDER BY here would sort the whole rows, bodies and all, a sizeable
+# part of a pull's server time.
 _READ = sql.SQL("""WITH h AS MATERIALIZED (SELECT {horizon} AS x)
 SELECT r.*, e.behind FROM (SELECT {unreadable} AS behind) e
 LEFT JOIN LATERAL ({sources}) r ON true""")
@@ -186,11 +185,11 @@ _ORDER = operator.itemgetter(len(_FIELDS) + 2, 1)  # a source's order: position 
 assert fields(Delivered)[-1].name == "source_topic"
 # The read's planner settings: the cursor's index order across partitions, not "read all, sort" (QUEUE_PLAN), and
 # the read planned once per connection (a prepared generic plan): it names topic_messages four times, and planning
-# it for each batch took 3.3 ms against 1.2 ms to run it for 1,000 rows. Nothing is pruned by its parameters.
+# it for each batch cost more than running it. Nothing is pruned by its parameters.
 _READ_PLAN = sql.SQL("{}, set_config('plan_cache_mode', 'force_generic_plan', true)").format(sql.SQL(QUEUE_PLAN))
 # An ack that travels with a pull commits without waiting for its WAL to reach the disk: the pull's rows come back
-# only after the commit, and beside busy loops that wait is a 4-ms scheduler tick (`bench.commit_flush`), on the
-# path from a delivery's notification to the handler. A PostgreSQL crash in the next ~0.6 s (3 x wal_writer_delay)
+# only after the commit, and beside busy loops that wait is a scheduler tick, on the path from a delivery's
+# notification to the handler. A PostgreSQL crash within the next 3 x wal_writer_delay
 # can undo such an ack, and the batch is handed out again: the same at-least-once contract as a crash before the
 # ack. A later durable commit (the deliverer's) flushes it anyway. `ack` on its own, the loop's last, stays durable.
 _ASYNC_ACK = sql.SQL("set_config('synchronous_commit', 'off', true)")
@@ -209,8 +208,8 @@ def _read(conn: psycopg.Connection, group: str, sources: tuple[str, ...], max_me
 
 def _batch(group: str, sources: tuple[str, ...], rows: list[tuple[Any, ...]], max_messages: int) -> Batch:
     """The batch of `_read`'s rows: the first source's first, then the next one's while there is room. A Delivered
-    is built from its row's fields directly: its generated __init__ sets each field of the frozen class through
-    object.__setattr__, 2-3 µs a message, most of a pull's time in Python."""
+    is built from its row's fields directly, not through its generated __init__, which sets each field of the frozen
+    class through object.__setattr__ and would be most of a pull's time in Python."""
     batch = Batch(group, [])
     n = len(_FIELDS)
     left = False  # rows read that the batch has no room for (each source reads one more than a batch takes)
@@ -277,7 +276,7 @@ _NO_MOVE = sql.SQL("SELECT ARRAY[]::text[]{extra}")
 def _move_statement(sources: int, tries: int | None, durable: bool = True) -> str:
     """`_MOVE` for a batch's `sources` sources (0: nothing to move), then, for a pull (`tries` not None), the pull's
     plan settings, `_ASYNC_ACK` unless `durable`, and `tries` tries of the group lock. As text, rendered once per
-    shape: psycopg prepares a statement it runs often by its text, as it did when these were joined strings."""
+    shape: psycopg prepares a statement it runs often by its text, and a pull need not compose it again."""
     extra: sql.Composable = sql.SQL("")
     if tries is not None:
         try_lock = sql.SQL("pg_try_advisory_lock({})").format(_GROUP_LOCK_KEYS)
@@ -378,8 +377,8 @@ def _ack_and_pull_held(
     """`ack_and_pull` with both sources' group locks held and nothing failed, in one round trip: the common move
     with the pull's plan settings and the read, sent together and ended by one Sync, so one implicit transaction
     (the connection commits each statement: `db.commits_each_statement`). BEGIN, the two statements and COMMIT
-    awaited one by one were four round trips, and each costs a wake-up of the consumer and of its server process,
-    which wait for a CPU on a busy machine (`bench/results/2026-11-26-consumer-one-trip.json`). When the common
+    awaited one by one would be four round trips, and each costs a wake-up of the consumer and of its server process,
+    which wait for a CPU on a busy machine. When the common
     move did not cover every source of `done` (the group's first ack of a source, or another consumer acked past
     it), the read saw that source's offset unmoved: it is dropped (no batch), and the rest of the ack is done by
     `ack`'s general path in a transaction of its own (at least once either way: acks are idempotent)."""

@@ -26,8 +26,8 @@ from delaywheel.types import PassResult, TopicSpan
 # How long a pass that finds its lane's lock or both its turns taken waits before it reports `busy` (`take_lane`,
 # sql/lanes.sql). A cancel takes each turn shared and lets it go in the same statement (cancel.await_passes: waiting
 # for the pass in flight), but PostgreSQL grants a waiting request when the holder releases, before the waiter's
-# process runs: on a busy machine the cancel then holds it until it is scheduled, which took over 20 ms on two shared
-# cores. The next pass takes the other turn meanwhile; it waits only when cancels hold both (one stalled for a whole
+# process runs: on a busy machine the cancel then holds it until it is scheduled, which can take several scheduler
+# ticks. The next pass takes the other turn meanwhile; it waits only when cancels hold both (one stalled for a whole
 # pass, or one inside a caller's transaction). While a pass waits, later cancels queue behind it (no shared request is
 # granted past a waiting exclusive one), so a stream of them cannot starve it. Another deliverer of the lane holds the
 # lane's lock for a whole pass: this one then waits for that pass and runs its own, or reports busy after this long.
@@ -83,8 +83,8 @@ WHERE u.reason IS NOT NULL
 
 # The pass's planner settings: the queue read in cursor order (QUEUE_PLAN), the cancellations probed by their index
 # (PASS_PLAN), and generic plans. Generic, because the move's cost estimate counts the set-aside probe (the
-# properties' CASE in sql/level_pass.sql) that a custom plan folds away when %(setting_aside)s is false, so the plan cache kept choosing custom plans and
-# planned the move at every pass: 0.88 ms a one-message pass against 0.52 (2,000 passes in a loop, one session).
+# properties' CASE in sql/level_pass.sql) that a custom plan folds away when %(setting_aside)s is false, so the plan
+# cache would keep choosing custom plans and plan the move at every pass, most of the cost of a small pass.
 PLAN = f"set_config('plan_cache_mode', 'force_generic_plan', true), {QUEUE_PLAN}, {PASS_PLAN}"
 # The set-aside step's first statement: the lane's lock (waited for), the commit horizon, and the pass's settings.
 _LOCK = (
@@ -100,7 +100,7 @@ CURSOR = (
 # A pass is one CALL of `delaywheel.level_pass` (sql/level_pass.sql), which runs, as the wheel's (wheel._CALL): the
 # planner settings (PLAN), the lane's lock (tried, then waited for up to LANE_WAIT, else busy), the commit horizon and
 # the clock, the checkpoint (CURSOR), the move of the due prefix with the checkpoint's advance, COMMIT, then the head
-# (pending.LEVEL_HEAD). One round trip: sent from here they were six statements in two pipelines.
+# (pending.LEVEL_HEAD). One round trip, where sending them from here would take six statements in two pipelines.
 _CALL = (
     "CALL delaywheel.level_pass(%(level)s::integer, %(injected)s::timestamptz, %(limit)s::integer, %(commit)s,"
     " %(setting_aside)s, %(lane_wait)s, %(lock_class)s::integer, %(topic_days)s::timestamptz[])"
@@ -166,7 +166,7 @@ def _deliver_or_set_aside(
             return deliver(setting_aside)
         except POISON:
             if not set_aside(conn, cache, level, limit):
-                raise  # nothing the store can name: the lane stops, as before, rather than skip a row
+                raise  # nothing the store can name: the lane stops rather than skip a row
             setting_aside = True
     return deliver(setting_aside)
 
@@ -200,7 +200,7 @@ def _pass(
 ) -> PassResult:
     """The pass as one CALL (_CALL), which commits before it reads the head when `own` (a Store's connection: the
     rows are readable without waiting for the head); in the caller's transaction otherwise. Statements in a procedure
-    each take a new snapshot, as the pipelined ones did: the checkpoint is read after the lock is held. If the clock's
+    each take a new snapshot: the checkpoint is read after the lock is held. If the clock's
     day has no topic partition the procedure returns before the move (`missing`): created here (or, in a Store's
     pass, PartitionMissing for cache.without_ddl), then the pass runs again (call_pass)."""
     params: dict[str, object] = {

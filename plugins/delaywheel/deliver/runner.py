@@ -86,8 +86,8 @@ def run(
     hints = DueHints()
     retry_in = backoff_delays()  # waits before reconnecting; starts over once a round succeeds
     # When each lane is next due (database epoch seconds; None: empty as last seen; -inf: look now). A round passes
-    # only the lanes due by now: an idle level costs nothing while the wheel is busy (it used to cost a transaction
-    # per level per round). Every lane is passed once at start and after a reconnect; every SAFETY_WAKE_S the levels'
+    # only the lanes due by now: an idle level costs nothing while the wheel is busy, rather than a transaction per
+    # level per round. Every lane is passed once at start and after a reconnect; every SAFETY_WAKE_S the levels'
     # heads are read again (one query) and the wheel is passed.
     due: dict[Lane, float | None] = dict.fromkeys(lanes, -math.inf)
     announced = Announced()  # due times producers announced and not yet looked at, up to the next safety wake
@@ -398,8 +398,8 @@ def _heads(conn: psycopg.Connection, lanes: Sequence[Lane]) -> dict[Lane, float 
 
 
 class _Clock:
-    """The database's clock read locally: its offset from this machine's clock, measured once a minute (a round
-    used to spend a round trip on `clock_timestamp()` just to compute its sleep)."""
+    """The database's clock read locally: its offset from this machine's clock, measured once a minute, so that a
+    round spends no round trip on `clock_timestamp()` just to compute its sleep."""
 
     def __init__(self, store: Store) -> None:
         self.store = store

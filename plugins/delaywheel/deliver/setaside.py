@@ -7,7 +7,7 @@ the rows of the same window that `delaywheel.undeliverable` explains, under the 
 here: a `set_aside` row (once: keyed by message id) and a `cancellations` row (reason 'set aside: <reason>'),
 which every deliverer's anti-join already skips. Then it passes again. A message is delivered, cancelled or set
 aside, never two of them, and the cursors move by the same rules as for a cancelled message. When nothing
-explains the failure, the error is raised as before: a lane never skips a row it cannot name.
+explains the failure, the pass's error is raised: a lane never skips a row it cannot name.
 """
 
 from __future__ import annotations

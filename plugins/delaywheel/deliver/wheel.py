@@ -7,7 +7,7 @@ the cursor, reading only rows below the commit horizon (xmin), then appends the 
 Rows moved by the roll get the roller's xid, so they are stragglers or ahead of the cursor: never lost.
 
 The cursor is appended, never updated (wheel_cursor): an updated row keeps one dead version per pass while any
-transaction in the cluster is old, and every read of it walked them all. The newest entry is the first in the
+transaction in the cluster is old, and every read of it would walk them all. The newest entry is the first in the
 primary key read backwards, so the pass's one read of it costs the same few buffers however old that transaction.
 """
 
@@ -66,8 +66,8 @@ HEAD_WINDOW = HOUR
 # QUEUE_PLAN, the due batch's move, the cursor's next entry (and every TRIM_EVERY entries the trim of an old block),
 # COMMIT, then the head. QUEUE_PLAN comes after the stragglers' move: they have no index in due order, and
 # priced-out sorting would make the planner walk the whole due index up to the cursor to avoid sorting them.
-# One round trip: sent from here they were nine statements in three pipelines. Not prepared, as cancel's CALL: the
-# plans worth keeping are the procedure's own.
+# One round trip, where sending them from here would take nine statements in three pipelines. Not prepared, as
+# cancel's CALL: the plans worth keeping are the procedure's own.
 _CALL = (
     "CALL delaywheel.wheel_pass(%(injected)s::timestamptz, %(limit)s::integer, %(commit)s, %(lane_wait)s,"
     " %(head_window)s::interval, %(trim_every)s::bigint, %(lock_class)s::integer, %(lock_key)s::integer,"
@@ -75,10 +75,10 @@ _CALL = (
 )
 # The lane's lock, waited for by the set-aside step, with the commit horizon and the clock, and the pass's planner
 # settings (as wheel_pass sets them, below): generic plans, and the cancellations probed by their index
-# (db.PASS_PLAN). Generic, because the stragglers' move was planned again at every pass otherwise, 0.21 ms of server
-# time each (pg_stat_statements, the near wheel's ~24 partitions) spent before the due batch's move, hence in every due
-# row's lateness: the planner prices a generic plan as reading every partition, not knowing that executor start-up
-# prunes those past the cursor, so it kept choosing custom plans.
+# (db.PASS_PLAN). Generic, because the stragglers' move would otherwise be planned again at every pass, over the near
+# wheel's partitions, and that server time is spent before the due batch's move, hence in every due row's lateness:
+# the planner prices a generic plan as reading every partition, not knowing that executor start-up prunes those past
+# the cursor, so it would keep choosing custom plans.
 _WAIT_LOCK = (
     sql.SQL(
         "SELECT pg_advisory_xact_lock(%s, %s), {horizon}::text, coalesce(%s::timestamptz, clock_timestamp()),"
@@ -176,12 +176,12 @@ def roll(conn: psycopg.Connection, settings: Settings, cache: PartitionCache, no
     rows moved. A row that cannot be delivered is set aside (setaside.py) instead of stopping the roll, hence every
     wheel pass.
 
-    The roll of a day block once ran in one transaction holding the wheel's lane lock and ACCESS EXCLUSIVE on both
-    wheel parents: at a billion pending timers, minutes a day with no wheel delivery and every timer send waiting
-    (docs/capacity.md, "The roll"). Now a step is: a short transaction creating the partitions the blocks fill;
+    Rolling a day block in one transaction holding the wheel's lane lock and ACCESS EXCLUSIVE on both wheel parents
+    would, at a billion pending timers, mean minutes a day with no wheel delivery and every timer send waiting
+    (docs/capacity.md, "The roll"). So a step is: a short transaction creating the partitions the blocks fill;
     then slices, each moving at most `settings.wheel_roll_slice` messages (plus one segment) and deleting their
     segments, with no lock on the parents beyond what a send takes; and, once a slice finds its block empty, the last
-    step as before (parents locked, what producers added since moved, the block dropped, `near_until` set), which has
+    step (parents locked, what producers added since moved, the block dropped, `near_until` set), which has
     only a few sends left to move. Each is its own transaction under the lane's lock (a pass never sees half of one;
     a roll does nothing while another holds the lane). Until the last step producers go on sending into the block
     (`near_until` has not moved), and the slices take those too.
@@ -202,8 +202,8 @@ def _roll_target(clock: datetime, settings: Settings) -> datetime:
 # The last `near_until` this process read on a connection on the real clock, with the server's clock then and the
 # monotonic time it was read at (a pass with an injected clock always looks). `near_until` only grows (the roll's
 # last step sets it to a later target), so while the one read is at or past the target the roll has nothing to do,
-# and the pass needs no round trip to learn it. That read was a round trip of its own before every pass, hence before every due row's
-# move: a wake-up of the deliverer and of its server process each, which on a busy machine wait for a CPU.
+# and the pass needs no round trip to learn it. Read at every pass, it would be a round trip of its own before every
+# due row's move: a wake-up of the deliverer and of its server process each, which on a busy machine wait for a CPU.
 _NEAR_UNTIL: weakref.WeakKeyDictionary[psycopg.Connection, tuple[datetime, datetime, float]] = (
     weakref.WeakKeyDictionary()
 )
@@ -272,7 +272,7 @@ def _setting_aside(
         return move("")
     except POISON:
         if not _set_aside_far(conn, cache, undeliverable, params):
-            raise  # nothing the store can name: the roll fails, as before, rather than skip a row
+            raise  # nothing the store can name: the roll fails rather than skip a row
     return move(_NOT_SET_ASIDE.as_string())
 
 
@@ -328,9 +328,9 @@ _BLOCKS = "SELECT name, lo, hi FROM delaywheel.partitions WHERE parent = 'wheel_
 # How long the roll's last step waits for the parents' locks: less than `deadlock_timeout` (half of it, at most
 # 100 ms). A cancel's lookup takes wheel_far_segments before wheel, a producer wheel before wheel_far_segments, and the
 # roll needs both exclusively, so in either order it can meet a statement that holds one and waits for the one the
-# roll holds (a race run on 2026-12-01 met the cancels' order: three cancels got a deadlock error). Waiting less than
-# the deadlock check does, the roll gives up first (LockNotAvailable: roll next pass) and no caller gets an error;
-# every statement queued behind its request waits at most this long (5 s before).
+# roll holds (cancels racing a roll do meet it, in the cancels' order). Waiting less than the deadlock check does, the
+# roll gives up first (LockNotAvailable: roll next pass) and no caller gets a deadlock error; every statement queued
+# behind its request waits at most this long.
 _PARENTS_WAIT = (
     "SELECT set_config('lock_timeout', (1000 * extract(epoch FROM least(interval '100 ms',"
     " current_setting('deadlock_timeout')::interval / 2)))::int::text, true)"
@@ -360,7 +360,7 @@ def _roll(
             return 0, True
         # Creating and dropping partitions takes ACCESS EXCLUSIVE on the parents: take it first, in the order
         # producers lock them (wheel, then wheel_far_segments). Taken later, after a far block's lock, it deadlocks
-        # with a producer that holds the parent and waits for the block (seen in bench/airflow_lateness).
+        # with a producer that holds the parent and waits for the block.
         conn.execute(
             _PARENTS_WAIT
             + "; SELECT delaywheel.lock_partition('wheel'); SELECT delaywheel.lock_partition('wheel_far_segments')"
@@ -405,7 +405,7 @@ def _deliver(conn: psycopg.Connection, cache: PartitionCache, now: datetime | No
             return _advance(conn, cache, now, limit)
         except POISON:
             if not _set_aside_due(conn, cache, now, limit):
-                raise  # nothing the store can name: the lane stops, as before, rather than skip a row
+                raise  # nothing the store can name: the lane stops rather than skip a row
     return _advance(conn, cache, now, limit)
 
 
@@ -445,15 +445,14 @@ def _pass(
     rows are readable without waiting for the head); in the caller's transaction otherwise. The rows' delivered_at
     and their commit are in the same statement, with no round trip between them.
 
-    Statements in a procedure each take a new snapshot, as the pipelined ones did: the cursor is read after the lock
-    is held. Nothing locks it (producers lock wheel_roll's row, not the cursor): the entry the pass appends is keyed
-    by the one it read, so a second pass that read the same entry could not commit. The horizon only moves forward:
-    every xid below the stored horizon had ended when it was taken, so the larger of the two is still a valid
-    horizon; a smaller one (the commit horizon can dip, see db.COMMIT_HORIZON) would make rows already delivered by
-    the due step look like stragglers again. An injected clock that went backwards delivers nothing rather than
-    early. If the clock's day has no topic partition the procedure returns before its moves (`missing`): created
-    here (or, in a Store's pass, PartitionMissing for cache.without_ddl), then the pass runs again
-    (levels.call_pass)."""
+    Statements in a procedure each take a new snapshot: the cursor is read after the lock is held. Nothing locks it
+    (producers lock wheel_roll's row, not the cursor): the entry the pass appends is keyed by the one it read, so a
+    second pass that read the same entry could not commit. The horizon only moves forward: every xid below the stored
+    horizon had ended when it was taken, so the larger of the two is still a valid horizon; a smaller one (the commit
+    horizon can dip, see db.COMMIT_HORIZON) would make rows already delivered by the due step look like stragglers
+    again. An injected clock that went backwards delivers nothing rather than early. If the clock's day has no topic
+    partition the procedure returns before its moves (`missing`): created here (or, in a Store's pass, PartitionMissing
+    for cache.without_ddl), then the pass runs again (levels.call_pass)."""
     params: dict[str, object] = {
         "injected": now,
         "limit": limit,

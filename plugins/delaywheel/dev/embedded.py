@@ -54,9 +54,9 @@ def server_options(cluster: Cluster, bindir: Path) -> dict[str, str]:
     `shared_buffers`, a quarter of the memory this machine (or its container) may use, PostgreSQL's usual
     advice, between 128 MB and 8 GB, so the indexes of millions of pending messages stay cached; and
     `wal_compression`. After each checkpoint the first change to a page logs the whole page; with millions
-    pending, the near wheel's index pages are many, and compressing their images with pglz (`on`) made enqueue
-    20 % slower than on an empty store for the first ~600,000 messages after every checkpoint. lz4 does the
-    same for a few percent (bench/RESULTS.md, timing wheel). A server built without lz4 keeps pglz."""
+    pending, the near wheel's index pages are many, and compressing their images with pglz (`on`) slows enqueue
+    markedly for a while after every checkpoint; lz4 does the same for a small part of that cost. A server built
+    without lz4 keeps pglz."""
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     limit = Path("/sys/fs/cgroup/memory.max")
     text = limit.read_text().strip() if limit.exists() else ""

@@ -108,7 +108,7 @@ def shared_secrets(home: Path) -> dict[str, str]:
     """The secrets every Airflow process on one metadata database must share (`SECRETS`), generated once into
     AIRFLOW_HOME by whichever starts first (this, or `scripts/airflow.sh`, which calls it), mode 0600.
 
-    A signing key shorter than 64 bytes (this project used to make 43) is replaced: it only signs short-lived
+    A signing key shorter than 64 bytes (an existing AIRFLOW_HOME may hold one) is replaced: it only signs short-lived
     tokens. The Fernet key is never replaced once made: data is encrypted with it. Two processes starting at
     once agree: a new file appears whole (hard link of a finished temp file) and the first one wins."""
     home.mkdir(parents=True, exist_ok=True)

@@ -41,8 +41,8 @@ class CancelResult:
 # Finding one message: the segments that may hold it, by their id ranges (GiST), then the message itself. By id,
 # the range holds the id. By key, segments carry no key index (a per-message entry is what they avoid):
 # `candidates` are the id ranges of the far sends whose summary filter of the key's group lets the key through
-# (far_key_summaries: about one filter per send, where testing every far segment's filter took 9-11 ms with 10 million
-# pending; read from the index that holds them, and FIND_PLAN below), of the far segments too small
+# (far_key_summaries: about one filter per send instead of one per far segment, which adds up with millions pending;
+# read from the index that holds them, and FIND_PLAN below), of the far segments too small
 # for a filter that hold the key (their partial GIN index), and of the pending level segments whose filter lets it
 # through (levels hold few segments: a send writes one per level). In those ranges a segment's own filter is tested
 # before its keys are read (here, and where the lane wait picks its levels, CASE fixes the order: the planner would run
@@ -149,7 +149,7 @@ def cancel(
     needs its `cancellations` partition, three round trips. A delivery wins: the answer is `already_delivered`
     whenever the message reached its topic (made durable before it is reported: `durable_answer`), and `cancelled`
     only when no pass can deliver it any more. Inside a transaction the caller holds (nothing can be committed before
-    the caller's commit), the lanes' turns are taken as before and held until then (locks.TURNS).
+    the caller's commit), the lanes' turns are taken instead and held until then (locks.TURNS).
     """
     if (message_id is None) == (key is None):
         raise ValueError("cancel needs exactly one of message_id or key")
@@ -198,8 +198,8 @@ Found = tuple[int, datetime, str | None, str, int | None, str]
 
 def find(conn: psycopg.Connection, how: str, params: dict[str, object]) -> list[Found]:
     """The pending messages with the id or key (read only, no lane lock). One prepared statement, planned once per
-    connection: planning the lookup over the near wheel's partitions (~24 of 4 hours) and the far blocks cost more
-    than running it (`bench/RESULTS.md`, cancel), and a generic plan loses nothing, since no partition is pruned by
+    connection: planning the lookup over the near wheel's partitions and the far blocks costs more
+    than running it, and a generic plan loses nothing, since no partition is pruned by
     id or key."""
     with conn.pipeline():  # one round trip; outside a transaction, one implicit transaction for both statements
         conn.execute(_GENERIC_FIND_PLAN)
@@ -404,16 +404,16 @@ def _delivered(conn: psycopg.Connection, how: str, params: dict[str, object]) ->
 
 
 # --- One statement ---------------------------------------------------------------------------------------------
-# `cancel` outside a transaction is one CALL of a procedure (sql/cancel.sql), which runs what was a
-# pipeline of seven statements: the lookup and the insert of its cancellations as one statement, COMMIT, the wait for
-# the passes in flight (`_lane_wait` of `_LANES_MAY_HOLD`), the search of the topics, then of the cancellations made
-# earlier (`_CANCELLED`, returned with the ids found). If the insert fails, nothing is committed and no lane is waited
-# for. The wait's statement works out which lanes to wait for itself, a superset, from
-# what it can read cheaply after the commit: the wheel, and the levels with a pending segment that may hold the message
-# (their filters, as the lookup tests them). A level segment the lookup found is still pending there unless a pass that moved
+# `cancel` outside a transaction is one CALL of a procedure (sql/cancel.sql), which runs in one round trip what would
+# otherwise be a pipeline of seven statements: the lookup and the insert of its cancellations as one statement, COMMIT,
+# the wait for the passes in flight (`_lane_wait` of `_LANES_MAY_HOLD`), the search of the topics, then of the
+# cancellations made earlier (`_CANCELLED`, returned with the ids found). If the insert fails, nothing is committed and
+# no lane is waited for. The wait's statement works out which lanes to wait for itself, a superset, from what it can
+# read cheaply after the commit: the wheel, and the levels with a pending segment that may hold the message (their
+# filters, as the lookup tests them). A level segment the lookup found is still pending there unless a pass that moved
 # past it has committed, and such a pass needs no waiting for: the search of the topics, after, sees what it delivered.
-# The procedures embed `_FIND_ONE`, that wait, `_DELIVERED` and `_CANCELLED` as rendered here, each placeholder %(x)s
-# as the parameter p_x (tests/ops/test_cancel_procedures.py checks that they still do).
+# The procedures embed `_FIND_ONE`, that wait, `_DELIVERED` and `_CANCELLED` as rendered here, each placeholder %(x)s as
+# the parameter p_x (tests/ops/test_cancel_procedures.py checks that they still do).
 _CALL = {
     "id": "CALL delaywheel.cancel_by_id(%(v)s, %(reason)s)",
     "key": "CALL delaywheel.cancel_by_key(%(v)s, %(h1)s, %(h2)s, %(slots)s, %(reason)s)",

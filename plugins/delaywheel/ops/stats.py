@@ -18,7 +18,7 @@ is exact but one kind (flagged by the wheel's `estimated_after`):
   exact in total while they are intact and flushed (a committed insert reaches them within seconds; a crash resets
   them until the next ANALYZE).
 
-The delivered side (lateness over the window, topic depth, group lag) reads `topic_messages` as before. Who delivers
+The delivered side (lateness over the window, topic depth, group lag) reads `topic_messages`. Who delivers
 comes from the delivery loops' presence locks (`deliver.presence`): per lane its live deliverers, and `unserved`
 when a message is due and there are none.
 """
@@ -334,8 +334,8 @@ def _near_estimates(
     """Decide how far the near wheel is counted row by row, and add the statistics' figure for the partitions after
     that to `counts`. Returns where estimates start (None: every count exact).
 
-    Counting costs about 0.1-0.2 µs an index entry, so a near wheel holding millions of timers would cost stats
-    a second. Rows up to the end of the next hour are always counted (what operators act on: overdue, lag, the next
+    Counting visits every index entry, so a near wheel holding millions of timers would cost stats about a
+    second. Rows up to the end of the next hour are always counted (what operators act on: overdue, lag, the next
     minute and hour); then whole partitions while the rows counted stay within EXACT_ROWS; each later partition adds
     its rows from the statistics, spread evenly over its range."""
     partitions = _rows(conn, _NEAR_PARTITIONS, params)

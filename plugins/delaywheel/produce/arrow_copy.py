@@ -1,9 +1,9 @@
 """The batch path of `producer.send_many`: validated columns (`columns.Columns`) written by binary COPY.
 
-Arrow record batches are encoded into PostgreSQL's binary COPY format column by column by pgpq; psycopg's
-`write_row` cost about 1 µs per message in Python. The encoding is written in slices, so the server stores one
+Arrow record batches are encoded into PostgreSQL's binary COPY format column by column by pgpq, rather than
+row by row through psycopg's `write_row` in Python. The encoding is written in slices, so the server stores one
 slice while the next is encoded. Kept apart from `producer` so that what needs no Arrow (a single `send`, the CLI's
-other commands) never imports pyarrow, numpy or pgpq (issue 19).
+other commands) never imports pyarrow, numpy or pgpq.
 """
 
 from __future__ import annotations
@@ -379,10 +379,8 @@ def _announce(conn: psycopg.Connection, earliest: dict[Lane, int]) -> datetime |
     (the other lanes' deliverers sleep on, channels.lane_channel), and read the roll's near_until, unlocked, for
     the wheel's writer. One statement for a send's lanes, before its first write: neither a NOTIFY nor a read takes a
     transaction id, and from its first write to its commit a producer's transaction holds back every consumer (the
-    commit horizon), so a round trip spent before it costs them nothing. Beside busy loops a `send_many` of
-    1,000 msg/s held an xid 44 % of the time with its NOTIFY after its COPY, 29 % with it before
-    (bench/results/2026-11-27-producer-xid-window.json), and about 1 % once a batch of near timers took no lock
-    (bench/results/2026-11-27-consumer-after-horizon-and-near-lock.json)."""
+    commit horizon), so a round trip spent before it costs them nothing, where one spent after it would hold them
+    back for its whole length."""
     if not earliest:
         return None
     row = conn.execute(

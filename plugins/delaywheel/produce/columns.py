@@ -1,6 +1,6 @@
 """A batch of messages as columns: `validation`'s rules checked once per column, not once per message.
 
-`prepare` applies the rules one message at a time, about 1.7 µs each in Python, as much as PostgreSQL takes to
+`prepare` applies the rules one message at a time in Python, which costs about as much as PostgreSQL takes to
 store the message. The usual batch is simple: str topics (a handful of distinct ones), bytes or JSON bodies, one
 kind of delay for every message (levels, delays or due times). For such a batch each rule is a check over a whole
 column (the distinct topics, the longest key and body, numpy range checks on levels and due times), and the
@@ -42,10 +42,10 @@ LANES = {"direct": DIRECT, "level": LEVEL, "wheel": WHEEL}
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 US = timedelta(microseconds=1)
 TIMESTAMP = pa.timestamp("us", "UTC")
-# pyarrow imports pandas, when it is installed (0.4-0.6 s here), the first time it converts a Python sequence:
+# pyarrow imports pandas, when it is installed (a slow import), the first time it converts a Python sequence:
 # pa.array asks whether the sequence is a pandas object. Done here, at import, which send_many does before it opens its
-# transaction. Left to the first batch, it ran inside a caller's transaction (the shop's order generator sends its
-# timers inside the order's), holding back the store's commit horizon for that long in every new producer process.
+# transaction. Left to the first batch, it would run inside a caller's transaction (the shop's order generator sends
+# its timers inside the order's), holding back the store's commit horizon for that long in every new producer process.
 pa.array((), pa.string())
 
 

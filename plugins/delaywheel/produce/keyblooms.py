@@ -1,11 +1,11 @@
 """A Bloom filter of each segment's keys, so a cancel by key reads the keys of the few segments that may hold it.
 
-Segments carry no key index (a per-message index entry is what they exist to avoid), and scanning every
-pending segment's keys took 0.3 s with 10 million timers pending. A filter costs a send about 1.25 bytes and
-two hash steps per key; a lookup reads each pending segment's filter (kept in the row, not TOASTed) and the keys
-of the segments it lets through, about 1 % of those that do not hold the key. The hashes are computed here, for
-the keys of a batch at once and for a looked-up key alike, and passed to SQL (`delaywheel.bloom_may_hold`),
-which only tests bits: one definition of the hash, so the two sides cannot disagree.
+Segments carry no key index (a per-message index entry is what they exist to avoid), and scanning every pending
+segment's keys would read every pending key, millions of them with millions of timers pending. A filter costs a send
+about 1.25 bytes and two hash steps per key; a lookup reads each pending segment's filter (kept in the row, not TOASTed)
+and the keys of the segments it lets through, about 1 % of those that do not hold the key. The hashes are computed here,
+for the keys of a batch at once and for a looked-up key alike, and passed to SQL (`delaywheel.bloom_may_hold`), which
+only tests bits: one definition of the hash, so the two sides cannot disagree.
 
 Far segments are tested a level up first (far_key_summaries): a send's far keys, whose ~27 segments (one per far day) each
 have a filter, are also cut by the key's *group* (the top bits of h2) into `buckets` groups, and each group's filter
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # imported where used: a cancel by key (probe) needs neither (issue 19, the CLI's start)
+if TYPE_CHECKING:  # imported where used: a cancel by key (probe) needs neither, nor does the CLI's start
     import numpy as np
     import pyarrow as pa
 

@@ -28,7 +28,7 @@ from delaywheel.ops.stats import as_json
 from .charts import bar_chart, hourly
 
 RESOURCE_NAME = "DelayWheel"  # the custom view auth managers grant (FAB maps it to a permission)
-WINDOW = timedelta(minutes=5)  # lateness window the issue asks for
+WINDOW = timedelta(minutes=5)  # the lateness window the page shows
 REFRESH_S = 15
 
 templates = Jinja2Templates(directory=str(Path(__file__).with_name("templates")))
