@@ -168,7 +168,7 @@ def pending(
     )
 
 
-PENDING = pending().as_string()  # as text, for the callers that take text (and benchmarks)
+PENDING = pending().as_string()  # as text, for the callers that take text (the predicate cancel)
 # The same rule for rows already found, checked against the cursors alone (no scan of the queues).
 STILL_PENDING = sql.SQL("""
     CASE WHEN t.lane = 'level' THEN NOT EXISTS (
