@@ -5,6 +5,8 @@ marked by where it lives and what it uses (`pytest_collection_modifyitems`). Pla
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime
@@ -20,7 +22,7 @@ from delaywheel.config import TEST_CLOCK_ENV
 from delaywheel.dev import embedded
 from delaywheel.dev.local_airflow import as_url, configure
 from delaywheel.migrate import migrate
-from tests.helpers import ROOT, fresh_database
+from tests.helpers import ROOT, free_ports, fresh_database
 
 # Tests inject fixed clocks far from the database's (`t0`, 2030-01-01): said once, here, for this process and every
 # one it starts (the CLI, Airflow, Spark), so that `now=` is not held to the database's clock. A test of that rule
@@ -215,3 +217,21 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             marks.add("slow")
         for mark in sorted(marks - {m.name for m in item.iter_markers()}):
             item.add_marker(mark)
+
+
+@pytest.fixture(scope="module")
+def own_cluster() -> Iterator[embedded.Cluster]:
+    """A throwaway cluster of the module's own (a temporary folder, a free port), migrated and prepared: for tests
+    that restart, crash or starve a server, never the shared one."""
+    root = Path(tempfile.mkdtemp(prefix="delaywheel-own-", dir="/var/tmp"))
+    root.chmod(0o755)  # the postgres user (we may be root) must reach it
+    cluster = embedded.Cluster(root=root, port=free_ports(1)[0])
+    embedded.start(cluster)
+    try:
+        migrate(cluster.url())
+        with Store(cluster.url()) as store:
+            store.prepare()
+        yield cluster
+    finally:
+        embedded.stop(cluster)
+        shutil.rmtree(root, ignore_errors=True)

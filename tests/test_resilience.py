@@ -11,9 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
-import shutil
 import signal
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -28,26 +26,8 @@ from psycopg import sql
 from delaywheel import Message, Store
 from delaywheel.deliver import runner
 from delaywheel.dev import embedded
-from delaywheel.migrate import migrate
-from tests.helpers import free_ports
 
 pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture(scope="module")
-def own_cluster() -> Iterator[embedded.Cluster]:
-    root = Path(tempfile.mkdtemp(prefix="delaywheel-restart-", dir="/var/tmp"))
-    root.chmod(0o755)  # the postgres user (we may be root) must reach it
-    cluster = embedded.Cluster(root=root, port=free_ports(1)[0])
-    embedded.start(cluster)
-    try:
-        migrate(cluster.url())
-        with Store(cluster.url()) as store:
-            store.prepare()
-        yield cluster
-    finally:
-        embedded.stop(cluster)
-        shutil.rmtree(root, ignore_errors=True)
 
 
 def _in_topic(conn: psycopg.Connection, topic: str) -> list[tuple[int, datetime, datetime]]:

@@ -10,9 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import shutil
 import subprocess
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -27,26 +25,8 @@ from delaywheel import Message, Store
 from delaywheel.consume.topics import Delivered
 from delaywheel.deliver import runner
 from delaywheel.dev import embedded
-from delaywheel.migrate import migrate
-from tests.helpers import free_ports
 
 pytestmark = pytest.mark.timeout(180)
-
-
-@pytest.fixture(scope="module")
-def own_cluster() -> Iterator[embedded.Cluster]:
-    root = Path(tempfile.mkdtemp(prefix="delaywheel-scarce-", dir="/var/tmp"))
-    root.chmod(0o755)  # the postgres user (we may be root) must reach it
-    cluster = embedded.Cluster(root=root, port=free_ports(1)[0])
-    embedded.start(cluster)
-    try:
-        migrate(cluster.url())
-        with Store(cluster.url()) as store:
-            store.prepare()
-        yield cluster
-    finally:
-        embedded.stop(cluster)
-        shutil.rmtree(root, ignore_errors=True)
 
 
 def _waiting_for(
