@@ -4,6 +4,7 @@ marked by where it lives and what it uses (`pytest_collection_modifyitems`). Pla
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import tempfile
@@ -30,7 +31,8 @@ from tests.helpers import ROOT, free_ports, fresh_database
 os.environ[TEST_CLOCK_ENV] = "1"
 
 TEMPLATE = "delaywheel_test_template"
-AIRFLOW_TEST_DB = "airflow_test"
+# Per checkout: sessions of several checkouts (git worktrees) share one cluster, each with its own metadata database.
+AIRFLOW_TEST_DB = "airflow_test_" + hashlib.sha256(str(ROOT).encode()).hexdigest()[:8]
 
 
 def _with_db(url: str, dbname: str) -> str:
