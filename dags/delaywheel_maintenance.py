@@ -3,7 +3,8 @@
 Hourly, because partitions are hourly (level queue, near wheel) and daily (topics, far wheel):
 - `prepare` creates the next hours' partitions so producers and deliverers never wait on DDL;
 - `retire` DROPs partitions whose messages are all delivered (and topic partitions past
-  `topic_retention`): whole-partition drops, never row DELETEs, so the hot tables do not bloat;
+  `topic_retention`): whole-partition drops, never row DELETEs, so the hot tables do not bloat; rows a
+  consumer group had not read are counted per group and topic, logged as warnings and in its XCom (`unread`);
 - `summarize` adds the BRIN summaries autovacuum's queue dropped (cancel searches by them; the delivery
   loops do this every minute too);
 - `table_sizes` reports every store table's size (partitions summed into their parent);
@@ -82,7 +83,15 @@ with DAG(
     def retire(conn_id: str) -> list[dict[str, Any]]:
         with store_on(conn_id) as store:
             retired = store.retire()
-        return [{"parent": r.parent, "partition": r.name, "rows": r.rows} for r in retired]
+        return [
+            {
+                "parent": r.parent,
+                "partition": r.name,
+                "rows": r.rows,
+                "unread": [{"consumer_group": u.group, "topic": u.topic, "rows": u.rows} for u in r.unread],
+            }
+            for r in retired
+        ]
 
     @task
     def summarize(conn_id: str) -> int:

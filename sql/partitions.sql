@@ -114,6 +114,30 @@ BEGIN
     END IF;
 END $$;
 
+-- Per consumer group and topic, the rows of the topic_messages partition `partition_name` the group has not read:
+-- those past its offset on the topic, (xid, queue_offset) > (cursor_xid, cursor_offset); groups are those with an
+-- offsets row for the topic (a group that never acked one has none). Counted up to `up_to` rows per group (NULL: all),
+-- so a check that only asks whether any is unread stops at the first. One index range per group from its offset (the
+-- read index, topic_messages_read): a group that read everything costs one probe, one that read nothing a pass over its
+-- topic's part of the index. Only groups with unread rows are returned. The one definition of "unread" at retirement:
+-- partition_undrained and drop_partition both read it.
+CREATE OR REPLACE FUNCTION delaywheel.partition_unread(partition_name text, up_to bigint DEFAULT NULL)
+RETURNS TABLE (grp text, topic text, unread bigint)
+LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM pg_inherits i
+                   WHERE i.inhrelid = to_regclass(format('delaywheel.%I', partition_name))
+                     AND i.inhparent = 'delaywheel.topic_messages'::regclass) THEN
+        RAISE EXCEPTION '% is not a partition of delaywheel.topic_messages', quote_literal(partition_name)
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    RETURN QUERY EXECUTE format(
+        'SELECT o.grp, o.topic, sum(u.n)::bigint FROM delaywheel.consumer_offsets o'
+        ' CROSS JOIN LATERAL (SELECT count(*) AS n FROM (SELECT FROM delaywheel.%I t WHERE t.topic = o.topic'
+        '     AND (t.xid, t.queue_offset) > (o.cursor_xid, o.cursor_offset) LIMIT $1) r) u'
+        ' WHERE u.n > 0 GROUP BY o.grp, o.topic ORDER BY o.grp, o.topic', partition_name) USING up_to;
+END $$;
+
 -- Why the partition `partition_name` of `parent_name` ([lower_bound, upper_bound)) may not be dropped yet, or NULL if
 -- it may. Run under the partition's ACCESS EXCLUSIVE lock (drop_partition), so no transaction still writes into it. A
 -- cursor that cannot be read (NULL) counts as not passed.
@@ -169,11 +193,8 @@ BEGIN
         IF upper_bound <= clock_timestamp() - unread_floor THEN
             RETURN NULL;  -- past the retention floor: goes, read or not
         END IF;
-        -- a group that has not read a row of its topic here (by the topic's read index, from the group's offset)
-        EXECUTE format('SELECT o.grp || '' on '' || o.topic FROM delaywheel.consumer_offsets o'
-                       ' WHERE EXISTS (SELECT 1 FROM delaywheel.%I t WHERE t.topic = o.topic'
-                       '               AND (t.xid, t.queue_offset) > (o.cursor_xid, o.cursor_offset))'
-                       ' LIMIT 1', partition_name) INTO found;
+        -- a group that has not read a row of its topic here
+        SELECT u.grp || ' on ' || u.topic INTO found FROM delaywheel.partition_unread(partition_name, 1) u LIMIT 1;
         IF found IS NOT NULL THEN
             RETURN format('consumer group %s has not read all of its rows', found);
         END IF;
@@ -232,7 +253,9 @@ END $$;
 
 -- Drops the partition of a parent starting at lower_bound once it is drained (partition_undrained: retire's and the
 -- roll's rules); false if there is none. Never a parent, never any other table. It locks the partition first (the
--- caller's lock_timeout applies), so that nothing is written into it between the check and the drop.
+-- caller's lock_timeout applies), so that nothing is written into it between the check and the drop. A topic partition
+-- past the retention floor goes with rows groups have not read: those are counted per group and topic into
+-- retired_unread first, in the dropping transaction, so no drop loses unread rows uncounted.
 CREATE OR REPLACE FUNCTION delaywheel.drop_partition(parent_name text, lower_bound timestamptz)
 RETURNS boolean LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
@@ -258,6 +281,16 @@ BEGIN
                   HINT = 'only a drained partition is dropped: retire leaves this one for a later run, once its '
                          'messages are delivered, its cancellations unneeded and its topic rows read or past '
                          'delaywheel.retention_floor';
+    END IF;
+    IF parent_name = 'topic_messages' THEN
+        INSERT INTO delaywheel.retired_unread AS r (grp, topic, dropped, partitions, first_dropped_at, last_dropped_at,
+                                                    last_dropped, last_partition, last_drop_xid)
+        SELECT u.grp, u.topic, u.unread, 1, c.at, c.at, u.unread, target, pg_current_xact_id()
+        FROM delaywheel.partition_unread(target) u, (SELECT clock_timestamp() AS at) c
+        ON CONFLICT (grp, topic) DO UPDATE
+        SET dropped = r.dropped + excluded.dropped, partitions = r.partitions + 1,
+            last_dropped_at = excluded.last_dropped_at, last_dropped = excluded.last_dropped,
+            last_partition = excluded.last_partition, last_drop_xid = excluded.last_drop_xid;
     END IF;
     EXECUTE format('DROP TABLE delaywheel.%I', target);
     RETURN true;

@@ -117,18 +117,23 @@ def test_unread_topic_rows_are_not_dropped(runtime: str) -> None:
 
 def test_topic_rows_past_the_retention_floor_go_unread(runtime: str) -> None:
     """Retention drops topic rows whether read or not: a partition that ended longer ago than the database's floor
-    (the owner's to set, 7 days) goes with rows no group has read."""
+    (the owner's to set, 7 days) goes with rows no group has read, counted for each group that reads the topic."""
     old = datetime(2020, 1, 1, tzinfo=UTC)
     with psycopg.connect(runtime, autocommit=True) as conn:
         conn.execute("SELECT delaywheel.ensure_partition('topic_messages', %s, %s)", (old, old + timedelta(days=1)))
         conn.execute(
             "INSERT INTO delaywheel.topic_messages (topic, message_id, origin, body, is_json, deliver_at, delivered_at)"
-            " VALUES ('orders', 1, 'direct', 'x', false, %s, %s)",
-            (old, old),
+            " VALUES ('orders', 1, 'direct', 'x', false, %s, %s), ('audit', 2, 'direct', 'x', false, %s, %s)",
+            (old, old, old, old),
         )
+        conn.execute("INSERT INTO delaywheel.consumer_offsets (grp, topic) VALUES ('g', 'orders')")  # read nothing
         with pytest.raises(errors.InsufficientPrivilege):
             conn.execute("UPDATE delaywheel.retention_floor SET topic_messages = interval '0'")
     assert _drop(runtime, "topic_messages", old)
+    with psycopg.connect(runtime, autocommit=True) as conn:
+        assert conn.execute("SELECT grp, topic, dropped, last_partition FROM delaywheel.retired_unread").fetchall() == [
+            ("g", "orders", 1, "topic_messages_p20200101t0000")
+        ]
 
 
 def test_retire_leaves_what_the_database_refuses(runtime: str) -> None:

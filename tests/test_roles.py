@@ -148,6 +148,13 @@ def test_the_shop_line_grants_the_runtime_its_own_tables(role_db: tuple[str, str
         ("TRUNCATE delaywheel.topic_messages", errors.InsufficientPrivilege),
         ("DELETE FROM delaywheel.level_checkpoint", errors.InsufficientPrivilege),
         ("INSERT INTO delaywheel.schema_migrations VALUES (999, 'x', 'x')", errors.InsufficientPrivilege),
+        # what retention dropped unread is the owner's record (drop_partition writes it): the runtime only reads it
+        ("UPDATE delaywheel.retired_unread SET dropped = 0", errors.InsufficientPrivilege),
+        ("DELETE FROM delaywheel.retired_unread", errors.InsufficientPrivilege),
+        (
+            "INSERT INTO delaywheel.retired_unread VALUES ('g', 't', 1, 1, now(), now(), 1, 'p', '1')",
+            errors.InsufficientPrivilege,
+        ),
         ("COPY (SELECT 1) TO PROGRAM 'id > /tmp/delaywheel-roles-test'", errors.InsufficientPrivilege),
         ("COPY delaywheel.quarantine FROM '/etc/hostname'", errors.InsufficientPrivilege),
         ("SELECT pg_read_file('/etc/hostname')", errors.InsufficientPrivilege),

@@ -539,6 +539,13 @@ def _print_stats(data: dict[str, Any]) -> None:
         print(
             f"  {row['topic']} / {row['consumer_group'] or '-'}: depth {row['depth']}, lag {row['lag'] if row['lag'] is not None else '-'}"
         )
+    if data["retired_unread"]:  # topic rows retention dropped before these groups read them
+        print("\nDROPPED UNREAD by retention (topic / group: rows in all, partitions, the last drop)")
+        for row in data["retired_unread"]:
+            print(
+                f"  {row['topic']} / {row['consumer_group']}: {row['dropped']} rows in {row['partitions']} partition(s);"
+                f" last {row['last_dropped']} rows of {row['last_partition']} at {row['last_dropped_at']:%Y-%m-%d %H:%M:%S} UTC"
+            )
     for name, what in (("quarantine", "bulk-enqueue rows refused"), ("set_aside", "messages set aside, undeliverable")):
         part = data[name]
         reasons = ", ".join(f"{r['reason']} {r['count']}" for r in part["by_reason"])
@@ -585,12 +592,26 @@ def cmd_route(args: argparse.Namespace) -> int:
 
 
 def cmd_retire(args: argparse.Namespace) -> int:
+    """Drop drained partitions; says which, and the rows of each that a consumer group had not read (a topic partition
+    past the retention floor goes read or not: docs/operations.md, "Rows retention drops unread")."""
     for name in _store_names(args, all_stores=True):
         with Store(_store_url(name)) as store:
             dropped = store.retire()
-        _print(
-            {**({"store": name} if name else {}), "dropped": [f"{d.name} ({d.rows} rows)" for d in dropped]}, args.json
-        )
+        report = {**({"store": name} if name else {}), "dropped": [f"{d.name} ({d.rows} rows)" for d in dropped]}
+        unread = [
+            {"partition": d.name, "topic": u.topic, "consumer_group": u.group, "rows": u.rows}
+            for d in dropped
+            for u in d.unread
+        ]
+        if args.json:
+            _print({**report, "dropped_unread": unread}, True)
+            continue
+        _print(report, False)
+        for row in unread:
+            print(
+                f"DROPPED UNREAD: {row['rows']} rows of topic {row['topic']!r} that group {row['consumer_group']!r}"
+                f" had not read ({row['partition']})"
+            )
     return 0
 
 

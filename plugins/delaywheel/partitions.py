@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -14,6 +15,8 @@ from psycopg import errors, sql
 from delaywheel.db import commits_each_statement
 from delaywheel.locks import SUMMARIZE_LOCK
 from delaywheel.pending import SEGMENT_PENDING, WHEEL_PENDING
+
+log = logging.getLogger(__name__)
 
 HOUR = timedelta(hours=1)
 DAY = timedelta(days=1)
@@ -148,10 +151,23 @@ class PartitionCache:
 
 
 @dataclass(frozen=True)
+class Unread:
+    """Rows of a retired topic partition that a consumer group had not read (past its offset on the topic)."""
+
+    group: str
+    topic: str
+    rows: int
+
+
+@dataclass(frozen=True)
 class Retired:
+    """A dropped partition, its rows, and for a topic partition the rows each group had not read (recorded in
+    delaywheel.retired_unread by the drop itself)."""
+
     parent: str
     name: str
     rows: int
+    unread: tuple[Unread, ...] = ()
 
 
 def _try_lock(conn: psycopg.Connection, parent: str, lo: datetime) -> bool:
@@ -187,7 +203,10 @@ _PENDING = {
 def retire(
     conn: psycopg.Connection, now: datetime, retention: timedelta, cache: PartitionCache | None = None
 ) -> list[Retired]:
-    """Drop drained partitions; returns what was dropped. Busy partitions are left for the next run."""
+    """Drop drained partitions; returns what was dropped. Busy partitions are left for the next run. A topic partition
+    past the database's retention floor goes even with rows a consumer group has not read: the drop counts them per
+    group and topic (delaywheel.retired_unread, what `stats` shows), and each is in `Retired.unread` and logged as a
+    warning."""
     dropped: list[Retired] = []
     candidates = conn.execute(
         "SELECT parent, name, lo, hi FROM delaywheel.partitions WHERE parent = ANY(%s) ORDER BY lo",
@@ -217,14 +236,35 @@ def retire(
                         continue
                 count = conn.execute(sql.SQL("SELECT count(*) FROM {}").format(partition)).fetchone()
                 conn.execute("SELECT delaywheel.drop_partition(%s, %s)", (parent, lo))  # the owner drops it
+                unread = _dropped_unread(conn, name) if parent == "topic_messages" else ()
         except errors.ObjectInUse:
             # The database's own check found it not drained (a topic day no group has read within the database's
             # retention floor, a cancellation a message queued since still needs): left for a later run.
             continue
         if cache:
             cache.forget(parent, lo)
-        dropped.append(Retired(parent, name, int(count[0]) if count else 0))
+        for u in unread:
+            log.warning(
+                "retire: dropped %s rows of topic %r that consumer group %r had not read (partition %s, past the"
+                " retention floor); counted in delaywheel.retired_unread",
+                u.rows,
+                u.topic,
+                u.group,
+                name,
+            )
+        dropped.append(Retired(parent, name, int(count[0]) if count else 0, unread))
     return dropped
+
+
+# What drop_partition (sql/partitions.sql) just recorded for the topic partition named %s, read back in its transaction.
+_DROPPED_UNREAD = """
+    SELECT grp, topic, last_dropped FROM delaywheel.retired_unread
+    WHERE last_drop_xid = pg_current_xact_id() AND last_partition = %s
+    ORDER BY grp, topic"""
+
+
+def _dropped_unread(conn: psycopg.Connection, name: str) -> tuple[Unread, ...]:
+    return tuple(Unread(g, t, int(n)) for g, t, n in conn.execute(_DROPPED_UNREAD, (name,)).fetchall())
 
 
 def _oldest_pending_due(conn: psycopg.Connection) -> datetime | None:

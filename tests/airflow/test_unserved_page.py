@@ -1,10 +1,11 @@
-"""The Airflow page names a lane with due messages and no live deliverer (the `unserved` flag of `stats`), in the real
-API server app with Airflow's auth (the fixtures of tests/airflow/conftest.py)."""
+"""The Airflow page names a lane with due messages and no live deliverer (the `unserved` flag of `stats`), the sessions
+holding delivery back and the rows retention dropped before a group read them, in the real API server app with
+Airflow's auth (the fixtures of tests/airflow/conftest.py)."""
 
 from __future__ import annotations
 
 import time
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import psycopg
@@ -12,6 +13,7 @@ import pytest
 
 from delaywheel import Store
 from delaywheel.locks import LANE_PRESENCE_LOCK
+from delaywheel.produce.validation import Message
 from tests.helpers import token
 
 pytestmark = pytest.mark.airflow
@@ -54,3 +56,18 @@ def test_the_page_names_the_sessions_holding_delivery_back(client: Any, plugin_s
         assert f"<td>{idle.info.backend_pid}</td>" in holders and "forgotten-order-tx" in holders
         idle.rollback()
     assert 'id="horizon-holders"' not in page(client)
+
+
+def test_the_page_shows_what_retention_dropped_unread(client: Any, plugin_store: Store) -> None:
+    """A topic day past the retention floor (2020: past it by the database's clock) retired with rows group b had not
+    read: the page names the topic and group with the count, as `stats` does."""
+    assert 'id="retired-unread"' not in page(client)
+    day = datetime(2020, 1, 1, tzinfo=UTC)
+    plugin_store.send_many([Message("orders", {"i": i}) for i in range(10)], now=day)
+    for group, n in (("a", 10), ("b", 6)):
+        assert plugin_store.ack(plugin_store.pull("orders", group, n)).acked == n
+    plugin_store.retire(now=day + timedelta(days=8))
+    section = page(client).split('<div id="retired-unread"', 1)[1].split("</div>", 1)[0]
+    row = section.split('<tr data-topic="orders" data-group="b">', 1)[1].split("</tr>", 1)[0]
+    assert '<td data-field="dropped">4</td>' in row and "topic_messages_p20200101t0000" in row
+    assert 'data-group="a"' not in section

@@ -18,7 +18,8 @@ is exact but one kind (flagged by the wheel's `estimated_after`):
   exact in total while they are intact and flushed (a committed insert reaches them within seconds; a crash resets
   them until the next ANALYZE).
 
-The delivered side (lateness over the window, topic depth, group lag) reads `topic_messages`. Who delivers
+The delivered side (lateness over the window, topic depth, group lag) reads `topic_messages`; what retention
+dropped before a group read it, `retired_unread`. Who delivers
 comes from the delivery loops' presence locks (`deliver.presence`): per lane its live deliverers, and `unserved`
 when a message is due and there are none.
 """
@@ -86,6 +87,7 @@ def collect(conn: psycopg.Connection, settings: Settings, now: datetime | None, 
             "wheel": wheel,
             "unserved": _deliverers(conn, levels, wheel),
             "topics": topic_stats(conn),
+            "retired_unread": retired_unread_stats(conn),
             "quarantine": quarantine_stats(conn),
             "set_aside": set_aside_stats(conn),
             "horizon_holders": horizon_holders(conn),
@@ -377,6 +379,18 @@ def topic_stats(conn: psycopg.Connection) -> list[dict[str, Any]]:
         LEFT JOIN delaywheel.consumer_offsets o ON o.topic = t.topic
         ORDER BY t.topic, o.grp
     """,
+    )
+
+
+def retired_unread_stats(conn: psycopg.Connection) -> list[dict[str, Any]]:
+    """Per consumer group and topic, the rows retention dropped before the group read them (delaywheel.retired_unread,
+    counted by each drop), the latest drop first; empty while retention has dropped nothing unread."""
+    return _rows(
+        conn,
+        """
+        SELECT grp AS consumer_group, topic, dropped, partitions, first_dropped_at, last_dropped_at, last_dropped,
+               last_partition
+        FROM delaywheel.retired_unread ORDER BY last_dropped_at DESC, grp, topic""",
     )
 
 

@@ -75,8 +75,8 @@ async def login_redirect(request: Request, exc: HTTPException) -> Response:
 
 @app.get("/api/stats")
 def api_stats(user: AuthorizedUser) -> Any:
-    """The page's numbers as JSON: `now`, `levels`, `wheel` (with `histogram_24h`), `topics`, `quarantine`,
-    `set_aside`, `window_s`; in the same form as `delaywheel stats --json` (`stats.as_json`)."""
+    """The page's numbers as JSON: `now`, `levels`, `wheel` (with `histogram_24h`), `topics`, `retired_unread`,
+    `quarantine`, `set_aside`, `window_s`; in the same form as `delaywheel stats --json` (`stats.as_json`)."""
     return as_json({**current_stats(), "window_s": WINDOW.total_seconds()})
 
 
