@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import os
@@ -10,14 +11,16 @@ import subprocess
 import sys
 import time
 import uuid
+from datetime import datetime
 from pathlib import Path
 
 import psycopg
 import pytest
 from psycopg.conninfo import make_conninfo
 
-from delaywheel import Store
+from delaywheel import Delivered, Settings, Store
 from delaywheel.cli import build_parser, main
+from delaywheel.consume.topics import dlq_topic
 from delaywheel.locks import LEVEL_LOCK
 
 
@@ -60,6 +63,28 @@ def test_cli_round_trip(
     assert {(t["topic"], t["consumer_group"], t["lag"]) for t in stats["topics"]} == {("orders", "g", 0)}  # type: ignore[index]
     assert main(["stats"]) == 0
     assert "wheel: pending 0" in capsys.readouterr().out
+
+
+def test_pull_and_consume_print_a_message_as_the_same_json_object(
+    db_url: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], t0: datetime
+) -> None:
+    """`pull --json` and `consume --json` print one message alike (cli.delivered_json): every field of Delivered
+    and its idempotency_id, times in ISO 8601; a dead letter keeps ORIGIN_TOPIC and ORIGIN_MESSAGE_ID."""
+    monkeypatch.setenv("DELAYWHEEL_DATABASE_URL", db_url)
+    with Store(db_url, Settings(max_reconsume_times=0)) as store:
+        original = store.send("orders", {"order": 1}, key="o-1", tags="paid", properties={"region": "eu"}, now=t0)
+        store.send("raw", b"\xffbytes", now=t0)
+        store.ack(store.pull("orders", "g"), failed={original})  # no retry allowed: straight to %DLQ%g
+    for topic, group in (("orders", "g2"), ("raw", "g"), (dlq_topic("g"), "ops")):
+        assert main(["pull", "--topic", topic, "--group", group, "--json"]) == 0  # not acked: consume gets it
+        (pulled,) = _json(capsys)  # type: ignore[misc]
+        assert main(["consume", "--topic", topic, "--group", group, "--json", "--count", "1", "--duration", "30s"]) == 0
+        (line,) = capsys.readouterr().out.splitlines()
+        assert json.loads(line) == pulled
+        assert pulled.keys() == {f.name for f in dataclasses.fields(Delivered)} | {"idempotency_id"}
+        assert "T" in pulled["deliver_at"] and "T" in pulled["delivered_at"]
+    assert pulled["properties"] == {"region": "eu", "ORIGIN_TOPIC": "orders", "ORIGIN_MESSAGE_ID": str(original)}
+    assert (pulled["topic"], pulled["source_topic"], pulled["idempotency_id"]) == ("orders", dlq_topic("g"), original)
 
 
 def test_cli_bad_input_is_exit_2_with_a_message(

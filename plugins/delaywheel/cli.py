@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
+import getpass
 import json
 import os
 import shlex
@@ -17,14 +19,14 @@ from typing import Any
 import psycopg
 
 from delaywheel.config import STORE_NAME, ConfigError, load_settings, parse_duration
-from delaywheel.consume.topics import MAX_BATCH
+from delaywheel.consume.topics import MAX_BATCH, Delivered
 from delaywheel.deliver import runner
 from delaywheel.dev import embedded
 from delaywheel.heap import freeze_after_startup
 from delaywheel.lanes import Lane, all_lanes, lane_name
 from delaywheel.migrate import MigrationError, migrate
 from delaywheel.ops.cancel import KeysFrom
-from delaywheel.produce.validation import MAX_REQUESTED_LEVEL, InvalidMessage
+from delaywheel.produce.validation import DLQ_PREFIX, MAX_REQUESTED_LEVEL, RETRY_PREFIX, InvalidMessage
 from delaywheel.routing import Router, Stores, home
 from delaywheel.store import Store
 from delaywheel.types import MAX_ID
@@ -319,19 +321,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
         pulled = stores.pull(args.topic, args.group, args.max)
         batch = pulled.batch
         acked = stores.ack(pulled) if args.ack else None
-    rows = [
-        {
-            "message_id": m.message_id,
-            "topic": m.topic,
-            "key": m.key,
-            "tags": m.tags,
-            "body": m.body if not isinstance(m.body, bytes) else m.body.decode(errors="replace"),
-            "deliver_at": m.deliver_at,
-            "delivered_at": m.delivered_at,
-            "reconsume_times": m.reconsume_times,
-        }
-        for m in batch.messages
-    ]
+    rows = [delivered_json(m) for m in batch.messages]
     if args.json:
         _print(rows, True)
     else:
@@ -345,20 +335,18 @@ def cmd_pull(args: argparse.Namespace) -> int:
     return 0
 
 
-def _message_row(m: Any) -> dict[str, Any]:
-    return {
-        "message_id": m.message_id,
-        "idempotency_id": m.idempotency_id,
-        "topic": m.topic,
-        "queue_offset": m.queue_offset,
-        "key": m.key,
-        "tags": m.tags,
-        "properties": m.properties,
-        "body": m.body if not isinstance(m.body, bytes) else m.body.decode(errors="replace"),
-        "deliver_at": m.deliver_at.isoformat(),
-        "delivered_at": m.delivered_at.isoformat(),
-        "reconsume_times": m.reconsume_times,
-    }
+def delivered_json(m: Delivered) -> dict[str, Any]:
+    """A delivered message as `pull --json`, `consume --json` and `dlq list --json` print it: every field of
+    `Delivered` and its `idempotency_id`, times in ISO 8601, a body of bytes as text (undecodable bytes replaced)."""
+    row: dict[str, Any] = {"message_id": m.message_id, "idempotency_id": m.idempotency_id}
+    for f in dataclasses.fields(m):
+        value = getattr(m, f.name)
+        if isinstance(value, datetime):
+            value = value.isoformat()
+        elif isinstance(value, bytes):
+            value = value.decode(errors="replace")
+        row.setdefault(f.name, value)
+    return row
 
 
 def cmd_consume(args: argparse.Namespace) -> int:
@@ -374,7 +362,7 @@ def cmd_consume(args: argparse.Namespace) -> int:
     def handler(messages: list[Any]) -> None:
         try:
             for m in messages:
-                row = _message_row(m)
+                row = delivered_json(m)
                 if args.json:
                     out.write(json.dumps(row, default=str, ensure_ascii=False) + "\n")
                 else:
@@ -444,6 +432,55 @@ def cmd_cancel(args: argparse.Namespace) -> int:
         cancelled = store.cancel_matching(keys=keys, where=where, keys_from=keys_from, reason=args.reason)
     _print({"cancelled": cancelled}, args.json)
     return 0 if cancelled else 1
+
+
+def cmd_dlq(args: argparse.Namespace) -> int:
+    """`dlq list GROUP`: the group's dead letters waiting; `dlq redrive GROUP`: send them back to the group
+    (docs/dlq.md). On one store (`--store NAME` when several are configured: each store keeps its own)."""
+    with _store(args) as store:
+        if args.action == "list":
+            page = store.dlq(args.group, limit=args.limit)
+        else:
+            done = store.redrive(
+                args.group,
+                ids=args.id,
+                where=args.where,
+                all=args.all,
+                by=args.by if args.by is not None else _who(),
+                dry_run=args.dry_run,
+            )
+    if args.action == "list":
+        if args.json:
+            for m in page.messages:
+                print(json.dumps(delivered_json(m), default=str, ensure_ascii=False))
+            return 0
+        print("message_id\ttopic\tidempotency_id\tattempts\tdead since\tkey\tbody")
+        for m in page.messages:
+            row = delivered_json(m)
+            print(
+                f"{m.message_id}\t{m.topic}\t{m.idempotency_id}\t{m.reconsume_times}\t{row['delivered_at']}"
+                f"\t{m.key or ''}\t{row['body']}"
+            )
+        print(f"{page.waiting} dead letter(s) waiting in {DLQ_PREFIX}{page.group}; {len(page.messages)} shown")
+        return 0
+    if args.json:
+        _print(dataclasses.asdict(done), True)
+    else:
+        verb = "would redrive" if done.dry_run else "redrove"
+        record = f" (redrive {done.redrive_id})" if done.redrive_id is not None else ""
+        print(f"{verb} {len(done.redriven)} dead letter(s) of group {done.group} to {RETRY_PREFIX}{done.group}{record}")
+        for what, ids in (("already redriven", done.already_redriven), ("not in the group's DLQ", done.not_found)):
+            if ids:
+                print(f"{len(ids)} {what}: {' '.join(map(str, ids))}")
+    return 0 if done.redriven else 1
+
+
+def _who() -> str:
+    """Who runs a redrive from the command line, for its record: the operating system's user."""
+    try:
+        return f"cli:{getpass.getuser()}"
+    except (KeyError, OSError):  # no name for this uid (a container's)
+        return f"cli:uid {os.getuid()}"
 
 
 def _keys_from(args: argparse.Namespace) -> KeysFrom | None:
@@ -751,6 +788,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--yes", action="store_true", help="confirm a bulk cancel (without it: only count)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_cancel)
+
+    p = sub.add_parser("dlq", help="a consumer group's dead letters: list them, redrive them to the group")
+    dlq = p.add_subparsers(dest="action", required=True)
+    q = dlq.add_parser("list", help="the group's dead letters waiting (not redriven), oldest first")
+    q.add_argument("group", metavar="GROUP")
+    q.add_argument("--limit", type=_bounded(1, MAX_ID), default=100, help="show at most this many (default 100)")
+    q.add_argument("--json", action="store_true", help="one object per line, as pull and consume print messages")
+    q.set_defaults(func=cmd_dlq)
+    q = dlq.add_parser("redrive", help="send dead letters back to the group as fresh retries, each once")
+    q.add_argument("group", metavar="GROUP")
+    which_letters = q.add_mutually_exclusive_group(required=True)
+    which_letters.add_argument("--all", action="store_true", help="every dead letter waiting")
+    which_letters.add_argument(
+        "--id",
+        type=_bounded(1, MAX_ID),
+        nargs="+",
+        action="extend",
+        metavar="ID",
+        help="these dead letters (their message_id, as `dlq list` shows it)",
+    )
+    which_letters.add_argument(
+        "--where",
+        help="the dead letters meeting one expression over message_id, idempotency_id, topic, queue_offset, key,"
+        " tags, properties, reconsume_times, deliver_at, delivered_at (checked as cancel --where is)",
+    )
+    q.add_argument("--dry-run", action="store_true", help="only say what would be redriven")
+    q.add_argument("--by", metavar="TEXT", help="who asks, for the record (default: cli:<your user name>)")
+    q.add_argument("--json", action="store_true")
+    q.set_defaults(func=cmd_dlq, all=False)
 
     p = sub.add_parser("stats", help="backlog, checkpoints, wheel horizons, topics and lateness")
     p.add_argument("--json", action="store_true")

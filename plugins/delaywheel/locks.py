@@ -69,8 +69,15 @@ SUMMARIZE_LOCK = 0x64770060
 # for a consumer's lease and count as a live lease consumer.
 REPLAY_LOCK = 0x64770070
 
+# A consumer group's dead-letter topic; second key: `GROUP_KEY`. Exclusive, for the transaction, by a redrive
+# (`ops.dlq.redrive`), so two redrives of one group take turns and the second finds what the first redrove taken
+# (the record's key would otherwise make it fail at its commit).
+REDRIVE_LOCK = 0x64770080
+
 # The second key of the (group, topic) locks, as SQL over two text parameters (group, then topic).
 GROUP_TOPIC_KEY = "hashtext(jsonb_build_array(%s::text, %s::text)::text)"
+# The second key of the group locks, as SQL over one text parameter (the group).
+GROUP_KEY = "hashtext(%s::text)"
 
 
 def lane_lock_key(lane: int | None) -> int:

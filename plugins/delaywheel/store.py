@@ -19,6 +19,7 @@ from delaywheel.deliver import levels, wheel
 from delaywheel.lanes import all_lanes
 from delaywheel.migrate import migrate
 from delaywheel.ops import cancel as cancelling
+from delaywheel.ops import dlq as dead_letters
 from delaywheel.ops import stats
 from delaywheel.produce import producer
 from delaywheel.produce.validation import Message, check_now, check_now_near
@@ -230,6 +231,41 @@ class Store:
         return cancelling.count_matching(
             self.conn, keys=keys, where=where, keys_from=keys_from, match=match, timeout=self.settings.match_timeout
         )
+
+    # dead letters
+    def dlq(self, group: str, *, limit: int = 100) -> dead_letters.DeadLetters:
+        """The group's dead letters waiting (not redriven), oldest first, as consumers get messages: `topic` the
+        original topic, `idempotency_id` the original id, `reconsume_times` the attempts (`dlq.browse`)."""
+        return dead_letters.browse(self.conn, group, limit=limit)
+
+    def redrive(
+        self,
+        group: str,
+        *,
+        ids: Collection[int] | None = None,
+        where: str | None = None,
+        all: bool = False,
+        by: str | None = None,
+        dry_run: bool = False,
+    ) -> dead_letters.Redrive:
+        """Send the group's dead letters (`all=True`, by `ids`, or meeting the checked predicate `where`) back to
+        the group as fresh retries, each once, recorded with `by` and the database role (`dlq.redrive`)."""
+        return dead_letters.redrive(
+            self.conn,
+            self.settings,
+            self._cache,
+            group,
+            ids=ids,
+            where=where,
+            all=all,
+            by=by,
+            dry_run=dry_run,
+            timeout=self.settings.match_timeout,
+        )
+
+    def redrives(self, group: str, *, limit: int = 20) -> list[dead_letters.RedriveRecord]:
+        """The group's last redrives as recorded, newest first."""
+        return dead_letters.history(self.conn, group, limit=limit)
 
     # operating
     def stats(self, *, now: datetime | None = None, window: timedelta = timedelta(minutes=5)) -> dict[str, Any]:
