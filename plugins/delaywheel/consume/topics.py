@@ -20,16 +20,14 @@ import psycopg
 from psycopg import sql
 
 from delaywheel.config import Settings
+from delaywheel.consume.retry import reconsume_later, retry_topic
 from delaywheel.db import COMMIT_HORIZON, QUEUE_PLAN, commits_each_statement
 from delaywheel.locks import GROUP_LOCK, GROUP_TOPIC_KEY
 from delaywheel.partitions import PartitionCache
-from delaywheel.produce.producer import send_for_store
-from delaywheel.produce.validation import DLQ_PREFIX, RETRY_PREFIX, Message, checked_group
+from delaywheel.produce.validation import checked_group
 from delaywheel.types import MAX_ID, TopicSpan
 
 _log = logging.getLogger(__name__)
-
-FIRST_RETRY_LEVEL = 3  # RocketMQ: retry n is delayed by level 3 + n
 
 
 @dataclass(frozen=True)
@@ -87,16 +85,6 @@ class AckResult:
     acked: int = 0
     retried: int = 0
     already_acked: int = 0
-
-
-def retry_topic(group: str) -> str:
-    """The group's retry topic; a group whose retry topic would not be a topic name raises (`check_group`): so pull,
-    ack and a consumer refuse it before anything is read or written, and its failures can always be acked."""
-    return RETRY_PREFIX + checked_group(group)
-
-
-def dlq_topic(group: str) -> str:
-    return DLQ_PREFIX + checked_group(group)
 
 
 MAX_BATCH = 1_000_000  # the most messages one pull reads, holds and acks at once
@@ -456,7 +444,7 @@ def _ack(
         acked += passed
     retry = [m for m in acked if m.message_id in failed]
     if retry:
-        _reconsume_later(conn, settings, cache, batch.group, retry)
+        reconsume_later(conn, settings, cache, batch.group, retry)
     return AckResult(acked=len(acked), retried=len(retry), already_acked=len(batch.messages) - len(acked))
 
 
@@ -466,26 +454,6 @@ def _lock_offset(conn: psycopg.Connection, group: str, topic: str) -> tuple[str,
         " FOR UPDATE",
         (group, topic),
     ).fetchone()
-
-
-def _reconsume_later(
-    conn: psycopg.Connection, settings: Settings, cache: PartitionCache, group: str, messages: list[Delivered]
-) -> None:
-    outgoing, times = [], []
-    for m in messages:
-        times.append(m.reconsume_times + 1)
-        # as strings: a row written some other way may hold other JSON values, and its retry must not fail the ack
-        properties = {str(k): v if isinstance(v, str) else json.dumps(v) for k, v in (m.properties or {}).items()}
-        properties.setdefault("ORIGIN_TOPIC", m.topic)
-        properties.setdefault("ORIGIN_MESSAGE_ID", str(m.message_id))
-        if times[-1] > settings.max_reconsume_times:
-            outgoing.append(Message(dlq_topic(group), m.body, key=m.key, tags=m.tags, properties=properties))
-        else:
-            level = FIRST_RETRY_LEVEL + m.reconsume_times
-            outgoing.append(
-                Message(retry_topic(group), m.body, delay_level=level, key=m.key, tags=m.tags, properties=properties)
-            )
-    send_for_store(conn, settings, cache, outgoing, times)  # the store's own: reserved topics and properties
 
 
 # Messages in a topic past the watchers' mark and below the commit horizon (what a consumer could read now).
