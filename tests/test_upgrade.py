@@ -111,7 +111,7 @@ def test_a_fresh_install_equals_an_upgraded_store(new_db: Any) -> None:
     migrate_cli(old)
     assert schema_dump(old) == schema_dump(fresh)
     assert records(old) == records(fresh)
-    assert current_version(old) == current_version(fresh) == 1
+    assert current_version(old) == current_version(fresh) == migrate.available()[-1].version
     assert migrate.migrate(old) == []  # up to date
 
 
@@ -202,7 +202,8 @@ def hold(store: Store, t0: datetime) -> None:
         for (t,) in conn.execute(BASE_TABLES)
         if conn.execute(f"SELECT count(*) FROM delaywheel.{t}").fetchone() == (0,)
     ]
-    assert empty == [] or set(empty) <= {"wheel_cursor", "far_key_summaries"}, empty
+    after_the_baseline = {"group_retry_policies"}  # made by later changes: a store on the old line has none of them
+    assert empty == [] or set(empty) <= {"wheel_cursor", "far_key_summaries", *after_the_baseline}, empty
 
 
 def behave(store: Store, t0: datetime) -> dict[str, Any]:

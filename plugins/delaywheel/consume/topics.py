@@ -20,11 +20,11 @@ import psycopg
 from psycopg import sql
 
 from delaywheel.config import Settings
-from delaywheel.consume.retry import reconsume_later, retry_topic
+from delaywheel.consume.retry import reconsume_later, retries_so_far, retry_topic
 from delaywheel.db import COMMIT_HORIZON, QUEUE_PLAN, commits_each_statement
 from delaywheel.locks import GROUP_LOCK, GROUP_TOPIC_KEY
 from delaywheel.partitions import PartitionCache
-from delaywheel.produce.validation import checked_group
+from delaywheel.produce.validation import RECONSUME_TIME, checked_group
 from delaywheel.types import MAX_ID, TopicSpan
 
 _log = logging.getLogger(__name__)
@@ -78,8 +78,8 @@ class Batch:
 @dataclass(frozen=True)
 class AckResult:
     """What an ack did. `acked`: messages whose group offset this ack moved past, failed ones included;
-    `retried`: of those, the failed ones handed to the retry ladder (or, after `max_reconsume_times`, the
-    dead-letter topic); `already_acked`: messages another ack of the group had passed already (a second ack of
+    `retried`: of those, the failed ones handed to a retry (or, after the group's last, to the dead-letter
+    topic: retry.py); `already_acked`: messages another ack of the group had passed already (a second ack of
     the batch, or another consumer of the group acked further) — nothing was done for them, failed or not."""
 
     acked: int = 0
@@ -213,6 +213,8 @@ def _batch(group: str, sources: tuple[str, ...], rows: list[tuple[Any, ...]], ma
             values["source_topic"] = source
             if r[5] is None:
                 values["properties"] = {}
+            elif type(r[5]) is dict and RECONSUME_TIME in r[5]:  # a retry the wheel delivered: its count is here
+                values["reconsume_times"] = retries_so_far(r[7], r[5])
             if r[n]:  # is_json
                 values["body"] = _body(r[6], True, r[2])
             batch.messages.append(message)
@@ -230,8 +232,8 @@ def ack(
     batch: Batch,
     failed: set[int] | None = None,
 ) -> AckResult:
-    """Commit the batch's offsets; messages whose message_id is in `failed` go to the retry ladder
-    (or the dead-letter topic after `max_reconsume_times`) in the same transaction.
+    """Commit the batch's offsets; messages whose message_id is in `failed` go to a retry by the group's policy or
+    RocketMQ's ladder (or the dead-letter topic after the last, retry.py) in the same transaction.
 
     Idempotent: only the messages this ack moves the group's offset past count, and only failed ones among them
     are retried. Acking a batch again, or acking a batch another consumer of the group has acked past, retries
