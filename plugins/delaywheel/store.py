@@ -157,11 +157,13 @@ class Store:
         idle_s: float | None = None,
         safety_wake_s: float | None = None,
         ack_hold_s: float | None = None,
+        handler_timeout_s: float | None = None,
     ) -> ConsumeTotals:
         """Wait for `topic`'s deliveries and hand them to `handler(messages)` in batches of up to `max_messages`,
         acking each after it (consume.py): returns `consume.ConsumeTotals`. `handler` returns None or the ids that
-        failed (to a retry); it raises to retry the whole batch. Runs until `stop` is set, `limit` messages were
-        handled, `duration_s` passed, or nothing came for `idle_s`."""
+        failed (to a retry); it raises to retry the whole batch. With `handler_timeout_s`, the handler runs on a
+        thread of its own, and a batch it has not handled within that time is not acked but handled again. Runs
+        until `stop` is set, `limit` messages were handled, `duration_s` passed, or nothing came for `idle_s`."""
         from delaywheel.consume import consumer as consume
 
         return consume.consume(
@@ -169,6 +171,7 @@ class Store:
             topic,
             group,
             handler,
+            handler_timeout_s=handler_timeout_s,
             **_consumer_options(max_messages, stop, limit, duration_s, idle_s, safety_wake_s, ack_hold_s),
         )
 
