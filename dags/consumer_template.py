@@ -19,7 +19,8 @@ How it works:
 - Delivery to consumers is at least once (a run that fails before `ack` is re-read by the next one):
   make `handle()` idempotent on `message.idempotency_id`, the same across redeliveries and retries.
 - Messages whose id `handle()` returns are handed to RocketMQ's retry ladder (redelivered later into
-  `%RETRY%<group>`, which `pull` reads too) and after `max_reconsume_times` go to `%DLQ%<group>`.
+  `%RETRY%<group>`, which `pull` reads too) and after `max_reconsume_times` go to `%DLQ%<group>`; a retry policy
+  of the group's own (`delaywheel group retry-policy GROUP`) sets the retries and their delays instead.
 """
 
 from __future__ import annotations

@@ -10,9 +10,18 @@ from datetime import datetime, timedelta
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from delaywheel import Settings, Store
-from delaywheel.config import DEFAULT_LEVELS, ConfigError, load_settings, parse_duration, parse_levels
+from delaywheel.config import (
+    DEFAULT_LEVELS,
+    ConfigError,
+    format_duration,
+    load_settings,
+    parse_duration,
+    parse_levels,
+)
 from tests.helpers import at, deliveries
 
 S = timedelta(seconds=1)
@@ -209,3 +218,11 @@ def test_the_project_folder_is_delaywheel_home_or_the_checkout(tmp_path: Path) -
         text=True,
         check=True,
     ).stdout.strip() == str(tmp_path)
+
+
+@given(st.integers(1, 10**12))
+def test_a_formatted_duration_reads_back_as_itself(ms: int) -> None:
+    """`format_duration` writes what `parse_duration` reads (the retry policies' texts), in the largest whole unit."""
+    text = format_duration(timedelta(milliseconds=ms))
+    assert parse_duration(text, "x") == timedelta(milliseconds=ms)
+    assert format_duration(timedelta(minutes=90)) == "90m" and format_duration(timedelta(hours=24)) == "1d"

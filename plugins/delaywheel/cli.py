@@ -18,7 +18,8 @@ from typing import Any
 
 import psycopg
 
-from delaywheel.config import STORE_NAME, ConfigError, load_settings, parse_duration
+from delaywheel.config import STORE_NAME, ConfigError, format_duration, load_settings, parse_duration
+from delaywheel.consume import retry
 from delaywheel.consume.topics import MAX_BATCH, Delivered
 from delaywheel.deliver import runner
 from delaywheel.dev import embedded
@@ -102,7 +103,7 @@ def _print(data: Any, as_json: bool) -> None:
         print(data)
 
 
-ALL_STORES_ONLY = "--all-stores: only migrate, deliver, stats and retire take it (a topic command routes by topic)"
+ALL_STORES_ONLY = "--all-stores: only migrate, deliver, stats, retire and group retry-policy take it (a topic command routes by topic)"
 
 
 def _store_names(args: argparse.Namespace, *, all_stores: bool = False) -> list[str | None]:
@@ -628,6 +629,64 @@ def cmd_route(args: argparse.Namespace) -> int:
     return 0
 
 
+def _delays(text: str) -> list[timedelta]:
+    try:
+        return retry.parse_delays(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def cmd_retry_policy(args: argparse.Namespace) -> int:
+    """Show a group's retry policy, set it (--max-attempts, --delays: the whole policy) or clear it (--clear), on the
+    one store (--store NAME with several) or every store (--all-stores); then print it as it now stands. Exit 1: a
+    --clear that found no policy."""
+    setting = args.max_attempts is not None or args.delays is not None
+    if args.clear and setting:
+        raise UsageError("--clear takes neither --max-attempts nor --delays")
+    rows, cleared = [], []
+    for name in _store_names(args, all_stores=True):
+        with Store(_store_url(name)) as store:
+            if setting:
+                store.set_retry_policy(args.group, max_attempts=args.max_attempts, delays=args.delays)
+            elif args.clear:
+                cleared.append(store.clear_retry_policy(args.group))
+            policy = store.retry_policy(args.group)
+            row = _policy_row(args.group, policy, retry.schedule(policy, store.settings))
+            rows.append({**({"store": name} if name else {}), **row})
+    if args.json:
+        _print(rows if len(rows) > 1 else rows[0], True)
+    for row in [] if args.json else rows:
+        where = f"store {row['store']}: " if "store" in row else ""
+        stored = row["policy"]
+        if stored is None:
+            print(f"{where}group {row['group']}: no retry policy: RocketMQ's ladder (retry n after delay level 2 + n)")
+        else:
+            attempts = "default (max_reconsume_times)" if stored["max_attempts"] is None else stored["max_attempts"]
+            delays = "the ladder" if stored["delays"] is None else ",".join(stored["delays"])
+            print(f"{where}group {row['group']}: max attempts {attempts}, delays {delays} (set {stored['updated_at']})")
+        retries = "; ".join(row["retries"])
+        print(f"  {len(row['schedule'])} retries{': ' + retries if retries else ''}; then {row['dead_letter_topic']}")
+    return 1 if args.clear and not any(cleared) else 0
+
+
+def _policy_row(group: str, policy: retry.RetryPolicy | None, schedule: list[timedelta]) -> dict[str, Any]:
+    """A group's policy as stored (None: none) and the delays before each retry a failed message gets."""
+    stored = None
+    if policy is not None:
+        stored = {
+            "max_attempts": policy.max_attempts,
+            "delays": None if policy.delays is None else [format_duration(d) for d in policy.delays],
+            "updated_at": policy.updated_at.isoformat() if policy.updated_at else None,
+        }
+    return {
+        "group": group,
+        "policy": stored,
+        "schedule": [format_duration(d) for d in schedule],
+        "retries": retry.describe(schedule),
+        "dead_letter_topic": retry.dlq_topic(group),
+    }
+
+
 def cmd_retire(args: argparse.Namespace) -> int:
     """Drop drained partitions; says which, and the rows of each that a consumer group had not read (a topic partition
     past the retention floor goes read or not: docs/operations.md, "Rows retention drops unread")."""
@@ -829,6 +888,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--adding", metavar="NAME", help="a store about to be added: which of the topics would move to it")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_route)
+
+    p = sub.add_parser("group", help="a consumer group's settings")
+    groups = p.add_subparsers(dest="group_command", required=True)
+    p = groups.add_parser(
+        "retry-policy",
+        help="show a group's retry policy; --max-attempts / --delays set it (the whole policy), --clear removes it",
+    )
+    p.add_argument("group")
+    p.add_argument(
+        "--max-attempts",
+        type=_bounded(0, retry.MAX_RETRY_ATTEMPTS),
+        help="retries a failed message gets before the group's dead-letter topic"
+        f" (0..{retry.MAX_RETRY_ATTEMPTS}; default: max_reconsume_times)",
+    )
+    p.add_argument(
+        "--delays",
+        type=_delays,
+        metavar="4m,10m,1h",
+        help="the delay before each retry, the last repeated (default: RocketMQ's ladder)",
+    )
+    p.add_argument("--clear", action="store_true", help="remove the group's policy (RocketMQ's ladder again)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_retry_policy)
 
     p = sub.add_parser("retire", help="drop drained partitions (maintenance)")
     p.add_argument("--json", action="store_true")

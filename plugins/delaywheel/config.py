@@ -63,6 +63,16 @@ def parse_duration(text: str, setting: str) -> timedelta:
         raise ConfigError(f"{setting}: duration {text!r} is too large") from None
 
 
+def format_duration(duration: timedelta) -> str:
+    """A whole number of milliseconds as `parse_duration` reads it, in the largest unit that divides it ('90m',
+    '2h', '1500ms'); a part below a millisecond is dropped."""
+    ms = duration // timedelta(milliseconds=1)
+    for unit in ("d", "h", "m", "s"):
+        if ms and ms % _UNIT_MS[unit] == 0:
+            return f"{ms // _UNIT_MS[unit]}{unit}"
+    return f"{ms}ms"
+
+
 # Several stores (docs/stores.md). A store's name becomes part of Airflow connection ids and DAG ids
 # (`delaywheel_<name>`), so it is a lower-case identifier. Entries are `NAME=URL`, separated by commas; a comma splits
 # only where the next entry begins, because a libpq URL may list several hosts with commas (`postgresql://h1,h2/db`).

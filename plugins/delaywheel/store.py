@@ -13,7 +13,7 @@ from psycopg import errors
 
 from delaywheel import partitions
 from delaywheel.config import Settings, load_settings
-from delaywheel.consume import topics
+from delaywheel.consume import retry, topics
 from delaywheel.db import configured_url, connect
 from delaywheel.deliver import levels, wheel
 from delaywheel.lanes import all_lanes
@@ -158,11 +158,13 @@ class Store:
         idle_s: float | None = None,
         safety_wake_s: float | None = None,
         ack_hold_s: float | None = None,
+        handler_timeout_s: float | None = None,
     ) -> ConsumeTotals:
         """Wait for `topic`'s deliveries and hand them to `handler(messages)` in batches of up to `max_messages`,
         acking each after it (consume.py): returns `consume.ConsumeTotals`. `handler` returns None or the ids that
-        failed (to the retry ladder); it raises to retry the whole batch. Runs until `stop` is set, `limit`
-        messages were handled, `duration_s` passed, or nothing came for `idle_s`."""
+        failed (to a retry); it raises to retry the whole batch. With `handler_timeout_s`, the handler runs on a
+        thread of its own, and a batch it has not handled within that time is not acked but handled again. Runs
+        until `stop` is set, `limit` messages were handled, `duration_s` passed, or nothing came for `idle_s`."""
         from delaywheel.consume import consumer as consume
 
         return consume.consume(
@@ -170,6 +172,7 @@ class Store:
             topic,
             group,
             handler,
+            handler_timeout_s=handler_timeout_s,
             **_consumer_options(max_messages, stop, limit, duration_s, idle_s, safety_wake_s, ack_hold_s),
         )
 
@@ -191,6 +194,29 @@ class Store:
 
         options = _consumer_options(max_messages, stop, limit, duration_s, idle_s, safety_wake_s, ack_hold_s)
         return consume.messages(self, topic, group, **options)
+
+    def set_retry_policy(
+        self,
+        group: str,
+        *,
+        max_attempts: int | None = None,
+        delays: Iterable[timedelta | str] | str | None = None,
+    ) -> retry.RetryPolicy:
+        """Give `group` its own retries, replacing any policy it had: `max_attempts` retries before its dead-letter
+        topic (0..1000; default the store's `max_reconsume_times`) and `delays`, the delay before each (timedeltas or
+        texts such as '4m', or one text '4m,10m,1h'; the last repeats; default RocketMQ's ladder). Each delay is a
+        positive whole number of milliseconds up to `wheel_max_delay`. Raises `retry.InvalidRetryPolicy` (a
+        ValueError) with the reason and writes nothing on bad input. The group's next ack with failures follows it."""
+        return retry.set_policy(self.conn, self.settings, group, max_attempts=max_attempts, delays=delays)
+
+    def retry_policy(self, group: str) -> retry.RetryPolicy | None:
+        """The group's retry policy; None: it has none and follows RocketMQ's ladder (`retry.schedule` gives the
+        delays a failed message of the group gets, either way)."""
+        return retry.read_policy(self.conn, group)
+
+    def clear_retry_policy(self, group: str) -> bool:
+        """Remove the group's retry policy (RocketMQ's ladder again); False: it had none."""
+        return retry.clear_policy(self.conn, group)
 
     # cancelling
     def cancel(

@@ -77,7 +77,7 @@ def test_the_templates_schedule_wakes_it_for_its_groups_retries(store_connection
         )
 
 
-# The live test: levels whose third (the first retry's, `topics.FIRST_RETRY_LEVEL`) is RETRY_DELAY_S long.
+# The live test: levels whose third (the first retry's, `retry.FIRST_RETRY_LEVEL`) is RETRY_DELAY_S long.
 LEVELS, RETRY_DELAY_S = "1s 2s 5s", 5.0
 # From the retry falling due to its handling: the retry watcher's look (on the delivery's NOTIFY, else within its 1-s
 # poll), the scheduler making the run, a LocalExecutor task start, a pull. Measured here beside other test runs:

@@ -23,7 +23,7 @@ from delaywheel.channels import TOPIC_CHANNEL
 from delaywheel.cli import main
 from delaywheel.consume import consumer as consume
 from delaywheel.consume import topics
-from delaywheel.consume.topics import retry_topic
+from delaywheel.consume.retry import retry_topic
 from delaywheel.produce.producer import send_for_store
 from tests.helpers import ROOT, deliveries, delivering, syncs, traced
 

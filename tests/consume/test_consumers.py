@@ -8,7 +8,8 @@ from datetime import datetime, timedelta
 import pytest
 
 from delaywheel import Settings, Store
-from delaywheel.consume.topics import AckResult, dlq_topic, retry_topic
+from delaywheel.consume.retry import dlq_topic, retry_topic
+from delaywheel.consume.topics import AckResult
 from delaywheel.produce.validation import Message
 from tests.helpers import at
 

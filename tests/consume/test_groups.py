@@ -11,7 +11,7 @@ from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 
 from delaywheel import Message, Store
-from delaywheel.consume import topics
+from delaywheel.consume import retry
 from delaywheel.produce.validation import MAX_GROUP_CHARS, InvalidMessage, check_group, check_topic
 
 BAD_GROUPS = [
@@ -39,7 +39,7 @@ def test_every_accepted_group_has_valid_retry_and_dlq_topic_names(group: str) ->
         assert refused.reason == "bad_group"
         return
     assert accepted == group
-    assert check_topic(topics.retry_topic(group)) and check_topic(topics.dlq_topic(group))
+    assert check_topic(retry.retry_topic(group)) and check_topic(retry.dlq_topic(group))
 
 
 @given(st.text(string.ascii_letters + string.digits + "%|._-", min_size=1, max_size=MAX_GROUP_CHARS))
@@ -74,6 +74,6 @@ def test_the_longest_group_acks_a_failure_into_its_retry_topic(store: Store) -> 
     result = store.ack(batch, failed={batch.messages[0].message_id})
     assert (result.acked, result.retried) == (1, 1)
     queued = store.conn.execute("SELECT topic FROM delaywheel.level_queue").fetchall()
-    assert queued == [(topics.retry_topic(group),)]
+    assert queued == [(retry.retry_topic(group),)]
     store.send_many([Message("orders", {"n": 2})])
     assert len(store.pull("orders", group)) == 1

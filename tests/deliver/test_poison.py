@@ -110,7 +110,7 @@ def test_storable_values_pass(message: Message) -> None:
 
 
 def test_the_store_may_use_its_reserved_names() -> None:
-    """The retry ladder (topics._reconsume_later) writes %RETRY%/%DLQ% topics and ORIGIN_* properties."""
+    """The retry ladder (retry.reconsume_later) writes %RETRY%/%DLQ% topics and ORIGIN_* properties."""
     batch = [
         Message(
             "%RETRY%g",

@@ -30,7 +30,7 @@ import threading
 import time
 from collections.abc import Callable, Collection, Generator, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 from psycopg import sql
@@ -48,6 +48,7 @@ SAFETY_WAKE_S = 1.0  # with no notification, look anyway this often (what a lost
 BUSY_RETRY_S = 0.25  # another consumer of the group holds the topic: try again this soon (or when notified)
 ACK_HOLD_S = 0.1  # a caught-up consumer holds a handled batch's ack this long for the next pull to carry it
 REPULL_S = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2)  # notified, yet nothing readable (horizon): look again after
+MAX_HANDLER_TIMEOUT_S = 86_400.0  # the longest `handler_timeout_s` (a day)
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,7 @@ class ConsumeTotals:
     retried: int = 0  # sent to the retry ladder (or the dead-letter topic) by their acks
     already_acked: int = 0  # in batches another consumer of the group had acked past
     handler_errors: int = 0  # batches whose handler raised (all their messages retried)
+    handler_timeouts: int = 0  # batches whose handler outlived `handler_timeout_s`: not acked, handled again
     notified_wakes: int = 0  # pulls a notification asked for
     safety_wakes: int = 0  # pulls after a wait that no notification ended
     empty_pulls: int = 0
@@ -111,6 +113,7 @@ class Consumer:
         self._listener: psycopg.Connection | None = None
         self._held: frozenset[str] = frozenset()  # sources whose group lock the store's session holds
         self._last_message = time.monotonic()
+        self.unacked = False  # set after a batch: leave it unacked, so that the next pull hands it out again
 
     # -- the loop ---------------------------------------------------------------------------------------------
     def batches(self) -> Generator[Batch, None, None]:
@@ -157,6 +160,9 @@ class Consumer:
                     looks = 0
                     self._last_message = time.monotonic()
                     yield batch
+                    if self.unacked:  # (the group's offset did not move: the next pull reads the batch again)
+                        self.unacked, self.failed = False, set()
+                        continue
                     done = batch
                     caught_up = not batch.behind and not self.failed and self.topic in self._held
                     if caught_up and not self._should_stop(self.totals.messages + len(batch)):
@@ -300,16 +306,36 @@ class Consumer:
             self._listener = None
 
 
-def consume(store: Store, topic: str, group: str, handler: Handler, **options: object) -> ConsumeTotals:
+def consume(
+    store: Store, topic: str, group: str, handler: Handler, *, handler_timeout_s: float | None = None, **options: object
+) -> ConsumeTotals:
     """Handle `topic`'s messages for `group` until stopped (`stop`, `limit` messages, `duration_s`, `idle_s`):
     see the module docstring. `handler(messages)` returns None, or the ids of the messages that failed, which go to
-    the retry ladder (then the dead-letter topic) with the batch's ack; an exception sends the whole batch there
-    (Abandon: acks nothing and stops). Returns what was done."""
+    a retry (then the dead-letter topic) with the batch's ack; an exception sends the whole batch there
+    (Abandon: acks nothing and stops). With `handler_timeout_s` the handler runs on a thread of its own; a batch it
+    has not returned from within that time is left unacked and handed out again at the next pull (`_in_time`).
+    Returns what was done."""
+    timeout = checked_handler_timeout(handler_timeout_s)
     consumer = Consumer(store, topic, group, **options)  # type: ignore[arg-type]
     batches = consumer.batches()
+    late: list[threading.Thread] = []  # handlers that outlived the timeout, maybe still running
     for batch in batches:
         try:
-            failed = handler(batch.messages)
+            failed = handler(batch.messages) if timeout is None else _in_time(handler, batch.messages, timeout)
+        except HandlerTimeout as exc:
+            late = [thread for thread in (*late, exc.thread) if thread.is_alive()]
+            log.warning(
+                "delaywheel consumer: the handler did not return within %s s on a batch of %d (group %s, topic %s);"
+                " not acked, it is handled again (%d timed-out handler(s) still running)",
+                timeout,
+                len(batch),
+                group,
+                topic,
+                len(late),
+            )
+            consumer.totals.handler_timeouts += 1
+            consumer.unacked = True
+            continue
         except Abandon:
             _abandon(batches)
             break
@@ -319,6 +345,52 @@ def consume(store: Store, topic: str, group: str, handler: Handler, **options: o
             failed = [m.message_id for m in batch.messages]
         consumer.failed = set(failed or ())
     return consumer.totals
+
+
+class HandlerTimeout(Exception):
+    """A handler did not return within `handler_timeout_s`; `thread` runs it still."""
+
+    def __init__(self, thread: threading.Thread) -> None:
+        super().__init__("the handler did not return in time")
+        self.thread = thread
+
+
+def checked_handler_timeout(value: object) -> float | None:
+    """`handler_timeout_s`: None (wait as long as the handler takes) or a number of seconds above 0 and at most
+    MAX_HANDLER_TIMEOUT_S; ValueError else, before anything is read."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= MAX_HANDLER_TIMEOUT_S:
+        raise ValueError(
+            f"handler_timeout_s must be a number of seconds above 0 and at most {MAX_HANDLER_TIMEOUT_S:,.0f},"
+            f" not {value!r}"
+        )
+    return float(value)
+
+
+def _in_time(handler: Handler, messages: list[Delivered], timeout: float) -> Collection[int] | None:
+    """`handler(messages)` on a daemon thread of its own, waited for up to `timeout` seconds: what it returns or
+    raises, or HandlerTimeout. A thread cannot be stopped from outside, so one that timed out runs on, unwaited,
+    beside the handling of later batches (and of this one again)."""
+    outcome: list[tuple[bool, Any]] = []
+    finished = threading.Event()
+
+    def run() -> None:
+        try:
+            outcome.append((True, handler(messages)))
+        except BaseException as exc:  # handed to the consumer's thread, which decides (Abandon, a retry)
+            outcome.append((False, exc))
+        finally:
+            finished.set()
+
+    thread = threading.Thread(target=run, name="delaywheel-handler", daemon=True)
+    thread.start()
+    if not finished.wait(timeout):
+        raise HandlerTimeout(thread)
+    returned, value = outcome[0]
+    if not returned:
+        raise value
+    return value
 
 
 def messages(store: Store, topic: str, group: str, **options: object) -> Iterator[Delivered]:

@@ -20,16 +20,14 @@ import psycopg
 from psycopg import sql
 
 from delaywheel.config import Settings
+from delaywheel.consume.retry import reconsume_later, retries_so_far, retry_topic
 from delaywheel.db import COMMIT_HORIZON, QUEUE_PLAN, commits_each_statement
 from delaywheel.locks import GROUP_LOCK, GROUP_TOPIC_KEY
 from delaywheel.partitions import PartitionCache
-from delaywheel.produce.producer import send_for_store
-from delaywheel.produce.validation import DLQ_PREFIX, RETRY_PREFIX, Message, checked_group
+from delaywheel.produce.validation import RECONSUME_TIME, checked_group
 from delaywheel.types import MAX_ID, TopicSpan
 
 _log = logging.getLogger(__name__)
-
-FIRST_RETRY_LEVEL = 3  # RocketMQ: retry n is delayed by level 3 + n
 
 
 @dataclass(frozen=True)
@@ -80,23 +78,13 @@ class Batch:
 @dataclass(frozen=True)
 class AckResult:
     """What an ack did. `acked`: messages whose group offset this ack moved past, failed ones included;
-    `retried`: of those, the failed ones handed to the retry ladder (or, after `max_reconsume_times`, the
-    dead-letter topic); `already_acked`: messages another ack of the group had passed already (a second ack of
+    `retried`: of those, the failed ones handed to a retry (or, after the group's last, to the dead-letter
+    topic: retry.py); `already_acked`: messages another ack of the group had passed already (a second ack of
     the batch, or another consumer of the group acked further) — nothing was done for them, failed or not."""
 
     acked: int = 0
     retried: int = 0
     already_acked: int = 0
-
-
-def retry_topic(group: str) -> str:
-    """The group's retry topic; a group whose retry topic would not be a topic name raises (`check_group`): so pull,
-    ack and a consumer refuse it before anything is read or written, and its failures can always be acked."""
-    return RETRY_PREFIX + checked_group(group)
-
-
-def dlq_topic(group: str) -> str:
-    return DLQ_PREFIX + checked_group(group)
 
 
 MAX_BATCH = 1_000_000  # the most messages one pull reads, holds and acks at once
@@ -225,6 +213,8 @@ def _batch(group: str, sources: tuple[str, ...], rows: list[tuple[Any, ...]], ma
             values["source_topic"] = source
             if r[5] is None:
                 values["properties"] = {}
+            elif type(r[5]) is dict and RECONSUME_TIME in r[5]:  # a retry the wheel delivered: its count is here
+                values["reconsume_times"] = retries_so_far(r[7], r[5])
             if r[n]:  # is_json
                 values["body"] = _body(r[6], True, r[2])
             batch.messages.append(message)
@@ -242,8 +232,8 @@ def ack(
     batch: Batch,
     failed: set[int] | None = None,
 ) -> AckResult:
-    """Commit the batch's offsets; messages whose message_id is in `failed` go to the retry ladder
-    (or the dead-letter topic after `max_reconsume_times`) in the same transaction.
+    """Commit the batch's offsets; messages whose message_id is in `failed` go to a retry by the group's policy or
+    RocketMQ's ladder (or the dead-letter topic after the last, retry.py) in the same transaction.
 
     Idempotent: only the messages this ack moves the group's offset past count, and only failed ones among them
     are retried. Acking a batch again, or acking a batch another consumer of the group has acked past, retries
@@ -456,7 +446,7 @@ def _ack(
         acked += passed
     retry = [m for m in acked if m.message_id in failed]
     if retry:
-        _reconsume_later(conn, settings, cache, batch.group, retry)
+        reconsume_later(conn, settings, cache, batch.group, retry)
     return AckResult(acked=len(acked), retried=len(retry), already_acked=len(batch.messages) - len(acked))
 
 
@@ -466,26 +456,6 @@ def _lock_offset(conn: psycopg.Connection, group: str, topic: str) -> tuple[str,
         " FOR UPDATE",
         (group, topic),
     ).fetchone()
-
-
-def _reconsume_later(
-    conn: psycopg.Connection, settings: Settings, cache: PartitionCache, group: str, messages: list[Delivered]
-) -> None:
-    outgoing, times = [], []
-    for m in messages:
-        times.append(m.reconsume_times + 1)
-        # as strings: a row written some other way may hold other JSON values, and its retry must not fail the ack
-        properties = {str(k): v if isinstance(v, str) else json.dumps(v) for k, v in (m.properties or {}).items()}
-        properties.setdefault("ORIGIN_TOPIC", m.topic)
-        properties.setdefault("ORIGIN_MESSAGE_ID", str(m.message_id))
-        if times[-1] > settings.max_reconsume_times:
-            outgoing.append(Message(dlq_topic(group), m.body, key=m.key, tags=m.tags, properties=properties))
-        else:
-            level = FIRST_RETRY_LEVEL + m.reconsume_times
-            outgoing.append(
-                Message(retry_topic(group), m.body, delay_level=level, key=m.key, tags=m.tags, properties=properties)
-            )
-    send_for_store(conn, settings, cache, outgoing, times)  # the store's own: reserved topics and properties
 
 
 # Messages in a topic past the watchers' mark and below the commit horizon (what a consumer could read now).

@@ -82,7 +82,7 @@ def send_for_store(
     messages: Iterable[Message],
     reconsume_times: Sequence[int],
 ) -> list[int]:
-    """The store's own sends (the retry ladder, `topics._reconsume_later`): the same rules, except that reserved
+    """The store's own sends (the retry ladder, `retry.reconsume_later`): the same rules, except that reserved
     topics (%RETRY%, %DLQ%) and properties (ORIGIN_*, REPLAY_*) are allowed. Not for producers."""
     return _send(conn, settings, cache, messages, None, reconsume_times, internal=True)
 

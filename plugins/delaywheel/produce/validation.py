@@ -20,11 +20,13 @@ TOPIC_PATTERN = re.compile(r"[%|A-Za-z0-9_.-]{1,127}")  # RocketMQ's topic chars
 MAX_KEY_CHARS = 1024
 MAX_TAGS_CHARS = 1024
 MAX_PROPERTIES_BYTES = 32767  # RocketMQ's limit; here the properties as stored: their JSON text (ASCII, \u escapes)
-# Written by the store itself: the retry ladder (ORIGIN_*) and replay (REPLAY_*). A producer setting them would
-# change what consumers deduplicate on (Delivered.idempotency_id) or where a message seems to come from.
-RESERVED_PROPERTIES = frozenset({"ORIGIN_MESSAGE_ID", "ORIGIN_TOPIC", "REPLAY_ID", "REPLAY_OF_TOPIC"})
-RETRY_PREFIX = "%RETRY%"  # + a consumer group: the group's retry topic (topics.retry_topic)
-DLQ_PREFIX = "%DLQ%"  # + a consumer group: its dead-letter topic (topics.dlq_topic)
+# Written by the store itself: the retry ladder (ORIGIN_*, RECONSUME_TIME) and replay (REPLAY_*). A producer setting
+# them would change what consumers deduplicate on (Delivered.idempotency_id), where a message seems to come from, or
+# how many retries it has left.
+RECONSUME_TIME = "RECONSUME_TIME"  # a retry's count when the wheel carries it (retry.retries_so_far)
+RESERVED_PROPERTIES = frozenset({"ORIGIN_MESSAGE_ID", "ORIGIN_TOPIC", "REPLAY_ID", "REPLAY_OF_TOPIC", RECONSUME_TIME})
+RETRY_PREFIX = "%RETRY%"  # + a consumer group: the group's retry topic (retry.retry_topic)
+DLQ_PREFIX = "%DLQ%"  # + a consumer group: its dead-letter topic (retry.dlq_topic)
 RESERVED_TOPIC_PREFIXES = (RETRY_PREFIX, DLQ_PREFIX)  # written by the store's retry ladder only
 MAX_GROUP_CHARS = 127 - len(RETRY_PREFIX)  # a group's retry topic is a topic name too (check_group)
 _ZERO = timedelta(0)
@@ -338,7 +340,7 @@ def prepare(
 ) -> Prepared:
     """Apply every rule to one message; raises InvalidMessage naming the first it breaks.
     `level_placements` lets one batch (one clock reading) share the placement of each delay level.
-    `internal` is the store's own retry path (topics._reconsume_later), which may write reserved names."""
+    `internal` is the store's own retry path (retry.reconsume_later), which may write reserved names."""
     if not isinstance(message, Message):
         raise InvalidMessage("bad_message", f"messages must be delaywheel.Message values, got {type(message).__name__}")
     body, is_json = encode_body(message.body, settings.max_body_bytes)
