@@ -171,7 +171,7 @@ BEGIN
         END IF;
         -- a group that has not read a row of its topic here (by the topic's read index, from the group's offset)
         EXECUTE format('SELECT o.grp || '' on '' || o.topic FROM delaywheel.consumer_offsets o'
-                       ' WHERE EXISTS (SELECT 1 FROM delaywheel.%I t WHERE t.topic = o.topic'
+                       ' WHERE EXISTS (SELECT 1 FROM delaywheel.%I t WHERE t.topic = o.topic AND t.qid = o.qid'
                        '               AND (t.xid, t.queue_offset) > (o.cursor_xid, o.cursor_offset))'
                        ' LIMIT 1', partition_name) INTO found;
         IF found IS NOT NULL THEN
