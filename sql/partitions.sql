@@ -117,8 +117,8 @@ END $$;
 -- Per consumer group and topic, the rows of the topic_messages partition `partition_name` the group has not read:
 -- those past its offset on the topic, (xid, queue_offset) > (cursor_xid, cursor_offset); groups are those with an
 -- offsets row for the topic (a group that never acked one has none). Counted up to `up_to` rows per group (NULL: all),
--- so a check that only asks whether any is unread stops at the first. One index range per group from its offset (the
--- read index, topic_messages_read): a group that read everything costs one probe, one that read nothing a pass over its
+-- so a check that only asks whether any is unread stops at the first. One index range per group's queue from its offset (the
+-- queue index, topic_messages_queue): a group that read everything costs one probe, one that read nothing a pass over its
 -- topic's part of the index. Only groups with unread rows are returned. The one definition of "unread" at retirement:
 -- partition_undrained and drop_partition both read it.
 CREATE OR REPLACE FUNCTION delaywheel.partition_unread(partition_name text, up_to bigint DEFAULT NULL)
@@ -134,7 +134,7 @@ BEGIN
     RETURN QUERY EXECUTE format(
         'SELECT o.grp, o.topic, sum(u.n)::bigint FROM delaywheel.consumer_offsets o'
         ' CROSS JOIN LATERAL (SELECT count(*) AS n FROM (SELECT FROM delaywheel.%I t WHERE t.topic = o.topic'
-        '     AND (t.xid, t.queue_offset) > (o.cursor_xid, o.cursor_offset) LIMIT $1) r) u'
+        '     AND t.qid = o.qid AND (t.xid, t.queue_offset) > (o.cursor_xid, o.cursor_offset) LIMIT $1) r) u'
         ' WHERE u.n > 0 GROUP BY o.grp, o.topic ORDER BY o.grp, o.topic', partition_name) USING up_to;
 END $$;
 

@@ -32,7 +32,6 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from delaywheel import Settings, Store
 from delaywheel.channels import lane_channel
 from delaywheel.dev import embedded
-from delaywheel.locks import GROUP_LOCK, GROUP_TOPIC_KEY
 from delaywheel.migrate import OWNER_ROLE, migrate
 from tests.helpers import free_ports
 
@@ -165,23 +164,6 @@ def test_two_producers_collide_on_prepared_statements(pgbouncer: Callable[..., s
         for i in range(10):
             for store in (a, b):
                 store.send(TOPIC, {"order": i}, delay_level=3, key=f"collide-{i}")
-
-
-def test_a_group_lock_keeps_no_second_consumer_out_through_transaction_pooling(
-    pgbouncer: Callable[..., str], direct: str
-) -> None:
-    """A consumer holds its group's session advisory lock on a topic (locks.GROUP_LOCK) from the pull of a batch to
-    the commit of its ack, so a second consumer of the group reads nothing meanwhile. Through the pooler both are
-    granted it, on the one server connection they share (advisory locks are re-entrant per session), so both would
-    handle the same batch. (The pull's read is also a prepared statement: two consumers fail on it first, as above.)"""
-    take = f"SELECT pg_try_advisory_lock({GROUP_LOCK}, {GROUP_TOPIC_KEY})"
-
-    def both_granted(url: str) -> list[bool]:
-        with psycopg.connect(url, autocommit=True) as first, psycopg.connect(url, autocommit=True) as second:
-            return [conn.execute(take, ("pooled", TOPIC)).fetchone()[0] for conn in (first, second)]  # type: ignore[index]
-
-    assert both_granted(direct) == [True, False]
-    assert both_granted(pgbouncer()) == [True, True]
 
 
 def test_a_listen_through_transaction_pooling_hears_nothing(pgbouncer: Callable[..., str], direct: str) -> None:

@@ -183,7 +183,7 @@ def test_a_consumer_waits_out_a_full_lock_table(
                 while first not in handled and time.monotonic() < deadline:
                     time.sleep(0.05)
                 assert handled == [first]
-                time.sleep(0.5)  # idle past a safety wake: it has let go of its group lock, the next pull takes it
+                time.sleep(0.5)  # idle past a safety wake
                 with _full_lock_table(own_cluster):
                     record = _waiting_for(caplog.records, "short of a resource", thread, out)
                     assert "53200" in record.getMessage(), record.getMessage()

@@ -322,6 +322,8 @@ def cmd_pull(args: argparse.Namespace) -> int:
         pulled = stores.pull(args.topic, args.group, args.max)
         batch = pulled.batch
         acked = stores.ack(pulled) if args.ack else None
+        if acked is None:  # printed, not acked: its queues go back to the group at once
+            stores.release(pulled)
     rows = [delivered_json(m) for m in batch.messages]
     if args.json:
         _print(rows, True)

@@ -44,12 +44,6 @@ TURNS = (1, 2)
 # past its lease counts the other holders to hand its lanes over only to a live successor (`runner._keep_going`).
 LANE_PRESENCE_LOCK = 0x64770030
 
-# A consumer group's hold on one source topic; second key: `GROUP_TOPIC_KEY`. Exclusive, session level, by a
-# `consume` loop from the pull of a batch to the commit of its ack (`topics.ack_and_pull`, `release_group_locks`),
-# so two consumers of one group never handle the same batch. Keys of different (group, topic) pairs may collide:
-# they then take turns.
-GROUP_LOCK = 0x64770040
-
 # A lease consumer's presence on (group, topic); second key: `GROUP_TOPIC_KEY`. Shared, for the task's run, by every
 # live Airflow lease consumer (`airflow.operators.ConsumeOperator`); its watchdog counts the other holders to know a
 # successor is running before it stops at its lease end.

@@ -234,6 +234,9 @@ class Stores:
     def ack(self, pulled: Pulled, failed: set[int] | None = None) -> topics.AckResult:
         return self.store(pulled.store).ack(pulled.batch, failed)
 
+    def release(self, pulled: Pulled) -> None:
+        self.store(pulled.store).release(pulled.batch)
+
     def consume(
         self,
         topic: str,

@@ -139,11 +139,21 @@ class Store:
         return total
 
     # consuming
-    def pull(self, topic: str, group: str, max_messages: int = 100) -> topics.Batch:
-        return topics.pull(self.conn, topic, group, max_messages)
+    def pull(
+        self, topic: str, group: str, max_messages: int = 100, *, lease_s: float = topics.DEFAULT_LEASE_S
+    ) -> topics.Batch:
+        """The group's next messages in this pull's share of the topic's queues, leased for `lease_s`: `ack` the
+        batch (or `release` it) within the lease, or another member takes its queues and the ack is refused."""
+        return topics.pull(self.conn, topic, group, max_messages, lease_s=lease_s)
 
     def ack(self, batch: topics.Batch, failed: set[int] | None = None) -> topics.AckResult:
+        """Commit the batch's offsets (failed ids to the retry ladder) and give its queues back; LeaseLost if its
+        lease passed to another member."""
         return topics.ack(self.conn, self.settings, self._cache, batch, failed)
+
+    def release(self, batch: topics.Batch) -> None:
+        """Give the batch's queues back without acking it: its messages come to the group's next pull."""
+        topics.release(self.conn, batch)
 
     def consume(
         self,
@@ -159,12 +169,15 @@ class Store:
         safety_wake_s: float | None = None,
         ack_hold_s: float | None = None,
         handler_timeout_s: float | None = None,
+        lease_s: float | None = None,
     ) -> ConsumeTotals:
         """Wait for `topic`'s deliveries and hand them to `handler(messages)` in batches of up to `max_messages`,
         acking each after it (consume.py): returns `consume.ConsumeTotals`. `handler` returns None or the ids that
         failed (to a retry); it raises to retry the whole batch. With `handler_timeout_s`, the handler runs on a
         thread of its own, and a batch it has not handled within that time is not acked but handled again. Runs
-        until `stop` is set, `limit` messages were handled, `duration_s` passed, or nothing came for `idle_s`."""
+        until `stop` is set, `limit` messages were handled, `duration_s` passed, or nothing came for `idle_s`. Any
+        number of consumers of one group share its load; `lease_s` bounds a batch's handling (past it, its queues
+        pass to another member)."""
         from delaywheel.consume import consumer as consume
 
         return consume.consume(
@@ -173,7 +186,7 @@ class Store:
             group,
             handler,
             handler_timeout_s=handler_timeout_s,
-            **_consumer_options(max_messages, stop, limit, duration_s, idle_s, safety_wake_s, ack_hold_s),
+            **_consumer_options(max_messages, stop, limit, duration_s, idle_s, safety_wake_s, ack_hold_s, lease_s),
         )
 
     def messages(
@@ -188,11 +201,12 @@ class Store:
         idle_s: float | None = None,
         safety_wake_s: float | None = None,
         ack_hold_s: float | None = None,
+        lease_s: float | None = None,
     ) -> Iterator[topics.Delivered]:
         """`consume` as an iterator of messages: a message is acked once the loop asks for the next one (or ends)."""
         from delaywheel.consume import consumer as consume
 
-        options = _consumer_options(max_messages, stop, limit, duration_s, idle_s, safety_wake_s, ack_hold_s)
+        options = _consumer_options(max_messages, stop, limit, duration_s, idle_s, safety_wake_s, ack_hold_s, lease_s)
         return consume.messages(self, topic, group, **options)
 
     def set_retry_policy(
@@ -327,6 +341,7 @@ def _consumer_options(
     idle_s: float | None,
     safety_wake_s: float | None,
     ack_hold_s: float | None,
+    lease_s: float | None,
 ) -> dict[str, Any]:
     options: dict[str, Any] = {
         "max_messages": max_messages,
@@ -339,4 +354,6 @@ def _consumer_options(
         options["safety_wake_s"] = safety_wake_s
     if ack_hold_s is not None:
         options["ack_hold_s"] = ack_hold_s
+    if lease_s is not None:
+        options["lease_s"] = lease_s
     return options

@@ -82,7 +82,9 @@ def test_the_iterator_acks_what_the_loop_has_moved_past(db_url: str, store: Stor
             break  # the 7th message is in hand, not handled
         got.append(m.message_id)
     assert got == ids[:6]
-    assert [m.message_id for m in store.pull("t", "g", 10).messages] == ids[6:]  # the rest comes again
+    look = store.pull("t", "g", 10)
+    assert [m.message_id for m in look.messages] == ids[6:]  # the rest comes again
+    store.release(look)
     assert [m.message_id for m in store.messages("t", "g", limit=4, duration_s=30)] == ids[6:]
     assert len(store.pull("t", "g")) == 0
 
@@ -159,25 +161,27 @@ def test_a_notification_wakes_the_consumer_long_before_its_safety_wake(db_url: s
     assert out["totals"].notified_wakes >= 1 and out["totals"].safety_wakes == 0
 
 
-def test_two_consumers_of_one_group_never_handle_the_same_batch(db_url: str, store: Store) -> None:
-    """Each consumer holds the group's lock on the topic from pull to ack; the other finds it busy. Between
-    them they handle every message once, and never at the same time."""
-    ids = store.send_many([Message("t", {"n": i}) for i in range(60)])
+def test_two_consumers_of_one_group_share_it_one_key_at_a_time_in_order(db_url: str, store: Store) -> None:
+    """Each consumer holds its share of the group's queues; one key's messages are in one queue. Between them they
+    handle every message once, both handle some, never one key in both at the same time, each key in order."""
+    ids = store.send_many([Message("t", {"n": i}, key=f"k{i % 12}") for i in range(120)])
     handled: dict[str, list[int]] = {"a": [], "b": []}
-    inside: list[str] = []
-    overlaps: list[tuple[str, str]] = []
+    inside: dict[str, set[str]] = {"a": set(), "b": set()}
+    overlaps: list[str] = []
     lock = threading.Lock()
 
     def consumer(name: str) -> None:
+        other = "b" if name == "a" else "a"
+
         def handler(messages: list) -> None:
+            keys = {m.key for m in messages}
             with lock:
-                if inside:
-                    overlaps.append((inside[0], name))
-                inside.append(name)
-            time.sleep(0.05)  # long enough for the other consumer to try
+                overlaps.extend(keys & inside[other])
+                inside[name] = keys
+            time.sleep(0.05)  # long enough for the other consumer to pull meanwhile
             handled[name].extend(m.message_id for m in messages)
             with lock:
-                inside.remove(name)
+                inside[name] = set()
 
         with Store(db_url) as own:
             own.consume("t", "g", handler, max_messages=5, idle_s=2.0, duration_s=60)
@@ -190,8 +194,9 @@ def test_two_consumers_of_one_group_never_handle_the_same_batch(db_url: str, sto
     assert overlaps == []
     both = handled["a"] + handled["b"]
     assert sorted(both) == ids and len(set(both)) == len(both)  # every message once
+    assert handled["a"] and handled["b"]  # shared
     for name in handled:
-        assert handled[name] == sorted(handled[name])  # each in offset order
+        assert handled[name] == sorted(handled[name])  # each in offset order (so each key in order)
 
 
 def test_cli_consume_json_prints_messages_and_acks(
@@ -321,17 +326,23 @@ def test_a_batch_that_left_rows_unread_says_so(store: Store) -> None:
     """`Batch.behind` with messages: rows past the offset that the batch does not hold (beyond its room), so the
     consumer pulls again at once instead of holding the ack for a notification that came already."""
     store.send_many([Message("t", {"n": i}) for i in range(5)])
-    assert store.pull("t", "g", max_messages=2).behind
-    whole = store.pull("t", "g", max_messages=5)
+
+    def peek(n: int) -> topics.Batch:
+        batch = store.pull("t", "g", max_messages=n)
+        store.release(batch)
+        return batch
+
+    assert peek(2).behind
+    whole = peek(5)
     assert len(whole) == 5 and not whole.behind
-    assert not store.pull("t", "g", max_messages=6).behind
+    assert not peek(6).behind
     # the group's retry topic is read after the topic, into the room left: its rows that found none are behind
     send_for_store(
         store.conn, store.settings, store._cache, [Message(retry_topic("g"), {"n": i}) for i in range(2)], [1, 1]
     )
-    assert store.pull("t", "g", max_messages=5).behind
-    assert store.pull("t", "g", max_messages=6).behind
-    both = store.pull("t", "g", max_messages=7)
+    assert peek(5).behind
+    assert peek(6).behind
+    both = peek(7)
     assert len(both) == 7 and not both.behind
 
 
@@ -342,14 +353,16 @@ def test_a_batch_is_in_each_sources_order_whatever_order_its_rows_arrive_in(stor
     store.send_many([Message("t", {"n": i}) for i in range(4, 7)])
     send_for_store(store.conn, store.settings, store._cache, [Message(retry_topic("g"), {"n": 9})], [1])
     sources = ("t", retry_topic("g"))
+    holder = topics.new_holder()
     with store.conn.transaction():
-        store.conn.execute(topics._SET_READ_PLAN)
-        rows = topics._read(store.conn, "g", sources, 10).fetchall()
-    in_order = topics._batch("g", sources, rows, 10)
+        queues = topics._take(store.conn, "g", "t", holder, 30.0, durable=True)
+        rows = topics._read(store.conn, "g", sources, holder, 10).fetchall()
+    in_order = topics._batch("g", sources, rows, 10, holder, queues)
+    topics.give_queues(store.conn, "g", "t", holder)
     assert [m.message_id for m in in_order.messages] == [m.message_id for m in store.pull("t", "g", 10).messages]
     assert [m.body["n"] for m in in_order.messages] == [0, 1, 2, 3, 4, 5, 6, 9]
     for shuffled in (rows[::-1], rows[3:] + rows[:3]):
-        batch = topics._batch("g", sources, shuffled, 10)
+        batch = topics._batch("g", sources, shuffled, 10, holder, queues)
         assert batch.messages == in_order.messages and batch.positions == in_order.positions
         assert batch.cursors == in_order.cursors
 
@@ -381,21 +394,24 @@ def test_a_caught_up_consumer_acks_a_batch_with_the_pull_of_the_next_delivery(db
     assert len(store.pull("t", "g")) == 0  # both acked
 
 
-def _ack_and_pull(store: Store, done: topics.Batch | None, held: frozenset[str], n: int = 2) -> tuple:
-    return topics.ack_and_pull(store.conn, store.settings, store._cache, done, None, "t", "g", n, held)
+HOLDER = topics.new_holder()
+
+
+def _ack_and_pull(store: Store, done: topics.Batch | None, n: int = 2) -> tuple:
+    return topics.ack_and_pull(store.conn, store.settings, store._cache, done, None, "t", "g", n, HOLDER)
 
 
 def test_in_the_steady_state_the_ack_and_the_next_pull_are_one_round_trip(store: Store) -> None:
     """Every round trip costs the consumer and its server process a wake-up, and each waits for a CPU on a busy
-    machine. With the group's locks held and nothing failed, the ack and the read are sent before the server's first
+    machine. With nothing failed, the ack, the take of the member's queues and the read are sent before the server's first
     answer and end in one Sync, so they are one implicit transaction (libpq's trace: no line from the server
     between the client's)."""
     ids = store.send_many([Message("t", {"n": i}) for i in range(6)])
-    _, first, held = _ack_and_pull(store, None, frozenset())  # takes the group's locks
-    assert held == {"t", retry_topic("g")}
-    result, second, held = _ack_and_pull(store, first, held)  # the group's first ack: its offset row is written
+    _, first = _ack_and_pull(store, None)  # takes the group's queues
+    assert first.queues == tuple(range(topics.QUEUES))  # the only member: all of them
+    result, second = _ack_and_pull(store, first)  # the group's first ack: its offset rows are written
     assert result.acked == 2
-    (result, third, _), lines = traced(store.conn, lambda: _ack_and_pull(store, second, held))
+    (result, third), lines = traced(store.conn, lambda: _ack_and_pull(store, second))
     sides = [line[0] for line in lines]
     assert "B" in sides and "F" not in sides[sides.index("B") :], "the client waited for an answer in between"
     assert syncs(lines) == 1
@@ -418,19 +434,21 @@ def test_an_ack_that_rides_a_pull_does_not_wait_for_its_wal_flush(store: Store) 
     ack commits: an ack that travels with a pull commits asynchronously (a crash can undo it, and the batch is
     handed out again, as after a crash before the ack). `ack` on its own stays durable: one WAL sync per ack."""
     store.send_many([Message("t", {"n": i}) for i in range(61)])
-    _, batch, held = _ack_and_pull(store, None, frozenset(), n=1)  # the group's locks and its offset row
-    batch = _ack_and_pull(store, batch, held, n=1)[1]
+    batch = store.pull("t", "g", 1)
     before = _wal_syncs(store.conn)
     for _ in range(30):
         store.ack(batch)
         batch = store.pull("t", "g", 1)
     durable = _wal_syncs(store.conn) - before
+    store.release(batch)
+    batch = _ack_and_pull(store, None, n=1)[1]
     before = _wal_syncs(store.conn)
     for _ in range(29):
-        result, batch, held = _ack_and_pull(store, batch, held, n=1)
+        result, batch = _ack_and_pull(store, batch, n=1)
         assert result.acked == 1
     riding = _wal_syncs(store.conn) - before
     assert durable >= 30 and riding < 10, (durable, riding)
+    topics.give_queues(store.conn, "g", "t", HOLDER)
     assert len(store.pull("t", "g")) == 1  # every ack took: only the last batch is still unacked
 
 
@@ -439,10 +457,10 @@ def test_a_batch_acked_meanwhile_is_counted_and_not_handed_out_again(store: Stor
     of the group acked past the batch), that read is dropped and the ack takes the general path: the batch counts as
     already acked and the next pull starts after it."""
     ids = store.send_many([Message("t", {"n": i}) for i in range(6)])
-    _, first, held = _ack_and_pull(store, None, frozenset())
-    _, second, held = _ack_and_pull(store, first, held)
-    store.ack(second)  # by hand, as another consumer of the group would
-    result, third, _ = _ack_and_pull(store, second, held)
+    _, first = _ack_and_pull(store, None)
+    _, second = _ack_and_pull(store, first)
+    store.ack(second)  # by hand, as another consumer of the group would (gives the member's queues back)
+    result, third = _ack_and_pull(store, second)
     assert (result.acked, result.already_acked) == (0, 2)
     assert [m.message_id for m in third.messages] == ids[4:]
 

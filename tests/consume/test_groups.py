@@ -64,6 +64,8 @@ def test_a_batch_with_a_bad_group_is_not_acked(store: Store) -> None:
     batch.group = "g" * 200
     with pytest.raises(InvalidMessage, match="group"):
         store.ack(batch, failed={batch.messages[0].message_id})
+    batch.group = "g"
+    store.release(batch)
     assert len(store.pull("orders", "g")) == 1  # not acked: handed out again
 
 

@@ -345,20 +345,17 @@ class ConsumeOperator(BaseOperator):
         store's messages need a second task with that store's connection given here (`hooks.topic_conn_ids` lists
         them).
 
-    Hand-over (`consume.lease.LeasedConsumer`, which `execute` runs): only the holder of the group's lock on a topic
-    handles (`topics.GROUP_LOCK`, held from the pull of a batch to the commit of its ack); a second consumer of the
-    group is a standby that tries the lock every 0.25 s.
-    So during the overlap of two runs nothing is handled twice, and when the old task stops (its batch in hand
-    acked, its lock released) the new one takes over. A lease consumer waits for its turn before it consumes at all
-    (an exclusive advisory lock on (group, topic), `CONSUMER_TURN_LOCK`, held while it consumes): the server grants
-    it the moment the old task lets go, so the new one pulls within milliseconds, not at its next look as a busy
-    standby (0.25 s). The turn is only a wake-up; the group lock is what keeps a batch from two consumers. Every
-    lease consumer also holds a shared "presence" advisory lock on (group, topic) for its lifetime, which the
-    grace above looks for. SIGTERM (`on_kill`) stops the same way: the handler finishes its batch, the batch is
+    Hand-over (`consume.lease.LeasedConsumer`, which `execute` runs): a batch is handled under its queues' leases
+    (`consume.topics`: members of a group share its queues, one key per queue), so during the overlap of two runs
+    nothing is handled twice, and when the old task stops (its batch in hand acked, its queues given back) the new
+    one takes them. A lease consumer waits for its turn before it consumes at all (an exclusive advisory lock on
+    (group, topic), `CONSUMER_TURN_LOCK`, held while it consumes): the server grants it the moment the old task lets
+    go, so the new one pulls within milliseconds. Every lease consumer also holds a shared "presence" advisory lock
+    on (group, topic) for its lifetime, which the grace above looks for. SIGTERM (`on_kill`) stops the same way: the handler finishes its batch, the batch is
     acked, the task returns.
 
     During `execute`, `self.store` is the consumer's `Store`: a ``handle`` override may run its own transaction on
-    ``self.store.conn`` (the session holding the group lock, idle between the pull and the ack), so that a business
+    ``self.store.conn`` (the consumer's session, idle between the pull and the ack), so that a business
     write costs no second connection.
 
     Returns ``{"handled", "acked", "retried", "reconnects", ...}``: messages handed to the handler, messages
@@ -500,7 +497,7 @@ class ConsumeOperator(BaseOperator):
         return result
 
     def on_kill(self) -> None:
-        """SIGTERM: the handler finishes its batch, the batch is acked, the group lock released; `execute` then asks
+        """SIGTERM: the handler finishes its batch, the batch is acked, its queues given back; `execute` then asks
         Airflow to run the task again."""
         self._killed = True
         if self._stop is not None:

@@ -9,17 +9,17 @@ the group's offset exist (`Batch.behind`) looks again after 2, 5, 10, 20 ... ms 
 unreadable); one that finds nothing past the offset waits for the next notification or the safety wake.
 
 Per batch, the ack of the batch just handled and the pull of the next are one transaction (`topics.ack_and_pull`:
-the offset's move with the pull's plan settings, then one read of the topic and the retry topic, in binary): one
-round trip while the consumer holds its group's locks and nothing failed, else four (BEGIN and COMMIT around them).
+the offsets' move, the member's share of the group's queues, then one read of them in the topic and the retry topic,
+in binary): one round trip while nothing failed, else more (BEGIN and COMMIT around them).
 A batch that took every readable row waits up to `ack_hold_s` for the next notification before that round trip, so
 its ack goes with the pull of the next delivery rather than with a pull that finds nothing. An ack that goes with a
 pull commits asynchronously (`topics._ASYNC_ACK`); the loop's last ack is durable. At most `max_messages`
-are in hand at a time (the prefetch bound). Two consumers of one group never handle the same batch: a consumer holds
-the group's lock on a source topic (`topics.GROUP_LOCK`, a session advisory lock) from the pull of a batch to the
-commit of its ack, and keeps it while messages keep coming (a topic is one ordered queue per group: a second
-consumer adds no parallelism, only a standby); it lets go after a safety wake with nothing to do, and a standby
-consumer takes over then. Delivery to the handler is at least once: a batch whose ack did not commit (a crash, a
-kill, a lost connection) is handled again, by this consumer or another; deduplicate on `Delivered.idempotency_id`.
+are in hand at a time (the prefetch bound). Any number of consumers of one group share its load: each is a
+member holding leases on its share of the topic's queues (`topics`, sql/consume.sql), renewed by its pulls and given
+back when it stops; one key's messages are in one queue, so they are handled in order, one at a time. A member whose
+handler outlives `lease_s` loses its queues to the others and its ack is refused (counted in `ConsumeTotals.lost`).
+Delivery to the handler is at least once: a batch whose ack did not commit (a crash, a kill, a lost connection) is
+handled again, by this consumer or another; deduplicate on `Delivered.idempotency_id`.
 """
 
 from __future__ import annotations
@@ -75,7 +75,8 @@ class ConsumeTotals:
     empty_pulls: int = 0
     held_acks: int = 0  # acks held `ack_hold_s` in vain (no notification came): sent with an empty pull
     repulls: int = 0  # waits of REPULL_S: a pull found rows past the offset, none readable yet (commit horizon)
-    busy: int = 0  # pulls that found the group's topic held by another consumer
+    busy: int = 0  # pulls that found every queue of the group held by other members
+    lost: int = 0  # messages of batches whose lease expired and passed to another member: not acked
     reconnects: int = 0
     stopped_by: str = ""  # "stop", "limit", "duration", "idle" or "abandon"
 
@@ -96,8 +97,10 @@ class Consumer:
         idle_s: float | None = None,
         safety_wake_s: float = SAFETY_WAKE_S,
         ack_hold_s: float = ACK_HOLD_S,
+        lease_s: float = topics.DEFAULT_LEASE_S,
     ) -> None:
         topics.checked_batch_size(max_messages)
+        self.lease_s = topics.checked_lease(lease_s)
         self.store = store
         self.topic = topic
         self.group = group
@@ -109,9 +112,9 @@ class Consumer:
         self.safety_wake_s = safety_wake_s
         self.ack_hold_s = ack_hold_s
         self.totals = ConsumeTotals()
-        self._names = {topic, topics.retry_topic(group)}
+        self._names = set(topics.sources_of(topic, group))
         self._listener: psycopg.Connection | None = None
-        self._held: frozenset[str] = frozenset()  # sources whose group lock the store's session holds
+        self.holder = topics.new_holder()  # this member's name in the group's leases
         self._last_message = time.monotonic()
         self.unacked = False  # set after a batch: leave it unacked, so that the next pull hands it out again
 
@@ -134,7 +137,7 @@ class Consumer:
                 try:
                     self._ensure_listener()
                     self._drain()  # notifications up to here are answered by this pull
-                    result, batch, self._held = topics.ack_and_pull(
+                    result, batch = topics.ack_and_pull(
                         self.store.conn,
                         self.store.settings,
                         self.store._cache,
@@ -143,7 +146,8 @@ class Consumer:
                         self.topic,
                         self.group,
                         room,
-                        self._held,
+                        self.holder,
+                        self.lease_s,
                     )
                     retry_in = backoff_delays()
                 except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
@@ -164,12 +168,12 @@ class Consumer:
                         self.unacked, self.failed = False, set()
                         continue
                     done = batch
-                    caught_up = not batch.behind and not self.failed and self.topic in self._held
+                    caught_up = not batch.behind and not self.failed
                     if caught_up and not self._should_stop(self.totals.messages + len(batch)):
                         self._hold_ack()  # caught up: its ack goes with the pull the next notification asks for
                     continue
                 self.totals.empty_pulls += 1
-                if self.topic not in self._held:  # another consumer of the group has it: a standby looks now and then
+                if not batch.queues:  # other members hold every queue: look now and then (a share may come free)
                     self.totals.busy += 1
                     self.stop.wait(BUSY_RETRY_S)
                     continue
@@ -186,14 +190,20 @@ class Consumer:
                     self.totals.notified_wakes += 1
                 elif not batch.behind:
                     self.totals.safety_wakes += 1
-                    self._release()  # idle for a while: another consumer of the group may take over
         except Abandon:
             done = None  # handled again by the next consumer
             self.totals.stopped_by = "abandon"
         finally:
             try:
                 if done is not None:
-                    self._count(done, self.store.ack(done, self.failed))
+                    try:
+                        result = topics.ack(
+                            self.store.conn, self.store.settings, self.store._cache, done, self.failed, give_back=False
+                        )
+                    except topics.LeaseLost as exc:
+                        log.warning("delaywheel consumer: %s", exc)
+                        result = topics.AckResult(lost=len(done))
+                    self._count(done, result)
                 self._release()
             except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
                 if not transient(exc):
@@ -223,6 +233,7 @@ class Consumer:
         self.totals.messages += len(batch.messages)
         self.totals.retried += result.retried
         self.totals.already_acked += result.already_acked
+        self.totals.lost += result.lost
 
     # -- waiting ----------------------------------------------------------------------------------------------
     def _ensure_listener(self) -> None:
@@ -285,18 +296,16 @@ class Consumer:
 
     # -- connections and locks --------------------------------------------------------------------------------
     def _release(self) -> None:
-        if self._held:
-            with contextlib.suppress(psycopg.OperationalError, psycopg.InterfaceError):
-                topics.release_group_locks(self.store.conn, self.group, self._held)
-            self._held = frozenset()
+        """Give the member's queues back and leave the group: the other members take them at their next pull."""
+        with contextlib.suppress(psycopg.OperationalError, psycopg.InterfaceError):
+            topics.give_queues(self.store.conn, self.group, self.topic, self.holder)
 
     def _lost(self, exc: BaseException) -> None:
         """A transient error (`reconnect.transient`): a lost connection, or the server short of disk, memory or
         connection slots. Either way start again on fresh connections after the caller's backoff."""
         self.totals.reconnects += 1
         log.warning("delaywheel consumer: %s; reconnecting", transient_reason(exc))
-        self.store.close()  # its next call opens a fresh connection; the group locks went with the old one
-        self._held = frozenset()
+        self.store.close()  # its next call opens a fresh connection; the member keeps its queues (its leases)
         self._close_listener()  # notifications sent meanwhile are lost: the next round pulls at once
 
     def _close_listener(self) -> None:
@@ -412,7 +421,7 @@ def messages(store: Store, topic: str, group: str, **options: object) -> Iterato
     finally:
         if batch is not None and handed > 0:
             # left inside a batch: ack the messages before the one in hand, then end without acking the batch
-            with contextlib.suppress(psycopg.Error):
+            with contextlib.suppress(psycopg.Error, topics.LeaseLost):
                 part = _prefix(batch, handed - 1)
                 if part.messages:
                     store.ack(part)
@@ -429,8 +438,16 @@ def _abandon(batches: Generator[Batch, None, None]) -> None:
 
 
 def _prefix(batch: Batch, n: int) -> Batch:
-    """The first `n` messages of `batch` as a batch of their own (cursors at the last of each source)."""
-    part = Batch(batch.group, batch.messages[:n], positions=batch.positions[:n])
-    for m, (xid, offset) in zip(part.messages, part.positions, strict=True):
-        part.cursors[m.source_topic] = (str(xid), offset)
+    """The first `n` messages of `batch` as a batch of their own (cursors at the last of each source's queue)."""
+    part = Batch(
+        batch.group,
+        batch.messages[:n],
+        positions=batch.positions[:n],
+        qids=batch.qids[:n],
+        topic=batch.topic,
+        holder=batch.holder,
+        queues=batch.queues,
+    )
+    for m, (xid, offset), qid in zip(part.messages, part.positions, part.qids, strict=True):
+        part.cursors[(m.source_topic, qid)] = (str(xid), offset)
     return part

@@ -2,15 +2,15 @@
 
 What `airflow.operators.ConsumeOperator` runs, as the Kafka provider's `ConsumeFromTopicOperator` runs its hook's
 consumer: the operator brings the Airflow things (the handler, templating, the reschedule after SIGTERM), this the
-protocol. Two advisory locks on (group, topic) (`locks.GROUP_TOPIC_KEY`), beside the group lock that keeps a batch
-from two consumers (`topics.GROUP_LOCK`):
+protocol. Two advisory locks on (group, topic) (`locks.GROUP_TOPIC_KEY`), beside the queue leases that keep a batch
+from two consumers (`consume.topics`):
 
 - presence (`CONSUMER_PRESENCE_LOCK`, shared), held for the consumer's whole life on a connection of its own: a
   consumer whose lease ended looks for another holder before it lets go (`grace_s`), so a successor that failed at
   start-up leaves no gap while it is retried;
 - the turn (`CONSUMER_TURN_LOCK`, exclusive), held while it consumes: a successor waits for it, and the server grants
   it the moment the old consumer lets go, so the new one pulls within milliseconds rather than at a standby's next
-  try of the group lock. The turn is only a wake-up; the group lock decides who handles.
+  look for a free queue. The turn is only a wake-up; the queue leases decide who handles what.
 
 A watchdog thread sets `stop` at the lease end (or past it, once a successor is present, at most `grace_s` later);
 the consumer then finishes its batch, acks it and returns, so nothing is lost or handled twice.
@@ -112,7 +112,7 @@ class LeasedConsumer:
     def _wait_turn(self, presence: psycopg.Connection) -> None:
         """Block until this consumer holds the turn of (group, topic) or `stop` is set. The lock is waited for in
         slices of TURN_WAIT_S (lock_timeout), so a stop is seen that soon; a lost connection goes on to consume
-        (the group lock still decides who handles)."""
+        (the queue leases still decide who handles what)."""
         presence.execute("SELECT set_config('lock_timeout', %s, false)", (f"{int(TURN_WAIT_S * 1000)}ms",))
         waited = time.monotonic()
         while not self.stop.is_set():
@@ -121,7 +121,7 @@ class LeasedConsumer:
             except psycopg.errors.LockNotAvailable:
                 continue
             except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
-                self.log.warning("cannot wait for the turn (%s); consuming as a standby of the group lock", exc)
+                self.log.warning("cannot wait for the turn (%s); consuming beside the other members", exc)
                 return
             self.log.info("took the turn of %s / %s after %.2fs", self.group, self.topic, time.monotonic() - waited)
             return

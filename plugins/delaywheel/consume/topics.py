@@ -1,8 +1,11 @@
 """Consumers: pull a batch by consumer group, ack it, or hand failures to RocketMQ's retry ladder.
 
-Topic rows are read in (xid, queue_offset) order below the commit horizon, like the level queues, so a
-group's offset never passes a delivery that commits late. Delivery to consumers is at-least-once: a
-batch not acked is pulled again; `Delivered.idempotency_id` is the key consumers deduplicate by.
+A topic is read as QUEUES queues by key hash (sql/consume.sql): each member of a group reads only the queues it
+holds a lease on, its share of them, so members share a group's load while one key's messages go to one member at a
+time, in order. Within a queue, rows are read in (xid, queue_offset) order below the commit horizon, like the level
+queues, so a group's offset in a queue never passes a delivery that commits late. Delivery to consumers is
+at-least-once: a batch not acked is pulled again (once its lease ends, by any member);
+`Delivered.idempotency_id` is the key consumers deduplicate by.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import functools
 import json
 import logging
 import operator
+import uuid
 from collections.abc import Collection
 from dataclasses import dataclass, field, fields
 from datetime import datetime
@@ -20,9 +24,8 @@ import psycopg
 from psycopg import sql
 
 from delaywheel.config import Settings
-from delaywheel.consume.retry import reconsume_later, retries_so_far, retry_topic
+from delaywheel.consume.retry import dlq_topic, reconsume_later, retries_so_far, retry_topic
 from delaywheel.db import COMMIT_HORIZON, QUEUE_PLAN, commits_each_statement
-from delaywheel.locks import GROUP_LOCK, GROUP_TOPIC_KEY
 from delaywheel.partitions import PartitionCache
 from delaywheel.produce.validation import RECONSUME_TIME, checked_group
 from delaywheel.types import MAX_ID, TopicSpan
@@ -64,12 +67,17 @@ class Delivered:
 class Batch:
     group: str
     messages: list[Delivered]
-    cursors: dict[str, tuple[str, int]] = field(default_factory=dict)  # topic -> (xid, offset) of its last message
+    # (source, queue) -> (xid, offset) of the batch's last message from that source's queue
+    cursors: dict[tuple[str, int], tuple[str, int]] = field(default_factory=dict)
     positions: list[tuple[int, int]] = field(default_factory=list)  # each message's (xid, queue_offset) in its topic
-    # Rows past the group's offset that the batch does not hold existed when it was read: rows not readable yet
-    # (committed above the commit horizon, or just after the read) or beyond the batch's room. The consumer then
-    # looks again within milliseconds rather than wait for the next notification (which may have come already).
+    qids: list[int] = field(default_factory=list)  # each message's queue
+    # Rows past the group's offset in the queues read that the batch does not hold existed when it was read: rows not
+    # readable yet (committed above the commit horizon, or just after the read) or beyond the batch's room. The
+    # consumer then looks again within milliseconds rather than wait for the next notification.
     behind: bool = False
+    topic: str = ""  # the topic pulled: the leases are the group's on it
+    holder: str = ""  # the member that pulled it, whose leases its ack checks
+    queues: tuple[int, ...] = ()  # the queues the member held when it read the batch
 
     def __len__(self) -> int:
         return len(self.messages)
@@ -80,11 +88,38 @@ class AckResult:
     """What an ack did. `acked`: messages whose group offset this ack moved past, failed ones included;
     `retried`: of those, the failed ones handed to a retry (or, after the group's last, to the dead-letter
     topic: retry.py); `already_acked`: messages another ack of the group had passed already (a second ack of
-    the batch, or another consumer of the group acked further) — nothing was done for them, failed or not."""
+    the batch, or another consumer of the group acked further) — nothing was done for them, failed or not;
+    `lost`: messages of a batch whose queue another member took after its lease expired: not acked (that member
+    handles them)."""
 
     acked: int = 0
     retried: int = 0
     already_acked: int = 0
+    lost: int = 0
+
+
+class LeaseLost(RuntimeError):
+    """An ack of a batch whose queue's lease expired and passed to another member of the group: refused, nothing
+    acked; the other member handles the batch's messages (at least once)."""
+
+
+QUEUES = 16  # a topic's queues (topic_messages.qid, a hash of the key: sql/migrations/002_consumer_queues.sql)
+DEFAULT_LEASE_S = 30.0  # how long a member holds its queues without pulling (the time to run a batch's handler)
+MAX_LEASE_S = 86_400.0
+
+
+def checked_lease(lease_s: float) -> float:
+    """`lease_s` if it is a number of seconds from 0.1 to a day; else ValueError, before anything is read."""
+    if isinstance(lease_s, bool) or not isinstance(lease_s, int | float) or not 0.1 <= lease_s <= MAX_LEASE_S:
+        raise ValueError(f"lease_s must be a number of seconds from 0.1 to {MAX_LEASE_S:,.0f}, not {lease_s!r}")
+    return float(lease_s)
+
+
+def sources_of(topic: str, group: str) -> tuple[str, ...]:
+    """What a group reads for `topic`: the topic and the group's retry topic; only the topic itself when it is one of
+    the group's own reserved topics (its retry topic once, not twice; its DLQ without taking its pending retries)."""
+    retry = retry_topic(group)
+    return (topic,) if topic in (retry, dlq_topic(group)) else (topic, retry)
 
 
 MAX_BATCH = 1_000_000  # the most messages one pull reads, holds and acks at once
@@ -97,13 +132,47 @@ def checked_batch_size(max_messages: int) -> int:
     return max_messages
 
 
-def pull(conn: psycopg.Connection, topic: str, group: str, max_messages: int = 100) -> Batch:
-    """The next messages after the group's committed offset, from the topic and the group's retry topic."""
+def new_holder() -> str:
+    """A member's name in its group's leases: unique per consumer loop or per pull."""
+    return uuid.uuid4().hex
+
+
+def pull(
+    conn: psycopg.Connection,
+    topic: str,
+    group: str,
+    max_messages: int = 100,
+    *,
+    lease_s: float = DEFAULT_LEASE_S,
+    holder: str | None = None,
+) -> Batch:
+    """The next messages after the group's offsets, from the topic and the group's retry topic, in the queues this
+    pull holds for `lease_s` (its share of the group's queues): `ack` them, or `release` the batch, within the lease."""
     checked_batch_size(max_messages)
-    sources = (topic, retry_topic(group))
+    checked_lease(lease_s)
+    sources_of(topic, group)  # a bad group raises before anything is read
+    holder = holder or new_holder()
     with conn.transaction():
-        conn.execute(_SET_READ_PLAN)
-        return _batch(group, sources, _read(conn, group, sources, max_messages).fetchall(), max_messages)
+        batch = _take_and_read(conn, group, topic, holder, lease_s, max_messages, durable=True)
+        if not batch.messages:  # nothing to ack: hold nothing
+            release(conn, batch)
+        return batch
+
+
+def _take_and_read(
+    conn: psycopg.Connection, group: str, topic: str, holder: str, lease_s: float, max_messages: int, durable: bool
+) -> Batch:
+    """Inside the caller's transaction: the member's share of the queues, then the read of them."""
+    sources = sources_of(topic, group)
+    queues = _take(conn, group, topic, holder, lease_s, durable=durable)
+    rows = _read(conn, group, sources, holder, max_messages).fetchall()
+    return _batch(group, sources, rows, max_messages, holder, queues)
+
+
+def release(conn: psycopg.Connection, batch: Batch) -> None:
+    """Give back the batch's queues without acking it: its messages go to the group's next pull at once."""
+    if batch.holder:
+        give_queues(conn, batch.group, batch.topic, batch.holder)
 
 
 def _body(data: bytes, is_json: bool, message_id: int) -> Any:
@@ -119,51 +188,65 @@ def _body(data: bytes, is_json: bool, message_id: int) -> Any:
         return data
 
 
-# The group's offset in one source (`source`: the parameter naming it), as a row to compare (xid, queue_offset) with.
-_OFFSET = sql.SQL("""(
-          coalesce((SELECT cursor_xid FROM delaywheel.consumer_offsets WHERE grp = %(group)s AND topic = {source}), '0'),
-          coalesce((SELECT cursor_offset FROM delaywheel.consumer_offsets WHERE grp = %(group)s AND topic = {source}), 0))""")
-# One source's next messages after the group's offset, below the commit horizon (`h`, read once for every source),
-# one more than a batch takes: that one, if there, says that the source has more readable rows than the batch holds
-# (`Batch.behind`); it is not handed out. The columns are Delivered's fields in order but the last (source_topic: the
-# source read), then is_json, the source's index (`src`) and the position.
+# The queues the member holds on the pulled topic (parameters: group, s0 (the topic), holder), as an array.
+_HELD = """q AS MATERIALIZED (
+    SELECT coalesce(array_agg(l.qid), '{}') AS held FROM delaywheel.consumer_leases l
+    WHERE l.grp = %(group)s AND l.topic = %(s0)s AND l.holder = %(holder)s)"""
+# The group's offsets in one source, every queue's (arrays indexed by qid + 1; '0' / 0 before its first ack), and the
+# lowest of them among the queues held (sx, so): where the source's read starts. NULL when no queue is held.
+_OFFSETS = sql.SQL("""o{index} AS MATERIALIZED (
+    SELECT array_agg(c.x ORDER BY c.q) AS xids, array_agg(c.o ORDER BY c.q) AS offs,
+           (array_agg(c.x ORDER BY c.x, c.o) FILTER (WHERE c.q = ANY (q.held)))[1] AS sx,
+           (array_agg(c.o ORDER BY c.x, c.o) FILTER (WHERE c.q = ANY (q.held)))[1] AS so
+    FROM q, LATERAL (
+        SELECT g.q, coalesce(f.cursor_xid, '0'::xid8) AS x, coalesce(f.cursor_offset, 0) AS o
+        FROM generate_series(0, {last}) g(q)
+        LEFT JOIN delaywheel.consumer_offsets f ON f.grp = %(group)s AND f.topic = {source} AND f.qid = g.q) c)""")
+# One source's next messages in the queues held, past each queue's offset, below the commit horizon (`h`, read once
+# for every source), one more than a batch takes: that one, if there, says that the source has more readable rows
+# than the batch holds (`Batch.behind`); it is not handed out. The read walks the topic's read index from the lowest
+# offset held; a row of a queue not held, or before its queue's offset, is skipped. The columns are Delivered's
+# fields in order but the last (source_topic: the source read), then is_json, the source's index (`src`), the
+# position and the queue.
 _SOURCE = sql.SQL("""(
     SELECT coalesce(t.properties->>'ORIGIN_TOPIC', t.topic), t.queue_offset, t.message_id, t.key, t.tags,
            t.properties, t.body, t.reconsume_times, t.deliver_at, t.delivered_at,
-           t.is_json, {index} AS src, t.xid::text::bigint AS position
+           t.is_json, {index} AS src, t.xid::text::bigint AS position, t.qid
     FROM delaywheel.topic_messages t
-    WHERE t.topic = {source} AND (t.xid, t.queue_offset) > {offset}
+    WHERE t.topic = {source}
+      AND (t.xid, t.queue_offset) > ((SELECT sx FROM o{index}), (SELECT so FROM o{index}))
       AND t.xid < (SELECT x FROM h)
+      AND t.qid = ANY ((SELECT held FROM q)::smallint[])
+      AND (t.xid, t.queue_offset) > (((SELECT xids FROM o{index}))[t.qid + 1], ((SELECT offs FROM o{index}))[t.qid + 1])
     ORDER BY t.xid, t.queue_offset
     LIMIT %(limit)s + 1
 )""")
-# Whether the source holds a row that no read can take yet (committed at or above the commit horizon): one probe of
-# the read's index at the horizon. Every such row is past the group's offset, which is a row read, so below the
-# horizon when it was read, and the horizon only moves up. With the read's rows (below the horizon) that is every row
-# past the offset. (Bounded by the offset too, the probe would start from the offset and walk the rows after it;
-# counting the rows past the offset would walk the batch's rows a second time.)
+# Whether the source holds a row in a queue held that no read can take yet (committed at or above the commit
+# horizon): a probe of the read index at the horizon. Every such row is past the group's offset, which is a row read,
+# so below the horizon when it was read, and the horizon only moves up.
 _UNREADABLE = sql.SQL(
-    "EXISTS (SELECT FROM delaywheel.topic_messages t WHERE t.topic = {source} AND t.xid >= (SELECT x FROM h))"
+    "EXISTS (SELECT FROM delaywheel.topic_messages t WHERE t.topic = {source} AND t.xid >= (SELECT x FROM h)"
+    " AND t.qid = ANY ((SELECT held FROM q)::smallint[]))"
 )
 # Not ordered as a whole: each source's rows come in its read's order as PostgreSQL runs it, and `_batch` orders them
-# again, a pass over rows already in order. An ORDER BY here would sort the whole rows, bodies and all, a sizeable
-# part of a pull's server time.
-_READ = sql.SQL("""WITH h AS MATERIALIZED (SELECT {horizon} AS x)
+# again, a pass over rows already in order. An ORDER BY here would sort the whole rows, bodies and all.
+_READ = sql.SQL("""WITH h AS MATERIALIZED (SELECT {horizon} AS x), {held}, {offsets}
 SELECT r.*, e.behind FROM (SELECT {unreadable} AS behind) e
 LEFT JOIN LATERAL ({sources}) r ON true""")
 
 
 def _read_statement(n: int) -> str:
-    """The read of `n` sources (parameters s0, s1, ...): every source's rows, each with `behind` (a source holds
-    rows past the offset not readable yet); no rows: one row of NULLs with it. As text, rendered once: prepared by
-    its text (`_read`)."""
+    """The read of `n` sources (parameters s0, s1, ...; group, holder, limit): every source's rows, each with
+    `behind`; no rows: one row of NULLs with it. As text, rendered once: prepared by its text (`_read`)."""
     sources = [(sql.Literal(i), sql.Placeholder(f"s{i}")) for i in range(n)]
     return _READ.format(
         horizon=sql.SQL(COMMIT_HORIZON),
-        unreadable=sql.SQL(" OR ").join(_UNREADABLE.format(source=s) for _, s in sources),
-        sources=sql.SQL("\nUNION ALL\n").join(
-            _SOURCE.format(index=i, source=s, offset=_OFFSET.format(source=s)) for i, s in sources
+        held=sql.SQL(_HELD),
+        offsets=sql.SQL(", ").join(
+            _OFFSETS.format(index=i, source=s, last=sql.Literal(QUEUES - 1)) for i, s in sources
         ),
+        unreadable=sql.SQL(" OR ").join(_UNREADABLE.format(source=s) for _, s in sources),
+        sources=sql.SQL("\nUNION ALL\n").join(_SOURCE.format(index=i, source=s) for i, s in sources),
     ).as_string()
 
 
@@ -172,33 +255,55 @@ _FIELDS = tuple(f.name for f in fields(Delivered))[:-1]
 _ORDER = operator.itemgetter(len(_FIELDS) + 2, 1)  # a source's order: position (the xid), then queue_offset
 assert fields(Delivered)[-1].name == "source_topic"
 # The read's planner settings: the cursor's index order across partitions, not "read all, sort" (QUEUE_PLAN), and
-# the read planned once per connection (a prepared generic plan): it names topic_messages four times, and planning
-# it for each batch cost more than running it. Nothing is pruned by its parameters.
+# the read planned once per connection (a prepared generic plan): planning it for each batch cost more than running
+# it. Nothing is pruned by its parameters.
 _READ_PLAN = sql.SQL("{}, set_config('plan_cache_mode', 'force_generic_plan', true)").format(sql.SQL(QUEUE_PLAN))
 # An ack that travels with a pull commits without waiting for its WAL to reach the disk: the pull's rows come back
 # only after the commit, and beside busy loops that wait is a scheduler tick, on the path from a delivery's
-# notification to the handler. A PostgreSQL crash within the next 3 x wal_writer_delay
-# can undo such an ack, and the batch is handed out again: the same at-least-once contract as a crash before the
-# ack. A later durable commit (the deliverer's) flushes it anyway. `ack` on its own, the loop's last, stays durable.
+# notification to the handler. A PostgreSQL crash within the next 3 x wal_writer_delay can undo such an ack, and the
+# batch is handed out again: the same at-least-once contract as a crash before the ack. A later durable commit (the
+# deliverer's) flushes it anyway. `ack` on its own, the loop's last, stays durable.
 _ASYNC_ACK = sql.SQL("set_config('synchronous_commit', 'off', true)")
-_SET_READ_PLAN = sql.SQL("SELECT {}").format(_READ_PLAN).as_string()
-# The group lock's keys on (group, source): parameters group, then source.
-_GROUP_LOCK_KEYS = sql.SQL("{}, {}").format(sql.Literal(GROUP_LOCK), sql.SQL(GROUP_TOPIC_KEY))
+# The member's share of the group's queues on the topic (sql/consume.sql), with the read's plan settings: parameters
+# group, topic, holder, lease (seconds).
+_TAKE = sql.SQL("SELECT delaywheel.take_queues(%s, %s, %s, make_interval(secs => %s)), {}")
+_TAKES = {
+    durable: _TAKE.format(_READ_PLAN if durable else sql.SQL(", ").join([_READ_PLAN, _ASYNC_ACK])).as_string()
+    for durable in (True, False)
+}
+_GIVE = "SELECT delaywheel.give_queues(%s, %s, %s)"
 
 
-def _read(conn: psycopg.Connection, group: str, sources: tuple[str, ...], max_messages: int) -> psycopg.Cursor[Any]:
-    """The read of the group's next messages from each source, up to `max_messages` each, in one statement
-    (_READ_PLAN set earlier in the transaction), results in binary (bodies as they are, not hex text)."""
-    params: dict[str, Any] = {"group": group, "limit": max_messages}
+def _take(
+    conn: psycopg.Connection, group: str, topic: str, holder: str, lease_s: float, durable: bool
+) -> tuple[int, ...]:
+    row = conn.execute(_TAKES[durable], (group, topic, holder, lease_s), prepare=True).fetchone()
+    assert row is not None
+    return tuple(row[0] or ())
+
+
+def _read(
+    conn: psycopg.Connection, group: str, sources: tuple[str, ...], holder: str, max_messages: int
+) -> psycopg.Cursor[Any]:
+    """The read of the group's next messages from each source in the queues `holder` holds, up to `max_messages`
+    each, in one statement (_READ_PLAN set earlier in the transaction), results in binary (bodies as they are)."""
+    params: dict[str, Any] = {"group": group, "holder": holder, "limit": max_messages}
     params.update({f"s{i}": source for i, source in enumerate(sources)})
     return conn.execute(_READS[len(sources)], params, binary=True, prepare=True)
 
 
-def _batch(group: str, sources: tuple[str, ...], rows: list[tuple[Any, ...]], max_messages: int) -> Batch:
+def _batch(
+    group: str,
+    sources: tuple[str, ...],
+    rows: list[tuple[Any, ...]],
+    max_messages: int,
+    holder: str,
+    queues: tuple[int, ...],
+) -> Batch:
     """The batch of `_read`'s rows: the first source's first, then the next one's while there is room. A Delivered
     is built from its row's fields directly, not through its generated __init__, which sets each field of the frozen
     class through object.__setattr__ and would be most of a pull's time in Python."""
-    batch = Batch(group, [])
+    batch = Batch(group, [], topic=sources[0], holder=holder, queues=queues)
     n = len(_FIELDS)
     left = False  # rows read that the batch has no room for (each source reads one more than a batch takes)
     for i, source in enumerate(sources):
@@ -219,9 +324,9 @@ def _batch(group: str, sources: tuple[str, ...], rows: list[tuple[Any, ...]], ma
                 values["body"] = _body(r[6], True, r[2])
             batch.messages.append(message)
             batch.positions.append((r[n + 2], r[1]))
-        if taken:
-            batch.cursors[source] = (str(taken[-1][n + 2]), taken[-1][1])
-    batch.behind = left or (bool(rows) and bool(rows[0][n + 3]))  # (no rows: one row of NULLs but `behind`)
+            batch.qids.append(r[n + 3])
+            batch.cursors[(source, r[n + 3])] = (str(r[n + 2]), r[1])
+    batch.behind = left or (bool(rows) and bool(rows[0][n + 4]))  # (no rows: one row of NULLs but `behind`)
     return batch
 
 
@@ -231,84 +336,100 @@ def ack(
     cache: PartitionCache,
     batch: Batch,
     failed: set[int] | None = None,
+    *,
+    give_back: bool = True,
 ) -> AckResult:
     """Commit the batch's offsets; messages whose message_id is in `failed` go to a retry by the group's policy or
-    RocketMQ's ladder (or the dead-letter topic after the last, retry.py) in the same transaction.
+    RocketMQ's ladder (or the dead-letter topic after the last, retry.py) in the same transaction; then give the
+    batch's queues back (unless `give_back` is false: a consume loop keeps them for its next pull).
 
     Idempotent: only the messages this ack moves the group's offset past count, and only failed ones among them
     are retried. Acking a batch again, or acking a batch another consumer of the group has acked past, retries
     nothing twice (`AckResult.already_acked`). A `failed` id that is not a message of the batch raises ValueError
-    and nothing is acked: it is a bug in the caller, which would otherwise lose that failure silently."""
+    and nothing is acked: it is a bug in the caller, which would otherwise lose that failure silently. A batch whose
+    queue another member holds now (its lease expired and was taken) raises LeaseLost and nothing is acked."""
     checked_group(batch.group)
     failed = _checked_failures(batch, failed)
     with conn.transaction():
-        moved, _ = _move(conn, batch)
-        return _ack(conn, settings, cache, batch, failed, moved)
+        moved, held = _move(conn, batch)
+        if not held:
+            raise LeaseLost(_lost_message(batch))
+        result = _ack(conn, settings, cache, batch, failed, moved)
+        if give_back:
+            release(conn, batch)
+        return result
 
 
-# The common ack: the group's offset for a source is still before the batch's first message from it (where the
-# previous batch's ack left it), so every message of the batch from it passes; the sources moved come back. A source
-# not moved (the group's first ack of it, or another ack got there first) is left to `_ack`'s general path.
-_MOVE = sql.SQL("""WITH v (topic, xid, "offset", n, first_xid, first_offset) AS (VALUES {values}),
+def _lost_message(batch: Batch) -> str:
+    return (
+        f"the lease of group {batch.group!r} on {batch.topic!r} for queue(s)"
+        f" {sorted(set(batch.qids))} expired and passed to another member: nothing acked; that member handles"
+        f" the batch's {len(batch)} message(s) (pull within the lease, or give consume a longer lease_s)"
+    )
+
+
+# The common ack, the batch's leases checked first (locked until commit: a member taking an expired queue waits for
+# this ack, then sees its offsets). Only a queue another member holds now refuses it: a queue given back or expired
+# and not taken leaves the ack to the offsets, which acks only what no ack passed yet. Then the group's offset in each (source, queue) is still before the batch's first
+# message there (where the previous batch's ack left it), so every message of the batch from it passes; the
+# (source, queue) pairs moved come back, with whether every queue of the batch is still this member's. A pair not
+# moved (the group's first ack of it, or another ack got there first) is left to `_ack`'s general path.
+_MOVE = sql.SQL("""WITH lease AS MATERIALIZED (
+    SELECT l.holder IS NOT NULL AND l.holder <> %(holder)s AND l.expires_at > clock_timestamp() AS taken
+    FROM delaywheel.consumer_leases l
+    WHERE l.grp = %(group)s AND l.topic = %(topic)s AND l.qid = ANY (%(qids)s::smallint[])
+    FOR UPDATE
+),
+ok AS MATERIALIZED (SELECT NOT coalesce(bool_or(taken), false) AS held FROM lease),
+v (topic, qid, xid, "offset", n, first_xid, first_offset) AS (VALUES {values}),
 moved AS (
     UPDATE delaywheel.consumer_offsets o
     SET cursor_xid = v.xid::xid8, cursor_offset = v."offset", acked = o.acked + v.n, updated_at = clock_timestamp()
-    FROM v
-    WHERE o.grp = %s AND o.topic = v.topic AND (o.cursor_xid, o.cursor_offset) < (v.first_xid::xid8, v.first_offset)
-    RETURNING o.topic
+    FROM v, ok
+    WHERE ok.held AND o.grp = %(group)s AND o.topic = v.topic AND o.qid = v.qid
+      AND (o.cursor_xid, o.cursor_offset) < (v.first_xid::xid8, v.first_offset)
+    RETURNING o.qid || ' ' || o.topic AS moved
 )
-SELECT ARRAY(SELECT topic FROM moved){extra}""")
-_MOVE_VALUE = sql.SQL("(%s::text, %s::text, %s::bigint, %s::int, %s::text, %s::bigint)")
-_NO_MOVE = sql.SQL("SELECT ARRAY[]::text[]{extra}")
+SELECT ARRAY(SELECT moved FROM moved), (SELECT held FROM ok)""")
+_MOVE_VALUE = sql.SQL("({}::text, {}::smallint, {}::text, {}::bigint, {}::int, {}::text, {}::bigint)")
 
 
 @functools.cache
-def _move_statement(sources: int, tries: int | None, durable: bool = True) -> str:
-    """`_MOVE` for a batch's `sources` sources (0: nothing to move), then, for a pull (`tries` not None), the pull's
-    plan settings, `_ASYNC_ACK` unless `durable`, and `tries` tries of the group lock. As text, rendered once per
-    shape: psycopg prepares a statement it runs often by its text, and a pull need not compose it again."""
-    extra: sql.Composable = sql.SQL("")
-    if tries is not None:
-        try_lock = sql.SQL("pg_try_advisory_lock({})").format(_GROUP_LOCK_KEYS)
-        settings = [_READ_PLAN] if durable else [_READ_PLAN, _ASYNC_ACK]
-        extra = sql.SQL(", {}").format(sql.SQL(", ").join([*settings, *[try_lock] * tries]))
-    if not sources:
-        return _NO_MOVE.format(extra=extra).as_string()
-    return _MOVE.format(values=sql.SQL(", ").join([_MOVE_VALUE] * sources), extra=extra).as_string()
+def _move_statement(pairs: int) -> str:
+    """`_MOVE` for a batch's `pairs` (source, queue) pairs. As text, rendered once per shape: psycopg prepares a
+    statement it runs often by its text."""
+    values = [_MOVE_VALUE.format(*[sql.Placeholder(f"v{i}_{j}") for j in range(7)]) for i in range(pairs)]
+    return _MOVE.format(values=sql.SQL(", ").join(values)).as_string()
 
 
-def _move(
-    conn: psycopg.Connection,
-    batch: Batch | None,
-    tries: int | None = None,
-    params: list[Any] | None = None,
-    durable: bool = True,
-) -> tuple[set[str], tuple[Any, ...]]:
-    """In one statement, `_MOVE` for each source of `batch` (if any), then for a pull (`tries` not None) its plan
-    settings (`_move_statement`) and `tries` tries of the group lock (with `params`) after the moves' column.
-    Returns the sources moved and the row."""
-    row = _moving(conn, batch, tries, params, durable).fetchone()
+def _move(conn: psycopg.Connection, batch: Batch) -> tuple[set[tuple[str, int]], bool]:
+    """`_MOVE` for the batch: the (source, queue) pairs moved, and whether the member still holds the batch's queues."""
+    row = _moving(conn, batch).fetchone()
     assert row is not None
-    return set(row[0]), row
+    return _moved(row), bool(row[1])
 
 
-def _moving(
-    conn: psycopg.Connection,
-    batch: Batch | None,
-    tries: int | None = None,
-    params: list[Any] | None = None,
-    durable: bool = True,
-) -> psycopg.Cursor[Any]:
-    """`_move`'s statement, sent (in a pipeline, not yet answered): its cursor."""
-    values: list[Any] = []
-    sources = 0
-    if batch is not None and batch.cursors:
-        for topic, (xid, offset) in batch.cursors.items():
-            mine = [pos for m, pos in zip(batch.messages, batch.positions, strict=True) if m.source_topic == topic]
-            values += [topic, xid, offset, len(mine), str(mine[0][0]), mine[0][1]]
-        sources = len(batch.cursors)
-        values.append(batch.group)
-    return conn.execute(_move_statement(sources, tries, durable), values + (params or []))
+def _moved(row: tuple[Any, ...]) -> set[tuple[str, int]]:
+    return {(topic, int(qid)) for qid, topic in (m.split(" ", 1) for m in row[0])}
+
+
+def _moving(conn: psycopg.Connection, batch: Batch) -> psycopg.Cursor[Any]:
+    """`_move`'s statement, sent (in a pipeline, not yet answered): its cursor. A batch without messages moves
+    nothing and holds no queue to check."""
+    params: dict[str, Any] = {"group": batch.group, "topic": batch.topic, "holder": batch.holder}
+    firsts: dict[tuple[str, int], tuple[int, int, int]] = {}  # pair -> (first xid, first offset, count)
+    for m, pos, qid in zip(batch.messages, batch.positions, batch.qids, strict=True):
+        pair = (m.source_topic, qid)
+        first = firsts.get(pair)
+        firsts[pair] = (pos[0], pos[1], 1) if first is None else (first[0], first[1], first[2] + 1)
+    params["qids"] = sorted({qid for _, qid in firsts})
+    for i, (pair, (xid, offset)) in enumerate(batch.cursors.items()):
+        first_xid, first_offset, n = firsts[pair]
+        values = (pair[0], pair[1], xid, offset, n, str(first_xid), first_offset)
+        params.update({f"v{i}_{j}": value for j, value in enumerate(values)})
+    if not batch.cursors:
+        return conn.execute("SELECT ARRAY[]::text[], true")
+    return conn.execute(_move_statement(len(batch.cursors)), params)
 
 
 def ack_and_pull(
@@ -320,79 +441,61 @@ def ack_and_pull(
     topic: str,
     group: str,
     max_messages: int,
-    held: frozenset[str] = frozenset(),
-) -> tuple[AckResult, Batch, frozenset[str]]:
-    """Ack `done` (as `ack`) and pull the group's next batch from `topic` and its retry topic, in one transaction:
-    BEGIN; the ack's common move (`_MOVE`) with the pull's plan settings and lock tries; the read of both sources;
-    COMMIT. A source the common move did not cover, and failed messages, take `ack`'s general path in between. In
-    the steady state (the group's locks held, nothing failed) the move and the read go as one round trip, one
-    implicit transaction (`_ack_and_pull_held`). On a connection of its own (not in a caller's transaction) the
-    transaction commits without waiting for its WAL flush (`_ASYNC_ACK`).
-
-    The group lock (GROUP_LOCK) is tried for each source not in `held` in the statement that sets the pull's plan;
-    a source whose lock another consumer of the group holds is not read. The read is a later statement, so its
-    snapshot is taken after the lock was granted, hence after the previous holder's ack committed. Returns the
-    ack's result, the batch, and the sources whose locks this session now holds: the caller releases them
-    (`release_group_locks`) only after the transaction committed, once it has nothing of theirs in hand."""
+    holder: str,
+    lease_s: float = DEFAULT_LEASE_S,
+) -> tuple[AckResult, Batch]:
+    """Ack `done` (as `ack`, keeping its queues) and pull the member's next batch from `topic` and its retry topic, in
+    one transaction: the ack's common move (`_MOVE`, its leases checked), the member's share of the queues taken
+    (renewed, given back past its share, taken up to it) with the pull's plan settings, then the read of the queues
+    held. A (source, queue) the common move did not cover, and failed messages, take `ack`'s general path in between.
+    With nothing failed on a connection of its own (not in a caller's transaction) the three statements go as one
+    round trip, one implicit transaction that commits without waiting for its WAL flush (`_ASYNC_ACK`). A `done`
+    whose lease was lost is not acked (`AckResult.lost`)."""
     failed = _checked_failures(done, failed) if done is not None else set()
-    sources = (topic, retry_topic(group))
-    wanted = [s for s in sources if s not in held]
+    sources = sources_of(topic, group)
     own = commits_each_statement(conn)  # its own transaction: the ack may commit asynchronously (_ASYNC_ACK)
-    if not wanted and not failed and own:
-        result, pulled = _ack_and_pull_held(conn, settings, cache, done, group, sources, max_messages)
-        if pulled is not None:
-            return result, pulled, held
-        _, batch, now_held = ack_and_pull(conn, settings, cache, None, None, topic, group, max_messages, held)
-        return result, batch, now_held
-    params = [v for s in wanted for v in (group, s)]
-    with conn.transaction():
-        moved, row = _move(conn, done, len(wanted), params, durable=not own)
-        now_held = held | {s for s, got in zip(wanted, row[len(row) - len(wanted) :], strict=True) if got}
-        result = _ack(conn, settings, cache, done, failed, moved) if done is not None else AckResult()
-        readable = tuple(s for s in sources if s in now_held)
-        rows = _read(conn, group, readable, max_messages).fetchall() if readable else []
-        batch = _batch(group, readable, rows, max_messages)
-    return result, batch, frozenset(now_held)
-
-
-def _ack_and_pull_held(
-    conn: psycopg.Connection,
-    settings: Settings,
-    cache: PartitionCache,
-    done: Batch | None,
-    group: str,
-    sources: tuple[str, ...],
-    max_messages: int,
-) -> tuple[AckResult, Batch | None]:
-    """`ack_and_pull` with both sources' group locks held and nothing failed, in one round trip: the common move
-    with the pull's plan settings and the read, sent together and ended by one Sync, so one implicit transaction
-    (the connection commits each statement: `db.commits_each_statement`). BEGIN, the two statements and COMMIT
-    awaited one by one would be four round trips, and each costs a wake-up of the consumer and of its server process,
-    which wait for a CPU on a busy machine. When the common
-    move did not cover every source of `done` (the group's first ack of a source, or another consumer acked past
-    it), the read saw that source's offset unmoved: it is dropped (no batch), and the rest of the ack is done by
-    `ack`'s general path in a transaction of its own (at least once either way: acks are idempotent)."""
-    with conn.pipeline():
-        moving = _moving(conn, done, 0, durable=False)
-        reading = _read(conn, group, sources, max_messages)
-    row = moving.fetchone()
-    assert row is not None
-    moved = set(row[0])
-    if done is not None and not moved >= done.cursors.keys():
+    if not failed and own:
+        with conn.pipeline():
+            moving = _moving(conn, done) if done is not None else None
+            taking = conn.execute(_TAKES[False], (group, topic, holder, lease_s), prepare=True)
+            reading = _read(conn, group, sources, holder, max_messages)
+        queues = _queues(taking)
+        if moving is None or done is None:
+            return AckResult(), _batch(group, sources, reading.fetchall(), max_messages, holder, queues)
+        row = moving.fetchone()
+        assert row is not None
+        moved, held = _moved(row), bool(row[1])
+        if not held:
+            _log.warning("delaywheel consumer: %s", _lost_message(done))
+            return AckResult(lost=len(done)), _batch(group, sources, reading.fetchall(), max_messages, holder, queues)
+        result = _ack(conn, settings, cache, done, set(), moved) if moved >= done.cursors.keys() else None
+        if result is not None:
+            return result, _batch(group, sources, reading.fetchall(), max_messages, holder, queues)
+        # a pair the common move did not cover: the read saw its offset unmoved; ack the rest, then read again
         with conn.transaction():
-            return _ack(conn, settings, cache, done, set(), moved), None
-    result = _ack(conn, settings, cache, done, set(), moved) if done is not None else AckResult()
-    return result, _batch(group, sources, reading.fetchall(), max_messages)
+            result = _ack(conn, settings, cache, done, set(), moved)
+            return result, _take_and_read(conn, group, topic, holder, lease_s, max_messages, durable=True)
+    with conn.transaction():
+        result = AckResult()
+        if done is not None:
+            moved, held = _move(conn, done)
+            if held:
+                result = _ack(conn, settings, cache, done, failed, moved)
+            else:
+                _log.warning("delaywheel consumer: %s", _lost_message(done))
+                result = AckResult(lost=len(done))
+        return result, _take_and_read(conn, group, topic, holder, lease_s, max_messages, durable=not own)
 
 
-def release_group_locks(conn: psycopg.Connection, group: str, sources: frozenset[str] | set[str]) -> None:
-    """Release the group locks `ack_and_pull` took on this session (call after its transaction committed)."""
-    if sources:
-        unlock = sql.SQL("pg_advisory_unlock({})").format(_GROUP_LOCK_KEYS)
-        conn.execute(
-            sql.SQL("SELECT {}").format(sql.SQL(", ").join([unlock] * len(sources))),
-            [v for s in sorted(sources) for v in (group, s)],
-        )
+def _queues(taking: psycopg.Cursor[Any]) -> tuple[int, ...]:
+    row = taking.fetchone()
+    assert row is not None
+    return tuple(row[0] or ())
+
+
+def give_queues(conn: psycopg.Connection, group: str, topic: str, holder: str) -> None:
+    """Give back every queue `holder` holds on (group, topic) and leave the group: the end of a consume loop."""
+    conn.execute(_GIVE, (group, topic, holder))
 
 
 def _checked_failures(batch: Batch, failed: set[int] | None) -> set[int]:
@@ -412,36 +515,34 @@ def _ack(
     cache: PartitionCache,
     batch: Batch,
     failed: set[int],
-    moved: Collection[str],
+    moved: Collection[tuple[str, int]],
 ) -> AckResult:
-    """`ack`'s work inside the caller's transaction, after `_move`: `moved` are the sources it moved."""
+    """`ack`'s work inside the caller's transaction, after `_move`: `moved` are the (source, queue) pairs it moved."""
     acked: list[Delivered] = []
-    for topic, (xid, offset) in batch.cursors.items():
-        if topic in moved:
-            acked += [m for m in batch.messages if m.source_topic == topic]
+    for (topic, qid), (xid, offset) in batch.cursors.items():
+        mine = [
+            (m, pos)
+            for m, pos, q in zip(batch.messages, batch.positions, batch.qids, strict=True)
+            if m.source_topic == topic and q == qid
+        ]
+        if (topic, qid) in moved:
+            acked += [m for m, _ in mine]
             continue
-        # the group's offset for the topic, locked until commit: concurrent acks of the group take turns
-        row = _lock_offset(conn, batch.group, topic)
-        if row is None:  # the group's first ack of the topic (a second round trip, once)
-            conn.execute(
-                "INSERT INTO delaywheel.consumer_offsets (grp, topic) VALUES (%s, %s) ON CONFLICT DO NOTHING",
-                (batch.group, topic),
-            )
-            row = _lock_offset(conn, batch.group, topic)
+        # the group's offset in the queue, locked until commit: concurrent acks of the group take turns
+        row = _lock_offset(conn, batch.group, topic, qid)
+        if row is None:  # the group's first ack of the source: every queue's offset row (a second round trip, once)
+            conn.execute(_FIRST_OFFSETS, (batch.group, topic))
+            row = _lock_offset(conn, batch.group, topic, qid)
         before = (int(row[0]), row[1]) if row else (0, 0)
         if before >= (int(xid), offset):
             continue  # acked this far already: nothing to commit, nothing to retry
-        passed = [
-            m
-            for m, pos in zip(batch.messages, batch.positions, strict=True)
-            if m.source_topic == topic and pos > before
-        ]
+        passed = [m for m, pos in mine if pos > before]
         conn.execute(
             """UPDATE delaywheel.consumer_offsets
                SET cursor_xid = %(xid)s::xid8, cursor_offset = %(offset)s, acked = acked + %(n)s,
                    updated_at = clock_timestamp()
-               WHERE grp = %(group)s AND topic = %(topic)s""",
-            {"group": batch.group, "topic": topic, "xid": xid, "offset": offset, "n": len(passed)},
+               WHERE grp = %(group)s AND topic = %(topic)s AND qid = %(qid)s""",
+            {"group": batch.group, "topic": topic, "qid": qid, "xid": xid, "offset": offset, "n": len(passed)},
         )
         acked += passed
     retry = [m for m in acked if m.message_id in failed]
@@ -450,11 +551,17 @@ def _ack(
     return AckResult(acked=len(acked), retried=len(retry), already_acked=len(batch.messages) - len(acked))
 
 
-def _lock_offset(conn: psycopg.Connection, group: str, topic: str) -> tuple[str, int] | None:
+_FIRST_OFFSETS = sql.SQL(
+    "INSERT INTO delaywheel.consumer_offsets (grp, topic, qid) SELECT %s, %s, q FROM generate_series(0, {}) q"
+    " ON CONFLICT DO NOTHING"
+).format(sql.Literal(QUEUES - 1))
+
+
+def _lock_offset(conn: psycopg.Connection, group: str, topic: str, qid: int) -> tuple[str, int] | None:
     return conn.execute(
-        "SELECT cursor_xid::text, cursor_offset FROM delaywheel.consumer_offsets WHERE grp = %s AND topic = %s"
-        " FOR UPDATE",
-        (group, topic),
+        "SELECT cursor_xid::text, cursor_offset FROM delaywheel.consumer_offsets"
+        " WHERE grp = %s AND topic = %s AND qid = %s FOR UPDATE",
+        (group, topic, qid),
     ).fetchone()
 
 

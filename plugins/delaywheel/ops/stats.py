@@ -372,11 +372,12 @@ def topic_stats(conn: psycopg.Connection) -> list[dict[str, Any]]:
     return _rows(
         conn,
         """
-        SELECT t.topic, t.depth, o.grp AS consumer_group, o.acked,
-               (SELECT count(*) FROM delaywheel.topic_messages m WHERE m.topic = t.topic
-                  AND (m.xid, m.queue_offset) > (o.cursor_xid, o.cursor_offset)) AS lag
+        SELECT t.topic, t.depth, o.grp AS consumer_group, sum(o.acked)::bigint AS acked,
+               sum((SELECT count(*) FROM delaywheel.topic_messages m WHERE m.topic = t.topic AND m.qid = o.qid
+                  AND (m.xid, m.queue_offset) > (o.cursor_xid, o.cursor_offset)))::bigint AS lag
         FROM (SELECT topic, count(*) AS depth FROM delaywheel.topic_messages GROUP BY topic) t
         LEFT JOIN delaywheel.consumer_offsets o ON o.topic = t.topic
+        GROUP BY t.topic, t.depth, o.grp
         ORDER BY t.topic, o.grp
     """,
     )
