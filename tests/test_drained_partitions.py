@@ -126,7 +126,9 @@ def test_topic_rows_past_the_retention_floor_go_unread(runtime: str) -> None:
             " VALUES ('orders', 1, 'direct', 'x', false, %s, %s), ('audit', 2, 'direct', 'x', false, %s, %s)",
             (old, old, old, old),
         )
-        conn.execute("INSERT INTO delaywheel.consumer_offsets (grp, topic) VALUES ('g', 'orders')")  # read nothing
+        conn.execute(  # read nothing, in any of its queues
+            "INSERT INTO delaywheel.consumer_offsets (grp, topic, qid) SELECT 'g', 'orders', q FROM generate_series(0, 15) q"
+        )
         with pytest.raises(errors.InsufficientPrivilege):
             conn.execute("UPDATE delaywheel.retention_floor SET topic_messages = interval '0'")
     assert _drop(runtime, "topic_messages", old)

@@ -20,8 +20,10 @@ pytestmark = pytest.mark.airflow
 
 
 def _left(store: Store, topic: str, group: str) -> int:
-    """Messages the group has not acked (a pull by a throwaway connection, not acked)."""
-    return len(store.pull(topic, group, 1000))
+    """Messages the group has not acked (a pull, given back unacked)."""
+    batch = store.pull(topic, group, 1000)
+    store.release(batch)
+    return len(batch)
 
 
 def test_template_dag_consumes_delivered_messages_and_acks(

@@ -136,7 +136,9 @@ def test_a_group_retries_on_its_schedule_then_goes_to_its_dead_letter_topic(stor
             assert row["lane"] == "wheel" and row["properties"]["RECONSUME_TIME"] == str(n)
         cursor = max(cursor, row["deliver_at"])
         assert store.deliver_due(now=cursor) == 1
-        [retried] = store.pull("orders", "g").messages
+        look = store.pull("orders", "g")
+        store.release(look)  # looked at, not handled: the next fail_all pulls it again
+        [retried] = look.messages
         assert retried.reconsume_times == n and retried.idempotency_id == original
         assert retried.properties["region"] == "eu" and retried.properties["ORIGIN_TOPIC"] == "orders"
     fail_all(store, "g")
@@ -245,7 +247,9 @@ def test_a_retry_count_that_is_not_one_is_ignored(store: Store) -> None:
         store.conn.execute(
             "UPDATE delaywheel.topic_messages SET reconsume_times = 2, properties = %s::jsonb", [json.dumps(properties)]
         )
-        [m] = store.pull("orders", "g").messages
+        batch = store.pull("orders", "g")
+        store.release(batch)
+        [m] = batch.messages
         assert m.reconsume_times == 2
     assert retry.retries_so_far(2, {"RECONSUME_TIME": "7"}) == 7
     assert retry.retries_so_far(2, {"RECONSUME_TIME": "1" * 10}) == 2

@@ -86,7 +86,8 @@ def test_redelivered_batch_changes_nothing(store: Store, t0) -> None:
     assert len(batch) == 50
     assert orders.apply_timeouts(store.conn, batch.messages, now=t0 + TIMEOUT) == (50, 0)
     snapshot = store.conn.execute("SELECT on_hand, reserved, sold FROM shop.products WHERE sku = 'sku-001'").fetchone()
-    # "crash": no ack, so the same batch comes back
+    # "crash": no ack, and its lease ends (as when its process dies), so the same batch comes back
+    store.release(batch)
     again = store.pull(orders.TOPIC, orders.GROUP, 100)
     assert [m.message_id for m in again.messages] == [m.message_id for m in batch.messages]
     assert orders.apply_timeouts(store.conn, again.messages, now=t0 + TIMEOUT) == (0, 50)

@@ -32,7 +32,9 @@ def sweep_dag(store_connection: str) -> Any:
 def _left(store: Store) -> int:
     """Timeouts the sweep's group has not acked (a pull by a throwaway connection, not acked)."""
     with Store(store.url) as other:
-        return len(other.pull(orders.TOPIC, orders.GROUP, 10_000))
+        batch = other.pull(orders.TOPIC, orders.GROUP, 10_000)
+        other.release(batch)
+        return len(batch)
 
 
 def _stock(store: Store) -> tuple[int, int, int]:
