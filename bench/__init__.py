@@ -1,3 +1,2 @@
-"""Benchmarks that back the recorded contract figures (bench/RESULTS.md): each prints ours as a ratio against a
-baseline measured in the same run on the same PostgreSQL, because absolute rates on a shared machine say little.
-`python -m bench --list`; docs/benchmarks.md."""
+"""Benchmarks backing the recorded figures (bench/RESULTS.md), each as ratios against a baseline of the same run, as
+absolute rates on a shared machine say little: `python -m bench --list`, docs/benchmarks.md."""

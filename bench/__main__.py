@@ -11,6 +11,7 @@ import argparse
 import importlib
 import os
 import sys
+from datetime import UTC, datetime
 from pathlib import Path
 
 from . import common
@@ -35,7 +36,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--list", action="store_true", help="list the benchmarks")
     parser.add_argument("--results", type=Path, help="write the JSON here instead of bench/results/")
     parser.add_argument("name", nargs="?", choices=[*BENCHMARKS, "contract"])
-    args, rest = parser.parse_known_args(argv)
+    parser.add_argument("options", nargs=argparse.REMAINDER, help="the benchmark's (`--help` after its name)")
+    args = parser.parse_args(argv)
     if args.list or not args.name:
         for name, text in BENCHMARKS.items():
             print(f"{name:18} {text}")
@@ -48,11 +50,12 @@ def main(argv: list[str]) -> int:
     checks = []
     for name in CONTRACT if args.name == "contract" else [args.name]:
         common.log(f"running {name}")
-        checks += importlib.import_module(f"bench.{name}").main(rest, name)
+        common.STARTED = datetime.now(UTC)
+        module = importlib.import_module(f"bench.{name.split('_')[0]}")  # spark_bulk: bench.spark
+        checks += module.main(args.options, name)
     missed = [c.name for c in checks if not c.passed]
-    common.log(
-        f"{len(checks) - len(missed)}/{len(checks)} targets met" + (f"; missed: {'; '.join(missed)}" if missed else "")
-    )
+    which = f"; missed: {'; '.join(missed)}" if missed else ""
+    common.log(f"{len(checks) - len(missed)}/{len(checks)} targets met{which}")
     return 1 if missed else 0
 
 

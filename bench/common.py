@@ -1,18 +1,21 @@
-"""Shared benchmark plumbing: the benchmark database, the same rows for ours and the baselines, stopwatches, and
-the report every run ends with: a table of ratios against the baseline measured in the same run, printed and
-written as JSON (command, commit, figures) under bench/results/."""
+"""Shared benchmark plumbing: the databases, the same rows for ours and the baselines (and their plain tables), the
+deliverer's process, and the report every run ends with: the ratios against the baseline measured in the same run,
+printed and written as JSON (command, commit, figures) under bench/results/."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -21,33 +24,30 @@ from psycopg.conninfo import make_conninfo
 
 from delaywheel.config import load_settings
 from delaywheel.dev import embedded
+from delaywheel.dev.local_airflow import as_url
 from delaywheel.migrate import migrate
 
-BENCH_DB = "delaywheel_bench"
+RESULTS = Path(__file__).resolve().parent / "results"  # `python -m bench --results DIR` sends a run elsewhere
+ROOT = RESULTS.parents[1]
+STARTED = datetime.now(UTC)  # the running benchmark's start (set by __main__ for each)
 BODY_PAD = "x" * 64  # bodies of ~90 bytes: a typical small JSON event
+# The baselines' plain table: every field a message carries, one row per message, no index; filled by binary COPY.
+RAW_COLUMNS = "id, topic, key, tags, properties, body, is_json, deliver_at, enqueued_at"
+RAW_TYPES = ["int8", "text", "text", "text", "jsonb", "bytea", "bool", "timestamptz", "timestamptz"]
+RAW_TABLE = """CREATE TABLE {name} (id bigint, topic text, key text, tags text, properties jsonb, body bytea,
+    is_json boolean, deliver_at timestamptz, enqueued_at timestamptz)"""
+# The raw move a delivery pass is measured against: a batch from a plain table with a primary key into another.
+RAW_MOVE = """WITH m AS (DELETE FROM raw_src WHERE id IN (SELECT id FROM raw_src ORDER BY id LIMIT %s) RETURNING *)
+    INSERT INTO raw_dst SELECT * FROM m"""
 
 
-def parse_args(description: str, argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=description)
-    parser.add_argument(
-        "--scale",
-        type=float,
-        default=1.0,
-        help="multiply every message count (1.0 = the issue's sizes: 1M backlog, 10M pending)",
-    )
-    parser.add_argument("--batch", type=int, default=20_000, help="messages per send_many / COPY batch")
-    return parser.parse_args(argv)
-
-
-def load_options(
-    parser: argparse.ArgumentParser, *, minutes: float, seed: int, minutes_help: str = "producing time (the issue: 10)"
-) -> argparse.ArgumentParser:
-    """The options of the lateness benches, which all produce a steady load: how long (`--minutes`), how fast
-    (`--rate`), with which random `--seed`, and a `--note` for the results (e.g. the background load)."""
-    parser.add_argument("--minutes", type=float, default=minutes, help=minutes_help)
-    parser.add_argument("--rate", type=int, default=1000, help="messages per second")
-    parser.add_argument("--seed", type=int, default=seed)
-    parser.add_argument("--note", default="", help="a note for the results (e.g. the background load)")
+def options(doc: str | None, scale: str = "multiply every count", batch: bool = True) -> argparse.ArgumentParser:
+    """A benchmark's parser with the options most take: `--scale` (1.0 = the sizes the targets are set at) and
+    `--batch` (messages per send_many / COPY)."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--scale", type=float, default=1.0, help=scale)
+    if batch:
+        parser.add_argument("--batch", type=int, default=20_000, help="messages per send_many / COPY batch")
     return parser
 
 
@@ -66,6 +66,27 @@ def body(i: int) -> bytes:
     return f'{{"order":{i:010d},"note":"{BODY_PAD}"}}'.encode()
 
 
+def copy_rows(conn: psycopg.Connection, table: str, rows: Iterable[tuple[int, str, str, datetime, datetime]]) -> None:
+    """The raw baseline: messages (i, topic, key, due, now) as rows of a plain table (RAW_TABLE), by binary COPY with
+    write_row, exactly what a hand-written loader does."""
+    sql = f"COPY {table} ({RAW_COLUMNS}) FROM STDIN (FORMAT BINARY)"
+    with conn.cursor().copy(sql) as copy:  # type: ignore[arg-type]
+        copy.set_types(RAW_TYPES)
+        for i, topic, key, due, now in rows:
+            copy.write_row((10**12 + i, topic, key, "created", None, body(i), False, due, now))
+
+
+def raw_source(conn: psycopg.Connection, *sources: str) -> None:
+    """The raw move's tables: raw_src holding the rows of `sources` (RAW_COLUMNS) with a primary key, raw_dst empty."""
+    conn.execute("DROP TABLE IF EXISTS raw_src, raw_dst")
+    conn.execute(RAW_TABLE.format(name="raw_src"))
+    select = " UNION ALL ".join(f"SELECT {RAW_COLUMNS} FROM {source}" for source in sources)
+    conn.execute(f"INSERT INTO raw_src {select}")  # type: ignore[arg-type]
+    conn.execute("ALTER TABLE raw_src ADD PRIMARY KEY (id)")
+    conn.execute(RAW_TABLE.format(name="raw_dst"))
+    conn.execute("ANALYZE raw_src")
+
+
 def server_url() -> str:
     """A role that may create databases: DELAYWHEEL_DATABASE_URL's, or the embedded cluster's superuser (its default
     URL is the runtime role's, which may create nothing; README, "Roles")."""
@@ -75,24 +96,30 @@ def server_url() -> str:
     return embedded.start().admin_url("postgres")  # (started if need be, idempotently)
 
 
-def fresh_database(name: str = BENCH_DB) -> str:
-    """Drop and recreate `name` (default `delaywheel_bench`) on the project's cluster, migrate it, return its URL."""
+@contextmanager
+def database(name: str) -> Iterator[str]:
+    """A fresh database `name` on the project's cluster, migrated, for the block (its URL); dropped after it."""
     server = server_url()
     with psycopg.connect(server, autocommit=True) as conn:
-        conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
-        conn.execute(f"CREATE DATABASE {name}")
-    url = make_conninfo(server, dbname=name)
-    migrate(url)
-    return url
-
-
-def drop_database(name: str) -> None:
-    with psycopg.connect(server_url(), autocommit=True) as conn:
         conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")  # type: ignore[arg-type]
+        conn.execute(f"CREATE DATABASE {name}")  # type: ignore[arg-type]
+    url = make_conninfo(server, dbname=name)
+    try:
+        migrate(url)
+        yield url
+    finally:
+        with psycopg.connect(server, autocommit=True) as conn:
+            conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")  # type: ignore[arg-type]
 
 
 def log(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def load_note(before: float, note: str) -> str:
+    """The load average before and now, and the run's `--note` (the background load)."""
+    note = f"; {note}" if note else ""
+    return f"load average before {before:.1f}, after {os.getloadavg()[0]:.1f} (2 cores shared){note}"
 
 
 def chunks(count: int, size: int) -> Iterator[tuple[int, int]]:
@@ -101,46 +128,55 @@ def chunks(count: int, size: int) -> Iterator[tuple[int, int]]:
         yield start, min(size, count - start)
 
 
-def copy_rows(
-    conn: psycopg.Connection, table: str, columns: Sequence[str], types: list[str], rows: Iterable[tuple]
-) -> None:
-    """The raw baseline: binary COPY with write_row, exactly what a hand-written loader does."""
-    sql = f"COPY {table} ({', '.join(columns)}) FROM STDIN (FORMAT BINARY)"
-    with conn.cursor().copy(sql) as copy:  # type: ignore[arg-type]
-        copy.set_types(types)
-        for row in rows:
-            copy.write_row(row)
+class Deliverer:
+    """One `delaywheel deliver` process on every lane, as operators run it: when it said it was ready, and (with
+    `progress`) how many it has delivered, from its progress lines every 0.2 s."""
+
+    def __init__(self, url: str, seconds: float = 1800, progress: bool = False) -> None:
+        command = [sys.executable, "-m", "delaywheel.cli", "deliver", "--duration", f"{seconds:.0f}s"]
+        self.proc = subprocess.Popen(
+            command + (["--progress-every", "0.2"] if progress else []),
+            env={**os.environ, "DELAYWHEEL_DATABASE_URL": as_url(url)},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        self.ready_at, self.delivered = 0.0, 0  # time.time() when the ready line was read; delivered so far
+        self._ready = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+        if not self._ready.wait(120):
+            self.stop()
+            raise RuntimeError("delaywheel deliver did not say it was ready within 120 s")
+
+    def _read(self) -> None:
+        for line in self.proc.stderr or ():
+            if "ready" in line and not self._ready.is_set():
+                self.ready_at = time.time()
+                self._ready.set()
+            elif match := re.match(r"delivered (\d+) ", line):
+                self.delivered = int(match.group(1))
+
+    def wait_for(self, count: int, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.delivered < count:
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                raise RuntimeError(f"delivered {self.delivered:,} of {count:,}")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=60)
 
 
-class Stopwatch:
-    """Accumulates the time of the timed sections only (setup between them is not counted)."""
+def spark(app: str) -> Any:
+    """A quiet local Spark session, warm; with spark/ on sys.path: its jobs are imported by name, as the tests do."""
+    sys.path.insert(0, str(ROOT / "spark"))
+    import sparkjob
 
-    def __init__(self) -> None:
-        self.seconds = 0.0
-        self.count = 0
-
-    @contextmanager
-    def run(self, count: int = 0) -> Iterator[None]:
-        started = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.seconds += time.perf_counter() - started
-            self.count += count
-
-    @property
-    def rate(self) -> float:
-        return self.count / self.seconds if self.seconds else 0.0
-
-
-def table_bytes(conn: psycopg.Connection, table: str) -> int:
-    """Heap + indexes + TOAST of a table, summed over its partitions when it is partitioned."""
-    row = conn.execute(
-        "SELECT CASE WHEN c.relkind = 'p' THEN (SELECT coalesce(sum(pg_total_relation_size(t.relid)), 0)"
-        " FROM pg_partition_tree(c.oid) t) ELSE pg_total_relation_size(c.oid) END FROM pg_class c WHERE c.oid = %s::regclass",
-        (table,),
-    ).fetchone()
-    return int(row[0]) if row else 0
+    session = sparkjob.session(f"delaywheel bench: {app}")
+    session.sparkContext.setLogLevel("ERROR")
+    session.range(1).count()
+    return session
 
 
 @dataclass(frozen=True)
@@ -166,14 +202,6 @@ def at_least(name: str, ours: float, baseline: float, minimum: float) -> Check:
     return Check(name, ours, baseline, f"ratio >= {minimum:.2f}", baseline > 0 and ours / baseline >= minimum)
 
 
-def smaller(name: str, ours: float, baseline: float) -> Check:
-    return Check(name, ours, baseline, "ours < baseline", ours < baseline)
-
-
-RESULTS = Path(__file__).resolve().parent / "results"  # `python -m bench --results DIR` sends a run elsewhere
-ROOT = RESULTS.parents[1]
-
-
 def commit() -> str:
     """The checkout's commit, `+` when its tracked files differ from it (the run measured uncommitted code)."""
     head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
@@ -182,23 +210,15 @@ def commit() -> str:
 
 
 def report(
-    name: str,
-    title: str,
-    checks: list[Check],
-    notes: list[str],
-    started: datetime,
-    argv: list[str] | None,
-    figures: dict[str, Any] | None = None,
-) -> Path:
+    name: str, title: str, checks: list[Check], notes: list[str], argv: list[str], figures: dict | None = None
+) -> list[Check]:
     """Print the run's markdown section (the checks with their ratios and pass/fail, then the notes) and write it as
     bench/results/<date>-<name>-<time>.json: date, command, commit, figures (the checks, and any `figures`), target
-    and verdict when the run has checks, notes."""
-    command = " ".join(["python -m bench", name, *(argv if argv is not None else sys.argv[2:])])
-    print(f"\n### {title}\n")
-    print(f"Command: `{command}` at {commit()} — started {started:%Y-%m-%d %H:%M} UTC\n")
+    and verdict when the run has checks, notes. Returns the checks."""
+    command, started = " ".join(["python -m bench", name, *argv]), STARTED
+    print(f"\n### {title}\n\nCommand: `{command}` at {commit()} — started {started:%Y-%m-%d %H:%M} UTC\n")
     if checks:
-        print("| measure | ours | baseline | ratio | target | result |")
-        print("|---|---:|---:|---:|---|---|")
+        print("| measure | ours | baseline | ratio | target | result |\n|---|---:|---:|---:|---|---|")
         for c in checks:
             print(f"| {c.name} | {c.ours:,.2f} | {c.baseline:,.2f} | {c.ratio:.2f} | {c.target} | {c.result} |")
         print()
@@ -217,4 +237,4 @@ def report(
     path = RESULTS / f"{started:%Y-%m-%d}-{name}-{started:%H%M}.json"
     path.write_text(json.dumps(record, indent=1, ensure_ascii=False, default=str) + "\n")
     print(f"\nrecorded: {path}", flush=True)
-    return path
+    return checks

@@ -14,120 +14,73 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import psycopg
 
 from delaywheel import Message, Store
 
-from .common import (
-    Check,
-    Stopwatch,
-    at_least,
-    body,
-    chunks,
-    drop_database,
-    fresh_database,
-    log,
-    parse_args,
-    report,
-    scaled,
-)
+from .common import RAW_MOVE, Check, at_least, body, chunks, database, log, options, raw_source, report, scaled
 
 DB = "delaywheel_bench_delivery"
 TOPIC = "bench.orders"
 T0 = datetime(2031, 1, 1, tzinfo=UTC)  # the injected clock's origin: empty partitions
-COLUMNS = "id, topic, key, tags, properties, body, is_json, deliver_at, enqueued_at"
-RAW_TABLE = """CREATE TABLE {name} (id bigint, topic text, key text, tags text, properties jsonb, body bytea,
-    is_json boolean, deliver_at timestamptz, enqueued_at timestamptz)"""
-RAW_MOVE = """WITH m AS (DELETE FROM raw_src WHERE id IN (SELECT id FROM raw_src ORDER BY id LIMIT %s) RETURNING *)
-    INSERT INTO raw_dst SELECT * FROM m"""
-SOURCES = {  # the backlog's rows, as the raw side's plain table holds them
-    "level": f"SELECT {COLUMNS} FROM delaywheel.level_queue WHERE level = 1",
-    "wheel": f"SELECT {COLUMNS} FROM delaywheel.wheel",
-}
 
 
-def raw_source(conn: psycopg.Connection, kind: str) -> None:
-    conn.execute("DROP TABLE IF EXISTS raw_src, raw_dst")
-    conn.execute(RAW_TABLE.format(name="raw_src"))
-    conn.execute(f"INSERT INTO raw_src {SOURCES[kind]}")
-    conn.execute("ALTER TABLE raw_src ADD PRIMARY KEY (id)")
-    conn.execute(RAW_TABLE.format(name="raw_dst"))
-    conn.execute("ANALYZE raw_src")
-
-
-def interleaved(pass_: Callable[[], tuple[int, bool]], raw: psycopg.Connection, count: int, batch: int) -> tuple:
-    """Ours (`pass_` returns (delivered, more)) and the raw move, pass by pass until each moved `count`: their
-    rates, and how many of ours found nothing while messages remained (another transaction held the horizon)."""
-    ours, base, waits = Stopwatch(), Stopwatch(), 0
-    delivered = moved = 0
+def interleaved(pass_: Callable[[], Any], raw: psycopg.Connection, count: int, batch: int) -> tuple:
+    """Ours (`pass_`, one pass) and the raw move, pass by pass until each moved `count`: their rates, and how many
+    of ours found nothing while messages remained (another transaction held the horizon)."""
+    ours = base = 0.0  # seconds
+    delivered = moved = waits = 0
     while delivered < count or moved < count:
         if delivered < count:
-            with ours.run():
-                n, more = pass_()
-            ours.count += n
-            delivered += n
-            if not more and delivered < count:
+            started = time.perf_counter()
+            result = pass_()
+            ours += time.perf_counter() - started
+            delivered += result.delivered
+            if not result.more and delivered < count:
                 waits += 1
                 if waits > 3000:
                     raise RuntimeError(f"stuck at {delivered}/{count}")
                 time.sleep(0.02)  # untimed
         if moved < count:
-            with base.run():
-                step = raw.execute(RAW_MOVE, (batch,)).rowcount
-            base.count += step
-            moved += step
+            started = time.perf_counter()
+            step = raw.execute(RAW_MOVE, (batch,)).rowcount
+            base += time.perf_counter() - started
             if not step:
                 raise RuntimeError(f"raw move: {moved} of {count}")
-    return ours.rate, base.rate, waits
+            moved += step
+    return count / ours, count / base, waits
 
 
-def main(argv: list[str] | None = None, name: str = "delivery") -> list[Check]:
-    args = parse_args(__doc__ or "", argv)
-    started = datetime.now(UTC)
+def main(argv: list[str], name: str) -> list[Check]:
+    args = options(__doc__).parse_args(argv)
     n_level, n_wheel = scaled(1_000_000, args.scale), scaled(500_000, args.scale)
-    url = fresh_database(DB)
     checks: list[Check] = []
     notes: list[str] = []
-    try:
-        with Store(url) as store, psycopg.connect(url, autocommit=True) as raw:
-            batch = store.settings.batch_size
-            store.prepare(now=T0)
-            log(f"level pass vs raw move: {n_level} due level-1 messages")
-            for start, size in chunks(n_level, args.batch):
-                store.send_many(
-                    [Message(TOPIC, body(start + j), delay_level=1, key=f"l-{start + j}") for j in range(size)],
-                    now=T0,
-                )
-            raw_source(raw, "level")
-            now = T0 + timedelta(minutes=1)
+    with database(DB) as url, Store(url) as store, psycopg.connect(url, autocommit=True) as raw:
+        batch = store.settings.batch_size
+        store.prepare(now=T0)
+        log(f"level pass vs raw move: {n_level} due level-1 messages")
+        for start, size in chunks(n_level, args.batch):
+            store.send_many([Message(TOPIC, body(i), 1, key=f"l-{i}") for i in range(start, start + size)], now=T0)
+        raw_source(raw, "delaywheel.level_queue WHERE level = 1")
+        ours, base, waits = interleaved(
+            lambda: store.deliver_level(1, now=T0 + timedelta(minutes=1)), raw, n_level, batch
+        )
+        checks.append(at_least("level pass / raw move (msg/s)", ours, base, 0.50))
+        notes.append(f"level: {n_level:,} due, {batch:,} a pass; passes that waited on the horizon: {waits}")
 
-            def level_pass() -> tuple[int, bool]:
-                result = store.deliver_level(1, now=now)
-                return result.delivered, result.more
-
-            ours, base, waits = interleaved(level_pass, raw, n_level, batch)
-            checks.append(at_least("level pass / raw move (msg/s)", ours, base, 0.50))
-            notes.append(f"level: {n_level:,} due, {batch:,} a pass; passes that waited on the horizon: {waits}")
-
-            log(f"wheel pass vs raw move: {n_wheel} timers due in the same second")
-            due = T0 + timedelta(minutes=10)
-            store.prepare(now=due - timedelta(minutes=5))
-            for start, size in chunks(n_wheel, args.batch):
-                store.send_many(
-                    [Message(TOPIC, body(start + j), deliver_at=due, key=f"w-{start + j}") for j in range(size)],
-                    now=due - timedelta(minutes=5),
-                )
-            raw_source(raw, "wheel")
-
-            def wheel_pass() -> tuple[int, bool]:
-                result = store.advance_wheel(now=due + timedelta(seconds=1))
-                return result.delivered, result.more
-
-            ours, base, waits = interleaved(wheel_pass, raw, n_wheel, batch)
-            checks.append(at_least("wheel pass / raw move (msg/s)", ours, base, 0.50))
-            notes.append(f"wheel: {n_wheel:,} due at once, {batch:,} a pass; passes that waited: {waits}")
-    finally:
-        drop_database(DB)
-    report(name, "Delivery passes against the raw move", checks, notes, started, argv)
-    return checks
+        log(f"wheel pass vs raw move: {n_wheel} timers due in the same second")
+        due, sent_at = T0 + timedelta(minutes=10), T0 + timedelta(minutes=5)
+        store.prepare(now=sent_at)
+        for start, size in chunks(n_wheel, args.batch):
+            timers = [Message(TOPIC, body(i), deliver_at=due, key=f"w-{i}") for i in range(start, start + size)]
+            store.send_many(timers, now=sent_at)
+        raw_source(raw, "delaywheel.wheel")
+        ours, base, waits = interleaved(
+            lambda: store.advance_wheel(now=due + timedelta(seconds=1)), raw, n_wheel, batch
+        )
+        checks.append(at_least("wheel pass / raw move (msg/s)", ours, base, 0.50))
+        notes.append(f"wheel: {n_wheel:,} due at once, {batch:,} a pass; passes that waited: {waits}")
+    return report(name, "Delivery passes against the raw move", checks, notes, argv)

@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import random
 import time
 from collections.abc import Callable
@@ -21,21 +20,7 @@ import psycopg
 
 from delaywheel import Message, Store
 
-from .common import (
-    Check,
-    Stopwatch,
-    at_least,
-    body,
-    chunks,
-    copy_rows,
-    drop_database,
-    fresh_database,
-    log,
-    parse_args,
-    pct,
-    report,
-    scaled,
-)
+from .common import RAW_TABLE, Check, at_least, body, chunks, copy_rows, database, log, options, pct, report, scaled
 
 DB = "delaywheel_bench_send"
 TOPIC = "bench.orders"
@@ -47,11 +32,6 @@ INSERT = (
     "INSERT INTO raw_timers (topic, key, tags, body, is_json, deliver_at)"
     " VALUES (%s, %s, %s, %s, false, clock_timestamp() + %s * interval '1 millisecond') RETURNING id"
 )
-# The COPY baseline's rows: every field a message carries, one row per message, as a hand-written loader writes.
-COLUMNS = ("id", "topic", "key", "tags", "properties", "body", "is_json", "deliver_at", "enqueued_at")
-TYPES = ["int8", "text", "text", "text", "jsonb", "bytea", "bool", "timestamptz", "timestamptz"]
-RAW_TABLE = """CREATE TABLE {name} (id bigint, topic text, key text, tags text, properties jsonb, body bytea,
-    is_json boolean, deliver_at timestamptz, enqueued_at timestamptz)"""
 
 
 def single_sends(store: Store, raw: psycopg.Connection, count: int) -> dict[str, list[float]]:
@@ -91,54 +71,43 @@ def send_many_vs_copy(
     """(ours, raw COPY) in msg/s for the same rows: `kind` "level" (levels 2-17) or "wheel" (due 1 s - 30 days)."""
     table = f"raw_copy_{kind}"
     raw.execute(RAW_TABLE.format(name=table))
-    rng = random.Random(seed)
-    watches = {"ours": Stopwatch(), "raw": Stopwatch()}
+    rng, seconds = random.Random(seed), {"ours": 0.0, "raw": 0.0}
     warm_up = [(count, min(batch, 5000))]  # untimed: the first batch creates the partitions it meets, once a store
     for n, (start, size) in enumerate([*warm_up, *chunks(count, batch)], -1):
         now = datetime.now(UTC)
         if kind == "level":
-            levels = [rng.randint(2, 17) for _ in range(size)]
-            dues = [now + store.settings.level_delay(lv) for lv in levels]
-            messages = [
-                Message(TOPIC, body(start + j), delay_level=lv, key=f"{kind}-{start + j}", tags="created")
-                for j, lv in enumerate(levels)
-            ]
+            levels: list[int | None] = [rng.randint(2, 17) for _ in range(size)]
+            dues = [now + store.settings.level_delay(lv) for lv in levels]  # type: ignore[arg-type]
         else:
-            dues = [now + timedelta(seconds=rng.uniform(1, 30 * 86400)) for _ in range(size)]
-            messages = [
-                Message(TOPIC, body(start + j), deliver_at=d, key=f"{kind}-{start + j}", tags="created")
-                for j, d in enumerate(dues)
-            ]
-        rows = [
-            (10**12 + start + j, TOPIC, f"{kind}-{start + j}", "created", None, body(start + j), False, d, now)
-            for j, d in enumerate(dues)
+            levels, dues = [None] * size, [now + timedelta(seconds=rng.uniform(1, 30 * 86400)) for _ in range(size)]
+        messages = [
+            Message(TOPIC, body(i), lv, deliver_at=None if lv else due, key=f"{kind}-{i}", tags="created")
+            for i, lv, due in zip(range(start, start + size), levels, dues, strict=True)
         ]
+        rows = [(i, TOPIC, f"{kind}-{i}", due, now) for i, due in zip(range(start, start + size), dues, strict=True)]
         for side in ("ours", "raw") if n % 2 else ("raw", "ours"):
-            with watches[side].run(size) if n >= 0 else contextlib.nullcontext():
-                if side == "ours":
-                    store.send_many(messages)
-                else:
-                    with raw.transaction():
-                        copy_rows(raw, table, COLUMNS, TYPES, rows)
-    return watches["ours"].rate, watches["raw"].rate
+            started = time.perf_counter()
+            if side == "ours":
+                store.send_many(messages)
+            else:
+                with raw.transaction():
+                    copy_rows(raw, table, rows)
+            if n >= 0:  # not the warm-up
+                seconds[side] += time.perf_counter() - started
+    return count / seconds["ours"], count / seconds["raw"]
 
 
-def main(argv: list[str] | None = None, name: str = "send") -> list[Check]:
-    args = parse_args(__doc__ or "", argv)
-    started = datetime.now(UTC)
+def main(argv: list[str], name: str) -> list[Check]:
+    args = options(__doc__).parse_args(argv)
     n_single, n_many = scaled(2000, args.scale, 100), scaled(500_000, args.scale)
-    url = fresh_database(DB)
-    try:
-        with Store(url) as store, psycopg.connect(url, autocommit=True) as raw:
-            store.prepare()
-            log(f"single sends: {n_single} rounds of 5 cases")
-            times = single_sends(store, raw, n_single)
-            many = {}
-            for kind, seed in (("level", 2), ("wheel", 3)):
-                log(f"send_many vs raw COPY, {kind}: {n_many} messages in batches of {args.batch}")
-                many[kind] = send_many_vs_copy(store, raw, n_many, args.batch, kind, seed)
-    finally:
-        drop_database(DB)
+    with database(DB) as url, Store(url) as store, psycopg.connect(url, autocommit=True) as raw:
+        store.prepare()
+        log(f"single sends: {n_single} rounds of 5 cases")
+        times = single_sends(store, raw, n_single)
+        many = {}
+        for kind, seed in (("level", 2), ("wheel", 3)):
+            log(f"send_many vs raw COPY, {kind}: {n_many} messages in batches of {args.batch}")
+            many[kind] = send_many_vs_copy(store, raw, n_many, args.batch, kind, seed)
     p50 = {case: pct(v, 0.5) for case, v in times.items()}
     p99 = {case: pct(v, 0.99) for case, v in times.items()}
     checks = [
@@ -149,5 +118,4 @@ def main(argv: list[str] | None = None, name: str = "send") -> list[Check]:
     checks.append(at_least("send_many, wheel / raw COPY (msg/s)", *many["wheel"], 0.50))
     notes = [f"{case}: p50 {p50[case]:,.0f} µs, p99 {p99[case]:,.0f} µs ({n_single:,} calls)" for case in times]
     notes.append(f"send_many: {n_many:,} messages a kind in batches of {args.batch:,}, interleaved with the COPY")
-    report(name, "Sending against a single-row INSERT and a raw COPY", checks, notes, started, argv)
-    return checks
+    return report(name, "Sending against a single-row INSERT and a raw COPY", checks, notes, argv)

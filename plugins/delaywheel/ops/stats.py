@@ -485,20 +485,3 @@ def as_json(value: Any) -> Any:
     if isinstance(value, timedelta):
         return value.total_seconds()
     return str(value)
-
-
-_LATENESS = (
-    sql.SQL("""
-    SELECT delivered, early, p[1] AS p50_s, p[2] AS p99_s, max_s
-    FROM (SELECT count(*) AS delivered, count(*) FILTER (WHERE delivered_at < deliver_at) AS early,
-                 {p50_p99} AS p, max({lateness})::float8 AS max_s
-          FROM delaywheel.topic_messages WHERE origin IN ('level', 'wheel') AND delivered_at >= %(since)s) l
-""")
-    .format(p50_p99=LATENESS_P50_P99, lateness=LATENESS_S)
-    .as_string()
-)
-
-
-def lateness(conn: psycopg.Connection, since: datetime) -> dict[str, Any]:
-    """Lateness of every delivery since a time, in seconds (the demo's and the benchmarks' figure)."""
-    return _rows(conn, _LATENESS, {"since": since})[0]
