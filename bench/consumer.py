@@ -261,7 +261,7 @@ def end_to_end(url: str, store: Store, count: int, batch: int, max_messages: int
             proc.kill()
     _, delivered_last, _ = last_delivery(store.conn, TOPIC_E2E)
     row = store.conn.execute(
-        "SELECT acked FROM delaywheel.consumer_offsets WHERE grp = %s AND topic = %s", (GROUP, TOPIC_E2E)
+        "SELECT sum(acked)::bigint FROM delaywheel.consumer_offsets WHERE grp = %s AND topic = %s", (GROUP, TOPIC_E2E)
     ).fetchone()
     acked = int(row[0]) if row else 0
     if totals["messages"] != count or acked != count:
