@@ -263,7 +263,7 @@ def end_to_end(url: str, store: Store, count: int, batch: int, max_messages: int
     row = store.conn.execute(
         "SELECT sum(acked)::bigint FROM delaywheel.consumer_offsets WHERE grp = %s AND topic = %s", (GROUP, TOPIC_E2E)
     ).fetchone()
-    acked = int(row[0]) if row else 0
+    acked = int(row[0]) if row and row[0] is not None else 0
     if totals["messages"] != count or acked != count:
         raise RuntimeError(f"(b) handled {totals['messages']:,}, acked {acked:,}, expected {count:,}")
     seconds = finished - deliverer.ready_at
