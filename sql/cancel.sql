@@ -17,13 +17,9 @@
 CREATE OR REPLACE FUNCTION delaywheel.lookup_plan(p_find boolean, p_generic boolean) RETURNS void
 LANGUAGE plpgsql AS $$
 BEGIN
-    PERFORM set_config('enable_seqscan', 'off', true), set_config('jit', 'off', true);
-    IF p_find THEN
-        PERFORM set_config('enable_bitmapscan', 'off', true);
-    END IF;
-    IF p_generic THEN
-        PERFORM set_config('plan_cache_mode', 'force_generic_plan', true);
-    END IF;
+    PERFORM set_config('enable_seqscan', 'off', true), set_config('jit', 'off', true),
+            CASE WHEN p_find THEN set_config('enable_bitmapscan', 'off', true) END,
+            CASE WHEN p_generic THEN set_config('plan_cache_mode', 'force_generic_plan', true) END;
 END
 $$;
 
