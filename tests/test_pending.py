@@ -1,18 +1,19 @@
-"""The shared SQL of pending.py: a segment's messages spelled one way, and each lane's head read the same by the pass
-that moved its cursor, by the sensors and triggers (LEVEL_HEAD, WHEEL_HEAD) and by stats."""
+"""The shared SQL of pending.py: a segment's messages spelled one way, "pending" read the same by a cancel's finds,
+and each lane's head read the same by the pass that moved its cursor, by the sensors and triggers (LEVEL_HEAD,
+WHEEL_HEAD) and by stats."""
 
 from __future__ import annotations
 
+import random
 from datetime import datetime, timedelta
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-from psycopg import sql
+from psycopg.types.numeric import Int8
 
 from delaywheel import Store
 from delaywheel.deliver import wheel
-from delaywheel.pending import LEVEL_HEAD, WHEEL_HEAD, segment_elements, segment_messages
+from delaywheel.ops.cancel import find, key_params
+from delaywheel.pending import LEVEL_HEAD, PENDING, WHEEL_HEAD, segment_messages
 from delaywheel.produce.validation import Message
 from tests.helpers import at
 
@@ -25,56 +26,51 @@ def test_a_segment_unnests_the_arrays_asked_for_in_one_order() -> None:
     for wrong in ((), ("id", "bodies")):
         with pytest.raises(ValueError):
             segment_messages(*wrong)
-        with pytest.raises(ValueError):
-            segment_elements(sql.SQL("ARRAY[1]"), *wrong)
 
 
-def test_a_segments_elements_at_positions_are_its_messages_with_that_id_or_key(store: Store) -> None:
-    """segment_elements (a cancel's find, migrations/032) reads the same rows as segment_messages filtered: a property
-    over segments of 1-8 messages with keys repeated or missing, each shared column (one element) or not."""
-    columns = ("id", "topic", "key", "tags", "properties", "is_json", "due")
-    segment = sql.SQL(
-        "(SELECT %(ids)s::bigint[] AS ids, %(topics)s::text[] AS topics, %(keys)s::text[] AS keys,"
-        " %(tags)s::text[] AS tags, %(properties)s::text[] AS properties, %(is_json)s::boolean[] AS is_json,"
-        " %(dues)s::timestamp[] AS deliver_ats, %(n)s::int AS n) s"
-    )
-
-    def rows(messages: sql.Composable, where: sql.Composable, params: dict[str, object]) -> list[tuple[object, ...]]:
-        query = sql.SQL("SELECT m.* FROM {} CROSS JOIN LATERAL {} WHERE {}").format(segment, messages, where)
-        return store.conn.execute(query, params).fetchall()
-
-    def column(draw: st.DrawFn, n: int, values: st.SearchStrategy[object]) -> list[object]:
-        return draw(st.lists(values, min_size=1, max_size=1) | st.lists(values, min_size=n, max_size=n))
-
-    @st.composite
-    def segments(draw: st.DrawFn) -> dict[str, object]:
-        n = draw(st.integers(1, 8))
-        return {
-            "n": n,
-            "ids": list(range(100, 100 + n)),
-            "keys": draw(st.lists(st.sampled_from(["a", "b", "c", None]), min_size=n, max_size=n)),
-            "topics": column(draw, n, st.sampled_from(["t1", "t2"])),
-            "tags": column(draw, n, st.sampled_from(["x", "", "y||z"])),
-            "properties": column(draw, n, st.sampled_from(["{}", '{"p": 1}'])),
-            "is_json": column(draw, n, st.booleans()),
-            "dues": [datetime(2030, 1, 1) + timedelta(seconds=i) for i in range(n)],
-        }
-
-    @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
-    @given(segments())
-    def check(params: dict[str, object]) -> None:
-        for key in ("a", "b", "c"):
-            wanted = {**params, "v": key}
-            assert rows(
-                segment_elements(sql.SQL("array_positions(s.keys, %(v)s::text)"), *columns), sql.SQL("true"), wanted
-            ) == rows(segment_messages(*columns), sql.SQL("m.key = %(v)s"), wanted)
-        for mid in (99, 100, 100 + int(params["n"]) - 1):  # type: ignore[call-overload]
-            wanted = {**params, "v": mid}
-            assert rows(
-                segment_elements(sql.SQL("array_positions(s.ids, %(v)s::bigint)"), *columns), sql.SQL("true"), wanted
-            ) == rows(segment_messages(*columns), sql.SQL("m.id = %(v)s"), wanted)
-
-    check()
+@pytest.mark.parametrize("seed", [1, 2])
+def test_a_cancels_finds_are_the_pending_messages_with_the_id_or_key(store: Store, t0: datetime, seed: int) -> None:
+    """A cancel's finds (sql/cancel.sql: segments by their id ranges and key filters, messages read at the id's or
+    key's positions) return exactly the rows of PENDING with that id or key: a property over random placements, with
+    a level's checkpoint inside a segment, the wheel's cursor among its rows, far blocks with a key filter and
+    without (single sends)."""
+    rng = random.Random(seed)
+    keys = [f"k{seed}-{i}" for i in range(12)]
+    store.advance_wheel(now=t0)  # the first roll sets near_until
+    sends = [
+        [Message("orders", {"i": i}, key=rng.choice(keys), delay_level=rng.randint(1, 3)) for i in range(60)],
+        [
+            Message("orders", {"i": i}, key=rng.choice(keys), delay=timedelta(seconds=rng.randint(1, 600)))
+            for i in range(60)
+        ],
+        [
+            Message(
+                "orders",
+                {"i": i},
+                key=rng.choice(keys) if i % 7 == 0 else f"far-{i}",
+                delay=timedelta(days=rng.uniform(5, 25)),
+            )
+            for i in range(2000)
+        ],
+    ]
+    ids = [mid for batch in sends for mid in store.send_many(batch, now=t0)]
+    ids += [
+        store.send("orders", {"single": i}, key=rng.choice(keys), delay=timedelta(days=9), now=t0) for i in range(5)
+    ]
+    assert store.deliver_level(1, now=at(t0, 60), limit=rng.randint(1, 10)).more  # the checkpoint inside a segment
+    assert store.advance_wheel(now=at(t0, 300), limit=rng.randint(1, 10)).delivered > 0  # the cursor among the rows
+    pending = "SELECT p.id, p.deliver_at, p.key, p.lane, p.level, p.xid::text FROM ({}) p WHERE p.{} = %s"
+    lanes: set[tuple[str, int | None]] = set()
+    for key in [*keys, "far-3", "far-7", "nobody"]:
+        found = find(store.conn, "key", key_params(key))
+        assert sorted(found) == sorted(store.conn.execute(pending.format(PENDING, "key"), (key,)).fetchall()), key
+        lanes |= {(row[3], row[4]) for row in found}
+    for mid in [*rng.sample(ids, 300), 0, max(ids) + 1]:
+        found = find(store.conn, "id", {"v": Int8(mid)})
+        assert found == store.conn.execute(pending.format(PENDING, "id"), (mid,)).fetchall(), mid
+    assert lanes >= {("level", 1), ("level", 2), ("wheel", None)}  # every kind of place was searched
+    delivered = {mid for (mid,) in store.conn.execute("SELECT message_id FROM delaywheel.topic_messages")}
+    assert delivered and not delivered & {row[0] for key in keys for row in find(store.conn, "key", key_params(key))}
 
 
 def test_every_reader_of_a_level_head_reads_the_same(store: Store, t0: datetime) -> None:

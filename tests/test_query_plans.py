@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 from psycopg import sql
+from psycopg.types.numeric import Int8
 
 from delaywheel import Store
 from delaywheel.ops import cancel as cancel_module
@@ -166,20 +167,40 @@ def test_a_cancel_by_key_reads_the_keys_of_the_segments_its_filter_lets_through(
 def test_a_cancel_by_key_reads_the_far_summaries_from_their_index(store: Store, t0: datetime) -> None:
     """A lookup tests one far-key summary of each send; those rows lie a page apart in the table, side by side in the
     index that carries their id ranges and filters (migrations/024): the lookup reads them from there alone, with the
-    settings a cancel's find runs it under (cancel.FIND_PLAN, a generic plan), before any VACUUM."""
+    settings a cancel's find runs it under (delaywheel.lookup_plan, a generic plan), before any VACUUM."""
     for send in range(4):
         store.send_many(
             [Message("orders", b"x", deliver_at=t0 + timedelta(days=20), key=f"far-{send}-{i}") for i in range(3000)],
             now=t0,
         )
     store.conn.execute("ANALYZE delaywheel.far_key_summaries")
-    candidates = cancel_module._KEY_CANDIDATES + sql.SQL(" SELECT ranges FROM candidates")
     with store.conn.transaction():
-        store.conn.execute(cancel_module._GENERIC_FIND_PLAN)
-        plan = "\n".join(
-            row[0] for row in store.conn.execute(sql.SQL("EXPLAIN (COSTS OFF) ") + candidates, key_params("far-2-17"))
-        )
+        store.conn.execute(cancel_module._FIND_PLAN)
+        plan = explain(store, cancel_module._FIND["key"], key_params("far-2-17"))
     assert "Index Only Scan using far_key_summaries_lookup on far_key_summaries" in plan, plan
+
+
+def test_a_cancels_steps_are_planned_with_the_statement_that_calls_them(store: Store, t0: datetime) -> None:
+    """The finds, the lanes and the search of topics and cancellations (sql/cancel.sql) are SQL functions the planner
+    inlines into the statement that calls them: planned once with it (generic, kept for the session), their indexes
+    chosen for the id or key. A function run as a function (say, declared VOLATILE or STRICT) would be planned again
+    at every call, over every partition: a cancel's cost several times over."""
+    store.send_many([Message("orders", b"x", delay_level=3, key=f"k-{i}") for i in range(10)], now=t0)
+    steps = [
+        (cancel_module._FIND["id"], {"v": Int8(1)}),
+        (cancel_module._FIND["key"], key_params("k-1")),
+        (cancel_module._HOLD_MAY_HOLD["id"], {"v": Int8(1)}),
+        (cancel_module._HOLD_MAY_HOLD["key"], key_params("k-1")),
+        (cancel_module._SETTLED["id"], {"v": Int8(1)}),
+        (cancel_module._SETTLED["key"], {"v": "k-1"}),
+    ]
+    for query, params in steps:
+        plan = explain(store, query, params)
+        assert "Function Scan on cancel_" not in plan, plan
+
+
+def explain(store: Store, query: str, params: dict[str, object]) -> str:
+    return "\n".join(row[0] for row in store.conn.execute(f"EXPLAIN (COSTS OFF) {query}", params))
 
 
 def test_a_repeated_cancel_reads_its_own_cancellations(store: Store, t0: datetime) -> None:

@@ -58,12 +58,6 @@ PASS_PLAN = (
     " set_config('enable_mergejoin', 'off', true)"
 )
 
-# Planner settings for finding one message by id or key (cancel). Far blocks carry BRIN summaries, not B-trees
-# (wheel_far_segments), and the planner prices a BRIN scan by the column's physical correlation: none for random keys, none
-# at all before ANALYZE. It would read whole blocks sequentially; with that priced out it reads the page ranges
-# whose summaries may match. JIT goes for the same reason as above.
-LOOKUP_PLAN = "set_config('enable_seqscan', 'off', true), set_config('jit', 'off', true)"
-
 
 NO_DATABASE = (
     "no database URL: pass one (Store(url)) or configure one (DELAYWHEEL_DATABASE_URL, or database_url in airflow.cfg's"

@@ -32,11 +32,11 @@ WHEEL_LOCK = (0x64770020, 0)
 # A lane's two turns: the lane lock's class plus each of these, the same second key (0x64770011-12 for a level,
 # 0x64770021-22 for the wheel). A delivery pass holds its lane's lock and one turn, whichever is free
 # (`delaywheel.take_lane`, sql/lanes.sql), for its transaction. A cancel waiting for the passes in flight takes each
-# turn shared and lets it go at once, one after the other (`cancel.await_passes`); a cancel inside a caller's
-# transaction holds both until that ends (`cancel._lane_hold`): so a cancelled message is never delivered after the
-# cancel returns. Two turns because PostgreSQL grants the cancels queued behind a pass when it commits, before their
-# processes run: the next pass takes the other turn instead of waiting for them (cancels in that order: the wheel's
-# turns first, then the levels' ascending, so no deadlock).
+# turn shared and lets it go at once, one after the other (`delaywheel.await_lanes`, sql/cancel.sql); a cancel inside
+# a caller's transaction holds both until that ends (`delaywheel.hold_lanes`): so a cancelled message is never
+# delivered after the cancel returns. Two turns because PostgreSQL grants the cancels queued behind a pass when it
+# commits, before their processes run: the next pass takes the other turn instead of waiting for them (cancels in
+# that order: the wheel's turns first, then the levels' ascending, so no deadlock).
 TURNS = (1, 2)
 
 # A delivery loop's presence on a lane; second key: `lane_lock_key(lane)`. Shared, for the whole run, by every live

@@ -60,25 +60,6 @@ def segment_messages(*columns: str, segment: str = "s", alias: str = "m") -> sql
     )
 
 
-def segment_elements(positions: sql.Composable, *columns: str, segment: str = "s", alias: str = "m") -> sql.Composed:
-    """`(SELECT s.ids[i], … FROM unnest(positions) AS i) AS m(id, …)`, after `CROSS JOIN LATERAL`: the messages at
-    `positions` (an int[] expression on the segment, `array_positions(s.keys, …)`, say) of the segment row `segment`,
-    with the columns of `segment_messages`. For a lookup that knows what it wants: it reads its messages' elements by
-    subscript instead of unnesting the whole segment (up to 1,000 rows a segment, every one tested), which shortens a
-    cancel's find of a far timer (DESIGN.md, "Lookup cost"). A shared column (one element for all) is read
-    at its first element, as `delaywheel.spread` would give it."""
-    arrays = _arrays(columns, segment)
-    return sql.SQL("(SELECT {} FROM unnest({}) AS i) AS {}({})").format(
-        sql.SQL(", ").join(
-            sql.SQL("{}[least(i, cardinality({}))]").format(a, a) if shared else sql.SQL("{}[i]").format(a)
-            for _, a, shared in arrays
-        ),
-        positions,
-        sql.Identifier(alias),
-        sql.SQL(", ").join(sql.Identifier(column) for column, _, _ in arrays),
-    )
-
-
 # --- Cancelled ------------------------------------------------------------------------------------------------
 def cancelled(row: str, *, id_column: str = "id", due_column: str = "deliver_at", probe: bool = False) -> sql.Composed:
     """Has the message `row` (its id and due time) a cancellation? The one definition every reader uses: deliverers
@@ -117,6 +98,8 @@ def not_cancelled(
 # Pending = not yet passed by its lane's cursor (the cursor rules of levels.py and wheel.py). `pending()` narrows
 # it with a condition on segments `s` (level segments and far blocks: their id-range GiST indexes, say) and one
 # on each message `q` (id, key, topic, tags, properties; in the near wheel by its own indexes).
+# A cancel's finds by id and by key (sql/cancel.sql) apply the same rules at the id's or key's positions in a
+# segment; tests/test_pending.py holds them to these.
 # A near-wheel row `q` not yet passed by the wheel cursor `s` (wheel_state): ahead of it, or a straggler.
 WHEEL_PENDING = sql.SQL("((q.deliver_at, q.id) > (s.cursor_at, s.cursor_id) OR q.xid >= s.horizon_xid)")
 # A level segment not yet passed as a whole, for the counts that need no message of it (retire, stats).
@@ -146,25 +129,16 @@ _PENDING = sql.SQL("""
 _TRUE = sql.SQL("true")
 
 
-def pending(
-    segments: sql.Composable = _TRUE, rows: sql.Composable = _TRUE, positions: sql.Composable | None = None
-) -> sql.Composed:
+def pending(segments: sql.Composable = _TRUE, rows: sql.Composable = _TRUE) -> sql.Composed:
     """Every pending message as (id, deliver_at, key, topic, tags, properties, lane, level, xid), cancelled ones
-    included (a caller that wants them out adds `not_cancelled("p")` on its alias `p`). `positions`: where in a
-    segment `s` the messages `rows` wants are (`segment_elements`), for a lookup by id or key; `rows` still applies."""
+    included (a caller that wants them out adds `not_cancelled("p")` on its alias `p`)."""
     columns = ("id", "topic", "key", "tags", "properties")
-
-    def messages(*columns: str) -> sql.Composed:
-        if positions is None:
-            return segment_messages(*columns, alias="q")
-        return segment_elements(positions, *columns, alias="q")
-
     return _PENDING.format(
         segments=segments,
         rows=rows,
         wheel_pending=WHEEL_PENDING,
-        level_messages=messages(*columns),
-        far_messages=messages(*columns, "due"),
+        level_messages=segment_messages(*columns, alias="q"),
+        far_messages=segment_messages(*columns, "due", alias="q"),
     )
 
 

@@ -5,7 +5,8 @@ is retired. A cancel holds no lane lock while deliverers run: it commits its can
 already running of the lanes that may hold the messages (the only ones that may have read a message without its
 cancellation) and reads what they did, all in one statement (a procedure, sql/cancel.sql). A
 message is delivered or cancelled, never both, and the caller is told which: a delivery wins (DESIGN.md,
-"Cancellation").
+"Cancellation"). Each step of a cancel by id or key is a function of sql/cancel.sql, which the procedures call too:
+this module builds only the calls.
 """
 
 from __future__ import annotations
@@ -20,10 +21,10 @@ import psycopg
 from psycopg import errors, sql
 from psycopg.types.numeric import Int4, Int8
 
-from delaywheel.db import LOOKUP_PLAN, commits_each_statement
-from delaywheel.locks import LEVEL_LOCK, TURNS, WHEEL_LOCK, turns
+from delaywheel.db import commits_each_statement
+from delaywheel.locks import LEVEL_LOCK, WHEEL_LOCK, turns
 from delaywheel.partitions import PartitionCache
-from delaywheel.pending import PENDING, SEGMENT_PENDING, STILL_PENDING, not_cancelled, pending
+from delaywheel.pending import PENDING, STILL_PENDING, not_cancelled
 from delaywheel.produce.keyblooms import probe, slots
 from delaywheel.types import MAX_ID
 
@@ -38,96 +39,27 @@ class CancelResult:
     outcome: Outcome
 
 
-# Finding one message: the segments that may hold it, by their id ranges (GiST), then the message itself. By id,
-# the range holds the id. By key, segments carry no key index (a per-message entry is what they avoid):
-# `candidates` are the id ranges of the far sends whose summary filter of the key's group lets the key through
-# (far_key_summaries: about one filter per send instead of one per far segment, which adds up with millions pending;
-# read from the index that holds them, and FIND_PLAN below), of the far segments too small
-# for a filter that hold the key (their partial GIN index), and of the pending level segments whose filter lets it
-# through (levels hold few segments: a send writes one per level). In those ranges a segment's own filter is tested
-# before its keys are read (here, and where the lane wait picks its levels, CASE fixes the order: the planner would run
-# the cheaper-looking `@>` first, reading every segment's keys).
-_MAY_HOLD_KEY = sql.SQL(
-    "CASE WHEN delaywheel.bloom_may_hold(s.key_bloom, %(h1)s, %(h2)s) THEN s.keys @> ARRAY[%(v)s::text] END"
-)
-_KEY_CANDIDATES = sql.SQL("""
-WITH candidates AS MATERIALIZED (
-    SELECT range_agg(m.r) AS ranges FROM (
-        SELECT int8range(f.id_lo, f.id_hi, '[]') FROM delaywheel.far_key_summaries f
-        WHERE f.slot = ANY(%(slots)s::int[]) AND delaywheel.bloom_may_hold(f.bloom, %(h1)s, %(h2)s)
-        UNION ALL
-        SELECT int8range(s.id_first, s.id_last, '[]') FROM delaywheel.wheel_far_segments s
-        WHERE s.key_bloom IS NULL AND s.keys @> ARRAY[%(v)s::text]
-        UNION ALL
-        SELECT int8range(s.id_first, s.id_last, '[]') FROM delaywheel.level_segments s
-        LEFT JOIN delaywheel.level_checkpoint c ON c.level = s.level
-        WHERE {segment_pending} AND {may_hold_key}) AS m(r))
-""").format(segment_pending=SEGMENT_PENDING, may_hold_key=_MAY_HOLD_KEY)
-_LOOKUP: dict[str, tuple[sql.Composable, sql.Composable, sql.Composable, sql.Composable]] = {
-    # how -> (WITH clause, condition on segments s, condition on messages q, their positions in a segment s). A
-    # segment's messages are read at the positions of the id or key (pending.segment_elements), not unnested and
-    # tested one by one; so by key a segment's filter is tested, and then its keys are read once, for the positions.
-    "id": (
-        sql.SQL(""),
-        sql.SQL("int8range(s.id_first, s.id_last, '[]') @> %(v)s::bigint"),
-        sql.SQL("q.id = %(v)s"),
-        sql.SQL("array_positions(s.ids, %(v)s::bigint)"),
-    ),
-    "key": (
-        _KEY_CANDIDATES,
-        sql.SQL(
-            "int8range(s.id_first, s.id_last, '[]') && (SELECT ranges FROM candidates)"
-            " AND delaywheel.bloom_may_hold(s.key_bloom, %(h1)s, %(h2)s)"
-        ),
-        sql.SQL("q.key = %(v)s"),
-        sql.SQL("array_positions(s.keys, %(v)s::text)"),
-    ),
+# The steps of a cancel by id or by key (sql/cancel.sql), each called with the parameters `cancel` makes: the id as
+# "v", or `key_params`. The finds (read only): the pending messages with the id or key.
+_FIND = {
+    "id": "SELECT * FROM delaywheel.cancel_find_id(%(v)s)",
+    "key": "SELECT * FROM delaywheel.cancel_find_key(%(v)s, %(h1)s, %(h2)s, %(slots)s)",
 }
-
-
-def _find_one(first: sql.Composable, segments: sql.Composable, rows: sql.Composable, positions: sql.Composable) -> str:
-    """The lookup as text, from a _LOOKUP entry."""
-    return (
-        sql.SQL("{} SELECT p.id, p.deliver_at, p.key, p.lane, p.level, p.xid::text FROM ({}) p")
-        .format(first, pending(segments, rows, positions))
-        .as_string()
-    )
-
-
-# The lookup itself (as text: prepared, and rendered once), and its planner settings (db.LOOKUP_PLAN) with a generic
-# plan for its transaction.
-_FIND_ONE = {how: _find_one(*parts) for how, parts in _LOOKUP.items()}
-_LOOKUP_PLAN = sql.SQL("SELECT {}").format(sql.SQL(LOOKUP_PLAN)).as_string()
-_GENERIC = "SELECT {}, set_config('plan_cache_mode', 'force_generic_plan', true)"
-_GENERIC_LOOKUP_PLAN = sql.SQL(_GENERIC).format(sql.SQL(LOOKUP_PLAN)).as_string()
-# The find's settings: bitmap scans priced out as well. The far-key summaries it tests, one row per send, are read
-# from the index that holds their filters (far_key_summaries_lookup); until autovacuum has marked their pages all-visible the
-# planner prices that index-only scan at a heap page a row and picks a bitmap scan, which is then one page a row
-# indeed, and the connection's generic plan keeps that choice for its life. GIN's bitmap scans (the small far
-# segments' keys) stay: GIN has no other index scan. Not for the topics' search: a BRIN index has only bitmap scans,
-# and with those priced out a small partition would be read whole.
-FIND_PLAN = LOOKUP_PLAN + ", set_config('enable_bitmapscan', 'off', true)"
-_GENERIC_FIND_PLAN = sql.SQL(_GENERIC).format(sql.SQL(FIND_PLAN)).as_string()
-# The messages with the id or key delivered into a topic (cancel reports them), by message_id's B-tree or key's BRIN.
-_DELIVERED = {
-    how: sql.SQL("SELECT DISTINCT message_id FROM delaywheel.topic_messages WHERE {} = %(v)s AND origin <> 'replay'")
-    .format(sql.Identifier(column))
-    .as_string()
-    for how, column in (("id", "message_id"), ("key", "key"))
+# The lanes that may hold them, as (class, key) rows.
+_LANES = {
+    "id": "delaywheel.cancel_lanes_id(%(v)s)",
+    "key": "delaywheel.cancel_lanes_key(%(v)s, %(h1)s, %(h2)s)",
 }
-# The messages with the id or key cancelled earlier, by cancellations_once's B-tree on message_id or the partial one
-# on key: once a pass has moved past a cancelled message it is no longer pending, and a repeated cancel reports it
-# `already_cancelled` from here rather than `not_found`. A message a pass set aside (deliver.setaside) was not
-# cancelled by a caller and is left out.
-_CANCELLED = {
-    how: sql.SQL(
-        "SELECT DISTINCT message_id FROM delaywheel.cancellations WHERE {} = %(v)s"
-        " AND NOT starts_with(reason, 'set aside: ')"
-    )
-    .format(sql.Identifier(column))
-    .as_string()
-    for how, column in (("id", "message_id"), ("key", "key"))
+# What became of the messages with the id or key: (ids delivered, ids cancelled earlier), one row.
+_SETTLED = {
+    "id": "SELECT delivered, cancelled FROM delaywheel.cancel_settled_id(%(v)s)",
+    "key": "SELECT delivered, cancelled FROM delaywheel.cancel_settled_key(%(v)s)",
 }
+# The planner settings of each (delaywheel.lookup_plan): the finds', and the search of the topics and cancellations,
+# with generic plans (prepared: planned once per connection); and, in a caller's transaction, the plain ones.
+_FIND_PLAN = "SELECT delaywheel.lookup_plan(true, true)"
+_SETTLE_PLAN = "SELECT delaywheel.lookup_plan(false, true)"
+_LOCKED_PLAN = "SELECT delaywheel.lookup_plan(false, false)"
 
 
 _BIGINT = range(-MAX_ID - 1, MAX_ID + 1)  # what a message id can be
@@ -184,10 +116,11 @@ def durable_answer(conn: psycopg.Connection) -> None:
 
 
 def key_params(key: str) -> dict[str, object]:
-    """The parameters of the lookup by key (_LOOKUP): the key, its filter hashes, its summary slots. Typed as the
-    columns they meet (bigint hashes, int slots) rather than by value: psycopg sends a Python int as int2, int4 or
-    int8 by its size, and prepares a statement once per combination of types, so a 32-bit hash of either half made
-    up to eight prepared lookups per connection, each planned over every partition (an id, likewise, three)."""
+    """The parameters of the lookup by key (delaywheel.cancel_find_key): the key, its filter hashes, its summary
+    slots. Typed as the columns they meet (bigint hashes, int slots) rather than by value: psycopg sends a Python int
+    as int2, int4 or int8 by its size, and prepares a statement once per combination of types, so a 32-bit hash of
+    either half made up to eight prepared lookups per connection, each planned over every partition (an id, likewise,
+    three)."""
     h1, h2 = probe(key)
     return {"v": key, "h1": Int8(h1), "h2": Int8(h2), "slots": [Int4(slot) for slot in slots(h2)]}
 
@@ -198,12 +131,10 @@ Found = tuple[int, datetime, str | None, str, int | None, str]
 
 def find(conn: psycopg.Connection, how: str, params: dict[str, object]) -> list[Found]:
     """The pending messages with the id or key (read only, no lane lock). One prepared statement, planned once per
-    connection: planning the lookup over the near wheel's partitions and the far blocks costs more
-    than running it, and a generic plan loses nothing, since no partition is pruned by
-    id or key."""
+    connection (delaywheel.lookup_plan says why)."""
     with conn.pipeline():  # one round trip; outside a transaction, one implicit transaction for both statements
-        conn.execute(_GENERIC_FIND_PLAN)
-        cur = conn.execute(_FIND_ONE[how], params, prepare=True)
+        conn.execute(_FIND_PLAN)
+        cur = conn.execute(_FIND[how], params, prepare=True)
     return cur.fetchall()
 
 
@@ -249,75 +180,26 @@ def lane_locks(found: Sequence[Sequence[object]]) -> list[tuple[int, int]]:
     return sorted({WHEEL_LOCK if row[3] == "wheel" else (LEVEL_LOCK, int(row[4])) for row in found})  # type: ignore[call-overload]
 
 
-def _in_lock_order(lanes: sql.Composable, lock: str) -> sql.Composed:
-    """The turns of the lanes `lanes` (a query of the lanes' (class, key) rows), each taken with the advisory-lock
-    function `lock`, in the cancellers' one order: the wheel's turns, then the levels' ascending, each lane's in turn
-    (locks.TURNS), so no two cancels deadlock. The lock is a volatile function in the select list, so PostgreSQL
-    evaluates it after the sort, row by row."""
-    return sql.SQL("""
-    SELECT k.class, k.key, {lock}(k.class, k.key) FROM (
-        SELECT l.class + t.turn, l.key, l.class FROM ({lanes}) AS l(class, key), unnest(ARRAY[{turns}]) AS t(turn)
-    ) AS k(class, key, lane)
-    ORDER BY k.lane = {wheel_class} DESC, k.key, k.class""").format(
-        lock=sql.SQL(lock),
-        lanes=lanes,
-        turns=sql.SQL(", ").join(map(sql.Literal, TURNS)),
-        wheel_class=sql.Literal(WHEEL_LOCK[0]),
-    )
-
-
-def _lane_wait(lanes: sql.Composable) -> str:
-    """The statement that waits for the delivery passes running now of the lanes `lanes` (run it after the
-    cancellations committed: a pass that starts later reads them). A pass in flight holds one of its lane's two turns
-    (locks.TURNS), so the wait takes each turn in order. Shared, so cancels never wait for each other, and held for no
-    time at all: session locks, each released in the statement that waited for it (the inner query takes one, the
-    outer one lets it go before the next is taken). A cancel granted a turn as the pass holding it commits may keep it
-    until its process runs; the next pass takes the other turn meanwhile, so it does not wait for that cancel, and
-    finds both taken only when a cancel is stalled there for a whole pass (then it waits, levels.LANE_WAIT, rather than
-    report busy). Under a transaction's lock such a wait would have lasted to the end of that transaction: through the
-    search of the topics."""
-    return (
-        sql.SQL("SELECT pg_advisory_unlock_shared(k.class, k.key) FROM ({} OFFSET 0) k")
-        .format(_in_lock_order(lanes, "pg_advisory_lock_shared"))
-        .as_string()
-    )
-
-
-def _lane_hold(lanes: sql.Composable) -> str:
-    """The statement that takes the turns of the lanes `lanes` until the caller's transaction ends (a cancel inside
-    it, which cannot commit its cancellations first): deliverers of those lanes wait for that, or report busy."""
-    return _in_lock_order(lanes, "pg_advisory_xact_lock").as_string()
-
-
-# The lanes, as (class, key) rows, that may hold the message: the wheel's, and those of the pending level segments that
-# may (by id, their id range; by key, their filter; no far candidates: those are the wheel's): a superset is harmless.
-# And every lane, for a bulk cancel inside a caller's transaction.
-_WHEEL_LANE = sql.SQL("SELECT {}, {}").format(sql.Literal(WHEEL_LOCK[0]), sql.Literal(WHEEL_LOCK[1]))
-_LANES_MAY_HOLD = {
-    how: sql.SQL("""
-        {wheel}
-        UNION
-        SELECT {level_class}, s.level::int FROM delaywheel.level_segments s
-        LEFT JOIN delaywheel.level_checkpoint c ON c.level = s.level
-        WHERE {segment_pending} AND {may_hold}""").format(
-        wheel=_WHEEL_LANE, level_class=sql.Literal(LEVEL_LOCK), segment_pending=SEGMENT_PENDING, may_hold=may_hold
-    )
-    for how, may_hold in (("id", _LOOKUP["id"][1]), ("key", _MAY_HOLD_KEY))
-}
-_EVERY_LANE = sql.SQL("""
-        {wheel}
+# The turns of the lanes that may hold the messages with the id or key (`_LANES`), or of every lane (bulk cancel), held
+# until the caller's transaction ends (delaywheel.hold_lanes, in the cancellers' one order).
+_HOLD = "SELECT delaywheel.hold_lanes(array_agg(l.class), array_agg(l.key)) FROM {} AS l(class, key)"
+_HOLD_MAY_HOLD = {how: _HOLD.format(lanes) for how, lanes in _LANES.items()}
+_EVERY_LANE = sql.SQL("""(
+        SELECT {wheel_class}, {wheel_key}
         UNION ALL
-        SELECT {level_class}, generate_series(1, coalesce((SELECT max(level) FROM delaywheel.level_segments), 0))
-""").format(wheel=_WHEEL_LANE, level_class=sql.Literal(LEVEL_LOCK))
-_HOLD_MAY_HOLD = {how: _lane_hold(lanes) for how, lanes in _LANES_MAY_HOLD.items()}
-_HOLD_EVERY_LANE = _lane_hold(_EVERY_LANE)
-
-
-_AWAIT_LANES = _lane_wait(sql.SQL("SELECT * FROM unnest(%(classes)s::int[], %(keys)s::int[])"))
+        SELECT {level_class}, generate_series(1, coalesce((SELECT max(level) FROM delaywheel.level_segments), 0)))""")
+_HOLD_EVERY_LANE = _HOLD.format(
+    _EVERY_LANE.format(
+        wheel_class=sql.Literal(WHEEL_LOCK[0]),
+        wheel_key=sql.Literal(WHEEL_LOCK[1]),
+        level_class=sql.Literal(LEVEL_LOCK),
+    ).as_string()
+)
+_AWAIT_LANES = "SELECT delaywheel.await_lanes(%(classes)s::int[], %(keys)s::int[])"
 
 
 def await_passes(conn: psycopg.Connection, locks: Sequence[tuple[int, int]]) -> None:
-    """Wait for the delivery passes of these lanes that are running now (`_lane_wait`)."""
+    """Wait for the delivery passes of these lanes that are running now (delaywheel.await_lanes)."""
     if locks:
         conn.execute(_AWAIT_LANES, {"classes": [c for c, _ in locks], "keys": [k for _, k in locks]}, prepare=True)
 
@@ -359,9 +241,9 @@ def mark_and_settle(
     with _released_on_error(conn), conn.pipeline() as pipeline:
         marking = _mark(conn, found, reason) if found else None
         pipeline.sync()
-        delivered, cancelled = _settling(conn, how, params, lane_locks(found))
+        settled = _settling(conn, how, params, lane_locks(found))
     marked = {mid for (mid,) in marking.fetchall()} if marking else set()
-    return _outcomes(how, params, [row[0] for row in found] + _ids_of(cancelled), marked, _ids(delivered))
+    return _settled_outcomes(how, params, found, marked, settled)
 
 
 def settle(
@@ -371,49 +253,35 @@ def settle(
     ended (await_passes), and the messages with the id or key delivered earlier: `mark_and_settle`'s second half on
     its own, for a caller that commits the cancellations itself (tests hold a pass open between the two)."""
     with _released_on_error(conn), conn.pipeline():
-        delivered, cancelled = _settling(conn, how, params, lane_locks(found))
-    return _outcomes(how, params, [row[0] for row in found] + _ids_of(cancelled), marked, _ids(delivered))
+        settled = _settling(conn, how, params, lane_locks(found))
+    return _settled_outcomes(how, params, found, marked, settled)
 
 
 def _settling(
     conn: psycopg.Connection, how: str, params: dict[str, object], locks: Sequence[tuple[int, int]]
-) -> tuple[psycopg.Cursor, psycopg.Cursor]:
+) -> psycopg.Cursor:
     """In a pipeline, one implicit transaction: the wait for the passes holding `locks` (those of the lanes found,
-    `lane_locks`), then the search of the topics (`_delivered`) and of the cancellations (`_CANCELLED`). Returns
-    the cursors of the ids delivered and of the ids cancelled."""
+    `lane_locks`), then, in a snapshot after it, the search of the topics and of the cancellations (`_SETTLED`,
+    prepared: planned once per connection, as `find`). Returns its cursor."""
     await_passes(conn, locks)
-    delivered = _delivered(conn, how, params)
-    return delivered, conn.execute(_CANCELLED[how], {"v": params["v"]}, prepare=True)
+    conn.execute(_SETTLE_PLAN)
+    return conn.execute(_SETTLED[how], {"v": params["v"]}, prepare=True)
 
 
-def _ids(cursor: psycopg.Cursor) -> set[int]:
-    """The message ids of a cursor over (message_id) rows."""
-    return {mid for (mid,) in cursor.fetchall()}
-
-
-def _ids_of(cursor: psycopg.Cursor) -> list[int]:
-    """The message ids of a cursor over (message_id) rows, in order."""
-    return sorted(_ids(cursor))
-
-
-def _delivered(conn: psycopg.Connection, how: str, params: dict[str, object]) -> psycopg.Cursor:
-    """After the wait for the passes (a statement of its own, so a snapshot taken after it), the search of the topics,
-    by B-tree on message_id or by the BRIN bloom summaries on key (LOOKUP_PLAN)."""
-    conn.execute(_GENERIC_LOOKUP_PLAN)
-    return conn.execute(_DELIVERED[how], {"v": params["v"]}, prepare=True)  # planned once per connection, as `find`
+def _settled_outcomes(
+    how: str, params: dict[str, object], found: Sequence[Found], marked: set[int], settled: psycopg.Cursor
+) -> list[CancelResult]:
+    """`_outcomes` of the messages `found` and of the row of `_SETTLED` in `settled`."""
+    delivered, cancelled = settled.fetchone()  # type: ignore[misc]
+    return _outcomes(how, params, [row[0] for row in found] + sorted(set(cancelled)), marked, set(delivered))
 
 
 # --- One statement ---------------------------------------------------------------------------------------------
 # `cancel` outside a transaction is one CALL of a procedure (sql/cancel.sql), which runs in one round trip what would
-# otherwise be a pipeline of seven statements: the lookup and the insert of its cancellations as one statement, COMMIT,
-# the wait for the passes in flight (`_lane_wait` of `_LANES_MAY_HOLD`), the search of the topics, then of the
-# cancellations made earlier (`_CANCELLED`, returned with the ids found). If the insert fails, nothing is committed and
-# no lane is waited for. The wait's statement works out which lanes to wait for itself, a superset, from what it can
-# read cheaply after the commit: the wheel, and the levels with a pending segment that may hold the message (their
-# filters, as the lookup tests them). A level segment the lookup found is still pending there unless a pass that moved
-# past it has committed, and such a pass needs no waiting for: the search of the topics, after, sees what it delivered.
-# The procedures embed `_FIND_ONE`, that wait, `_DELIVERED` and `_CANCELLED` as rendered here, each placeholder %(x)s as
-# the parameter p_x (tests/ops/test_cancel_procedures.py checks that they still do).
+# otherwise be a pipeline of statements: the find and the insert of its cancellations as one statement, COMMIT, the
+# wait for the passes in flight of the lanes that may hold the messages (`_LANES`, worked out after the commit), the
+# search of the topics and of the cancellations made earlier (`_SETTLED`, the latter returned with the ids found). If
+# the insert fails, nothing is committed and no lane is waited for.
 _CALL = {
     "id": "CALL delaywheel.cancel_by_id(%(v)s, %(reason)s)",
     "key": "CALL delaywheel.cancel_by_key(%(v)s, %(h1)s, %(h2)s, %(slots)s, %(reason)s)",
@@ -431,7 +299,7 @@ def _cancel_in_one_call(
         # the plans worth keeping are the procedure's own, which the session keeps whatever psycopg does.
         row = conn.execute(_CALL[how], {**params, "reason": reason}, prepare=False).fetchone()
     # A CALL returns its one row; each array NULL when empty. `found` holds the messages found pending, then those
-    # with the id or key cancelled earlier (_CANCELLED).
+    # with the id or key cancelled earlier.
     found, marked, delivered = row  # type: ignore[misc]
     return _outcomes(how, params, found or [], set(marked or ()), set(delivered or ()))
 
@@ -459,15 +327,14 @@ def _cancel_locked(
     conn: psycopg.Connection, cache: PartitionCache, how: str, params: dict[str, object], reason: str
 ) -> list[CancelResult]:
     """Inside a caller's transaction: the lanes' turns, held until the caller ends it (deliverers of those lanes
-    wait for that, or report busy)."""
+    wait for that, or report busy). None of the messages found is delivered meanwhile: their lanes are locked."""
     with conn.transaction():
-        conn.execute(_LOOKUP_PLAN)
+        conn.execute(_LOCKED_PLAN)
         conn.execute(_HOLD_MAY_HOLD[how], params)
-        found = conn.execute(_FIND_ONE[how], params).fetchall()
+        found = conn.execute(_FIND[how], params).fetchall()
         marked = mark(conn, cache, found, reason)
-        delivered = _ids(conn.execute(_DELIVERED[how], params))  # none of `found`: their lanes are locked
-        cancelled = _ids_of(conn.execute(_CANCELLED[how], params))
-    return _outcomes(how, params, [row[0] for row in found] + cancelled, marked, delivered)
+        settled = conn.execute(_SETTLED[how], params)
+    return _settled_outcomes(how, params, found, marked, settled)
 
 
 @dataclass(frozen=True)
