@@ -26,6 +26,7 @@ BENCHMARKS = {
     "spark_catchup": "the Spark catch-up job, against a raw batched move",
     "spark_lateness": "the Spark lateness-quality job over N deliveries, against its time budget",
     "demo": "the example shop's order-timeout sweep against a raw UPDATE, and the demo's wall time",
+    "group": "a consumer group's members: 1-8 consumers' throughput, lateness with 4, a consumer killed",
     "capacity": "bytes, WAL and CPU per pending timer and per delivered message, extrapolated to 1 billion",
 }
 CONTRACT = ("send", "delivery", "cancel", "consumer_lateness", "consumer_drain")  # `contract`: every --scale'd one

@@ -16,7 +16,6 @@ DECLARE
     v_now timestamptz := clock_timestamp();
     v_share integer;
     v_held smallint[];
-    v_got smallint;
     v_live integer[] := ARRAY(SELECT a.pid FROM pg_stat_activity a WHERE a.pid IS NOT NULL);
 BEGIN
     INSERT INTO delaywheel.consumer_members AS m (grp, topic, holder, pid, expires_at)
@@ -28,6 +27,11 @@ BEGIN
     WHERE m.grp = p_grp AND m.topic = p_topic
       AND ((m.expires_at > v_now AND m.pid = ANY (v_live)) OR m.holder = p_holder);
 
+    IF NOT EXISTS (SELECT FROM delaywheel.consumer_leases l WHERE l.grp = p_grp AND l.topic = p_topic AND l.qid = 15) THEN
+        -- the group's lease rows on the topic, made once (in qid order: two first members wait, never deadlock)
+        INSERT INTO delaywheel.consumer_leases (grp, topic, qid)
+        SELECT p_grp, p_topic, q FROM generate_series(0, 15) q ON CONFLICT DO NOTHING;
+    END IF;
     SELECT coalesce(array_agg(l.qid ORDER BY l.qid), '{}') INTO v_held
     FROM delaywheel.consumer_leases l WHERE l.grp = p_grp AND l.topic = p_topic AND l.holder = p_holder;
     IF cardinality(v_held) > v_share THEN
@@ -40,26 +44,24 @@ BEGIN
       AND (l.expires_at < v_now + p_lease / 2 OR l.pid <> pg_backend_pid());
 
     IF cardinality(v_held) < v_share THEN
-        -- free queues (never held, given back, expired, or their holder's process gone), from a place that differs
-        -- by member
-        FOR v_got IN
-            SELECT q.q::smallint FROM generate_series(0, 15) q(q)
-            LEFT JOIN delaywheel.consumer_leases l ON l.grp = p_grp AND l.topic = p_topic AND l.qid = q.q
-            WHERE l.qid IS NULL OR l.holder IS NULL OR l.expires_at <= v_now OR l.pid <> ALL (v_live)
-            ORDER BY (q.q + hashtext(p_holder)) & 15
-        LOOP
-            INSERT INTO delaywheel.consumer_leases AS l (grp, topic, qid, holder, pid, expires_at, taken_at, taken)
-            VALUES (p_grp, p_topic, v_got, p_holder, pg_backend_pid(), v_now + p_lease, v_now, 1)
-            ON CONFLICT (grp, topic, qid) DO UPDATE
-                SET holder = excluded.holder, pid = excluded.pid, expires_at = excluded.expires_at,
-                    taken_at = excluded.taken_at, taken = l.taken + 1
-                WHERE l.holder IS NULL OR l.expires_at <= v_now OR l.pid <> ALL (v_live)
-            RETURNING l.qid INTO v_got;
-            IF FOUND THEN
-                v_held := v_held || v_got;
-                EXIT WHEN cardinality(v_held) >= v_share;
-            END IF;
-        END LOOP;
+        -- free queues (given back, expired, or their holder's process gone), from a place that differs by member;
+        -- a row another transaction has locked (a member taking or acking it now) is skipped, never waited for, so
+        -- two members taking and acking at once cannot deadlock
+        WITH free AS (
+            SELECT l.qid FROM delaywheel.consumer_leases l
+            WHERE l.grp = p_grp AND l.topic = p_topic
+              AND (l.holder IS NULL OR l.expires_at <= v_now OR l.pid <> ALL (v_live))
+            ORDER BY (l.qid + hashtext(p_holder)) & 15
+            LIMIT v_share - cardinality(v_held)
+            FOR UPDATE SKIP LOCKED
+        ), took AS (
+            UPDATE delaywheel.consumer_leases l
+            SET holder = p_holder, pid = pg_backend_pid(), expires_at = v_now + p_lease, taken_at = v_now,
+                taken = l.taken + 1
+            FROM free WHERE l.grp = p_grp AND l.topic = p_topic AND l.qid = free.qid
+            RETURNING l.qid
+        )
+        SELECT v_held || coalesce(array_agg(took.qid), '{}') INTO v_held FROM took;
     END IF;
     RETURN (SELECT array_agg(h ORDER BY h) FROM unnest(v_held) h);
 END
