@@ -6,7 +6,8 @@
 -- ack of a pull of its own, the end of a consume loop) or expires: a member that died (its server process gone: at
 -- once), or whose handler outlived the lease, loses its queues to the others, and its late ack is refused (the ack checks the lease, FOR UPDATE).
 
--- Be seen as a member, then hold its share of the queues: renew those held (once past half their lease), give back
+-- Be seen as a member, then hold its share of the queues: renew those held (a second, or half the lease, after
+-- the last renewal: a batch pulled gets about its whole lease), give back
 -- what exceeds the share (a member joined), take free or expired queues up to it. Returns the queues held, in order.
 -- A queue another member holds and renews stays with it; its rows wait for that member, which keeps key order.
 CREATE OR REPLACE FUNCTION delaywheel.take_queues(p_grp text, p_topic text, p_holder text, p_lease interval)
@@ -16,8 +17,10 @@ DECLARE
     v_now timestamptz := clock_timestamp();
     v_share integer;
     v_held smallint[];
-    v_live integer[] := ARRAY(SELECT a.pid FROM pg_stat_activity a WHERE a.pid IS NOT NULL);
+    v_live integer[];
 BEGIN
+    PERFORM pg_stat_clear_snapshot();  -- the server processes alive now, not as this transaction first saw them
+    v_live := ARRAY(SELECT a.pid FROM pg_stat_activity a WHERE a.pid IS NOT NULL);
     INSERT INTO delaywheel.consumer_members AS m (grp, topic, holder, pid, expires_at)
     VALUES (p_grp, p_topic, p_holder, pg_backend_pid(), v_now + p_lease)
     ON CONFLICT (grp, topic, holder) DO UPDATE SET expires_at = excluded.expires_at, pid = excluded.pid
@@ -41,7 +44,7 @@ BEGIN
     END IF;
     UPDATE delaywheel.consumer_leases l SET expires_at = v_now + p_lease, pid = pg_backend_pid()
     WHERE l.grp = p_grp AND l.topic = p_topic AND l.holder = p_holder
-      AND (l.expires_at < v_now + p_lease / 2 OR l.pid <> pg_backend_pid());
+      AND (l.expires_at < v_now + p_lease - least(p_lease / 2, interval '1 second') OR l.pid <> pg_backend_pid());
 
     IF cardinality(v_held) < v_share THEN
         -- free queues (given back, expired, or their holder's process gone), from a place that differs by member;

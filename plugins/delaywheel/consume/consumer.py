@@ -150,6 +150,10 @@ class Consumer:
                         self.lease_s,
                     )
                     retry_in = backoff_delays()
+                except psycopg.errors.TransactionRollback as exc:  # a deadlock: nothing was done; again (idempotent)
+                    log.warning("delaywheel consumer: %s; trying again", str(exc).strip().splitlines()[0])
+                    self.stop.wait(next(retry_in))
+                    continue
                 except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
                     if not transient(exc):
                         raise
@@ -450,4 +454,5 @@ def _prefix(batch: Batch, n: int) -> Batch:
     )
     for m, (xid, offset), qid in zip(part.messages, part.positions, part.qids, strict=True):
         part.cursors[(m.source_topic, qid)] = (str(xid), offset)
+        part.ends[m.source_topic] = (str(xid), offset)  # every row of the queues held up to here is in the part
     return part

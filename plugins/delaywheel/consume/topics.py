@@ -78,6 +78,9 @@ class Batch:
     topic: str = ""  # the topic pulled: the leases are the group's on it
     holder: str = ""  # the member that pulled it, whose leases its ack checks
     queues: tuple[int, ...] = ()  # the queues the member held when it read the batch
+    # source -> the position up to which the batch holds every row of the queues held past their offsets: its ack
+    # moves all of those queues' offsets there (a queue held but idle does not keep the next read's start behind)
+    ends: dict[str, tuple[str, int]] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.messages)
@@ -230,8 +233,14 @@ _UNREADABLE = sql.SQL(
 )
 # Not ordered as a whole: each source's rows come in its read's order as PostgreSQL runs it, and `_batch` orders them
 # again, a pass over rows already in order. An ORDER BY here would sort the whole rows, bodies and all.
+# The source's last row below the commit horizon (a backward probe of the read index), as text: with every row of the
+# queues held up to it read, their offsets may all move there (`Batch.ends`).
+_LAST = sql.SQL(
+    "(SELECT ARRAY[t.xid::text, t.queue_offset::text] FROM delaywheel.topic_messages t"
+    " WHERE t.topic = {source} AND t.xid < (SELECT x FROM h) ORDER BY t.xid DESC, t.queue_offset DESC LIMIT 1)"
+)
 _READ = sql.SQL("""WITH h AS MATERIALIZED (SELECT {horizon} AS x), {held}, {offsets}
-SELECT r.*, e.behind FROM (SELECT {unreadable} AS behind) e
+SELECT r.*, e.* FROM (SELECT {unreadable} AS behind, {lasts}) e
 LEFT JOIN LATERAL ({sources}) r ON true""")
 
 
@@ -246,6 +255,7 @@ def _read_statement(n: int) -> str:
             _OFFSETS.format(index=i, source=s, last=sql.Literal(QUEUES - 1)) for i, s in sources
         ),
         unreadable=sql.SQL(" OR ").join(_UNREADABLE.format(source=s) for _, s in sources),
+        lasts=sql.SQL(", ").join(_LAST.format(source=s) for _, s in sources),
         sources=sql.SQL("\nUNION ALL\n").join(_SOURCE.format(index=i, source=s) for i, s in sources),
     ).as_string()
 
@@ -311,6 +321,12 @@ def _batch(
         read = sorted((r for r in rows if r[n + 1] == i), key=_ORDER)
         taken = read[:room]
         left = left or len(read) > len(taken)
+        last = rows[0][n + 5 + i] if rows else None
+        if len(read) > len(taken):  # cut: up to its last row taken (if any)
+            if taken:
+                batch.ends[source] = (str(taken[-1][n + 2]), taken[-1][1])
+        elif last is not None:  # every readable row of the queues held: up to the source's last readable row
+            batch.ends[source] = (last[0], int(last[1]))
         for r in taken:
             message = object.__new__(Delivered)
             values = message.__dict__
@@ -373,7 +389,7 @@ def _lost_message(batch: Batch) -> str:
 # and not taken leaves the ack to the offsets, which acks only what no ack passed yet. Then the group's offset in each (source, queue) is still before the batch's first
 # message there (where the previous batch's ack left it), so every message of the batch from it passes; the
 # (source, queue) pairs moved come back, with whether every queue of the batch is still this member's. A pair not
-# moved (the group's first ack of it, or another ack got there first) is left to `_ack`'s general path.
+# with messages not moved (another ack got there first) is left to `_ack`'s general path.
 _MOVE = sql.SQL("""WITH lease AS MATERIALIZED (
     SELECT l.holder IS NOT NULL AND l.holder <> %(holder)s AND l.expires_at > clock_timestamp() AS taken
     FROM delaywheel.consumer_leases l
@@ -389,8 +405,17 @@ moved AS (
     WHERE ok.held AND o.grp = %(group)s AND o.topic = v.topic AND o.qid = v.qid
       AND (o.cursor_xid, o.cursor_offset) < (v.first_xid::xid8, v.first_offset)
     RETURNING o.qid || ' ' || o.topic AS moved
+),
+-- a queue's first ack: its row, at the batch's position (it read the queue from the start)
+added AS (
+    INSERT INTO delaywheel.consumer_offsets AS o (grp, topic, qid, cursor_xid, cursor_offset, acked)
+    SELECT %(group)s, v.topic, v.qid, v.xid::xid8, v."offset", v.n FROM v, ok
+    WHERE ok.held AND NOT EXISTS (
+        SELECT FROM delaywheel.consumer_offsets f WHERE f.grp = %(group)s AND f.topic = v.topic AND f.qid = v.qid)
+    ON CONFLICT DO NOTHING
+    RETURNING o.qid || ' ' || o.topic AS moved
 )
-SELECT ARRAY(SELECT moved FROM moved), (SELECT held FROM ok)""")
+SELECT ARRAY(SELECT moved FROM moved UNION ALL SELECT moved FROM added), (SELECT held FROM ok)""")
 _MOVE_VALUE = sql.SQL("({}::text, {}::smallint, {}::text, {}::bigint, {}::int, {}::text, {}::bigint)")
 
 
@@ -413,23 +438,39 @@ def _moved(row: tuple[Any, ...]) -> set[tuple[str, int]]:
     return {(topic, int(qid)) for qid, topic in (m.split(" ", 1) for m in row[0])}
 
 
-def _moving(conn: psycopg.Connection, batch: Batch) -> psycopg.Cursor[Any]:
-    """`_move`'s statement, sent (in a pipeline, not yet answered): its cursor. A batch without messages moves
-    nothing and holds no queue to check."""
-    params: dict[str, Any] = {"group": batch.group, "topic": batch.topic, "holder": batch.holder}
+# What an ack moves: (source, queue) -> (to xid, to offset, messages passed, first xid, first offset). A pair with
+# messages in the batch passes them, from its first; every other queue held moves to the source's end untouched.
+Moves = dict[tuple[str, int], tuple[str, int, int, str, int]]
+
+
+def _moves(batch: Batch) -> Moves:
     firsts: dict[tuple[str, int], tuple[int, int, int]] = {}  # pair -> (first xid, first offset, count)
     for m, pos, qid in zip(batch.messages, batch.positions, batch.qids, strict=True):
         pair = (m.source_topic, qid)
         first = firsts.get(pair)
         firsts[pair] = (pos[0], pos[1], 1) if first is None else (first[0], first[1], first[2] + 1)
-    params["qids"] = sorted({qid for _, qid in firsts})
-    for i, (pair, (xid, offset)) in enumerate(batch.cursors.items()):
+    moves: Moves = {}
+    for pair, (xid, offset) in batch.cursors.items():
+        end = batch.ends.get(pair[0], (xid, offset))
         first_xid, first_offset, n = firsts[pair]
-        values = (pair[0], pair[1], xid, offset, n, str(first_xid), first_offset)
-        params.update({f"v{i}_{j}": value for j, value in enumerate(values)})
-    if not batch.cursors:
+        moves[pair] = (end[0], end[1], n, str(first_xid), first_offset)
+    for source, (xid, offset) in batch.ends.items():
+        for qid in batch.queues:
+            moves.setdefault((source, qid), (xid, offset, 0, xid, offset))
+    return moves
+
+
+def _moving(conn: psycopg.Connection, batch: Batch) -> psycopg.Cursor[Any]:
+    """`_move`'s statement, sent (in a pipeline, not yet answered): its cursor. A batch that moves nothing holds no
+    queue to check."""
+    moves = _moves(batch)
+    params: dict[str, Any] = {"group": batch.group, "topic": batch.topic, "holder": batch.holder}
+    params["qids"] = sorted({qid for _, qid in moves})
+    for i, ((source, qid), move) in enumerate(moves.items()):
+        params.update({f"v{i}_{j}": value for j, value in enumerate((source, qid, *move))})
+    if not moves:
         return conn.execute("SELECT ARRAY[]::text[], true")
-    return conn.execute(_move_statement(len(batch.cursors)), params)
+    return conn.execute(_move_statement(len(moves)), params)
 
 
 def ack_and_pull(
@@ -484,7 +525,10 @@ def ack_and_pull(
             else:
                 _log.warning("delaywheel consumer: %s", _lost_message(done))
                 result = AckResult(lost=len(done))
-        return result, _take_and_read(conn, group, topic, holder, lease_s, max_messages, durable=not own)
+        # durable unless its own transaction with nothing failed: a retry or dead letter written here must not be
+        # undone by a crash after its ack
+        durable = not own or bool(failed)
+        return result, _take_and_read(conn, group, topic, holder, lease_s, max_messages, durable=durable)
 
 
 def _queues(taking: psycopg.Cursor[Any]) -> tuple[int, ...]:
@@ -519,7 +563,9 @@ def _ack(
 ) -> AckResult:
     """`ack`'s work inside the caller's transaction, after `_move`: `moved` are the (source, queue) pairs it moved."""
     acked: list[Delivered] = []
-    for (topic, qid), (xid, offset) in batch.cursors.items():
+    for (topic, qid), (xid, offset, _, _, _) in _moves(batch).items():
+        if (topic, qid) not in batch.cursors:
+            continue  # a queue without messages here: moved by `_move` or already past
         mine = [
             (m, pos)
             for m, pos, q in zip(batch.messages, batch.positions, batch.qids, strict=True)
