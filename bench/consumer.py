@@ -10,7 +10,8 @@ consumer_drain: (a) 1M due messages (~90-byte bodies, due by the injected send c
 a handler that looks at each message) waiting before the deliverer starts: messages / (last ack - ready); (c) (a)'s
 rows in a plain table keyed by delivery order, drained by RAW_DRAIN (the queue-table idiom of PGMQ and its kind),
 each batch fetched, with `enable_seqscan = off`: the plan a queue table is meant to have (left to itself the
-planner scans the whole table every batch). Targets: (b) >= 0.8 x (a), >= 1.0 x (c).
+planner scans the whole table every batch); (d) one consumer reading (a)'s delivered rows, nothing delivering.
+Targets: (b) >= 0.8 x (a), >= 1.0 x (c); (d) >= 0.7 x (c).
 
     python -m bench consumer_lateness [--minutes 10 | --scale S: minutes = 10 x S] [--freeze] [--note TEXT]
     python -m bench consumer_drain [--scale 0.1] [--max-messages 1000] [--note TEXT]
@@ -191,9 +192,9 @@ def settle(conn: psycopg.Connection) -> None:
     conn.execute("CHECKPOINT")
 
 
-def consumer(url: str, count: int, max_messages: int, ready: Any, out: Any) -> None:
-    """The consumer process: `count` messages through `Store.consume`, then (time of the last ack, its totals,
-    its CPU seconds)."""
+def consumer(url: str, count: int, max_messages: int, ready: Any, out: Any, topic: str = TOPIC_E2E) -> None:
+    """The consumer process: `count` messages of `topic` through `Store.consume`, then (time of the last ack, its
+    totals, its CPU seconds)."""
     seen = 0
 
     def handler(messages: list) -> None:
@@ -204,7 +205,7 @@ def consumer(url: str, count: int, max_messages: int, ready: Any, out: Any) -> N
     with Store(url) as store:
         store.conn  # noqa: B018  (connected before the clock starts)
         ready.set()
-        totals = store.consume(TOPIC_E2E, GROUP, handler, max_messages=max_messages, limit=count)
+        totals = store.consume(topic, GROUP, handler, max_messages=max_messages, limit=count)
         finished = time.time()
     usage = resource.getrusage(resource.RUSAGE_SELF)
     out.send((finished, vars(totals), usage.ru_utime + usage.ru_stime))
@@ -271,6 +272,26 @@ def end_to_end(url: str, store: Store, count: int, batch: int, max_messages: int
     return count / seconds, seconds, delivered_last - deliverer.ready_at, totals, cpu_s
 
 
+def consumer_only(url: str, count: int, max_messages: int) -> float:
+    """(d): one consumer reading (a)'s delivered rows, nothing delivering meanwhile: the consumer's own drain rate."""
+    ctx = mp.get_context("spawn")
+    rx, tx = ctx.Pipe(duplex=False)
+    ready = ctx.Event()
+    proc = ctx.Process(target=consumer, args=(url, count, max_messages, ready, tx, TOPIC_DELIVERY))
+    proc.start()
+    ready.wait(120)
+    started = time.time()
+    if not rx.poll(900):
+        proc.kill()
+        raise RuntimeError("(d) the consumer did not finish within 900 s")
+    finished, totals, _ = rx.recv()
+    proc.join(30)
+    if totals["messages"] != count:
+        raise RuntimeError(f"(d) handled {totals['messages']:,}, expected {count:,}")
+    log(f"(d) consumer only: {count:,} in {finished - started:.2f} s = {count / (finished - started):,.0f} msg/s")
+    return count / (finished - started)
+
+
 def raw_drain(conn: psycopg.Connection, count: int, n: int) -> tuple[float, str]:
     """(c): (a)'s rows in a plain table, drained n at a time by DELETE ... RETURNING, read by the client. Returns
     the rate and, if the planner left to itself would have read the whole table for every batch, a note saying so."""
@@ -307,10 +328,13 @@ def drain(argv: list[str], name: str) -> list[Check]:
         store.prepare()
         delivery, first_s = delivery_only(url, store, count, args.batch)
         raw, plan = raw_drain(store.conn, count, args.max_messages)
+        settle(store.conn)
+        alone = consumer_only(url, count, args.max_messages)
         rate, acked_s, delivered_s, totals, cpu_s = end_to_end(url, store, count, args.batch, args.max_messages)
     checks = [
         at_least("end-to-end drain vs delivery only (msg/s)", rate, delivery, 0.8),
         at_least("end-to-end drain vs raw DELETE ... RETURNING drain (msg/s)", rate, raw, 1.0),
+        at_least("one consumer's drain of delivered rows vs the raw drain (msg/s)", alone, raw, 0.7),
     ]
     notes = [
         f"{count:,} due level-1 messages per phase (~90-byte bytes bodies, a key each), sent by `send_many` with the"
@@ -322,6 +346,7 @@ def drain(argv: list[str], name: str) -> list[Check]:
         f" {args.max_messages}: {totals['batches']:,} batches, {totals['empty_pulls']:,} empty pulls,"
         f" {totals['notified_wakes']:,} notified wakes, {totals['safety_wakes']} safety wakes;"
         f" consumer CPU {cpu_s:.1f} s ({cpu_s / count * 1e6:.1f} µs a message)",
+        f"(d) one consumer alone on (a)'s delivered rows {alone:,.0f} msg/s",
         f"(c) raw drain {raw:,.0f} msg/s: `{RAW_DRAIN % args.max_messages}`, autocommit, fetchall, the same rows;"
         " planned with enable_seqscan off (a nested loop over the primary key)" + plan,
         load_note(load_before, args.note),
