@@ -20,6 +20,9 @@ commit of its ack, and keeps it while messages keep coming (a topic is one order
 consumer adds no parallelism, only a standby); it lets go after a safety wake with nothing to do, and a standby
 consumer takes over then. Delivery to the handler is at least once: a batch whose ack did not commit (a crash, a
 kill, a lost connection) is handled again, by this consumer or another; deduplicate on `Delivered.idempotency_id`.
+With a tag filter (`tags`) the topic's rows with another tag are skipped at the pull (`topics._batch`); a batch of
+skipped rows only goes to no handler and is acked with the next pull, at once. A group with no offset on the topic
+gets one at `start` when the consumer starts (`position.start`).
 """
 
 from __future__ import annotations
@@ -30,13 +33,15 @@ import threading
 import time
 from collections.abc import Callable, Collection, Generator, Iterator
 from dataclasses import dataclass
+from datetime import datetime
 from typing import TYPE_CHECKING
 
 import psycopg
 from psycopg import sql
 
 from delaywheel.channels import TOPIC_CHANNEL
-from delaywheel.consume import topics
+from delaywheel.consume import position, topics
+from delaywheel.consume.tags import parse as parse_tags
 from delaywheel.consume.topics import Batch, Delivered
 from delaywheel.db import connect
 from delaywheel.reconnect import backoff_delays, transient, transient_reason
@@ -67,6 +72,7 @@ class ConsumeTotals:
     batches: int = 0
     retried: int = 0  # sent to the retry ladder (or the dead-letter topic) by their acks
     already_acked: int = 0  # in batches another consumer of the group had acked past
+    skipped: int = 0  # read and passed without being handed over: their tag is not the group's (`tags`)
     handler_errors: int = 0  # batches whose handler raised (all their messages retried)
     notified_wakes: int = 0  # pulls a notification asked for
     safety_wakes: int = 0  # pulls after a wait that no notification ended
@@ -94,8 +100,12 @@ class Consumer:
         idle_s: float | None = None,
         safety_wake_s: float = SAFETY_WAKE_S,
         ack_hold_s: float = ACK_HOLD_S,
+        tags: str | None = None,
+        start: str | datetime = position.EARLIEST,
     ) -> None:
         topics.checked_batch_size(max_messages)
+        self.accept = parse_tags(tags)  # the group's tag filter (None: every message)
+        self.start = position.start_target(start)  # where the group starts if it has no offset on the topic yet
         self.store = store
         self.topic = topic
         self.group = group
@@ -120,8 +130,9 @@ class Consumer:
         self.failed: set[int] = set()
         looks = 0  # empty pulls in a row that found rows behind (above the commit horizon)
         retry_in = backoff_delays()
-        self._ensure_listener()  # the first connections fail loudly: a wrong URL is not an outage
-        self.store.conn  # noqa: B018
+        # the first connections fail loudly (a wrong URL is not an outage), and so does a start ahead of the clock
+        position.start(self.store.conn, self.topic, self.group, self.start)  # a new group's offset, once
+        self._ensure_listener()
         try:
             while True:
                 handed = self.totals.messages + (len(done) if done is not None else 0)
@@ -141,6 +152,7 @@ class Consumer:
                         self.group,
                         room,
                         self._held,
+                        self.accept,
                     )
                     retry_in = backoff_delays()
                 except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
@@ -153,6 +165,11 @@ class Consumer:
                     self._count(done, result)
                     done = None
                 self.failed = set()
+                if batch.skipped:
+                    self.totals.skipped += batch.skipped
+                    if not batch.messages:  # read, none the group's: acked with the next pull, at once
+                        done = batch
+                        continue
                 if batch.messages:
                     looks = 0
                     self._last_message = time.monotonic()
@@ -213,7 +230,7 @@ class Consumer:
         return True
 
     def _count(self, batch: Batch, result: topics.AckResult) -> None:
-        self.totals.batches += 1
+        self.totals.batches += bool(batch.messages)  # (a batch of skipped rows only was handed to no one)
         self.totals.messages += len(batch.messages)
         self.totals.retried += result.retried
         self.totals.already_acked += result.already_acked

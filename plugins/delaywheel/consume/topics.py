@@ -72,9 +72,17 @@ class Batch:
     # (committed above the commit horizon, or just after the read) or beyond the batch's room. The consumer then
     # looks again within milliseconds rather than wait for the next notification (which may have come already).
     behind: bool = False
+    # Rows read that the group's tag filter left out (`tags.parse`): not in `messages`, but behind the cursors, so the
+    # batch's ack moves the group's offset past them.
+    skipped: int = 0
 
     def __len__(self) -> int:
         return len(self.messages)
+
+    def __bool__(self) -> bool:
+        """Whether the pull read anything, handed over or skipped by the tag filter: a batch of skipped rows only
+        holds no message, yet needs its ack, or the group reads the same rows again."""
+        return bool(self.messages or self.cursors)
 
 
 @dataclass(frozen=True)
@@ -109,13 +117,16 @@ def checked_batch_size(max_messages: int) -> int:
     return max_messages
 
 
-def pull(conn: psycopg.Connection, topic: str, group: str, max_messages: int = 100) -> Batch:
-    """The next messages after the group's committed offset, from the topic and the group's retry topic."""
+def pull(
+    conn: psycopg.Connection, topic: str, group: str, max_messages: int = 100, accept: frozenset[str] | None = None
+) -> Batch:
+    """The next messages after the group's committed offset, from the topic and the group's retry topic; of the
+    topic's, only those whose tag is in `accept` (None: all; `tags.parse`)."""
     checked_batch_size(max_messages)
     sources = (topic, retry_topic(group))
     with conn.transaction():
         conn.execute(_SET_READ_PLAN)
-        return _batch(group, sources, _read(conn, group, sources, max_messages).fetchall(), max_messages)
+        return _batch(group, sources, _read(conn, group, sources, max_messages).fetchall(), max_messages, accept)
 
 
 def _body(data: bytes, is_json: bool, message_id: int) -> Any:
@@ -206,10 +217,18 @@ def _read(conn: psycopg.Connection, group: str, sources: tuple[str, ...], max_me
     return conn.execute(_READS[len(sources)], params, binary=True, prepare=True)
 
 
-def _batch(group: str, sources: tuple[str, ...], rows: list[tuple[Any, ...]], max_messages: int) -> Batch:
+def _batch(
+    group: str,
+    sources: tuple[str, ...],
+    rows: list[tuple[Any, ...]],
+    max_messages: int,
+    accept: frozenset[str] | None = None,
+) -> Batch:
     """The batch of `_read`'s rows: the first source's first, then the next one's while there is room. A Delivered
     is built from its row's fields directly, not through its generated __init__, which sets each field of the frozen
-    class through object.__setattr__ and would be most of a pull's time in Python."""
+    class through object.__setattr__ and would be most of a pull's time in Python. With `accept` (the group's tag
+    filter, `tags.parse`), rows of the topic whose tag is not in it are skipped: left out of the messages, still
+    behind the cursor. The group's retry topic is not filtered: its messages are the group's own, taken already."""
     batch = Batch(group, [])
     n = len(_FIELDS)
     left = False  # rows read that the batch has no room for (each source reads one more than a batch takes)
@@ -218,7 +237,9 @@ def _batch(group: str, sources: tuple[str, ...], rows: list[tuple[Any, ...]], ma
         read = sorted((r for r in rows if r[n + 1] == i), key=_ORDER)
         taken = read[:room]
         left = left or len(read) > len(taken)
-        for r in taken:
+        kept = taken if accept is None or source == RETRY_PREFIX + group else [r for r in taken if r[4] in accept]
+        batch.skipped += len(taken) - len(kept)
+        for r in kept:
             message = object.__new__(Delivered)
             values = message.__dict__
             values.update(zip(_FIELDS, r, strict=False))  # (the last columns are the batch's)
@@ -315,7 +336,8 @@ def _moving(
     if batch is not None and batch.cursors:
         for topic, (xid, offset) in batch.cursors.items():
             mine = [pos for m, pos in zip(batch.messages, batch.positions, strict=True) if m.source_topic == topic]
-            values += [topic, xid, offset, len(mine), str(mine[0][0]), mine[0][1]]
+            first = mine[0] if mine else (xid, offset)  # none: every row read from it was skipped by the tag filter
+            values += [topic, xid, offset, len(mine), str(first[0]), first[1]]
         sources = len(batch.cursors)
         values.append(batch.group)
     return conn.execute(_move_statement(sources, tries, durable), values + (params or []))
@@ -331,6 +353,7 @@ def ack_and_pull(
     group: str,
     max_messages: int,
     held: frozenset[str] = frozenset(),
+    accept: frozenset[str] | None = None,
 ) -> tuple[AckResult, Batch, frozenset[str]]:
     """Ack `done` (as `ack`) and pull the group's next batch from `topic` and its retry topic, in one transaction:
     BEGIN; the ack's common move (`_MOVE`) with the pull's plan settings and lock tries; the read of both sources;
@@ -343,16 +366,17 @@ def ack_and_pull(
     a source whose lock another consumer of the group holds is not read. The read is a later statement, so its
     snapshot is taken after the lock was granted, hence after the previous holder's ack committed. Returns the
     ack's result, the batch, and the sources whose locks this session now holds: the caller releases them
-    (`release_group_locks`) only after the transaction committed, once it has nothing of theirs in hand."""
+    (`release_group_locks`) only after the transaction committed, once it has nothing of theirs in hand. `accept`
+    is the group's tag filter (`_batch`)."""
     failed = _checked_failures(done, failed) if done is not None else set()
     sources = (topic, retry_topic(group))
     wanted = [s for s in sources if s not in held]
     own = commits_each_statement(conn)  # its own transaction: the ack may commit asynchronously (_ASYNC_ACK)
     if not wanted and not failed and own:
-        result, pulled = _ack_and_pull_held(conn, settings, cache, done, group, sources, max_messages)
+        result, pulled = _ack_and_pull_held(conn, settings, cache, done, group, sources, max_messages, accept)
         if pulled is not None:
             return result, pulled, held
-        _, batch, now_held = ack_and_pull(conn, settings, cache, None, None, topic, group, max_messages, held)
+        _, batch, now_held = ack_and_pull(conn, settings, cache, None, None, topic, group, max_messages, held, accept)
         return result, batch, now_held
     params = [v for s in wanted for v in (group, s)]
     with conn.transaction():
@@ -361,7 +385,7 @@ def ack_and_pull(
         result = _ack(conn, settings, cache, done, failed, moved) if done is not None else AckResult()
         readable = tuple(s for s in sources if s in now_held)
         rows = _read(conn, group, readable, max_messages).fetchall() if readable else []
-        batch = _batch(group, readable, rows, max_messages)
+        batch = _batch(group, readable, rows, max_messages, accept)
     return result, batch, frozenset(now_held)
 
 
@@ -373,6 +397,7 @@ def _ack_and_pull_held(
     group: str,
     sources: tuple[str, ...],
     max_messages: int,
+    accept: frozenset[str] | None = None,
 ) -> tuple[AckResult, Batch | None]:
     """`ack_and_pull` with both sources' group locks held and nothing failed, in one round trip: the common move
     with the pull's plan settings and the read, sent together and ended by one Sync, so one implicit transaction
@@ -392,7 +417,7 @@ def _ack_and_pull_held(
         with conn.transaction():
             return _ack(conn, settings, cache, done, set(), moved), None
     result = _ack(conn, settings, cache, done, set(), moved) if done is not None else AckResult()
-    return result, _batch(group, sources, reading.fetchall(), max_messages)
+    return result, _batch(group, sources, reading.fetchall(), max_messages, accept)
 
 
 def release_group_locks(conn: psycopg.Connection, group: str, sources: frozenset[str] | set[str]) -> None:
