@@ -21,6 +21,8 @@ How it works:
 - Messages whose id `handle()` returns are handed to RocketMQ's retry ladder (redelivered later into
   `%RETRY%<group>`, which `pull` reads too) and after `max_reconsume_times` go to `%DLQ%<group>`; a retry policy
   of the group's own (`delaywheel group retry-policy GROUP`) sets the retries and their delays instead.
+- The `tags` param filters by tag (`TAG1 || TAG2`; `*`: all): other messages are skipped and the group's offset
+  passes them with the ack. `start` says where a new group begins: `earliest`, `latest` or a time.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import DAG, Param, task
 
+from delaywheel.airflow.forms import ISO_8601, form_moment
 from delaywheel.airflow.operators import consumer_schedule
 
 if TYPE_CHECKING:  # for the annotation only: Airflow parses this file every 30 s, and the store's code is not light
@@ -62,6 +65,19 @@ with DAG(
     params={
         "batch_size": Param(500, type="integer", minimum=1, description="Messages per pull."),
         "max_batches": Param(100, type="integer", minimum=1, description="Stop after this many batches."),
+        "tags": Param(
+            "*",
+            type="string",
+            minLength=1,
+            description="Only messages with one of these tags, 'TAG1 || TAG2' ('*': all); the group passes the rest.",
+        ),
+        "start": Param(
+            "earliest",
+            type="string",
+            pattern=f"^(earliest|latest)$|{ISO_8601}",
+            description="A group with no offset yet starts at: earliest (every message kept), latest (from now on)"
+            " or an ISO 8601 time (UTC if no offset).",
+        ),
     },
 ):
 
@@ -74,10 +90,11 @@ with DAG(
             for event in events:
                 log.info("triggered by %s: %s", getattr(asset, "uri", asset), event.extra)
         consumed = failed = batches = 0
+        start = form_moment(params["start"], ("earliest", "latest"), "start")
         with DelayWheelHook().get_store() as store:
             while batches < int(params["max_batches"]):
-                batch = store.pull(TOPIC, GROUP, int(params["batch_size"]))
-                if not batch:
+                batch = store.pull(TOPIC, GROUP, int(params["batch_size"]), tags=params["tags"], start=start)
+                if not batch:  # nothing read (a batch whose rows the tag filter all skipped still needs its ack)
                     break
                 failures = handle(batch.messages)
                 store.ack(batch, failures)  # commits the group's offset (and the retries) in one transaction

@@ -23,7 +23,9 @@ How the lease hands over (as the deliver lanes do, `delaywheel_deliver`):
 - SIGTERM (marking the task failed, a scheduler stopping it) ends the task the same way: batch acked, lock
   released. A crash acks nothing: the batch is handled again by the next holder (at least once; deduplicate
   on `message.idempotency_id`).
-- Returned (XCom): handled, acked, retried, reconnects, and how the task stopped.
+- Returned (XCom): handled, acked, retried, skipped (by the `tags` filter), reconnects, and how the task stopped.
+- The `tags` param filters by tag (`TAG1 || TAG2`; `*`: all); `start` says where a new group begins (`earliest`,
+  `latest` or a time). To move an existing group, trigger `delaywheel_group_seek`.
 
 Paused at creation: it is a template, and a running copy takes one worker slot (two during the overlap).
 """
@@ -36,6 +38,7 @@ from typing import TYPE_CHECKING
 
 from airflow.sdk import DAG, Param
 
+from delaywheel.airflow.forms import ISO_8601
 from delaywheel.airflow.operators import ConsumeOperator
 
 if TYPE_CHECKING:  # for the annotation only: Airflow parses this file every 30 s, and the store's code is not light
@@ -82,6 +85,19 @@ with DAG(
             description="Past its lease, keep the group up to this long until the next run's consumer is running.",
         ),
         "max_messages": Param(100, type="integer", minimum=1, description="Messages per batch (the prefetch bound)."),
+        "tags": Param(
+            "*",
+            type="string",
+            minLength=1,
+            description="Only messages with one of these tags, 'TAG1 || TAG2' ('*': all); the group passes the rest.",
+        ),
+        "start": Param(
+            "earliest",
+            type="string",
+            pattern=f"^(earliest|latest)$|{ISO_8601}",
+            description="A group with no offset yet starts at: earliest (every message kept), latest (from now on)"
+            " or an ISO 8601 time (UTC if no offset).",
+        ),
     },
     default_args={"retries": 2, "retry_delay": timedelta(seconds=5)},
 ):
@@ -93,4 +109,6 @@ with DAG(
         lease_seconds="{{ params.lease_seconds }}",
         handover_grace_seconds="{{ params.handover_grace_seconds }}",
         max_messages="{{ params.max_messages }}",
+        tags="{{ params.tags }}",
+        start="{{ params.start }}",
     )

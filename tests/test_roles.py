@@ -116,6 +116,19 @@ def test_the_runtime_runs_the_whole_lifecycle(role_db: tuple[str, str]) -> None:
         assert store.conn.execute("SELECT count(*) FROM delaywheel.topic_messages").fetchone() == (0,)
 
 
+def test_the_runtime_seeks_a_group_and_may_only_append_to_the_record(role_db: tuple[str, str]) -> None:
+    """`group_seeks` is an audit trail: the runtime writes its rows with the seek and reads them, changes none."""
+    _, runtime = role_db
+    with Store(runtime, Settings()) as store:
+        store.send("orders", {"n": 1})
+        store.ack(store.pull("orders", "g"))
+        assert store.seek("orders", "g", to="earliest").by == embedded.RUNTIME_LOGIN
+        assert len(store.pull("orders", "g")) == 1
+        for statement in ("UPDATE delaywheel.group_seeks SET sought_by = 'x'", "DELETE FROM delaywheel.group_seeks"):
+            with pytest.raises(errors.InsufficientPrivilege):
+                store.conn.execute(statement)
+
+
 def test_the_shop_line_grants_the_runtime_its_own_tables(role_db: tuple[str, str]) -> None:
     """A fresh store has no `shop` schema, so the baseline granted nothing on it; the shop's own line, run by the
     owner's login, creates it owned by the owner and gives the runtime what the demo and the sweep do there: reset

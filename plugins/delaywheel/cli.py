@@ -20,6 +20,7 @@ import psycopg
 
 from delaywheel.config import STORE_NAME, ConfigError, format_duration, load_settings, parse_duration
 from delaywheel.consume import retry
+from delaywheel.consume.tags import parse as parse_tags
 from delaywheel.consume.topics import MAX_BATCH, Delivered
 from delaywheel.deliver import runner
 from delaywheel.dev import embedded
@@ -48,6 +49,20 @@ def _moment(text: str) -> datetime:
     if moment.tzinfo is None:
         raise argparse.ArgumentTypeError(f"{text!r} has no time zone; add one, e.g. +00:00")
     return moment
+
+
+def _start(text: str) -> str | datetime:
+    """--start: 'earliest', 'latest' or an ISO 8601 time with a zone."""
+    return text if text in ("earliest", "latest") else _moment(text)
+
+
+def _tags(text: str) -> str:
+    """--tags: a tag expression, checked while the arguments are parsed (`consume.tags.parse`)."""
+    try:
+        parse_tags(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def _property(text: str) -> tuple[str, str]:
@@ -319,7 +334,7 @@ def _deliver(args: argparse.Namespace, stop: threading.Event) -> int:
 
 def cmd_pull(args: argparse.Namespace) -> int:
     with _routed(args) as stores:
-        pulled = stores.pull(args.topic, args.group, args.max)
+        pulled = stores.pull(args.topic, args.group, args.max, tags=args.tags, start=args.start)
         batch = pulled.batch
         acked = stores.ack(pulled) if args.ack else None
         if acked is None:  # printed, not acked: its queues go back to the group at once
@@ -330,11 +345,12 @@ def cmd_pull(args: argparse.Namespace) -> int:
     else:
         for row in rows:
             print(f"{row['message_id']}\t{row['topic']}\t{row['key'] or ''}\t{row['delivered_at']}\t{row['body']}")
+        skipped = f", {batch.skipped} skipped by --tags" if batch.skipped else ""
         if acked is None:
-            print(f"{len(rows)} message(s) (not acked: pull again to see them again)")
+            print(f"{len(rows)} message(s){skipped} (not acked: pull again to see them again)")
         else:
             already = f", {acked.already_acked} acked already by another consumer" if acked.already_acked else ""
-            print(f"{len(rows)} message(s), {acked.acked} acked{already}")
+            print(f"{len(rows)} message(s){skipped}, {acked.acked} acked{already}")
     return 0
 
 
@@ -388,6 +404,8 @@ def cmd_consume(args: argparse.Namespace) -> int:
                 limit=args.count,
                 idle_s=args.idle.total_seconds() if args.idle else None,
                 duration_s=args.duration.total_seconds() if args.duration else None,
+                tags=args.tags,
+                start=args.start,
             )
     finally:
         for number, handler_ in previous.items():
@@ -398,10 +416,36 @@ def cmd_consume(args: argparse.Namespace) -> int:
         return 0
     for name, totals in by_store.items():
         where = f" from store {name}" if stores.settings.stores else ""
+        skipped = f", skipped {totals.skipped} (--tags)" if totals.skipped else ""
         print(
             f"delaywheel: consumed {totals.messages} message(s){where} in {totals.batches} batch(es), retried"
-            f" {totals.retried}; stopped by {'a signal' if totals.stopped_by == 'stop' else totals.stopped_by}",
+            f" {totals.retried}{skipped}; stopped by {'a signal' if totals.stopped_by == 'stop' else totals.stopped_by}",
             file=sys.stderr,
+        )
+    return 0
+
+
+def cmd_seek(args: argparse.Namespace) -> int:
+    """Move a group's offset on a topic (`Store.seek`), recorded; prints where it moved from and to."""
+    target: dict[str, Any] = {"to_time": args.to_time, "to_offset": args.to_offset}
+    if args.to_earliest or args.to_latest:
+        target["to"] = "earliest" if args.to_earliest else "latest"
+    with _routed(args) as stores:
+        by_store = stores.seek(args.topic, args.group, by=args.by, **target)
+    several = bool(stores.settings.stores)
+    rows = [{**({"store": name} if several else {}), **seeked.as_dict()} for name, seeked in by_store.items()]
+    if args.json:
+        _print(rows if several else rows[0], True)
+        return 0
+    for name, seeked in by_store.items():
+        where = f" in store {name}" if several else ""
+        froms = sorted({(b.xid, b.offset) for b, _ in seeked.moves})
+        came = " .. ".join(f"(xid {x}, queue_offset {o})" for x, o in (froms[0], froms[-1])[: min(len(froms), 2)])
+        to = seeked.moves[0][1]
+        print(
+            f"group {seeked.group} on {seeked.topic}{where}: moved to {seeked.target}, its {len(seeked.moves)} queues"
+            f" from {came} to (xid {to.xid}, queue_offset {to.offset}); recorded as by {seeked.by} at"
+            f" {seeked.at.isoformat()}"
         )
     return 0
 
@@ -730,6 +774,25 @@ def cmd_moved(args: argparse.Namespace) -> int:
     return 2
 
 
+def _subscribe_arguments(p: argparse.ArgumentParser) -> None:
+    """pull's and consume's --tags and --start."""
+    p.add_argument(
+        "--tags",
+        type=_tags,
+        metavar="EXPR",
+        help="only messages with one of these tags, 'TAG1 || TAG2' ('*': all, the default); the others are skipped"
+        " and passed by the group's offset",
+    )
+    p.add_argument(
+        "--start",
+        type=_start,
+        default="earliest",
+        metavar="WHERE",
+        help="a group with no offset on the topic yet starts at: earliest (every message kept, the default), latest"
+        " (messages delivered from now) or an ISO 8601 time with a zone (the first message delivered at or after it)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="delaywheel", description=__doc__)
     which = parser.add_mutually_exclusive_group()  # several stores (DELAYWHEEL_STORES, docs/stores.md)
@@ -795,6 +858,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--group", required=True)
     p.add_argument("--max", type=_batch_size, default=100, help=f"at most this many messages (1..{MAX_BATCH})")
     p.add_argument("--ack", action="store_true", help="commit the group's offset after printing")
+    _subscribe_arguments(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_pull)
 
@@ -807,8 +871,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--count", type=_bounded(1, MAX_ID), help="stop after this many messages")
     p.add_argument("--duration", type=_duration, help="stop after this long, e.g. 30s (default: until SIGTERM)")
     p.add_argument("--idle", type=_duration, help="stop once no message came for this long")
+    _subscribe_arguments(p)
     p.add_argument("--json", action="store_true", help="one JSON object per line")
     p.set_defaults(func=cmd_consume)
+
+    p = sub.add_parser(
+        "seek", help="move a consumer group's offset on a topic (rewind to read again, or skip ahead); recorded"
+    )
+    p.add_argument("topic")
+    p.add_argument("group")
+    to = p.add_mutually_exclusive_group(required=True)
+    to.add_argument(
+        "--to-time", type=_moment, metavar="ISO", help="the first message delivered at or after this time (with a zone)"
+    )
+    to.add_argument(
+        "--to-offset", type=_bounded(0, MAX_ID), metavar="N", help="the first message at or past queue_offset N"
+    )
+    to.add_argument("--to-earliest", action="store_true", help="the earliest message kept")
+    to.add_argument("--to-latest", action="store_true", help="after the last message delivered (skip them all)")
+    p.add_argument("--by", metavar="TEXT", help="who or why, recorded with the seek (default: the database role)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_seek)
 
     p = sub.add_parser("cancel", help="cancel pending messages by id, key, key list or SQL predicate")
     what = p.add_mutually_exclusive_group(required=True)

@@ -33,6 +33,7 @@ from typing import Any
 
 from delaywheel.config import ConfigError, Settings, load_settings
 from delaywheel.consume import topics
+from delaywheel.consume.position import Seeked, UnknownOffset
 from delaywheel.ops.cancel import CancelResult
 from delaywheel.produce.validation import RESERVED_TOPIC_PREFIXES, Message, check_now, check_topic, prepare
 from delaywheel.store import Store
@@ -219,13 +220,14 @@ class Stores:
         return {name: self.store(name).deliver_due(now=now) for name in self.names}
 
     # consuming
-    def pull(self, topic: str, group: str, max_messages: int = 100) -> Pulled:
-        """A batch of `topic` for `group` from its first source that has one (the current store first); an empty
-        batch from the current store if none has."""
+    def pull(self, topic: str, group: str, max_messages: int = 100, **options: Any) -> Pulled:
+        """A batch of `topic` for `group` from its first source that read one (the current store first; rows the tag
+        filter skipped count: their ack moves the group on); an empty batch from the current store if none did.
+        `options`: `Store.pull`'s (tags, start)."""
         first: Pulled | None = None
         for name in self.router.sources(topic):
-            pulled = Pulled(name, self.store(name).pull(topic, group, max_messages))
-            if pulled.batch.messages:
+            pulled = Pulled(name, self.store(name).pull(topic, group, max_messages, **options))
+            if pulled.batch:
                 return pulled
             first = first or pulled
         assert first is not None
@@ -292,6 +294,28 @@ class Stores:
         if len(sources) > 1:
             raise ValueError(f"topic {topic!r} is moving ({' and '.join(sources)} hold it): use consume()")
         return self.store(sources[0]).messages(topic, group, **options)
+
+    def seek(self, topic: str, group: str, **target: Any) -> dict[str, Seeked]:
+        """`Store.seek` in each store that holds `topic` (`sources`), results by store: each store keeps its own
+        offsets. A store where the group has no offset on the topic is left out; if none has one, the first store's
+        `UnknownOffset` is raised. `to_offset` names a position in one store (each numbers its own rows), so it needs
+        a topic held by one store."""
+        sources = self.router.sources(topic)
+        if target.get("to_offset") is not None and len(sources) > 1:
+            raise ValueError(
+                f"to_offset names a position in one store, and {topic!r} is held by {' and '.join(sources)}:"
+                " seek each store with --store, or seek by time"
+            )
+        done: dict[str, Seeked] = {}
+        unknown: list[UnknownOffset] = []
+        for name in sources:
+            try:
+                done[name] = self.store(name).seek(topic, group, **target)
+            except UnknownOffset as exc:
+                unknown.append(exc)
+        if not done:
+            raise unknown[0]
+        return done
 
     # cancelling
     def cancel(

@@ -13,8 +13,9 @@ from psycopg import errors
 
 from delaywheel import partitions
 from delaywheel.config import Settings, load_settings
-from delaywheel.consume import retry, topics
-from delaywheel.db import configured_url, connect
+from delaywheel.consume import position, retry, topics
+from delaywheel.consume.tags import parse as parse_tags
+from delaywheel.db import commits_each_statement, configured_url, connect
 from delaywheel.deliver import levels, wheel
 from delaywheel.lanes import all_lanes
 from delaywheel.migrate import migrate
@@ -51,6 +52,7 @@ class Store:
             migrate(self.url)
         self._conn: psycopg.Connection | None = None
         self._cache = partitions.PartitionCache()
+        self._started: set[tuple[str, str]] = set()  # (group, topic) given its start by a pull of this Store
 
     @property
     def conn(self) -> psycopg.Connection:
@@ -140,11 +142,32 @@ class Store:
 
     # consuming
     def pull(
-        self, topic: str, group: str, max_messages: int = 100, *, lease_s: float = topics.DEFAULT_LEASE_S
+        self,
+        topic: str,
+        group: str,
+        max_messages: int = 100,
+        *,
+        lease_s: float = topics.DEFAULT_LEASE_S,
+        tags: str | None = None,
+        start: str | datetime = position.EARLIEST,
     ) -> topics.Batch:
         """The group's next messages in this pull's share of the topic's queues, leased for `lease_s`: `ack` the
-        batch (or `release` it) within the lease, or another member takes its queues and the ack is refused."""
-        return topics.pull(self.conn, topic, group, max_messages, lease_s=lease_s)
+        batch (or `release` it) within the lease, or another member takes its queues and the ack is refused. `tags`:
+        the group's filter, RocketMQ's `TAG1 || TAG2` or `*` (`consume.tags`): the topic's messages with another tag
+        are skipped, not handed over, and the batch's ack passes them. `start`: where a group with no offset on the
+        topic yet starts, "earliest" (every message kept), "latest" (what is delivered after this pull) or a time
+        (`consume.position`). Bad values raise ValueError before anything is read or written."""
+        accept = parse_tags(tags)
+        target = position.start_target(start)
+        topics.checked_batch_size(max_messages)
+        topics.checked_lease(lease_s)
+        if target.kind != position.EARLIEST and (group, topic) not in self._started:
+            position.start(self.conn, topic, group, target)
+            if commits_each_statement(self.conn):  # committed (a caller's transaction may yet roll it back)
+                if len(self._started) >= 4096:
+                    self._started.clear()
+                self._started.add((group, topic))  # it has an offset now: later starts would change nothing
+        return topics.pull(self.conn, topic, group, max_messages, lease_s=lease_s, accept=accept)
 
     def ack(self, batch: topics.Batch, failed: set[int] | None = None) -> topics.AckResult:
         """Commit the batch's offsets (failed ids to the retry ladder) and give its queues back; LeaseLost if its
@@ -170,6 +193,8 @@ class Store:
         ack_hold_s: float | None = None,
         handler_timeout_s: float | None = None,
         lease_s: float | None = None,
+        tags: str | None = None,
+        start: str | datetime = position.EARLIEST,
     ) -> ConsumeTotals:
         """Wait for `topic`'s deliveries and hand them to `handler(messages)` in batches of up to `max_messages`,
         acking each after it (consume.py): returns `consume.ConsumeTotals`. `handler` returns None or the ids that
@@ -177,7 +202,7 @@ class Store:
         thread of its own, and a batch it has not handled within that time is not acked but handled again. Runs
         until `stop` is set, `limit` messages were handled, `duration_s` passed, or nothing came for `idle_s`. Any
         number of consumers of one group share its load; `lease_s` bounds a batch's handling (past it, its queues
-        pass to another member)."""
+        pass to another member). `tags` and `start` as `pull`'s."""
         from delaywheel.consume import consumer as consume
 
         return consume.consume(
@@ -187,6 +212,8 @@ class Store:
             handler,
             handler_timeout_s=handler_timeout_s,
             **_consumer_options(max_messages, stop, limit, duration_s, idle_s, safety_wake_s, ack_hold_s, lease_s),
+            tags=tags,
+            start=start,
         )
 
     def messages(
@@ -202,12 +229,33 @@ class Store:
         safety_wake_s: float | None = None,
         ack_hold_s: float | None = None,
         lease_s: float | None = None,
+        tags: str | None = None,
+        start: str | datetime = position.EARLIEST,
     ) -> Iterator[topics.Delivered]:
         """`consume` as an iterator of messages: a message is acked once the loop asks for the next one (or ends)."""
         from delaywheel.consume import consumer as consume
 
         options = _consumer_options(max_messages, stop, limit, duration_s, idle_s, safety_wake_s, ack_hold_s, lease_s)
-        return consume.messages(self, topic, group, **options)
+        return consume.messages(self, topic, group, tags=tags, start=start, **options)
+
+    def seek(
+        self,
+        topic: str,
+        group: str,
+        *,
+        to_time: datetime | None = None,
+        to_offset: int | None = None,
+        to: str | None = None,
+        by: str | None = None,
+    ) -> position.Seeked:
+        """Move `group`'s offset on `topic` so that its next pull starts at the first message delivered at or after
+        `to_time`, or at the first at or past queue_offset `to_offset`, or (`to`) at the earliest message kept or
+        after the latest delivered: backwards its messages are handed again, forwards skipped. Exactly one target.
+        Recorded in `delaywheel.group_seeks` with `by` (default: the database role). The group's retry topic is not
+        moved (seek `%RETRY%<group>` itself for that). Returns what moved; ValueError (nothing written) for a bad
+        target, or a group without an offset on the topic (`position.UnknownOffset`, saying why)."""
+        target = position.seek_target(to_time, to_offset, to)
+        return position.seek(self.conn, topic, group, target, by)
 
     def set_retry_policy(
         self,

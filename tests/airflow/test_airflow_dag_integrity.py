@@ -156,6 +156,7 @@ LIGHT_DAGS = (
     "delaywheel_bulk_enqueue",
     "delaywheel_redeliver",
     "delaywheel_lateness_quality",
+    "delaywheel_group_seek",
 )
 
 

@@ -1,6 +1,7 @@
 """`dag.test()` runs of the shipped DAGs against the real PostgreSQL: delaywheel_deliver delivers real
 messages exactly once and records one Asset event per topic with the batch's positions; the consumer
-template then pulls those messages by consumer group and acks them; maintenance runs.
+template then pulls those messages by consumer group and acks them; maintenance runs; the group seek form moves a
+group's offset, recorded, or fails saying why.
 
 DAGs come from dags/ (the DAG bundle dag.test() syncs), with a two-level table so the run stays short.
 """
@@ -134,3 +135,37 @@ def test_maintenance(dags: dict[str, Any], db_url: str) -> None:
     assert {"level_segments", "wheel_far_segments", "topic_messages", "level_checkpoint", "wheel_cursor"} <= tables
     assert isinstance(values["vacuum"], list) and isinstance(values["retire"], list)
     assert values["summarize"] >= 0
+
+
+def test_group_seek_form(dags: dict[str, Any], db_url: str) -> None:
+    """`delaywheel_group_seek` as its trigger form sends it (empty fields as null): a rewind to the earliest message
+    and a skip by offset, each recorded with who asked; a contradictory form fails the task and moves nothing."""
+    seek = dags["delaywheel_group_seek"]
+    with Store(db_url) as store:
+        ids = [store.send("orders", {"n": n}) for n in range(4)]
+        store.ack(store.pull("orders", "g"))
+        form = {"topic": "orders", "group": "g", "to_time": None, "to_offset": None, "by": None}
+
+        _, states, values = run_dag(seek, **{**form, "to": "earliest", "by": "ops: rewind"})
+        assert states == {"seek": "success"}
+        assert (values["seek"]["target"], values["seek"]["by"]) == ("earliest", "ops: rewind")
+        assert pulled(store) == ids
+
+        offset = pulled(store, 2)
+        _, states, values = run_dag(seek, **{**form, "to": "offset", "to_offset": offset})
+        assert states == {"seek": "success"}
+        assert values["seek"]["by"].startswith("dag_test (Airflow delaywheel_group_seek, ")  # the triggering user
+        assert pulled(store) == ids[2:]
+
+        _, states, _ = run_dag(seek, **{**form, "to": "earliest", "to_offset": offset})
+        assert states == {"seek": "failed"}
+        assert pulled(store) == ids[2:]
+        recorded = store.conn.execute("SELECT target FROM delaywheel.group_seeks WHERE qid = 0 ORDER BY id").fetchall()
+        assert recorded == [("earliest",), (f"offset {offset}",)]  # a row per queue: every queue moved
+
+
+def pulled(store: Store, at: int | None = None) -> Any:
+    """The ids the group would be handed now (or the `at`th's queue_offset); the pull's queues given back at once."""
+    batch = store.pull("orders", "g")
+    store.release(batch)
+    return [m.message_id for m in batch.messages] if at is None else batch.messages[at].queue_offset

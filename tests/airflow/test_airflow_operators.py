@@ -8,7 +8,7 @@ import inspect
 import re
 import threading
 import time
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -224,6 +224,7 @@ def test_every_argument_is_documented_and_templated_as_documented() -> None:
         operators.ConsumeOperator,
         operators.EnqueueOperator,
         operators.CancelOperator,
+        operators.SeekOperator,
         sensors.DueMessagesSensor,
         triggers.DueMessagesTrigger,
         triggers.TopicMessagesTrigger,
@@ -239,6 +240,7 @@ def test_every_argument_is_documented_and_templated_as_documented() -> None:
         operators.ConsumeOperator(task_id="consume", topic="t", group="g", apply_function=print),
         operators.EnqueueOperator(task_id="enqueue", topic="t"),
         operators.CancelOperator(task_id="cancel", key="k"),
+        operators.SeekOperator(task_id="seek", topic="t", group="g"),
         sensors.DueMessagesSensor(task_id="sensor", level=1),
     ]
     for op in instances:
@@ -249,3 +251,35 @@ def test_every_argument_is_documented_and_templated_as_documented() -> None:
             setattr(op, field, "{{ params.value }}-" + field)
         op.render_template_fields({"params": {"value": "rendered"}})  # type: ignore[arg-type]
         assert {f: getattr(op, f) for f in op.template_fields} == {f: f"rendered-{f}" for f in op.template_fields}
+
+
+@pytest.mark.parametrize(
+    ("fields", "expected"),
+    [
+        ({"to": "earliest"}, {"to": "earliest"}),
+        ({"to": " latest ", "to_time": "", "to_offset": ""}, {"to": "latest"}),
+        ({"to": "offset", "to_offset": "42"}, {"to_offset": 42}),
+        ({"to_offset": 7}, {"to_offset": 7}),
+        ({"to": "time", "to_time": "2030-01-01T00:00:00"}, {"to_time": datetime(2030, 1, 1, tzinfo=UTC)}),
+        ({"to_time": "2030-01-01T02:00:00+02:00"}, {"to_time": datetime(2030, 1, 1, tzinfo=UTC)}),
+        ({}, "exactly one of"),
+        ({"to_time": "2030-01-01", "to_offset": 3}, "exactly one of"),
+        ({"to": "oldest"}, "to must be"),
+        ({"to": "time"}, "needs to_time"),
+        ({"to": "offset", "to_offset": "  "}, "needs to_offset"),
+        ({"to": "offset", "to_offset": "-3"}, "whole number"),
+        ({"to": "offset", "to_offset": True}, "whole number"),
+        ({"to": "earliest", "to_time": "2030-01-01"}, "takes no to_time"),
+        ({"to": "time", "to_time": "2030-01-01", "to_offset": 1}, "takes no to_offset"),
+        ({"to": "time", "to_time": "next tuesday"}, "ISO 8601"),
+    ],
+)
+def test_the_seek_operator_reads_its_fields_or_says_what_is_wrong(fields: dict[str, Any], expected: Any) -> None:
+    from delaywheel.airflow.operators import SeekOperator
+
+    operator = SeekOperator(task_id="seek", topic="t", group="g", **fields)
+    if isinstance(expected, dict):
+        assert operator.target() == expected
+    else:
+        with pytest.raises(ValueError, match=expected):
+            operator.target()

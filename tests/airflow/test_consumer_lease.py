@@ -220,3 +220,33 @@ def test_per_message_function_by_dotted_path_retries_only_its_failures(store_con
     )
     result = operator.execute({})
     assert result["handled"] == result["acked"] == 10 and result["retried"] == 5, result
+
+
+def test_the_operator_takes_a_tag_filter_and_a_start(store_connection: str, store: Store) -> None:
+    """`tags` hands the handler only the group's tags and passes the rest; `start` places a new group; a bad filter
+    or start fails the task before it takes the group (nothing written)."""
+    from delaywheel.airflow.operators import ConsumeOperator
+
+    store.send_many([Message("t", {"n": n}, tags="A") for n in range(3)])  # before the start: not read
+    start = store.clock().isoformat()
+    ids = store.send_many([Message("t", {"n": n}, tags="ABC"[n % 3]) for n in range(9)])
+    handled: list[int] = []
+
+    def operator(**options: Any) -> ConsumeOperator:
+        return ConsumeOperator(
+            task_id="c",
+            topic="t",
+            group="g",
+            lease_seconds=3,
+            apply_function_batch=lambda ms: handled.extend(m.message_id for m in ms),
+            **options,
+        )
+
+    for bad in ({"tags": "A || *"}, {"start": "yesterday"}):
+        with pytest.raises(ValueError):
+            operator(**bad).execute({})
+    assert store.conn.execute("SELECT count(*) FROM delaywheel.consumer_offsets").fetchone() == (0,)
+    result = operator(tags="A||C", start=start).execute({})
+    assert handled == [i for n, i in enumerate(ids) if n % 3 != 1]
+    assert result["handled"] == result["acked"] == 6 and result["skipped"] == 3, result
+    assert _left(store, "t", "g") == 0

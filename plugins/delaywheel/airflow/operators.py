@@ -1,4 +1,4 @@
-"""Operators: deliver a level, advance the wheel, or serve every lane for a lease; enqueue, cancel.
+"""Operators: deliver a level, advance the wheel, or serve every lane for a lease; consume; enqueue, cancel; seek.
 
 `DeliverLevelOperator` / `AdvanceWheelOperator` / `DeliverAllLanesOperator` stay alive for `lease_seconds` and run
 `delaywheel.deliver.runner.run` on their lanes: deliver what is due, sleep exactly until the next due time
@@ -38,6 +38,7 @@ from delaywheel.produce.validation import RETRY_PREFIX
 from delaywheel.types import TopicSpan, add_spans, event_extra
 
 from .connections import DEFAULT_CONN_ID, store_conn_id, topic_conn_ids, topic_stores
+from .forms import form_moment
 
 if TYPE_CHECKING:
     from delaywheel import Delivered, Message, Store
@@ -336,6 +337,12 @@ class ConsumeOperator(BaseOperator):
     :param min_lease_seconds: the least a task starting after its run's lease end still consumes for, in seconds
         (not templated; default 10.0; at most `lease_seconds`).
     :param max_messages: the batch size and prefetch bound (templated; default 100).
+    :param tags: the group's tag filter, RocketMQ's ``TAG1 || TAG2`` (templated; default None or blank: ``*``, every
+        message): the topic's messages with another tag are not handed over, and the group's offset passes them.
+        Checked when the task starts, before it takes the group.
+    :param start: where the group starts if it has no offset on the topic yet (templated): ``earliest`` (the default,
+        every message kept), ``latest`` (messages delivered from the first pull on) or an ISO 8601 time (UTC if it
+        names no zone; the first message delivered at or after it).
     :param until_idle: stop once a safety wake (`consume.SAFETY_WAKE_S`, 1 s) passes with nothing delivered
         (templated; as the deliver lanes' `until_idle`; default False): a drain-and-stop run handles what is
         delivered now and ends, without waiting for its turn behind a lease consumer.
@@ -369,6 +376,8 @@ class ConsumeOperator(BaseOperator):
         "lease_seconds",
         "handover_grace_seconds",
         "max_messages",
+        "tags",
+        "start",
         "until_idle",
         "delaywheel_conn_id",
     )
@@ -388,6 +397,8 @@ class ConsumeOperator(BaseOperator):
         align_lease_to_run: bool = True,
         min_lease_seconds: float = 10.0,
         max_messages: int | str = 100,
+        tags: str | None = None,
+        start: datetime | str = "earliest",
         until_idle: bool | str = False,
         delaywheel_conn_id: str | None = None,
         **kwargs: Any,
@@ -407,6 +418,7 @@ class ConsumeOperator(BaseOperator):
         self.align_lease_to_run = align_lease_to_run
         self.min_lease_seconds = min_lease_seconds
         self.max_messages = max_messages
+        self.tags, self.start = tags, start
         self.until_idle = until_idle
         self.delaywheel_conn_id = delaywheel_conn_id
         self.store: Store | None = None
@@ -438,11 +450,17 @@ class ConsumeOperator(BaseOperator):
     def execute(self, context: Context) -> dict[str, Any]:
         from delaywheel.consume.consumer import SAFETY_WAKE_S
         from delaywheel.consume.lease import LeasedConsumer
+        from delaywheel.consume.position import start_target
+        from delaywheel.consume.tags import parse
 
         from .hooks import DelayWheelHook
 
         fn = self.apply_function_batch if self.apply_function_batch is not None else self.apply_function
         self._fn = import_string(fn) if isinstance(fn, str) else fn  # a wrong path fails before taking the group
+        tags = None if self.tags is None or _blank(self.tags) else self.tags
+        parse(tags)  # a bad filter or start fails the task before it takes the group
+        start = form_moment(self.start, ("earliest", "latest"), "start")
+        start_target(start)
         lease = _lease_left(context, float(self.lease_seconds), self.align_lease_to_run, self.min_lease_seconds)
         grace = float(self.handover_grace_seconds)
         self._stop = stop = threading.Event()
@@ -471,7 +489,7 @@ class ConsumeOperator(BaseOperator):
                 ", until idle" if idle_s else "",
             )
             try:
-                totals = leased.run(handler, max_messages=int(self.max_messages), idle_s=idle_s)
+                totals = leased.run(handler, max_messages=int(self.max_messages), idle_s=idle_s, tags=tags, start=start)
             finally:
                 self.store = None
         result = {
@@ -488,6 +506,8 @@ class ConsumeOperator(BaseOperator):
             "batches": totals.batches,
             "handler_errors": totals.handler_errors,
             "already_acked": totals.already_acked,
+            "skipped": totals.skipped,  # read and passed: their tag is not the group's
+            "sought": totals.sought,  # in batches read before a seek of the topic: not acked (the seek's position stands)
             "busy_pulls": totals.busy,
             "repulls": totals.repulls,  # pulls that found rows past the offset not yet readable (commit horizon)
         }
@@ -699,6 +719,109 @@ class CancelOperator(BaseOperator):
                 }
         self.log.info("cancelled %d message(s)", summary["cancelled"])
         return summary
+
+
+class SeekOperator(BaseOperator):
+    """Move a consumer group's offset on a topic (`Store.seek`), recorded in ``delaywheel.group_seeks``: backwards,
+    the group is handed its messages again (after a bug); forwards, it skips them. The form of the
+    ``delaywheel_group_seek`` DAG drives it.
+
+    :param topic: the topic (templated); the group's retry topic is not moved unless named here (``%RETRY%<group>``).
+    :param group: the consumer group (templated); it must have an offset on the topic (a new group starts where its
+        consumer's ``start`` says).
+    :param to: what to seek to (templated): ``time`` (`to_time`), ``offset`` (`to_offset`), ``earliest`` (the earliest
+        message kept) or ``latest`` (past every message delivered); None: whichever of `to_time` and `to_offset` is
+        given.
+    :param to_time: with ``time``: the first message delivered at or after this ISO 8601 time (UTC if it names no
+        zone) or datetime (templated; default None).
+    :param to_offset: with ``offset``: the first message at or past this queue_offset (templated; default None).
+    :param by: who or why, recorded with the seek (templated; default None or blank: the run's triggering user, DAG
+        and run).
+    :param delaywheel_conn_id: the Airflow connection of the store (templated; default None: with several stores
+        configured, each store that holds the topic, on its connection ``delaywheel_<store>``; else
+        ``delaywheel_default``).
+
+    A blank field counts as not given. Bad or contradictory fields, an unknown group or topic fail the task with the
+    reason and move nothing. Returns what moved: ``{"topic", "group", "target", "by", "at", "moves": [{"from",
+    "to"}]}``, with ``store`` added per store when several are configured (then a list).
+    """
+
+    template_fields = ("topic", "group", "to", "to_time", "to_offset", "by", "delaywheel_conn_id")
+    ui_color = "#f3e5f5"
+
+    def __init__(
+        self,
+        *,
+        topic: str,
+        group: str,
+        to: str | None = None,
+        to_time: datetime | str | None = None,
+        to_offset: int | str | None = None,
+        by: str | None = None,
+        delaywheel_conn_id: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.topic, self.group = topic, group
+        self.to, self.to_time, self.to_offset = to, to_time, to_offset
+        self.by = by
+        self.delaywheel_conn_id = delaywheel_conn_id
+
+    def target(self) -> dict[str, Any]:
+        """`Store.seek`'s target arguments from the fields, checked: ValueError with the reason."""
+        to = None if self.to is None or _blank(self.to) else str(self.to).strip()
+        at = None if self.to_time is None or _blank(self.to_time) else self.to_time
+        offset = None if self.to_offset is None or _blank(self.to_offset) else self.to_offset
+        if to is None:
+            to = "time" if at is not None and offset is None else "offset" if offset is not None and at is None else ""
+            if not to:
+                raise ValueError("seek: give exactly one of to_time and to_offset, or to = earliest or latest")
+        if to not in ("time", "offset", "earliest", "latest"):
+            raise ValueError(f"seek: to must be time, offset, earliest or latest, not {to!r}")
+        extra = [
+            name for name, value in (("to_time", at), ("to_offset", offset)) if value is not None and name != f"to_{to}"
+        ]
+        if extra:
+            raise ValueError(f"seek: to = {to} takes no {' or '.join(extra)}; leave it empty")
+        if to == "time":
+            if at is None:
+                raise ValueError("seek: to = time needs to_time, an ISO 8601 time")
+            return {"to_time": form_moment(at, (), "to_time")}
+        if to == "offset":
+            if offset is None:
+                raise ValueError("seek: to = offset needs to_offset, a queue_offset")
+            if isinstance(offset, bool) or not (isinstance(offset, int) or str(offset).strip().isdigit()):
+                raise ValueError(f"seek: to_offset must be a whole number (a queue_offset), not {offset!r}")
+            return {"to_offset": int(offset)}
+        return {"to": to}
+
+    def execute(self, context: Context) -> dict[str, Any] | list[dict[str, Any]]:
+        from delaywheel.routing import Stores
+
+        from .hooks import DelayWheelHook
+
+        target = self.target()
+        by = self.by if self.by is not None and not _blank(self.by) else _triggered_by(context)
+        settings = load_settings()
+        if self.delaywheel_conn_id is None and settings.stores:
+            urls = [(name, DelayWheelHook(store_conn_id(name)).url) for name, _ in settings.stores]
+            with Stores(urls, settings) as stores:
+                done = stores.seek(self.topic, self.group, by=by, **target)
+            result: dict[str, Any] | list[dict[str, Any]] = [
+                {"store": name, **seeked.as_dict()} for name, seeked in done.items()
+            ]
+        else:
+            with DelayWheelHook(self.delaywheel_conn_id or DEFAULT_CONN_ID).get_store() as store:
+                result = store.seek(self.topic, self.group, by=by, **target).as_dict()
+        self.log.info("seek of group %s on %s: %s", self.group, self.topic, result)
+        return result
+
+
+def _triggered_by(context: Context) -> str:
+    """Who a seek from Airflow is recorded as, when the form names no one: the run's triggering user, DAG and run."""
+    run = context.get("dag_run")
+    user = getattr(run, "triggering_user_name", None) or "unknown user"
+    return f"{user} (Airflow {getattr(run, 'dag_id', '?')}, {getattr(run, 'run_id', '?')})"[:200]
 
 
 def _lease_left(context: Context, lease: float, align: bool, min_lease: float) -> float:

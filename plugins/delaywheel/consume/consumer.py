@@ -20,6 +20,9 @@ back when it stops; one key's messages are in one queue, so they are handled in 
 handler outlives `lease_s` loses its queues to the others and its ack is refused (counted in `ConsumeTotals.lost`).
 Delivery to the handler is at least once: a batch whose ack did not commit (a crash, a kill, a lost connection) is
 handled again, by this consumer or another; deduplicate on `Delivered.idempotency_id`.
+With a tag filter (`tags`) the topic's rows with another tag are skipped at the pull (`topics._batch`); a batch of
+skipped rows only goes to no handler and is acked with the next pull, at once. A group with no offsets on the topic
+gets them at `start` when the consumer starts (`position.start`).
 """
 
 from __future__ import annotations
@@ -30,13 +33,15 @@ import threading
 import time
 from collections.abc import Callable, Collection, Generator, Iterator
 from dataclasses import dataclass
+from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 import psycopg
 from psycopg import sql
 
 from delaywheel.channels import TOPIC_CHANNEL
-from delaywheel.consume import topics
+from delaywheel.consume import position, topics
+from delaywheel.consume.tags import parse as parse_tags
 from delaywheel.consume.topics import Batch, Delivered
 from delaywheel.db import connect
 from delaywheel.reconnect import backoff_delays, transient, transient_reason
@@ -68,6 +73,7 @@ class ConsumeTotals:
     batches: int = 0
     retried: int = 0  # sent to the retry ladder (or the dead-letter topic) by their acks
     already_acked: int = 0  # in batches another consumer of the group had acked past
+    skipped: int = 0  # read and passed without being handed over: their tag is not the group's (`tags`)
     handler_errors: int = 0  # batches whose handler raised (all their messages retried)
     handler_timeouts: int = 0  # batches whose handler outlived `handler_timeout_s`: not acked, handled again
     notified_wakes: int = 0  # pulls a notification asked for
@@ -77,6 +83,7 @@ class ConsumeTotals:
     repulls: int = 0  # waits of REPULL_S: a pull found rows past the offset, none readable yet (commit horizon)
     busy: int = 0  # pulls that found every queue of the group held by other members
     lost: int = 0  # messages of batches whose lease expired and passed to another member: not acked
+    sought: int = 0  # messages of batches read before a seek of the topic: not acked (the seek's position stands)
     reconnects: int = 0
     stopped_by: str = ""  # "stop", "limit", "duration", "idle" or "abandon"
 
@@ -98,9 +105,13 @@ class Consumer:
         safety_wake_s: float = SAFETY_WAKE_S,
         ack_hold_s: float = ACK_HOLD_S,
         lease_s: float = topics.DEFAULT_LEASE_S,
+        tags: str | None = None,
+        start: str | datetime = position.EARLIEST,
     ) -> None:
         topics.checked_batch_size(max_messages)
         self.lease_s = topics.checked_lease(lease_s)
+        self.accept = parse_tags(tags)  # the group's tag filter (None: every message)
+        self.start = position.start_target(start)  # where the group starts if it has no offset on the topic yet
         self.store = store
         self.topic = topic
         self.group = group
@@ -126,8 +137,9 @@ class Consumer:
         self.failed: set[int] = set()
         looks = 0  # empty pulls in a row that found rows behind (above the commit horizon)
         retry_in = backoff_delays()
-        self._ensure_listener()  # the first connections fail loudly: a wrong URL is not an outage
-        self.store.conn  # noqa: B018
+        # the first connections fail loudly (a wrong URL is not an outage), and so does a start ahead of the clock
+        position.start(self.store.conn, self.topic, self.group, self.start)  # a new group's offset, once
+        self._ensure_listener()
         try:
             while True:
                 handed = self.totals.messages + (len(done) if done is not None else 0)
@@ -148,6 +160,7 @@ class Consumer:
                         room,
                         self.holder,
                         self.lease_s,
+                        self.accept,
                     )
                     retry_in = backoff_delays()
                 except psycopg.errors.TransactionRollback as exc:  # a deadlock: nothing was done; again (idempotent)
@@ -164,6 +177,11 @@ class Consumer:
                     self._count(done, result)
                     done = None
                 self.failed = set()
+                if batch.skipped:
+                    self.totals.skipped += batch.skipped
+                    if not batch.messages:  # read, none the group's: acked with the next pull, at once
+                        done = batch
+                        continue
                 if batch.messages:
                     looks = 0
                     self._last_message = time.monotonic()
@@ -233,11 +251,12 @@ class Consumer:
         return True
 
     def _count(self, batch: Batch, result: topics.AckResult) -> None:
-        self.totals.batches += 1
+        self.totals.batches += bool(batch.messages)  # (a batch of skipped rows only was handed to no one)
         self.totals.messages += len(batch.messages)
         self.totals.retried += result.retried
         self.totals.already_acked += result.already_acked
         self.totals.lost += result.lost
+        self.totals.sought += result.sought
 
     # -- waiting ----------------------------------------------------------------------------------------------
     def _ensure_listener(self) -> None:
@@ -451,6 +470,7 @@ def _prefix(batch: Batch, n: int) -> Batch:
         topic=batch.topic,
         holder=batch.holder,
         queues=batch.queues,
+        seeks=dict(batch.seeks),
     )
     for m, (xid, offset), qid in zip(part.messages, part.positions, part.qids, strict=True):
         part.cursors[(m.source_topic, qid)] = (str(xid), offset)

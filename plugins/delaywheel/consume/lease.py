@@ -22,6 +22,7 @@ import contextlib
 import logging
 import threading
 import time
+from datetime import datetime
 from typing import TYPE_CHECKING, Any, Protocol
 
 import psycopg
@@ -86,10 +87,18 @@ class LeasedConsumer:
         self.lease_ended = False
         self.handed_over = False
 
-    def run(self, handler: Handler, *, max_messages: int = 100, idle_s: float | None = None) -> ConsumeTotals:
+    def run(
+        self,
+        handler: Handler,
+        *,
+        max_messages: int = 100,
+        idle_s: float | None = None,
+        tags: str | None = None,
+        start: str | datetime = "earliest",
+    ) -> ConsumeTotals:
         """Consume until the lease ends (and a successor is present, within the grace), `stop` is set, or, with
         `idle_s` (a drain-and-stop run, which does not wait for its turn behind a lease), nothing came for that
-        long. Returns the consumer's totals."""
+        long. `tags` and `start` as `Store.consume` takes them. Returns the consumer's totals."""
         key = (self.group, self.topic)
         with connect(self.store.url, autocommit=True) as presence:
             presence.execute(BE_PRESENT, key)
@@ -101,7 +110,14 @@ class LeasedConsumer:
                 if idle_s is None:
                     self._wait_turn(presence)
                 return self.store.consume(
-                    self.topic, self.group, handler, max_messages=max_messages, stop=self.stop, idle_s=idle_s
+                    self.topic,
+                    self.group,
+                    handler,
+                    max_messages=max_messages,
+                    stop=self.stop,
+                    idle_s=idle_s,
+                    tags=tags,
+                    start=start,
                 )
             finally:
                 with contextlib.suppress(psycopg.Error):  # the successor waiting for its turn gets it now

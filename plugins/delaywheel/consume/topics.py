@@ -81,9 +81,20 @@ class Batch:
     # source -> the position up to which the batch holds every row of the queues held past their offsets: its ack
     # moves all of those queues' offsets there (a queue held but idle does not keep the next read's start behind)
     ends: dict[str, tuple[str, int]] = field(default_factory=dict)
+    # Rows read that the group's tag filter left out (`tags.parse`): not in `messages`, but behind the cursors, so the
+    # batch's ack moves the group's offset past them.
+    skipped: int = 0
+    # (source, queue) -> how many seeks had moved the group's offset there when the batch was read: an ack moves no
+    # offset a seek has moved since (`position.seek`), so a batch read before a rewind does not pass it
+    seeks: dict[tuple[str, int], int] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.messages)
+
+    def __bool__(self) -> bool:
+        """Whether the pull read anything, handed over or skipped by the tag filter: a batch of skipped rows only
+        holds no message, yet needs its ack, or the group reads the same rows again."""
+        return bool(self.messages or self.cursors)
 
 
 @dataclass(frozen=True)
@@ -93,12 +104,14 @@ class AckResult:
     topic: retry.py); `already_acked`: messages another ack of the group had passed already (a second ack of
     the batch, or another consumer of the group acked further) — nothing was done for them, failed or not;
     `lost`: messages of a batch whose queue another member took after its lease expired: not acked (that member
-    handles them)."""
+    handles them); `sought`: messages of queues whose offset a seek moved after the batch was read (`position.seek`):
+    not acked, none retried, the group reads on from where the seek put it (a rewind hands them again)."""
 
     acked: int = 0
     retried: int = 0
     already_acked: int = 0
     lost: int = 0
+    sought: int = 0
 
 
 class LeaseLost(RuntimeError):
@@ -148,28 +161,37 @@ def pull(
     *,
     lease_s: float = DEFAULT_LEASE_S,
     holder: str | None = None,
+    accept: frozenset[str] | None = None,
 ) -> Batch:
     """The next messages after the group's offsets, from the topic and the group's retry topic, in the queues this
-    pull holds for `lease_s` (its share of the group's queues): `ack` them, or `release` the batch, within the lease."""
+    pull holds for `lease_s` (its share of the group's queues): `ack` them, or `release` the batch, within the lease.
+    Of the topic's messages, only those whose tag is in `accept` (None: all; `tags.parse`) are handed over."""
     checked_batch_size(max_messages)
     checked_lease(lease_s)
     sources_of(topic, group)  # a bad group raises before anything is read
     holder = holder or new_holder()
     with conn.transaction():
-        batch = _take_and_read(conn, group, topic, holder, lease_s, max_messages, durable=True)
-        if not batch.messages:  # nothing to ack: hold nothing
+        batch = _take_and_read(conn, group, topic, holder, lease_s, max_messages, accept, durable=True)
+        if not batch:  # nothing read, nothing to ack: hold nothing
             release(conn, batch)
         return batch
 
 
 def _take_and_read(
-    conn: psycopg.Connection, group: str, topic: str, holder: str, lease_s: float, max_messages: int, durable: bool
+    conn: psycopg.Connection,
+    group: str,
+    topic: str,
+    holder: str,
+    lease_s: float,
+    max_messages: int,
+    accept: frozenset[str] | None,
+    durable: bool,
 ) -> Batch:
     """Inside the caller's transaction: the member's share of the queues, then the read of them."""
     sources = sources_of(topic, group)
     queues = _take(conn, group, topic, holder, lease_s, durable=durable)
     rows = _read(conn, group, sources, holder, max_messages).fetchall()
-    return _batch(group, sources, rows, max_messages, holder, queues)
+    return _batch(group, sources, rows, max_messages, holder, queues, accept)
 
 
 def release(conn: psycopg.Connection, batch: Batch) -> None:
@@ -195,14 +217,17 @@ def _body(data: bytes, is_json: bool, message_id: int) -> Any:
 _HELD = """q AS MATERIALIZED (
     SELECT coalesce(array_agg(l.qid), '{}') AS held FROM delaywheel.consumer_leases l
     WHERE l.grp = %(group)s AND l.topic = %(s0)s AND l.holder = %(holder)s)"""
-# The group's offsets in one source, every queue's (arrays indexed by qid + 1; '0' / 0 before its first ack), and the
-# lowest of them among the queues held (sx, so): where the source's read starts. NULL when no queue is held.
+# The group's offsets in one source, every queue's (arrays indexed by qid + 1; '0' / 0 before its first ack) with
+# its count of seeks, and the lowest of them among the queues held (sx, so): where the source's read starts. NULL
+# when no queue is held.
 _OFFSETS = sql.SQL("""o{index} AS MATERIALIZED (
     SELECT array_agg(c.x ORDER BY c.q) AS xids, array_agg(c.o ORDER BY c.q) AS offs,
+           array_agg(c.s ORDER BY c.q) AS seeks,
            (array_agg(c.x ORDER BY c.x, c.o) FILTER (WHERE c.q = ANY (q.held)))[1] AS sx,
            (array_agg(c.o ORDER BY c.x, c.o) FILTER (WHERE c.q = ANY (q.held)))[1] AS so
     FROM q, LATERAL (
-        SELECT g.q, coalesce(f.cursor_xid, '0'::xid8) AS x, coalesce(f.cursor_offset, 0) AS o
+        SELECT g.q, coalesce(f.cursor_xid, '0'::xid8) AS x, coalesce(f.cursor_offset, 0) AS o,
+               coalesce(f.seeks, 0) AS s
         FROM generate_series(0, {last}) g(q)
         LEFT JOIN delaywheel.consumer_offsets f ON f.grp = %(group)s AND f.topic = {source} AND f.qid = g.q) c)""")
 # One source's next messages in the queues held, past each queue's offset, below the commit horizon (`h`, read once
@@ -210,11 +235,12 @@ _OFFSETS = sql.SQL("""o{index} AS MATERIALIZED (
 # than the batch holds (`Batch.behind`); it is not handed out. The read walks the topic's read index from the lowest
 # offset held; a row of a queue not held, or before its queue's offset, is skipped. The columns are Delivered's
 # fields in order but the last (source_topic: the source read), then is_json, the source's index (`src`), the
-# position and the queue.
+# position, the queue and its offset's count of seeks.
 _SOURCE = sql.SQL("""(
     SELECT coalesce(t.properties->>'ORIGIN_TOPIC', t.topic), t.queue_offset, t.message_id, t.key, t.tags,
            t.properties, t.body, t.reconsume_times, t.deliver_at, t.delivered_at,
-           t.is_json, {index} AS src, t.xid::text::bigint AS position, t.qid
+           t.is_json, {index} AS src, t.xid::text::bigint AS position, t.qid,
+           ((SELECT seeks FROM o{index}))[t.qid + 1] AS seeks
     FROM delaywheel.topic_messages t
     WHERE t.topic = {source}
       AND (t.xid, t.queue_offset) > ((SELECT sx FROM o{index}), (SELECT so FROM o{index}))
@@ -239,6 +265,9 @@ _LAST = sql.SQL(
     "(SELECT ARRAY[t.xid::text, t.queue_offset::text] FROM delaywheel.topic_messages t"
     " WHERE t.topic = {source} AND t.xid < (SELECT x FROM h) ORDER BY t.xid DESC, t.queue_offset DESC LIMIT 1)"
 )
+# Every queue's count of seeks in the source as the read saw them: an ack moves a held queue without messages only
+# while no seek moved it since.
+_SEEKS = sql.SQL("(SELECT seeks FROM o{index})")
 _READ = sql.SQL("""WITH h AS MATERIALIZED (SELECT {horizon} AS x), {held}, {offsets}
 SELECT r.*, e.* FROM (SELECT {unreadable} AS behind, {lasts}) e
 LEFT JOIN LATERAL ({sources}) r ON true""")
@@ -255,7 +284,9 @@ def _read_statement(n: int) -> str:
             _OFFSETS.format(index=i, source=s, last=sql.Literal(QUEUES - 1)) for i, s in sources
         ),
         unreadable=sql.SQL(" OR ").join(_UNREADABLE.format(source=s) for _, s in sources),
-        lasts=sql.SQL(", ").join(_LAST.format(source=s) for _, s in sources),
+        lasts=sql.SQL(", ").join(
+            [*(_LAST.format(source=s) for _, s in sources), *(_SEEKS.format(index=i) for i, _ in sources)]
+        ),
         sources=sql.SQL("\nUNION ALL\n").join(_SOURCE.format(index=i, source=s) for i, s in sources),
     ).as_string()
 
@@ -309,10 +340,14 @@ def _batch(
     max_messages: int,
     holder: str,
     queues: tuple[int, ...],
+    accept: frozenset[str] | None = None,
 ) -> Batch:
     """The batch of `_read`'s rows: the first source's first, then the next one's while there is room. A Delivered
     is built from its row's fields directly, not through its generated __init__, which sets each field of the frozen
-    class through object.__setattr__ and would be most of a pull's time in Python."""
+    class through object.__setattr__ and would be most of a pull's time in Python. With `accept` (the group's tag
+    filter, `tags.parse`), rows of the topic whose tag is not in it are skipped: left out of the messages, still
+    behind the cursor of their (source, queue). The group's retry topic is not filtered: its messages are the
+    group's own, taken already."""
     batch = Batch(group, [], topic=sources[0], holder=holder, queues=queues)
     n = len(_FIELDS)
     left = False  # rows read that the batch has no room for (each source reads one more than a batch takes)
@@ -321,13 +356,23 @@ def _batch(
         read = sorted((r for r in rows if r[n + 1] == i), key=_ORDER)
         taken = read[:room]
         left = left or len(read) > len(taken)
-        last = rows[0][n + 5 + i] if rows else None
+        keep = None if source == retry_topic(group) else accept  # the tags handed over (None: all)
+        last = rows[0][n + 6 + i] if rows else None
+        if rows and queues:
+            seeks = rows[0][n + 6 + len(sources) + i]
+            batch.seeks.update({(source, q): seeks[q] for q in queues if (source, q) not in batch.seeks})
         if len(read) > len(taken):  # cut: up to its last row taken (if any)
             if taken:
                 batch.ends[source] = (str(taken[-1][n + 2]), taken[-1][1])
         elif last is not None:  # every readable row of the queues held: up to the source's last readable row
             batch.ends[source] = (last[0], int(last[1]))
         for r in taken:
+            pair = (source, r[n + 3])
+            batch.cursors[pair] = (str(r[n + 2]), r[1])  # past skipped rows too
+            batch.seeks[pair] = r[n + 4]
+            if keep is not None and r[4] not in keep:
+                batch.skipped += 1
+                continue
             message = object.__new__(Delivered)
             values = message.__dict__
             values.update(zip(_FIELDS, r, strict=False))  # (the last columns are the batch's)
@@ -341,8 +386,7 @@ def _batch(
             batch.messages.append(message)
             batch.positions.append((r[n + 2], r[1]))
             batch.qids.append(r[n + 3])
-            batch.cursors[(source, r[n + 3])] = (str(r[n + 2]), r[1])
-    batch.behind = left or (bool(rows) and bool(rows[0][n + 4]))  # (no rows: one row of NULLs but `behind`)
+    batch.behind = left or (bool(rows) and bool(rows[0][n + 5]))  # (no rows: one row of NULLs but `behind`)
     return batch
 
 
@@ -378,18 +422,19 @@ def ack(
 
 def _lost_message(batch: Batch) -> str:
     return (
-        f"the lease of group {batch.group!r} on {batch.topic!r} for queue(s)"
-        f" {sorted(set(batch.qids))} expired and passed to another member: nothing acked; that member handles"
-        f" the batch's {len(batch)} message(s) (pull within the lease, or give consume a longer lease_s)"
+        f"the lease of group {batch.group!r} on {batch.topic!r} for queue(s) {sorted({q for _, q in batch.cursors})}"
+        " expired and passed to another member: nothing acked; that member handles the batch's"
+        f" {len(batch)} message(s) (pull within the lease, or give consume a longer lease_s)"
     )
 
 
 # The common ack, the batch's leases checked first (locked until commit: a member taking an expired queue waits for
 # this ack, then sees its offsets). Only a queue another member holds now refuses it: a queue given back or expired
-# and not taken leaves the ack to the offsets, which acks only what no ack passed yet. Then the group's offset in each (source, queue) is still before the batch's first
-# message there (where the previous batch's ack left it), so every message of the batch from it passes; the
-# (source, queue) pairs moved come back, with whether every queue of the batch is still this member's. A pair not
-# with messages not moved (another ack got there first) is left to `_ack`'s general path.
+# and not taken leaves the ack to the offsets, which acks only what no ack passed yet. Then the group's offset in each
+# (source, queue) is still before the batch's first message there (where the previous batch's ack left it), and no
+# seek moved it since the batch was read, so every message of the batch from it passes; the (source, queue) pairs
+# moved come back, with whether every queue of the batch is still this member's. A pair not moved (the group's first
+# ack of it, another ack got there first, or a seek) is left to `_ack`'s general path.
 _MOVE = sql.SQL("""WITH lease AS MATERIALIZED (
     SELECT l.holder IS NOT NULL AND l.holder <> %(holder)s AND l.expires_at > clock_timestamp() AS taken
     FROM delaywheel.consumer_leases l
@@ -397,13 +442,13 @@ _MOVE = sql.SQL("""WITH lease AS MATERIALIZED (
     FOR UPDATE
 ),
 ok AS MATERIALIZED (SELECT NOT coalesce(bool_or(taken), false) AS held FROM lease),
-v (topic, qid, xid, "offset", n, first_xid, first_offset) AS (VALUES {values}),
+v (topic, qid, xid, "offset", n, first_xid, first_offset, seeks) AS (VALUES {values}),
 moved AS (
     UPDATE delaywheel.consumer_offsets o
     SET cursor_xid = v.xid::xid8, cursor_offset = v."offset", acked = o.acked + v.n, updated_at = clock_timestamp()
     FROM v, ok
     WHERE ok.held AND o.grp = %(group)s AND o.topic = v.topic AND o.qid = v.qid
-      AND (o.cursor_xid, o.cursor_offset) < (v.first_xid::xid8, v.first_offset)
+      AND (o.cursor_xid, o.cursor_offset) < (v.first_xid::xid8, v.first_offset) AND o.seeks = v.seeks
     RETURNING o.qid || ' ' || o.topic AS moved
 ),
 -- a queue's first ack: its row, at the batch's position (it read the queue from the start)
@@ -416,14 +461,14 @@ added AS (
     RETURNING o.qid || ' ' || o.topic AS moved
 )
 SELECT ARRAY(SELECT moved FROM moved UNION ALL SELECT moved FROM added), (SELECT held FROM ok)""")
-_MOVE_VALUE = sql.SQL("({}::text, {}::smallint, {}::text, {}::bigint, {}::int, {}::text, {}::bigint)")
+_MOVE_VALUE = sql.SQL("({}::text, {}::smallint, {}::text, {}::bigint, {}::int, {}::text, {}::bigint, {}::bigint)")
 
 
 @functools.cache
 def _move_statement(pairs: int) -> str:
     """`_MOVE` for a batch's `pairs` (source, queue) pairs. As text, rendered once per shape: psycopg prepares a
     statement it runs often by its text."""
-    values = [_MOVE_VALUE.format(*[sql.Placeholder(f"v{i}_{j}") for j in range(7)]) for i in range(pairs)]
+    values = [_MOVE_VALUE.format(*[sql.Placeholder(f"v{i}_{j}") for j in range(8)]) for i in range(pairs)]
     return _MOVE.format(values=sql.SQL(", ").join(values)).as_string()
 
 
@@ -438,9 +483,10 @@ def _moved(row: tuple[Any, ...]) -> set[tuple[str, int]]:
     return {(topic, int(qid)) for qid, topic in (m.split(" ", 1) for m in row[0])}
 
 
-# What an ack moves: (source, queue) -> (to xid, to offset, messages passed, first xid, first offset). A pair with
-# messages in the batch passes them, from its first; every other queue held moves to the source's end untouched.
-Moves = dict[tuple[str, int], tuple[str, int, int, str, int]]
+# What an ack moves: (source, queue) -> (to xid, to offset, messages passed, first xid, first offset, seeks). A pair
+# read passes its messages, from its first (a pair whose rows the tag filter all skipped: from its cursor, passing
+# none); every other queue held moves to the source's end untouched. `seeks`: the offset's count of seeks when read.
+Moves = dict[tuple[str, int], tuple[str, int, int, str, int, int]]
 
 
 def _moves(batch: Batch) -> Moves:
@@ -452,11 +498,11 @@ def _moves(batch: Batch) -> Moves:
     moves: Moves = {}
     for pair, (xid, offset) in batch.cursors.items():
         end = batch.ends.get(pair[0], (xid, offset))
-        first_xid, first_offset, n = firsts[pair]
-        moves[pair] = (end[0], end[1], n, str(first_xid), first_offset)
+        first_xid, first_offset, n = firsts.get(pair) or (int(xid), offset, 0)
+        moves[pair] = (end[0], end[1], n, str(first_xid), first_offset, batch.seeks.get(pair, 0))
     for source, (xid, offset) in batch.ends.items():
         for qid in batch.queues:
-            moves.setdefault((source, qid), (xid, offset, 0, xid, offset))
+            moves.setdefault((source, qid), (xid, offset, 0, xid, offset, batch.seeks.get((source, qid), 0)))
     return moves
 
 
@@ -484,6 +530,7 @@ def ack_and_pull(
     max_messages: int,
     holder: str,
     lease_s: float = DEFAULT_LEASE_S,
+    accept: frozenset[str] | None = None,
 ) -> tuple[AckResult, Batch]:
     """Ack `done` (as `ack`, keeping its queues) and pull the member's next batch from `topic` and its retry topic, in
     one transaction: the ack's common move (`_MOVE`, its leases checked), the member's share of the queues taken
@@ -491,7 +538,7 @@ def ack_and_pull(
     held. A (source, queue) the common move did not cover, and failed messages, take `ack`'s general path in between.
     With nothing failed on a connection of its own (not in a caller's transaction) the three statements go as one
     round trip, one implicit transaction that commits without waiting for its WAL flush (`_ASYNC_ACK`). A `done`
-    whose lease was lost is not acked (`AckResult.lost`)."""
+    whose lease was lost is not acked (`AckResult.lost`). `accept` is the group's tag filter (`_batch`)."""
     failed = _checked_failures(done, failed) if done is not None else set()
     sources = sources_of(topic, group)
     own = commits_each_statement(conn)  # its own transaction: the ack may commit asynchronously (_ASYNC_ACK)
@@ -502,20 +549,22 @@ def ack_and_pull(
             reading = _read(conn, group, sources, holder, max_messages)
         queues = _queues(taking)
         if moving is None or done is None:
-            return AckResult(), _batch(group, sources, reading.fetchall(), max_messages, holder, queues)
+            return AckResult(), _batch(group, sources, reading.fetchall(), max_messages, holder, queues, accept)
         row = moving.fetchone()
         assert row is not None
         moved, held = _moved(row), bool(row[1])
         if not held:
             _log.warning("delaywheel consumer: %s", _lost_message(done))
-            return AckResult(lost=len(done)), _batch(group, sources, reading.fetchall(), max_messages, holder, queues)
+            return AckResult(lost=len(done)), _batch(
+                group, sources, reading.fetchall(), max_messages, holder, queues, accept
+            )
         result = _ack(conn, settings, cache, done, set(), moved) if moved >= done.cursors.keys() else None
         if result is not None:
-            return result, _batch(group, sources, reading.fetchall(), max_messages, holder, queues)
+            return result, _batch(group, sources, reading.fetchall(), max_messages, holder, queues, accept)
         # a pair the common move did not cover: the read saw its offset unmoved; ack the rest, then read again
         with conn.transaction():
             result = _ack(conn, settings, cache, done, set(), moved)
-            return result, _take_and_read(conn, group, topic, holder, lease_s, max_messages, durable=True)
+            return result, _take_and_read(conn, group, topic, holder, lease_s, max_messages, accept, durable=True)
     with conn.transaction():
         result = AckResult()
         if done is not None:
@@ -528,7 +577,7 @@ def ack_and_pull(
         # durable unless its own transaction with nothing failed: a retry or dead letter written here must not be
         # undone by a crash after its ack
         durable = not own or bool(failed)
-        return result, _take_and_read(conn, group, topic, holder, lease_s, max_messages, durable=durable)
+        return result, _take_and_read(conn, group, topic, holder, lease_s, max_messages, accept, durable=durable)
 
 
 def _queues(taking: psycopg.Cursor[Any]) -> tuple[int, ...]:
@@ -563,7 +612,8 @@ def _ack(
 ) -> AckResult:
     """`ack`'s work inside the caller's transaction, after `_move`: `moved` are the (source, queue) pairs it moved."""
     acked: list[Delivered] = []
-    for (topic, qid), (xid, offset, _, _, _) in _moves(batch).items():
+    sought = 0
+    for (topic, qid), (xid, offset, _, _, _, _) in _moves(batch).items():
         if (topic, qid) not in batch.cursors:
             continue  # a queue without messages here: moved by `_move` or already past
         mine = [
@@ -579,6 +629,9 @@ def _ack(
         if row is None:  # the group's first ack of the source: every queue's offset row (a second round trip, once)
             conn.execute(_FIRST_OFFSETS, (batch.group, topic))
             row = _lock_offset(conn, batch.group, topic, qid)
+        if row is not None and row[2] != batch.seeks.get((topic, qid), 0):
+            sought += len(mine)  # a seek moved the offset since the batch was read: where it put it stands
+            continue
         before = (int(row[0]), row[1]) if row else (0, 0)
         if before >= (int(xid), offset):
             continue  # acked this far already: nothing to commit, nothing to retry
@@ -594,7 +647,8 @@ def _ack(
     retry = [m for m in acked if m.message_id in failed]
     if retry:
         reconsume_later(conn, settings, cache, batch.group, retry)
-    return AckResult(acked=len(acked), retried=len(retry), already_acked=len(batch.messages) - len(acked))
+    already = len(batch.messages) - len(acked) - sought
+    return AckResult(acked=len(acked), retried=len(retry), already_acked=already, sought=sought)
 
 
 _FIRST_OFFSETS = sql.SQL(
@@ -603,9 +657,10 @@ _FIRST_OFFSETS = sql.SQL(
 ).format(sql.Literal(QUEUES - 1))
 
 
-def _lock_offset(conn: psycopg.Connection, group: str, topic: str, qid: int) -> tuple[str, int] | None:
+def _lock_offset(conn: psycopg.Connection, group: str, topic: str, qid: int) -> tuple[str, int, int] | None:
+    """The group's offset in (topic, queue) and its count of seeks, locked until commit (None: no row yet)."""
     return conn.execute(
-        "SELECT cursor_xid::text, cursor_offset FROM delaywheel.consumer_offsets"
+        "SELECT cursor_xid::text, cursor_offset, seeks FROM delaywheel.consumer_offsets"
         " WHERE grp = %s AND topic = %s AND qid = %s FOR UPDATE",
         (group, topic, qid),
     ).fetchone()
