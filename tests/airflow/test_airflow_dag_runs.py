@@ -99,7 +99,7 @@ def test_deliver_then_consume(dags: dict[str, Any], db_url: str) -> None:
         assert states == {"consume": "success"}
         assert values["consume"]["consumed"] == 50 and values["consume"]["failed"] == 0
         acked = store.conn.execute(
-            "SELECT acked FROM delaywheel.consumer_offsets WHERE grp = 'orders-template' AND topic = 'orders'"
+            "SELECT sum(acked)::int FROM delaywheel.consumer_offsets WHERE grp = 'orders-template' AND topic = 'orders'"
         ).fetchone()
         assert acked == (50,)
         _, _, values = run_dag(dags["delaywheel_consumer_template"])
