@@ -5,8 +5,8 @@ One task holds consumer group `shop-sweeper` on topic `shop.order-timeout` for a
 `delaywheel_consumer_lease_template`), waking on the topic's delivery notifications: an order is cancelled tens of
 milliseconds after its timer is delivered, where a run started per delivery (scheduled on the topic's Asset) added
 a second or more of Airflow scheduling to every cancellation. A run starts every INTERVAL_S and leases
-INTERVAL_S + OVERLAP_S, so the next run's task is a running standby when the old one hands the group over (only
-the holder of the group's lock handles; see the template's docstring). Paused at creation, as the other shop DAGs.
+INTERVAL_S + OVERLAP_S, so the next run's task is running, waiting for its turn, when the old one hands the group
+over (a batch is handled under its queues' leases; see the template's docstring). Paused at creation, as the other shop DAGs.
 
 Each delivered batch is applied in one set-based transaction (`orders.apply_timeouts`, on the consumer's own
 session): orders still unpaid at their deadline are cancelled and their stock released; paid or already cancelled
