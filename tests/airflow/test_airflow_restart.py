@@ -13,7 +13,8 @@ second run's tasks take over one by one (mid hand-over: old tasks keeping their 
 waiting for a pool slot). Each time the script is started again at once and the gap is measured, from the moment the
 script starts the scheduler (the API server answers; its "Airflow UI:" line) to the moment every lane has a holder of
 its presence lock (a live delivery loop, `deliver.presence`). The interval is long enough that the next scheduled run
-is not due before that: only the stopped tasks can serve the lanes in time. Meanwhile a producer sends to every lane:
+is not due before that, and each restart checks that no run was made meanwhile: only the stopped tasks served the
+lanes. Meanwhile a producer sends to every lane:
 each message is delivered exactly once and never early, no lane ever has more than two deliverers (a task and its
 successor), and every stopped lane task was rescheduled, none failed or retried."""
 
@@ -39,7 +40,11 @@ from tests.helpers import LANES, SCRIPT, deliveries, ours, processes, script_env
 
 pytestmark = [pytest.mark.airflow, pytest.mark.timeout(1500)]
 
-INTERVAL_S, OVERLAP_S, HANDOVER_SLOTS = 200, 30, 1
+# The interval sets the test's length (the mid hand-over restart comes INTERVAL_S + OVERLAP_S after the first run):
+# it need only exceed the overlap plus a restart, so that the next run is not due before every lane is served again
+# (checked in `restart_and_measure`). A restart took 36 s here (stop 12, start 14, served 10), 71 s beside other test
+# runs (stop 27, start 23, served 21).
+INTERVAL_S, OVERLAP_S, HANDOVER_SLOTS = 110, 20, 1
 WITHIN_S = 30.0  # the scheduler's start -> every lane has a live deliverer
 STARTED_WITHIN_S = 240  # script start -> the first run's lanes all running (about 60 s here)
 SERVED_WITHIN_S = 180  # script start -> every lane served, at a restart (the bound asserted is WITHIN_S)
@@ -171,8 +176,10 @@ def producing(db_url: str) -> Iterator[list[int]]:
         thread.join(30)
 
 
-def restart_and_measure(airflow: Airflow, watch: Watch, what: str) -> dict[str, float]:
-    """Ctrl-C, check that no lane has a deliverer left, start again; the gaps in seconds."""
+def restart_and_measure(airflow: Airflow, watch: Watch, meta: str, what: str) -> dict[str, float]:
+    """Ctrl-C, check that no lane has a deliverer left, start again; the gaps in seconds. The runs once every lane is
+    served are those of before the stop: the stopped tasks served the lanes, not a next run come due meanwhile."""
+    runs = {t[0] for t in lane_tasks(meta)}
     stop_s = airflow.stop()
     stopped = time.monotonic()
     assert watch.holders() == dict.fromkeys(KEYS.values(), 0), "a lane task outlived the stop"
@@ -188,6 +195,7 @@ def restart_and_measure(airflow: Airflow, watch: Watch, what: str) -> dict[str, 
             assert up is not None, "served before the scheduler started?"
             break
         time.sleep(0.2)
+    assert {t[0] for t in lane_tasks(meta)} == runs, (what, "a next run came due: INTERVAL_S too short", runs)
     gaps = {
         "stop_s": stop_s,
         "script_start_to_scheduler_s": up - started,
@@ -224,8 +232,8 @@ def test_after_a_restart_mid_lease_and_mid_handover_every_lane_has_a_deliverer_w
             first_after = next(t[4] for t in tasks if t[0] == first)
             assert first_after is not None
 
-            # mid lease: the first run's three tasks deliver, the next run is not due for minutes
-            gaps["mid lease"] = restart_and_measure(airflow, watch, "mid lease")
+            # mid lease: the first run's three tasks deliver, the next run is not due yet
+            gaps["mid lease"] = restart_and_measure(airflow, watch, meta, "mid lease")
             states = {t[1]: (t[2], t[3]) for t in lane_tasks(meta) if t[0] == first}
             assert all(state in ("running", "queued", "scheduled", "up_for_reschedule") for state, _ in states.values())
             assert {try_ for _, try_ in states.values()} == {1}, states  # rescheduled: no retry used
@@ -259,7 +267,7 @@ def test_after_a_restart_mid_lease_and_mid_handover_every_lane_has_a_deliverer_w
                 assert clock < lease_end + timedelta(seconds=60), (tasks, airflow.tail())
                 time.sleep(0.5)
             print(f"mid hand-over: first run {sorted(now_running[first])}, second {sorted(now_running[second[0]])}")
-            gaps["mid hand-over"] = restart_and_measure(airflow, watch, "mid hand-over")
+            gaps["mid hand-over"] = restart_and_measure(airflow, watch, meta, "mid hand-over")
             time.sleep(5)  # a few more sends after the restart
         deadline = time.monotonic() + 60
         store = Store(db_url)

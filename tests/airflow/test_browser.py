@@ -26,7 +26,7 @@ import pytest
 from psycopg.conninfo import conninfo_to_dict
 
 from delaywheel import Store
-from tests.helpers import free_ports
+from tests.helpers import free_ports, fresh_database
 
 pytestmark = [pytest.mark.browser, pytest.mark.airflow]
 
@@ -68,9 +68,20 @@ def wait_for(what: str, check: Any, timeout: float, procs: list[subprocess.Popen
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what} (logs in {OUT})")
 
 
-@pytest.fixture
-def airflow(airflow_db: dict[str, str], server_url: str, db_url: str, tmp_path: Path) -> Iterator[Airflow]:
-    """API server + scheduler + DAG processor on a fresh metadata database; the store is this test's database."""
+@pytest.fixture(scope="module")
+def db_url(server_url: str, template_db: str) -> Iterator[str]:
+    """The module's store: its Airflow (`airflow`), started once for both tests, reads it (`store` is on it too)."""
+    with fresh_database(server_url, template_db) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def airflow(
+    airflow_db: dict[str, str], server_url: str, db_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Airflow]:
+    """API server + scheduler + DAG processor on a fresh metadata database, started once for the module's tests (tens
+    of seconds each start); the store is the module's database."""
+    tmp_path = tmp_path_factory.mktemp("browser")
     OUT.mkdir(parents=True, exist_ok=True)
     with psycopg.connect(server_url, autocommit=True) as conn:
         conn.execute(f"DROP DATABASE IF EXISTS {METADATA_DB} WITH (FORCE)")

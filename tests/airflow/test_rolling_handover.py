@@ -31,8 +31,11 @@ from tests.helpers import LANES, SCRIPT, ours, processes, script_env
 
 pytestmark = [pytest.mark.airflow, pytest.mark.timeout(600)]
 
-LEASE_S, OVERLAP_S, HANDOVER_SLOTS = 30, 60, 1
-WITHIN_S = 360  # script start -> the first run's lanes all handed over (about 150 s alone here)
+# The first run's lanes hand over LEASE_S + OVERLAP_S after it (most of the test's time): the overlap, also each old
+# task's grace, need only cover the next run's two lane tasks starting one after the other (4 s here) with room for a
+# busy machine.
+LEASE_S, OVERLAP_S, HANDOVER_SLOTS = 20, 40, 1
+WITHIN_S = 360  # script start -> the first run's lanes all handed over (about 110 s here)
 
 Task = tuple[str, str, str, datetime | None, datetime | None, int]  # run, task, state, start, end, try
 

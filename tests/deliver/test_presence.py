@@ -107,6 +107,7 @@ def test_a_delivery_loop_logs_the_lanes_nobody_delivers(
     """A loop of level 1 finds level 2 and the wheel due with no deliverer at two looks in a row and warns, naming
     them; once a deliverer takes them it says every lane is served again. Its own lane is never named."""
     monkeypatch.setattr(presence, "CHECK_EVERY_S", 0.2)
+    monkeypatch.setattr(runner, "SAFETY_WAKE_S", 0.5)  # an idle loop looks (and checks) at its wakes: not 5 s apart
     _due_on_level_2_and_the_wheel(store)
     stop = threading.Event()
 
