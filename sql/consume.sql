@@ -40,13 +40,14 @@ BEGIN
       AND (l.expires_at < v_now + p_lease / 2 OR l.pid <> pg_backend_pid());
 
     IF cardinality(v_held) < v_share THEN
-        -- free queues (never held, given back, expired, or their holder's process gone), from a place that differs
-        -- by member
+        -- free queues (never held, given back, expired, or their holder's process gone), in one order for every
+        -- member: two members taking at once lock the rows in the same order, so one waits for the other's commit and
+        -- then skips what it took, where orders that differ by member would deadlock
         FOR v_got IN
             SELECT q.q::smallint FROM generate_series(0, 15) q(q)
             LEFT JOIN delaywheel.consumer_leases l ON l.grp = p_grp AND l.topic = p_topic AND l.qid = q.q
             WHERE l.qid IS NULL OR l.holder IS NULL OR l.expires_at <= v_now OR l.pid <> ALL (v_live)
-            ORDER BY (q.q + hashtext(p_holder)) & 15
+            ORDER BY q.q
         LOOP
             INSERT INTO delaywheel.consumer_leases AS l (grp, topic, qid, holder, pid, expires_at, taken_at, taken)
             VALUES (p_grp, p_topic, v_got, p_holder, pg_backend_pid(), v_now + p_lease, v_now, 1)
