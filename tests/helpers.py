@@ -132,6 +132,41 @@ def deliveries(store: Store, topic: str | None = None) -> list[tuple[int, dateti
     return [(r[0], r[1], r[2], r[3]) for r in rows]
 
 
+@dataclass(frozen=True)
+class Handled:
+    """One message a test's consumer handled: by which consumer (`name`, e.g. "old0": the first of slot 0), when
+    (monotonic seconds)."""
+
+    message_id: int
+    key: str | None
+    name: str
+    at: float
+
+
+def check_slots_handed_over(seen: list[Handled], store: Store, topic: str, slots: int, max_gap: float) -> None:
+    """Long-running consumers of one group in `slots` member slots, an old and a new one in each ("old<k>",
+    "new<k>"; `seen` in handling order): every delivered message handled once, each key's in the topic's order; the
+    old ones consumed side by side; in each slot the new one handled nothing before its predecessor's last message,
+    and began within `max_gap` seconds of it."""
+    order = [message_id for message_id, *_ in deliveries(store, topic)]
+    assert sorted(h.message_id for h in seen) == sorted(order), "every message handled, none twice"
+    position = {message_id: i for i, message_id in enumerate(order)}
+    by_key: dict[str | None, list[int]] = {}
+    for h in seen:
+        by_key.setdefault(h.key, []).append(position[h.message_id])
+    assert all(positions == sorted(positions) for key, positions in by_key.items() if key is not None), "key order"
+    times = {name: [h.at for h in seen if h.name == name] for name in {h.name for h in seen}}
+    olds = [times.get(f"old{k}", []) for k in range(slots)]
+    assert all(olds), f"every old consumer handled some: {sorted((n, len(t)) for n, t in times.items())}"
+    assert max(min(t) for t in olds) < min(max(t) for t in olds), "the old consumers consumed side by side"
+    for k in range(slots):
+        new = times.get(f"new{k}", [])
+        assert new, f"slot {k}: the successor handled nothing"
+        assert max(olds[k]) <= min(new), f"slot {k}: the successor handled a message while its predecessor consumed"
+        gap = min(new) - max(olds[k])
+        assert gap < max_gap, f"slot {k}: hand-over gap {gap:.2f}s"
+
+
 def traced(conn: psycopg.Connection, call: Callable[[], T]) -> tuple[T, list[list[str]]]:
     """`call()`'s result, and the protocol messages it sent and received on `conn` (libpq's trace: per message, the
     side, F from the client or B from the server, its length and its type, e.g. Sync): each Sync the client sends is
@@ -344,6 +379,36 @@ def run_dag(dag: Any, **conf: Any) -> tuple[str, dict[str, str], dict[str, Any]]
             )
         }
     return run.run_id, states, values
+
+
+def mapped_results(dag_id: str, run_id: str, task_id: str) -> dict[int, tuple[str, Any]]:
+    """A mapped task's instances in a DAG run: per map index, (state, XCom return value)."""
+    from airflow.models import TaskInstance
+    from airflow.models.xcom import XComModel
+    from airflow.utils.session import create_session
+    from sqlalchemy import select
+
+    with create_session() as session:
+        states = {
+            ti.map_index: ti.state
+            for ti in session.scalars(
+                select(TaskInstance).where(
+                    TaskInstance.dag_id == dag_id, TaskInstance.run_id == run_id, TaskInstance.task_id == task_id
+                )
+            )
+        }
+        values = {
+            x.map_index: x.value
+            for x in session.scalars(
+                select(XComModel).where(
+                    XComModel.dag_id == dag_id,
+                    XComModel.run_id == run_id,
+                    XComModel.task_id == task_id,
+                    XComModel.key == "return_value",
+                )
+            )
+        }
+    return {index: (state, values.get(index)) for index, state in states.items()}
 
 
 def trigger_events(trigger, count: int, within_s: float) -> list:

@@ -58,3 +58,18 @@ def test_lane_keys_are_distinct() -> None:
     """LANE_PRESENCE_LOCK's second key: the wheel's (0) is no level's (levels start at 1)."""
     assert locks.lane_lock_key(None) == 0
     assert [locks.lane_lock_key(level) for level in range(1, 19)] == list(range(1, 19))
+
+
+def test_a_lease_consumers_slots_have_keys_of_their_own_and_slot_0_the_group_topic_key(server_url: str) -> None:
+    """GROUP_TOPIC_SLOT_KEY: the 16 member slots of one (group, topic) lock 16 keys, and slot 0 locks the
+    (group, topic) key itself, so that one consumer per group takes the locks a consumer without a slot takes."""
+    pairs = [("g", "t"), ("orders-lease-template", "orders"), ("", ""), ("g'; --", "%RETRY%g")]
+    with psycopg.connect(server_url) as conn:
+        for group, topic in pairs:
+            plain = conn.execute(f"SELECT {locks.GROUP_TOPIC_KEY}", (group, topic)).fetchall()
+            slots = [
+                conn.execute(f"SELECT {locks.GROUP_TOPIC_SLOT_KEY}", (group, topic, slot)).fetchall()
+                for slot in range(16)
+            ]
+            assert slots[0] == plain
+            assert len({key for ((key,),) in slots}) == 16

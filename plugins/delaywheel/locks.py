@@ -44,13 +44,14 @@ TURNS = (1, 2)
 # past its lease counts the other holders to hand its lanes over only to a live successor (`runner._keep_going`).
 LANE_PRESENCE_LOCK = 0x64770030
 
-# A lease consumer's presence on (group, topic); second key: `GROUP_TOPIC_KEY`. Shared, for the task's run, by every
-# live Airflow lease consumer (`airflow.operators.ConsumeOperator`); its watchdog counts the other holders to know a
-# successor is running before it stops at its lease end.
+# A lease consumer's presence on (group, topic) in its member slot; second key: `GROUP_TOPIC_SLOT_KEY`. Shared, for
+# the task's run, by every live Airflow lease consumer (`airflow.operators.ConsumeOperator`); its watchdog counts the
+# other holders of its slot to know its successor is running before it stops at its lease end.
 CONSUMER_PRESENCE_LOCK = 0x64770050
 
-# A lease consumer's turn on (group, topic); same second key. Exclusive, by the lease consumer that is consuming:
-# its successor queues on it and the server grants it the instant the predecessor lets go.
+# A lease consumer's turn on (group, topic) in its member slot; same second key. Exclusive, by the lease consumer of
+# that slot that is consuming: its successor queues on it and the server grants it the instant the predecessor lets
+# go. Consumers in other slots take other turns and consume beside it.
 CONSUMER_TURN_LOCK = 0x64770051
 
 # One BRIN summarizer at a time (`partitions.summarize`, a session lock tried, never waited for): every lane's
@@ -70,6 +71,10 @@ REDRIVE_LOCK = 0x64770080
 
 # The second key of the (group, topic) locks, as SQL over two text parameters (group, then topic).
 GROUP_TOPIC_KEY = "hashtext(jsonb_build_array(%s::text, %s::text)::text)"
+# The second key of a lease consumer's locks, as SQL over group, topic and member slot (0..15): the (group, topic)
+# key with the slot XORed into its low bits. Slot 0's is the (group, topic) key itself: a group with one member
+# takes the (group, topic) locks.
+GROUP_TOPIC_SLOT_KEY = f"({GROUP_TOPIC_KEY} # %s::int)"
 # The second key of the group locks, as SQL over one text parameter (the group).
 GROUP_KEY = "hashtext(%s::text)"
 

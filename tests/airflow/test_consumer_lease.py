@@ -1,11 +1,13 @@
 """The lease consumer (`ConsumeOperator`, `dags/delaywheel_consumer_lease_template.py`) against the real store:
-the template DAG under `dag.test()` handles and acks what was delivered; two tasks overlapping on one group hand it
-over with every message handled exactly once, none early, and a short gap; on_kill (Airflow's SIGTERM handler) ends
-a lease with what was handled acked; a per-message function given by dotted path sends failures to the retry
-ladder."""
+the template DAG under `dag.test()` handles and acks what was delivered, with one member or mapped over two; two
+tasks overlapping on one group hand it over with every message handled exactly once, none early, and a short gap;
+tasks in two member slots consume side by side, each handing over to its own slot's successor; on_kill (Airflow's
+SIGTERM handler) ends a lease with what was handled acked; a per-message function given by dotted path sends failures
+to the retry ladder; a slot out of range fails the task before it takes anything."""
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
 from datetime import timedelta
@@ -14,7 +16,7 @@ from typing import Any
 import pytest
 
 from delaywheel import Message, Store
-from tests.helpers import deliveries, delivering
+from tests.helpers import Handled, check_slots_handed_over, deliveries, delivering, mapped_results
 
 pytestmark = pytest.mark.airflow
 
@@ -47,15 +49,41 @@ def test_template_dag_consumes_delivered_messages_and_acks(
         while len(deliveries(store, topic)) < len(ids) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert len(deliveries(store, topic)) == len(ids)
-        _run_id, states, values = run_dag(dag, lease_seconds=3, handover_grace_seconds=0, max_messages=10)
+        run_id, states, values = run_dag(dag, lease_seconds=3, handover_grace_seconds=0, max_messages=10)
+        assert states == {"members": "success", "consume": "success"}
+        assert values["members"] == [0]  # one member by default: slot 0, the (group, topic) locks
+        ((state, result),) = mapped_results(dag.dag_id, run_id, "consume").values()
+        assert state == "success" and result["slot"] == 0
+        assert result["handled"] == result["acked"] == len(ids), result
+        assert result["retried"] == 0 and result["reconnects"] == 0 and result["stopped_by"] == "lease"
+        assert _left(store, topic, group) == 0  # the group's offset is past every message
+
+        more = [store.send(topic, {"n": n}, key=f"k{n % 4}") for n in range(30)]  # no delay: in the topic at once
+        run_id, states, values = run_dag(dag, lease_seconds=3, handover_grace_seconds=0, max_messages=10, members=2)
     finally:
         stop.set()
         deliverer.join(30)
-    assert states == {"consume": "success"}
-    result = values["consume"]
-    assert result["handled"] == result["acked"] == len(ids), result
-    assert result["retried"] == 0 and result["reconnects"] == 0 and result["stopped_by"] == "lease"
-    assert _left(store, topic, group) == 0  # the group's offset is past every message
+    assert states == {"members": "success", "consume": "success"} and values["members"] == [0, 1]
+    mapped = mapped_results(dag.dag_id, run_id, "consume")
+    assert sorted(mapped) == [0, 1] and all(state == "success" for state, _ in mapped.values()), mapped
+    assert [result["slot"] for _, (_, result) in sorted(mapped.items())] == [0, 1]
+    assert sum(result["handled"] for _, result in mapped.values()) == len(more)  # dag.test runs them one by one
+    assert sum(result["acked"] for _, result in mapped.values()) == len(more)
+    assert _left(store, topic, group) == 0
+
+
+def test_template_dag_refuses_a_member_count_out_of_range(store_connection: str) -> None:
+    from airflow.dag_processing.dagbag import DagBag
+    from airflow.sdk.exceptions import ParamValidationError
+
+    dag = DagBag(dag_folder=DagBag().dag_folder).dags["delaywheel_consumer_lease_template"]
+    for members in (0, 17, 1.5, "2; DROP TABLE x"):
+        params = copy.deepcopy(dag.params)
+        with pytest.raises(ParamValidationError, match="members"):
+            params["members"] = members
+    params = copy.deepcopy(dag.params)
+    params["members"] = 16
+    assert params.validate()["members"] == 16
 
 
 def test_lease_handover_handles_every_message_once_none_early_with_a_short_gap(
@@ -145,6 +173,89 @@ def test_lease_handover_handles_every_message_once_none_early_with_a_short_gap(
     for name in ("old", "new"):
         r = results[name]
         assert r["handled"] == r["acked"] == len([s for s in seen if s[1] == name]) and r["retried"] == 0
+    assert _left(store, topic, group) == 0
+
+
+def test_two_slots_consume_side_by_side_each_handing_over_to_its_own_successor(
+    store_connection: str, db_url: str, store: Store
+) -> None:
+    """members=2: a task per slot, each overlapped by its successor (slot 0 hands over at 4 s, slot 1 at 5 s): the
+    two consume the group's messages side by side, every message once and each key's in order, none early, and each
+    slot's successor takes over with a short gap, as a single consumer's does."""
+    from delaywheel.airflow.operators import ConsumeOperator
+
+    topic, group = "jobs", "workers"
+    seen: list[Handled] = []
+    early: list[int] = []
+    lock = threading.Lock()
+
+    def handler_for(name: str) -> Any:
+        def handle(messages: list[Any]) -> None:
+            now, wall = time.monotonic(), time.time()
+            with lock:
+                seen.extend(Handled(m.message_id, m.key, name, now) for m in messages)
+                early.extend(m.message_id for m in messages if wall < m.deliver_at.timestamp())
+
+        return handle
+
+    def operator(name: str, slot: int, lease: float, grace: float) -> ConsumeOperator:
+        return ConsumeOperator(
+            task_id=name,
+            topic=topic,
+            group=group,
+            apply_function_batch=handler_for(name),
+            lease_seconds=lease,
+            handover_grace_seconds=grace,
+            max_messages=10,
+            slot=str(slot),  # as a template renders it
+        )
+
+    olds = [operator(f"old{k}", k, 4 + k, 10) for k in (0, 1)]
+    news = [operator(f"new{k}", k, 9, 0) for k in (0, 1)]
+    results: dict[str, dict[str, Any]] = {}
+    stop = threading.Event()
+    deliverer = delivering(db_url, stop)
+
+    def produce() -> None:
+        with Store(db_url) as own:
+            end = time.monotonic() + 7
+            n = 0
+            while time.monotonic() < end:  # a level, the wheel and no delay; half keyed, half spread by id
+                kind = n % 3
+                own.send(
+                    topic,
+                    {"n": n},
+                    key=f"k{n % 8}" if n % 2 else None,
+                    delay_level=1 if kind == 0 else None,
+                    delay=timedelta(milliseconds=400) if kind == 1 else None,
+                )
+                n += 1
+                time.sleep(0.02)
+
+    def work(op: ConsumeOperator) -> None:
+        results[op.task_id] = op.execute({})
+
+    try:
+        producer = threading.Thread(target=produce)
+        threads = [threading.Thread(target=work, args=(op,)) for op in (*olds, *news)]
+        producer.start()
+        for thread in threads[:2]:
+            thread.start()
+        time.sleep(2)
+        for thread in threads[2:]:
+            thread.start()
+        for thread in (producer, *threads):
+            thread.join(60)
+    finally:
+        stop.set()
+        deliverer.join(30)
+    check_slots_handed_over(seen, store, topic, slots=2, max_gap=2.0)
+    assert early == [], "a message was handled before it was due"
+    for k in (0, 1):
+        assert results[f"old{k}"]["handed_over"] and results[f"old{k}"]["stopped_by"] == "lease"
+        assert results[f"old{k}"]["slot"] == results[f"new{k}"]["slot"] == k
+    for name, r in results.items():
+        assert r["handled"] == r["acked"] == len([h for h in seen if h.name == name]) and r["retried"] == 0
     assert _left(store, topic, group) == 0
 
 
@@ -250,3 +361,16 @@ def test_the_operator_takes_a_tag_filter_and_a_start(store_connection: str, stor
     assert handled == [i for n, i in enumerate(ids) if n % 3 != 1]
     assert result["handled"] == result["acked"] == 6 and result["skipped"] == 3, result
     assert _left(store, "t", "g") == 0
+
+
+def test_a_slot_out_of_range_fails_the_task_before_it_takes_anything(store_connection: str, store: Store) -> None:
+    from delaywheel.airflow.operators import ConsumeOperator
+
+    store.send_many([Message("t", {"n": n}) for n in range(3)])
+    for slot in ("16", "-1", "one", "0; SELECT 1"):
+        operator = ConsumeOperator(
+            task_id="c", topic="t", group="g", lease_seconds=3, slot=slot, apply_function_batch=lambda ms: None
+        )
+        with pytest.raises(ValueError, match="slot must be a whole number from 0 to 15"):
+            operator.execute({})
+    assert _left(store, "t", "g") == 3  # nothing was consumed

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import defaultdict
 from datetime import datetime
@@ -33,6 +34,43 @@ def test_a_joining_member_gets_its_share_at_the_next_pulls(store: Store, db_url:
         held_a = loop_pull(store, first, a).queues  # acks, keeps its share, gives back the rest
         held_b = loop_pull(other, None, b).queues
     assert len(held_a) == len(held_b) == topics.QUEUES // 2 and not set(held_a) & set(held_b)
+
+
+def test_members_taking_queues_at_the_same_instant_neither_deadlock_nor_share_a_queue(db_url: str) -> None:
+    """Four members' first pulls of a fresh group at once (a hand-over of several long-running consumers: each sees
+    itself alone, and takes every free queue): they lock the queues' rows in one order, so none fails with a
+    deadlock, and no queue goes to two of them. With an order that differed by member, some of these pulls deadlocked.
+    """
+    members = 4
+
+    def first_pull(
+        group: str, barrier: threading.Barrier, held: list[tuple[int, ...]], errors: list[Exception]
+    ) -> None:
+        with Store(db_url) as own:
+            own.conn  # noqa: B018  # connected before the barrier: the pulls start together
+            holder = topics.new_holder()
+            barrier.wait()
+            try:
+                _, batch = topics.ack_and_pull(own.conn, own.settings, own._cache, None, None, "t", group, 10, holder)
+                held.append(batch.queues)
+            except Exception as exc:
+                errors.append(exc)
+            barrier.wait()  # alive until every member has pulled: a member whose connection ended loses its queues
+
+    for round_ in range(15):
+        barrier = threading.Barrier(members)
+        held: list[tuple[int, ...]] = []
+        errors: list[Exception] = []
+        threads = [
+            threading.Thread(target=first_pull, args=(f"g{round_}", barrier, held, errors)) for _ in range(members)
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        assert errors == [], errors
+        taken = [q for queues in held for q in queues]
+        assert len(taken) == len(set(taken)) and set(taken) == set(range(topics.QUEUES)), held
 
 
 def test_an_ack_after_the_lease_passed_to_another_member_is_refused_and_acks_nothing(store: Store, db_url: str) -> None:

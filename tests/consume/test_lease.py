@@ -1,6 +1,7 @@
 """The lease and turn protocol (`consume.lease.LeasedConsumer`), without Airflow: two leased consumers of one group
 overlap, the successor waits for its turn and takes over at the old one's lease end with every message handled once;
-alone, a consumer past its lease waits up to its grace for a successor and then stops."""
+alone, a consumer past its lease waits up to its grace for a successor and then stops; consumers in two member slots
+consume side by side, each handing over to its own successor; slots and member counts out of range are refused."""
 
 from __future__ import annotations
 
@@ -8,8 +9,11 @@ import threading
 import time
 from typing import Any
 
+import pytest
+
 from delaywheel import Store
-from delaywheel.consume.lease import LeasedConsumer
+from delaywheel.consume.lease import MAX_MEMBERS, LeasedConsumer, checked_slot, member_slots
+from tests.helpers import Handled, check_slots_handed_over
 
 TOPIC, GROUP = "jobs", "workers"
 
@@ -78,3 +82,88 @@ def test_alone_past_its_lease_it_waits_its_grace_for_a_successor_then_stops(stor
     started = time.monotonic()
     early.run(lambda messages: None)
     assert time.monotonic() - started < 5.0 and not early.lease_ended
+
+
+def test_two_slots_consume_side_by_side_and_each_hands_over_to_its_own_successor(db_url: str, store: Store) -> None:
+    """Slot 0's lease ends at 2.5 s, slot 1's at 3.5 s, their successors wait from 1 s: each successor takes over
+    its own slot's turn (slot 0's while slot 1's old consumer still consumes), the members share the queues, and
+    every message is handled once, each key's in order."""
+    seen: list[Handled] = []
+    lock = threading.Lock()
+    leased: dict[str, LeasedConsumer] = {}
+    totals: dict[str, Any] = {}
+
+    def consume(name: str, slot: int, lease_s: float, grace_s: float) -> None:
+        def handle(messages: list[Any]) -> None:
+            now = time.monotonic()
+            with lock:
+                seen.extend(Handled(m.message_id, m.key, name, now) for m in messages)
+
+        with Store(db_url) as own:
+            leased[name] = LeasedConsumer(own, TOPIC, GROUP, lease_s=lease_s, grace_s=grace_s, slot=slot)
+            totals[name] = leased[name].run(handle, max_messages=10)
+
+    def produce() -> None:
+        with Store(db_url) as own:
+            end, n = time.monotonic() + 5.5, 0
+            while time.monotonic() < end:  # half keyed (in order per key), half spread over every queue by id
+                own.send(TOPIC, {"n": n}, key=f"k{n % 8}" if n % 2 else None)
+                n += 1
+                time.sleep(0.01)
+
+    olds = [threading.Thread(target=consume, args=(f"old{k}", k, 2.5 + k, 10.0)) for k in (0, 1)]
+    news = [threading.Thread(target=consume, args=(f"new{k}", k, 6.0, 0.0)) for k in (0, 1)]
+    producer = threading.Thread(target=produce)
+    for thread in (producer, *olds):
+        thread.start()
+    time.sleep(1.0)
+    for thread in news:
+        thread.start()  # each waits for its slot's turn
+    for thread in (producer, *olds, *news):
+        thread.join(60)
+        assert not thread.is_alive()
+
+    check_slots_handed_over(seen, store, TOPIC, slots=2, max_gap=2.0)
+    slot0_taken = min(h.at for h in seen if h.name == "new0")
+    assert any(h.name == "old1" and h.at > slot0_taken for h in seen), "slot 0 handed over while slot 1 consumed"
+    for k in (0, 1):
+        assert leased[f"old{k}"].lease_ended and leased[f"old{k}"].handed_over
+        assert not leased[f"new{k}"].handed_over  # no successor of its own slot: it stopped at its lease end
+    for name, total in totals.items():
+        assert total.messages == len([h for h in seen if h.name == name]) and total.retried == 0
+    assert len(store.pull(TOPIC, GROUP, 1000)) == 0  # the group's offset is past every message
+
+
+def test_a_successor_in_another_slot_does_not_count_as_this_slots(store: Store, db_url: str) -> None:
+    """A consumer past its lease whose only other consumer is in another slot does not hand over to it: it waits
+    its grace, then stops (its slot's successor never came)."""
+    with Store(db_url) as other:
+        beside = LeasedConsumer(other, TOPIC, GROUP, lease_s=30, slot=1)
+        running = threading.Thread(target=beside.run, args=(lambda messages: None,))
+        running.start()
+        try:
+            alone = LeasedConsumer(store, TOPIC, GROUP, lease_s=0.5, grace_s=1.0, slot=0)
+            started = time.monotonic()
+            alone.run(lambda messages: None)  # takes its own turn at once, beside slot 1's
+            took = time.monotonic() - started
+        finally:
+            beside.stop.set()
+            running.join(30)
+    assert alone.lease_ended and not alone.handed_over
+    assert 1.5 <= took < 5.0, took
+
+
+@pytest.mark.parametrize("slot", [-1, MAX_MEMBERS, 2**31, True, 1.0, "x", "", "1e3", "٣", None])
+def test_a_slot_out_of_range_is_refused_before_anything_is_taken(store: Store, slot: object) -> None:
+    with pytest.raises(ValueError, match="slot must be a whole number from 0 to 15"):
+        LeasedConsumer(store, TOPIC, GROUP, lease_s=1, slot=slot)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="slot must be a whole number"):
+        checked_slot(slot)
+
+
+def test_members_are_1_to_the_topics_queues() -> None:
+    assert member_slots(1) == [0] and member_slots("3") == [0, 1, 2] and member_slots(16) == list(range(16))
+    assert checked_slot("15") == 15 and checked_slot(0) == 0
+    for bad in (0, 17, -1, True, "0", "17", " ", 2.0, None, "1; DROP TABLE x"):
+        with pytest.raises(ValueError, match="members must be a whole number from 1 to 16"):
+            member_slots(bad)

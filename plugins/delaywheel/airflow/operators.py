@@ -309,7 +309,8 @@ class DeliverAllLanesOperator(_LeaseOperator):
 
 class ConsumeOperator(BaseOperator):
     """A long-running consumer: holds `group` on `topic` for a lease, waiting on the topic's notifications
-    (`Store.consume`), and hands the group over to the next run's task at the lease end.
+    (`Store.consume`), and hands the group over to the next run's task at the lease end. Tasks in different member
+    slots (`slot`) consume the group side by side, each handing over to the next run's task of its slot.
 
     The handler, as the Kafka provider's ``ConsumeFromTopicOperator`` takes it: exactly one of
 
@@ -343,6 +344,10 @@ class ConsumeOperator(BaseOperator):
     :param start: where the group starts if it has no offset on the topic yet (templated): ``earliest`` (the default,
         every message kept), ``latest`` (messages delivered from the first pull on) or an ISO 8601 time (UTC if it
         names no zone; the first message delivered at or after it).
+    :param slot: this task's member slot, 0..15 (templated; rendered text is read as an integer; default 0): N tasks
+        of a group in slots 0..N-1 consume side by side, sharing its queues; a task hands over to its slot's next
+        task only. Map it (``ConsumeOperator.partial(...).expand(slot=[0, 1])``, as the lease template does). A slot
+        outside 0..15 fails the task before it takes anything.
     :param until_idle: stop once a safety wake (`consume.SAFETY_WAKE_S`, 1 s) passes with nothing delivered
         (templated; as the deliver lanes' `until_idle`; default False): a drain-and-stop run handles what is
         delivered now and ends, without waiting for its turn behind a lease consumer.
@@ -356,17 +361,17 @@ class ConsumeOperator(BaseOperator):
     (`consume.topics`: members of a group share its queues, one key per queue), so during the overlap of two runs
     nothing is handled twice, and when the old task stops (its batch in hand acked, its queues given back) the new
     one takes them. A lease consumer waits for its turn before it consumes at all (an exclusive advisory lock on
-    (group, topic), `CONSUMER_TURN_LOCK`, held while it consumes): the server grants it the moment the old task lets
-    go, so the new one pulls within milliseconds. Every lease consumer also holds a shared "presence" advisory lock
-    on (group, topic) for its lifetime, which the grace above looks for. SIGTERM (`on_kill`) stops the same way: the handler finishes its batch, the batch is
-    acked, the task returns.
+    (group, topic, slot), `CONSUMER_TURN_LOCK`, held while it consumes): the server grants it the moment the old
+    task of its slot lets go, so the new one pulls within milliseconds. Every lease consumer also holds a shared
+    "presence" advisory lock on (group, topic, slot) for its lifetime, which the grace above looks for. SIGTERM
+    (`on_kill`) stops the same way: the handler finishes its batch, the batch is acked, the task returns.
 
     During `execute`, `self.store` is the consumer's `Store`: a ``handle`` override may run its own transaction on
     ``self.store.conn`` (the consumer's session, idle between the pull and the ack), so that a business
     write costs no second connection.
 
-    Returns ``{"handled", "acked", "retried", "reconnects", ...}``: messages handed to the handler, messages
-    covered by committed acks, sent to the retry ladder, lost connections made again.
+    Returns ``{"handled", "acked", "retried", "reconnects", "slot", ...}``: messages handed to the handler, messages
+    covered by committed acks, sent to the retry ladder, lost connections made again, the task's slot.
     """
 
     template_fields: tuple[str, ...] = (
@@ -378,6 +383,7 @@ class ConsumeOperator(BaseOperator):
         "max_messages",
         "tags",
         "start",
+        "slot",
         "until_idle",
         "delaywheel_conn_id",
     )
@@ -399,6 +405,7 @@ class ConsumeOperator(BaseOperator):
         max_messages: int | str = 100,
         tags: str | None = None,
         start: datetime | str = "earliest",
+        slot: int | str = 0,
         until_idle: bool | str = False,
         delaywheel_conn_id: str | None = None,
         **kwargs: Any,
@@ -419,6 +426,7 @@ class ConsumeOperator(BaseOperator):
         self.min_lease_seconds = min_lease_seconds
         self.max_messages = max_messages
         self.tags, self.start = tags, start
+        self.slot = slot
         self.until_idle = until_idle
         self.delaywheel_conn_id = delaywheel_conn_id
         self.store: Store | None = None
@@ -449,12 +457,13 @@ class ConsumeOperator(BaseOperator):
 
     def execute(self, context: Context) -> dict[str, Any]:
         from delaywheel.consume.consumer import SAFETY_WAKE_S
-        from delaywheel.consume.lease import LeasedConsumer
+        from delaywheel.consume.lease import LeasedConsumer, checked_slot
         from delaywheel.consume.position import start_target
         from delaywheel.consume.tags import parse
 
         from .hooks import DelayWheelHook
 
+        slot = checked_slot(self.slot)
         fn = self.apply_function_batch if self.apply_function_batch is not None else self.apply_function
         self._fn = import_string(fn) if isinstance(fn, str) else fn  # a wrong path fails before taking the group
         tags = None if self.tags is None or _blank(self.tags) else self.tags
@@ -478,12 +487,13 @@ class ConsumeOperator(BaseOperator):
         with DelayWheelHook(conn_id).get_store() as store:
             self.store = store
             leased = LeasedConsumer(
-                store, self.topic, self.group, lease_s=lease, grace_s=grace, stop=stop, log=self.log
+                store, self.topic, self.group, lease_s=lease, grace_s=grace, slot=slot, stop=stop, log=self.log
             )
             self.log.info(
-                "consuming %s as group %s for a lease of %.1fs (grace %.1fs%s)",
+                "consuming %s as group %s, slot %d, for a lease of %.1fs (grace %.1fs%s)",
                 self.topic,
                 self.group,
+                slot,
                 lease,
                 grace,
                 ", until idle" if idle_s else "",
@@ -495,6 +505,7 @@ class ConsumeOperator(BaseOperator):
         result = {
             "topic": self.topic,
             "group": self.group,
+            "slot": slot,
             "lease_seconds": lease,
             "stopped_early": self._killed,
             "stopped_by": "kill" if self._killed else "lease" if leased.lease_ended else totals.stopped_by,
