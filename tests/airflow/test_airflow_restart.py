@@ -66,15 +66,21 @@ class Airflow:
     def start(self) -> float:
         self.output = self.tmp_path / f"airflow.sh.{self.starts}.log"
         self.starts += 1
-        with self.output.open("wb") as out:
-            self.script = subprocess.Popen(
-                [str(SCRIPT)],
-                cwd=self.run_dir,
-                env=self.env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+        # A terminal's job takes Ctrl-C even when this test run was started with SIGINT ignored (a background job of a
+        # non-interactive shell): a handled signal is reset to its default in the child, an ignored one stays ignored.
+        inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
+        try:
+            with self.output.open("wb") as out:
+                self.script = subprocess.Popen(
+                    [str(SCRIPT)],
+                    cwd=self.run_dir,
+                    env=self.env,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+        finally:
+            signal.signal(signal.SIGINT, inherited)
         return time.monotonic()
 
     def scheduler_started(self) -> bool:
