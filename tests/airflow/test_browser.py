@@ -221,7 +221,7 @@ def test_login_trigger_with_params_and_dashboard_matches_store(airflow: Airflow,
         page.wait_for_url("**/runs/ui_browser_run**")
         run = wait_for("the triggered run to finish", lambda: finished(airflow, "ui_browser_run"), 180, [])
         assert run["state"] == "success", run
-        assert run["conf"] == {"batch_size": 3, "max_batches": 1}
+        assert run["conf"] == {"batch_size": 3, "max_batches": 1, "tags": "*", "start": "earliest"}  # (defaults)
 
         # The delaywheel page, reached from the navigation (Browse menu), shown in the UI's iframe.
         page.goto(f"{airflow.base}/")
