@@ -299,7 +299,7 @@ def test_the_cli_runs_on_a_named_store_or_routes_by_topic(
     assert set(figures) == {"a", "b"}  # type: ignore[arg-type]
     assert {row["topic"] for row in figures["a"]["topics"]} == {ta}  # type: ignore[index]
     assert main(["--all-stores", "send", "--topic", ta, "--body", "1"]) == 2  # a topic command routes
-    assert "only migrate, deliver, stats and retire" in capsys.readouterr().err
+    assert "only migrate, deliver, stats, retire and group retry-policy" in capsys.readouterr().err
 
 
 def _last_id(url: str, topic: str) -> int:

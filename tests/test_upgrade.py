@@ -160,9 +160,16 @@ def hold(store: Store, t0: datetime) -> None:
     )
     store.send("orders", {"now": 1}, delay_level=1, key="now-1", now=t0)
     assert store.deliver_due(now=t0 + timedelta(seconds=2)) == 1
-    batch = store.pull("orders", "g")
-    assert [m.key for m in batch.messages] == ["now-1"]
-    store.ack(batch)
+    if store.conn.execute("SELECT to_regclass('delaywheel.consumer_leases')").fetchone() != (None,):
+        batch = store.pull("orders", "g")
+        assert [m.key for m in batch.messages] == ["now-1"]
+        store.ack(batch)
+    else:  # the old line's store: its group offset as its own pull and ack left it (one per topic, no leases)
+        store.conn.execute(
+            "INSERT INTO delaywheel.consumer_offsets (grp, topic, cursor_xid, cursor_offset, acked)"
+            " SELECT 'g', 'orders', xid, queue_offset, 1 FROM delaywheel.topic_messages WHERE key = 'now-1'"
+        )
+        store.conn.commit()
     # the days' cancellations partitions first, so that each cancel is one CALL of the store's own procedure: the
     # two-step way calls the functions of sql/cancel.sql, which the old store has only once migrated
     store._cache.ensure(store.conn, "cancellations", [t0 + timedelta(seconds=10), t0 + timedelta(days=5, minutes=2)])
@@ -207,7 +214,8 @@ def hold(store: Store, t0: datetime) -> None:
         for (t,) in conn.execute(BASE_TABLES)
         if conn.execute(f"SELECT count(*) FROM delaywheel.{t}").fetchone() == (0,)
     ]
-    after_the_baseline = {"group_retry_policies", "retired_unread"}  # made by later changes: none on the old line
+    # made by later changes (none on the old line), or left empty once a scenario step is over (a member leaves)
+    after_the_baseline = {"group_retry_policies", "retired_unread", "consumer_members", "dlq_redrives", "dlq_redriven"}
     assert empty == [] or set(empty) <= {"wheel_cursor", "far_key_summaries", *after_the_baseline}, empty
 
 
