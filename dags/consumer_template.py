@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import DAG, Param, task
 
-from delaywheel.airflow.forms import ISO_8601, form_moment
+from delaywheel.airflow.forms import form_moment, subscription_params
 from delaywheel.airflow.operators import consumer_schedule
 
 if TYPE_CHECKING:  # for the annotation only: Airflow parses this file every 30 s, and the store's code is not light
@@ -65,19 +65,7 @@ with DAG(
     params={
         "batch_size": Param(500, type="integer", minimum=1, description="Messages per pull."),
         "max_batches": Param(100, type="integer", minimum=1, description="Stop after this many batches."),
-        "tags": Param(
-            "*",
-            type="string",
-            minLength=1,
-            description="Only messages with one of these tags, 'TAG1 || TAG2' ('*': all); the group passes the rest.",
-        ),
-        "start": Param(
-            "earliest",
-            type="string",
-            pattern=f"^(earliest|latest)$|{ISO_8601}",
-            description="A group with no offset yet starts at: earliest (every message kept), latest (from now on)"
-            " or an ISO 8601 time (UTC if no offset).",
-        ),
+        **subscription_params(),
     },
 ):
 

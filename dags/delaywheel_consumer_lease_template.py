@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING
 
 from airflow.sdk import DAG, Param, get_current_context, task
 
-from delaywheel.airflow.forms import ISO_8601
+from delaywheel.airflow.forms import subscription_params
 from delaywheel.airflow.operators import ConsumeOperator
 
 if TYPE_CHECKING:  # for the annotation only: Airflow parses this file every 30 s, and the store's code is not light
@@ -104,19 +104,7 @@ with DAG(
             description="Past its lease, keep the group up to this long until the next run's consumer is running.",
         ),
         "max_messages": Param(100, type="integer", minimum=1, description="Messages per batch (the prefetch bound)."),
-        "tags": Param(
-            "*",
-            type="string",
-            minLength=1,
-            description="Only messages with one of these tags, 'TAG1 || TAG2' ('*': all); the group passes the rest.",
-        ),
-        "start": Param(
-            "earliest",
-            type="string",
-            pattern=f"^(earliest|latest)$|{ISO_8601}",
-            description="A group with no offset yet starts at: earliest (every message kept), latest (from now on)"
-            " or an ISO 8601 time (UTC if no offset).",
-        ),
+        **subscription_params(),
         "members": Param(
             1,
             type="integer",

@@ -4,6 +4,9 @@ trigger the DAGs that change data. The jobs check everything again; these only s
 from __future__ import annotations
 
 from datetime import UTC, datetime
+from typing import Any
+
+from airflow.sdk import Param
 
 from delaywheel.produce.validation import MAX_GROUP_CHARS, TOPIC_PATTERN
 
@@ -30,3 +33,22 @@ def form_moment(value: datetime | str, words: tuple[str, ...], name: str) -> dat
         either = f"{', '.join(words)} or " if words else ""
         raise ValueError(f"{name} must be {either}an ISO 8601 time, not {text[:60]!r}") from None
     return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
+
+
+def subscription_params() -> dict[str, Any]:
+    """The consumer DAGs' `tags` and `start` fields: the group's tag filter and where a new group starts."""
+    return {
+        "tags": Param(
+            "*",
+            type="string",
+            minLength=1,
+            description="Only messages with one of these tags, 'TAG1 || TAG2' ('*': all); the group passes the rest.",
+        ),
+        "start": Param(
+            "earliest",
+            type="string",
+            pattern=f"^(earliest|latest)$|{ISO_8601}",
+            description="A group with no offset yet starts at: earliest (every message kept), latest (from now on)"
+            " or an ISO 8601 time (UTC if no offset).",
+        ),
+    }
