@@ -613,9 +613,9 @@ def _ack(
     """`ack`'s work inside the caller's transaction, after `_move`: `moved` are the (source, queue) pairs it moved."""
     acked: list[Delivered] = []
     sought = 0
-    for (topic, qid), (xid, offset, _, _, _, _) in _moves(batch).items():
-        if (topic, qid) not in batch.cursors:
-            continue  # a queue without messages here: moved by `_move` or already past
+    moves = _moves(batch)
+    for topic, qid in batch.cursors:  # (a queue held without messages here: moved by `_move` or already past)
+        xid, offset = moves[(topic, qid)][:2]
         mine = [
             (m, pos)
             for m, pos, q in zip(batch.messages, batch.positions, batch.qids, strict=True)
@@ -626,13 +626,11 @@ def _ack(
             continue
         # the group's offset in the queue, locked until commit: concurrent acks of the group take turns
         row = _lock_offset(conn, batch.group, topic, qid)
-        if row is None:  # the group's first ack of the source: every queue's offset row (a second round trip, once)
-            conn.execute(_FIRST_OFFSETS, (batch.group, topic))
-            row = _lock_offset(conn, batch.group, topic, qid)
-        if row is not None and row[2] != batch.seeks.get((topic, qid), 0):
+        assert row is not None  # `_move` made the queue's first offset row (its `added`)
+        if row[2] != batch.seeks.get((topic, qid), 0):
             sought += len(mine)  # a seek moved the offset since the batch was read: where it put it stands
             continue
-        before = (int(row[0]), row[1]) if row else (0, 0)
+        before = (int(row[0]), row[1])
         if before >= (int(xid), offset):
             continue  # acked this far already: nothing to commit, nothing to retry
         passed = [m for m, pos in mine if pos > before]
@@ -649,12 +647,6 @@ def _ack(
         reconsume_later(conn, settings, cache, batch.group, retry)
     already = len(batch.messages) - len(acked) - sought
     return AckResult(acked=len(acked), retried=len(retry), already_acked=already, sought=sought)
-
-
-_FIRST_OFFSETS = sql.SQL(
-    "INSERT INTO delaywheel.consumer_offsets (grp, topic, qid) SELECT %s, %s, q FROM generate_series(0, {}) q"
-    " ON CONFLICT DO NOTHING"
-).format(sql.Literal(QUEUES - 1))
 
 
 def _lock_offset(conn: psycopg.Connection, group: str, topic: str, qid: int) -> tuple[str, int, int] | None:
